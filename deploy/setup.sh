@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# One-command set-up: creates .venv (Python 3.12) and installs lorafleet with the
+# whole stack (torch, SGLang, Megatron-core, Megatron-Bridge, Ray, FastAPI, ...),
+# then builds the embedded tiny world into .cache/.
+#
+# Why not a plain `pip install -e .`:
+#   * megatron-bridge's wheel requires CUDA-only source packages (mamba-ssm,
+#     transformer-engine, ...) that cannot build here; it must go in with --no-deps.
+#   * the resolved set is pinned in deploy/requirements.lock (verified together),
+#     so a fresh machine gets exactly what the tests passed with.
+# Idempotent: a stamp records the hash of the inputs; a second run with the same
+# inputs only checks the venv imports and exits.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+VENV="$ROOT/.venv"
+LOCK="$ROOT/deploy/requirements.lock"
+STAMP="$VENV/.lorafleet-setup-stamp"
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
+
+log() { printf '[setup] %s\n' "$*"; }
+
+find_python312() {
+  # An explicit choice first, then PATH, then pyenv's install (its shim answers
+  # "command not found" when 3.12 is installed but not selected).
+  local c
+  for c in "${LORAFLEET_PYTHON:-}" python3.12; do
+    [ -n "$c" ] || continue
+    if "$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1; then
+      command -v "$c" || echo "$c"; return 0
+    fi
+  done
+  if command -v pyenv >/dev/null 2>&1; then
+    for c in "$(pyenv root)"/versions/3.12*/bin/python3.12; do
+      [ -x "$c" ] && { echo "$c"; return 0; }
+    done
+  fi
+  return 1
+}
+
+PY=$(find_python312) || {
+  echo "[setup] error: no Python 3.12 found. Set LORAFLEET_PYTHON=/path/to/python3.12, put python3.12 on PATH, or 'pyenv install 3.12'." >&2
+  exit 1
+}
+log "python: $PY ($("$PY" --version 2>&1))"
+
+inputs_hash=$(cat "$0" "$LOCK" pyproject.toml | sha256sum | cut -d' ' -f1)
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$inputs_hash" ]; then
+  log "venv up to date ($VENV); nothing to install"
+else
+  [ -x "$VENV/bin/python" ] || { log "creating $VENV"; "$PY" -m venv "$VENV"; }
+  log "installing pinned stack from deploy/requirements.lock (first run: several minutes, ~11 GB)"
+  # --no-deps: the lock is the complete, verified set; pip's resolver would
+  # otherwise try to build megatron-bridge's CUDA-only requirements.
+  "$VENV/bin/python" -m pip install -q --no-deps -r "$LOCK"
+  "$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$ROOT" \
+    || "$VENV/bin/python" -m pip install -q --no-deps -e "$ROOT"
+  echo "$inputs_hash" > "$STAMP"
+fi
+
+log "checking imports"
+"$VENV/bin/python" -W ignore - <<'PY'
+import importlib
+for m in ("torch", "sglang", "megatron.core", "ray", "fastapi", "transformers", "peft", "trainer", "rollout", "service", "api"):
+    importlib.import_module(m)
+print("[setup] imports ok")
+PY
+log "building the embedded tiny world"
+"$VENV/bin/python" -m examples.tiny.build --quiet
+log "done: activate with 'source .venv/bin/activate' or use .venv/bin/lorafleet"

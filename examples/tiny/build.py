@@ -1,0 +1,214 @@
+"""Build the embedded tiny world, offline and deterministically.
+
+What it makes (under ``.cache/tiny/`` of the repo unless ``LORAFLEET_TINY_DIR``
+says otherwise):
+
+* ``model/``: a tiny Qwen3-style decoder in Hugging Face format (hidden 64,
+  4 layers, 4 heads / 2 kv heads, head_dim 16, vocab 400, tied embeddings,
+  about 270k parameters) with a byte-level BPE tokenizer trained here with
+  ``tokenizers``. The model is briefly pre-trained on a synthetic corpus of
+  "words" made of digits, vowels and consonants, so that it writes corpus-like
+  text and a LoRA can shift *which kind* of word it prefers.
+* ``data/``: prompt datasets (JSONL) for three adapters:
+    - ``digits.jsonl`` (RL): reward = share of the response's characters that are digits;
+    - ``vowels.jsonl`` (RL): reward = share of the response's characters that are vowels;
+    - ``echo_sft.jsonl`` (SFT): prompt/completion pairs, completion = the
+      prompt's words in reverse order.
+  The RL label is the target character set; the built-in reward
+  ``target_share`` (rollout/rewards.py) scores it.
+
+Everything is seeded and runs single-threaded, so two builds give the same
+bytes. A stamp file records the build version; ``ensure_tiny_world()`` builds
+only when it is missing or stale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+from pathlib import Path
+
+BUILD_VERSION = "tiny-v1"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+DIGITS = "0123456789"
+VOWELS = "aeiou"
+CONSONANTS = "bcdfghjklmnpqrstvwxyz"
+
+MODEL_CONFIG = dict(
+    vocab_size=400,
+    hidden_size=64,
+    intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    attention_bias=False,
+)
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def tiny_dir() -> Path:
+    return Path(os.environ.get("LORAFLEET_TINY_DIR", REPO_ROOT / ".cache" / "tiny"))
+
+
+def _word(rng: random.Random) -> str:
+    kind = rng.random()
+    n = rng.randint(1, 5)
+    if kind < 0.3:
+        return "".join(rng.choice(DIGITS) for _ in range(n))
+    if kind < 0.6:
+        return "".join(rng.choice(VOWELS) for _ in range(n))
+    if kind < 0.85:
+        return "".join(rng.choice(CONSONANTS) for _ in range(n))
+    return "".join(rng.choice(DIGITS + VOWELS + CONSONANTS) for _ in range(n))
+
+
+def _sentence(rng: random.Random, lo: int = 4, hi: int = 12) -> str:
+    return " ".join(_word(rng) for _ in range(rng.randint(lo, hi)))
+
+
+def build_tokenizer(corpus: list[str], out: Path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|user|>", "<|assistant|>", "<|system|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=MODEL_CONFIG["vocab_size"],
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer=trainer)
+    assert tok.get_vocab_size() <= MODEL_CONFIG["vocab_size"], tok.get_vocab_size()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+    return fast
+
+
+def build_model(tokenizer, corpus: list[str], out: Path, steps: int, quiet: bool) -> None:
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(
+        **MODEL_CONFIG,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+    )
+    model = Qwen3ForCausalLM(cfg)
+    # Pre-train briefly on the corpus (next-token prediction). Sequences are
+    # sentences joined by EOS, cut to fixed windows.
+    ids: list[int] = []
+    for s in corpus:
+        ids.extend(tokenizer.encode(s))
+        ids.append(tokenizer.eos_token_id)
+    data = torch.tensor(ids, dtype=torch.long)
+    seq, bsz = 64, 16
+    g = torch.Generator().manual_seed(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    model.train()
+    for step in range(steps):
+        starts = torch.randint(0, len(data) - seq - 1, (bsz,), generator=g)
+        x = torch.stack([data[s : s + seq] for s in starts])
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if not quiet and (step % 50 == 0 or step == steps - 1):
+            print(f"[tiny] pretrain step {step + 1}/{steps} loss {loss.item():.3f}", flush=True)
+    model.eval()
+    model.generation_config.do_sample = False
+    model.save_pretrained(out, safe_serialization=True)
+
+
+def build_datasets(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(1234)
+
+    def write(name: str, rows: list[dict]) -> None:
+        with open(out / name, "w") as f:
+            for r in rows:
+                f.write(json.dumps(r, sort_keys=True) + "\n")
+
+    write(
+        "digits.jsonl",
+        [{"prompt": _sentence(rng, 3, 8), "label": DIGITS, "metadata": {"task": "digits", "i": i}} for i in range(256)],
+    )
+    write(
+        "vowels.jsonl",
+        [{"prompt": _sentence(rng, 3, 8), "label": VOWELS, "metadata": {"task": "vowels", "i": i}} for i in range(256)],
+    )
+    sft = []
+    for i in range(256):
+        words = _sentence(rng, 2, 5).split()
+        sft.append({"prompt": " ".join(words), "completion": " " + " ".join(reversed(words)), "metadata": {"i": i}})
+    write("echo_sft.jsonl", sft)
+
+
+def build(out: Path | None = None, *, steps: int = 300, quiet: bool = False) -> Path:
+    import torch
+
+    out = out or tiny_dir()
+    torch.set_num_threads(1)  # determinism: one thread, fixed reduction order
+    rng = random.Random(0)
+    corpus = [_sentence(rng) for _ in range(4000)]
+    model_dir = out / "model"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(corpus, model_dir)
+    build_model(tok, corpus, model_dir, steps, quiet)
+    build_datasets(out / "data")
+    (out / "STAMP").write_text(BUILD_VERSION + "\n")
+    if not quiet:
+        n = sum(p.numel() for p in __import__("transformers").AutoModelForCausalLM.from_pretrained(model_dir).parameters())
+        print(f"[tiny] built {out} ({n} parameters)")
+    return out
+
+
+def ensure_tiny_world(out: Path | None = None) -> Path:
+    """Return the tiny world folder, building it first if missing or stale."""
+    out = out or tiny_dir()
+    stamp = out / "STAMP"
+    if not (stamp.exists() and stamp.read_text().strip() == BUILD_VERSION):
+        build(out, quiet=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=None, help="output folder (default .cache/tiny)")
+    ap.add_argument("--force", action="store_true", help="rebuild even when up to date")
+    ap.add_argument("--quiet", action="store_true")
+    a = ap.parse_args()
+    out = a.out or tiny_dir()
+    stamp = out / "STAMP"
+    if not a.force and stamp.exists() and stamp.read_text().strip() == BUILD_VERSION:
+        print(f"[tiny] up to date: {out}")
+        return
+    build(out, quiet=a.quiet)
+    print(f"[tiny] ready: {out}")
+
+
+if __name__ == "__main__":
+    main()
