@@ -1,0 +1,304 @@
+"""The one typed config tree of lorafleet.
+
+* `AdapterConfig`: a tenant's run config (the `config` of `POST /v1/adapters`
+  and of each entry of a job file's `adapters:` list), documented field by field;
+  the OpenAPI schema at /docs is generated from these descriptions.
+* `ServiceSettings`: the service's own settings, from the environment
+  (prefix `LORAFLEET_`), an optional YAML settings file, or explicit values.
+* `JobConfig`: the batch/service YAML job file; `load_job(path)` validates it
+  once, with errors that name the field.
+
+Only shape and value-range checks live here. Checks that need the filesystem
+or the service's limits (data file exists and has the keys, paths confined to
+the allowed roots, rank <= the trainer's max rank, reward importable) live in
+`service.config_checks.check_adapter_config`, which the controller calls at
+registration. All models forbid unknown fields, so a typo is an error naming
+the field rather than a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict
+
+from rollout.config import ADAPTER_NAME_PATTERN, DataConfig, EngineConfig, RewardConfig, RolloutConfig, SamplingConfig
+from service.placement import PlacementConfig
+
+AdapterName = Annotated[
+    str,
+    Field(
+        pattern=ADAPTER_NAME_PATTERN,
+        description="Adapter name: 1-64 characters, letters, digits, '.', '_' or '-', starting with a letter or digit.",
+        examples=["digits"],
+    ),
+]
+
+
+class _Strict(BaseModel):
+    # frozen: configs are values; a validated config cannot drift afterwards.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _rebase(path: str | None, info: ValidationInfo) -> str | None:
+    """Relative paths in a job file are relative to the job file's folder
+    (load_job passes it as validation context); elsewhere they stay as given."""
+    base = (info.context or {}).get("base_dir")
+    if path is None or base is None or Path(path).is_absolute():
+        return path
+    return str(Path(base) / path)
+
+
+class DataSpec(_Strict):
+    """Where an adapter's prompts (RL) or prompt/completion pairs (SFT) come from."""
+
+    path: str = Field(description="Data file on the service host (.jsonl, one JSON object per line, or .parquet), inside an allowed data root. Relative paths: against the first data root (REST) or the job file's folder (job file).")
+    input_key: str = Field("prompt", min_length=1, description="Key of the prompt text in each row.")
+    label_key: str | None = Field(None, description="Key of the label (RL: passed to the reward) or of the target completion (SFT). Default: 'label' for rl, 'completion' for sft.")
+    metadata_key: str | None = Field("metadata", description="Key of an optional per-row metadata object passed to the reward; null for none.")
+    apply_chat_template: bool = Field(True, description="Wrap the prompt as a user message with the base model tokenizer's chat template.")
+
+    _rebase_path = field_validator("path")(_rebase)
+
+    @field_validator("path")
+    @classmethod
+    def _known_suffix(cls, path: str) -> str:
+        if not (path.endswith(".jsonl") or path.endswith(".parquet")):
+            raise ValueError(f"data file {path!r} must end in .jsonl or .parquet")
+        return path
+
+
+class AdapterConfig(_Strict):
+    """A tenant's adapter run: what to train, on what, and for how long."""
+
+    rank: int = Field(8, ge=1, le=1024, description="LoRA rank r; must not exceed the service's max rank (GET /ready shows it).")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha; the update is scaled by alpha / rank.")
+    learning_rate: float = Field(1e-4, gt=0, le=1.0, description="Peak learning rate (Adam).")
+    lr_schedule: Literal["constant", "cosine"] = Field("constant", description="Learning-rate schedule after warm-up: constant, or cosine decay to min_lr_ratio * learning_rate at the last step.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps from 0 to learning_rate.")
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Cosine schedule only: final learning rate as a fraction of learning_rate.")
+    weight_decay: float = Field(0.0, ge=0.0, description="Decoupled weight decay (AdamW).")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Clip this adapter's gradient to this global norm; null = no clipping.")
+    objective: Literal["rl", "sft"] = Field("rl", description="rl: GRPO-style group rollouts scored by `reward`; sft: supervised prompt/completion pairs, no rollout.")
+    data: DataSpec = Field(description="The adapter's data source.")
+    reward: RewardConfig | None = Field(None, description="RL only (required there): the reward function, a builtin name or 'package.module:function' under an allowed import root.")
+    prompts_per_step: int = Field(4, ge=1, le=65536, description="Prompts (RL) or examples (SFT) per optimizer step of this adapter.")
+    num_step: int | None = Field(None, ge=1, description="Stop after this many optimizer steps. At most one of num_step and num_epoch; neither = one epoch.")
+    num_epoch: int | None = Field(None, ge=1, description="Stop after this many passes over the data.")
+    max_staleness: int = Field(1, ge=0, le=1000, description="RL: drop rollout groups generated by weights more than this many versions behind the adapter's newest.")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="RL: generation parameters, including n_samples_per_prompt (the group size for group-relative advantages; at least 2 for rl).")
+    init_from: str | None = Field(None, description="Start from this PEFT adapter folder (adapter_config.json + adapter_model.safetensors, same rank), inside an allowed data root or the state dir.")
+    resume_from: str | None = Field(None, description="Resume this run from a lorafleet checkpoint folder (weights, optimizer, step, scheduler, data cursor, RNG), inside an allowed data root or the state dir.")
+    checkpoint_interval: int = Field(10, ge=0, description="Save a checkpoint every this many steps; 0 = only at retirement.")
+    seed: int = Field(0, ge=0, le=2**63 - 1, description="Seed for the adapter's initial weights, data order and sampling.")
+
+    _rebase_paths = field_validator("init_from", "resume_from")(_rebase)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_label_key(cls, data: Any) -> Any:
+        # label_key's default depends on the objective; fill it here so the stored
+        # config is explicit about which key the run reads.
+        if isinstance(data, dict) and isinstance(data.get("data"), dict) and data["data"].get("label_key") is None:
+            objective = data.get("objective", "rl")
+            data = {**data, "data": {**data["data"], "label_key": "completion" if objective == "sft" else "label"}}
+        return data
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AdapterConfig:
+        if self.num_step is not None and self.num_epoch is not None:
+            raise ValueError("set at most one of num_step and num_epoch (got both)")
+        if self.init_from is not None and self.resume_from is not None:
+            raise ValueError("set at most one of init_from and resume_from: a checkpoint already holds the weights")
+        if self.objective == "rl":
+            if self.reward is None:
+                raise ValueError("objective 'rl' needs a reward, e.g. {\"name\": \"target_share\"}")
+            if self.sampling.n_samples_per_prompt < 2:
+                raise ValueError("objective 'rl' needs sampling.n_samples_per_prompt >= 2: group-relative advantages of a group of one are always zero")
+        elif self.reward is not None:
+            raise ValueError("reward applies only to objective 'rl'; remove it for 'sft'")
+        return self
+
+    def data_config(self) -> DataConfig:
+        """The rollout side's view of this run's data: shuffle seeded by `seed`;
+        epochs bounded by num_epoch (neither budget set = one epoch; num_step = endless,
+        the loop stops at the step count)."""
+        epochs = self.num_epoch if self.num_epoch is not None else (None if self.num_step is not None else 1)
+        return DataConfig(**self.data.model_dump(), shuffle_seed=self.seed, num_epochs=epochs)
+
+
+class AdapterSpec(_Strict):
+    """One adapter run to register: its name and its config (REST body and job-file entry)."""
+
+    name: AdapterName
+    config: AdapterConfig
+
+
+def _split_list(value: Any) -> Any:
+    # Environment values: a JSON list, or entries separated by os.pathsep / commas.
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            return json.loads(text)
+        return [p for p in re.split(rf"[{re.escape(os.pathsep)},]", text) if p]
+    return value
+
+
+def is_loopback_host(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class ServiceSettings(BaseSettings):
+    """Settings of the running service. Sources, highest first: explicit values,
+    environment (LORAFLEET_*), the settings file (LORAFLEET_SETTINGS_FILE), defaults."""
+
+    model_config = SettingsConfigDict(env_prefix="LORAFLEET_", extra="forbid", frozen=True)
+
+    api_token: SecretStr | None = Field(None, description="Bearer token clients must send; required when host is not a loopback address.")
+    host: str = Field("127.0.0.1", description="Address the REST API binds to.")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port of the REST API (0 = any free port).")
+    state_dir: Path = Field(Path("runs/service"), description="Folder for the registry database, checkpoints and exports.")
+    data_roots: Annotated[list[Path], NoDecode] = Field(default_factory=lambda: [Path.cwd()], description="Folders that adapter data, init_from and resume_from must lie in (state_dir is also allowed for init_from/resume_from).")
+    reward_import_roots: Annotated[list[str], NoDecode] = Field(default_factory=list, description="Python package prefixes custom reward functions may be imported from (e.g. 'myorg.rewards'); builtin rewards are always allowed.")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body the API accepts (bytes); larger ones get 413.")
+    controller_timeout_s: float = Field(30.0, gt=0, description="Timeout of one API -> controller call (seconds).")
+    settings_file: Path | None = Field(None, description="YAML file with any of these settings (lower priority than the environment).")
+
+    _split = field_validator("data_roots", "reward_import_roots", mode="before")(lambda cls, v: _split_list(v))
+
+    @model_validator(mode="after")
+    def _token_off_loopback(self) -> ServiceSettings:
+        if not is_loopback_host(self.host) and (self.api_token is None or not self.api_token.get_secret_value()):
+            raise ValueError(
+                f"host {self.host!r} is not a loopback address, so an API token is required: "
+                "set LORAFLEET_API_TOKEN (or api_token in the settings file), or bind to 127.0.0.1"
+            )
+        return self
+
+    @property
+    def db_path(self) -> Path:
+        return self.state_dir / "registry.sqlite3"
+
+
+class ConfigError(ValueError):
+    """A job or settings file that does not validate; the message lists every bad field."""
+
+
+def format_validation_error(err: ValidationError, prefix: str = "") -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in (prefix, *e["loc"]) if p != "")
+        got = "" if e["type"] in ("missing", "model_type") else f" (got {e.get('input')!r})"
+        lines.append(f"{loc or '<root>'}: {e['msg']}{got}")
+    return "\n".join(lines)
+
+
+def load_settings(settings_file: Path | None = None, *, base: dict[str, Any] | None = None, **explicit: Any) -> ServiceSettings:
+    """Settings with the documented precedence: explicit > environment > file > base > defaults.
+
+    The file is `settings_file`, else $LORAFLEET_SETTINGS_FILE, else none; `base`
+    is a job file's `service:` section."""
+    # Raw environment values (validated below, together with everything else).
+    env_values = EnvSettingsSource(ServiceSettings, env_prefix="LORAFLEET_")()
+    path = settings_file or explicit.get("settings_file") or env_values.get("settings_file")
+    file_values: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"cannot read settings file {path}: {e}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"settings file {path}: expected a mapping of setting names to values, got {type(loaded).__name__}")
+        file_values = loaded
+    # The final constructor call would read the environment again with lower
+    # priority than its arguments, so pass the environment explicitly.
+    try:
+        return ServiceSettings(**{**(base or {}), **file_values, **env_values, **explicit, "settings_file": path})
+    except ValidationError as e:
+        raise ConfigError(f"invalid service settings:\n{format_validation_error(e)}") from None
+
+
+# --- the job file --------------------------------------------------------------------------------
+
+
+class BaseModelSpec(_Strict):
+    """The frozen base model every adapter trains against."""
+
+    path: str = Field(description="Hugging Face model folder (config.json, weights, tokenizer).")
+
+    _rebase_path = field_validator("path")(_rebase)
+
+
+class SlotCapacity(_Strict):
+    """What the trainer holds resident; the controller enforces it at registration.
+    (To be replaced by trainer.config.TrainerConfig's fields once that exists.)"""
+
+    num_slots: int = Field(4, ge=1, le=1024, description="Adapter slots resident on the trainer (= most live adapter runs).")
+    max_rank: int = Field(16, ge=1, le=1024, description="Largest LoRA rank a slot holds.")
+
+
+class JobConfig(_Strict):
+    """A lorafleet job file: base model, placement, trainer, engines, rollout, service and the adapters to run."""
+
+    base_model: BaseModelSpec
+    placement: PlacementConfig = Field(default_factory=PlacementConfig, description="Which devices engines and trainer get.")
+    slots: SlotCapacity = Field(default_factory=SlotCapacity, description="Resident adapter slots and their max rank.")
+    trainer: dict[str, Any] = Field(default_factory=dict, description="Trainer settings (trainer.config.TrainerConfig).")
+    engines: EngineConfig = Field(default_factory=EngineConfig, description="SGLang rollout engines.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Bounds of the rollout worker.")
+    service: dict[str, Any] = Field(default_factory=dict, description="ServiceSettings values; the environment overrides them.")
+    adapters: list[AdapterSpec] = Field(default_factory=list, description="Adapter runs registered at start.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> JobConfig:
+        names = [a.name for a in self.adapters]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"adapter names must be unique; repeated: {', '.join(dupes)}")
+        if len(self.adapters) > self.slots.num_slots:
+            raise ValueError(f"{len(self.adapters)} adapters but only {self.slots.num_slots} slots (slots.num_slots)")
+        if self.engines.max_lora_rank < self.slots.max_rank:
+            raise ValueError(
+                f"engines.max_lora_rank ({self.engines.max_lora_rank}) must be >= slots.max_rank ({self.slots.max_rank}): "
+                "the engines could not load an adapter of the largest rank the trainer accepts"
+            )
+        too_big = [f"{a.name} (rank {a.config.rank})" for a in self.adapters if a.config.rank > self.slots.max_rank]
+        if too_big:
+            raise ValueError(f"adapter rank above slots.max_rank {self.slots.max_rank}: {', '.join(too_big)}")
+        return self
+
+    def service_settings(self, **explicit: Any) -> ServiceSettings:
+        """The job's service section under the usual precedence (explicit > env > this section)."""
+        return load_settings(base=self.service, **explicit)
+
+
+def load_job(path: str | Path) -> JobConfig:
+    """Read and validate a job file once. Relative paths in it are relative to its folder."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read job file {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"job file {path} is not valid YAML: {e}") from None
+    try:
+        job = JobConfig.model_validate(raw, context={"base_dir": str(path.resolve().parent)})
+    except ValidationError as e:
+        raise ConfigError(f"job file {path} is invalid:\n{format_validation_error(e)}") from None
+    try:
+        job.service_settings()  # validated now, with the environment it will run under
+    except ConfigError as e:
+        raise ConfigError(f"job file {path}: service section: {e}") from None
+    return job

@@ -1,0 +1,58 @@
+"""Typed errors of the control plane.
+
+Every error a tenant can cause is one of these; the API maps each class to one
+HTTP status (api/app.py), so the mapping lives in exactly one place. Messages
+say what was wrong and what is allowed. `field` names the offending config
+field (dotted, e.g. "config.data.path") when there is one.
+
+The classes pickle with all their attributes (Ray ships actor exceptions to
+the caller by pickling; the default Exception pickling would drop keyword
+attributes).
+"""
+
+from __future__ import annotations
+
+
+class LorafleetError(Exception):
+    """Base of the tenant-facing errors. `code` is a stable machine-readable tag."""
+
+    code = "error"
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+
+    def __reduce__(self):
+        return (_rebuild, (type(self), self.message, self.field))
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _rebuild(cls: type[LorafleetError], message: str, field: str | None) -> LorafleetError:
+    return cls(message, field=field)
+
+
+class BadValue(LorafleetError):
+    """A value that is well-formed but cannot work (missing data file, rank above max, path escape)."""
+
+    code = "bad_value"
+
+
+class NotFound(LorafleetError):
+    """No adapter run of that name."""
+
+    code = "not_found"
+
+
+class Conflict(LorafleetError):
+    """The request clashes with the current state (name in use, still retiring, already retiring)."""
+
+    code = "conflict"
+
+
+class NoFreeSlot(Conflict):
+    """Every trainer slot is held by a live adapter run."""
+
+    code = "no_free_slot"

@@ -1,0 +1,470 @@
+"""The adapter registry: the single source of truth of the service, in SQLite.
+
+Modeled on sglang's `lora_registry.py`: callers get immutable refs
+(`AdapterRef`, frozen) and change the registry only through its methods, which
+check the invariants below inside one transaction, so a refused call changes
+nothing. Restart = open the same file: every run, slot, version, step and
+metric is there.
+
+Terms
+  * run: one registration of an adapter name; `registration_id` (uuid4 hex)
+    names it for good. A name can have many runs over time (re-registered after
+    COMPLETED/FAILED), at most one of them live.
+  * live: state in PENDING, ACTIVE, RETIRING, CLEANUP. terminal: COMPLETED, FAILED.
+
+Invariants (enforced here, partly by SQLite unique indexes as a second line):
+  I1 at most one live run per name;
+  I2 a live run holds exactly one slot in [0, num_slots); a terminal run holds none;
+     no two live runs hold the same slot;
+  I3 versions come from one global counter that only grows and survives restart:
+     every `slot_version` (given at registration) and every number handed out by
+     `next_version()` (weight publishes) is unique forever, so "<name>@v<k>"
+     never names two different weights and a slot's new tenant is never
+     confused with the old one;
+  I4 state changes follow LEGAL_TRANSITIONS only; terminal states are final;
+  I5 step only grows; samples_trained is the sum of committed steps' samples;
+     progress is committed only for live ACTIVE/RETIRING runs with the caller's
+     registration id (a late report about an old tenant is refused, not applied
+     to the new one);
+  I6 one writer: the file is locked (flock) by the process that opened it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import sqlite3
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from service.config import AdapterConfig
+from service.errors import Conflict, NoFreeSlot, NotFound
+
+
+class AdapterState(StrEnum):
+    PENDING = "PENDING"  # registered, slot reserved, trainer slot not yet initialized
+    ACTIVE = "ACTIVE"  # slot initialized, weights published, training
+    RETIRING = "RETIRING"  # retire requested: stop rollout, abort requests, final checkpoint + export
+    CLEANUP = "CLEANUP"  # export done; clearing the trainer slot and engine versions
+    COMPLETED = "COMPLETED"  # done; slot released
+    FAILED = "FAILED"  # failed with a reason; slot released
+
+
+LIVE_STATES = frozenset({AdapterState.PENDING, AdapterState.ACTIVE, AdapterState.RETIRING, AdapterState.CLEANUP})
+TERMINAL_STATES = frozenset({AdapterState.COMPLETED, AdapterState.FAILED})
+LEGAL_TRANSITIONS: dict[AdapterState, frozenset[AdapterState]] = {
+    AdapterState.PENDING: frozenset({AdapterState.ACTIVE, AdapterState.RETIRING, AdapterState.FAILED}),
+    AdapterState.ACTIVE: frozenset({AdapterState.RETIRING, AdapterState.FAILED}),
+    AdapterState.RETIRING: frozenset({AdapterState.CLEANUP, AdapterState.FAILED}),
+    AdapterState.CLEANUP: frozenset({AdapterState.COMPLETED, AdapterState.FAILED}),
+    AdapterState.COMPLETED: frozenset(),
+    AdapterState.FAILED: frozenset(),
+}
+# Progress (steps, publishes, checkpoints) may still arrive while retiring: the
+# train call in flight when the tenant asked to retire did consume its samples.
+PROGRESS_STATES = frozenset({AdapterState.ACTIVE, AdapterState.RETIRING})
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """An immutable snapshot of one run. `last_metrics` is a fresh dict per ref."""
+
+    name: str
+    registration_id: str
+    state: AdapterState
+    slot: int | None
+    slot_version: int
+    config: AdapterConfig
+    total_steps: int | None
+    step: int
+    samples_trained: int
+    weight_version: int | None
+    last_metrics: dict[str, float]
+    failure_reason: str | None
+    export_path: str | None
+    checkpoint_path: str | None
+    checkpoint_step: int | None
+    created_at: float
+    updated_at: float
+    activated_at: float | None  # first time its trainer slot was initialized; None = never trained
+    finished_at: float | None
+
+    @property
+    def live(self) -> bool:
+        return self.state in LIVE_STATES
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    step: int
+    samples: int
+    weight_version: int | None
+    metrics: dict[str, float]
+    recorded_at: float
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
+INSERT OR IGNORE INTO counters VALUES ('version', 0);
+CREATE TABLE IF NOT EXISTS runs (
+    run_id INTEGER PRIMARY KEY AUTOINCREMENT,
+    name TEXT NOT NULL,
+    registration_id TEXT NOT NULL UNIQUE,
+    state TEXT NOT NULL,
+    slot INTEGER,
+    slot_version INTEGER NOT NULL UNIQUE,
+    config_json TEXT NOT NULL,
+    total_steps INTEGER,
+    step INTEGER NOT NULL DEFAULT 0,
+    samples_trained INTEGER NOT NULL DEFAULT 0,
+    weight_version INTEGER,
+    last_metrics_json TEXT NOT NULL DEFAULT '{}',
+    failure_reason TEXT,
+    export_path TEXT,
+    checkpoint_path TEXT,
+    checkpoint_step INTEGER,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL,
+    activated_at REAL,
+    finished_at REAL
+);
+-- I1 and I2 as indexes: a bug that slips past the checks fails the commit instead of corrupting.
+CREATE UNIQUE INDEX IF NOT EXISTS one_live_run_per_name ON runs(name)
+    WHERE state IN ('PENDING', 'ACTIVE', 'RETIRING', 'CLEANUP');
+CREATE UNIQUE INDEX IF NOT EXISTS one_run_per_slot ON runs(slot) WHERE slot IS NOT NULL;
+CREATE INDEX IF NOT EXISTS runs_by_name ON runs(name, run_id);
+CREATE TABLE IF NOT EXISTS steps (
+    registration_id TEXT NOT NULL REFERENCES runs(registration_id),
+    step INTEGER NOT NULL,
+    samples INTEGER NOT NULL,
+    weight_version INTEGER,
+    metrics_json TEXT NOT NULL,
+    recorded_at REAL NOT NULL,
+    PRIMARY KEY (registration_id, step)
+);
+"""
+
+
+class Registry:
+    """SQLite-backed registry. Thread-safe (one lock around one connection)."""
+
+    def __init__(self, db_path: str | Path, num_slots: int) -> None:
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        self.db_path = Path(db_path)
+        self.num_slots = num_slots
+        self.db_path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock_file = open(self.db_path.with_name(self.db_path.name + ".lock"), "a+")
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock_file.close()
+            raise RuntimeError(
+                f"registry {self.db_path} is already open in another process; one controller owns it at a time"
+            ) from None
+        self._lock = threading.Lock()
+        # isolation_level=None: we issue BEGIN IMMEDIATE ourselves, so each method is one transaction.
+        self._db = sqlite3.connect(self.db_path, isolation_level=None, check_same_thread=False, timeout=10.0)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute("PRAGMA foreign_keys=ON")
+        self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+            self._lock_file.close()
+
+    # --- transactions -----------------------------------------------------------------------
+
+    def _tx(self):
+        return _Transaction(self._db, self._lock)
+
+    def _bump_version(self) -> int:
+        self._db.execute("UPDATE counters SET value = value + 1 WHERE name = 'version'")
+        return self._db.execute("SELECT value FROM counters WHERE name = 'version'").fetchone()[0]
+
+    def _latest_row(self, name: str) -> sqlite3.Row:
+        # The newest run of a name is its live run when it has one (I1: a new run
+        # can only be registered when no live run exists).
+        row = self._db.execute("SELECT * FROM runs WHERE name = ? ORDER BY run_id DESC LIMIT 1", (name,)).fetchone()
+        if row is None:
+            raise NotFound(f"no adapter named {name!r}; list adapters with GET /v1/adapters")
+        return row
+
+    def _run_row(self, registration_id: str) -> sqlite3.Row:
+        row = self._db.execute("SELECT * FROM runs WHERE registration_id = ?", (registration_id,)).fetchone()
+        if row is None:
+            raise NotFound(f"no adapter run with registration id {registration_id!r}")
+        return row
+
+    # --- tenant operations ------------------------------------------------------------------
+
+    def register(self, name: str, config: AdapterConfig, *, total_steps: int | None) -> AdapterRef:
+        """New PENDING run holding the lowest free slot and a fresh version.
+
+        Conflict when the name has a live run (a retiring one gets a retry hint);
+        NoFreeSlot when every slot is held. A COMPLETED/FAILED name registers again."""
+        now = time.time()
+        with self._tx():
+            live = self._db.execute(
+                "SELECT state FROM runs WHERE name = ? AND state IN ('PENDING','ACTIVE','RETIRING','CLEANUP')", (name,)
+            ).fetchone()
+            if live is not None:
+                state = live["state"]
+                if state in (AdapterState.RETIRING, AdapterState.CLEANUP):
+                    raise Conflict(
+                        f"adapter {name!r} is still retiring (state {state}); retry the registration once it is "
+                        f"COMPLETED (poll GET /v1/adapters/{name})"
+                    )
+                raise Conflict(
+                    f"adapter name {name!r} is in use by a live run (state {state}); pick another name, "
+                    f"or retire it first (DELETE /v1/adapters/{name}) and register again once it is COMPLETED"
+                )
+            held = {r["slot"]: r["name"] for r in self._db.execute("SELECT slot, name FROM runs WHERE slot IS NOT NULL")}
+            free = [s for s in range(self.num_slots) if s not in held]
+            if not free:
+                holders = ", ".join(f"{held[s]} (slot {s})" for s in sorted(held))
+                raise NoFreeSlot(
+                    f"no free slot: all {self.num_slots} slots are held by live adapters: {holders}; "
+                    "retry after one of them is retired (DELETE /v1/adapters/<name>) and COMPLETED"
+                )
+            registration_id = uuid.uuid4().hex
+            self._db.execute(
+                "INSERT INTO runs (name, registration_id, state, slot, slot_version, config_json, total_steps,"
+                " created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (name, registration_id, AdapterState.PENDING, free[0], self._bump_version(),
+                 config.model_dump_json(), total_steps, now, now),
+            )
+            return _ref(self._run_row(registration_id))
+
+    def get(self, name: str) -> AdapterRef:
+        """The newest run of `name` (its live run if it has one)."""
+        with self._lock:
+            return _ref(self._latest_row(name))
+
+    def get_run(self, registration_id: str) -> AdapterRef:
+        with self._lock:
+            return _ref(self._run_row(registration_id))
+
+    def list(self, state: AdapterState | None = None) -> list[AdapterRef]:
+        """The newest run of every name, oldest name first; optionally only those in `state`."""
+        sql = "SELECT * FROM runs r WHERE run_id = (SELECT MAX(run_id) FROM runs WHERE name = r.name)"
+        args: tuple = ()
+        if state is not None:
+            sql += " AND state = ?"
+            args = (AdapterState(state),)
+        with self._lock:
+            return [_ref(r) for r in self._db.execute(sql + " ORDER BY run_id", args)]
+
+    def live(self) -> list[AdapterRef]:
+        """Every live run, in registration order."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT * FROM runs WHERE state IN ('PENDING','ACTIVE','RETIRING','CLEANUP') ORDER BY run_id"
+            )
+            return [_ref(r) for r in rows]
+
+    def free_slots(self) -> list[int]:
+        with self._lock:
+            held = {r[0] for r in self._db.execute("SELECT slot FROM runs WHERE slot IS NOT NULL")}
+        return [s for s in range(self.num_slots) if s not in held]
+
+    def metrics(self, name: str) -> list[StepRecord]:
+        """The per-step series of the newest run of `name`, by step."""
+        with self._lock:
+            registration_id = self._latest_row(name)["registration_id"]
+            rows = self._db.execute(
+                "SELECT * FROM steps WHERE registration_id = ? ORDER BY step", (registration_id,)
+            ).fetchall()
+        return [
+            StepRecord(r["step"], r["samples"], r["weight_version"], json.loads(r["metrics_json"]), r["recorded_at"])
+            for r in rows
+        ]
+
+    # --- lifecycle --------------------------------------------------------------------------
+
+    def transition(
+        self,
+        registration_id: str,
+        to: AdapterState,
+        *,
+        expect: AdapterState | None = None,
+        reason: str | None = None,
+        export_path: str | None = None,
+        checkpoint_path: str | None = None,
+    ) -> AdapterRef:
+        """Move a run to `to` (I4). With `expect`, refuse (Conflict) unless the run is
+        in that state now: compare-and-set for callers that acted on an older ref.
+        Entering a terminal state releases the slot (I2)."""
+        to = AdapterState(to)
+        now = time.time()
+        with self._tx():
+            row = self._run_row(registration_id)
+            current = AdapterState(row["state"])
+            if expect is not None and current != expect:
+                raise Conflict(f"adapter {row['name']!r} is {current}, not {expect}; its state changed meanwhile")
+            if to not in LEGAL_TRANSITIONS[current]:
+                allowed = ", ".join(sorted(LEGAL_TRANSITIONS[current])) or "none (final state)"
+                raise Conflict(f"adapter {row['name']!r} cannot go from {current} to {to}; allowed from {current}: {allowed}")
+            if to == AdapterState.FAILED and not reason:
+                raise ValueError("a FAILED transition needs a reason")
+            sets = {"state": to, "updated_at": now}
+            if reason is not None:
+                sets["failure_reason"] = reason
+            if export_path is not None:
+                sets["export_path"] = export_path
+            if checkpoint_path is not None:
+                sets["checkpoint_path"] = checkpoint_path
+            if to == AdapterState.ACTIVE and row["activated_at"] is None:
+                sets["activated_at"] = now
+            if to in TERMINAL_STATES:
+                sets["slot"] = None
+                sets["finished_at"] = now
+            self._update(registration_id, sets)
+            return _ref(self._run_row(registration_id))
+
+    def mark_prepared(self, registration_id: str, *, weight_version: int, step: int = 0, samples_trained: int = 0) -> AdapterRef:
+        """Record that the run's trainer slot is initialized and `weight_version` is
+        published; a PENDING run becomes ACTIVE. A run retired meanwhile keeps its
+        state but is marked trained (so retirement exports it). `step` and
+        `samples_trained` come from a resumed checkpoint (0 for a fresh start)."""
+        now = time.time()
+        with self._tx():
+            row = self._run_row(registration_id)
+            state = AdapterState(row["state"])
+            if state in TERMINAL_STATES:
+                raise Conflict(f"adapter {row['name']!r} is {state}; a finished run cannot be prepared")
+            sets: dict[str, Any] = {"weight_version": weight_version, "updated_at": now}
+            if row["activated_at"] is None:
+                sets["activated_at"] = now
+            if step > row["step"]:
+                sets["step"] = step
+                sets["samples_trained"] = max(samples_trained, row["samples_trained"])
+            if state == AdapterState.PENDING:
+                sets["state"] = AdapterState.ACTIVE
+            self._update(registration_id, sets)
+            return _ref(self._run_row(registration_id))
+
+    # --- progress from the training loop ----------------------------------------------------
+
+    def record_step(
+        self,
+        registration_id: str,
+        *,
+        step: int,
+        samples: int,
+        metrics: dict[str, float],
+        weight_version: int | None = None,
+    ) -> AdapterRef:
+        """Commit one optimizer step of a run (I5): `samples` trained in it, its metrics."""
+        now = time.time()
+        with self._tx():
+            row = self._progress_row(registration_id)
+            if step <= row["step"]:
+                raise Conflict(f"adapter {row['name']!r}: step {step} is not after the committed step {row['step']}")
+            if samples < 0:
+                raise ValueError(f"samples must be >= 0, got {samples}")
+            clean = {k: float(v) for k, v in metrics.items()}
+            metrics_json = json.dumps(clean)
+            self._db.execute(
+                "INSERT INTO steps VALUES (?, ?, ?, ?, ?, ?)",
+                (registration_id, step, samples, weight_version, metrics_json, now),
+            )
+            sets: dict[str, Any] = {
+                "step": step,
+                "samples_trained": row["samples_trained"] + samples,
+                "last_metrics_json": metrics_json,
+                "updated_at": now,
+            }
+            if weight_version is not None:
+                sets["weight_version"] = weight_version
+            self._update(registration_id, sets)
+            return _ref(self._run_row(registration_id))
+
+    def record_publish(self, registration_id: str, weight_version: int) -> AdapterRef:
+        """The engines now serve `weight_version` of this run."""
+        with self._tx():
+            self._progress_row(registration_id)
+            self._update(registration_id, {"weight_version": weight_version, "updated_at": time.time()})
+            return _ref(self._run_row(registration_id))
+
+    def record_checkpoint(self, registration_id: str, path: str, step: int) -> AdapterRef:
+        """A checkpoint of this run at `step` is complete on disk at `path`."""
+        with self._tx():
+            self._progress_row(registration_id)
+            self._update(registration_id, {"checkpoint_path": path, "checkpoint_step": step, "updated_at": time.time()})
+            return _ref(self._run_row(registration_id))
+
+    def next_version(self) -> int:
+        """A number never handed out before (I3), for naming a weight publish."""
+        with self._tx():
+            return self._bump_version()
+
+    # --- helpers ----------------------------------------------------------------------------
+
+    def _progress_row(self, registration_id: str) -> sqlite3.Row:
+        row = self._run_row(registration_id)
+        if row["state"] not in PROGRESS_STATES:
+            raise Conflict(
+                f"adapter {row['name']!r} (registration {registration_id}) is {row['state']}; "
+                "progress is recorded only for ACTIVE or RETIRING runs"
+            )
+        return row
+
+    def _update(self, registration_id: str, sets: dict[str, Any]) -> None:
+        cols = ", ".join(f"{k} = ?" for k in sets)
+        self._db.execute(f"UPDATE runs SET {cols} WHERE registration_id = ?", (*sets.values(), registration_id))
+
+
+class _Transaction:
+    """BEGIN IMMEDIATE ... COMMIT under the registry lock; ROLLBACK on any exception,
+    so a refused or failed call changes nothing."""
+
+    def __init__(self, db: sqlite3.Connection, lock: threading.Lock) -> None:
+        self._db, self._lock = db, lock
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        try:
+            self._db.execute("BEGIN IMMEDIATE")
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            self._db.execute("ROLLBACK" if exc_type else "COMMIT")
+        finally:
+            self._lock.release()
+
+
+def _ref(row: sqlite3.Row) -> AdapterRef:
+    return AdapterRef(
+        name=row["name"],
+        registration_id=row["registration_id"],
+        state=AdapterState(row["state"]),
+        slot=row["slot"],
+        slot_version=row["slot_version"],
+        config=AdapterConfig.model_validate_json(row["config_json"]),
+        total_steps=row["total_steps"],
+        step=row["step"],
+        samples_trained=row["samples_trained"],
+        weight_version=row["weight_version"],
+        last_metrics=json.loads(row["last_metrics_json"]),
+        failure_reason=row["failure_reason"],
+        export_path=row["export_path"],
+        checkpoint_path=row["checkpoint_path"],
+        checkpoint_step=row["checkpoint_step"],
+        created_at=row["created_at"],
+        updated_at=row["updated_at"],
+        activated_at=row["activated_at"],
+        finished_at=row["finished_at"],
+    )
+
