@@ -276,14 +276,14 @@ class Registry:
             held = {r[0] for r in self._db.execute("SELECT slot FROM runs WHERE slot IS NOT NULL")}
         return [s for s in range(self.num_slots) if s not in held]
 
-    def metrics(self, name: str) -> list[StepRecord]:
-        """The per-step series of the newest run of `name`, by step."""
+    def metrics(self, name: str) -> tuple[str, list[StepRecord]]:
+        """(registration id, per-step series by step) of the newest run of `name`."""
         with self._lock:
             registration_id = self._latest_row(name)["registration_id"]
             rows = self._db.execute(
                 "SELECT * FROM steps WHERE registration_id = ? ORDER BY step", (registration_id,)
             ).fetchall()
-        return [
+        return registration_id, [
             StepRecord(r["step"], r["samples"], r["weight_version"], json.loads(r["metrics_json"]), r["recorded_at"])
             for r in rows
         ]

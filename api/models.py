@@ -1,0 +1,160 @@
+"""Every wire message of the REST API (requests, responses, errors), in one module.
+
+The request body of `POST /v1/adapters` is `service.config.AdapterSpec` itself
+(name + AdapterConfig), so the REST schema and the job file's adapter entries
+are one model. Responses are built from the registry's immutable refs with the
+`from_*` constructors here, so routes stay thin.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from service.config import AdapterConfig, AdapterSpec
+from service.registry import AdapterRef, AdapterState, StepRecord
+
+AdapterCreate = AdapterSpec  # POST /v1/adapters body
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class AdapterOut(_Out):
+    """One adapter run (the newest run of its name)."""
+
+    name: str
+    registration_id: str = Field(description="uuid4 hex of this registration; a re-registered name gets a new one.")
+    state: AdapterState
+    slot: int | None = Field(description="Trainer slot held; null once COMPLETED or FAILED.")
+    slot_version: int = Field(description="Globally unique version given at registration; never repeats.")
+    weight_version: int | None = Field(description="Version of the weights the engines serve for it; null before the first publish.")
+    step: int = Field(description="Optimizer steps committed.")
+    total_steps: int | None = Field(description="Steps the run will take (num_step, or an estimate from num_epoch and the data size).")
+    samples_trained: int
+    last_reward: float | None = Field(description="reward_mean of the last step (RL).")
+    last_loss: float | None
+    last_metrics: dict[str, float]
+    failure_reason: str | None
+    export_path: str | None = Field(description="PEFT export folder, set when the run retires.")
+    checkpoint_path: str | None
+    checkpoint_step: int | None
+    created_at: float
+    updated_at: float
+    finished_at: float | None
+    config: AdapterConfig
+
+    @classmethod
+    def from_ref(cls, ref: AdapterRef) -> AdapterOut:
+        return cls(
+            name=ref.name,
+            registration_id=ref.registration_id,
+            state=ref.state,
+            slot=ref.slot,
+            slot_version=ref.slot_version,
+            weight_version=ref.weight_version,
+            step=ref.step,
+            total_steps=ref.total_steps,
+            samples_trained=ref.samples_trained,
+            last_reward=ref.last_metrics.get("reward_mean"),
+            last_loss=ref.last_metrics.get("loss"),
+            last_metrics=ref.last_metrics,
+            failure_reason=ref.failure_reason,
+            export_path=ref.export_path,
+            checkpoint_path=ref.checkpoint_path,
+            checkpoint_step=ref.checkpoint_step,
+            created_at=ref.created_at,
+            updated_at=ref.updated_at,
+            finished_at=ref.finished_at,
+            config=ref.config,
+        )
+
+
+class AdapterList(_Out):
+    adapters: list[AdapterOut]
+
+
+class StepOut(_Out):
+    step: int
+    samples: int
+    weight_version: int | None
+    reward_mean: float | None
+    loss: float | None
+    learning_rate: float | None
+    staleness_mean: float | None
+    metrics: dict[str, float] = Field(description="Every metric the trainer reported for the step.")
+    recorded_at: float
+
+    @classmethod
+    def from_record(cls, r: StepRecord) -> StepOut:
+        m = r.metrics
+        return cls(
+            step=r.step,
+            samples=r.samples,
+            weight_version=r.weight_version,
+            reward_mean=m.get("reward_mean"),
+            loss=m.get("loss"),
+            learning_rate=m.get("learning_rate"),
+            staleness_mean=m.get("staleness_mean"),
+            metrics=m,
+            recorded_at=r.recorded_at,
+        )
+
+
+class MetricsOut(_Out):
+    name: str
+    registration_id: str
+    steps: list[StepOut]
+
+
+class AbortOut(_Out):
+    name: str
+    aborted: int = Field(description="In-flight generation requests aborted.")
+
+
+class HealthOut(_Out):
+    status: str
+    uptime_s: float
+    adapters: dict[str, int] = Field(description="Adapters (newest run per name) by state.")
+
+
+class ComponentOut(_Out):
+    ok: bool
+    detail: str
+
+
+class SlotsOut(_Out):
+    total: int
+    free: int
+    max_rank: int
+
+
+class ReadyOut(_Out):
+    ready: bool
+    components: dict[str, ComponentOut]
+    slots: SlotsOut
+
+
+class ErrorOut(_Out):
+    """Body of every error response."""
+
+    error: str = Field(description="Machine-readable code: bad_value, unauthorized, not_found, conflict, no_free_slot, too_large, schema, unavailable, internal.")
+    detail: str = Field(description="What was wrong and what is allowed.")
+    field: str | None = Field(None, description="The offending field, when there is one.")
+    errors: list[dict[str, Any]] | None = Field(None, description="422 only: every schema error.")
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorOut, "description": text}
+    for code, text in {
+        400: "A value that cannot work (missing data file, rank above max, path outside the roots)",
+        401: "Missing or wrong bearer token",
+        404: "Unknown adapter",
+        409: "Name in use, still retiring, already retiring, or no free slot",
+        413: "Body larger than the service allows",
+        422: "Body does not match the schema",
+        503: "The controller did not answer in time",
+    }.items()
+}

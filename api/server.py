@@ -1,0 +1,63 @@
+"""Serve the app with uvicorn in a background thread: `ApiServer`.
+
+Used by `lorafleet serve` / batch mode (the API beside the training loop) and
+by the integration tests. Port 0 binds a free port; `url` reports the real one.
+`stop()` always returns within its timeout; use it as a context manager so the
+server stops even when the caller fails.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import uvicorn
+
+from service.config import is_loopback_host
+
+
+class ApiServer:
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, *, token_configured: bool = False, log_level: str = "warning") -> None:
+        if not is_loopback_host(host) and not token_configured:
+            raise ValueError(f"refusing to bind {host!r} without an API token (set LORAFLEET_API_TOKEN)")
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off", timeout_graceful_shutdown=5)
+        self._server = uvicorn.Server(config)
+        self._thread: threading.Thread | None = None
+        self.host = host
+
+    def start(self, timeout_s: float = 30.0) -> ApiServer:
+        self._thread = threading.Thread(target=self._server.run, name="lorafleet-api", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError("the API server exited during start-up (port in use?)")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"the API server did not start within {timeout_s} s")
+            time.sleep(0.02)
+        return self
+
+    @property
+    def port(self) -> int:
+        return self._server.servers[0].sockets[0].getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                self._server.force_exit = True
+                self._thread.join(2.0)
+
+    def __enter__(self) -> ApiServer:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()

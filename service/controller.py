@@ -1,0 +1,312 @@
+"""The controller: owns the registry, serves tenant operations, reconciles runs.
+
+Tenant operations (register, list, get, metrics, retire, abort) only read or
+change the registry; they never wait on the trainer or the engines (abort asks
+the runtime, nothing else). `reconcile()` moves runs along their lifecycle by
+calling the attached `Runtime` and committing each new state only after the
+side effect succeeded:
+
+    PENDING  --prepare_adapter-->  ACTIVE
+    RETIRING --finish_adapter-->   CLEANUP --release_adapter--> COMPLETED
+    any live --(runtime call raised)--> FAILED (reason = the error), others unaffected
+
+With no runtime attached, reconcile does nothing: runs stay where they are.
+The training loop reports progress through record_step / record_publish /
+record_checkpoint / fail and asks retire(name, registration_id) when a run's
+data or step budget is used up.
+
+A thin named Ray actor wrapper lives in service/controller_actor.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from service.config import AdapterConfig, ServiceSettings, SlotCapacity, format_validation_error
+from service.config_checks import PEFT_FILES, check_adapter_config
+from service.errors import BadValue, Conflict
+from service.registry import AdapterRef, AdapterState, Registry, StepRecord
+from service.runtime import Runtime, RuntimeStats
+from rollout.config import check_adapter_name
+
+log = logging.getLogger(__name__)
+
+MAX_REASON_CHARS = 2000
+
+
+@dataclass(frozen=True)
+class Change:
+    """One state change made by reconcile()."""
+
+    name: str
+    registration_id: str
+    from_state: AdapterState
+    to_state: AdapterState
+    reason: str | None = None
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    """What GET /metrics renders: the newest run of every name, slots, and the runtime's gauges."""
+
+    adapters: list[AdapterRef]
+    num_slots: int
+    free_slots: int
+    runtime: RuntimeStats | None
+
+
+@dataclass(frozen=True)
+class RunMetrics:
+    """The per-step series of one run (the newest run of its name)."""
+
+    name: str
+    registration_id: str
+    steps: list[StepRecord]
+
+
+class Controller:
+    def __init__(self, settings: ServiceSettings, capacity: SlotCapacity, runtime: Runtime | None = None) -> None:
+        self.settings = settings
+        self.capacity = capacity
+        settings.state_dir.mkdir(parents=True, exist_ok=True)
+        self.registry = Registry(settings.db_path, capacity.num_slots)
+        self._runtime = runtime
+        # Registration ids whose trainer slot the attached runtime holds in THIS
+        # process. After a restart it is empty, so live runs trained before are
+        # prepared again (from their last checkpoint) before anything else.
+        self._prepared: set[str] = set()
+        self._reconcile_lock = threading.Lock()  # one reconcile pass at a time
+        self._started_at = time.time()
+
+    def close(self) -> None:
+        self.registry.close()
+
+    # --- runtime ------------------------------------------------------------------------
+
+    def attach_runtime(self, runtime: Runtime) -> None:
+        """Attach (or replace) the runtime; a new runtime holds no slot yet."""
+        with self._reconcile_lock:
+            self._runtime = runtime
+            self._prepared.clear()
+
+    def detach_runtime(self) -> None:
+        with self._reconcile_lock:
+            self._runtime = None
+            self._prepared.clear()
+
+    # --- tenant operations --------------------------------------------------------------
+
+    def register(self, name: str, config: AdapterConfig | dict[str, Any]) -> AdapterRef:
+        """Validate (shape, filesystem, limits), reserve a slot, record a PENDING run."""
+        try:
+            check_adapter_name(name)
+        except ValueError as e:
+            raise BadValue(str(e), field="name") from None
+        if not isinstance(config, AdapterConfig):
+            try:
+                config = AdapterConfig.model_validate(config)
+            except ValidationError as e:
+                raise BadValue(f"invalid adapter config:\n{format_validation_error(e, 'config')}", field="config") from None
+        checked = check_adapter_config(config, self.settings, self.capacity)
+        ref = self.registry.register(name, checked.config, total_steps=checked.total_steps)
+        log.info("registered %s (registration %s, slot %s, version %s)", name, ref.registration_id, ref.slot, ref.slot_version)
+        return ref
+
+    def list(self, state: str | AdapterState | None = None) -> list[AdapterRef]:
+        return self.registry.list(_parse_state(state) if state is not None else None)
+
+    def get(self, name: str) -> AdapterRef:
+        return self.registry.get(name)
+
+    def metrics(self, name: str) -> RunMetrics:
+        registration_id, steps = self.registry.metrics(name)
+        return RunMetrics(name, registration_id, steps)
+
+    def retire(self, name: str, registration_id: str | None = None) -> AdapterRef:
+        """Ask a live run to retire (-> RETIRING); reconcile finishes it. With
+        `registration_id` (the loop's call on exhaustion), only that run is retired."""
+        ref = self.registry.get(name)
+        if registration_id is not None and ref.registration_id != registration_id:
+            raise Conflict(f"adapter {name!r}: registration {registration_id} is not its current run")
+        if ref.state in (AdapterState.RETIRING, AdapterState.CLEANUP):
+            raise Conflict(f"adapter {name!r} is already retiring (state {ref.state}); it ends COMPLETED with its export")
+        if not ref.live:
+            raise Conflict(f"adapter {name!r} already ended ({ref.state}); only PENDING or ACTIVE adapters can be retired")
+        new = self.registry.transition(ref.registration_id, AdapterState.RETIRING, expect=ref.state)
+        log.info("retiring %s (registration %s)", name, ref.registration_id)
+        return new
+
+    def abort(self, name: str) -> int:
+        """Abort the run's in-flight generation without retiring it; the number aborted."""
+        ref = self.registry.get(name)
+        if not ref.live:
+            raise Conflict(f"adapter {name!r} already ended ({ref.state}); abort applies to live adapters only")
+        runtime = self._runtime
+        if runtime is None or ref.registration_id not in self._prepared:
+            return 0  # nothing of it can be in flight
+        return int(runtime.abort(ref))
+
+    def health(self) -> dict[str, Any]:
+        counts = Counter(r.state.value for r in self.registry.list())
+        return {"status": "ok", "uptime_s": round(time.time() - self._started_at, 3), "adapters": dict(sorted(counts.items()))}
+
+    def ready(self) -> dict[str, Any]:
+        """Ready = a runtime is attached and every component it reports is ok."""
+        components: dict[str, dict[str, Any]] = {}
+        runtime = self._runtime
+        if runtime is None:
+            components["runtime"] = {"ok": False, "detail": "no runtime attached (trainer and engines not started)"}
+        else:
+            try:
+                for part, health in runtime.ready().items():
+                    components[part] = {"ok": bool(health.ok), "detail": health.detail}
+            except Exception as e:  # a broken runtime makes the service not ready, not the endpoint fail
+                components["runtime"] = {"ok": False, "detail": f"ready() raised {type(e).__name__}: {e}"}
+        free = len(self.registry.free_slots())
+        return {
+            "ready": bool(components) and all(c["ok"] for c in components.values()),
+            "components": components,
+            "slots": {"total": self.capacity.num_slots, "free": free, "max_rank": self.capacity.max_rank},
+        }
+
+    def snapshot(self) -> MetricsSnapshot:
+        stats = None
+        if self._runtime is not None:
+            try:
+                stats = self._runtime.stats()
+            except Exception:
+                log.exception("runtime.stats() failed")
+        return MetricsSnapshot(
+            adapters=self.registry.list(),
+            num_slots=self.capacity.num_slots,
+            free_slots=len(self.registry.free_slots()),
+            runtime=stats,
+        )
+
+    # --- progress from the training loop --------------------------------------------------
+
+    def live_runs(self) -> list[AdapterRef]:
+        return self.registry.live()
+
+    def record_step(self, registration_id: str, *, step: int, samples: int, metrics: dict[str, float], weight_version: int | None = None) -> AdapterRef:
+        return self.registry.record_step(registration_id, step=step, samples=samples, metrics=metrics, weight_version=weight_version)
+
+    def record_publish(self, registration_id: str, weight_version: int) -> AdapterRef:
+        return self.registry.record_publish(registration_id, weight_version)
+
+    def record_checkpoint(self, registration_id: str, path: str, step: int) -> AdapterRef:
+        return self.registry.record_checkpoint(registration_id, path, step)
+
+    def next_version(self) -> int:
+        return self.registry.next_version()
+
+    def fail(self, registration_id: str, reason: str) -> AdapterRef:
+        """Mark one run FAILED (the loop saw bad data, a reward crash loop, NaN...).
+        The next reconcile releases its slot in the runtime."""
+        ref = self.registry.transition(registration_id, AdapterState.FAILED, reason=reason[:MAX_REASON_CHARS])
+        log.warning("adapter %s FAILED: %s", ref.name, reason)
+        return ref
+
+    # --- reconciliation -----------------------------------------------------------------
+
+    def reconcile(self) -> list[Change]:
+        """One pass over the runs; returns the state changes it made. Releases
+        come before preparations, so a slot freed in this pass is clean before
+        its next tenant is prepared."""
+        with self._reconcile_lock:
+            runtime = self._runtime
+            if runtime is None:
+                return []
+            for registration_id in sorted(self._prepared):
+                ref = self.registry.get_run(registration_id)
+                if not ref.live:
+                    self._release_quietly(runtime, ref)
+            changes: list[Change] = []
+            for ref in self.registry.live():
+                changes.extend(self._advance(runtime, ref))
+            return changes
+
+    def _advance(self, runtime: Runtime, ref: AdapterRef) -> list[Change]:
+        changes: list[Change] = []
+        start = ref.state
+        stage = "reconcile"
+        try:
+            needs_prepare = ref.state == AdapterState.PENDING or (
+                ref.registration_id not in self._prepared
+                and ref.activated_at is not None
+                and ref.state in (AdapterState.ACTIVE, AdapterState.RETIRING)
+            )
+            if needs_prepare:
+                stage = "prepare_adapter"
+                prepared = runtime.prepare_adapter(ref)
+                self._prepared.add(ref.registration_id)
+                ref = self.registry.mark_prepared(
+                    ref.registration_id,
+                    weight_version=prepared.weight_version,
+                    step=prepared.step,
+                    samples_trained=prepared.samples_trained,
+                )
+                if ref.state != start:
+                    changes.append(Change(ref.name, ref.registration_id, start, ref.state))
+            if ref.state == AdapterState.RETIRING:
+                export_path = checkpoint_path = None
+                if ref.activated_at is not None:  # never trained: nothing to export
+                    stage = "finish_adapter"
+                    finished = runtime.finish_adapter(ref)
+                    _check_export(finished.export_path)
+                    export_path, checkpoint_path = finished.export_path, finished.checkpoint_path
+                ref = self.registry.transition(
+                    ref.registration_id, AdapterState.CLEANUP, expect=AdapterState.RETIRING,
+                    export_path=export_path, checkpoint_path=checkpoint_path,
+                )
+                changes.append(Change(ref.name, ref.registration_id, AdapterState.RETIRING, AdapterState.CLEANUP))
+            if ref.state == AdapterState.CLEANUP:
+                stage = "release_adapter"
+                runtime.release_adapter(ref)
+                self._prepared.discard(ref.registration_id)
+                ref = self.registry.transition(ref.registration_id, AdapterState.COMPLETED, expect=AdapterState.CLEANUP)
+                changes.append(Change(ref.name, ref.registration_id, AdapterState.CLEANUP, AdapterState.COMPLETED))
+        except Conflict as e:
+            # A tenant or the loop changed the run meanwhile (retired while it was being
+            # prepared, failed while retiring); the next pass acts on its new state.
+            log.info("reconcile %s: %s", ref.name, e)
+        except Exception as e:
+            reason = f"{stage} failed: {type(e).__name__}: {e}"[:MAX_REASON_CHARS]
+            log.exception("adapter %s: %s", ref.name, reason)
+            current = self.registry.get_run(ref.registration_id)
+            if current.live:
+                failed = self.registry.transition(ref.registration_id, AdapterState.FAILED, reason=reason)
+                changes.append(Change(ref.name, ref.registration_id, current.state, failed.state, reason))
+            self._release_quietly(runtime, current)
+        return changes
+
+    def _release_quietly(self, runtime: Runtime, ref: AdapterRef) -> None:
+        """Best-effort release of an ended run's slot in the runtime (its next
+        tenant's prepare_adapter overwrites the slot anyway)."""
+        try:
+            runtime.release_adapter(ref)
+        except Exception:
+            log.exception("release_adapter(%s) failed; the slot's next prepare_adapter overwrites it", ref.name)
+        self._prepared.discard(ref.registration_id)
+
+
+def _parse_state(state: str | AdapterState) -> AdapterState:
+    try:
+        return AdapterState(str(state).upper())
+    except ValueError:
+        raise BadValue(f"unknown state {state!r}; allowed: {', '.join(s.value for s in AdapterState)}", field="state") from None
+
+
+def _check_export(export_path: str) -> None:
+    folder = Path(export_path)
+    missing = [n for n in PEFT_FILES if not (folder / n).is_file()]
+    if missing:
+        raise RuntimeError(f"export folder {export_path} lacks {missing}: not a PEFT adapter")

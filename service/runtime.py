@@ -1,0 +1,110 @@
+"""What the controller needs from the training loop: the `Runtime` protocol.
+
+The controller (service/controller.py) owns the registry and decides WHAT
+happens to each adapter run; a Runtime does the side effects (trainer slot,
+engine weights, rollout, checkpoints). The controller commits a state change
+only after the matching Runtime call returned; when a call raises, the run
+becomes FAILED with the exception as its reason and the other runs go on.
+
+Every method receives the run's `AdapterRef` (frozen snapshot) and must act
+on that registration only: `ref.registration_id` and `ref.slot_version` tell a
+new tenant of a slot from the previous one. Methods are called from the
+controller's reconcile pass, one at a time (never concurrently with each other,
+except `abort`, `ready` and `stats`, which tenants trigger at any time).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from service.registry import AdapterRef
+
+
+# Keys the loop should use in record_step(metrics=...): the API shows them by
+# name (last reward / loss, the metrics series) and /metrics exports them.
+# Any other float-valued keys are stored and shown too.
+STEP_METRIC_KEYS = ("reward_mean", "loss", "learning_rate", "staleness_mean", "grad_norm")
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """Result of `prepare_adapter`: the version now served by the engines, and the
+    step / samples a resumed run continues from (0 for a fresh start)."""
+
+    weight_version: int
+    step: int = 0
+    samples_trained: int = 0
+
+
+@dataclass(frozen=True)
+class Finished:
+    """Result of `finish_adapter`: the final PEFT export folder (must hold
+    adapter_config.json and adapter_model.safetensors; the controller checks)
+    and the final checkpoint folder."""
+
+    export_path: str
+    checkpoint_path: str | None = None
+
+
+@dataclass(frozen=True)
+class ComponentHealth:
+    ok: bool
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class RuntimeStats:
+    """Gauges for GET /metrics; the runtime fills what it knows."""
+
+    queue_depth: dict[str, int] = field(default_factory=dict)  # adapter name -> groups buffered for training
+    engine_inflight: dict[str, int] = field(default_factory=dict)  # engine id -> requests in flight
+    train_step_seconds: float | None = None  # wall time of the last mixed train call
+
+
+@runtime_checkable
+class Runtime(Protocol):
+    def prepare_adapter(self, ref: AdapterRef) -> Prepared:
+        """Initialize slot `ref.slot` for this run and publish its first weights to
+        the engines; start generating for it. Source of the weights, first match:
+        `ref.checkpoint_path` (the run's own last checkpoint: restart recovery),
+        `ref.config.resume_from`, `ref.config.init_from` (PEFT folder), else fresh
+        (seeded by `ref.config.seed`). Must overwrite everything the slot held
+        before (weights, optimizer moments, scheduler, data cursor): the previous
+        tenant may not have been released cleanly. Called for PENDING runs, and
+        again after a controller restart for live runs trained before.
+        Weight versions for publishes: use `Controller.next_version()`."""
+        ...
+
+    def finish_adapter(self, ref: AdapterRef) -> Finished:
+        """Retirement, first half: stop generating for this run, abort its in-flight
+        requests, wait for (or drop) its in-flight train contribution, save its
+        final checkpoint and PEFT export. The slot still belongs to the run."""
+        ...
+
+    def release_adapter(self, ref: AdapterRef) -> None:
+        """Retirement, second half (and after a failure): clear the trainer slot and
+        unload this run's versions from the engines. Idempotent; a no-op for a
+        registration the runtime does not hold (e.g. never prepared here)."""
+        ...
+
+    def abort(self, ref: AdapterRef) -> int:
+        """Abort this run's in-flight generation requests (rid prefix "<name>::")
+        without retiring it; return how many were aborted."""
+        ...
+
+    def ready(self) -> dict[str, ComponentHealth]:
+        """Health of each component (e.g. "trainer", "engine-0", "rollout")."""
+        ...
+
+    def stats(self) -> RuntimeStats:
+        """Current gauges (cheap; called on every /metrics scrape)."""
+        ...
+
+
+def run_dir(state_dir: Path, ref: AdapterRef) -> Path:
+    """Convention for a run's files: <state_dir>/runs/<name>-<registration id>/
+    (checkpoints/ and export/ below it). Unique per registration, inside the
+    state dir, which is an allowed root for resume_from/init_from."""
+    return Path(state_dir) / "runs" / f"{ref.name}-{ref.registration_id}"
