@@ -43,7 +43,7 @@ def _cell(text: str) -> str:
 
 def type_of(schema: dict[str, Any]) -> str:
     """A reader's type name for one JSON Schema node; models link to their section."""
-    if "$ref" in schema:
+    if "$ref" in schema:  # "#/$defs/X" (pydantic) or "#/components/schemas/X" (OpenAPI)
         name = schema["$ref"].rsplit("/", 1)[-1]
         return f"[{name}](#{_anchor(name)})"
     if "anyOf" in schema or "oneOf" in schema:
@@ -203,9 +203,97 @@ def render_job_file() -> str:
     return "\n".join(lines) + "\n"
 
 
-# Page -> renderer. A page whose source does not exist yet is not listed (see render_all).
+def _docs_app(token: str | None):
+    """The real app, as `lorafleet serve` builds it, without a controller behind it
+    (rendering the OpenAPI document and probing auth never reach the controller)."""
+    from api.app import create_app
+    from service.config import ServiceSettings
+
+    return create_app(None, ServiceSettings(host="127.0.0.1", api_token=token, data_roots=["/"]))
+
+
+def auth_required(app: Any, method: str, path: str) -> bool:
+    """Ask the real app: does this route answer 401 without a token? (So the page
+    says what the code does, not what someone remembered.)"""
+    import re
+
+    from fastapi.testclient import TestClient
+
+    url = re.sub(r"\{[^}]+\}", "example", path)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        return client.request(method, url).status_code == 401
+
+
+def render_rest() -> str:
+    app = _docs_app("docs-probe-token")
+    spec = app.openapi()
+    schema = {"$defs": spec.get("components", {}).get("schemas", {})}
+    info = spec["info"]
+    ops = [(path, method.upper(), op) for path, item in spec["paths"].items() for method, op in item.items()]
+    auth = {(path, method): auth_required(app, method, path) for path, method, _ in ops}
+    lines = [
+        HEADER.format(source="the FastAPI app's OpenAPI document (api/app.py, api/models.py)", cmd=REGENERATE),
+        "",
+        "# REST API reference",
+        "",
+        f"{info['title']} {info['version']}: {info.get('summary', '')}",
+        "",
+        "The control plane listens on `LORAFLEET_HOST:LORAFLEET_PORT` (default `127.0.0.1:8000`).",
+        "Bodies are JSON. Routes marked *token* need `Authorization: Bearer <token>` whenever a",
+        "token is configured (`LORAFLEET_API_TOKEN`; mandatory when binding beyond loopback).",
+        "Every error body is an [ErrorOut](#errorout): what was wrong and what is allowed; a",
+        "refused request changes nothing. The live OpenAPI document is served at `/openapi.json`",
+        "and browsable at `/docs`.",
+        "",
+        "## Endpoints",
+        "",
+        "| method | path | summary | auth |",
+        "|---|---|---|---|",
+    ]
+    for path, method, op in ops:
+        link = _anchor(f"{method} {path}".replace("/", "").replace("{", "").replace("}", "").replace(" ", "-"))
+        lines.append(
+            f"| {method} | [`{path}`](#{link}) | {_cell(op.get('summary', ''))} | {'token' if auth[(path, method)] else 'open'} |"
+        )
+    for path, method, op in ops:
+        lines += ["", f"### {method} {path}", ""]
+        if op.get("summary"):
+            lines += [f"{op['summary']}.", ""]
+        if op.get("description"):
+            lines += [" ".join(op["description"].split()), ""]
+        lines += [f"Auth: {'bearer token' if auth[(path, method)] else 'none'}.", ""]
+        params = op.get("parameters", [])
+        if params:
+            lines += ["| parameter | in | type | required | description |", "|---|---|---|---|---|"]
+            for p in params:
+                desc = p.get("description", p.get("schema", {}).get("description", ""))
+                lines.append(
+                    f"| `{p['name']}` | {p['in']} | {_cell(type_of(p.get('schema', {})))} | "
+                    f"{'yes' if p.get('required') else 'no'} | {_cell(desc)} |"
+                )
+            lines.append("")
+        body = op.get("requestBody")
+        if body:
+            media = body.get("content", {})
+            for kind, content in media.items():
+                lines += [f"Request body ({kind}): {type_of(content.get('schema', {}))}.", ""]
+        lines += ["| status | meaning | body |", "|---|---|---|"]
+        for status, resp in sorted(op.get("responses", {}).items()):
+            content = resp.get("content", {})
+            body_type = ", ".join(
+                f"{type_of(c.get('schema', {}))} ({kind})" if kind != "application/json" else type_of(c.get("schema", {}))
+                for kind, c in content.items()
+            )
+            lines.append(f"| {status} | {_cell(resp.get('description', ''))} | {_cell(body_type) or 'none'} |")
+    lines += ["", "## Schemas"]
+    lines += models_section(schema, level="###")
+    return "\n".join(lines) + "\n"
+
+
+# Page -> renderer.
 PAGES: dict[str, Callable[[], str]] = {
     "reference/job-file.md": render_job_file,
+    "reference/rest.md": render_rest,
 }
 
 

@@ -51,3 +51,14 @@ def test_job_file_reference_documents_every_field():
     for name in ServiceSettings.model_fields:
         assert f"`LORAFLEET_{name.upper()}`" in text
     assert "## PlacementConfig" in text and "## AdapterConfig" in text
+
+
+def test_rest_reference_lists_every_route_with_its_auth():
+    text = (gen.DOCS / "reference" / "rest.md").read_text()
+    app = gen._docs_app("probe")
+    for path, item in app.openapi()["paths"].items():
+        for method in item:
+            assert f"### {method.upper()} {path}\n" in text
+    # Auth as the app enforces it (probed, not remembered): tenant routes closed, liveness open.
+    assert "| POST | [`/v1/adapters`](#post-v1adapters) | Register an adapter run (PENDING) | token |" in text
+    assert "| GET | [`/health`](#get-health) | Process alive | open |" in text
