@@ -1,0 +1,191 @@
+"""The config tree: AdapterConfig rules, ServiceSettings sources, job files, and the
+registration checks that need the filesystem (path confinement tables)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from service.config import AdapterConfig, ConfigError, SlotCapacity, load_job, load_settings
+from service.config_checks import check_adapter_config, confine_path
+from service.errors import BadValue
+
+pytestmark = pytest.mark.unit
+
+RL = {"data": {"path": "d.jsonl"}, "reward": {"name": "target_share"}}
+
+
+@pytest.mark.parametrize(
+    "over, error",
+    [
+        ({"num_step": 3, "num_epoch": 1}, "at most one of num_step and num_epoch"),
+        ({"reward": None}, "objective 'rl' needs a reward"),
+        ({"sampling": {"n_samples_per_prompt": 1}}, "n_samples_per_prompt >= 2"),
+        ({"objective": "sft"}, "reward applies only to objective 'rl'"),
+        ({"init_from": "a", "resume_from": "b"}, "at most one of init_from and resume_from"),
+        ({"rank": 0}, "rank\n  Input should be greater than or equal to 1"),
+        ({"lr_schedule": "linear"}, "lr_schedule\n  Input should be 'constant' or 'cosine'"),
+        ({"learning_rate": 1e-4, "lerning_rate": 1}, "lerning_rate\n  Extra inputs are not permitted"),
+        ({"data": {"path": "d.csv"}}, "must end in .jsonl or .parquet"),
+        ({"sampling": {"top_p": 0}}, "top_p\n  Input should be greater than 0"),
+    ],
+)
+def test_adapter_config_refusals_name_the_field(over, error):
+    with pytest.raises(ValidationError) as err:
+        AdapterConfig.model_validate({**RL, **over})
+    assert error in str(err.value)
+
+
+def test_adapter_config_defaults_and_label_key_per_objective():
+    rl = AdapterConfig.model_validate(RL)
+    assert (rl.rank, rl.alpha, rl.lr_schedule, rl.data.label_key, rl.checkpoint_interval) == (8, 16.0, "constant", "label", 10)
+    sft = AdapterConfig.model_validate({"objective": "sft", "data": {"path": "e.jsonl"}})
+    assert sft.data.label_key == "completion"
+    dc = AdapterConfig.model_validate({**RL, "seed": 7}).data_config()
+    assert (dc.shuffle_seed, dc.num_epochs, dc.label_key) == (7, 1, "label")
+    assert AdapterConfig.model_validate({**RL, "num_step": 5}).data_config().num_epochs is None
+    with pytest.raises(ValidationError):
+        rl.rank = 4  # frozen: a validated config cannot drift
+
+
+def test_settings_precedence_explicit_env_file(tmp_path, monkeypatch):
+    for key in list(os.environ):
+        if key.startswith("LORAFLEET_"):
+            monkeypatch.delenv(key)
+    f = tmp_path / "settings.yaml"
+    f.write_text("port: 7001\nmax_body_bytes: 4096\napi_token: from-file\n")
+    s = load_settings(f)
+    assert (s.port, s.max_body_bytes, s.api_token.get_secret_value(), s.host) == (7001, 4096, "from-file", "127.0.0.1")
+    monkeypatch.setenv("LORAFLEET_PORT", "7002")
+    monkeypatch.setenv("LORAFLEET_DATA_ROOTS", f"/srv/a{os.pathsep}/srv/b")
+    s = load_settings(f)
+    assert s.port == 7002 and s.data_roots == [Path("/srv/a"), Path("/srv/b")]
+    assert load_settings(f, port=7003).port == 7003
+    monkeypatch.setenv("LORAFLEET_SETTINGS_FILE", str(f))
+    assert load_settings().max_body_bytes == 4096
+
+
+def test_non_loopback_bind_needs_a_token(monkeypatch):
+    monkeypatch.delenv("LORAFLEET_API_TOKEN", raising=False)
+    with pytest.raises(ConfigError, match="host '0.0.0.0' is not a loopback address, so an API token is required"):
+        load_settings(host="0.0.0.0")
+    assert load_settings(host="0.0.0.0", api_token="t").host == "0.0.0.0"
+    assert load_settings(host="::1").host == "::1"
+
+
+def write_job(tmp_path, body: str) -> Path:
+    p = tmp_path / "job.yaml"
+    p.write_text(body)
+    return p
+
+
+JOB = """
+base_model: {path: model}
+slots: {num_slots: 2, max_rank: 8}
+adapters:
+  - name: digits
+    config: {data: {path: data/digits.jsonl}, reward: {name: target_share}, rank: %(rank)s}
+  - name: %(second)s
+    config: {objective: sft, data: {path: /abs/echo.jsonl}}
+"""
+
+
+def test_load_job_rebases_relative_paths(tmp_path):
+    job = load_job(write_job(tmp_path, JOB % {"rank": 8, "second": "echo"}))
+    assert job.base_model.path == str(tmp_path / "model")
+    assert job.adapters[0].config.data.path == str(tmp_path / "data" / "digits.jsonl")
+    assert job.adapters[1].config.data.path == "/abs/echo.jsonl"
+    assert job.service_settings().host == "127.0.0.1"
+
+
+@pytest.mark.parametrize(
+    "body, error",
+    [
+        (JOB % {"rank": 0, "second": "echo"}, "adapters.0.config.rank: Input should be greater than or equal to 1 (got 0)"),
+        (JOB % {"rank": 16, "second": "echo"}, "adapter rank above slots.max_rank 8: digits (rank 16)"),
+        (JOB % {"rank": 8, "second": "digits"}, "adapter names must be unique; repeated: digits"),
+        (JOB % {"rank": 8, "second": "'bad::name'"}, "adapters.1.name: String should match pattern"),
+        ("base_model: {path: m}\nengines: {max_lora_rank: 4}\n", "engines.max_lora_rank (4) must be >= slots.max_rank (16)"),
+        ("base_model: {path: m}\nservice: {host: 10.0.0.1}\n", "service section: invalid service settings"),
+        ("adapters: [\n", "is not valid YAML"),
+        ("{}", "base_model: Field required"),
+    ],
+)
+def test_load_job_errors_name_the_field(tmp_path, monkeypatch, body, error):
+    monkeypatch.delenv("LORAFLEET_API_TOKEN", raising=False)
+    with pytest.raises(ConfigError) as err:
+        load_job(write_job(tmp_path, body))
+    assert error in str(err.value)
+
+
+@pytest.fixture
+def roots(tmp_path):
+    root = tmp_path / "root"
+    outside = tmp_path / "outside"
+    (root / "sub").mkdir(parents=True)
+    outside.mkdir()
+    (root / "sub" / "ok.jsonl").write_text('{"prompt": "p", "label": "l"}\n')
+    (outside / "secret.jsonl").write_text('{"prompt": "p", "label": "l"}\n')
+    (root / "link_out.jsonl").symlink_to(outside / "secret.jsonl")
+    (root / "dir_out").symlink_to(outside)
+    (root / "link_in.jsonl").symlink_to(root / "sub" / "ok.jsonl")
+    return root, outside
+
+
+@pytest.mark.parametrize(
+    "raw, error",
+    [
+        ("sub/ok.jsonl", None),
+        ("{root}/sub/ok.jsonl", None),
+        ("link_in.jsonl", None),
+        ("sub/../sub/ok.jsonl", "'..' is not allowed in paths"),
+        ("{root}/../outside/secret.jsonl", "'..' is not allowed in paths"),
+        ("{outside}/secret.jsonl", "is outside the allowed roots"),
+        ("{outside}/missing.jsonl", "is outside the allowed roots"),  # no existence oracle outside
+        ("link_out.jsonl", "leads outside the allowed roots through a symlink"),
+        ("dir_out/secret.jsonl", "leads outside the allowed roots through a symlink"),
+        ("sub/missing.jsonl", "does not exist"),
+        ("sub", "is not a regular file"),
+    ],
+)
+def test_path_confinement(roots, raw, error):
+    root, outside = roots
+    raw = raw.format(root=root, outside=outside)
+    if error is None:
+        assert confine_path(raw, [root], "config.data.path", want="file") == (root / "sub" / "ok.jsonl").resolve()
+    else:
+        with pytest.raises(BadValue, match="config.data.path: .*" + error.replace("(", r"\(").replace(")", r"\)")):
+            confine_path(raw, [root], "config.data.path", want="file")
+
+
+def test_registration_checks(roots, tmp_path):
+    root, _ = roots
+    settings = load_settings(data_roots=[root], state_dir=tmp_path / "state", reward_import_roots=["json"])
+    cap = SlotCapacity(num_slots=2, max_rank=16)
+
+    def check(**over):
+        return check_adapter_config(AdapterConfig.model_validate({"data": {"path": "sub/ok.jsonl"}, "reward": {"name": "target_share"}, **over}), settings, cap)
+
+    assert check().total_steps == 1 and check().data_rows == 1
+    (root / "rows.jsonl").write_text('{"prompt": "p", "answer": "a"}\n')
+    refusals = [
+        ({"data": {"path": "rows.jsonl"}}, "line 1 of .* lacks key\\(s\\) \\['label'\\]"),
+        ({"data": {"path": "rows.jsonl", "label_key": "answer", "input_key": "question"}}, "lacks key\\(s\\) \\['question'\\]"),
+        ({"reward": {"name": "nosuch"}}, "unknown builtin reward 'nosuch'"),
+        ({"reward": {"name": "os.path:join"}}, "module 'os.path' is not under an allowed reward import root; allowed: \\['json'\\]"),
+        ({"reward": {"name": "json:nosuch"}}, "'json' has no callable 'nosuch'"),
+        ({"init_from": "sub"}, "not a PEFT adapter folder: missing \\['adapter_config.json', 'adapter_model.safetensors'\\]"),
+        ({"resume_from": "sub/ok.jsonl"}, "config.resume_from: 'sub/ok.jsonl' is not a folder"),
+    ]
+    for over, error in refusals:
+        with pytest.raises(BadValue, match=error):
+            check(**over)
+    assert check(reward={"name": "json:dumps"}).config.reward.name == "json:dumps"
+    (root / "sub" / "adapter_config.json").write_text('{"r": 4}')
+    (root / "sub" / "adapter_model.safetensors").write_bytes(b"")
+    with pytest.raises(BadValue, match="has rank 4 but config.rank is 8"):
+        check(init_from="sub")
+    assert check(init_from="sub", rank=4).config.init_from == str((root / "sub").resolve())

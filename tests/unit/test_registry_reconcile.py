@@ -1,0 +1,195 @@
+"""Controller + registry: registration checks and reconcile's state machine.
+
+The runtime here is a FAKE (`ScriptedRuntime`): it records calls and raises where
+a row tells it to. It stands in for the training loop's runtime only to cause
+the faults the controller must survive (a prepare that raises, an export that is
+not a PEFT folder); the real runtime is exercised by the service's end-to-end
+tests. Everything else (controller, registry, SQLite, checks) is real.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from service.config import SlotCapacity, load_settings
+from service.controller import Controller
+from service.errors import BadValue, Conflict, NoFreeSlot, NotFound
+from service.registry import AdapterState as S
+from service.runtime import ComponentHealth, Finished, Prepared, RuntimeStats, run_dir
+
+pytestmark = pytest.mark.unit
+
+
+class ScriptedRuntime:
+    """FAKE runtime (see module doc): `fail_on[(method, name)] = message` makes that call raise."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir
+        self.calls: list[tuple[str, str]] = []
+        self.fail_on: dict[tuple[str, str], str] = {}
+        self.bad_export: set[str] = set()
+        self.version = 100
+
+    def _call(self, method: str, ref) -> None:
+        self.calls.append((method, ref.name))
+        if (method, ref.name) in self.fail_on:
+            raise RuntimeError(self.fail_on[(method, ref.name)])
+
+    def prepare_adapter(self, ref):
+        self._call("prepare", ref)
+        self.version += 1
+        return Prepared(weight_version=self.version, step=ref.checkpoint_step or 0)
+
+    def finish_adapter(self, ref):
+        self._call("finish", ref)
+        export = run_dir(self.state_dir, ref) / "export"
+        export.mkdir(parents=True, exist_ok=True)
+        if ref.name not in self.bad_export:
+            (export / "adapter_config.json").write_text("{}")
+            (export / "adapter_model.safetensors").write_bytes(b"")
+        return Finished(export_path=str(export), checkpoint_path=str(run_dir(self.state_dir, ref) / "ckpt"))
+
+    def release_adapter(self, ref):
+        self._call("release", ref)
+
+    def abort(self, ref):
+        self._call("abort", ref)
+        return 3
+
+    def ready(self):
+        return {"trainer": ComponentHealth(True, "1 rank"), "engine-0": ComponentHealth(False, "starting")}
+
+    def stats(self):
+        return RuntimeStats(queue_depth={"a": 2})
+
+
+@pytest.fixture
+def world(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "rl.jsonl").write_text("".join(f'{{"prompt": "p{i}", "label": "0123"}}\n' for i in range(10)))
+    settings = load_settings(state_dir=tmp_path / "state", data_roots=[data])
+    controller = Controller(settings, SlotCapacity(num_slots=2, max_rank=16))
+    yield controller, data
+    controller.close()
+
+
+def cfg(data: Path, **over):
+    return {"data": {"path": str(data / "rl.jsonl")}, "reward": {"name": "target_share"}, **over}
+
+
+def test_register_checks_and_total_steps(world):
+    controller, data = world
+    ref = controller.register("a", cfg(data, num_epoch=2, prompts_per_step=3))
+    assert (ref.state, ref.slot, ref.total_steps) == (S.PENDING, 0, 7)  # ceil(10 * 2 / 3)
+    assert ref.config.data.path == str((data / "rl.jsonl").resolve())
+    with pytest.raises(BadValue, match="rank 32 is above the service's max rank 16; allowed: 1..16"):
+        controller.register("b", cfg(data, rank=32))
+    with pytest.raises(BadValue, match="adapter name 'a::b' is not allowed"):
+        controller.register("a::b", cfg(data))
+    with pytest.raises(BadValue, match=r"config.num_step: Input should be greater than or equal to 1"):
+        controller.register("b", cfg(data, num_step=0))
+    with pytest.raises(Conflict, match="in use by a live run"):
+        controller.register("a", cfg(data))
+    assert [r.name for r in controller.list()] == ["a"]  # refused calls changed nothing
+
+
+def test_no_runtime_reconcile_does_nothing(world):
+    controller, data = world
+    controller.register("a", cfg(data))
+    controller.retire("a")
+    assert controller.reconcile() == []
+    assert controller.get("a").state == S.RETIRING
+    assert controller.abort("a") == 0
+    ready = controller.ready()
+    assert ready["ready"] is False and "no runtime attached" in ready["components"]["runtime"]["detail"]
+
+
+def test_reconcile_lifecycle_and_slot_reuse(world, tmp_path):
+    controller, data = world
+    rt = ScriptedRuntime(tmp_path / "state")
+    controller.attach_runtime(rt)
+    a = controller.register("a", cfg(data))
+    b = controller.register("b", cfg(data))
+    changes = controller.reconcile()
+    assert [(c.name, c.from_state, c.to_state) for c in changes] == [("a", S.PENDING, S.ACTIVE), ("b", S.PENDING, S.ACTIVE)]
+    assert controller.get("a").weight_version == 101
+    assert controller.abort("a") == 3
+    with pytest.raises(NoFreeSlot):
+        controller.register("c", cfg(data))
+    controller.record_step(a.registration_id, step=1, samples=16, metrics={"loss": 0.5, "reward_mean": 0.2})
+    controller.retire("a")
+    with pytest.raises(Conflict, match="already retiring"):
+        controller.retire("a")
+    changes = controller.reconcile()
+    assert [(c.name, c.to_state) for c in changes] == [("a", S.CLEANUP), ("a", S.COMPLETED)]
+    done = controller.get("a")
+    assert done.slot is None and done.step == 1 and Path(done.export_path, "adapter_config.json").is_file()
+    c = controller.register("c", cfg(data))  # a's slot, a new version
+    assert c.slot == a.slot and c.slot_version > b.slot_version
+    controller.reconcile()
+    assert rt.calls == [("prepare", "a"), ("prepare", "b"), ("abort", "a"), ("finish", "a"), ("release", "a"), ("prepare", "c")]
+    with pytest.raises(Conflict, match="already ended"):
+        controller.retire("a")
+    with pytest.raises(NotFound):
+        controller.abort("zz")
+
+
+def test_one_adapter_failing_leaves_the_others(world, tmp_path):
+    controller, data = world
+    rt = ScriptedRuntime(tmp_path / "state")
+    rt.fail_on[("prepare", "a")] = "init_from weights have the wrong shape"
+    rt.bad_export.add("b")
+    controller.attach_runtime(rt)
+    controller.register("a", cfg(data))
+    controller.register("b", cfg(data))
+    controller.reconcile()
+    a = controller.get("a")
+    assert a.state == S.FAILED and a.slot is None
+    assert a.failure_reason == "prepare_adapter failed: RuntimeError: init_from weights have the wrong shape"
+    assert controller.get("b").state == S.ACTIVE
+    controller.retire("b")
+    controller.reconcile()
+    b = controller.get("b")
+    assert b.state == S.FAILED and "lacks ['adapter_config.json', 'adapter_model.safetensors']" in b.failure_reason
+    assert ("release", "a") in rt.calls and ("release", "b") in rt.calls
+    assert controller.registry.free_slots() == [0, 1]
+
+
+def test_restart_reprepares_live_runs(world, tmp_path):
+    controller, data = world
+    rt = ScriptedRuntime(tmp_path / "state")
+    controller.attach_runtime(rt)
+    a = controller.register("a", cfg(data))
+    controller.register("never", cfg(data))
+    controller.retire("never")  # retired before it trained: completes without export
+    controller.reconcile()
+    controller.record_checkpoint(a.registration_id, "/ckpt/a", step=4)
+    settings, capacity = controller.settings, controller.capacity
+    controller.close()
+
+    again = Controller(settings, capacity)
+    try:
+        rt2 = ScriptedRuntime(tmp_path / "state")
+        again.attach_runtime(rt2)
+        assert again.get("never").state == S.COMPLETED and again.get("never").export_path is None
+        assert again.reconcile() == []  # ACTIVE stays ACTIVE, but its slot is restored
+        assert rt2.calls == [("prepare", "a")]
+        assert again.get("a").step == 4  # resumed from the checkpoint the runtime reported
+    finally:
+        again.close()
+
+
+def test_fail_from_the_loop_releases_on_next_pass(world, tmp_path):
+    controller, data = world
+    rt = ScriptedRuntime(tmp_path / "state")
+    controller.attach_runtime(rt)
+    a = controller.register("a", cfg(data))
+    controller.reconcile()
+    controller.fail(a.registration_id, "reward crashed 5 times in a row")
+    controller.reconcile()
+    assert rt.calls == [("prepare", "a"), ("release", "a")]
+    snap = controller.snapshot()
+    assert snap.free_slots == 2 and snap.runtime.queue_depth == {"a": 2}
