@@ -1,0 +1,115 @@
+"""Typed configuration of the trainer (validated once, passed down).
+
+* ``TrainerConfig``: the resident trainer (base model, slots, parallelism, kernels).
+* ``SlotHyperParams``: one adapter's training hyper-parameters; given when a slot
+  is initialized and fixed for that slot's tenant.
+
+Loss normalization (``SlotHyperParams.loss_normalization``): every choice is a
+*per-slot* quantity that depends only on that slot's own samples, so the sum over
+slots in a mixed batch gives each slot exactly the gradient it would get alone:
+
+* ``sequence_mean`` (default, GRPO): mean over each sample's loss tokens, then
+  sum over the step's samples / ``samples_per_step``.
+* ``token_mean`` (DAPO): sum over all loss tokens of the step's samples / their
+  number. The count is only known when the step's last sample has arrived, so
+  the trainer accumulates the unnormalized gradient and divides at step time.
+* ``constant`` (Dr. GRPO): sum over loss tokens / (``samples_per_step`` *
+  ``loss_norm_tokens``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TrainerConfig(_Strict):
+    base_model_path: str = Field(description="Hugging Face checkpoint folder of the frozen base model.")
+    random_init: bool = Field(
+        False, description="Use only the folder's config.json and random weights (benchmarks)."
+    )
+    num_slots: int = Field(8, ge=1, le=4096, description="Resident adapter slots.")
+    max_rank: int = Field(16, ge=1, le=1024, description="Largest LoRA rank a slot holds.")
+    target_modules: tuple[str, ...] = Field(
+        LORA_TARGETS, description=f"Megatron linears that get LoRA slots; any of {', '.join(LORA_TARGETS)}."
+    )
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="Base compute dtype: auto = float32 without CUDA, bfloat16 with CUDA."
+    )
+    layer_spec: Literal["auto", "local", "transformer_engine"] = Field(
+        "auto", description="Megatron layer spec: auto = TransformerEngine where it imports, else local."
+    )
+    tp: int = Field(1, ge=1, description="Tensor-parallel size.")
+    dp: int = Field(1, ge=1, description="Data-parallel size (one trainer process per device: tp * dp).")
+    micro_batch_tokens: int = Field(
+        8192, ge=1, description="Padded tokens (samples x longest sample) per forward/backward micro-batch."
+    )
+    lora_kernel: Literal["auto", "grouped_mm", "loop"] = Field(
+        "auto", description="LoRA delta kernel: grouped_mm over slot segments, or a per-segment loop."
+    )
+    seed: int = Field(0, description="Seed of the model-parallel RNG.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainerConfig":
+        unknown = [m for m in self.target_modules if m not in LORA_TARGETS]
+        if unknown or not self.target_modules:
+            raise ValueError(
+                f"target_modules {list(self.target_modules)} invalid: need a non-empty subset of {list(LORA_TARGETS)}"
+            )
+        if len(set(self.target_modules)) != len(self.target_modules):
+            raise ValueError(f"target_modules has duplicates: {list(self.target_modules)}")
+        return self
+
+
+class SlotHyperParams(_Strict):
+    rank: int = Field(8, ge=1, description="LoRA rank r (<= the trainer's max_rank).")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha; the delta is scaled by alpha / r.")
+    lr: float = Field(1e-4, gt=0, le=1.0, description="Peak learning rate (AdamW).")
+    lr_schedule: Literal["constant", "cosine"] = Field("constant", description="Schedule after warm-up.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up from lr/warmup_steps to lr over these steps.")
+    total_steps: int | None = Field(None, ge=1, description="Steps of the cosine schedule (required for cosine).")
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Cosine: final lr as a fraction of lr.")
+    weight_decay: float = Field(0.0, ge=0.0, description="Decoupled (AdamW) weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam betas, each in [0, 1).")
+    eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Clip this slot's gradient norm; null = no clipping.")
+    samples_per_step: int = Field(8, ge=1, description="The adapter's batch size: samples per optimizer step.")
+    objective: Literal["rl", "sft"] = Field("rl", description="rl: clipped policy gradient; sft: cross-entropy.")
+    clip_low: float = Field(0.2, ge=0.0, lt=1.0, description="RL: lower clip, ratio >= 1 - clip_low.")
+    clip_high: float = Field(0.28, ge=0.0, description="RL: upper clip, ratio <= 1 + clip_high (DAPO: > clip_low).")
+    kl_coef: float = Field(0.0, ge=0.0, description="RL: weight of the k3 KL estimate to the base (LoRA off).")
+    loss_normalization: Literal["sequence_mean", "token_mean", "constant"] = Field(
+        "sequence_mean", description="How token losses become the step's loss (see module doc)."
+    )
+    loss_norm_tokens: int | None = Field(
+        None, ge=1, description="constant normalization: tokens per sample in the denominator."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> "SlotHyperParams":
+        for b in self.betas:
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"betas {self.betas}: each must be in [0, 1)")
+        if self.lr_schedule == "cosine" and self.total_steps is None:
+            raise ValueError("lr_schedule 'cosine' needs total_steps (the step where the decay ends)")
+        if self.total_steps is not None and self.warmup_steps > self.total_steps:
+            raise ValueError(f"warmup_steps {self.warmup_steps} exceeds total_steps {self.total_steps}")
+        if self.loss_normalization == "constant" and self.loss_norm_tokens is None:
+            raise ValueError("loss_normalization 'constant' needs loss_norm_tokens (tokens per sample in the denominator)")
+        if self.loss_normalization != "constant" and self.loss_norm_tokens is not None:
+            raise ValueError("loss_norm_tokens applies only to loss_normalization 'constant'")
+        if self.objective == "sft" and self.kl_coef > 0:
+            raise ValueError("kl_coef applies only to objective 'rl' (sft has no reference policy term)")
+        return self
+
+    @property
+    def scale(self) -> float:
+        """The LoRA delta multiplier alpha / r (as in PEFT without rslora)."""
+        return self.alpha / self.rank
