@@ -347,7 +347,7 @@ def reserve_placement_groups(plan: PlacementPlan, timeout_s: float = 60.0, name_
     `PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)`.
     """
     import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.placement_group import placement_group
 
     specs = placement_group_specs(plan, name_prefix=name_prefix)
     groups = [placement_group(list(s.bundles), strategy=s.strategy, name=s.name) for s in specs]
@@ -356,8 +356,7 @@ def reserve_placement_groups(plan: PlacementPlan, timeout_s: float = 60.0, name_
     if pending:
         still = set(pending)
         waiting = [s for s, ref in zip(specs, ready_refs) if ref in still]
-        for g in groups:
-            remove_placement_group(g)
+        release_placement_groups(groups)
         raise PlacementError(
             f"Ray could not reserve {len(pending)} of {len(groups)} placement groups within {timeout_s:.0f} s "
             f"({plan.summary()}); pending: "
@@ -365,4 +364,23 @@ def reserve_placement_groups(plan: PlacementPlan, timeout_s: float = 60.0, name_
             + f"; cluster resources now: {ray.available_resources()}"
         )
     return groups
+
+
+def release_placement_groups(groups: list[Any], timeout_s: float = 10.0) -> None:
+    """Remove the groups and wait (bounded) until Ray reports them REMOVED, so their
+    resources are free again when this returns (removal itself is asynchronous)."""
+    import time
+
+    import ray
+    from ray.util.placement_group import placement_group_table, remove_placement_group
+
+    for g in groups:
+        remove_placement_group(g)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if all(placement_group_table(g).get("state") == "REMOVED" for g in groups):
+            return
+        time.sleep(0.05)
+    still = [placement_group_table(g).get("name") for g in groups if placement_group_table(g).get("state") != "REMOVED"]
+    raise PlacementError(f"Ray did not release placement groups {still} within {timeout_s:.0f} s; cluster: {ray.available_resources()}")
 
