@@ -12,10 +12,6 @@ import json
 from typing import Any
 
 
-class _TooLarge(Exception):
-    pass
-
-
 class BodySizeLimit:
     def __init__(self, app: Any, max_bytes: int) -> None:
         self.app = app
@@ -30,34 +26,40 @@ class BodySizeLimit:
             await self._refuse(send, int(declared))
             return
         received = 0
-        response_started = False
+        refused = False  # our 413 went out; whatever the app sends afterwards is dropped
 
         async def counting_receive() -> dict:
-            nonlocal received
+            nonlocal received, refused
+            if refused:
+                return {"type": "http.disconnect"}
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
-                    raise _TooLarge
+                    # Answer 413 now and tell the app the client went away: the route
+                    # never sees a body, so nothing changes. (Raising here would be
+                    # turned into a 400 by the framework's body parsing.)
+                    refused = True
+                    await self._refuse(send, received, declared=False)
+                    return {"type": "http.disconnect"}
             return message
 
-        async def tracking_send(message: dict) -> None:
-            nonlocal response_started
-            if message["type"] == "http.response.start":
-                response_started = True
-            await send(message)
+        async def guarded_send(message: dict) -> None:
+            if not refused:
+                await send(message)
 
         try:
-            await self.app(scope, counting_receive, tracking_send)
-        except _TooLarge:
-            if not response_started:
-                await self._refuse(send, received)
+            await self.app(scope, counting_receive, guarded_send)
+        except Exception:
+            if not refused:
+                raise
 
-    async def _refuse(self, send: Any, size: int) -> None:
+    async def _refuse(self, send: Any, size: int, declared: bool = True) -> None:
+        what = f"request body of {size} bytes" if declared else f"request body ({size}+ bytes, no length given)"
         body = json.dumps(
             {
                 "error": "too_large",
-                "detail": f"request body of {size} bytes is larger than the {self.max_bytes} bytes allowed (LORAFLEET_MAX_BODY_BYTES)",
+                "detail": f"{what} is larger than the {self.max_bytes} bytes allowed (LORAFLEET_MAX_BODY_BYTES)",
             }
         ).encode()
         await send(

@@ -10,7 +10,11 @@ from pathlib import Path
 
 import typer
 
+from service.cli_tenant import adapters_app, smoke
+
 app = typer.Typer(name="lorafleet", help="Train many LoRA adapters at once against one frozen base model.", no_args_is_help=True)
+app.add_typer(adapters_app, name="adapters")
+app.command("smoke")(smoke)
 
 
 @app.command()

@@ -1,0 +1,96 @@
+"""A small typed HTTP client of the REST API (httpx), used by the CLI and `smoke`.
+
+Every call has a timeout; a non-2xx answer raises `ApiError` carrying the
+status and the server's error body, so callers can show what was wrong and
+what is allowed. Connection problems raise `ApiUnreachable`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, body: Any, method: str, path: str) -> None:
+        self.status = status
+        self.body = body
+        self.method = method
+        self.path = path
+        detail = body.get("detail") if isinstance(body, dict) else body
+        code = body.get("error") if isinstance(body, dict) else ""
+        super().__init__(f"{method} {path} -> {status} {code}: {detail}".replace("  ", " "))
+
+    @property
+    def code(self) -> str:
+        return self.body.get("error", "") if isinstance(self.body, dict) else ""
+
+
+class ApiUnreachable(Exception):
+    pass
+
+
+class LorafleetClient:
+    def __init__(self, base_url: str, token: str | None = None, timeout_s: float = 10.0) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_s)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> LorafleetClient:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def request(self, method: str, path: str, *, ok: tuple[int, ...] = (200,), **kwargs: Any) -> Any:
+        try:
+            response = self._http.request(method, path, **kwargs)
+        except httpx.TimeoutException as e:
+            raise ApiUnreachable(f"{method} {self.base_url}{path} timed out ({type(e).__name__})") from None
+        except httpx.TransportError as e:
+            raise ApiUnreachable(f"cannot reach {self.base_url}: {type(e).__name__}: {e}") from None
+        try:
+            body = response.json()
+        except ValueError:
+            body = response.text
+        if response.status_code not in ok:
+            raise ApiError(response.status_code, body, method, path)
+        return body
+
+    # --- the API, one method per route ------------------------------------------------------
+
+    def register(self, name: str, config: dict[str, Any]) -> dict[str, Any]:
+        return self.request("POST", "/v1/adapters", ok=(201,), json={"name": name, "config": config})
+
+    def list(self, state: str | None = None) -> list[dict[str, Any]]:
+        params = {"state": state} if state else None
+        return self.request("GET", "/v1/adapters", params=params)["adapters"]
+
+    def get(self, name: str) -> dict[str, Any]:
+        return self.request("GET", f"/v1/adapters/{name}")
+
+    def metrics(self, name: str) -> dict[str, Any]:
+        return self.request("GET", f"/v1/adapters/{name}/metrics")
+
+    def retire(self, name: str) -> dict[str, Any]:
+        return self.request("DELETE", f"/v1/adapters/{name}", ok=(202,))
+
+    def abort(self, name: str) -> int:
+        return self.request("POST", f"/v1/adapters/{name}/abort")["aborted"]
+
+    def health(self) -> dict[str, Any]:
+        return self.request("GET", "/health")
+
+    def ready(self) -> dict[str, Any]:
+        """The /ready body, whether ready (200) or not (503)."""
+        return self.request("GET", "/ready", ok=(200, 503))
+
+    def prometheus(self) -> str:
+        response = self._http.get("/metrics")
+        if response.status_code != 200:
+            raise ApiError(response.status_code, response.text, "GET", "/metrics")
+        return response.text

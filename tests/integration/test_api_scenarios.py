@@ -1,0 +1,173 @@
+"""Scenario tables against the real app served by uvicorn on loopback, over a real
+controller and SQLite registry (no runtime attached: adapters stay PENDING, which
+is what tenant-facing checks need). Each row = one HTTP call, the expected
+status, and a substring of the error detail (or expected fields of the body)."""
+
+from __future__ import annotations
+
+import pytest
+
+from service.controller import Controller
+from tests.integration.api_world import CAPACITY, MAX_BODY, TOKEN, client, make_world, serve
+
+pytestmark = pytest.mark.integration
+
+OK = None
+
+
+def rows_register_conflicts(w):
+    cfg = w.rl_config()
+    return [
+        ("POST", "/v1/adapters", {"name": "a", "config": cfg}, 201, {"name": "a", "state": "PENDING", "slot": 0}),
+        ("POST", "/v1/adapters", {"name": "a", "config": cfg}, 409, "adapter name 'a' is in use by a live run (state PENDING)"),
+        ("POST", "/v1/adapters", {"name": "b", "config": cfg}, 201, {"state": "PENDING", "slot": 1}),
+        ("POST", "/v1/adapters", {"name": "c", "config": cfg}, 409, "no free slot: all 2 slots are held by live adapters: a (slot 0), b (slot 1)"),
+        ("GET", "/v1/adapters", None, 200, {"names": ["a", "b"]}),
+        ("GET", "/v1/adapters?state=PENDING", None, 200, {"names": ["a", "b"]}),
+        ("GET", "/v1/adapters?state=ACTIVE", None, 200, {"names": []}),
+        ("GET", "/v1/adapters?state=BUSY", None, 422, "query.state: Input should be 'PENDING'"),
+        ("GET", "/v1/adapters/a", None, 200, {"state": "PENDING", "step": 0, "total_steps": 3, "export_path": None}),
+        ("GET", "/v1/adapters/a/metrics", None, 200, {"steps": []}),
+    ]
+
+
+def rows_bad_values(w):
+    return [
+        ("POST", "/v1/adapters", {"name": "a", "config": w.rl_config(rank=32)}, 400, "rank 32 is above the service's max rank 16; allowed: 1..16"),
+        ("POST", "/v1/adapters", {"name": "a", "config": w.rl_config(str(w.root / "nope.jsonl"))}, 400, "does not exist"),
+        ("POST", "/v1/adapters", {"name": "a", "config": w.rl_config("../outside/secret.jsonl")}, 400, "'..' is not allowed in paths"),
+        ("POST", "/v1/adapters", {"name": "a", "config": w.rl_config(str(w.root / ".." / "outside" / "secret.jsonl"))}, 400, "'..' is not allowed"),
+        ("POST", "/v1/adapters", {"name": "a", "config": w.rl_config(str(w.outside / "secret.jsonl"))}, 400, "is outside the allowed roots; allowed: "),
+        ("POST", "/v1/adapters", {"name": "a", "config": w.rl_config("escape.jsonl")}, 400, "leads outside the allowed roots through a symlink"),
+        ("POST", "/v1/adapters", {"name": "a", "config": w.rl_config(reward={"name": "os:system"})}, 400, "not under an allowed reward import root"),
+        ("POST", "/v1/adapters", {"name": "a", "config": w.rl_config(rank="big")}, 422, "config.rank: Input should be a valid integer"),
+        ("POST", "/v1/adapters", {"name": "a"}, 422, "config: Field required"),
+        ("POST", "/v1/adapters", {"name": "a::1", "config": w.rl_config()}, 422, "name: String should match pattern"),
+        ("POST", "/v1/adapters", {"name": "a", "config": w.rl_config(rnak=4)}, 422, "config.rnak: Extra inputs are not permitted"),
+        ("POST", "/v1/adapters", {"name": "a", "config": w.rl_config(num_step=2, num_epoch=1)}, 422, "at most one of num_step and num_epoch"),
+        ("POST", "/v1/adapters", "not json", 422, "JSON decode error"),
+        ("GET", "/v1/adapters", None, 200, {"names": []}),  # every refusal above changed nothing
+    ]
+
+
+def rows_lifecycle(w):
+    cfg = w.rl_config()
+    return [
+        ("GET", "/v1/adapters/zz", None, 404, "no adapter named 'zz'"),
+        ("GET", "/v1/adapters/zz/metrics", None, 404, "no adapter named 'zz'"),
+        ("DELETE", "/v1/adapters/zz", None, 404, "no adapter named 'zz'"),
+        ("POST", "/v1/adapters/zz/abort", None, 404, "no adapter named 'zz'"),
+        ("POST", "/v1/adapters", {"name": "a", "config": cfg}, 201, {"state": "PENDING"}),
+        ("POST", "/v1/adapters/a/abort", None, 200, {"name": "a", "aborted": 0}),
+        ("DELETE", "/v1/adapters/a", None, 202, {"state": "RETIRING", "slot": 0}),
+        ("DELETE", "/v1/adapters/a", None, 409, "adapter 'a' is already retiring (state RETIRING)"),
+        ("POST", "/v1/adapters", {"name": "a", "config": cfg}, 409, "adapter 'a' is still retiring (state RETIRING); retry the registration once it is COMPLETED"),
+        ("GET", "/v1/adapters/a", None, 200, {"state": "RETIRING"}),
+    ]
+
+
+def rows_auth(w):
+    cfg = w.rl_config()
+    return [
+        ("GET", "/v1/adapters", None, 401, "missing bearer token: send the header 'Authorization: Bearer <token>'", None),
+        ("POST", "/v1/adapters", {"name": "a", "config": cfg}, 401, "missing bearer token", None),
+        ("GET", "/v1/adapters", None, 401, "invalid bearer token", "wrong"),
+        ("GET", "/v1/adapters", None, 401, "invalid bearer token", TOKEN + "x"),
+        ("GET", "/metrics", None, 401, "missing bearer token", None),
+        ("DELETE", "/v1/adapters/a", None, 401, "missing bearer token", None),
+        ("GET", "/health", None, 200, {"status": "ok"}, None),
+        ("GET", "/ready", None, 503, {"ready": False}, None),
+        ("GET", "/openapi.json", None, 200, {}, None),
+        ("GET", "/v1/adapters", None, 200, {"names": []}, TOKEN),
+    ]
+
+
+SCENARIOS = {
+    "register, duplicate, no free slot": rows_register_conflicts,
+    "bad values and schema: 400 / 422, nothing changes": rows_bad_values,
+    "unknown name, delete twice, abort, re-register while retiring": rows_lifecycle,
+    "auth missing and wrong": rows_auth,
+}
+
+
+@pytest.fixture
+def served(tmp_path):
+    world = make_world(tmp_path)
+    controller = Controller(world.settings, CAPACITY)
+    try:
+        with serve(controller, world.settings) as server:
+            yield world, server
+    finally:
+        controller.close()
+
+
+def check_row(http, i, row, default_token=TOKEN):
+    method, path, body, status, expect, *token = row
+    token = token[0] if token else default_token
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    kwargs = {"json": body} if isinstance(body, dict) else ({"content": body, "headers": {**headers, "content-type": "application/json"}} if body else {})
+    kwargs.setdefault("headers", headers)
+    r = http.request(method, path, **kwargs)
+    where = f"row {i}: {method} {path} -> {r.status_code} {r.text[:400]}"
+    assert r.status_code == status, where
+    payload = r.json()
+    if isinstance(expect, str):
+        assert expect in payload["detail"], where
+        assert payload["error"] and r.status_code >= 400
+        if status == 401:
+            assert r.headers["www-authenticate"] == "Bearer"
+    else:
+        for key, want in (expect or {}).items():
+            got = [a["name"] for a in payload["adapters"]] if key == "names" else payload[key]
+            assert got == want, f"{where}: {key}"
+
+
+@pytest.mark.parametrize("title", list(SCENARIOS))
+def test_api_scenario(served, title):
+    world, server = served
+    with client(server.url, token=None) as http:
+        for i, row in enumerate(SCENARIOS[title](world)):
+            check_row(http, i, row)
+
+
+def test_oversized_body_is_413_and_changes_nothing(served):
+    world, server = served
+    big = {"name": "a", "config": world.rl_config(reward={"name": "target_share", "kwargs": {"pad": "x" * MAX_BODY}})}
+    with client(server.url) as http:
+        r = http.post("/v1/adapters", json=big)
+        assert r.status_code == 413, r.text
+        assert f"larger than the {MAX_BODY} bytes allowed" in r.json()["detail"]
+
+        def chunks():  # no Content-Length: the counted bytes still hit the limit
+            for _ in range(4):
+                yield b"x" * (MAX_BODY // 2)
+
+        r = http.post("/v1/adapters", content=chunks(), headers={"content-type": "application/json"})
+        assert r.status_code == 413, r.text
+        assert http.get("/v1/adapters").json() == {"adapters": []}
+
+
+def test_prometheus_metrics_and_docs(served):
+    world, server = served
+    with client(server.url) as http:
+        assert http.post("/v1/adapters", json={"name": "a", "config": world.rl_config()}).status_code == 201
+        text = http.get("/metrics").text
+        assert 'lorafleet_adapter_step{adapter="a"} 0.0' in text
+        assert 'lorafleet_adapter_state{adapter="a",state="PENDING"} 1.0' in text
+        assert 'lorafleet_adapters{state="PENDING"} 1.0' in text
+        assert "lorafleet_slots_free 1.0" in text and "lorafleet_slots_total 2.0" in text
+        assert http.get("/docs").status_code == 200
+        schema = http.get("/openapi.json").json()["components"]["schemas"]["AdapterConfig"]["properties"]
+        assert "LoRA rank r" in schema["rank"]["description"]
+
+
+def test_refuses_to_start_off_loopback_without_token(tmp_path):
+    from api.app import create_app
+    from api.server import ApiServer
+
+    world = make_world(tmp_path)
+    open_settings = world.settings.model_copy(update={"api_token": None, "host": "0.0.0.0"})  # bypasses the settings check on purpose
+    with pytest.raises(ValueError, match="refusing to serve on '0.0.0.0' without an API token"):
+        create_app(None, open_settings)
+    with pytest.raises(ValueError, match="refusing to bind '0.0.0.0' without an API token"):
+        ApiServer(object(), "0.0.0.0", 0, token_configured=False)
