@@ -38,7 +38,7 @@ _MAX_PARALLEL = 1024  # sanity bound: a typo such as 80 instead of 8 still plans
 class EnginePlacement(BaseModel):
     """SGLang rollout engines: `count` servers, each spanning `tensor_parallel` GPUs of one node."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     count: int = Field(1, ge=1, le=_MAX_PARALLEL, description="number of SGLang engines (servers)")
     tensor_parallel: int = Field(
@@ -50,7 +50,7 @@ class EnginePlacement(BaseModel):
 class TrainerPlacement(BaseModel):
     """Megatron trainer: tensor_parallel x data_parallel ranks, one GPU each."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     tensor_parallel: int = Field(
         1, ge=1, le=_MAX_PARALLEL, description="Megatron tensor parallel size; a TP group sits on one node"
@@ -66,7 +66,7 @@ class TrainerPlacement(BaseModel):
 class PlacementConfig(BaseModel):
     """The job file's `placement:` section. The default is the embedded tiny CPU plan."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     accelerator: Literal["cpu", "gpu"] = Field(
         "cpu",
