@@ -1,0 +1,241 @@
+"""Typed config of the rollout side: engines, per-adapter data / reward / sampling, worker bounds.
+
+All models forbid unknown fields (a typo is an error naming the field) and are
+frozen (a validated config cannot drift). Field names of `DataConfig`,
+`RewardConfig` and `SamplingConfig` match the service's tenant-facing specs
+(service.config.DataSpec / RewardSpec / SamplingSpec), so the controller turns
+one into the other with `DataConfig.model_validate(spec.model_dump())`.
+
+Checks that need the filesystem (data file exists, has the keys) happen when a
+data source is opened (rollout.data.open_data_source); checks that need an
+import (custom reward) happen in rollout.rewards.load_reward.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# Adapter names become SGLang LoRA names ("<name>@v<k>") and request-id
+# prefixes ("<name>::<uuid4hex>"); the pattern excludes ':' and '@', which keeps
+# both encodings unambiguous and every rid prefix-free (see rollout.rids).
+ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+ADAPTER_NAME_RE = re.compile(ADAPTER_NAME_PATTERN)
+
+# SGLang 0.5.23's --lora-target-modules choices (sglang.srt.utils.common.SUPPORTED_LORA_TARGET_MODULES
+# plus "all"), copied so that this module imports without sglang.
+SGLANG_LORA_TARGET_MODULES = frozenset(
+    {
+        "q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "kv_a_proj_with_mqa", "q_b_proj",
+        "kv_b_proj", "wq_b", "wk", "weights_proj", "gate_proj", "up_proj", "down_proj",
+        "qkv_proj", "gate_up_proj", "embed_tokens", "lm_head", "qkvr", "all",
+    }
+)
+
+# Server flags the launcher sets itself; passing them again in extra_server_args
+# would silently fight the launcher, so they are refused.
+MANAGED_SERVER_FLAGS = frozenset(
+    {
+        "--model-path", "--model", "--host", "--port", "--tp-size", "--tp", "--device",
+        "--enable-lora", "--max-lora-rank", "--lora-target-modules", "--max-loras-per-batch",
+        "--max-loaded-loras", "--lora-backend", "--attention-backend", "--dtype",
+    }
+)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def check_adapter_name(name: str) -> str:
+    """Return `name` if it is a valid adapter name, else raise ValueError saying what is allowed."""
+    if not isinstance(name, str) or not ADAPTER_NAME_RE.match(name):
+        raise ValueError(
+            f"adapter name {name!r} is not allowed: use 1-64 characters, letters, digits, '.', '_' "
+            "or '-', starting with a letter or digit (':' and '@' are reserved for request ids and versions)"
+        )
+    return name
+
+
+class EngineConfig(_Strict):
+    """The SGLang engines the rollout worker generates with."""
+
+    num_engines: int = Field(1, ge=1, le=64, description="SGLang servers to start.")
+    tp: int = Field(1, ge=1, le=64, description="Tensor-parallel size of each server (GPUs per engine).")
+    host: str = Field("127.0.0.1", description="Address the servers bind to and the client calls.")
+    ports: list[int] = Field(
+        default_factory=list,
+        description="One port per engine; 0 (or an empty list) = pick a free port at launch.",
+    )
+    device: Literal["auto", "cuda", "cpu"] = Field(
+        "auto", description="auto = cuda when torch sees a GPU, else the SGLang CPU engine (rollout.sglang_cpu)."
+    )
+    dtype: str = Field(
+        "auto",
+        description="Server --dtype. auto = the checkpoint's dtype on GPU and float32 on CPU "
+        "(SGLang's own auto picks float16 on CPU, which would not match the fp32 trainer).",
+    )
+    max_loaded_loras: int = Field(
+        16, ge=1, description="Adapters (versions) the server holds at once (--max-loaded-loras). "
+        "A live update holds two versions of one adapter briefly: allow 2 per adapter."
+    )
+    max_loras_per_batch: int = Field(
+        8, ge=1, description="Adapters in one running batch, base-only counted as one (--max-loras-per-batch)."
+    )
+    max_lora_rank: int = Field(16, ge=1, le=1024, description="Largest LoRA rank the servers accept (--max-lora-rank).")
+    lora_target_modules: list[str] = Field(
+        default_factory=lambda: ["all"], min_length=1, description="Modules LoRA may target (--lora-target-modules)."
+    )
+    weight_transfer: Literal["tensors", "disk"] = Field(
+        "tensors",
+        description="How a new adapter version reaches the servers: 'tensors' = in the HTTP request "
+        "(/load_lora_adapter_from_tensors; no shared filesystem needed), 'disk' = a PEFT folder the server reads.",
+    )
+    startup_deadline_s: float = Field(300.0, gt=0, description="Give up on a server that is not ready after this many seconds.")
+    request_timeout_s: float = Field(600.0, gt=0, description="Timeout of one /generate call (seconds).")
+    admin_timeout_s: float = Field(120.0, gt=0, description="Timeout of load/unload/abort/health calls (seconds).")
+    max_total_tokens: int | None = Field(
+        None, ge=256, description="KV-cache capacity in tokens (--max-total-tokens); default on CPU 8192, on GPU SGLang's choice."
+    )
+    cpu_threads: int = Field(
+        1, ge=1, le=1024,
+        description="CPU engine only: torch/OpenMP threads of each server (OMP_NUM_THREADS). On a small shared "
+        "machine 1 is several times faster than SGLang's default of all cores (rollout.sglang_cpu, item 8).",
+    )
+    log_dir: str | None = Field(None, description="Folder for server logs (engine-<i>.log); default a temporary folder.")
+    extra_server_args: list[str] = Field(default_factory=list, description="More SGLang server flags, passed as given.")
+
+    @field_validator("ports")
+    @classmethod
+    def _ports_in_range(cls, ports: list[int]) -> list[int]:
+        bad = [p for p in ports if not 0 <= p <= 65535]
+        if bad:
+            raise ValueError(f"ports must be in 0..65535 (0 = pick a free one); got {bad}")
+        fixed = [p for p in ports if p != 0]
+        dupes = sorted({p for p in fixed if fixed.count(p) > 1})
+        if dupes:
+            raise ValueError(f"ports must differ between engines; repeated: {dupes}")
+        return ports
+
+    @field_validator("lora_target_modules")
+    @classmethod
+    def _known_modules(cls, modules: list[str]) -> list[str]:
+        unknown = sorted(set(modules) - SGLANG_LORA_TARGET_MODULES)
+        if unknown:
+            raise ValueError(
+                f"unknown LoRA target modules {unknown}; allowed: {sorted(SGLANG_LORA_TARGET_MODULES)}"
+            )
+        return modules
+
+    @field_validator("extra_server_args")
+    @classmethod
+    def _no_managed_flags(cls, args: list[str]) -> list[str]:
+        clashes = sorted({a.split("=", 1)[0] for a in args if a.split("=", 1)[0] in MANAGED_SERVER_FLAGS})
+        if clashes:
+            raise ValueError(
+                f"extra_server_args must not set {clashes}: the launcher sets them from the engine config "
+                "(use the matching EngineConfig field instead)"
+            )
+        return args
+
+    @model_validator(mode="after")
+    def _consistent(self) -> EngineConfig:
+        if self.ports and len(self.ports) != self.num_engines:
+            raise ValueError(
+                f"ports lists {len(self.ports)} ports for {self.num_engines} engines: give one per engine, or none"
+            )
+        if self.max_loaded_loras < self.max_loras_per_batch:
+            raise ValueError(
+                f"max_loaded_loras ({self.max_loaded_loras}) must be >= max_loras_per_batch "
+                f"({self.max_loras_per_batch}): SGLang refuses to start otherwise"
+            )
+        return self
+
+    def port_for(self, index: int) -> int:
+        """The configured port of engine `index` (0 = pick a free one)."""
+        return self.ports[index] if self.ports else 0
+
+
+class DataConfig(_Strict):
+    """An adapter's prompt dataset (RL)."""
+
+    path: str = Field(description="A .jsonl file (one JSON object per line) or a .parquet file.")
+    input_key: str = Field("prompt", min_length=1, description="Key of the prompt: a string, or a list of chat messages.")
+    label_key: str | None = Field("label", description="Key of the label passed to the reward; null = no label.")
+    metadata_key: str | None = Field("metadata", description="Key of an optional per-row metadata object; null = none.")
+    apply_chat_template: bool = Field(
+        True,
+        description="Render string prompts as one user message with the tokenizer's chat template. "
+        "Prompts that are message lists are always rendered with it.",
+    )
+    shuffle_seed: int | None = Field(0, description="Seed of the per-epoch shuffle; null = file order every epoch.")
+    num_epochs: int | None = Field(None, ge=1, description="Passes over the data before the source reports exhaustion; null = endless.")
+
+    @field_validator("path")
+    @classmethod
+    def _known_suffix(cls, path: str) -> str:
+        if not (path.endswith(".jsonl") or path.endswith(".parquet")):
+            raise ValueError(f"data file {path!r} must end in .jsonl or .parquet")
+        return path
+
+
+class RewardConfig(_Strict):
+    """An adapter's reward: a built-in name or a custom function by dotted path."""
+
+    name: str = Field(
+        min_length=1,
+        description="Built-in: math, exact_match, target_share. Custom: 'package.module:function' or "
+        "'package.module.function', under one of RolloutConfig.reward_import_roots.",
+    )
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments given to every call.")
+
+
+class SamplingConfig(_Strict):
+    """How an adapter's rollouts are sampled."""
+
+    temperature: float = Field(1.0, ge=0.0, le=10.0, description="0 = greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1, description="-1 = no top-k cut.")
+    max_new_tokens: int = Field(64, ge=1, le=32768)
+    n_samples_per_prompt: int = Field(4, ge=1, le=1024, description="Group size: responses per prompt.")
+    stop: list[str] = Field(default_factory=list, description="Stop strings (in addition to EOS).")
+
+    def sglang_params(self) -> dict[str, Any]:
+        """The sampling_params dict of one SGLang /generate request."""
+        params: dict[str, Any] = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "max_new_tokens": self.max_new_tokens,
+        }
+        if self.stop:
+            params["stop"] = list(self.stop)
+        return params
+
+
+class RolloutConfig(_Strict):
+    """Bounds of the rollout worker."""
+
+    max_inflight_per_adapter: int = Field(64, ge=1, description="Requests (samples) in flight for one adapter.")
+    max_inflight_total: int = Field(256, ge=1, description="Requests in flight over all adapters.")
+    max_staleness: int = Field(
+        1, ge=0, description="Drop groups generated by a version more than this many versions behind the newest."
+    )
+    max_buffered_groups_per_adapter: int = Field(
+        64, ge=1, description="Stop starting new groups for an adapter while this many wait to be trained on."
+    )
+    reward_import_roots: list[str] = Field(
+        default_factory=list, description="Package prefixes custom rewards may be imported from (e.g. 'myorg.rewards')."
+    )
+    reward_timeout_s: float = Field(30.0, gt=0, description="A reward call running longer is a recorded failure, reward 0.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RolloutConfig:
+        if self.max_inflight_per_adapter > self.max_inflight_total:
+            raise ValueError(
+                f"max_inflight_per_adapter ({self.max_inflight_per_adapter}) must be <= max_inflight_total "
+                f"({self.max_inflight_total})"
+            )
+        return self

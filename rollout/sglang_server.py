@@ -1,0 +1,68 @@
+"""Entry point of an SGLang server process on a CPU-only machine: ``python -m rollout.sglang_server <sglang flags>``.
+
+Why a module of our own instead of ``python -m sglang.launch_server``: SGLang's
+LoRA layers hard-code ``pin_memory=True`` (torch.tensor(..., pin_memory=True),
+Tensor.pin_memory()), which raises on a machine without a GPU. The patch below
+turns pinning into a no-op. It must be active in *every* server process, and
+SGLang starts its scheduler and detokenizer with multiprocessing's "spawn",
+which re-imports this module (as ``__mp_main__``) in each child before running
+it; so the patch is applied at import time, guarded by the environment variable
+that rollout.sglang_cpu.build_server_launch sets. Nothing here runs on a GPU
+machine (the launcher uses sglang.launch_server there).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+CPU_PATCH_ENV = "LORAFLEET_SGLANG_CPU_PATCHES"  # same value as rollout.sglang_cpu.CPU_PATCH_ENV
+
+
+def apply_cpu_process_patches() -> None:
+    """Make pinned-memory requests no-ops in this process (idempotent).
+
+    Pinned host memory only speeds host-to-device copies; with no device there
+    is no copy, so results are unchanged."""
+    import torch
+
+    if getattr(torch, "_lorafleet_pin_memory_patched", False):
+        return
+
+    def _drop_pin(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            kwargs.pop("pin_memory", None)
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    for name in ("tensor", "empty", "zeros", "ones", "full", "empty_strided", "as_tensor", "arange"):
+        if hasattr(torch, name):
+            setattr(torch, name, _drop_pin(getattr(torch, name)))
+    torch.Tensor.pin_memory = lambda self, *a, **k: self
+    torch._lorafleet_pin_memory_patched = True
+
+
+if os.environ.get(CPU_PATCH_ENV) == "1":
+    apply_cpu_process_patches()
+
+
+def main(argv: list[str] | None = None) -> None:
+    import sys
+
+    from sglang.launch_server import run_server
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils import kill_process_tree
+
+    load_plugins()
+    server_args = prepare_server_args(sys.argv[1:] if argv is None else argv)
+    try:
+        run_server(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+
+
+if __name__ == "__main__":
+    main()
