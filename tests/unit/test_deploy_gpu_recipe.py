@@ -33,6 +33,13 @@ def test_recipe_validates_with_two_or_more_rl_math_adapters(job):
     assert max(a.config.rank for a in job.adapters) <= job.slots.max_rank <= job.engines.max_lora_rank
 
 
+def test_recipe_trainer_section_is_valid_trainer_config(job):
+    from trainer.config import TrainerConfig
+
+    cfg = TrainerConfig.model_validate({"base_model_path": job.base_model.path, **dict(job.trainer)})
+    assert cfg.dtype == "bfloat16"
+
+
 def test_recipe_uses_every_gpu_of_one_8_gpu_node(job):
     plan = plan_placement(job.placement, ClusterShape.uniform(1, 8))
     assert job.placement.total_gpus == 8
