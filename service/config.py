@@ -31,6 +31,7 @@ from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, Setting
 
 from rollout.config import ADAPTER_NAME_PATTERN, DataConfig, EngineConfig, RewardConfig, RolloutConfig, SamplingConfig
 from service.placement import PlacementConfig
+from trainer.config import SlotHyperParams, TrainerConfig
 
 AdapterName = Annotated[
     str,
@@ -125,6 +126,29 @@ class AdapterConfig(_Strict):
         elif self.reward is not None:
             raise ValueError("reward applies only to objective 'rl'; remove it for 'sft'")
         return self
+
+    @property
+    def samples_per_step(self) -> int:
+        """Samples in one optimizer step: prompts x group size (rl), examples (sft)."""
+        return self.prompts_per_step * (self.sampling.n_samples_per_prompt if self.objective == "rl" else 1)
+
+    def slot_hyper_params(self, total_steps: int | None) -> SlotHyperParams:
+        """The trainer's view of this run (trainer.config.SlotHyperParams); knobs the
+        tenant config does not expose (betas, eps, RL clipping, KL, loss normalization)
+        keep the trainer's defaults."""
+        return SlotHyperParams(
+            rank=self.rank,
+            alpha=self.alpha,
+            lr=self.learning_rate,
+            lr_schedule=self.lr_schedule,
+            warmup_steps=self.warmup_steps,
+            total_steps=total_steps,
+            min_lr_ratio=self.min_lr_ratio,
+            weight_decay=self.weight_decay,
+            max_grad_norm=self.max_grad_norm,
+            samples_per_step=self.samples_per_step,
+            objective=self.objective,
+        )
 
     def data_config(self) -> DataConfig:
         """The rollout side's view of this run's data: shuffle seeded by `seed`;
@@ -243,23 +267,67 @@ class BaseModelSpec(_Strict):
 
 class SlotCapacity(_Strict):
     """What the trainer holds resident; the controller enforces it at registration.
-    (To be replaced by trainer.config.TrainerConfig's fields once that exists.)"""
+    In a job file this is the `slots:` section, and the trainer's num_slots/max_rank
+    are taken from it."""
 
     num_slots: int = Field(4, ge=1, le=1024, description="Adapter slots resident on the trainer (= most live adapter runs).")
     max_rank: int = Field(16, ge=1, le=1024, description="Largest LoRA rank a slot holds.")
 
 
+# Facts the job file states once, and the trainer/engine fields derived from them:
+# (section, field) <- (source section, source field). A job file that also sets the
+# derived field to a different value is refused, naming both places.
+_DERIVED_FIELDS = (
+    ("trainer", "num_slots", "slots", "num_slots"),
+    ("trainer", "max_rank", "slots", "max_rank"),
+    ("trainer", "tp", "placement.trainer", "tensor_parallel"),
+    ("trainer", "dp", "placement.trainer", "data_parallel"),
+    ("engines", "num_engines", "placement.engines", "count"),
+    ("engines", "tp", "placement.engines", "tensor_parallel"),
+)
+
+
 class JobConfig(_Strict):
-    """A lorafleet job file: base model, placement, trainer, engines, rollout, service and the adapters to run."""
+    """A lorafleet job file: base model, placement, slots, trainer, engines, rollout, service and the adapters to run."""
 
     base_model: BaseModelSpec
     placement: PlacementConfig = Field(default_factory=PlacementConfig, description="Which devices engines and trainer get.")
     slots: SlotCapacity = Field(default_factory=SlotCapacity, description="Resident adapter slots and their max rank.")
-    trainer: dict[str, Any] = Field(default_factory=dict, description="Trainer settings (trainer.config.TrainerConfig).")
-    engines: EngineConfig = Field(default_factory=EngineConfig, description="SGLang rollout engines.")
+    trainer: TrainerConfig = Field(description="Trainer settings; base_model_path, num_slots, max_rank, tp and dp come from base_model, slots and placement.")
+    engines: EngineConfig = Field(default_factory=EngineConfig, description="SGLang rollout engines; num_engines and tp come from placement.engines.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Bounds of the rollout worker.")
     service: dict[str, Any] = Field(default_factory=dict, description="ServiceSettings values; the environment overrides them.")
     adapters: list[AdapterSpec] = Field(default_factory=list, description="Adapter runs registered at start.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _derive_once_stated_facts(cls, data: Any, info: ValidationInfo) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        try:
+            sources = {
+                "slots": SlotCapacity.model_validate(data.get("slots") or {}).model_dump(),
+                "placement.trainer": PlacementConfig.model_validate(data.get("placement") or {}).trainer.model_dump(),
+                "placement.engines": PlacementConfig.model_validate(data.get("placement") or {}).engines.model_dump(),
+            }
+        except ValidationError:
+            return data  # the field validation reports it, naming the field
+        sections = {name: dict(data.get(name) or {}) for name in ("trainer", "engines")}
+        base = data.get("base_model")
+        if isinstance(base, dict) and isinstance(base.get("path"), str):
+            path = _rebase(base["path"], info)
+            given = sections["trainer"].get("base_model_path")
+            if given is not None and _rebase(given, info) != path:
+                raise ValueError(f"trainer.base_model_path ({given}) disagrees with base_model.path ({base['path']}); state it once, in base_model.path")
+            sections["trainer"]["base_model_path"] = path
+        for section, key, source, source_key in _DERIVED_FIELDS:
+            value = sources[source][source_key]
+            given = sections[section].get(key)
+            if given is not None and given != value:
+                raise ValueError(f"{section}.{key} ({given}) disagrees with {source}.{source_key} ({value}); state it once, in {source}")
+            sections[section][key] = value
+        return {**data, **sections}
 
     @model_validator(mode="after")
     def _consistent(self) -> JobConfig:
@@ -278,6 +346,10 @@ class JobConfig(_Strict):
         if too_big:
             raise ValueError(f"adapter rank above slots.max_rank {self.slots.max_rank}: {', '.join(too_big)}")
         return self
+
+    @property
+    def capacity(self) -> SlotCapacity:
+        return self.slots
 
     def service_settings(self, **explicit: Any) -> ServiceSettings:
         """The job's service section under the usual precedence (explicit > env > this section)."""

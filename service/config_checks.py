@@ -23,6 +23,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from service.config import AdapterConfig, ServiceSettings, SlotCapacity
 from service.errors import BadValue
 
@@ -65,6 +67,10 @@ def check_adapter_config(config: AdapterConfig, settings: ServiceSettings, capac
         total = config.num_step
     else:
         total = math.ceil(rows * (config.num_epoch or 1) / config.prompts_per_step)
+    try:
+        config.slot_hyper_params(total)  # the trainer's own checks, now rather than at slot init
+    except ValidationError as e:
+        raise BadValue(f"config does not fit the trainer ({total} steps): " + "; ".join(err["msg"] for err in e.errors()), field="config") from None
     return CheckedAdapter(config=checked, data_rows=rows, total_steps=total)
 
 

@@ -93,9 +93,14 @@ adapters:
 """
 
 
-def test_load_job_rebases_relative_paths(tmp_path):
+def test_load_job_rebases_relative_paths_and_derives_trainer_fields(tmp_path):
     job = load_job(write_job(tmp_path, JOB % {"rank": 8, "second": "echo"}))
-    assert job.base_model.path == str(tmp_path / "model")
+    assert job.base_model.path == job.trainer.base_model_path == str(tmp_path / "model")
+    assert (job.trainer.num_slots, job.trainer.max_rank, job.trainer.tp, job.trainer.dp) == (2, 8, 1, 1)
+    assert (job.engines.num_engines, job.engines.tp) == (1, 1)
+    hp = job.adapters[0].config.slot_hyper_params(total_steps=10)
+    assert (hp.rank, hp.lr, hp.samples_per_step, hp.objective, hp.total_steps) == (8, 1e-4, 16, "rl", 10)
+    assert job.adapters[1].config.slot_hyper_params(None).samples_per_step == 4
     assert job.adapters[0].config.data.path == str(tmp_path / "data" / "digits.jsonl")
     assert job.adapters[1].config.data.path == "/abs/echo.jsonl"
     assert job.service_settings().host == "127.0.0.1"
@@ -110,6 +115,10 @@ def test_load_job_rebases_relative_paths(tmp_path):
         (JOB % {"rank": 8, "second": "'bad::name'"}, "adapters.1.name: String should match pattern"),
         ("base_model: {path: m}\nengines: {max_lora_rank: 4}\n", "engines.max_lora_rank (4) must be >= slots.max_rank (16)"),
         ("base_model: {path: m}\nservice: {host: 10.0.0.1}\n", "service section: invalid service settings"),
+        ("base_model: {path: m}\ntrainer: {num_slots: 3}\n", "trainer.num_slots (3) disagrees with slots.num_slots (4); state it once, in slots"),
+        ("base_model: {path: m}\nplacement: {engines: {count: 2}}\nengines: {num_engines: 1}\n", "engines.num_engines (1) disagrees with placement.engines.count (2)"),
+        ("base_model: {path: m}\ntrainer: {base_model_path: other}\n", "trainer.base_model_path (other) disagrees with base_model.path (m)"),
+        ("base_model: {path: m}\ntrainer: {lora_kernel: fast}\n", "trainer.lora_kernel: Input should be 'auto', 'grouped_mm' or 'loop'"),
         ("adapters: [\n", "is not valid YAML"),
         ("{}", "base_model: Field required"),
     ],
@@ -179,6 +188,7 @@ def test_registration_checks(roots, tmp_path):
         ({"reward": {"name": "json:nosuch"}}, "'json' has no callable 'nosuch'"),
         ({"init_from": "sub"}, "not a PEFT adapter folder: missing \\['adapter_config.json', 'adapter_model.safetensors'\\]"),
         ({"resume_from": "sub/ok.jsonl"}, "config.resume_from: 'sub/ok.jsonl' is not a folder"),
+        ({"warmup_steps": 5, "lr_schedule": "cosine"}, "does not fit the trainer \\(1 steps\\): .*warmup_steps 5 exceeds total_steps 1"),
     ]
     for over, error in refusals:
         with pytest.raises(BadValue, match=error):
