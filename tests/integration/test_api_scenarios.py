@@ -171,3 +171,41 @@ def test_refuses_to_start_off_loopback_without_token(tmp_path):
         create_app(None, open_settings)
     with pytest.raises(ValueError, match="refusing to bind '0.0.0.0' without an API token"):
         ApiServer(object(), "0.0.0.0", 0, token_configured=False)
+
+
+def test_concurrent_requests_no_5xx_and_atomic_slots(served):
+    """200 concurrent GETs, then 20 racing registrations of one name and 20 of
+    distinct names over 2 slots: no 5xx, exactly one winner per name, exactly 2
+    slots handed out."""
+    import asyncio
+    import time
+
+    import httpx
+
+    world, server = served
+    cfg = world.rl_config()
+
+    async def run():
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        limits = httpx.Limits(max_connections=200)
+        async with httpx.AsyncClient(base_url=server.url, headers=headers, timeout=30.0, limits=limits) as http:
+
+            async def timed_get():
+                t0 = time.perf_counter()
+                r = await http.get("/v1/adapters")
+                return r.status_code, time.perf_counter() - t0
+
+            gets = await asyncio.gather(*(timed_get() for _ in range(200)))
+            same = await asyncio.gather(*(http.post("/v1/adapters", json={"name": "same", "config": cfg}) for _ in range(20)))
+            distinct = await asyncio.gather(*(http.post("/v1/adapters", json={"name": f"n{i}", "config": cfg}) for i in range(20)))
+            final = (await http.get("/v1/adapters")).json()["adapters"]
+            return gets, same, distinct, final
+
+    gets, same, distinct, final = asyncio.run(run())
+    assert [s for s, _ in gets] == [200] * 200
+    latencies = sorted(t for _, t in gets)
+    print(f"\n200 concurrent GET /v1/adapters: p50 {latencies[99] * 1e3:.1f} ms, p99 {latencies[197] * 1e3:.1f} ms")
+    assert sorted(r.status_code for r in same) == [201] + [409] * 19
+    assert sorted(r.status_code for r in distinct) == [201] + [409] * 19  # "same" already holds one of the 2 slots
+    assert {r.json()["error"] for r in distinct if r.status_code == 409} == {"no_free_slot"}
+    assert sorted(a["slot"] for a in final) == [0, 1]
