@@ -68,13 +68,6 @@ class DataSpec(_Strict):
 
     _rebase_path = field_validator("path")(_rebase)
 
-    @field_validator("path")
-    @classmethod
-    def _known_suffix(cls, path: str) -> str:
-        if not (path.endswith(".jsonl") or path.endswith(".parquet")):
-            raise ValueError(f"data file {path!r} must end in .jsonl or .parquet")
-        return path
-
 
 class AdapterConfig(_Strict):
     """A tenant's adapter run: what to train, on what, and for how long."""
@@ -125,6 +118,10 @@ class AdapterConfig(_Strict):
                 raise ValueError("objective 'rl' needs sampling.n_samples_per_prompt >= 2: group-relative advantages of a group of one are always zero")
         elif self.reward is not None:
             raise ValueError("reward applies only to objective 'rl'; remove it for 'sft'")
+        try:  # the rollout side's own data checks (file formats it can read), once, here
+            self.data_config()
+        except ValidationError as e:
+            raise ValueError("; ".join(str(err["ctx"]["error"]) if "ctx" in err else err["msg"] for err in e.errors())) from None
         return self
 
     @property
