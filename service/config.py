@@ -339,6 +339,11 @@ class JobConfig(_Strict):
                 f"engines.max_lora_rank ({self.engines.max_lora_rank}) must be >= slots.max_rank ({self.slots.max_rank}): "
                 "the engines could not load an adapter of the largest rank the trainer accepts"
             )
+        if self.rollout.reward_import_roots:
+            raise ValueError(
+                "rollout.reward_import_roots is taken from the service settings: set service.reward_import_roots "
+                "(or LORAFLEET_REWARD_IMPORT_ROOTS), the one place both the registration check and the rollout worker read"
+            )
         too_big = [f"{a.name} (rank {a.config.rank})" for a in self.adapters if a.config.rank > self.slots.max_rank]
         if too_big:
             raise ValueError(f"adapter rank above slots.max_rank {self.slots.max_rank}: {', '.join(too_big)}")
@@ -347,6 +352,10 @@ class JobConfig(_Strict):
     @property
     def capacity(self) -> SlotCapacity:
         return self.slots
+
+    def rollout_config(self, settings: ServiceSettings) -> RolloutConfig:
+        """The rollout worker's config, with the reward import roots of the running service."""
+        return self.rollout.model_copy(update={"reward_import_roots": list(settings.reward_import_roots)})
 
     def service_settings(self, **explicit: Any) -> ServiceSettings:
         """The job's service section under the usual precedence (explicit > env > this section)."""

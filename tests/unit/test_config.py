@@ -103,7 +103,9 @@ def test_load_job_rebases_relative_paths_and_derives_trainer_fields(tmp_path):
     assert job.adapters[1].config.slot_hyper_params(None).samples_per_step == 4
     assert job.adapters[0].config.data.path == str(tmp_path / "data" / "digits.jsonl")
     assert job.adapters[1].config.data.path == "/abs/echo.jsonl"
-    assert job.service_settings().host == "127.0.0.1"
+    settings = job.service_settings(reward_import_roots=["myorg.rewards"])
+    assert settings.host == "127.0.0.1"
+    assert job.rollout_config(settings).reward_import_roots == ["myorg.rewards"]
 
 
 @pytest.mark.parametrize(
@@ -119,6 +121,7 @@ def test_load_job_rebases_relative_paths_and_derives_trainer_fields(tmp_path):
         ("base_model: {path: m}\nplacement: {engines: {count: 2}}\nengines: {num_engines: 1}\n", "engines.num_engines (1) disagrees with placement.engines.count (2)"),
         ("base_model: {path: m}\ntrainer: {base_model_path: other}\n", "trainer.base_model_path (other) disagrees with base_model.path (m)"),
         ("base_model: {path: m}\ntrainer: {lora_kernel: fast}\n", "trainer.lora_kernel: Input should be 'auto', 'grouped_mm' or 'loop'"),
+        ("base_model: {path: m}\nrollout: {reward_import_roots: [x]}\n", "rollout.reward_import_roots is taken from the service settings"),
         ("adapters: [\n", "is not valid YAML"),
         ("{}", "base_model: Field required"),
     ],
