@@ -1,0 +1,182 @@
+"""Launch, watch, stop and restart SGLang server processes.
+
+An `EngineProcess` is one server: a subprocess in its own process group (so a
+stop reaches SGLang's scheduler and detokenizer children too), its output in a
+log file, readiness awaited with a deadline. The launch command and every
+CPU-only adjustment come from rollout.sglang_cpu.
+
+Invariants:
+* `url` is set only while a process is started; `stop()` is idempotent and
+  always leaves no process of this engine behind (SIGTERM to the group, then
+  SIGKILL after a grace period).
+* `wait_ready()` either returns with the server answering /health_generate (a
+  real generation), or raises `EngineStartError` with the log's tail, after
+  stopping the process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from rollout.config import EngineConfig
+from rollout.sglang_cpu import ServerLaunch, build_server_launch
+
+
+class EngineStartError(RuntimeError):
+    """A server did not become ready; the message holds the tail of its log."""
+
+
+def pick_free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (the OS's choice for port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "<no log>"
+
+
+class EngineProcess:
+    """One SGLang server process."""
+
+    def __init__(self, index: int, cfg: EngineConfig, model_path: str | Path, *, log_dir: str | Path | None = None):
+        self.index = index
+        self.cfg = cfg
+        self.model_path = str(model_path)
+        self.log_dir = Path(log_dir or cfg.log_dir or tempfile.mkdtemp(prefix="lorafleet-engines-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = self.log_dir / f"engine-{index}.log"
+        self.port: int | None = None
+        self.launch: ServerLaunch | None = None
+        self.starts = 0  # how many times this engine was started (1 + restarts)
+        self._proc: subprocess.Popen | None = None
+        self._log_file = None
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise RuntimeError(f"engine {self.index} is not started")
+        return f"http://{self.cfg.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def start(self) -> None:
+        """Spawn the server (returns at once; see wait_ready)."""
+        if self._proc is not None and self._proc.poll() is None:
+            raise RuntimeError(f"engine {self.index} is already running (pid {self._proc.pid})")
+        self.port = self.cfg.port_for(self.index) or pick_free_port(self.cfg.host)
+        self.launch = build_server_launch(self.cfg, self.model_path, self.port)
+        self._log_file = open(self.log_path, "ab")
+        self._log_file.write(f"\n=== lorafleet: start {self.starts + 1}: {' '.join(self.launch.argv)}\n".encode())
+        self._log_file.flush()
+        self._proc = subprocess.Popen(
+            self.launch.argv,
+            env=self.launch.env,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # own process group: stop() reaches SGLang's children
+        )
+        self.starts += 1
+
+    def wait_ready(self, deadline_s: float | None = None) -> float:
+        """Block until the server generates (GET /health_generate is 200); return the seconds waited."""
+        deadline_s = deadline_s or self.cfg.startup_deadline_s
+        t0 = time.monotonic()
+        while True:
+            if self._proc is None or self._proc.poll() is not None:
+                code = None if self._proc is None else self._proc.returncode
+                self.stop()
+                raise EngineStartError(
+                    f"engine {self.index} exited with code {code} before it was ready; log {self.log_path}:\n{tail(self.log_path)}"
+                )
+            try:
+                if httpx.get(self.url + "/health_generate", timeout=10.0).status_code == 200:
+                    return time.monotonic() - t0
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() - t0 > deadline_s:
+                self.stop()
+                raise EngineStartError(
+                    f"engine {self.index} not ready after {deadline_s:.0f} s (startup_deadline_s); "
+                    f"log {self.log_path}:\n{tail(self.log_path)}"
+                )
+            time.sleep(0.5)
+
+    def is_alive(self) -> bool:
+        """The process is running (cheap; see EngineClient.health for whether it answers)."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """Terminate the server and its children; idempotent."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            try:
+                pgid = os.getpgid(proc.pid)
+            except ProcessLookupError:
+                pgid = None
+            if pgid is not None:
+                _signal_group(pgid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=grace_s)
+                except subprocess.TimeoutExpired:
+                    pass
+                # The group leader may exit before its children: kill what is left either way.
+                _signal_group(pgid, signal.SIGKILL)
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def kill(self) -> None:
+        """SIGKILL the whole server at once (for tests of engine failure)."""
+        if self._proc is not None:
+            try:
+                _signal_group(os.getpgid(self._proc.pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def restart(self, deadline_s: float | None = None) -> float:
+        """Stop (if needed), start again, wait until ready. Adapters must be loaded again afterwards."""
+        self.stop()
+        self.start()
+        return self.wait_ready(deadline_s)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def launch_engines(cfg: EngineConfig, model_path: str | Path, *, log_dir: str | Path | None = None) -> list[EngineProcess]:
+    """Start cfg.num_engines servers and wait until all are ready; on any failure stop them all."""
+    engines = [EngineProcess(i, cfg, model_path, log_dir=log_dir) for i in range(cfg.num_engines)]
+    try:
+        for e in engines:
+            e.start()
+        for e in engines:
+            e.wait_ready()
+    except BaseException:
+        for e in engines:
+            e.stop()
+        raise
+    return engines

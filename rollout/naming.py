@@ -1,0 +1,52 @@
+"""Request ids and served LoRA names: the two string encodings the engines see.
+
+* Request id: ``<adapter>::<uuid4 hex>``. SGLang's scheduler matches an abort's
+  rid with ``startswith`` (FINDINGS.md: aborting ``jobX`` also killed
+  ``jobX-2``), so rids must be *prefix-free*: no rid may be a prefix of
+  another. Adapter names cannot contain ':' and the suffix is always 32 hex
+  digits, so a rid ends exactly where its "::" + 32 hex digits end, and two
+  different rids are never prefixes of each other.
+* Served LoRA name of a version: ``<adapter>@v<version>``. Adapter names cannot
+  contain '@', so the name decodes unambiguously.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+
+RID_SEPARATOR = "::"
+VERSION_SEPARATOR = "@v"
+_RID_RE = re.compile(r"^(?P<adapter>[A-Za-z0-9][A-Za-z0-9._-]{0,63})::(?P<uid>[0-9a-f]{32})$")
+_LORA_RE = re.compile(r"^(?P<adapter>[A-Za-z0-9][A-Za-z0-9._-]{0,63})@v(?P<version>\d+)$")
+
+
+def new_rid(adapter: str) -> str:
+    """A fresh request id for one request of `adapter`."""
+    return f"{adapter}{RID_SEPARATOR}{uuid.uuid4().hex}"
+
+
+def rid_prefix(adapter: str) -> str:
+    """The prefix every rid of `adapter` starts with (for servers with native prefix abort)."""
+    return f"{adapter}{RID_SEPARATOR}"
+
+
+def adapter_of_rid(rid: str) -> str:
+    m = _RID_RE.match(rid)
+    if not m:
+        raise ValueError(f"{rid!r} is not a lorafleet request id ('<adapter>::<32 hex digits>')")
+    return m["adapter"]
+
+
+def lora_name(adapter: str, version: int) -> str:
+    """The name version `version` of `adapter` is loaded under on the engines."""
+    if version < 0:
+        raise ValueError(f"adapter versions are >= 0, got {version}")
+    return f"{adapter}{VERSION_SEPARATOR}{version}"
+
+
+def parse_lora_name(name: str) -> tuple[str, int]:
+    m = _LORA_RE.match(name)
+    if not m:
+        raise ValueError(f"{name!r} is not a versioned lorafleet LoRA name ('<adapter>@v<version>')")
+    return m["adapter"], int(m["version"])

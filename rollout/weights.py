@@ -1,0 +1,96 @@
+"""One version of an adapter's LoRA weights, and the two ways it travels to an engine.
+
+Weights are PEFT-named (``base_model.model.<HF module>.lora_A.weight`` ...) with
+the PEFT ``adapter_config.json`` as a dict, so the same object is loadable by
+peft, SGLang and vLLM. They come either as tensors (from the trainer's export)
+or as a PEFT folder (``init_from``, a checkpoint); either can be sent either way:
+
+* ``tensors``: SGLang's ``/load_lora_adapter_from_tensors``. Wire format (from
+  sglang 0.5.23: io_struct.LoadLoRAAdapterFromTensorsReqInput, tp_worker,
+  utils.common.SafeUnpickler): ``serialized_named_tensors`` is a list with one
+  entry per TP rank, each the base64 text of a pickle of ``{name: tensor}``.
+  SGLang's own Engine pickles with torch's ForkingPickler, which passes CPU
+  tensors as shared-memory handles that only work inside one machine; a plain
+  ``pickle`` stores the bytes (torch pickles storages through
+  ``torch.storage._load_from_bytes``, which SGLang's SafeUnpickler maps to a
+  weights-only ``torch.load``), so it works across machines with no shared
+  filesystem.
+* ``disk``: a PEFT folder the server reads with ``/load_lora_adapter``.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+class AdapterWeights:
+    """LoRA weights of one adapter version: a PEFT config dict plus tensors or a folder.
+
+    Invariant: at least one of `tensors` and `folder` is set; when both are,
+    they hold the same weights."""
+
+    def __init__(self, config: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None, folder: str | None = None):
+        if tensors is None and folder is None:
+            raise ValueError("AdapterWeights needs tensors or a PEFT folder")
+        if not isinstance(config, dict) or "r" not in config:
+            raise ValueError("AdapterWeights.config must be a PEFT adapter_config dict (with 'r')")
+        self.config = dict(config)
+        self.tensors = None if tensors is None else {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+        self.folder = None if folder is None else str(folder)
+        self._payload: str | None = None
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> AdapterWeights:
+        """A PEFT adapter folder; refused with a message naming the missing file."""
+        folder = Path(folder)
+        for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+            if not (folder / name).is_file():
+                raise ValueError(f"{folder} is not a PEFT adapter folder: {name} is missing")
+        config = json.loads((folder / ADAPTER_CONFIG).read_text())
+        return cls(config, folder=str(folder.resolve()))
+
+    @property
+    def rank(self) -> int:
+        return int(self.config["r"])
+
+    def load_tensors(self) -> dict[str, torch.Tensor]:
+        if self.tensors is None:
+            from safetensors.torch import load_file
+
+            self.tensors = load_file(str(Path(self.folder) / ADAPTER_WEIGHTS))
+        return self.tensors
+
+    def wire_payload(self) -> str:
+        """Base64 text of a plain pickle of the tensors (one TP rank's entry of serialized_named_tensors)."""
+        if self._payload is None:
+            raw = pickle.dumps(dict(self.load_tensors()), protocol=pickle.HIGHEST_PROTOCOL)
+            self._payload = base64.b64encode(raw).decode("ascii")
+        return self._payload
+
+    def ensure_folder(self, dest: str | Path) -> str:
+        """A PEFT folder with these weights: the existing one, else written to `dest`."""
+        if self.folder is not None:
+            return self.folder
+        from safetensors.torch import save_file
+
+        dest = Path(dest)
+        dest.mkdir(parents=True, exist_ok=True)
+        save_file(dict(self.tensors), str(dest / ADAPTER_WEIGHTS))
+        (dest / ADAPTER_CONFIG).write_text(json.dumps(self.config, indent=2, sort_keys=True))
+        self.folder = str(dest.resolve())
+        return self.folder
+
+    def __getstate__(self):
+        # Ray / pickle: drop the cached payload (rebuilt on demand, and larger than the tensors).
+        state = dict(self.__dict__)
+        state["_payload"] = None
+        return state

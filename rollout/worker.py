@@ -1,0 +1,394 @@
+"""The rollout loop: keeps every active adapter generating, scores groups, fills per-adapter buffers.
+
+`RolloutCore` is plain asyncio (no Ray), so it is tested directly; the Ray
+actor (rollout/worker_actor.py) is a thin wrapper that owns one.
+
+The loop (`_pump`) starts groups round-robin over the active adapters, one
+group per adapter per pass, within three bounds: requests in flight per
+adapter, requests in flight overall, and groups buffered per adapter (a full
+buffer stops only that adapter). It never waits on training: training takes
+groups with `pop_groups` whenever it wants.
+
+Invariants:
+* Each group's prompt row is *pending* in its adapter's data source from
+  `take` until training pops the group (then `consume`d) or the group is lost
+  (aborted, engine died, stale, failed: then `requeue`d). Aborted groups are
+  never buffered and never count as progress.
+* A group is buffered only if its adapter still has the registration id that
+  started it (a removed and re-added adapter never sees the old tenant's work).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict
+
+from rollout.client import EngineError, EngineUnavailable
+from rollout.config import DataConfig, RewardConfig, RolloutConfig, SamplingConfig, check_adapter_name
+from rollout.data import DataCursor, DataSource, DataStatus, PromptRow
+from rollout.groups import AdapterBuffer, RolloutGroup, Sample, group_advantages
+from rollout.pool import EnginePool, NoHealthyEngine, UnknownAdapter
+from rollout.rewards import RewardFn, load_reward, score_async
+from rollout.weights import AdapterWeights
+
+log = logging.getLogger(__name__)
+
+
+class AdapterRollout(BaseModel):
+    """What the rollout worker needs to generate for one adapter registration."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    registration_id: str
+    data: DataConfig
+    reward: RewardConfig
+    sampling: SamplingConfig
+    initial_version: int = 0
+    cursor: DataCursor | None = None  # resume the data source here (from a checkpoint)
+
+
+class AdapterStats(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    registration_id: str
+    version: int
+    paused: bool
+    inflight_requests: int
+    inflight_groups: int
+    buffered_groups: int
+    groups_completed: int  # scored and buffered
+    groups_consumed: int  # popped by training
+    groups_aborted: int  # re-queued after an abort
+    groups_requeued: int  # all re-queues: aborted, engine failure, error, stale
+    groups_failed: int  # engine errors (re-queued)
+    dropped_stale: int
+    refused_foreign: int
+    reward_failures: int
+    last_error: str | None
+    data: DataStatus
+
+
+class EngineHealth(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    index: int
+    url: str
+    alive: bool  # the process runs (managed engines) / the server answers (external ones)
+    routable: bool  # the pool sends requests to it
+    inflight: int
+    starts: int = 1
+
+
+class RolloutError(ValueError):
+    """A rollout call with a bad argument; the message says what was wrong."""
+
+
+@dataclass
+class _AdapterRun:
+    spec: AdapterRollout
+    data: DataSource
+    reward: RewardFn
+    buffer: AdapterBuffer
+    paused: bool = False
+    inflight_requests: int = 0
+    inflight_groups: int = 0
+    groups_completed: int = 0
+    groups_consumed: int = 0
+    groups_aborted: int = 0
+    groups_requeued: int = 0
+    groups_failed: int = 0
+    reward_failures: int = 0
+    consecutive_failures: int = 0
+    retry_at: float = 0.0
+    last_error: str | None = None
+    tasks: set = field(default_factory=set)
+
+    @property
+    def n(self) -> int:
+        return self.spec.sampling.n_samples_per_prompt
+
+
+class RolloutCore:
+    """Rollout for many adapters over one EnginePool. All methods run on one asyncio loop."""
+
+    def __init__(self, pool: EnginePool, tokenizer, cfg: RolloutConfig):
+        self.pool = pool
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        self._runs: dict[str, _AdapterRun] = {}
+        self._rr: list[str] = []  # round-robin order
+        self._rr_next = 0
+        self._inflight_total = 0
+        self._wake = asyncio.Event()
+        self._pump_task: asyncio.Task | None = None
+        self._stopping = False
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._pump_task is None:
+            self._stopping = False
+            self._pump_task = asyncio.get_running_loop().create_task(self._pump())
+
+    async def stop(self) -> None:
+        """Stop starting groups, abort everything in flight, wait for the group tasks to end."""
+        self._stopping = True
+        self._wake.set()
+        if self._pump_task is not None:
+            self._pump_task.cancel()
+            try:
+                await self._pump_task
+            except asyncio.CancelledError:
+                pass
+            self._pump_task = None
+        for name in list(self._runs):
+            await self.pool.abort_adapter(name)
+        tasks = [t for r in self._runs.values() for t in r.tasks]
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    # --- adapters ----------------------------------------------------------------------------
+
+    def _run(self, name: str) -> _AdapterRun:
+        try:
+            return self._runs[name]
+        except KeyError:
+            raise UnknownAdapter(name) from None
+
+    async def add_adapter(self, spec: AdapterRollout, weights: AdapterWeights) -> AdapterStats:
+        """Open the adapter's data and reward, publish its first weights, start generating for it.
+
+        Bad data, reward or sampling settings are refused before anything changes."""
+        check_adapter_name(spec.name)
+        if spec.name in self._runs:
+            raise RolloutError(f"adapter {spec.name} is already active in the rollout worker; remove it first")
+        n = spec.sampling.n_samples_per_prompt
+        if n > self.cfg.max_inflight_per_adapter:
+            raise RolloutError(
+                f"adapter {spec.name}: n_samples_per_prompt ({n}) exceeds max_inflight_per_adapter "
+                f"({self.cfg.max_inflight_per_adapter}); a group could never start"
+            )
+        data = await asyncio.to_thread(DataSource, spec.data, self.tokenizer, spec.cursor)
+        reward = load_reward(spec.reward, self.cfg.reward_import_roots)
+        await self.pool.publish(spec.name, spec.initial_version, weights)
+        self._runs[spec.name] = _AdapterRun(spec, data, reward, AdapterBuffer(spec.name, spec.registration_id, self.cfg.max_staleness))
+        self._rr.append(spec.name)
+        self._wake.set()
+        return self.stats(spec.name)
+
+    async def remove_adapter(self, name: str) -> int:
+        """Stop generating for the adapter, abort its requests, unload its versions, drop its buffer.
+
+        Returns how many requests were aborted. Unknown names are a no-op (0)."""
+        run = self._runs.pop(name, None)
+        if run is None:
+            await self.pool.remove_adapter(name)  # engines may still hold it after a worker restart
+            return 0
+        self._rr.remove(name)
+        aborted = await self.pool.remove_adapter(name)
+        if run.tasks:
+            await asyncio.gather(*list(run.tasks), return_exceptions=True)
+        run.buffer.drain()
+        return aborted
+
+    async def publish_version(self, name: str, version: int, weights: AdapterWeights) -> None:
+        """New weights for the adapter: new groups use them at once; stale buffered groups drop on pop."""
+        self._run(name)
+        await self.pool.publish(name, version, weights)
+        self._wake.set()
+
+    async def abort_adapter(self, name: str, *, pause: bool = False) -> int:
+        """Abort the adapter's in-flight requests (their prompts are re-queued); return how many.
+
+        With pause=True no new group starts until `resume_adapter`."""
+        run = self._run(name)
+        if pause:
+            run.paused = True
+        count = await self.pool.abort_adapter(name)
+        self._wake.set()
+        return count
+
+    def resume_adapter(self, name: str) -> None:
+        self._run(name).paused = False
+        self._wake.set()
+
+    def pop_groups(self, name: str, max_groups: int) -> list[RolloutGroup]:
+        """Up to `max_groups` ready groups of the adapter for training (oldest first).
+
+        Groups too stale for the adapter's current version are dropped here and
+        their prompts re-queued; returned groups count as consumed data."""
+        run = self._run(name)
+        ready, stale = run.buffer.pop(max_groups, self.pool.current_version(name))
+        for g in stale:
+            self._requeue(run, g.row)
+        for g in ready:
+            if g.row is not None:
+                run.data.consume(g.row)
+        run.groups_consumed += len(ready)
+        if stale or ready:
+            self._wake.set()
+        return ready
+
+    def data_cursor(self, name: str) -> DataCursor:
+        """Resume point of the adapter's data (rows not yet popped for training come back first)."""
+        return self._run(name).data.cursor()
+
+    def adapters(self) -> list[str]:
+        return list(self._rr)
+
+    def stats(self, name: str) -> AdapterStats:
+        run = self._run(name)
+        return AdapterStats(
+            name=name,
+            registration_id=run.spec.registration_id,
+            version=self.pool.current_version(name),
+            paused=run.paused,
+            inflight_requests=run.inflight_requests,
+            inflight_groups=run.inflight_groups,
+            buffered_groups=len(run.buffer),
+            groups_completed=run.groups_completed,
+            groups_consumed=run.groups_consumed,
+            groups_aborted=run.groups_aborted,
+            groups_requeued=run.groups_requeued,
+            groups_failed=run.groups_failed,
+            dropped_stale=run.buffer.dropped_stale,
+            refused_foreign=run.buffer.refused_foreign,
+            reward_failures=run.reward_failures,
+            last_error=run.last_error,
+            data=run.data.status(),
+        )
+
+    # --- the loop ----------------------------------------------------------------------------
+
+    def _can_start(self, run: _AdapterRun, now: float) -> bool:
+        return (
+            not run.paused
+            and now >= run.retry_at
+            and run.inflight_requests + run.n <= self.cfg.max_inflight_per_adapter
+            and self._inflight_total + run.n <= self.cfg.max_inflight_total
+            and len(run.buffer) + run.inflight_groups < self.cfg.max_buffered_groups_per_adapter
+        )
+
+    def _start_round(self) -> int:
+        """One round-robin pass: at most one new group per adapter. Returns groups started."""
+        started = 0
+        now = time.monotonic()
+        order = self._rr[self._rr_next:] + self._rr[: self._rr_next]
+        for name in order:
+            run = self._runs[name]
+            if not self._can_start(run, now):
+                continue
+            row = run.data.take()
+            if row is None:
+                continue
+            self._launch(run, row)
+            started += 1
+        if self._rr:
+            self._rr_next = (self._rr_next + 1) % len(self._rr)
+        return started
+
+    def _launch(self, run: _AdapterRun, row: PromptRow) -> None:
+        run.inflight_requests += run.n
+        run.inflight_groups += 1
+        self._inflight_total += run.n
+        task = asyncio.get_running_loop().create_task(self._run_group(run, row))
+        run.tasks.add(task)
+        task.add_done_callback(run.tasks.discard)
+
+    async def _pump(self) -> None:
+        while not self._stopping:
+            try:
+                no_engine = not any(self.pool.healthy(i) for i in range(self.pool.num_engines))
+                started = 0 if no_engine else self._start_round()
+            except Exception:  # never let one bad adapter stop every adapter's rollout
+                log.exception("rollout pump")
+                started = 0
+            if started == 0:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=0.25)
+                except TimeoutError:
+                    pass
+            else:
+                await asyncio.sleep(0)
+
+    def _requeue(self, run: _AdapterRun, row: PromptRow | None) -> None:
+        if row is not None:
+            run.data.requeue(row)
+            run.groups_requeued += 1
+
+    def _fail(self, run: _AdapterRun, row: PromptRow, err: BaseException) -> None:
+        run.groups_failed += 1
+        run.last_error = f"{type(err).__name__}: {err}"[:2000]
+        run.consecutive_failures += 1
+        # Back off so a persistent error (e.g. the engine refuses the adapter) does not spin.
+        run.retry_at = time.monotonic() + min(0.1 * 2 ** (run.consecutive_failures - 1), 5.0)
+        self._requeue(run, row)
+
+    async def _run_group(self, run: _AdapterRun, row: PromptRow) -> None:
+        sampling = run.spec.sampling
+        name = run.spec.name
+        try:
+            try:
+                gen = await self.pool.generate_group(name, row.input_ids, sampling.sglang_params(), run.n)
+            except UnknownAdapter:
+                return  # removed meanwhile: its data source goes away with it
+            except (EngineUnavailable, NoHealthyEngine) as e:
+                self._fail(run, row, e)
+                return
+            except EngineError as e:
+                log.warning("adapter %s: generation failed: %s", name, e)
+                self._fail(run, row, e)
+                return
+            if self._runs.get(name) is not run:
+                return  # removed (and maybe re-added by a new tenant) while generating
+            if gen.aborted:
+                run.groups_aborted += 1
+                self._requeue(run, row)
+                return
+            outcomes = await asyncio.gather(
+                *(score_async(run.reward, r.text, row.label, row.metadata, self.cfg.reward_timeout_s) for r in gen.results)
+            )
+            advantages = group_advantages([o.value for o in outcomes])
+            samples = [
+                Sample(
+                    response_ids=r.token_ids,
+                    response_text=r.text,
+                    logprobs=r.logprobs,
+                    finish_reason=r.finish_reason,
+                    reward=o.value,
+                    reward_error=o.error,
+                    advantage=a,
+                )
+                for r, o, a in zip(gen.results, outcomes, advantages)
+            ]
+            run.reward_failures += sum(o.error is not None for o in outcomes)
+            group = RolloutGroup(
+                adapter=name,
+                registration_id=run.spec.registration_id,
+                version=gen.version,
+                prompt_index=row.index,
+                epoch=row.epoch,
+                prompt_text=row.prompt_text,
+                prompt_ids=row.input_ids,
+                label=row.label,
+                metadata=row.metadata,
+                samples=samples,
+                engine=gen.engine,
+            )
+            group._row = row
+            if self._runs.get(name) is not run or not run.buffer.put(group):
+                return
+            run.groups_completed += 1
+            run.consecutive_failures = 0
+        finally:
+            run.inflight_requests -= run.n
+            run.inflight_groups -= 1
+            self._inflight_total -= run.n
+            self._wake.set()
