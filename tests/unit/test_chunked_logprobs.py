@@ -1,0 +1,134 @@
+"""Chunked log-probs == full-logits log-probs: values and gradients (fp32, CPU).
+
+Also the vocab-parallel form (two gloo processes, each holding half the vocabulary)
+against the unsharded result.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from trainer.chunked_logprobs import IGNORE_TARGET, chunked_token_logprobs, full_token_logprobs
+
+pytestmark = pytest.mark.unit
+
+
+def _problem(tokens=37, hidden=24, vocab=101, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(tokens, hidden, generator=g).to(dtype)
+    w = (torch.randn(vocab, hidden, generator=g) * 0.5).to(dtype)
+    t = torch.randint(0, vocab, (tokens,), generator=g)
+    t[[0, 5, tokens - 1]] = IGNORE_TARGET  # positions without a next token
+    up = torch.randn(tokens, generator=g)
+    return h, w, t, up
+
+
+def _value_and_grads(fn, h, w, t, up, **kw):
+    h = h.detach().clone().requires_grad_()
+    w = w.detach().clone().requires_grad_()
+    lp = fn(h, w, t, **kw)
+    (lp * up).sum().backward()
+    return lp.detach(), h.grad, w.grad
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 36, 37, 4096])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_matches_full_fp32(chunk_size, temperature):
+    h, w, t, up = _problem()
+    ref = _value_and_grads(full_token_logprobs, h, w, t, up, temperature=temperature)
+    got = _value_and_grads(chunked_token_logprobs, h, w, t, up, chunk_size=chunk_size, temperature=temperature)
+    assert got[0].dtype == torch.float32
+    assert (got[0] - ref[0]).abs().max().item() <= 2e-6
+    assert got[0][t == IGNORE_TARGET].eq(0).all()
+    for name, a, b in zip(("dh", "dw"), got[1:], ref[1:]):
+        assert rel_err(a, b) <= 2e-6, name
+    assert ref[0].abs().max() > 1.0  # a real distribution, not a flat one
+
+
+def test_batched_shapes_and_frozen_weight():
+    """[b, s, h] hidden with [b, s] targets; a frozen weight gets no gradient."""
+    h, w, t, up = _problem(tokens=36)
+    h3, t3 = h.reshape(4, 9, -1).requires_grad_(), t.reshape(4, 9)
+    lp = chunked_token_logprobs(h3, w, t3, chunk_size=5)
+    assert lp.shape == (4, 9)
+    lp.sum().backward()
+    assert h3.grad is not None and w.grad is None
+    assert torch.allclose(lp.reshape(-1), full_token_logprobs(h, w, t), atol=2e-6)
+
+
+def test_bf16_matches_the_bf16_full_path():
+    h, w, t, up = _problem(dtype=torch.bfloat16)
+    ref = _value_and_grads(full_token_logprobs, h, w, t, up)
+    got = _value_and_grads(chunked_token_logprobs, h, w, t, up, chunk_size=8)
+    assert rel_err(got[0], ref[0]) <= 1e-6  # same bf16 logits, same fp32 softmax
+    assert got[1].dtype == torch.bfloat16
+    for a, b in zip(got[1:], ref[1:]):
+        assert rel_err(a, b) <= 1e-2
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(chunk_size=0), "chunk_size"),
+        (dict(temperature=0.0), "temperature"),
+    ],
+)
+def test_bad_arguments_are_refused(kwargs, message):
+    h, w, t, _ = _problem()
+    with pytest.raises(ValueError, match=message):
+        chunked_token_logprobs(h, w, t, **kwargs)
+
+
+def test_bad_shapes_and_targets_are_refused():
+    h, w, t, _ = _problem()
+    with pytest.raises(ValueError, match="disagree"):
+        chunked_token_logprobs(h, w, t[:-1])
+    with pytest.raises(ValueError, match="hidden size"):
+        chunked_token_logprobs(h[:, :-1], w, t)
+    bad = t.clone()
+    bad[3] = w.shape[0]
+    with pytest.raises(ValueError, match=r"targets must be in \[0, 101\)"):
+        chunked_token_logprobs(h, w, bad)
+
+
+# ---- vocab-parallel (tensor parallel 2, gloo) ------------------------------------------
+
+
+def _tp_worker(rank, port, result_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        h, w, t, up = _problem(vocab=100)
+        shard = w[rank * 50 : (rank + 1) * 50]
+        hh = h.detach().clone().requires_grad_()
+        ww = shard.detach().clone().requires_grad_()
+        lp = chunked_token_logprobs(hh, ww, t, chunk_size=6, tp_group=dist.group.WORLD)
+        (lp * up).sum().backward()
+        torch.save({"lp": lp.detach(), "dh": hh.grad, "dw": ww.grad}, f"{result_path}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_vocab_parallel_two_ranks_match_unsharded(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    mp.start_processes(_tp_worker, args=(port, str(tmp_path / "r")), nprocs=2, start_method="spawn", join=True)
+    h, w, t, up = _problem(vocab=100)
+    ref_lp, ref_dh, ref_dw = _value_and_grads(full_token_logprobs, h, w, t, up)
+    outs = [torch.load(tmp_path / f"r.{r}") for r in range(2)]
+    for out in outs:  # every rank has the full log-probs and the full hidden gradient
+        assert (out["lp"] - ref_lp).abs().max().item() <= 2e-6
+        assert rel_err(out["dh"], ref_dh) <= 2e-6
+    assert rel_err(torch.cat([outs[0]["dw"], outs[1]["dw"]]), ref_dw) <= 2e-6
