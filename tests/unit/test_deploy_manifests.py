@@ -273,3 +273,61 @@ def test_ray_schema_rejects_broken_cluster_yaml(change, expected):
     schema = json.loads((Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())
     with pytest.raises(jsonschema.ValidationError, match=re.escape(expected)):
         jsonschema.validate(config, schema)
+
+
+# ---------------------------------------------------------------- the commands the manifests run
+
+
+def _lorafleet_commands() -> list[list[str]]:
+    """Every `lorafleet ...` command line the manifests execute, as argv (after 'lorafleet')."""
+    import shlex
+
+    (job,) = [d for d in ray_docs() if d["kind"] == "RayJob"]
+    (cluster,) = [d for d in ray_docs() if d["kind"] == "RayCluster"]
+    (head,) = [c for group, _, c in containers(cluster) if group == "head"]
+    lines = [job["spec"]["entrypoint"], head["args"][0].rsplit("exec ", 1)[1]]
+    return [shlex.split(line)[1:] for line in lines]
+
+
+def _cli_commands() -> set[str]:
+    import typer.main
+
+    from service.cli import app
+
+    return set(typer.main.get_command(app).commands)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        pytest.param(
+            argv,
+            id=argv[0],
+            marks=pytest.mark.xfail(argv[0] not in _cli_commands(), reason=f"`lorafleet {argv[0]}` is not implemented yet", strict=True),
+        )
+        for argv in _lorafleet_commands()
+    ],
+)
+def test_manifest_commands_parse_with_the_real_cli(argv):
+    # Parse (not run) each command with the CLI's own parser: a renamed sub-command or
+    # argument breaks this test instead of a pod at 3 a.m.
+    import typer.main
+
+    from service.cli import app
+
+    group = typer.main.get_command(app)
+    parent = group.context_class(group, info_name="lorafleet")
+    sub = group.get_command(parent, argv[0])
+    assert sub is not None, f"no sub-command {argv[0]!r}; the CLI has {sorted(_cli_commands())}"
+    sub.make_context(argv[0], list(argv[1:]), parent=parent)  # raises a usage error on a bad argv
+
+
+def test_cli_parse_check_can_fail():
+    import typer.main
+
+    from service.cli import app
+
+    group = typer.main.get_command(app)
+    parent = group.context_class(group, info_name="lorafleet")
+    with pytest.raises(Exception, match="No such option: --no-such-flag"):
+        group.get_command(parent, "run").make_context("run", ["a.yaml", "b.yaml", "--no-such-flag"], parent=parent)
