@@ -271,3 +271,32 @@ def pad_sequences(
         lengths=tuple(int(n) for n in lens),
         valid=valid.to(device),
     )
+
+
+def split_by_token_budget(
+    lengths: Sequence[int], slot_ids: Sequence[int], max_tokens: int
+) -> list[list[int]]:
+    """Micro-batches of sample indices, each at most ``max_tokens`` tokens when packed.
+
+    Samples are taken in slot order (stable), so a slot's samples stay contiguous
+    inside each micro-batch and spread over as few micro-batches as possible. A sample
+    longer than ``max_tokens`` gets a micro-batch of its own.
+    """
+    if len(lengths) != len(slot_ids):
+        raise ValueError(f"got {len(lengths)} lengths but {len(slot_ids)} slot ids")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    order = sorted(range(len(lengths)), key=lambda i: int(slot_ids[i]))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for i in order:
+        n = int(lengths[i])
+        if current and used + n > max_tokens:
+            batches.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += n
+    if current:
+        batches.append(current)
+    return batches

@@ -208,3 +208,18 @@ def test_chunked_output_processor_matches_megatron_logits_path(tiny_base):
         )
     assert got.shape == ref.shape == (2, 17)
     assert (got - ref).abs().max().item() <= 1e-5
+
+
+def test_split_by_token_budget():
+    from trainer.packing import split_by_token_budget
+
+    lengths = [5, 9, 3, 20, 4, 4]
+    slots = [1, 0, 1, 2, 0, 1]
+    batches = split_by_token_budget(lengths, slots, max_tokens=12)
+    # slot order: 1(9) 4(4) | 0(5) 2(3) 5(4) | 3(20, alone, over budget)
+    assert batches == [[1], [4, 0, 2], [5], [3]]
+    assert sorted(sum(batches, [])) == list(range(6))
+    for b in batches:
+        assert sum(lengths[i] for i in b) <= 12 or len(b) == 1
+    with pytest.raises(ValueError, match="max_tokens"):
+        split_by_token_budget(lengths, slots, 0)
