@@ -141,6 +141,8 @@ class EngineProcess:
                 proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
+            if pgid is not None:
+                _wait_group_gone(pgid, timeout_s=10.0)
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
@@ -165,6 +167,23 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _wait_group_gone(pgid: int, timeout_s: float) -> None:
+    """Wait until no process of the group exists (killed children are reaped by init shortly after)."""
+    deadline = time.monotonic() + timeout_s
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def launch_engines(cfg: EngineConfig, model_path: str | Path, *, log_dir: str | Path | None = None) -> list[EngineProcess]:
