@@ -64,11 +64,66 @@ def packed_micro_batches(seqs, slots, n_slots, max_tokens, device):
     return [pack_sequences([seqs[i] for i in g], [slots[i] for i in g], n_slots, device=device) for g in groups]
 
 
-def padded_micro_batches(seqs, pad_batch, device, sort_by_length=False):
+def padded_micro_batches(seqs, slots, pad_batch, device, sort_by_length=False):
+    """(PaddedBatch, slot ids) per micro-batch; rows sorted by slot inside each (LoRA routing)."""
     from trainer.packing import pad_sequences
 
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i])) if sort_by_length else list(range(len(seqs)))
-    return [pad_sequences([seqs[i] for i in order[j : j + pad_batch]], device=device) for j in range(0, len(order), pad_batch)]
+    out = []
+    for j in range(0, len(order), pad_batch):
+        rows = sorted(order[j : j + pad_batch], key=lambda i: slots[i])
+        out.append((pad_sequences([seqs[i] for i in rows], device=device), [slots[i] for i in rows]))
+    return out
+
+
+# ---- optional: helper-1's multi-LoRA slots (trainer/multi_lora.py) on the same base ----------
+
+
+class _Mapping:
+    def __init__(self, hf_param):
+        self.hf_param = hf_param
+
+
+class _RandomBase:
+    """What install_multi_lora needs from a FrozenBase, for a random model without an HF
+    checkpoint: the model, its device, and the fused kind of each linear (by name)."""
+
+    def __init__(self, model, device):
+        self.model, self.device = model, device
+
+    def hf_mapping(self, name):
+        if name.endswith("linear_qkv.weight"):
+            return _Mapping({"q": "q", "k": "k", "v": "v"})
+        if name.endswith("linear_fc1.weight"):
+            return _Mapping({"gate": "gate", "up": "up"})
+        return _Mapping(name)
+
+
+def install_lora(model, device, n_slots, rank):
+    from trainer.multi_lora import SlotRouting, install_multi_lora
+
+    routing = SlotRouting(n_slots, kernel="auto")
+    layers = install_multi_lora(
+        _RandomBase(model, device), target_modules=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"),
+        num_slots=n_slots, max_rank=rank, routing=routing, tp_group=None,
+    )
+    g = torch.Generator(device=device).manual_seed(0)
+    for layer in layers:
+        with torch.no_grad():
+            layer.lora_A.normal_(0.0, 0.01, generator=g)
+            layer.lora_B.normal_(0.0, 0.01, generator=g)
+        layer.lora_A.requires_grad_(True)
+        layer.lora_B.requires_grad_(True)
+    scales = torch.full((n_slots,), 2.0, device=device)
+    return routing, scales, layers
+
+
+def route_packed(routing, packed, scales):
+    """SlotRouting for a packed stream ([T, 1, h]: b = 1, s = T; slot segments from packing)."""
+    routing.counts = packed.slot_token_counts.tolist()
+    routing.offsets = packed.slot_offsets
+    routing.token_scale = scales[packed.token_slots]
+    routing.batch, routing.seq_len, routing.enabled = 1, packed.num_tokens, True
 
 
 def padded_step(model, batch):
@@ -101,28 +156,43 @@ def time_batch(run_all, iters: int) -> tuple[float, float]:
     return sorted(times)[len(times) // 2], peak
 
 
-def bench_tokens_per_second(model, seqs, slots, n_slots, max_tokens, pad_batch, iters, device) -> dict:
+def bench_tokens_per_second(model, seqs, slots, n_slots, max_tokens, pad_batch, iters, device, lora=None) -> dict:
+    """``lora``: (routing, scales) of installed multi-LoRA slots, or None for the frozen base."""
     real = sum(len(s) for s in seqs)
-    out = {"samples": len(seqs), "slots": n_slots, "real_tokens": real,
+    out = {"samples": len(seqs), "slots": n_slots, "real_tokens": real, "lora": lora is not None,
            "max_len": max(len(s) for s in seqs), "mean_len": real / len(seqs)}
     cases = {
         "packed": packed_micro_batches(seqs, slots, n_slots, max_tokens, device),
-        "padded": padded_micro_batches(seqs, pad_batch, device),
-        "padded_sorted": padded_micro_batches(seqs, pad_batch, device, sort_by_length=True),
+        "padded": padded_micro_batches(seqs, slots, pad_batch, device),
+        "padded_sorted": padded_micro_batches(seqs, slots, pad_batch, device, sort_by_length=True),
     }
+
+    def packed_one(b):
+        if lora is not None:
+            route_packed(lora[0], b, lora[1])
+        return mcore_packed_step(model, b)
+
+    def padded_one(item):
+        batch, row_slots = item
+        if lora is not None:
+            lora[0].set(torch.tensor(row_slots), batch.tokens.shape[1], lora[1])
+        return padded_step(model, batch)
+
     for name, batches in cases.items():
-        step = mcore_packed_step if name == "packed" else padded_step
-        computed = sum(b.tokens.numel() for b in batches)
+        step = packed_one if name == "packed" else padded_one
+        computed = sum((b if name == "packed" else b[0]).tokens.numel() for b in batches)
         try:
-            sec, peak = time_batch(lambda: [step(model, b) for b in batches], iters)
+            sec, peak = time_batch(lambda: [step(b) for b in batches], iters)
             out[name] = {"micro_batches": len(batches), "computed_tokens": computed, "s_per_batch": sec,
                          "real_tokens_per_s": real / sec, "peak_gib": peak}
-            print(f"{name:14s} {len(batches):3d} mb  {computed:7d} tok computed  {sec * 1e3:8.1f} ms  "
-                  f"{real / sec:9.0f} real tok/s  peak {peak:6.1f} GiB", flush=True)
+            print(f"{'lora ' if lora else ''}{name:14s} {len(batches):3d} mb  {computed:7d} tok computed  "
+                  f"{sec * 1e3:8.1f} ms  {real / sec:9.0f} real tok/s  peak {peak:6.1f} GiB", flush=True)
         except Exception as exc:
             out[name] = {"error": f"{type(exc).__name__}: {exc}"}
             print(f"{name}: FAILED {type(exc).__name__}: {exc}", flush=True)
         free()
+    if lora is not None:
+        lora[0].disable()
     if "real_tokens_per_s" in out.get("packed", {}) and "real_tokens_per_s" in out.get("padded", {}):
         out["packed_over_padded"] = out["packed"]["real_tokens_per_s"] / out["padded"]["real_tokens_per_s"]
     return out
@@ -201,7 +271,8 @@ def main() -> None:
     parser.add_argument("--pad-batch", type=int, default=8, help="samples per padded micro-batch")
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--cap-tokens", type=int, default=524288, help="largest size the memory check runs")
-    parser.add_argument("--skip", default="", help="comma list of parts to skip: tokens,memory")
+    parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--skip", default="", help="comma list of parts to skip: tokens,lora,memory")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (CPU smoke test)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -214,13 +285,26 @@ def main() -> None:
     result = {"shape": args.shape, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "torch": torch.__version__}
     skip = set(filter(None, args.skip.split(",")))
+    seqs, slots = rl_batch(args.samples, args.slots, shape["vocab"], scale=scale)
+    budget = max(1, int(args.max_tokens * scale))
     if "tokens" not in skip:
-        seqs, slots = rl_batch(args.samples, args.slots, shape["vocab"], scale=scale)
         model = build_megatron(shape, "fused", dtype)
         result["tokens_per_s"] = bench_tokens_per_second(
-            model, seqs, slots, args.slots, int(args.max_tokens * scale) or 1, args.pad_batch, args.iters, device
+            model, seqs, slots, args.slots, budget, args.pad_batch, args.iters, device
         )
         del model
+        free()
+    if "lora" not in skip:
+        try:  # the mixed step's model: trainer/multi_lora.py slots on every linear
+            model = build_megatron(shape, "fused", dtype)
+            routing, scales, _ = install_lora(model, device, args.slots, args.lora_rank)
+            result["lora_tokens_per_s"] = bench_tokens_per_second(
+                model, seqs, slots, args.slots, budget, args.pad_batch, args.iters, device, lora=(routing, scales)
+            )
+        except Exception as exc:
+            result["lora_tokens_per_s"] = {"error": f"{type(exc).__name__}: {exc}"}
+            print(f"lora: FAILED {type(exc).__name__}: {exc}", flush=True)
+        model = None
         free()
     if "memory" not in skip and device.type == "cuda":
         lora = lora_state_gib(shape, 64, 16)
