@@ -1,0 +1,297 @@
+"""Multi-slot LoRA linears for a Megatron-core model.
+
+Each targeted linear (``linear_qkv``, ``linear_proj``, ``linear_fc1``,
+``linear_fc2``) is wrapped by a ``MultiLoraLinear`` holding N resident slots in
+two stacked fp32 parameters:
+
+    lora_A [N, R, in_local]     lora_B [N, out_local, R]      (R = max rank)
+
+Slot i of rank r uses ``A[i, :r]`` and ``B[i, :, :r]``; the rest of its rows and
+columns are exactly zero. Zero rows of A give zero hidden units, whose B
+columns then get zero gradient, and zero B columns give zero gradient to those
+A rows, so padding stays exactly zero; the optimizer also touches only the
+``[:r]`` blocks (per_slot_optim.py).
+
+The delta for a micro-batch is ``scale(t) * B[g(t)] @ A[g(t)] @ x[t]`` where g(t) is
+the slot of token t. Samples arrive sorted by slot, so in sample-major token
+order every slot is one contiguous segment; ``SlotRouting`` (one object shared
+by every layer, set by the trainer before each forward) holds the segment
+offsets and per-token scales. Megatron's activations are [s, b, h]; the LoRA
+branch works on the [b*s, h] sample-major view.
+
+Tensor parallelism (A and B are split like the base weight they adapt):
+* column-parallel base (qkv, fc1: output split): A replicated, B split on its
+  output rows. h = A x is computed on every rank; its gradient is all-reduced
+  over TP (``copy_to_tensor_model_parallel_region``) so dA and the LoRA part of
+  dx are complete and identical on every rank.
+* row-parallel base (proj, fc2: input split): A split on its input columns, B
+  replicated. Partial h = A_local x_local is all-reduced over TP in forward
+  (``reduce_from_tensor_model_parallel_region``).
+Sequence parallelism is not supported (the trainer turns it off).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainer.segmented_mm import pick_kernel, segmented_matmul
+
+FusedKind = Literal["qkv", "gate_up", "plain"]
+ParallelMode = Literal["column", "row"]
+
+
+class SlotRouting:
+    """Token -> slot assignment of the micro-batch being processed (shared by all layers).
+
+    Invariant while enabled: samples are sorted by slot, so in sample-major order
+    (token index = sample * seq_len + position) slot g owns tokens
+    [offsets[g-1], offsets[g]).
+    """
+
+    def __init__(self, num_slots: int, kernel: Literal["auto", "grouped_mm", "loop"] = "auto") -> None:
+        self.num_slots = num_slots
+        self.kernel = kernel
+        self.enabled = False
+        self.batch = 0
+        self.seq_len = 0
+        self.offsets: torch.Tensor | None = None  # int32 [N] cumulative segment ends
+        self.counts: list[int] = []  # tokens per slot (host copy, for the loop kernel)
+        self.token_scale: torch.Tensor | None = None  # fp32 [b*s]
+
+    def set(self, slot_of_sample: torch.Tensor, seq_len: int, slot_scales: torch.Tensor) -> None:
+        """Route a micro-batch: ``slot_of_sample`` [b] (non-decreasing), ``slot_scales`` [N] fp32."""
+        slots = slot_of_sample.tolist()
+        if any(a > b for a, b in zip(slots, slots[1:])):
+            raise ValueError(f"samples must be sorted by slot, got slot order {slots}")
+        if slots and not (0 <= slots[0] and slots[-1] < self.num_slots):
+            raise ValueError(f"slot ids {slots} outside 0..{self.num_slots - 1}")
+        per_slot = torch.bincount(slot_of_sample.cpu(), minlength=self.num_slots) * seq_len
+        self.counts = per_slot.tolist()
+        self.offsets = torch.cumsum(per_slot, 0).to(torch.int32).to(slot_scales.device)
+        self.token_scale = slot_scales[slot_of_sample.to(slot_scales.device)].repeat_interleave(seq_len)
+        self.batch = len(slots)
+        self.seq_len = seq_len
+        self.enabled = True
+
+    def disable(self) -> None:
+        """LoRA off: every layer returns the base output (reference policy, frozen base)."""
+        self.enabled = False
+        self.offsets = self.token_scale = None
+        self.counts = []
+
+
+class MultiLoraLinear(nn.Module):
+    """A Megatron linear plus N stacked LoRA slots. Returns what the base returns."""
+
+    def __init__(
+        self,
+        base: nn.Module,
+        *,
+        name: str,
+        kind: FusedKind,
+        parallel: ParallelMode,
+        num_slots: int,
+        max_rank: int,
+        routing: SlotRouting,
+        tp_group,  # noqa: ANN001 - torch ProcessGroup
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.base = base
+        self.name = name
+        self.kind = kind
+        self.parallel = parallel
+        self.routing = routing
+        self.tp_group = tp_group
+        self.tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+        self.tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+        out_local, in_local = base.weight.shape
+        self.in_local, self.out_local = in_local, out_local
+        self.in_full = in_local * self.tp_size if parallel == "row" else in_local
+        self.out_full = out_local * self.tp_size if parallel == "column" else out_local
+        self.max_rank = max_rank
+        self.lora_A = nn.Parameter(torch.zeros(num_slots, max_rank, in_local, device=device))
+        self.lora_B = nn.Parameter(torch.zeros(num_slots, out_local, max_rank, device=device))
+        # Which of A/B is split over TP (the other is replicated): grad-norm bookkeeping.
+        self.a_is_tp_split = parallel == "row"
+        self.b_is_tp_split = parallel == "column"
+        if hasattr(base, "return_layernorm_output"):
+            # TransformerEngine's fused LayerNorm+linear: LoRA must see the normed input.
+            base.return_layernorm_output = True
+            if hasattr(base, "return_layernorm_output_gathered"):
+                base.return_layernorm_output_gathered = True
+
+    # -- forward ---------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor, *args, **kwargs):
+        out = self.base(x, *args, **kwargs)
+        if not self.routing.enabled:
+            return _strip_layernorm_output(out)
+        linear_out, bias, lora_in = _split_base_output(out, x)
+        return linear_out + self._delta(lora_in), bias
+
+    def _delta(self, x: torch.Tensor) -> torch.Tensor:
+        r = self.routing
+        s, b = x.shape[0], x.shape[1]
+        if (s, b) != (r.seq_len, r.batch):
+            raise RuntimeError(f"{self.name}: activations [s={s}, b={b}] but routing was set for s={r.seq_len}, b={r.batch}")
+        x_tok = x.transpose(0, 1).reshape(b * s, x.shape[-1])  # sample-major tokens
+        kernel = pick_kernel(r.kernel, x_tok, self.lora_A)
+        h = segmented_matmul(x_tok, self.lora_A, r.offsets, r.counts, kernel)
+        if self.tp_size > 1:
+            from megatron.core.tensor_parallel.mappings import (
+                copy_to_tensor_model_parallel_region,
+                reduce_from_tensor_model_parallel_region,
+            )
+
+            if self.parallel == "column":  # backward: all-reduce dh (B is split on outputs)
+                h = copy_to_tensor_model_parallel_region(h, group=self.tp_group)
+            else:  # forward: sum the partial h of the split inputs
+                h = reduce_from_tensor_model_parallel_region(h, group=self.tp_group)
+        h = h * r.token_scale.to(h.dtype).unsqueeze(1)
+        kernel_b = pick_kernel(r.kernel, h, self.lora_B)
+        y = segmented_matmul(h, self.lora_B, r.offsets, r.counts, kernel_b)
+        return y.view(b, s, -1).transpose(0, 1)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("base"), name)
+
+    # -- slot blocks in this rank's layout ----------------------------------------------------
+
+    def a_block(self, tensor: torch.Tensor, slot: int, rank: int) -> torch.Tensor:
+        """View of slot's live A block in ``tensor`` (lora_A, its grad or a moment)."""
+        return tensor[slot, :rank, :]
+
+    def b_block(self, tensor: torch.Tensor, slot: int, rank: int) -> torch.Tensor:
+        return tensor[slot, :, :rank]
+
+    # -- local shard <-> full (TP=1 Megatron layout) --------------------------------------------
+
+    def _gather(self, local: torch.Tensor, dim: int) -> list[torch.Tensor]:
+        if self.tp_size == 1:
+            return [local]
+        parts = [torch.empty_like(local) for _ in range(self.tp_size)]
+        dist.all_gather(parts, local.contiguous(), group=self.tp_group)
+        return parts
+
+    def full_a(self, local: torch.Tensor) -> torch.Tensor:
+        """[r, in_local] on this rank -> [r, in_full] (collective over TP for row-parallel)."""
+        if self.parallel == "column":
+            return local.clone()
+        return torch.cat(self._gather(local, 1), dim=1)
+
+    def full_b(self, local: torch.Tensor) -> torch.Tensor:
+        """[out_local, r] on this rank -> [out_full, r] (collective over TP for column-parallel)."""
+        if self.parallel == "row":
+            return local.clone()
+        shards = self._gather(local, 0)
+        if self.kind == "gate_up":
+            # Each rank holds [gate_shard; up_shard]; the full layout is [gate; up].
+            halves = [s.chunk(2, dim=0) for s in shards]
+            return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+        return torch.cat(shards, dim=0)
+
+    def local_a(self, full: torch.Tensor) -> torch.Tensor:
+        if full.shape[1] != self.in_full:
+            raise ValueError(f"{self.name}: lora_A has {full.shape[1]} input features, expected {self.in_full}")
+        if self.parallel == "column":
+            return full
+        return full.chunk(self.tp_size, dim=1)[self.tp_rank]
+
+    def local_b(self, full: torch.Tensor) -> torch.Tensor:
+        if full.shape[0] != self.out_full:
+            raise ValueError(f"{self.name}: lora_B has {full.shape[0]} output features, expected {self.out_full}")
+        if self.parallel == "row":
+            return full
+        if self.kind == "gate_up":
+            gate, up = full.chunk(2, dim=0)
+            return torch.cat([gate.chunk(self.tp_size)[self.tp_rank], up.chunk(self.tp_size)[self.tp_rank]], dim=0)
+        return full.chunk(self.tp_size, dim=0)[self.tp_rank]
+
+
+def _split_base_output(out, x):
+    """(linear_out, bias, layernorm_out) from the patterns Megatron/TE linears return."""
+    if not isinstance(out, tuple):
+        raise TypeError(f"expected the wrapped linear to return a tuple, got {type(out).__name__}")
+    if len(out) == 3:
+        return out
+    linear_out, bias = out
+    if isinstance(linear_out, tuple):  # TE: ((out, ln_out), bias)
+        return linear_out[0], bias, linear_out[1]
+    return linear_out, bias, x
+
+
+def _strip_layernorm_output(out):
+    linear_out, bias, _ = _split_base_output(out, None)
+    return linear_out, bias
+
+
+def _parallel_mode(module: nn.Module) -> ParallelMode | None:
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    if isinstance(module, ColumnParallelLinear):
+        return "column"
+    if isinstance(module, RowParallelLinear):
+        return "row"
+    mode = getattr(module, "parallel_mode", None)  # TransformerEngine linears
+    return mode if mode in ("column", "row") else None
+
+
+def fused_kind(hf_mapping) -> FusedKind:  # noqa: ANN001 - Bridge MegatronParamMapping
+    hf = hf_mapping.hf_param
+    if isinstance(hf, str):
+        return "plain"
+    if set(hf) == {"q", "k", "v"}:
+        return "qkv"
+    if set(hf) == {"gate", "up"}:
+        return "gate_up"
+    raise ValueError(f"unsupported fused projection {sorted(hf)} (supported: q/k/v, gate/up, single)")
+
+
+def install_multi_lora(
+    base,  # noqa: ANN001 - FrozenBase
+    *,
+    target_modules: tuple[str, ...],
+    num_slots: int,
+    max_rank: int,
+    routing: SlotRouting,
+    tp_group,  # noqa: ANN001
+) -> list[MultiLoraLinear]:
+    """Wrap every targeted linear of ``base.model`` in place; return the wrappers in model order."""
+    targets: list[tuple[str, nn.Module]] = [
+        (name, module)
+        for name, module in base.model.named_modules()
+        if name.rsplit(".", 1)[-1] in target_modules and not isinstance(module, MultiLoraLinear)
+    ]
+    if not targets:
+        raise ValueError(f"no module of the model matches target_modules {list(target_modules)}")
+    layers = []
+    for name, module in targets:
+        mode = _parallel_mode(module)
+        if mode is None:
+            raise TypeError(f"{name} is a {type(module).__name__}, not a column- or row-parallel linear")
+        mapping = base.hf_mapping(f"{name}.weight")
+        if mapping is None:
+            raise ValueError(f"Megatron-Bridge has no Hugging Face mapping for {name}.weight")
+        wrapper = MultiLoraLinear(
+            module,
+            name=name,
+            kind=fused_kind(mapping),
+            parallel=mode,
+            num_slots=num_slots,
+            max_rank=max_rank,
+            routing=routing,
+            tp_group=tp_group,
+            device=base.device,
+        )
+        parent_name, _, child = name.rpartition(".")
+        setattr(base.model.get_submodule(parent_name), child, wrapper)
+        layers.append(wrapper)
+    return layers

@@ -1,0 +1,121 @@
+"""Segmented matmul: y[t] = x[t] @ W[g(t)].T, where token t lies in segment g(t).
+
+Tokens are grouped in contiguous segments, one per slot (``offsets[g]`` = end of
+segment g, int32, cumulative; empty segments allowed). ``W`` is a stacked weight
+[G, N, K] in nn.Linear layout, so the stacked LoRA parameters are used as they
+are: no per-forward gathering or re-stacking of slot weights.
+
+Two kernels, same math, chosen once per call:
+
+* ``grouped_mm``: ``torch.nn.functional.grouped_mm`` (CUDA bf16/fp16 on sm80+, and
+  CPU in any float dtype). Three grouped GEMMs cover forward and backward.
+* ``loop``: one matmul per non-empty segment (any device/dtype/alignment).
+
+The autograd Function saves ``x`` and the (fp32 master) ``W`` only. ``W`` is cast to
+the compute dtype of ``x`` for the GEMMs; its gradient comes back in ``W``'s dtype,
+accumulated in fp32 where the kernel allows it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+Kernel = Literal["grouped_mm", "loop"]
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """grouped_mm needs the leading stride of each 2D operand to be a multiple of 16 bytes."""
+    align = 16 // t.element_size()
+    if t.stride(-1) == 1:
+        return t.stride(-2) % align == 0
+    if t.stride(-2) == 1:
+        return t.stride(-1) % align == 0
+    return False
+
+
+def pick_kernel(requested: Literal["auto", "grouped_mm", "loop"], x: torch.Tensor, w: torch.Tensor) -> Kernel:
+    """The kernel for x [T, K] against W [G, N, K] (also valid for the backward GEMMs)."""
+    if requested == "loop":
+        return "loop"
+    ok = hasattr(F, "grouped_mm") and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    if ok and x.is_cuda:
+        # CUDA grouped GEMM: 16-bit inputs, 16-byte aligned leading dims of every operand
+        # of the forward and backward GEMMs (K, N and the token-major transposes).
+        align = 16 // x.element_size()
+        ok = x.dtype in (torch.bfloat16, torch.float16) and w.shape[-1] % align == 0 and w.shape[-2] % align == 0
+    if requested == "grouped_mm" and not ok:
+        raise ValueError(
+            f"lora_kernel 'grouped_mm' cannot run dtype {x.dtype} with dims {tuple(w.shape[-2:])} on {x.device}; "
+            "use 'auto' or 'loop'"
+        )
+    return "grouped_mm" if ok else "loop"
+
+
+def _bounds(counts: list[int]):
+    start = 0
+    for g, n in enumerate(counts):
+        if n:
+            yield g, start, start + n
+        start += n
+
+
+class SegmentedMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, offsets, counts, kernel):  # noqa: ANN001 - autograd signature
+        wc = w.to(x.dtype)
+        if kernel == "grouped_mm":
+            y = F.grouped_mm(x, wc.transpose(-2, -1), offs=offsets)
+        else:
+            y = x.new_zeros(x.shape[0], w.shape[1])
+            for g, s, e in _bounds(counts):
+                torch.matmul(x[s:e], wc[g].t(), out=y[s:e])
+        ctx.save_for_backward(x, w, offsets)
+        ctx.counts = counts
+        ctx.kernel = kernel
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):  # noqa: ANN001
+        x, w, offsets = ctx.saved_tensors
+        gy = gy.contiguous()
+        wc = w.to(x.dtype)
+        gx = gw = None
+        if ctx.kernel == "grouped_mm":
+            if ctx.needs_input_grad[0]:
+                gx = F.grouped_mm(gy, wc, offs=offsets)
+            if ctx.needs_input_grad[1]:
+                gw = _grouped_weight_grad(gy, x, offsets, w.dtype)
+        else:
+            if ctx.needs_input_grad[0]:
+                gx = torch.zeros_like(x)
+            if ctx.needs_input_grad[1]:
+                gw = torch.zeros_like(w)
+            for g, s, e in _bounds(ctx.counts):
+                if gx is not None:
+                    torch.matmul(gy[s:e], wc[g], out=gx[s:e])
+                if gw is not None:
+                    gw[g] = (gy[s:e].t() @ x[s:e]).to(w.dtype)
+        return gx, gw, None, None, None
+
+
+def _grouped_weight_grad(gy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """dW[g] = gy[seg g].T @ x[seg g] for every group (zeros for empty groups)."""
+    if gy.is_cuda and gy.dtype != dtype:
+        try:  # accumulate 16-bit inputs in fp32 where the CUDA kernel offers it
+            return F.grouped_mm(gy.t(), x, offs=offsets, out_dtype=dtype)
+        except RuntimeError as err:  # pragma: no cover - depends on the torch build
+            warnings.warn(f"grouped_mm out_dtype={dtype} unavailable ({err}); accumulating in {gy.dtype}")
+    return F.grouped_mm(gy.t(), x, offs=offsets).to(dtype)
+
+
+def segmented_matmul(
+    x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, counts: list[int], kernel: Kernel
+) -> torch.Tensor:
+    """x [T, K], w [G, N, K], offsets int32 [G] (cumulative ends, offsets[-1] == T) -> [T, N]."""
+    if x.shape[0] != sum(counts):
+        raise ValueError(f"segments cover {sum(counts)} tokens but x has {x.shape[0]}")
+    return SegmentedMatmul.apply(x, w, offsets, counts, kernel)
