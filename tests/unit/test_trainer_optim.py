@@ -1,0 +1,56 @@
+"""Per-slot AdamW equals torch.optim.AdamW bit for bit; schedule and clipping values."""
+
+import math
+
+import pytest
+import torch
+
+from trainer.config import SlotHyperParams
+from trainer.per_slot_optim import adamw_update, clip_coefficient, lr_at
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_adamw_matches_torch_on_a_view(wd):
+    hyper = SlotHyperParams(lr=3e-3, weight_decay=wd, betas=(0.8, 0.95), eps=1e-7)
+    g = torch.Generator().manual_seed(0)
+    stacked = torch.randn(3, 4, 5, generator=g)
+    m, v = torch.zeros_like(stacked), torch.zeros_like(stacked)
+    ref = stacked[1, :2].clone().requires_grad_()
+    opt = torch.optim.AdamW([ref], lr=hyper.lr, betas=hyper.betas, eps=hyper.eps, weight_decay=wd, foreach=False)
+    before_others = stacked.clone()
+    for step in range(1, 6):
+        grad = torch.randn(2, 5, generator=g)
+        ref.grad = grad.clone()
+        opt.step()
+        adamw_update(stacked[1, :2], grad, m[1, :2], v[1, :2], step=step, lr=hyper.lr, hyper=hyper)
+    assert torch.equal(stacked[1, :2], ref.detach())
+    state = opt.state[ref]
+    assert torch.equal(m[1, :2], state["exp_avg"]) and torch.equal(v[1, :2], state["exp_avg_sq"])
+    # nothing outside the block moved
+    mask = torch.ones_like(stacked, dtype=torch.bool)
+    mask[1, :2] = False
+    assert torch.equal(stacked[mask], before_others[mask])
+    assert torch.count_nonzero(m[mask]) == 0
+
+
+def test_schedule_values():
+    const = SlotHyperParams(lr=1e-3, warmup_steps=4)
+    assert [lr_at(const, s) for s in (1, 2, 4, 5, 100)] == pytest.approx([2.5e-4, 5e-4, 1e-3, 1e-3, 1e-3])
+    cos = SlotHyperParams(lr=1e-3, warmup_steps=2, lr_schedule="cosine", total_steps=12, min_lr_ratio=0.1)
+    assert lr_at(cos, 2) == pytest.approx(1e-3)
+    mid = 1e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_at(cos, 7) == pytest.approx(mid)
+    assert lr_at(cos, 12) == pytest.approx(1e-4) and lr_at(cos, 50) == pytest.approx(1e-4)
+    with pytest.raises(ValueError, match="start at 1"):
+        lr_at(const, 0)
+
+
+def test_clip_coefficient_matches_torch():
+    p = torch.nn.Parameter(torch.zeros(10))
+    p.grad = torch.arange(10.0)
+    norm = p.grad.norm().item()
+    torch.nn.utils.clip_grad_norm_([p], 2.0)
+    assert clip_coefficient(norm, 2.0) * torch.arange(10.0) == pytest.approx(p.grad)
+    assert clip_coefficient(0.5, 2.0) == 1.0 and clip_coefficient(10.0, None) == 1.0

@@ -1,0 +1,476 @@
+"""MultiLoraTrainer: N resident LoRA slots on one frozen Megatron base (no Ray here).
+
+One process per device (tp * dp processes in all; see distributed.py). The
+public methods are collective: every rank of the trainer calls them with the
+same arguments (the Ray actor group does that), and rank 0 writes files.
+
+Invariants:
+* A slot's weights, gradients and optimizer moments live in its own slice of
+  the stacked tensors; every operation on slot i touches only slot i's slices
+  (isolation), and only the live ``[:rank]`` blocks get updated.
+* The backward pass sums per-sample loss numerators of all slots; the base is
+  frozen and samples never interact, so slot i's gradient is exactly the sum
+  over its own samples. Per-slot normalization, clipping and AdamW run on that
+  gradient alone when the slot's ``samples_per_step`` samples have all been
+  accumulated (possibly across micro-batches and train calls).
+* A non-finite gradient or loss in one slot skips that slot's step (its
+  accumulated batch is discarded) and is reported; other slots are unaffected.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel
+
+from trainer.base_model import build_frozen_base, token_logprobs
+from trainer.batch import TrainBatch, TrainSample, assign_phases, dp_shard, pack_micro_batches
+from trainer.config import SlotHyperParams, TrainerConfig
+from trainer.distributed import dp_group, init_parallel, tp_group
+from trainer.losses import TokenLossInputs, sample_loss_numerators
+from trainer.multi_lora import SlotRouting, install_multi_lora
+from trainer.peft_io import hf_short_names, peft_config_dict, read_peft_folder, slot_to_hf, write_peft_folder
+from trainer.per_slot_optim import adamw_update, clip_coefficient, lr_at
+from trainer.slot_checkpoint import load_slot_checkpoint, save_slot_checkpoint
+
+# Columns of the per-slot statistics accumulators.
+NUM, SAMPLES, TOKENS, CLIPPED, RATIO, KL, RL_TOKENS = range(7)
+N_STATS = 7
+
+
+@dataclass
+class SlotState:
+    hyper: SlotHyperParams
+    rank: int  # live rows of A / columns of B (hyper.rank, or more for a stacked PEFT import)
+    scale: float  # alpha / r
+    seed: int
+    registration: str | None
+    step: int = 0  # optimizer updates taken (the schedule's position)
+    pending_samples: int = 0  # samples accumulated toward the next step (global over DP)
+    pending: torch.Tensor = field(default_factory=lambda: torch.zeros(N_STATS, dtype=torch.float64))  # local stats
+
+
+class StepReport(BaseModel):
+    step: int  # the update number just taken (or attempted)
+    lr: float
+    grad_norm: float  # before clipping, after normalization
+    loss: float  # the step's normalized loss (what the gradient is the gradient of)
+    skipped_nonfinite: bool = False
+
+
+class SlotMetrics(BaseModel):
+    samples: int = 0
+    loss_tokens: int = 0
+    loss: float = 0.0  # this call's samples, normalized like the slot's steps
+    clip_frac: float = 0.0
+    ratio_mean: float = 0.0
+    kl_mean: float = 0.0
+    pending_samples: int = 0  # accumulated toward the next step after this call
+    steps: list[StepReport] = []
+
+
+class TrainResult(BaseModel):
+    slots: dict[int, SlotMetrics]
+    stepped: list[int]  # slots that applied at least one update in this call
+    skipped_nonfinite: list[int]
+    dropped_foreign: dict[int, int]  # slot -> samples dropped for a registration mismatch
+
+
+class MultiLoraTrainer:
+    def __init__(self, config: TrainerConfig, *, rank: int = 0, master_addr: str = "127.0.0.1", master_port: int | None = None):
+        self.config = config
+        self.layout = init_parallel(tp=config.tp, dp=config.dp, rank=rank, master_addr=master_addr, master_port=master_port, seed=config.seed)
+        self.base = build_frozen_base(
+            config.base_model_path, tp=config.tp, dtype=config.dtype, layer_spec=config.layer_spec,
+            random_init=config.random_init, seed=config.seed,
+        )
+        self.device = self.base.device
+        self.routing = SlotRouting(config.num_slots, kernel=config.lora_kernel)
+        self.layers = install_multi_lora(
+            self.base, target_modules=config.target_modules, num_slots=config.num_slots,
+            max_rank=config.max_rank, routing=self.routing, tp_group=tp_group() if config.tp > 1 else None,
+        )
+        self.params = [p for layer in self.layers for p in (layer.lora_A, layer.lora_B)]
+        for p in self.params:
+            p.grad = torch.zeros_like(p)
+        self.exp_avg = [torch.zeros_like(p) for p in self.params]
+        self.exp_avg_sq = [torch.zeros_like(p) for p in self.params]
+        self.scales = torch.zeros(config.num_slots, dtype=torch.float32, device=self.device)
+        self.slots: list[SlotState | None] = [None] * config.num_slots
+        self.vocab_size: int = self.base.model.vocab_size
+
+    # -- slot blocks ------------------------------------------------------------------------
+
+    def _blocks(self, tensors: list[torch.Tensor], slot: int, rank: int) -> list[torch.Tensor]:
+        """Slot's live blocks of tensors shaped like self.params (A, B, A, B, ...)."""
+        out = []
+        for layer, a, b in zip(self.layers, tensors[0::2], tensors[1::2]):
+            out += [layer.a_block(a, slot, rank), layer.b_block(b, slot, rank)]
+        return out
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.params]
+
+    def _tp_split_flags(self) -> list[bool]:
+        return [f for layer in self.layers for f in (layer.a_is_tp_split, layer.b_is_tp_split)]
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.config.num_slots:
+            raise ValueError(f"slot {slot} out of range 0..{self.config.num_slots - 1}")
+
+    def _state(self, slot: int) -> SlotState:
+        self._check_slot(slot)
+        state = self.slots[slot]
+        if state is None:
+            raise ValueError(f"slot {slot} is not initialized")
+        return state
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def init_slot(self, slot: int, hyper: SlotHyperParams, seed: int, init_from: str | Path | None = None, registration: str | None = None) -> dict:
+        """A random (seeded, PEFT's kaiming-uniform), B zero; or the weights of a PEFT folder."""
+        self._check_slot(slot)
+        if self.slots[slot] is not None:
+            raise ValueError(f"slot {slot} is in use; clear it before initializing it again")
+        if hyper.rank > self.config.max_rank:
+            raise ValueError(f"rank {hyper.rank} exceeds the trainer's max_rank {self.config.max_rank}")
+        g = torch.Generator().manual_seed(seed)
+        a_full, b_full = {}, {}
+        for layer in self.layers:  # the full (TP=1) A, so every TP layout gets the same init
+            bound = 1.0 / math.sqrt(layer.in_full)
+            a_full[layer.name] = (torch.rand(hyper.rank, layer.in_full, generator=g, dtype=torch.float32) * 2 - 1) * bound
+            b_full[layer.name] = torch.zeros(layer.out_full, hyper.rank)
+        rank, scale = hyper.rank, hyper.scale
+        if init_from is not None:
+            peft_cfg, imported = read_peft_folder(init_from, self.base, self.layers)
+            if int(peft_cfg["r"]) != hyper.rank or not math.isclose(float(peft_cfg["lora_alpha"]), hyper.alpha):
+                raise ValueError(
+                    f"init_from adapter has r={peft_cfg['r']}, lora_alpha={peft_cfg['lora_alpha']}; "
+                    f"the slot's hyper-parameters say rank={hyper.rank}, alpha={hyper.alpha}: make them equal"
+                )
+            if imported.rank > self.config.max_rank:
+                raise ValueError(
+                    f"init_from adapter needs rank {imported.rank} in the slot (different lora_A per fused "
+                    f"projection are stacked), above max_rank {self.config.max_rank}"
+                )
+            rank = imported.rank
+            a_full.update(imported.a_full)
+            b_full.update(imported.b_full)
+        self._write_slot(slot, rank, a_full, b_full)
+        self.slots[slot] = SlotState(hyper=hyper, rank=rank, scale=scale, seed=seed, registration=registration)
+        self.scales[slot] = scale
+        return self.slot_status(slot)
+
+    def _write_slot(self, slot: int, rank: int, a_full: dict, b_full: dict) -> None:
+        """Zero the slot everywhere, then place full-layout weights (padded to ``rank``) into its blocks."""
+        self._zero_slot(slot)
+        for layer in self.layers:
+            a, b = a_full[layer.name], b_full[layer.name]
+            a = torch.cat([a, a.new_zeros(rank - a.shape[0], a.shape[1])]) if a.shape[0] < rank else a
+            b = torch.cat([b, b.new_zeros(b.shape[0], rank - b.shape[1])], dim=1) if b.shape[1] < rank else b
+            layer.a_block(layer.lora_A.data, slot, rank).copy_(layer.local_a(a).to(self.device))
+            layer.b_block(layer.lora_B.data, slot, rank).copy_(layer.local_b(b).to(self.device))
+
+    @torch.no_grad()
+    def _zero_slot(self, slot: int) -> None:
+        for tensors in ([p.data for p in self.params], self._grads(), self.exp_avg, self.exp_avg_sq):
+            for t in tensors:
+                t[slot].zero_()
+
+    def clear_slot(self, slot: int) -> None:
+        """Weights, gradients, optimizer state and pending samples of the slot, all gone."""
+        self._check_slot(slot)
+        self._zero_slot(slot)
+        self.scales[slot] = 0.0
+        self.slots[slot] = None
+
+    def slot_status(self, slot: int) -> dict:
+        self._check_slot(slot)
+        s = self.slots[slot]
+        if s is None:
+            return {"slot": slot, "active": False}
+        return {"slot": slot, "active": True, "rank": s.rank, "scale": s.scale, "step": s.step,
+                "pending_samples": s.pending_samples, "registration": s.registration}
+
+    # -- export --------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _full_slot_tensors(self, slot: int, tensors: list[torch.Tensor], rank: int) -> tuple[dict, dict]:
+        """Gathered (TP=1 layout) A/B blocks of ``tensors`` for this slot. Collective over TP."""
+        a_full, b_full = {}, {}
+        for layer, a, b in zip(self.layers, tensors[0::2], tensors[1::2]):
+            a_full[layer.name] = layer.full_a(layer.a_block(a, slot, rank)).float().cpu()
+            b_full[layer.name] = layer.full_b(layer.b_block(b, slot, rank)).float().cpu()
+        return a_full, b_full
+
+    def peft_tensors(self, slot: int) -> tuple[dict, dict[str, torch.Tensor]]:
+        """(adapter_config dict, PEFT-named tensors) of the slot, as SGLang/peft load them. Collective."""
+        state = self._state(slot)
+        a_full, b_full = self._full_slot_tensors(slot, [p.data for p in self.params], state.rank)
+        cfg = peft_config_dict(
+            rank=state.rank, scale=state.scale, target_modules=hf_short_names(self.base, self.layers),
+            base_model=self.config.base_model_path,
+        )
+        return cfg, slot_to_hf(self.base, self.layers, a_full, b_full)
+
+    def export_peft(self, slot: int, out_dir: str | Path) -> str:
+        """Write the slot as a PEFT adapter folder (rank 0 writes; all ranks must call)."""
+        cfg, tensors = self.peft_tensors(slot)
+        if self.layout.rank == 0:
+            write_peft_folder(out_dir, cfg, tensors)
+        return str(out_dir)
+
+    # -- checkpoint ------------------------------------------------------------------------------
+
+    def slot_state_tensors(self, slot: int) -> dict[str, tuple[dict, dict]]:
+        """{"weight"|"exp_avg"|"exp_avg_sq"|"grad": (A per layer, B per layer)}: the slot's live
+        blocks gathered to TP=1 Megatron layout, fp32 on CPU (grad = this DP rank's pending part).
+        Collective over TP."""
+        state = self._state(slot)
+        return {
+            key: self._full_slot_tensors(slot, tensors, state.rank)
+            for key, tensors in (("weight", [p.data for p in self.params]), ("exp_avg", self.exp_avg),
+                                 ("exp_avg_sq", self.exp_avg_sq), ("grad", self._grads()))
+        }
+
+    def save_slot_state(self, slot: int, out_dir: str | Path) -> str:
+        """LoRA weights, Adam moments, pending gradient and counters, step (= schedule state).
+
+        Tensors are stored gathered in TP=1 layout and summed over DP, so a state
+        reloads under any tp/dp. Collective; rank 0 writes.
+        """
+        state = self._state(slot)
+        parts = self.slot_state_tensors(slot)
+        pending = state.pending.clone()
+        if self.layout.dp_size > 1:  # pending gradient and statistics are per DP rank: save their sum
+            for d in parts["grad"]:
+                for name, t in d.items():
+                    t = t.to(self.device)
+                    dist.all_reduce(t, group=dp_group())
+                    d[name] = t.cpu()
+            pending_dev = pending.to(self.device)
+            dist.all_reduce(pending_dev, group=dp_group())
+            pending = pending_dev.cpu()
+        if self.layout.rank == 0:
+            save_slot_checkpoint(out_dir, state, pending, parts, self.config)
+        return str(out_dir)
+
+    @torch.no_grad()
+    def load_slot_state(self, slot: int, in_dir: str | Path) -> dict:
+        self._check_slot(slot)
+        if self.slots[slot] is not None:
+            raise ValueError(f"slot {slot} is in use; clear it before loading a state into it")
+        meta, parts, pending = load_slot_checkpoint(in_dir, self.layers, self.config)
+        rank = meta["rank"]
+        self._write_slot(slot, rank, *parts["weight"])
+        for key, tensors in (("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq), ("grad", self._grads())):
+            a_full, b_full = parts[key]
+            keep = key != "grad" or self.layout.dp_rank == 0  # the summed pending gradient lives on DP rank 0
+            for layer, a, b in zip(self.layers, tensors[0::2], tensors[1::2]):
+                if keep:
+                    layer.a_block(a, slot, rank).copy_(layer.local_a(a_full[layer.name]).to(self.device))
+                    layer.b_block(b, slot, rank).copy_(layer.local_b(b_full[layer.name]).to(self.device))
+        state = SlotState(
+            hyper=SlotHyperParams(**meta["hyper"]), rank=rank, scale=meta["scale"], seed=meta["seed"],
+            registration=meta["registration"], step=meta["step"], pending_samples=meta["pending_samples"],
+            pending=pending if self.layout.dp_rank == 0 else torch.zeros(N_STATS, dtype=torch.float64),
+        )
+        self.slots[slot] = state
+        self.scales[slot] = state.scale
+        return self.slot_status(slot)
+
+    # -- training --------------------------------------------------------------------------------
+
+    def train(self, batch: TrainBatch) -> TrainResult:
+        """Forward/backward the batch (one mixed pass per micro-batch); step every slot whose
+        samples_per_step is reached. Collective: all ranks pass the same batch."""
+        samples = batch.samples
+        for i, s in enumerate(samples):  # validate everything before changing anything
+            try:
+                self._state(s.slot)
+            except ValueError as err:
+                raise ValueError(f"sample {i}: {err}") from None
+            if max(s.tokens) >= self.vocab_size:
+                raise ValueError(f"sample {i}: token id {max(s.tokens)} >= vocab size {self.vocab_size}")
+        dropped: dict[int, int] = {}
+        kept: list[int] = []
+        for i, s in enumerate(samples):
+            reg = self.slots[s.slot].registration
+            if s.registration is not None and s.registration != reg:
+                dropped[s.slot] = dropped.get(s.slot, 0) + 1
+            else:
+                kept.append(i)
+        slots_in_call = sorted({samples[i].slot for i in kept})
+        planned = assign_phases(
+            [samples[i].slot for i in kept],
+            {k: self.slots[k].pending_samples for k in slots_in_call},
+            {k: self.slots[k].hyper.samples_per_step for k in slots_in_call},
+        )
+        planned = [type(p)(kept[p.index], p.slot, p.phase) for p in planned]  # index into samples
+        call_stats = torch.zeros(self.config.num_slots, N_STATS, dtype=torch.float64)
+        reports: dict[int, list[StepReport]] = {}
+        n_phases = 1 + max((p.phase for p in planned), default=-1)
+        lengths = [len(s.tokens) for s in samples]
+        for phase in range(n_phases):
+            in_phase = [p for p in planned if p.phase == phase]
+            local = dp_shard(in_phase, self.layout.dp_rank, self.layout.dp_size)
+            for mb in pack_micro_batches(local, lengths, self.config.micro_batch_tokens):
+                self._forward_backward([samples[p.index] for p in mb], call_stats)
+            due = []
+            for slot in sorted({p.slot for p in in_phase}):
+                state = self.slots[slot]
+                state.pending_samples += sum(1 for p in in_phase if p.slot == slot)
+                if state.pending_samples == state.hyper.samples_per_step:
+                    due.append(slot)
+            if due:
+                for slot, report in self._step_slots(due).items():
+                    reports.setdefault(slot, []).append(report)
+        if self.layout.dp_size > 1:
+            stats_dev = call_stats.to(self.device)
+            dist.all_reduce(stats_dev, group=dp_group())
+            call_stats = stats_dev.cpu()
+        metrics = {slot: self._metrics(slot, call_stats[slot], reports.get(slot, [])) for slot in slots_in_call}
+        stepped = sorted(s for s, rs in reports.items() if any(not r.skipped_nonfinite for r in rs))
+        skipped = sorted(s for s, rs in reports.items() if any(r.skipped_nonfinite for r in rs))
+        return TrainResult(slots=metrics, stepped=stepped, skipped_nonfinite=skipped, dropped_foreign=dropped)
+
+    def _normalizer(self, state: SlotState, stats: torch.Tensor) -> float:
+        h = state.hyper
+        if h.loss_normalization == "sequence_mean":
+            return float(stats[SAMPLES]) if stats[SAMPLES] > 0 else 1.0
+        if h.loss_normalization == "token_mean":
+            return max(float(stats[TOKENS]), 1.0)
+        return float(stats[SAMPLES]) * h.loss_norm_tokens
+
+    def _metrics(self, slot: int, stats: torch.Tensor, steps: list[StepReport]) -> SlotMetrics:
+        state = self.slots[slot]
+        rl_tokens = max(float(stats[RL_TOKENS]), 1.0)
+        return SlotMetrics(
+            samples=int(stats[SAMPLES]), loss_tokens=int(stats[TOKENS]),
+            loss=float(stats[NUM]) / self._normalizer(state, stats),
+            clip_frac=float(stats[CLIPPED]) / rl_tokens, ratio_mean=float(stats[RATIO]) / rl_tokens,
+            kl_mean=float(stats[KL]) / rl_tokens, pending_samples=state.pending_samples, steps=steps,
+        )
+
+    def _forward_backward(self, mb: list[TrainSample], call_stats: torch.Tensor) -> None:
+        dev = self.device
+        b, s = len(mb), max(len(x.tokens) for x in mb)
+        ids = torch.zeros(b, s, dtype=torch.long)
+        labels = torch.zeros(b, s, dtype=torch.long)
+        mask = torch.zeros(b, s, dtype=torch.bool)
+        rollout = torch.zeros(b, s, dtype=torch.float32)
+        has_rollout = torch.zeros(b, s, dtype=torch.bool)
+        for j, x in enumerate(mb):
+            n = len(x.tokens)
+            ids[j, :n] = torch.tensor(x.tokens)
+            labels[j, : n - 1] = ids[j, 1:n]
+            mask[j, : n - 1] = torch.tensor(x.loss_mask[1:], dtype=torch.bool)
+            if x.rollout_logprobs is not None:
+                rollout[j, : n - 1] = torch.tensor(x.rollout_logprobs[1:], dtype=torch.float32)
+                has_rollout[j, : n - 1] = True
+        hypers = [self.slots[x.slot].hyper for x in mb]
+        slot_ids = torch.tensor([x.slot for x in mb])
+        is_rl = torch.tensor([h.objective == "rl" for h in hypers])
+        kl_coef = torch.tensor([h.kl_coef if h.objective == "rl" else 0.0 for h in hypers])
+        n_tok = mask.sum(dim=1).clamp(min=1).to(torch.float32)
+        weight = torch.where(torch.tensor([h.loss_normalization == "sequence_mean" for h in hypers]), 1.0 / n_tok, torch.ones(b))
+        ids, labels, mask = ids.to(dev), labels.to(dev), mask.to(dev)
+
+        ref = None
+        kl_rows = (kl_coef > 0).nonzero().flatten()
+        if len(kl_rows):  # reference policy = the base with LoRA off, for the KL term only
+            self.routing.disable()
+            with torch.no_grad():
+                ref_sub = token_logprobs(self.base, ids[kl_rows.to(dev)], labels[kl_rows.to(dev)])
+        self.routing.set(slot_ids, s, self.scales)
+        try:
+            logp = token_logprobs(self.base, ids, labels)
+        finally:
+            self.routing.disable()
+        if len(kl_rows):
+            ref = logp.detach().clone()
+            ref[kl_rows.to(dev)] = ref_sub
+        # Unknown rollout logprobs (or masked positions): on-policy, ratio exactly 1.
+        rollout_lp = torch.where(has_rollout.to(dev) & mask, rollout.to(dev), logp.detach())
+        inputs = TokenLossInputs(
+            logprobs=logp, mask=mask, is_rl=is_rl.to(dev),
+            advantage=torch.tensor([x.advantage for x in mb], dtype=torch.float32, device=dev),
+            rollout_logprobs=rollout_lp,
+            clip_low=torch.tensor([h.clip_low for h in hypers], device=dev),
+            clip_high=torch.tensor([h.clip_high for h in hypers], device=dev),
+            kl_coef=kl_coef.to(dev), ref_logprobs=ref, per_token_weight=weight.to(dev),
+        )
+        numerators, st = sample_loss_numerators(inputs)
+        numerators.sum().backward()
+        rows = torch.stack(
+            [st.numerator, torch.ones(b, device=dev), st.tokens, st.clipped, st.ratio_sum, st.kl_sum,
+             st.tokens * is_rl.to(dev)], dim=1,
+        ).to(torch.float64).cpu()
+        call_stats.index_add_(0, slot_ids, rows)
+        for j, x in enumerate(mb):
+            self.slots[x.slot].pending += rows[j]
+
+    @torch.no_grad()
+    def _step_slots(self, due: list[int]) -> dict[int, StepReport]:
+        """Reduce over DP, normalize, check, clip and update each due slot, then reset it."""
+        states = {slot: self.slots[slot] for slot in due}
+        grads = self._grads()
+        blocks = {slot: self._blocks(grads, slot, st.rank) for slot, st in states.items()}
+        pending = torch.stack([st.pending for st in states.values()])
+        if self.layout.dp_size > 1:  # only the due slots' gradients (and counters) cross DP
+            flat = torch.cat([g.reshape(-1) for slot in due for g in blocks[slot]])
+            dist.all_reduce(flat, group=dp_group())
+            offset = 0
+            for slot in due:
+                for g in blocks[slot]:
+                    g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                    offset += g.numel()
+            pending_dev = pending.to(self.device)
+            dist.all_reduce(pending_dev, group=dp_group())
+            pending = pending_dev.cpu()
+        split = self._tp_split_flags()
+        reports = {}
+        for row, slot in enumerate(due):
+            st, gs = states[slot], blocks[slot]
+            stats = pending[row]
+            norm_by = self._normalizer(st, stats)
+            for g in gs:
+                g.div_(norm_by)
+            # TP: split blocks are summed over the TP group, replicated ones counted once.
+            sq_split = _sum_squares([g for g, f in zip(gs, split) if f], self.device)
+            sq_repl = _sum_squares([g for g, f in zip(gs, split) if not f], self.device)
+            if self.config.tp > 1:
+                dist.all_reduce(sq_split, group=tp_group())
+            grad_norm = math.sqrt(float(sq_split + sq_repl))  # nan/inf propagate
+            loss = float(stats[NUM]) / norm_by
+            lr = lr_at(st.hyper, st.step + 1)
+            finite = math.isfinite(grad_norm) and math.isfinite(loss)
+            if finite:
+                coef = clip_coefficient(grad_norm, st.hyper.max_grad_norm)
+                if coef < 1.0:
+                    for g in gs:
+                        g.mul_(coef)
+                ps = self._blocks([p.data for p in self.params], slot, st.rank)
+                ms = self._blocks(self.exp_avg, slot, st.rank)
+                vs = self._blocks(self.exp_avg_sq, slot, st.rank)
+                for p, g, m, v in zip(ps, gs, ms, vs):
+                    adamw_update(p, g, m, v, step=st.step + 1, lr=lr, hyper=st.hyper)
+                st.step += 1
+            reports[slot] = StepReport(step=st.step if finite else st.step + 1, lr=lr, grad_norm=grad_norm, loss=loss, skipped_nonfinite=not finite)
+            for p in self.params:
+                p.grad[slot].zero_()
+            st.pending_samples = 0
+            st.pending = torch.zeros(N_STATS, dtype=torch.float64)
+        return reports
+
+
+def _sum_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for t in tensors:
+        total += (t.float() ** 2).sum()
+    return total

@@ -1,0 +1,74 @@
+"""Per-slot AdamW, learning-rate schedule and gradient clipping.
+
+Every slot is its own optimizer: own moments (slices of stacked moment tensors
+shaped like the stacked LoRA parameters), own step count, own schedule, own
+clipping norm. An update of slot i reads and writes only slot i's live blocks
+(``A[i, :r]``, ``B[i, :, :r]`` and the same blocks of the moments), so other
+slots stay bit-identical and padded rows/columns are never touched.
+
+The update is torch.optim.AdamW's single-tensor algorithm, op for op (checked
+bit-exact in tests/unit/test_trainer_optim.py), so an adapter trained here
+matches one trained with a plain torch optimizer.
+
+The schedule is a pure function of (hyper-parameters, step), so "scheduler
+state" is the step count.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from trainer.config import SlotHyperParams
+
+
+def lr_at(hyper: SlotHyperParams, step: int) -> float:
+    """Learning rate of update number ``step`` (1-based).
+
+    Warm-up: lr * step / warmup_steps for step <= warmup_steps. Then constant, or
+    cosine from lr down to min_lr_ratio * lr at total_steps (held after it).
+    """
+    if step < 1:
+        raise ValueError(f"update numbers start at 1, got {step}")
+    if hyper.warmup_steps and step <= hyper.warmup_steps:
+        return hyper.lr * step / hyper.warmup_steps
+    if hyper.lr_schedule == "constant":
+        return hyper.lr
+    assert hyper.total_steps is not None  # validated by SlotHyperParams
+    span = max(hyper.total_steps - hyper.warmup_steps, 1)
+    progress = min(max(step - hyper.warmup_steps, 0) / span, 1.0)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return hyper.lr * (hyper.min_lr_ratio + (1.0 - hyper.min_lr_ratio) * cosine)
+
+
+def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
+    """torch.nn.utils.clip_grad_norm_'s factor: max_norm / (norm + 1e-6), at most 1."""
+    if max_norm is None:
+        return 1.0
+    return min(max_norm / (total_norm + 1e-6), 1.0)
+
+
+@torch.no_grad()
+def adamw_update(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    hyper: SlotHyperParams,
+) -> None:
+    """One AdamW update of one block, in place (views into the stacked tensors are fine)."""
+    beta1, beta2 = hyper.betas
+    if hyper.weight_decay:
+        param.mul_(1 - lr * hyper.weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    step_size = lr / bias_correction1
+    bias_correction2_sqrt = math.sqrt(bias_correction2)
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(hyper.eps)
+    param.addcdiv_(exp_avg, denom, value=-step_size)
