@@ -221,6 +221,59 @@ def matmul_tflops(n: int = 8192, iters: int = 20) -> float:
     return 2 * n**3 / statistics.median(times) / 1e12
 
 
+def attention_probe(batch: int = 16, seq: int = 1024, heads: int = 16, kv_heads: int = 8, dim: int = 128) -> dict:
+    """fwd+bwd ms of the attention kernels alone at the benchmark's shape: where does packing cost?"""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from trainer import fused_attention as fa
+    from trainer.packing import DocumentLayout
+
+    out = {}
+    if not torch.cuda.is_available():
+        return out
+    fn, params = fa._varlen_fn() or (None, frozenset())
+    out["varlen_signature"] = sorted(params)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(batch, heads, seq, dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(batch, kv_heads, seq, dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn_like(k)
+    layout = DocumentLayout.from_lengths([seq] * batch, device="cuda")
+    qt, kt, vt = (x.transpose(1, 2).reshape(-1, x.shape[1], dim).contiguous() for x in (q, k, v))
+    rep = heads // kv_heads
+
+    def bench(f, *xs):
+        xs = [x.detach().clone().requires_grad_() for x in xs]
+        for _ in range(3):
+            f(*xs).sum().backward()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            f(*xs).sum().backward()
+        sync()
+        return (time.perf_counter() - t0) * 100  # ms per fwd+bwd
+
+    cases = {
+        "sdpa_auto_gqa": lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=True),
+        "sdpa_repeat_kv": lambda a, b, c: F.scaled_dot_product_attention(
+            a, b.repeat_interleave(rep, 1), c.repeat_interleave(rep, 1), is_causal=True),
+        "varlen": lambda a, b, c: fa.packed_attention_varlen(a, b, c, layout, dim**-0.5),
+    }
+    for backend in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
+        def forced(a, b, c, _be=getattr(SDPBackend, backend)):
+            with sdpa_kernel([_be]):
+                return F.scaled_dot_product_attention(
+                    a, b.repeat_interleave(rep, 1), c.repeat_interleave(rep, 1), is_causal=True)
+        cases[f"sdpa_{backend.lower()}_repeat_kv"] = forced
+    for name, f in cases.items():
+        try:
+            out[name] = bench(f, qt, kt, vt) if name == "varlen" else bench(f, q, k, v)
+        except Exception as exc:
+            out[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        print(f"attention {name:34s} {out[name] if isinstance(out[name], str) else f'{out[name]:.3f} ms'}", flush=True)
+    return out
+
+
 def free():
     gc.collect()
     if torch.cuda.is_available():
@@ -287,9 +340,13 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--variants", default="hf_sdpa,mcore_local,mcore_fused,mcore_fused_chunked,mcore_fused_packed")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--attention-probe", action="store_true", help="also time the attention kernels alone")
     args = parser.parse_args()
+    probe = attention_probe() if args.attention_probe else None
     result = run(args.shape, args.batch, args.seq, args.warmup, args.iters, args.variants.split(","))
     print(f"bf16 matmul {result['matmul_bf16_tflops']:.0f} TFLOP/s on {result['device']}")
+    if probe is not None:
+        result["attention_probe"] = probe
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)

@@ -1,15 +1,24 @@
 """Per-token log-probs over a large vocabulary without materializing full fp32 logits.
 
 For T tokens and a vocabulary V, full logits are T x V (16384 x 151936 fp32 = 10 GB,
-plus the same again for their gradient). Here the logits are computed a chunk of
-tokens at a time from the final hidden states and the output weight; forward keeps
-only the per-token log-sum-exp (fp32, T values), backward recomputes each chunk's
-logits and turns them into the hidden-state (and, if it trains, weight) gradient right
-away. Peak extra memory: one chunk's logits, ``chunk_size x V`` in fp32.
+plus the same again for their gradient). Here the logits exist one chunk of tokens
+at a time, computed from the final hidden states and the output weight.
+
+The hidden-state gradient is formed in forward, while the chunk's logits are at hand:
+log p(t | h) has d/dh = (onehot(t) - softmax) @ W / temperature, a [T, H] tensor
+(``u`` below, kept in the hidden dtype), and backward only scales it by the upstream
+gradient. So there is no second pass over the logits and no logits recompute: two
+vocabulary GEMMs per chunk (logits, then ``(softmax - onehot) @ W``), as the full
+path has, and far fewer elementwise passes over chunk x V. ``u`` is only made when a
+gradient will be asked for (grad mode on and hidden requires grad). A trainable
+output weight (not the lorafleet case: the base is frozen) takes the classic route:
+forward keeps the log-sum-exp, backward recomputes each chunk's logits.
 
 Numerics: logits are the matmul in the hidden states' dtype (as Megatron's output
-layer computes them), then fp32 for log-softmax, as in Megatron's and Hugging Face's
-cross-entropy paths. ``-token_logprobs`` is the cross-entropy.
+layer computes them), log-softmax in fp32 (as Megatron's and Hugging Face's
+cross-entropy paths do); ``(softmax - onehot)`` is rounded to the hidden dtype before
+its GEMM, as the full path's logits gradient is. ``-token_logprobs`` is the
+cross-entropy.
 
 Tensor parallel (vocab-parallel output layer): pass ``tp_group`` and the local vocab
 shard as ``weight``; max, sum-exp and the target logit are all-reduced across the
@@ -29,41 +38,80 @@ IGNORE_TARGET = -100
 
 
 def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, inv_temperature: float) -> torch.Tensor:
-    logits = (h @ weight.t()).float()
+    """Logits in the compute dtype; fp32 when a temperature scales them."""
+    logits = h @ weight.t()
     if inv_temperature != 1.0:
-        logits = logits * inv_temperature
+        logits = logits.float() * inv_temperature
     return logits
+
+
+def _chunk_forward(h, weight, tgt, inv_temperature, tp_group, vocab_start, want_u):
+    """(logprobs fp32 [c], lse fp32 [c], u [c, H] or None) for one chunk of tokens.
+
+    u = (softmax - onehot(target)) @ W: minus the gradient of the log-prob w.r.t. h
+    (before the temperature factor); rows of ignored targets are left as they come.
+    """
+    vocab_local = weight.shape[0]
+    logits = _chunk_logits(h, weight, inv_temperature)
+    local_tgt = tgt - vocab_start
+    owned = (local_tgt >= 0) & (local_tgt < vocab_local)
+    idx = local_tgt.clamp(0, vocab_local - 1).unsqueeze(1)
+    if tp_group is None:
+        logp = torch.log_softmax(logits, dim=1, dtype=torch.float32)
+        lp = logp.gather(1, idx).squeeze(1)
+        lse = logits.gather(1, idx).squeeze(1).float() - lp
+        del logp
+        probs = torch.softmax(logits, dim=1) if want_u else None  # compute dtype, fp32 inside
+    else:
+        tgt_logit = logits.gather(1, idx).squeeze(1).float()
+        tgt_logit = torch.where(owned, tgt_logit, torch.zeros_like(tgt_logit))
+        dist.all_reduce(tgt_logit, group=tp_group)
+        f = logits.float()  # may alias fp32 logits: only in-place use below, after the gather
+        m = f.max(dim=1).values
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
+        f.sub_(m.unsqueeze(1))
+        s = f.exp().sum(dim=1)
+        dist.all_reduce(s, group=tp_group)
+        lse = m + torch.log(s)
+        lp = tgt_logit - lse
+        probs = f.sub_((lse - m).unsqueeze(1)).exp_().to(h.dtype) if want_u else None
+        del f
+    del logits
+    u = None
+    if want_u:
+        rows = torch.nonzero(owned).squeeze(1)
+        # softmax - onehot: the target column becomes p_t - 1, taken from the fp32 log-prob.
+        probs[rows, local_tgt[rows]] = (torch.exp(lp[rows]) - 1.0).to(probs.dtype)
+        u = probs.to(h.dtype) @ weight
+        del probs
+    return lp, lse, u
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_size, inv_temperature, tp_group, vocab_start):
+    def forward(ctx, hidden, weight, targets, chunk_size, inv_temperature, tp_group, vocab_start, want_u):
         total = hidden.shape[0]
-        vocab_local = weight.shape[0]
         lse = torch.empty(total, dtype=torch.float32, device=hidden.device)
         logprobs = torch.empty(total, dtype=torch.float32, device=hidden.device)
+        u_all = torch.empty_like(hidden) if want_u else None
         for start in range(0, total, chunk_size):
             end = min(start + chunk_size, total)
-            logits = _chunk_logits(hidden[start:end], weight, inv_temperature)
             tgt = targets[start:end]
-            local_tgt = tgt - vocab_start
-            owned = (local_tgt >= 0) & (local_tgt < vocab_local)
-            tgt_logit = logits.gather(1, local_tgt.clamp(0, vocab_local - 1).unsqueeze(1)).squeeze(1)
-            tgt_logit = torch.where(owned, tgt_logit, torch.zeros_like(tgt_logit))
-            if tp_group is None:
-                chunk_lse = torch.logsumexp(logits, dim=1)
-            else:
-                m = logits.max(dim=1).values
-                dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
-                s = torch.exp(logits - m.unsqueeze(1)).sum(dim=1)
-                dist.all_reduce(s, group=tp_group)
-                chunk_lse = m + torch.log(s)
-                dist.all_reduce(tgt_logit, group=tp_group)
-            del logits
-            valid = tgt != IGNORE_TARGET
+            lp, chunk_lse, u = _chunk_forward(
+                hidden[start:end], weight, tgt, inv_temperature, tp_group, vocab_start, want_u
+            )
             lse[start:end] = chunk_lse
-            logprobs[start:end] = torch.where(valid, tgt_logit - chunk_lse, torch.zeros_like(chunk_lse))
-        ctx.save_for_backward(hidden, weight, targets, lse)
+            logprobs[start:end] = torch.where(tgt != IGNORE_TARGET, lp, torch.zeros_like(lp))
+            if want_u:
+                u_all[start:end] = u
+        need_w = weight.requires_grad
+        ctx.save_for_backward(
+            u_all,
+            hidden if need_w else None,
+            weight if need_w else None,
+            targets,
+            lse if need_w else None,
+        )
         ctx.chunk_size = chunk_size
         ctx.inv_temperature = inv_temperature
         ctx.tp_group = tp_group
@@ -73,43 +121,45 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logprobs, _grad_lse):
-        hidden, weight, targets, lse = ctx.saved_tensors
+        u_all, hidden, weight, targets, lse = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        vocab_local = weight.shape[0]
-        for start in range(0, hidden.shape[0], ctx.chunk_size):
-            end = min(start + ctx.chunk_size, hidden.shape[0])
-            h = hidden[start:end]
-            tgt = targets[start:end]
-            g = torch.where(tgt != IGNORE_TARGET, grad_logprobs[start:end].float(), 0.0)
-            # d logprob / d logits = onehot(target) - softmax; chain the upstream grad g.
-            probs = torch.exp(_chunk_logits(h, weight, ctx.inv_temperature) - lse[start:end].unsqueeze(1))
-            grad_logits = probs.mul_(-g.unsqueeze(1))
-            local_tgt = tgt - ctx.vocab_start
-            owned = (local_tgt >= 0) & (local_tgt < vocab_local)
-            rows = torch.nonzero(owned).squeeze(1)
-            grad_logits[rows, local_tgt[rows]] += g[rows]
-            if ctx.inv_temperature != 1.0:
-                grad_logits.mul_(ctx.inv_temperature)
-            grad_logits = grad_logits.to(hidden.dtype)
-            if need_h:
-                grad_h[start:end] = grad_logits @ weight
-            if need_w:
-                grad_w += (grad_logits.t() @ h).float()
-            del probs, grad_logits
-        if need_h and ctx.tp_group is not None:
-            dist.all_reduce(grad_h, group=ctx.tp_group)
+        g = torch.where(targets != IGNORE_TARGET, grad_logprobs.float(), 0.0)
+        grad_h = grad_w = None
+        if need_h:
+            if u_all is None:
+                raise RuntimeError("chunked_token_logprobs ran without a hidden-state gradient; cannot backprop to it")
+            grad_h = (u_all.float() * (-ctx.inv_temperature * g).unsqueeze(1)).to(u_all.dtype)
+            if ctx.tp_group is not None:
+                dist.all_reduce(grad_h, group=ctx.tp_group)
         if need_w:
-            grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None, None, None
+            grad_w = _weight_grad(hidden, weight, targets, lse, g, ctx)
+        return grad_h, grad_w, None, None, None, None, None, None
+
+
+def _weight_grad(hidden, weight, targets, lse, g, ctx) -> torch.Tensor:
+    """dW = sum_t g_t (onehot_t - p_t)^T h_t / temperature, recomputing each chunk's logits."""
+    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    vocab_local = weight.shape[0]
+    for start in range(0, hidden.shape[0], ctx.chunk_size):
+        end = min(start + ctx.chunk_size, hidden.shape[0])
+        h = hidden[start:end]
+        gc = g[start:end]
+        probs = torch.exp(_chunk_logits(h, weight, ctx.inv_temperature).float() - lse[start:end].unsqueeze(1))
+        grad_logits = probs.mul_(-gc.unsqueeze(1))
+        local_tgt = targets[start:end] - ctx.vocab_start
+        rows = torch.nonzero((local_tgt >= 0) & (local_tgt < vocab_local)).squeeze(1)
+        grad_logits[rows, local_tgt[rows]] += gc[rows]
+        grad_logits = (grad_logits * ctx.inv_temperature).to(hidden.dtype)
+        grad_w += (grad_logits.t() @ h).float()
+        del probs, grad_logits
+    return grad_w.to(weight.dtype)
 
 
 def chunked_token_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     targets: torch.Tensor,
-    chunk_size: int = 2048,
+    chunk_size: int = 4096,
     temperature: float = 1.0,
     tp_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
@@ -137,8 +187,9 @@ def chunked_token_logprobs(
         bad = (flat_t != IGNORE_TARGET) & ((flat_t < 0) | (flat_t >= weight.shape[0]))
         if bool(bad.any()):
             raise ValueError(f"targets must be in [0, {weight.shape[0]}) or {IGNORE_TARGET}")
+    want_u = torch.is_grad_enabled() and hidden.requires_grad
     logprobs, _ = _ChunkedTokenLogprobs.apply(
-        flat_h, weight, flat_t, int(chunk_size), 1.0 / float(temperature), tp_group, vocab_start
+        flat_h, weight, flat_t, int(chunk_size), 1.0 / float(temperature), tp_group, vocab_start, want_u
     )
     return logprobs.reshape(targets.shape)
 
@@ -163,7 +214,7 @@ class LogprobOutputProcessor:
     into ``chunked_token_logprobs`` (no [s, b, V] logits tensor is ever made).
     """
 
-    def __init__(self, chunk_size: int = 2048, temperature: float = 1.0, tp_group: dist.ProcessGroup | None = None):
+    def __init__(self, chunk_size: int = 4096, temperature: float = 1.0, tp_group: dist.ProcessGroup | None = None):
         self.chunk_size = chunk_size
         self.temperature = temperature
         self.tp_group = tp_group

@@ -132,3 +132,17 @@ def test_vocab_parallel_two_ranks_match_unsharded(tmp_path):
         assert (out["lp"] - ref_lp).abs().max().item() <= 2e-6
         assert rel_err(out["dh"], ref_dh) <= 2e-6
     assert rel_err(torch.cat([outs[0]["dw"], outs[1]["dw"]]), ref_dw) <= 2e-6
+
+
+def test_weight_only_gradient_and_no_grad_mode():
+    """A trainable output weight with frozen hidden states (the classic recompute route),
+    and a forward under no_grad (no gradient state is built)."""
+    h, w, t, up = _problem()
+    ref = _value_and_grads(full_token_logprobs, h, w, t, up)
+    ww = w.detach().clone().requires_grad_()
+    lp = chunked_token_logprobs(h, ww, t, chunk_size=9)
+    (lp * up).sum().backward()
+    assert rel_err(ww.grad, ref[2]) <= 2e-6
+    with torch.no_grad():
+        lp0 = chunked_token_logprobs(h.requires_grad_(), w, t, chunk_size=9)
+    assert lp0.grad_fn is None and (lp0 - ref[0]).abs().max().item() <= 2e-6
