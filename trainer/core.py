@@ -284,6 +284,22 @@ class MultiLoraTrainer:
         self.scales[slot] = state.scale
         return self.slot_status(slot)
 
+    @torch.no_grad()
+    def forward_logits(self, input_ids: torch.Tensor, slot: int | None) -> torch.Tensor:
+        """Full-vocab logits [b, s, V] of the base with ``slot``'s LoRA on (None = base only)."""
+        from trainer.base_model import causal_mask
+
+        ids = input_ids.to(self.device)
+        b, s = ids.shape
+        if slot is not None:
+            self._state(slot)
+            self.routing.set(torch.full((b,), slot), s, self.scales)
+        try:
+            pos = torch.arange(s, device=self.device).unsqueeze(0).expand(b, s)
+            return self.base.model(ids, pos, causal_mask(s, self.device), runtime_gather_output=True).float()
+        finally:
+            self.routing.disable()
+
     # -- training --------------------------------------------------------------------------------
 
     def train(self, batch: TrainBatch) -> TrainResult:
