@@ -201,6 +201,7 @@ class SamplingConfig(_Strict):
     max_new_tokens: int = Field(64, ge=1, le=32768)
     n_samples_per_prompt: int = Field(4, ge=1, le=1024, description="Group size: responses per prompt.")
     stop: list[str] = Field(default_factory=list, description="Stop strings (in addition to EOS).")
+    ignore_eos: bool = Field(False, description="Keep generating past EOS up to max_new_tokens (benchmarks and tests; RL stops at EOS).")
 
     def sglang_params(self) -> dict[str, Any]:
         """The sampling_params dict of one SGLang /generate request."""
@@ -212,6 +213,8 @@ class SamplingConfig(_Strict):
         }
         if self.stop:
             params["stop"] = list(self.stop)
+        if self.ignore_eos:
+            params["ignore_eos"] = True
         return params
 
 

@@ -90,6 +90,14 @@ class AdapterBuffer:
         self._groups: deque[RolloutGroup] = deque()
         self.dropped_stale = 0
         self.refused_foreign = 0
+        # Versions published for this registration, oldest first. Version numbers are
+        # unique but not consecutive (one global counter over all adapters), so
+        # staleness counts the publishes made after a group's version.
+        self.published: list[int] = []
+
+    def note_published(self, version: int) -> None:
+        self.published.append(version)
+        del self.published[: -(self.max_staleness + 2)]
 
     def __len__(self) -> int:
         return len(self._groups)
@@ -103,6 +111,8 @@ class AdapterBuffer:
         return True
 
     def is_stale(self, group: RolloutGroup, current_version: int) -> bool:
+        if self.published:  # publishes after the group's version (kept: the last max_staleness + 2)
+            return sum(1 for v in self.published if v > group.version) > self.max_staleness
         return group.version < current_version - self.max_staleness
 
     def pop(self, max_groups: int, current_version: int) -> tuple[list[RolloutGroup], list[RolloutGroup]]:

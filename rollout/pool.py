@@ -79,6 +79,7 @@ class _Engine:
     name_refs: Counter = field(default_factory=Counter)  # served name -> requests in flight
     loaded: set[str] = field(default_factory=set)  # served names loaded here
     retiring: set[str] = field(default_factory=set)  # loaded names to unload once their refs reach 0
+    unloading: dict[str, asyncio.Task] = field(default_factory=dict)  # names whose unload call is running
 
 
 @dataclass
@@ -148,6 +149,13 @@ class EnginePool:
         return e.caps.upsert_from_tensors if self.weight_transfer == "tensors" else e.caps.upsert_from_path
 
     async def _load(self, e: _Engine, name: str, weights: AdapterWeights, upsert: bool = False) -> None:
+        pending = e.unloading.get(name)
+        if pending is not None:  # the name is being unloaded (a removed registration): let that finish first
+            await asyncio.shield(pending)
+        if not upsert and name in e.loaded:
+            raise ValueError(
+                f"engine {e.index} still serves {name} with requests in flight; adapter versions must never repeat"
+            )
         await e.client.load_adapter(name, weights, transfer=self.weight_transfer, spill_dir=self.spill_dir, upsert=upsert)
         e.loaded.add(name)
         e.retiring.discard(name)
@@ -191,22 +199,32 @@ class EnginePool:
         if e.name_refs[name] == 0:
             self._spawn_unload(e, name)
 
-    def _spawn_unload(self, e: _Engine, name: str) -> None:
+    def _spawn_unload(self, e: _Engine, name: str) -> asyncio.Task:
+        if name in e.unloading:
+            return e.unloading[name]
         task = asyncio.get_running_loop().create_task(self._unload_now(e, name))
+        e.unloading[name] = task
         self._unload_tasks.add(task)
-        task.add_done_callback(self._unload_tasks.discard)
+
+        def done(t: asyncio.Task) -> None:
+            self._unload_tasks.discard(t)
+            if e.unloading.get(name) is t:
+                del e.unloading[name]
+
+        task.add_done_callback(done)
+        return task
 
     async def _unload_now(self, e: _Engine, name: str) -> None:
         if name not in e.loaded:
             return
-        e.loaded.discard(name)
         e.retiring.discard(name)
-        if not e.healthy:
-            return  # a dead engine holds nothing; a restarted one is reloaded from scratch
         try:
-            await e.client.unload_adapter(name)
+            if e.healthy:  # a dead engine holds nothing; a restarted one is reloaded from scratch
+                await e.client.unload_adapter(name)
         except EngineError as err:
             log.warning("engine %d: unloading %s failed: %s", e.index, name, err)
+        finally:
+            e.loaded.discard(name)
 
     async def wait_unloaded(self, timeout_s: float = 30.0) -> None:
         """Wait until every scheduled unload has run (tests, shutdown)."""
@@ -225,6 +243,11 @@ class EnginePool:
             for e in self._engines:
                 for name in [n for n in e.loaded if n == adapter or n.startswith(adapter + "@v")]:
                     self._retire(e, name)
+            # Unloads of names with nothing in flight run now: wait for them, so a new
+            # registration of the name finds the engines clean.
+            pending = [t for e in self._engines for t in e.unloading.values()]
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
         return aborted
 
     # --- generation --------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import json
 import pickle
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,37 @@ import torch
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+_PICKLE_LOCK = threading.Lock()
+
+
+def _pickle_with_torch_storage_reducer(obj: Any) -> bytes:
+    """pickle.dumps, with tensor storages named as torch pickles them (torch.storage._load_from_bytes).
+
+    Importing megatron.core (which happens in any process that unpickles a trainer
+    result or a tensor pickled next to Megatron) replaces torch.storage._load_from_bytes
+    with megatron.core.safe_globals.safe_load_from_bytes; storages pickled afterwards
+    name that function, and SGLang's SafeUnpickler refuses it ("Blocked unsafe global").
+    While pickling, the module attribute is a function that pickles under torch's own
+    name and loads the same way the current one does."""
+    import torch.storage as ts
+
+    with _PICKLE_LOCK:
+        current = ts._load_from_bytes
+        if getattr(current, "__module__", "torch.storage") == "torch.storage":
+            return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+        def _load_from_bytes(b):
+            return current(b)
+
+        _load_from_bytes.__module__ = "torch.storage"
+        _load_from_bytes.__qualname__ = "_load_from_bytes"
+        ts._load_from_bytes = _load_from_bytes
+        try:
+            return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        finally:
+            ts._load_from_bytes = current
 
 
 class AdapterWeights:
@@ -72,7 +104,7 @@ class AdapterWeights:
     def wire_payload(self) -> str:
         """Base64 text of a plain pickle of the tensors (one TP rank's entry of serialized_named_tensors)."""
         if self._payload is None:
-            raw = pickle.dumps(dict(self.load_tensors()), protocol=pickle.HIGHEST_PROTOCOL)
+            raw = _pickle_with_torch_storage_reducer(dict(self.load_tensors()))
             self._payload = base64.b64encode(raw).decode("ascii")
         return self._payload
 

@@ -50,6 +50,7 @@ class AdapterRollout(BaseModel):
     sampling: SamplingConfig
     initial_version: int = 0
     cursor: DataCursor | None = None  # resume the data source here (from a checkpoint)
+    max_staleness: int | None = None  # this adapter's bound (publishes behind); None = RolloutConfig.max_staleness
 
 
 class AdapterStats(BaseModel):
@@ -177,7 +178,10 @@ class RolloutCore:
         data = await asyncio.to_thread(DataSource, spec.data, self.tokenizer, spec.cursor)
         reward = load_reward(spec.reward, self.cfg.reward_import_roots)
         await self.pool.publish(spec.name, spec.initial_version, weights)
-        self._runs[spec.name] = _AdapterRun(spec, data, reward, AdapterBuffer(spec.name, spec.registration_id, self.cfg.max_staleness))
+        staleness = self.cfg.max_staleness if spec.max_staleness is None else spec.max_staleness
+        buffer = AdapterBuffer(spec.name, spec.registration_id, staleness)
+        buffer.note_published(spec.initial_version)
+        self._runs[spec.name] = _AdapterRun(spec, data, reward, buffer)
         self._rr.append(spec.name)
         self._wake.set()
         return self.stats(spec.name)
@@ -199,8 +203,9 @@ class RolloutCore:
 
     async def publish_version(self, name: str, version: int, weights: AdapterWeights) -> None:
         """New weights for the adapter: new groups use them at once; stale buffered groups drop on pop."""
-        self._run(name)
+        run = self._run(name)
         await self.pool.publish(name, version, weights)
+        run.buffer.note_published(version)
         self._wake.set()
 
     async def abort_adapter(self, name: str, *, pause: bool = False) -> int:

@@ -40,13 +40,20 @@ class RolloutWorkerImpl:
     """The actor's body (usable without Ray, e.g. in tests: `await RolloutWorkerImpl(...).start()`)."""
 
     def __init__(self, engine_cfg: EngineConfig, rollout_cfg: RolloutConfig, model_path: str | Path,
-                 engine_urls: list[str] | None = None, log_dir: str | None = None):
+                 engine_urls: list[str] | None = None, log_dir: str | None = None,
+                 engines: list[EngineProcess] | None = None):
+        """Engines, first match: `engines` (started EngineProcess objects to adopt: the worker
+        watches and restarts them but does not stop them at shutdown), `engine_urls` (external
+        servers: no restart), else the worker launches engine_cfg.num_engines servers itself."""
+        if engines is not None and engine_urls is not None:
+            raise RolloutError("give engines or engine_urls, not both")
         self.engine_cfg = engine_cfg
         self.rollout_cfg = rollout_cfg
         self.model_path = str(model_path)
         self.engine_urls = engine_urls
         self.log_dir = log_dir
-        self.engines: list[EngineProcess] = []  # empty when connected to external engine_urls
+        self.engines: list[EngineProcess] = list(engines or [])  # empty when connected to external engine_urls
+        self._owns_engines = engines is None
         self.pool: EnginePool | None = None
         self.core: RolloutCore | None = None
         self._monitor: asyncio.Task | None = None
@@ -59,7 +66,9 @@ class RolloutWorkerImpl:
     async def start(self) -> list[EngineHealth]:
         from transformers import AutoTokenizer
 
-        if self.engine_urls is None:
+        if self.engines:
+            urls = [e.url for e in self.engines]
+        elif self.engine_urls is None:
             self.engines = [EngineProcess(i, self.engine_cfg, self.model_path, log_dir=self.log_dir)
                             for i in range(self.engine_cfg.num_engines)]
             try:
@@ -154,8 +163,9 @@ class RolloutWorkerImpl:
             await self.core.stop()
         if self.pool is not None:
             await self.pool.aclose()
-        for e in self.engines:
-            await asyncio.to_thread(e.stop)
+        if self._owns_engines:
+            for e in self.engines:
+                await asyncio.to_thread(e.stop)
 
 
 # The Ray actor. One per rollout node; resources come from service.placement.

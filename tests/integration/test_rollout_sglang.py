@@ -1,0 +1,400 @@
+"""Rollout against a real SGLang server on CPU with the tiny model (one server for the module).
+
+The proofs of issue 4: two adapters served concurrently each by its own
+weights (== HF+PEFT greedy), a live version update under load, abort by prefix
+of one adapter while another's requests run, the rollout worker's groups
+(round robin, stamps, rewards, advantages, staleness, re-registration), and a
+killed engine detected with its groups re-queued (last: it restarts the server).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from rollout.client import EngineClient, EngineUnavailable
+from rollout.config import DataConfig, RewardConfig, RolloutConfig, SamplingConfig
+from rollout.naming import lora_name
+from rollout.pool import EnginePool
+from rollout.rewards import target_share
+from rollout.weights import AdapterWeights
+from rollout.worker import AdapterRollout
+from rollout.worker_actor import RolloutWorkerImpl
+from tests.integration.sglang_fixtures import GREEDY, hf_greedy, make_peft_adapter, one_torch_thread, sglang_server_fixture
+
+pytestmark = pytest.mark.integration
+
+sglang_server = sglang_server_fixture()
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_world, tmp_path_factory):
+    """Two PEFT adapters for the tiny model with different random B."""
+    root = tmp_path_factory.mktemp("adapters")
+    return {k: make_peft_adapter(tiny_world / "model", root / k, seed=seed) for k, seed in (("one", 1), ("two", 2))}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_world):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_world / "model")
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    texts = ["<|user|>ab 12 ou\n<|assistant|>", "<|user|>kk 9 ee 41\n<|assistant|>", "zz 12 aei", "<|user|>7 7 ua\n<|assistant|>"]
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def hf_logprobs(model_dir, adapter_dir, prompt, tokens):
+    """log p(token_i | prompt, tokens_<i) under HF+PEFT."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), adapter_dir).eval()
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad(), one_torch_thread():
+        logp = model(ids).logits[0].log_softmax(-1)
+    return [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(tokens)]
+
+
+def test_two_adapters_concurrently_each_served_by_its_own_weights(sglang_server, adapters, prompts, tiny_world):
+    """Adapter A sent by tensors, B by folder; requests interleaved; outputs == HF+PEFT greedy per adapter."""
+    model_dir = tiny_world / "model"
+    want = {k: hf_greedy(model_dir, adapters[k], prompts) for k in adapters}
+    assert want["one"] != want["two"] and want["one"] != hf_greedy(model_dir, None, prompts)
+
+    async def run():
+        by_tensors = EnginePool([sglang_server.client()], weight_transfer="tensors")
+        by_disk = EnginePool([sglang_server.client()], weight_transfer="disk")
+        try:
+            await by_tensors.publish("conc-a", 0, AdapterWeights.from_folder(adapters["one"]))
+            await by_disk.publish("conc-b", 0, AdapterWeights.from_folder(adapters["two"]))
+            jobs = []
+            for ids in prompts:
+                jobs.append(by_tensors.generate_group("conc-a", ids, GREEDY, 2))
+                jobs.append(by_disk.generate_group("conc-b", ids, GREEDY, 2))
+            out = await asyncio.gather(*jobs)
+            loaded = await sglang_server.client().loaded_adapters()
+            await by_tensors.remove_adapter("conc-a")
+            await by_disk.remove_adapter("conc-b")
+            await by_tensors.wait_unloaded()
+            await by_disk.wait_unloaded()
+            return out, loaded
+        finally:
+            await by_tensors.aclose()
+            await by_disk.aclose()
+
+    out, loaded = asyncio.run(run())
+    assert {"conc-a@v0", "conc-b@v0"} <= set(loaded)
+    for i, ids in enumerate(prompts):
+        for g, key in ((out[2 * i], "one"), (out[2 * i + 1], "two")):
+            assert g.version == 0 and len(g.results) == 2
+            for r in g.results:
+                assert r.token_ids == want[key][i], (key, i)
+                assert r.finish_reason == "length" and len(r.logprobs) == len(r.token_ids)
+    # Logprobs are those of the served adapter (what the trainer's importance ratios need).
+    ref = hf_logprobs(model_dir, adapters["one"], prompts[0], want["one"][0])
+    assert max(abs(a - b) for a, b in zip(out[0].results[0].logprobs, ref)) < 1e-4
+
+
+def test_stock_server_advertises_no_upsert_or_prefix_abort(sglang_server):
+    async def run():
+        async with sglang_server.client() as c:
+            return await c.capabilities()
+
+    caps = asyncio.run(run())
+    assert not caps.prefix_abort and not caps.upsert_from_tensors and not caps.upsert_from_path
+
+
+def test_version_update_under_load(sglang_server, adapters, prompts, tiny_world):
+    """In-flight requests finish on v0, later ones use v1, nothing errors, v0 is unloaded afterwards."""
+    model_dir = tiny_world / "model"
+    long = {**GREEDY, "max_new_tokens": 96}
+    want_v0 = hf_greedy(model_dir, adapters["one"], prompts, 96)
+    want_v1 = hf_greedy(model_dir, adapters["two"], prompts, 96)
+
+    async def run():
+        pool = EnginePool([sglang_server.client()])
+        client = sglang_server.client()
+        try:
+            await pool.publish("upd", 0, AdapterWeights.from_folder(adapters["one"]))
+            before = [asyncio.create_task(pool.generate_group("upd", ids, long, 2)) for ids in prompts]
+            while pool.inflight("upd") < 2 * len(prompts):
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.3)  # let them decode a little on v0
+            t0 = time.perf_counter()
+            await pool.publish("upd", 1, AdapterWeights.from_folder(adapters["two"]))
+            update_s = time.perf_counter() - t0
+            still_running = pool.inflight("upd")
+            during = await client.loaded_adapters()
+            after = [asyncio.create_task(pool.generate_group("upd", ids, long, 2)) for ids in prompts]
+            old, new = await asyncio.gather(asyncio.gather(*before), asyncio.gather(*after))
+            await pool.wait_unloaded()
+            final = await client.loaded_adapters()
+            await pool.remove_adapter("upd")
+            await pool.wait_unloaded()
+            return old, new, update_s, still_running, during, final
+        finally:
+            await pool.aclose()
+            await client.aclose()
+
+    old, new, update_s, still_running, during, final = asyncio.run(run())
+    assert still_running == 2 * len(prompts), "the v0 requests ended before the update: the test proved nothing"
+    assert {"upd@v0", "upd@v1"} <= set(during)
+    for i in range(len(prompts)):
+        assert old[i].version == 0 and [r.token_ids for r in old[i].results] == [want_v0[i]] * 2
+        assert new[i].version == 1 and [r.token_ids for r in new[i].results] == [want_v1[i]] * 2
+    assert "upd@v1" in final and "upd@v0" not in final
+    assert update_s < 2.0
+    print(f"\nupdate latency (load v1 + switch) {update_s * 1000:.0f} ms with {still_running} requests in flight")
+
+
+def test_abort_by_prefix_spares_other_adapters(sglang_server, adapters, prompts):
+    """24 requests of A and 24 of B in flight; abort A: all of A end aborted within 2 s, B untouched."""
+    sampling = {"temperature": 1.0, "max_new_tokens": 64, "ignore_eos": True}
+
+    async def run():
+        pool = EnginePool([sglang_server.client()])
+        try:
+            await pool.publish("abort-a", 0, AdapterWeights.from_folder(adapters["one"]))
+            await pool.publish("abort-b", 0, AdapterWeights.from_folder(adapters["two"]))
+            a = [asyncio.create_task(pool.generate_group("abort-a", prompts[i % 4], sampling, 4)) for i in range(6)]
+            b = [asyncio.create_task(pool.generate_group("abort-b", prompts[i % 4], sampling, 4)) for i in range(6)]
+            while pool.inflight("abort-a") < 24 or pool.inflight("abort-b") < 24:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.5)  # all are running on the server now
+            t0 = time.perf_counter()
+            count = await pool.abort_adapter("abort-a")
+            a_groups = await asyncio.gather(*a)
+            a_done_s = time.perf_counter() - t0
+            b_inflight_after_a = pool.inflight("abort-b")
+            b_groups = await asyncio.gather(*b)
+            await pool.remove_adapter("abort-a")
+            await pool.remove_adapter("abort-b")
+            await pool.wait_unloaded()
+            return count, a_groups, a_done_s, b_inflight_after_a, b_groups
+        finally:
+            await pool.aclose()
+
+    count, a_groups, a_done_s, b_inflight_after_a, b_groups = asyncio.run(run())
+    assert count == 24
+    assert all(r.aborted and len(r.token_ids) < 64 for g in a_groups for r in g.results)
+    assert a_done_s < 2.0
+    assert b_inflight_after_a > 0  # B was still running when A's abort had completed
+    assert all(r.finish_reason == "length" and len(r.token_ids) == 64 for g in b_groups for r in g.results)
+    print(f"\nabort latency: {count} requests of A ended {a_done_s * 1000:.0f} ms after the abort call")
+
+
+def test_engine_client_errors_carry_the_body(sglang_server):
+    async def run():
+        async with sglang_server.client() as c:
+            with pytest.raises(Exception) as unknown:
+                await c.generate(rid="x::" + "0" * 32, input_ids=[1, 2], sampling_params=GREEDY, lora_name="no-such-adapter")
+            with pytest.raises(Exception) as dup:
+                await c.unload_adapter("never-loaded")
+        async with EngineClient("http://127.0.0.1:9", admin_timeout_s=2) as dead:
+            with pytest.raises(EngineUnavailable):
+                await dead.loaded_adapters()
+        return unknown.value, dup.value
+
+    unknown, dup = asyncio.run(run())
+    assert unknown.status == 400 and "no-such-adapter" in str(unknown)
+    assert dup.status == 400 and "never-loaded" in str(dup)
+
+
+# --- the rollout worker ------------------------------------------------------------------------
+
+
+def rollout_spec(tiny_world, name, task, registration_id, **sampling):
+    return AdapterRollout(
+        name=name,
+        registration_id=registration_id,
+        data=DataConfig(path=str(tiny_world / "data" / f"{task}.jsonl"), shuffle_seed=0),
+        reward=RewardConfig(name="target_share"),
+        sampling=SamplingConfig(**{"temperature": 1.0, "max_new_tokens": 12, "n_samples_per_prompt": 4, **sampling}),
+    )
+
+
+async def wait_for(predicate, timeout_s, what):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+def test_worker_groups_round_robin_stamped_and_scored(sglang_server, adapters, tiny_world):
+    cfg = RolloutConfig(max_inflight_per_adapter=8, max_inflight_total=12, max_staleness=0, max_buffered_groups_per_adapter=4)
+
+    async def run():
+        worker = RolloutWorkerImpl(sglang_server.cfg, cfg, tiny_world / "model", engine_urls=[sglang_server.url])
+        await worker.start()
+        core = worker.core
+        peak = {"total": 0, "digits": 0, "vowels": 0}
+
+        def sample_peaks():
+            peak["total"] = max(peak["total"], worker.pool.inflight())
+            for n in ("digits", "vowels"):
+                peak[n] = max(peak[n], worker.pool.inflight(n))
+
+        try:
+            await worker.add_adapter(rollout_spec(tiny_world, "digits", "digits", "reg-d1"), AdapterWeights.from_folder(adapters["one"]))
+            await worker.add_adapter(rollout_spec(tiny_world, "vowels", "vowels", "reg-v1"), AdapterWeights.from_folder(adapters["two"]))
+
+            async def sampler():
+                while True:
+                    sample_peaks()
+                    await asyncio.sleep(0.005)
+
+            s = asyncio.create_task(sampler())
+            await wait_for(lambda: all(core.stats(n).buffered_groups >= 4 for n in ("digits", "vowels")), 60, "4 buffered groups each")
+            s.cancel()
+            stats_full = {n: core.stats(n) for n in ("digits", "vowels")}
+            groups = {n: await worker.pop_groups(n, 10) for n in ("digits", "vowels")}
+
+            # A new version: groups generated by v0 and still buffered are stale (max_staleness 0).
+            await wait_for(lambda: core.stats("digits").buffered_groups >= 2, 60, "more digits groups")
+            await worker.publish_version("digits", 1, AdapterWeights.from_folder(adapters["two"]))
+            popped_after_update = await worker.pop_groups("digits", 10)
+            v1_groups, deadline = [], time.monotonic() + 60
+            while not v1_groups:  # groups still in flight on v0 finish stale and are dropped on pop
+                assert time.monotonic() < deadline, "no v1 group within 60 s"
+                await asyncio.sleep(0.05)
+                v1_groups = await worker.pop_groups("digits", 10)
+            stats_after = core.stats("digits")
+            cursor = await worker.data_cursor("digits")
+
+            # Re-registration: the name comes back as a new tenant; nothing of the old one leaks.
+            await worker.remove_adapter("vowels")
+            await worker.add_adapter(rollout_spec(tiny_world, "vowels", "vowels", "reg-v2"), AdapterWeights.from_folder(adapters["one"]))
+            await wait_for(lambda: core.stats("vowels").buffered_groups >= 1, 60, "a group of the new vowels tenant")
+            new_tenant = await worker.pop_groups("vowels", 10)
+            return stats_full, groups, popped_after_update, v1_groups, stats_after, cursor, new_tenant, peak
+        finally:
+            await worker.remove_adapter("digits")
+            await worker.remove_adapter("vowels")
+            await worker.shutdown()
+
+    stats_full, groups, popped_after_update, v1_groups, stats_after, cursor, new_tenant, peak = asyncio.run(run())
+    # Bounds: per adapter 8 requests (2 groups of 4), 12 overall, 4 groups buffered.
+    assert peak["digits"] <= 8 and peak["vowels"] <= 8 and peak["total"] <= 12 and peak["total"] >= 8
+    assert all(s.buffered_groups == 4 and s.inflight_groups == 0 for s in stats_full.values())  # a full buffer stops its adapter
+    for name, reg in (("digits", "reg-d1"), ("vowels", "reg-v1")):
+        gs = groups[name]
+        assert len(gs) == 4 and len({g.prompt_index for g in gs}) == 4
+        label = "0123456789" if name == "digits" else "aeiou"
+        for g in gs:
+            assert (g.adapter, g.registration_id, g.version, g.label) == (name, reg, 0, label)
+            assert g.prompt_text.startswith("<|user|>") and len(g.samples) == 4
+            for smp in g.samples:
+                assert smp.reward == pytest.approx(target_share(smp.response_text, label)) and smp.reward_error is None
+                assert len(smp.logprobs) == len(smp.response_ids) <= 12 and all(lp <= 0 for lp in smp.logprobs)
+            assert sum(smp.advantage for smp in g.samples) == pytest.approx(0.0, abs=1e-5)
+    assert popped_after_update == []  # every buffered v0 group was stale for v1 ...
+    assert stats_after.dropped_stale >= 2 and stats_after.groups_requeued >= 2  # ... dropped, prompts re-queued
+    assert v1_groups and all(g.version == 1 for g in v1_groups)
+    assert stats_after.groups_consumed == 4 + len(v1_groups) == cursor.consumed
+    assert all(g.registration_id == "reg-v2" and g.version == 0 for g in new_tenant)
+
+
+def test_worker_abort_requeues_and_does_not_count(sglang_server, adapters, tiny_world):
+    cfg = RolloutConfig(max_inflight_per_adapter=8, max_inflight_total=8, max_buffered_groups_per_adapter=64)
+
+    async def run():
+        worker = RolloutWorkerImpl(sglang_server.cfg, cfg, tiny_world / "model", engine_urls=[sglang_server.url])
+        await worker.start()
+        core = worker.core
+        try:
+            spec = rollout_spec(tiny_world, "ab", "digits", "reg-1", max_new_tokens=200, ignore_eos=True)
+            await worker.add_adapter(spec, AdapterWeights.from_folder(adapters["one"]))
+            await wait_for(lambda: core.stats("ab").inflight_requests == 8, 30, "8 requests in flight")
+            await asyncio.sleep(0.3)
+            before = core.stats("ab")
+            aborted = await worker.abort_adapter("ab", pause=True)
+            await wait_for(lambda: core.stats("ab").inflight_groups == 0, 5, "aborted groups to end")
+            after = core.stats("ab")
+            cursor = await worker.data_cursor("ab")
+            return before, aborted, after, cursor
+        finally:
+            await worker.remove_adapter("ab")
+            await worker.shutdown()
+
+    before, aborted, after, cursor = asyncio.run(run())
+    assert aborted == 8
+    assert after.groups_aborted == 2 and after.groups_requeued == 2
+    assert after.groups_completed == before.groups_completed and after.groups_consumed == 0
+    assert after.data.consumed == 0 and after.data.pending == before.data.pending  # their prompts wait to be served again
+    assert len(cursor.pending) == after.data.pending
+
+
+def test_ray_actor_wrapper(sglang_server, adapters, tiny_world):
+    """The RolloutWorker Ray actor (real Ray) serves the same interface."""
+    ray = pytest.importorskip("ray")
+    from rollout.worker_actor import RolloutWorker
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        worker = RolloutWorker.remote(sglang_server.cfg, RolloutConfig(max_inflight_per_adapter=4, max_inflight_total=4),
+                                      str(tiny_world / "model"), engine_urls=[sglang_server.url])
+        health = ray.get(worker.start.remote(), timeout=120)
+        assert [h.routable for h in health] == [True]
+        spec = rollout_spec(tiny_world, "ray-a", "vowels", "reg-r", max_new_tokens=8)
+        ray.get(worker.add_adapter.remote(spec, AdapterWeights.from_folder(adapters["one"])), timeout=60)
+        groups, deadline = [], time.monotonic() + 60
+        while not groups and time.monotonic() < deadline:
+            groups = ray.get(worker.pop_groups.remote("ray-a", 2), timeout=30)
+            time.sleep(0.1)
+        assert groups and groups[0].adapter == "ray-a" and groups[0].registration_id == "reg-r"
+        assert ray.get(worker.remove_adapter.remote("ray-a"), timeout=30) >= 0
+        ray.get(worker.shutdown.remote(), timeout=60)
+    finally:
+        ray.shutdown()
+
+
+def test_killed_engine_is_detected_and_its_groups_requeued(sglang_server, adapters, tiny_world):
+    """Kill the server mid-generation: the worker marks it dead, re-queues its groups; a restart resumes."""
+    cfg = RolloutConfig(max_inflight_per_adapter=8, max_inflight_total=8)
+
+    async def run():
+        worker = RolloutWorkerImpl(sglang_server.cfg, cfg, tiny_world / "model", engines=[sglang_server.engine])
+        await worker.start()
+        core = worker.core
+        try:
+            await worker.add_adapter(rollout_spec(tiny_world, "kill", "digits", "reg-k", max_new_tokens=200, ignore_eos=True),
+                                     AdapterWeights.from_folder(adapters["one"]))
+            await wait_for(lambda: core.stats("kill").inflight_groups == 2, 30, "2 groups in flight")
+            await asyncio.sleep(0.3)
+            before = core.stats("kill")  # no await between this and the kill: nothing can finish in between
+            t0 = time.perf_counter()
+            sglang_server.engine.kill()
+            await wait_for(lambda: core.stats("kill").inflight_groups == 0, 10, "the dead engine's groups to end")
+            detect_s = time.perf_counter() - t0
+            await asyncio.sleep(1.5)  # the process watcher runs every second
+            after_kill = core.stats("kill")
+            health = await worker.engine_health()
+            restarted = await worker.restart_engine(0)
+            loaded = await worker.pool.client(0).loaded_adapters()
+            await wait_for(lambda: core.stats("kill").groups_completed > after_kill.groups_completed, 120, "a group after the restart")
+            return before, detect_s, after_kill, health, restarted, loaded, core.stats("kill")
+        finally:
+            await worker.remove_adapter("kill")
+            await worker.shutdown()
+
+    before, detect_s, after_kill, health, restarted, loaded, final = asyncio.run(run())
+    assert before.inflight_groups == 2 and before.groups_completed == 0  # 200 tokens each: none done yet
+    assert detect_s < 5.0
+    assert after_kill.groups_failed >= 2 and after_kill.groups_requeued == after_kill.groups_failed
+    assert after_kill.groups_completed == 0 and after_kill.inflight_groups == 0
+    assert "EngineUnavailable" in after_kill.last_error
+    # every failed group's prompt waits to be served again; nothing counted as progress
+    assert after_kill.data.pending == after_kill.groups_failed and after_kill.data.consumed == 0
+    assert [(h.alive, h.routable) for h in health] == [(False, False)]
+    assert restarted.alive and restarted.routable and restarted.starts == 2
+    assert loaded == [lora_name("kill", 0)]  # the restarted server got the adapter's current version
+    assert final.groups_completed >= 1
+    print(f"\nkilled engine: its {before.inflight_groups} groups re-queued {detect_s * 1000:.0f} ms after the kill")
