@@ -21,6 +21,7 @@ unchanged: TE's fused attention handles both layouts itself.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -125,8 +126,9 @@ def packed_attention_varlen(q, k, v, layout: DocumentLayout, scale: float):
     """Flash-attention varlen: one kernel over all documents, no mask tensor at all."""
     fn, params = _varlen_fn()
     kwargs = {}
-    # The signature moved between torch releases: 2.10/2.11 take is_causal, later
-    # ones window_size=(-1, 0) for causal plus scale and enable_gqa.
+    # The signature moved between torch releases: early ones take is_causal; 2.11
+    # (the GPU machine) takes window_size=(-1, 0) for causal and scale, but has no
+    # enable_gqa (k/v are repeated then); 2.14 adds enable_gqa.
     if "window_size" in params:
         kwargs["window_size"] = (-1, 0)
     else:
@@ -254,7 +256,7 @@ class FusedCoreAttention(MegatronModule):
     def _dropout_rng(self, dropout_p: float):
         if dropout_p > 0 and not self.config.sequence_parallel:
             return tensor_parallel.get_cuda_rng_tracker().fork()
-        return _nullcontext()
+        return contextlib.nullcontext()
 
     def _unpacked(self, query, key, value, attention_mask, dropout_p):
         sq, b = query.shape[0], query.shape[1]
@@ -301,14 +303,6 @@ class FusedCoreAttention(MegatronModule):
         total = out.shape[0]
         # thd: SelfAttention reshapes to [T, 1, hp] itself; the documents view is sbhd.
         return out.reshape(total, -1) if thd else out.reshape(total, 1, -1)
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _per_token_rotary(rotary_pos_emb, position_ids: torch.Tensor):
