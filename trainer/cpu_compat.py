@@ -22,12 +22,12 @@ Two switches, decided once per process:
      RNG tracker forks ``torch.cuda`` generator states, which do not exist
      here; the inference tracker is a no-op fork, so dropout (off anyway for
      LoRA training) would draw from the CPU generator.
-  5. Numerics: fp32 params (``bf16=False``) and ``bias_activation_fusion=False``
-     (the fused bias+SwiGLU kernels are CUDA/JIT paths); see
-     :func:`cpu_provider_overrides`. The trainer also sets
-     ``TORCHDYNAMO_DISABLE``-equivalent behaviour by not compiling anything;
-     users should export ``TORCHDYNAMO_DISABLE=1`` (megatron-core decorates a
-     few functions with torch.compile, 3-21 s on a CPU for a 10 ms step).
+  5. Numerics: fp32 params by default (``dtype="auto"`` resolves to float32
+     without CUDA, trainer/base_model.py; bf16 stays selectable for tests) and
+     the CUDA/JIT fusions off (``bias_activation_fusion`` etc., see
+     :func:`cpu_provider_overrides`). ``TORCHDYNAMO_DISABLE=1`` is set as a
+     default: megatron-core decorates a few functions with torch.compile, which
+     costs 3-21 s on a CPU for a 10 ms step.
 
 * ``transformer_engine`` not importable (true on this CPU machine *and* on the
   GPU machine we test on) -> :func:`import_megatron_bridge` makes Bridge
@@ -119,9 +119,6 @@ def cpu_provider_overrides() -> dict[str, Any]:
     if cuda_available():
         return {}
     return {
-        "bf16": False,
-        "fp16": False,
-        "params_dtype": torch.float32,
         "bias_activation_fusion": False,
         "masked_softmax_fusion": False,
         "gradient_accumulation_fusion": False,
