@@ -7,6 +7,7 @@ the control-plane commands (`adapters ...`, `smoke`) are added beside them.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 
@@ -25,11 +26,80 @@ def version() -> None:
     typer.echo(f"lorafleet {_v('lorafleet')}")
 
 
+TINY_JOB = Path(__file__).resolve().parents[1] / "examples" / "tiny" / "job.yaml"
+
+JobArg = Annotated[Path | None, typer.Argument(help="Job YAML file (default: the embedded tiny CPU job, examples/tiny/job.yaml).", show_default=False)]
+StateDir = Annotated[Path | None, typer.Option("--state-dir", help="Registry, checkpoints and exports (default: the job's service.state_dir, else $LORAFLEET_STATE_DIR, else runs/service).", show_default=False)]
+Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Log the loop's events to stderr.")]
+
+
+def _load(job_path: Path | None, state_dir: Path | None, **explicit: Any):
+    """The validated job and settings; the embedded tiny job builds its world first and
+    allows its data folder as a data root wherever it is run from."""
+    from service.config import ConfigError, load_job
+
+    if job_path is None:
+        from examples.tiny.build import ensure_tiny_world
+
+        tiny = ensure_tiny_world()
+        job_path = TINY_JOB
+        explicit.setdefault("data_roots", [Path(tiny) / "data", Path.cwd()])
+    if state_dir is not None:
+        explicit["state_dir"] = state_dir
+    try:
+        job = load_job(job_path)
+        return job, job.service_settings(**explicit)
+    except ConfigError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+
+
+def _logging(verbose: bool) -> None:
+    import logging
+
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
 @app.command()
-def run(job: Path = typer.Argument(None, help="job YAML file (default: the embedded tiny CPU job)")) -> None:
-    """Batch mode: register the job's adapters, train until every adapter is exhausted, exit."""
-    typer.echo("lorafleet run: not yet implemented (the service issue delivers batch mode)", err=True)
-    raise typer.Exit(2)
+def run(
+    job: JobArg = None,
+    state_dir: StateDir = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Skip adapters that already COMPLETED in this state dir (finish a killed job).")] = False,
+    verbose: Verbose = False,
+) -> None:
+    """Batch mode: register the job's adapters, train until every adapter is exhausted, print a summary, exit.
+
+    Exit status: 0 every adapter COMPLETED; 1 one FAILED; 130 stopped by Ctrl-C / SIGTERM (checkpointed: --resume continues)."""
+    from rich.console import Console
+
+    from service.modes import print_summary, run_batch
+
+    _logging(verbose)
+    job_cfg, settings = _load(job, state_dir)
+    result = run_batch(job_cfg, settings, resume=resume)
+    print_summary(Console(), result)
+    raise typer.Exit(result.exit_code)
+
+
+@app.command()
+def serve(
+    job: JobArg = None,
+    state_dir: StateDir = None,
+    host: Annotated[str | None, typer.Option("--host", help="Bind address of the REST API (default 127.0.0.1; others need a token).", show_default=False)] = None,
+    port: Annotated[int | None, typer.Option("--port", help="REST API port (default 8000; 0 = any free port).", show_default=False)] = None,
+    verbose: Verbose = False,
+) -> None:
+    """Service mode: start engines, trainer, controller and the REST API; train what tenants register until stopped.
+
+    The job file's adapters (if any) are registered at start; Ctrl-C or SIGTERM drains (every live adapter is
+    checkpointed) and exits 0. A restart over the same state dir continues every live adapter."""
+    from service.modes import run_service
+
+    _logging(verbose)
+    explicit = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
+    job_cfg, settings = _load(job, state_dir, **explicit)
+    report = run_service(job_cfg, settings)
+    typer.echo(f"stopped ({report.stopped_by or 'done'}); {report.steps} adapter steps trained", err=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,142 @@
+"""The training loop: one short driver that shows the whole of it.
+
+    while not stopping:
+        1. reconcile             the controller moves runs along their lifecycle (prepare new tenants,
+                                 finish and release retiring ones) through the runtime
+        2. collect               one whole step per adapter that has one ready, round-robin,
+                                 waiting at most `max_wait_s` for the others once one is ready
+        3. train                 ONE mixed train call over every collected adapter
+        4. commit                per stepped adapter, only now (the call succeeded): record_step
+        5. publish               the stepped adapters' new weights, under fresh versions
+        6. checkpoint            every `checkpoint_interval` steps of an adapter
+        7. retire                adapters whose data or num_step is used up
+    on stop: drain               stop generating, checkpoint every live adapter
+
+Rollout never waits for this loop (the rollout worker keeps generating with the
+newest published weights); the loop never waits for a slow adapter for longer
+than the bound. Faults handled here: a dead SGLang engine is restarted and its
+adapters republished (runtime.check_engines); a dead trainer is restarted and
+every live run is prepared again from its last checkpoint (re-attaching the
+runtime makes the controller do that); an adapter whose steps keep failing
+(non-finite loss, every reward failing) is marked FAILED and the others go on.
+
+`controller` and `runtime` are blocking proxies of the two actors
+(service.runtime_actor.RemoteCalls); `runtime_proxy` is what the controller
+calls back (re-attached after a trainer restart).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from service.errors import Conflict
+from service.registry import AdapterState
+from service.runtime_impl import TrainerLost
+from service.shutdown import StopSignal
+
+log = logging.getLogger(__name__)
+
+
+class LoopOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    batch_mode: bool = Field(False, description="Return once no live run is left (batch mode); else run until stopped.")
+    max_wait_s: float = Field(1.0, gt=0, description="Once one adapter has a whole step, wait at most this long for the others.")
+    engine_check_s: float = Field(5.0, gt=0, description="How often dead engines are looked for (seconds).")
+
+
+@dataclass
+class LoopReport:
+    train_calls: int = 0
+    steps: int = 0
+    samples: int = 0
+    train_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    stopped_by: str | None = None  # None: batch mode ran out of runs
+    events: list[str] = field(default_factory=list)
+
+
+def run_training_loop(controller: Any, runtime: Any, runtime_proxy: Any, opts: LoopOptions, stop: StopSignal,
+                      on_round: Callable[[], None] | None = None) -> LoopReport:
+    report = LoopReport()
+    t_start = time.monotonic()
+    next_engine_check = 0.0
+    while not stop.is_set():
+        for change in controller.reconcile():                                            # 1
+            log.info("%s: %s -> %s%s", change.name, change.from_state, change.to_state, f" ({change.reason})" if change.reason else "")
+        live = controller.live_runs()
+        if opts.batch_mode and not live:
+            break
+        if time.monotonic() >= next_engine_check:
+            report.events += _logged(runtime.check_engines())                           # fault: dead engine
+            next_engine_check = time.monotonic() + opts.engine_check_s
+        active = [r.registration_id for r in live if r.state == AdapterState.ACTIVE]
+        batch = runtime.collect_batch(active, opts.max_wait_s)                          # 2
+        if batch.empty:
+            for ref in runtime.exhausted_runs(active):                                  # 7 (a tail shorter than a step)
+                _retire(controller, ref)
+            if not active:
+                stop.wait(0.2)
+            continue
+        try:
+            outcome = runtime.train(batch)                                              # 3
+        except TrainerLost as e:                                                        # fault: dead trainer
+            report.events += _logged([f"{e}; restarting the trainer"])
+            runtime.restart_trainer()
+            controller.attach_runtime(runtime_proxy)  # the controller re-prepares every live run from its checkpoint
+            continue
+        report.train_calls += 1
+        report.train_seconds += outcome.seconds
+        for s in outcome.stepped:
+            try:
+                controller.record_step(s.registration_id, step=s.step, samples=s.samples, metrics=s.metrics)  # 4
+            except Conflict as e:  # retired and finished meanwhile, or failed: its progress no longer counts
+                log.info("step of %s not recorded: %s", s.name, e)
+                continue
+            report.steps += 1
+            report.samples += s.samples
+            version = controller.next_version()
+            try:
+                runtime.publish(s.registration_id, version)                              # 5
+                controller.record_publish(s.registration_id, version)
+            except Exception as e:  # engines down: check_engines restarts them with the current weights
+                report.events += _logged([f"publish of {s.name} v{version} failed: {type(e).__name__}: {e}"])
+                next_engine_check = 0.0
+            if s.due_checkpoint:
+                controller.record_checkpoint(s.registration_id, runtime.checkpoint(s.registration_id), s.step)  # 6
+            if s.exhausted:
+                _retire(controller, (s.name, s.registration_id))                        # 7
+        for registration_id, reason in outcome.failed.items():
+            controller.fail(registration_id, reason)
+        if on_round is not None:
+            on_round()
+    if stop.is_set():
+        report.stopped_by = stop.reason
+        for registration_id, (path, step) in runtime.drain().items():                  # drain
+            try:
+                controller.record_checkpoint(registration_id, path, step)
+            except Conflict as e:
+                log.info("drain checkpoint of %s not recorded: %s", registration_id, e)
+    report.wall_seconds = time.monotonic() - t_start
+    return report
+
+
+def _retire(controller: Any, run: tuple[str, str]) -> None:
+    name, registration_id = run
+    try:
+        controller.retire(name, registration_id)
+        log.info("%s used up its data or steps: retiring", name)
+    except Conflict as e:  # already retiring (a tenant asked first)
+        log.info("retire %s: %s", name, e)
+
+
+def _logged(events: list[str]) -> list[str]:
+    for e in events:
+        log.warning("%s", e)
+    return events

@@ -1,0 +1,158 @@
+"""The two ways to run the service: batch mode (`run_batch`) and service mode (`run_service`).
+
+Both start the whole fleet (service/app_runtime.py), register the job file's
+adapters, and run the training loop (service/loop.py) under a StopSignal, so
+Ctrl-C / SIGTERM drain (every live run checkpointed) before the process exits.
+
+Registering a job's adapters after a restart over the same state dir:
+  * a name with a live run in the registry is NOT registered again: that run
+    continues from its last checkpoint (the controller prepares it from there);
+  * with `resume=True` a name whose newest run COMPLETED is skipped too, so a
+    batch job killed midway finishes only what was left;
+  * otherwise the name gets a new run.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from rich.console import Console
+
+from service.app_runtime import Fleet, start_fleet
+from service.config import JobConfig, ServiceSettings
+from service.errors import LorafleetError, NotFound
+from service.loop import LoopOptions, LoopReport, run_training_loop
+from service.progress import AdapterSummary, ProgressView, summarize, summary_lines, summary_table
+from service.registry import AdapterState
+from service.shutdown import StopSignal
+
+log = logging.getLogger(__name__)
+
+EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
+
+
+@dataclass
+class BatchResult:
+    exit_code: int
+    summaries: list[AdapterSummary]
+    loop: LoopReport
+    startup_seconds: dict[str, float]
+
+
+def register_job_adapters(controller: Any, job: JobConfig, *, resume: bool) -> list[str]:
+    """Register the job's adapters as the module doc says; returns what was done, one line each."""
+    done = []
+    for spec in job.adapters:
+        try:
+            ref = controller.get(spec.name)
+        except NotFound:
+            ref = None
+        if ref is not None and ref.live:
+            done.append(f"{spec.name}: continues its live run (state {ref.state}, step {ref.step})")
+            continue
+        if ref is not None and resume and ref.state == AdapterState.COMPLETED:
+            done.append(f"{spec.name}: already COMPLETED (resume)")
+            continue
+        new = controller.register(spec.name, spec.config)
+        done.append(f"{spec.name}: registered in slot {new.slot} (registration {new.registration_id[:8]})")
+    return done
+
+
+class _ProgressPoller:
+    """Feeds the progress view from the registry twice a second, in a thread of its own."""
+
+    def __init__(self, controller: Any, view: ProgressView, interval_s: float = 0.5) -> None:
+        self.controller, self.view, self.interval_s = controller, view, interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lorafleet-progress", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.view.update(self.controller.list())
+            except Exception:
+                log.debug("progress poll failed", exc_info=True)
+
+    def __enter__(self) -> _ProgressPoller:
+        if self.view.enabled:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5)
+
+
+def run_batch(job: JobConfig, settings: ServiceSettings, *, resume: bool = False, console: Console | None = None,
+              loop_options: LoopOptions | None = None, serve_api: bool = False) -> BatchResult:
+    console = console or Console(stderr=True)
+    opts = loop_options or LoopOptions(batch_mode=True)
+    with StopSignal() as stop:
+        fleet = start_fleet(job, settings, serve_api=serve_api)
+        try:
+            for line in register_job_adapters(fleet.controller, job, resume=resume):
+                log.info("%s", line)
+            with ProgressView(console, title=f"lorafleet run ({len(job.adapters)} adapters)") as view, \
+                    _ProgressPoller(fleet.controller, view):
+                report = run_training_loop(fleet.controller, fleet.runtime, fleet.runtime_proxy, opts, stop)
+            summaries = job_summaries(fleet, job)
+        finally:
+            fleet.close()
+    if report.stopped_by is not None:
+        code = EXIT_INTERRUPTED
+    elif any(s.state != AdapterState.COMPLETED for s in summaries):
+        code = EXIT_FAILED
+    else:
+        code = EXIT_OK
+    return BatchResult(code, summaries, report, fleet.startup_seconds)
+
+
+def job_summaries(fleet: Fleet, job: JobConfig) -> list[AdapterSummary]:
+    out = []
+    for spec in job.adapters:
+        try:
+            ref = fleet.controller.get(spec.name)
+            steps = fleet.controller.metrics(spec.name).steps
+        except LorafleetError:
+            continue
+        out.append(summarize(ref, steps))
+    return out
+
+
+def print_summary(console: Console, result: BatchResult) -> None:
+    console.print(summary_table(result.summaries))
+    for line in summary_lines(result.summaries):
+        console.print(line, highlight=False, soft_wrap=True)
+    loop = result.loop
+    per_min = 60.0 * loop.steps / loop.wall_seconds if loop.wall_seconds > 0 else 0.0
+    console.print(
+        f"{loop.steps} adapter steps in {loop.train_calls} mixed train calls, {loop.samples} samples; "
+        f"loop {loop.wall_seconds:.1f} s ({per_min:.1f} adapter steps/min, training {loop.train_seconds:.1f} s); "
+        f"start-up {result.startup_seconds.get('total', 0.0):.1f} s",
+        highlight=False,
+    )
+    if loop.stopped_by:
+        console.print(f"stopped: {loop.stopped_by}; every live adapter was checkpointed (run again with --resume to finish)",
+                      highlight=False)
+
+
+def run_service(job: JobConfig, settings: ServiceSettings, *, console: Console | None = None,
+                loop_options: LoopOptions | None = None, on_started: Any = None) -> LoopReport:
+    """Service mode: the fleet plus the REST API, training whatever is registered, until stopped."""
+    console = console or Console(stderr=True)
+    opts = loop_options or LoopOptions(batch_mode=False)
+    with StopSignal() as stop:
+        fleet = start_fleet(job, settings, serve_api=True)
+        try:
+            for line in register_job_adapters(fleet.controller, job, resume=True):
+                log.info("%s", line)
+            console.print(f"lorafleet serving on {fleet.api_url} (state {settings.state_dir}); Ctrl-C drains and stops", highlight=False)
+            if on_started is not None:
+                on_started(fleet)
+            return run_training_loop(fleet.controller, fleet.runtime, fleet.runtime_proxy, opts, stop)
+        finally:
+            fleet.close()

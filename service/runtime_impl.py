@@ -1,0 +1,571 @@
+"""FleetRuntime: the `Runtime` over the real parts (trainer actors, rollout worker, SGLang engines),
+plus the operations the training loop (service/loop.py) calls.
+
+It lives in its own named Ray actor (service/runtime_actor.py) so that both the
+controller actor (reconcile: prepare / finish / release / abort / ready / stats)
+and the loop in the driver (collect / train / publish / checkpoint) reach the one
+object that holds the run state below. The loop calls reconcile and its own
+operations one after the other, so those never overlap; tenant calls (abort,
+ready, stats) may come at any time and only read or forward.
+
+State per prepared run (`_Run`, keyed by registration id):
+  * RL runs generate through the rollout worker, which owns their data source;
+    groups popped from it wait in `staged` until a whole step (prompts_per_step
+    groups) is there, so the trainer only ever gets whole steps.
+  * SFT runs read their own `SftSource` here (no rollout).
+
+Invariants:
+  I1 a run is in `_runs` iff its trainer slot is initialized for that registration
+     (prepare_adapter adds it after init succeeded; release / trainer loss remove it);
+  I2 every train call gets, per run, exactly one whole step of samples stamped with
+     the run's registration id (the trainer drops any sample of another tenant);
+  I3 data counts as trained only after the train call that used it returned: SFT
+     rows are committed then; RL groups popped for a failed call go back to `staged`;
+  I4 a checkpoint's data cursor lists every row not yet trained on (the rollout's
+     pending rows plus the staged groups' rows), so a resume redoes nothing and
+     skips nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from rollout.data import DataCursor
+from rollout.groups import RolloutGroup
+from rollout.weights import AdapterWeights
+from rollout.worker import AdapterRollout
+from service.checkpoints import PendingCheckpoint, RunState, load_checkpoint, prune_checkpoints
+from service.config import AdapterConfig, JobConfig, ServiceSettings
+from service.registry import AdapterRef
+from service.runtime import ComponentHealth, Finished, Prepared, RuntimeStats, run_dir
+from service.sft import SftSource
+from trainer.batch import TrainBatch, TrainSample
+
+log = logging.getLogger(__name__)
+
+KEEP_CHECKPOINTS = 2  # per run: the newest two (one may be mid-write when the process dies)
+FAIL_AFTER_BAD_STEPS = 3  # consecutive non-finite steps, or steps whose every reward failed -> FAILED
+
+
+@dataclass
+class _Run:
+    name: str
+    registration_id: str
+    slot: int
+    config: AdapterConfig
+    total_steps: int | None
+    step: int  # optimizer steps the trainer slot has taken
+    samples_trained: int
+    weight_version: int
+    sft: SftSource | None = None
+    staged: list[RolloutGroup] = field(default_factory=list)  # RL: popped, waiting for a whole step
+    publish_history: list[int] = field(default_factory=list)  # versions published, oldest first
+    bad_steps: int = 0
+    last_metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def is_rl(self) -> bool:
+        return self.config.objective == "rl"
+
+    @property
+    def groups_per_step(self) -> int:
+        return self.config.prompts_per_step
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One run's part of a train call."""
+
+    registration_id: str
+    samples: int
+    reward_mean: float | None
+    staleness_mean: float | None
+    reward_failures: int
+
+
+@dataclass(frozen=True)
+class CollectedBatch:
+    samples: list[TrainSample]
+    plans: list[StepPlan]
+
+    @property
+    def empty(self) -> bool:
+        return not self.samples
+
+
+@dataclass(frozen=True)
+class SteppedRun:
+    """A run whose slot stepped in a train call: what the loop commits to the registry."""
+
+    registration_id: str
+    name: str
+    step: int
+    samples: int
+    metrics: dict[str, float]
+    exhausted: bool
+    due_checkpoint: bool
+
+
+@dataclass(frozen=True)
+class TrainOutcome:
+    stepped: list[SteppedRun]
+    failed: dict[str, str]  # registration id -> reason (the loop marks these FAILED)
+    seconds: float
+
+
+class TrainerLost(RuntimeError):
+    """The trainer actor(s) died; every slot is gone (restart, then re-prepare from checkpoints)."""
+
+
+class FleetRuntime:
+    def __init__(self, job: JobConfig, settings: ServiceSettings, *, trainer: Any, rollout: Any, controller: Any,
+                 tokenizer_path: str | None = None) -> None:
+        """`trainer` may be None while it is still starting: set it with `set_trainer`."""
+        from transformers import AutoTokenizer
+
+        self.job = job
+        self.settings = settings
+        self.trainer = trainer  # service.trainer_group.TrainerGroup
+        self.rollout = rollout  # rollout.worker_actor.RolloutWorker handle
+        self.controller = controller  # controller actor handle (next_version)
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or job.base_model.path)
+        self._runs: dict[str, _Run] = {}
+        self._lock = threading.RLock()
+        self._last_train_s: float | None = None
+        self._trainer_note = "running"
+        self._rr_start = 0  # round-robin start of batch collection
+        self._sft_rows: dict[str, list] = {}  # SFT rows of the batch being trained, by registration id
+
+    def set_trainer(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    # --- helpers -------------------------------------------------------------------------------
+
+    def _rollout(self, method: str, *args: Any, timeout: float = 120.0) -> Any:
+        return ray.get(getattr(self.rollout, method).remote(*args), timeout=timeout)
+
+    def _next_version(self) -> int:
+        return int(ray.get(self.controller.next_version.remote(), timeout=30))
+
+    def _weights(self, slot: int) -> AdapterWeights:
+        cfg, tensors = self.trainer.call("peft_tensors", slot)
+        return AdapterWeights(cfg, tensors=tensors)
+
+    def runs(self) -> list[str]:
+        with self._lock:
+            return list(self._runs)
+
+    def _run(self, registration_id: str) -> _Run:
+        with self._lock:
+            try:
+                return self._runs[registration_id]
+            except KeyError:
+                raise KeyError(f"registration {registration_id} is not prepared in this runtime") from None
+
+    # --- Runtime protocol: lifecycle -----------------------------------------------------------
+
+    def prepare_adapter(self, ref: AdapterRef) -> Prepared:
+        cfg = ref.config
+        assert ref.slot is not None, f"{ref.name}: a live run always holds a slot"
+        self._evict_slot(ref.slot, keep=None)
+        self.release_adapter(ref)  # a stale entry of this registration (trainer restart): start clean
+        if cfg.objective == "rl":
+            self._rollout("remove_adapter", ref.name)  # a leftover of this name (e.g. after a trainer restart)
+        hyper = cfg.slot_hyper_params(ref.total_steps)
+        source = ref.checkpoint_path or cfg.resume_from
+        cursor: DataCursor | None = None
+        step = samples = 0
+        if source is not None:
+            ckpt = load_checkpoint(source)
+            if ckpt.state.rank != cfg.rank or ckpt.state.objective != cfg.objective:
+                raise ValueError(
+                    f"checkpoint {ckpt.folder} is of a rank-{ckpt.state.rank} {ckpt.state.objective} run; "
+                    f"this run is rank {cfg.rank} {cfg.objective}"
+                )
+            self.trainer.call("load_slot_state", ref.slot, str(ckpt.trainer_dir), registration=ref.registration_id)  # the new tenant's id
+            step, samples = ckpt.state.step, ckpt.state.samples_trained
+            cursor = DataCursor.model_validate(ckpt.state.data_cursor) if ckpt.state.data_cursor else None
+        else:
+            self.trainer.call("init_slot", ref.slot, hyper, cfg.seed, init_from=cfg.init_from, registration=ref.registration_id)
+        run = _Run(ref.name, ref.registration_id, ref.slot, cfg, ref.total_steps, step, samples, weight_version=0)
+        try:
+            version = self._next_version()
+            if run.is_rl:
+                spec = AdapterRollout(
+                    name=ref.name, registration_id=ref.registration_id, data=cfg.data_config(), reward=cfg.reward,
+                    sampling=cfg.sampling, initial_version=version, cursor=cursor, max_staleness=cfg.max_staleness,
+                )
+                self._rollout("add_adapter", spec, self._weights(ref.slot), timeout=300)
+            else:
+                run.sft = SftSource(cfg.data_config(), self.tokenizer, slot=ref.slot, registration_id=ref.registration_id,
+                                    samples_per_step=cfg.samples_per_step, cursor=cursor)
+        except BaseException:
+            self.trainer.call("clear_slot", ref.slot)
+            raise
+        run.weight_version = version
+        run.publish_history.append(version)
+        with self._lock:
+            self._runs[ref.registration_id] = run
+        log.info("prepared %s in slot %d at step %d (version %d, from %s)", ref.name, ref.slot, step, version, source or cfg.init_from or "seed")
+        return Prepared(weight_version=version, step=step, samples_trained=samples)
+
+    def _evict_slot(self, slot: int, keep: str | None) -> None:
+        """Drop any other registration this runtime still has in `slot` (its release was lost)."""
+        with self._lock:
+            stale = [r for r in self._runs.values() if r.slot == slot and r.registration_id != keep]
+        for r in stale:
+            self._forget(r)
+
+    def _forget(self, run: _Run) -> None:
+        with self._lock:
+            self._runs.pop(run.registration_id, None)
+        if run.is_rl:
+            self._rollout("remove_adapter", run.name)
+        if self.trainer.group is not None:
+            self.trainer.call("clear_slot", run.slot)
+
+    def finish_adapter(self, ref: AdapterRef) -> Finished:
+        run = self._run(ref.registration_id)
+        if run.is_rl:
+            # Stop generating and abort its requests; keep the cursor first (pending rows come back on resume).
+            self._rollout("abort_adapter", run.name, True)
+        checkpoint = self.checkpoint(ref.registration_id)
+        export = run_dir(self.settings.state_dir, ref) / "export"
+        self.trainer.call("export_peft", run.slot, str(export))
+        if run.is_rl:
+            self._rollout("remove_adapter", run.name)
+        return Finished(export_path=str(export), checkpoint_path=checkpoint)
+
+    def release_adapter(self, ref: AdapterRef) -> None:
+        with self._lock:
+            run = self._runs.get(ref.registration_id)
+        if run is not None:
+            self._forget(run)
+
+    def abort(self, ref: AdapterRef) -> int:
+        with self._lock:
+            run = self._runs.get(ref.registration_id)
+        if run is None or not run.is_rl:
+            return 0
+        return int(self._rollout("abort_adapter", run.name, False, timeout=30))
+
+    def ready(self) -> dict[str, ComponentHealth]:
+        if self.trainer is None:
+            out = {"trainer": ComponentHealth(False, "trainer starting")}
+        else:
+            out = {"trainer": self.trainer.health(note=self._trainer_note)}
+        try:
+            engines = self._rollout("engine_health", timeout=10)
+            out["rollout"] = ComponentHealth(True, f"{len(self.runs())} adapter(s) prepared")
+            for e in engines:
+                out[f"engine-{e.index}"] = ComponentHealth(
+                    e.alive and e.routable, f"{e.url} starts={e.starts} inflight={e.inflight}" + ("" if e.routable else " (not routable)")
+                )
+        except Exception as e:
+            out["rollout"] = ComponentHealth(False, f"rollout worker unreachable: {type(e).__name__}: {e}")
+        return out
+
+    def stats(self) -> RuntimeStats:
+        queue: dict[str, int] = {}
+        inflight: dict[str, int] = {}
+        try:
+            for name, s in self._rollout("stats", None, timeout=5).items():
+                queue[name] = s.buffered_groups
+            for e in self._rollout("engine_health", timeout=5):
+                inflight[str(e.index)] = e.inflight
+        except Exception:
+            log.debug("stats: rollout worker unreachable", exc_info=True)
+        with self._lock:
+            for r in self._runs.values():
+                if r.is_rl:
+                    queue[r.name] = queue.get(r.name, 0) + len(r.staged)
+        return RuntimeStats(queue_depth=queue, engine_inflight=inflight, train_step_seconds=self._last_train_s)
+
+    # --- the loop's operations -------------------------------------------------------------------
+
+    def collect_batch(self, active: list[str], max_wait_s: float, poll_s: float = 0.05,
+                      should_stop: Any = None) -> CollectedBatch:
+        """One whole step per run that has one ready, round-robin over `active` registration ids.
+
+        Waits until every active run has a whole step, or until `max_wait_s` has passed
+        since the first one became ready (a lone or slow adapter never blocks the others
+        for longer than that); returns an empty batch when nothing got ready in
+        `max_wait_s` (the loop then reconciles and calls again)."""
+        with self._lock:
+            runs = [self._runs[r] for r in active if r in self._runs]
+        if not runs:
+            return CollectedBatch([], [])
+        k = self._rr_start % len(runs)
+        runs = runs[k:] + runs[:k]
+        self._rr_start += 1
+        start = time.monotonic()
+        first_ready: float | None = None
+        sft_steps: dict[str, tuple[list, list[TrainSample]]] = {}
+        while True:
+            ready = []
+            for run in runs:
+                if run.is_rl:
+                    need = run.groups_per_step - len(run.staged)
+                    if need > 0:
+                        run.staged.extend(self._rollout("pop_groups", run.name, need))
+                    if len(run.staged) >= run.groups_per_step:
+                        ready.append(run)
+                else:
+                    if run.registration_id not in sft_steps:
+                        taken = run.sft.take_step()
+                        if taken is not None:
+                            sft_steps[run.registration_id] = taken
+                    if run.registration_id in sft_steps:
+                        ready.append(run)
+            now = time.monotonic()
+            if ready and first_ready is None:
+                first_ready = now
+            if len(ready) == len(runs) or (first_ready is not None and now - first_ready >= max_wait_s):
+                break
+            if first_ready is None and now - start >= max_wait_s:
+                break
+            if should_stop is not None and should_stop():
+                break
+            time.sleep(poll_s)
+        samples: list[TrainSample] = []
+        plans: list[StepPlan] = []
+        for run in ready:
+            if run.is_rl:
+                groups = run.staged[: run.groups_per_step]
+                rewards = [s.reward for g in groups for s in g.samples]
+                stale = [self._publishes_behind(run, g.version) for g in groups]
+                for g in groups:
+                    samples.extend(_rl_samples(run.slot, run.registration_id, g))
+                plans.append(StepPlan(
+                    run.registration_id, sum(len(g.samples) for g in groups),
+                    reward_mean=sum(rewards) / len(rewards) if rewards else None,
+                    staleness_mean=sum(stale) / len(stale) if stale else None,
+                    reward_failures=sum(s.reward_error is not None for g in groups for s in g.samples),
+                ))
+            else:
+                rows, sft_samples = sft_steps.pop(run.registration_id)
+                self._sft_rows[run.registration_id] = rows  # committed after the train call (I3)
+                samples.extend(sft_samples)
+                plans.append(StepPlan(run.registration_id, len(sft_samples), None, None, 0))
+        return CollectedBatch(samples, plans)
+
+    @staticmethod
+    def _publishes_behind(run: _Run, version: int) -> int:
+        """How many publishes of this run came after `version` (0 = generated by the newest weights)."""
+        try:
+            return len(run.publish_history) - 1 - run.publish_history.index(version)
+        except ValueError:
+            return len(run.publish_history)
+
+    def train(self, batch: CollectedBatch) -> TrainOutcome:
+        """One mixed train call over the batch; accounting per I3. Raises TrainerLost if the trainer died."""
+        t0 = time.monotonic()
+        try:
+            result = self.trainer.call("train", TrainBatch(samples=batch.samples))
+        except Exception as e:
+            self._return_batch(batch)
+            if self.trainer.is_lost(e):
+                self._trainer_note = f"lost: {type(e).__name__}"
+                raise TrainerLost(f"trainer died during a train call: {type(e).__name__}: {e}") from e
+            raise
+        seconds = time.monotonic() - t0
+        self._last_train_s = seconds
+        stepped: list[SteppedRun] = []
+        failed: dict[str, str] = {}
+        for plan in batch.plans:
+            run = self._runs.get(plan.registration_id)
+            if run is None:
+                continue
+            self._consume_batch_part(run)
+            metrics = result.slots.get(run.slot)
+            reports = metrics.steps if metrics is not None else []
+            if run.slot in result.skipped_nonfinite or not reports:
+                run.bad_steps += 1
+                if run.bad_steps >= FAIL_AFTER_BAD_STEPS:
+                    failed[run.registration_id] = f"{run.bad_steps} consecutive steps with a non-finite loss or gradient (last at step {run.step + 1})"
+                continue
+            if run.is_rl and plan.reward_failures == plan.samples:
+                run.bad_steps += 1
+                if run.bad_steps >= FAIL_AFTER_BAD_STEPS:
+                    failed[run.registration_id] = f"the reward failed on every sample of {run.bad_steps} consecutive steps"
+            else:
+                run.bad_steps = 0
+            report = reports[-1]
+            run.step = report.step
+            run.samples_trained += plan.samples
+            m = {"loss": report.loss, "learning_rate": report.lr, "grad_norm": report.grad_norm, "train_seconds": seconds}
+            if plan.reward_mean is not None:
+                m["reward_mean"] = plan.reward_mean
+            if plan.staleness_mean is not None:
+                m["staleness_mean"] = plan.staleness_mean
+            run.last_metrics = m
+            interval = run.config.checkpoint_interval
+            stepped.append(SteppedRun(
+                run.registration_id, run.name, run.step, plan.samples, m,
+                exhausted=self._exhausted(run), due_checkpoint=interval > 0 and run.step % interval == 0,
+            ))
+        return TrainOutcome(stepped, failed, seconds)
+
+    def _consume_batch_part(self, run: _Run) -> None:
+        if run.is_rl:
+            del run.staged[: run.groups_per_step]
+        # SFT rows: committed here (I3)
+        elif run.sft is not None and run.registration_id in self._sft_rows:
+            run.sft.commit(self._sft_rows.pop(run.registration_id))
+
+    def _return_batch(self, batch: CollectedBatch) -> None:
+        for plan in batch.plans:
+            run = self._runs.get(plan.registration_id)
+            if run is not None and run.sft is not None and plan.registration_id in self._sft_rows:
+                run.sft.give_back(self._sft_rows.pop(plan.registration_id))
+
+    def _exhausted(self, run: _Run) -> bool:
+        if run.config.num_step is not None and run.step >= run.config.num_step:
+            return True
+        if run.is_rl:
+            if run.staged:
+                return False
+            s = self._rollout("stats", run.name)
+            return s.data.exhausted and s.buffered_groups == 0 and s.inflight_groups == 0
+        return run.sft.exhausted
+
+    def exhausted_runs(self, active: list[str]) -> list[tuple[str, str]]:
+        """(name, registration id) of active runs that can never make another whole step: their
+        budget or data is used up. An RL run whose data ran out with fewer groups staged than a
+        step needs drops that tail (SFT does the same in SftSource.take_step)."""
+        out = []
+        for reg in active:
+            run = self._runs.get(reg)
+            if run is None:
+                continue
+            if run.is_rl and run.staged and (run.config.num_step is None or run.step < run.config.num_step):
+                s = self._rollout("stats", run.name)
+                if s.data.exhausted and s.buffered_groups == 0 and s.inflight_groups == 0:
+                    log.info("%s: data used up; dropping a tail of %d group(s), less than a step", run.name, len(run.staged))
+                    run.staged.clear()
+            if self._exhausted(run):
+                out.append((run.name, reg))
+        return out
+
+    def publish(self, registration_id: str, version: int) -> None:
+        """Push the run's current weights to the engines as `version` (RL; SFT runs are not served)."""
+        run = self._run(registration_id)
+        if run.is_rl:
+            self._rollout("publish_version", run.name, version, self._weights(run.slot), timeout=120)
+        run.weight_version = version
+        run.publish_history.append(version)
+        del run.publish_history[:-64]
+
+    def checkpoint(self, registration_id: str) -> str:
+        """Write a complete checkpoint of the run at its current step; returns its folder."""
+        run = self._run(registration_id)
+        folder = run_dir(self.settings.state_dir, _RefLike(run.name, registration_id))
+        cursor = self._cursor(run)
+        with PendingCheckpoint(folder, run.step) as pending:
+            self.trainer.call("save_slot_state", run.slot, str(pending.trainer_dir))
+            self.trainer.call("export_peft", run.slot, str(pending.adapter_dir))
+            state = RunState(
+                name=run.name, registration_id=registration_id, objective=run.config.objective, rank=run.config.rank,
+                step=run.step, samples_trained=run.samples_trained, weight_version=run.weight_version,
+                data_cursor=cursor.model_dump(mode="json") if cursor is not None else None,
+                rng={"data_shuffle_seed": run.config.seed, "slot_init_seed": run.config.seed},
+                metrics={k: v for k, v in run.last_metrics.items() if math.isfinite(v)},
+            )
+            done = pending.commit(state)
+        prune_checkpoints(folder, KEEP_CHECKPOINTS)
+        return str(done.folder)
+
+    def _cursor(self, run: _Run) -> DataCursor | None:
+        if run.sft is not None:
+            return run.sft.cursor()
+        cursor: DataCursor = self._rollout("data_cursor", run.name)
+        staged = [(g.prompt_index, g.epoch) for g in run.staged]  # popped (consumed) but not trained: I4
+        return cursor.model_copy(update={"pending": staged + list(cursor.pending), "consumed": cursor.consumed - len(staged)})
+
+    # --- faults --------------------------------------------------------------------------------------
+
+    def check_engines(self) -> list[str]:
+        """Restart every managed engine whose process died; its adapters' current versions are
+        loaded again by the rollout worker (republished). Returns what was done."""
+        done = []
+        for e in self._rollout("engine_health", timeout=30):
+            if not e.alive:
+                t0 = time.monotonic()
+                health = self._rollout("restart_engine", e.index, timeout=self.job.engines.startup_deadline_s + 60)
+                done.append(f"engine {e.index} was dead: restarted ({health.url}) and republished in {time.monotonic() - t0:.1f} s")
+        return done
+
+    def restart_trainer(self) -> list[str]:
+        """Replace the dead trainer; every run is forgotten here and must be prepared again
+        (the controller does that from each run's last checkpoint once its runtime is re-attached)."""
+        with self._lock:
+            lost = list(self._runs.values())
+            self._runs.clear()
+        for run in lost:
+            if run.is_rl:
+                try:
+                    self._rollout("remove_adapter", run.name)
+                except Exception:
+                    log.exception("removing %s from the rollout worker", run.name)
+        self._trainer_note = "restarting"
+        self.trainer.restart()
+        self._trainer_note = "running"
+        return [r.registration_id for r in lost]
+
+    def stop_trainer(self) -> None:
+        """Stop the trainer for good (operations and tests: the service then reports not ready)."""
+        self._trainer_note = "stopped by the operator"
+        self.trainer.stop("stopped by the operator")
+
+    def drain(self) -> dict[str, tuple[str, int]]:
+        """Stop generating for every run and checkpoint each; registration id -> (checkpoint folder, step)."""
+        out = {}
+        for reg in self.runs():
+            run = self._runs.get(reg)
+            if run is None:
+                continue
+            if run.is_rl:
+                try:
+                    self._rollout("abort_adapter", run.name, True)
+                except Exception:
+                    log.exception("draining %s: abort", run.name)
+            out[reg] = (self.checkpoint(reg), run.step)
+        return out
+
+    def shutdown(self) -> None:
+        try:
+            self._rollout("shutdown", timeout=120)
+        except Exception:
+            log.exception("rollout worker shutdown")
+        self.trainer.stop()
+
+
+@dataclass(frozen=True)
+class _RefLike:
+    """The two fields run_dir() reads."""
+
+    name: str
+    registration_id: str
+
+
+def _rl_samples(slot: int, registration_id: str, group: RolloutGroup) -> list[TrainSample]:
+    """Prompt + response per sample; loss on the response; rollout logprobs aligned with tokens."""
+    out = []
+    n_prompt = len(group.prompt_ids)
+    for s in group.samples:
+        # Every sample counts toward the step (the slot steps at prompts x n samples), even an
+        # empty response: it then has no learned token and adds nothing to the gradient.
+        tokens = [*group.prompt_ids, *s.response_ids]
+        out.append(TrainSample(
+            slot=slot, tokens=tokens, loss_mask=[0] * n_prompt + [1] * len(s.response_ids),
+            advantage=s.advantage, rollout_logprobs=[0.0] * n_prompt + list(s.logprobs), registration=registration_id,
+        ))
+    return out
