@@ -50,11 +50,13 @@ class _Strict(BaseModel):
 
 def _rebase(path: str | None, info: ValidationInfo) -> str | None:
     """Relative paths in a job file are relative to the job file's folder
-    (load_job passes it as validation context); elsewhere they stay as given."""
+    (load_job passes it as validation context); elsewhere they stay as given.
+    The joined path is normalized: a job file may reach up ("../data/x.jsonl"), and
+    the registration checks refuse any path that still holds a '..' component."""
     base = (info.context or {}).get("base_dir")
     if path is None or base is None or Path(path).is_absolute():
         return path
-    return str(Path(base) / path)
+    return os.path.normpath(Path(base) / path)
 
 
 class DataSpec(_Strict):

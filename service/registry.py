@@ -22,7 +22,9 @@ Invariants (enforced here, partly by SQLite unique indexes as a second line):
      never names two different weights and a slot's new tenant is never
      confused with the old one;
   I4 state changes follow LEGAL_TRANSITIONS only; terminal states are final;
-  I5 step only grows; samples_trained is the sum of committed steps' samples;
+  I5 step only grows, except when a run is prepared again from an older checkpoint
+     (mark_prepared rewinds it to that checkpoint and drops the later steps' records);
+     samples_trained is the sum of committed steps' samples;
      progress is committed only for live ACTIVE/RETIRING runs with the caller's
      registration id (a late report about an old tenant is refused, not applied
      to the new one);
@@ -334,7 +336,8 @@ class Registry:
         """Record that the run's trainer slot is initialized and `weight_version` is
         published; a PENDING run becomes ACTIVE. A run retired meanwhile keeps its
         state but is marked trained (so retirement exports it). `step` and
-        `samples_trained` come from a resumed checkpoint (0 for a fresh start)."""
+        `samples_trained` come from a resumed checkpoint (0 for a fresh start); a run
+        prepared again (restart) is rewound to them."""
         now = time.time()
         with self._tx():
             row = self._run_row(registration_id)
@@ -344,9 +347,13 @@ class Registry:
             sets: dict[str, Any] = {"weight_version": weight_version, "updated_at": now}
             if row["activated_at"] is None:
                 sets["activated_at"] = now
-            if step > row["step"]:
+            if step != row["step"]:
+                # The slot now holds the state of `step` (its last checkpoint, or a fresh
+                # start): that is the run's progress. Steps recorded after it were lost with
+                # the process that trained them and are trained again (I5's one exception).
+                self._db.execute("DELETE FROM steps WHERE registration_id = ? AND step > ?", (registration_id, step))
                 sets["step"] = step
-                sets["samples_trained"] = max(samples_trained, row["samples_trained"])
+                sets["samples_trained"] = samples_trained
             if state == AdapterState.PENDING:
                 sets["state"] = AdapterState.ACTIVE
             self._update(registration_id, sets)
