@@ -72,3 +72,46 @@ def adamw_update(
     bias_correction2_sqrt = math.sqrt(bias_correction2)
     denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(hyper.eps)
     param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+@torch.no_grad()
+def adamw_update_slots(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    grad_scale: torch.Tensor,
+    lr: torch.Tensor,
+    weight_decay: torch.Tensor,
+    beta1: torch.Tensor,
+    beta2: torch.Tensor,
+    eps: torch.Tensor,
+    step: torch.Tensor,
+) -> None:
+    """AdamW for several slots of one stacked tensor at once (same math as ``adamw_update``).
+
+    ``param``/``grad``/moments are stacked [N, ...]; ``slots`` (long [D]) picks the slots
+    that step; every hyper-parameter is a float64 [D] tensor, one value per slot, and
+    ``grad_scale`` folds in the slot's loss normalization and clipping. Whole slot
+    slices are updated: padded rows/columns have zero weight, gradient and moments,
+    and the update keeps them exactly zero. Ops are elementwise, so a slot's result
+    does not depend on which other slots step with it.
+    """
+    shape = (-1,) + (1,) * (param.dim() - 1)
+
+    def col(x: torch.Tensor) -> torch.Tensor:
+        return x.to(param.dtype).view(shape)
+
+    bias_correction1 = 1 - beta1**step
+    bias_correction2_sqrt = (1 - beta2**step).sqrt()
+    g = grad.index_select(0, slots) * col(grad_scale)
+    p = param.index_select(0, slots) * col(1 - lr * weight_decay)
+    m = torch.lerp(exp_avg.index_select(0, slots), g, col(1 - beta1))
+    v = exp_avg_sq.index_select(0, slots) * col(beta2) + col(1 - beta2) * g * g
+    denom = v.sqrt() / col(bias_correction2_sqrt) + col(eps)
+    p = p + col(-lr / bias_correction1) * (m / denom)
+    param.index_copy_(0, slots, p)
+    exp_avg.index_copy_(0, slots, m)
+    exp_avg_sq.index_copy_(0, slots, v)

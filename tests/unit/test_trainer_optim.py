@@ -54,3 +54,40 @@ def test_clip_coefficient_matches_torch():
     torch.nn.utils.clip_grad_norm_([p], 2.0)
     assert clip_coefficient(norm, 2.0) * torch.arange(10.0) == pytest.approx(p.grad)
     assert clip_coefficient(0.5, 2.0) == 1.0 and clip_coefficient(10.0, None) == 1.0
+
+
+def test_vectorized_slots_update_matches_torch_per_slot():
+    """adamw_update_slots on slots {0, 2} of a stacked tensor = torch AdamW on each slot
+    (within an ulp or two); slot 1 untouched; zero padding stays exactly zero."""
+    from trainer.per_slot_optim import adamw_update_slots
+
+    g = torch.Generator().manual_seed(1)
+    hypers = {0: SlotHyperParams(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.99), eps=1e-6),
+              2: SlotHyperParams(lr=3e-3, betas=(0.8, 0.95), eps=1e-8)}
+    p = torch.randn(3, 4, 6, generator=g)
+    p[:, 3:] = 0.0  # padding rows (rank 3 of max 4)
+    m, v, grad = torch.zeros_like(p), torch.zeros_like(p), torch.zeros_like(p)
+    refs = {s: p[s].clone().requires_grad_() for s in hypers}
+    opts = {s: torch.optim.AdamW([refs[s]], lr=h.lr, betas=h.betas, eps=h.eps, weight_decay=h.weight_decay, foreach=False)
+            for s, h in hypers.items()}
+    slot1 = p[1].clone()
+    scale = {0: 0.5, 2: 2.0}
+    for step in range(1, 4):
+        grad.zero_()
+        grad[:, :3] = torch.randn(3, 3, 6, generator=g)
+        for s in hypers:
+            refs[s].grad = grad[s] * scale[s]
+            opts[s].step()
+        f64 = dict(dtype=torch.float64)
+        adamw_update_slots(
+            p, grad, m, v, torch.tensor([0, 2]), grad_scale=torch.tensor([0.5, 2.0], **f64),
+            lr=torch.tensor([hypers[0].lr, hypers[2].lr], **f64), weight_decay=torch.tensor([0.1, 0.0], **f64),
+            beta1=torch.tensor([0.9, 0.8], **f64), beta2=torch.tensor([0.99, 0.95], **f64),
+            eps=torch.tensor([1e-6, 1e-8], **f64), step=torch.tensor([float(step)] * 2, **f64),
+        )
+    for s in hypers:
+        torch.testing.assert_close(p[s], refs[s].detach(), rtol=2e-7, atol=1e-9)
+        torch.testing.assert_close(m[s], opts[s].state[refs[s]]["exp_avg"], rtol=2e-7, atol=1e-12)
+        torch.testing.assert_close(v[s], opts[s].state[refs[s]]["exp_avg_sq"], rtol=2e-7, atol=1e-12)
+    assert torch.equal(p[1], slot1) and torch.count_nonzero(m[1]) == 0
+    assert torch.count_nonzero(p[:, 3:]) == 0 and torch.count_nonzero(m[:, 3:]) == 0 and torch.count_nonzero(v[:, 3:]) == 0
