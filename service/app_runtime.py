@@ -67,6 +67,11 @@ class Fleet:
         return RuntimeProxy(self.runtime_handle)
 
     @property
+    def ray_address(self) -> str:
+        """The GCS address of the Ray cluster (operators attach with `ray.init(address=...)`)."""
+        return ray.get_runtime_context().gcs_address
+
+    @property
     def api_url(self) -> str | None:
         return self.api.url if self.api is not None else None
 
@@ -138,7 +143,7 @@ def start_fleet(job: JobConfig, settings: ServiceSettings, *, serve_api: bool, n
         handles.append(rollout)
         t1 = time.monotonic()
         engines_started = rollout.start.remote()
-        runtime = start_runtime_actor(job, settings, trainer=None, rollout=rollout, controller=controller,
+        runtime = start_runtime_actor(job, settings, trainer=None, rollout=rollout, controller=RemoteCalls(controller, timeout_s=60),
                                       namespace=namespace, wait=False)
         handles.append(runtime)
         trainer = TrainerGroup(job.trainer, trainer_groups, cpus_per_rank=job.placement.trainer.cpus_per_rank,

@@ -49,6 +49,7 @@ class LoopOptions(BaseModel):
     batch_mode: bool = Field(False, description="Return once no live run is left (batch mode); else run until stopped.")
     max_wait_s: float = Field(1.0, gt=0, description="Once one adapter has a whole step, wait at most this long for the others.")
     engine_check_s: float = Field(5.0, gt=0, description="How often dead engines are looked for (seconds).")
+    max_round_errors: int = Field(5, ge=1, description="Give up (raise) after this many rounds in a row that raised.")
 
 
 @dataclass
@@ -67,58 +68,69 @@ def run_training_loop(controller: Any, runtime: Any, runtime_proxy: Any, opts: L
     report = LoopReport()
     t_start = time.monotonic()
     next_engine_check = 0.0
+    errors = 0  # consecutive rounds that raised
     while not stop.is_set():
-        for change in controller.reconcile():                                            # 1
-            log.info("%s: %s -> %s%s", change.name, change.from_state, change.to_state, f" ({change.reason})" if change.reason else "")
-        live = controller.live_runs()
-        if opts.batch_mode and not live:
-            break
-        if time.monotonic() >= next_engine_check:
-            report.events += _logged(runtime.check_engines())                           # fault: dead engine
-            next_engine_check = time.monotonic() + opts.engine_check_s
-        active = [r.registration_id for r in live if r.state == AdapterState.ACTIVE]
-        batch = runtime.collect_batch(active, opts.max_wait_s)                          # 2
-        if batch.empty:
-            for ref in runtime.exhausted_runs(active):                                  # 7 (a tail shorter than a step)
-                _retire(controller, ref)
-            if not active:
-                stop.wait(0.2)
-            continue
         try:
-            outcome = runtime.train(batch)                                              # 3
-        except TrainerLost as e:                                                        # fault: dead trainer
-            report.events += _logged([f"{e}; restarting the trainer"])
-            runtime.restart_trainer()
-            controller.attach_runtime(runtime_proxy)  # the controller re-prepares every live run from its checkpoint
-            continue
-        report.train_calls += 1
-        report.train_seconds += outcome.seconds
-        for s in outcome.stepped:
-            try:
-                controller.record_step(s.registration_id, step=s.step, samples=s.samples, metrics=s.metrics)  # 4
-            except Conflict as e:  # retired and finished meanwhile, or failed: its progress no longer counts
-                log.info("step of %s not recorded: %s", s.name, e)
+            for change in controller.reconcile():                                               # 1
+                log.info("%s: %s -> %s%s", change.name, change.from_state, change.to_state, f" ({change.reason})" if change.reason else "")
+            live = controller.live_runs()
+            if opts.batch_mode and not live:
+                break
+            if time.monotonic() >= next_engine_check:
+                report.events += _logged(runtime.check_engines())                               # fault: dead engine
+                next_engine_check = time.monotonic() + opts.engine_check_s
+            active = [r.registration_id for r in live if r.state == AdapterState.ACTIVE]
+            batch = runtime.collect_batch(active, opts.max_wait_s)                              # 2
+            if batch.empty:
+                for ref in runtime.exhausted_runs(active):                                      # 7 (a tail shorter than a step)
+                    _retire(controller, ref)
+                if not active:
+                    stop.wait(0.2)
+                errors = 0
                 continue
-            report.steps += 1
-            report.samples += s.samples
-            version = controller.next_version()
             try:
-                runtime.publish(s.registration_id, version)                              # 5
-                controller.record_publish(s.registration_id, version)
-            except Exception as e:  # engines down: check_engines restarts them with the current weights
-                report.events += _logged([f"publish of {s.name} v{version} failed: {type(e).__name__}: {e}"])
-                next_engine_check = 0.0
-            if s.due_checkpoint:
-                controller.record_checkpoint(s.registration_id, runtime.checkpoint(s.registration_id), s.step)  # 6
-            if s.exhausted:
-                _retire(controller, (s.name, s.registration_id))                        # 7
-        for registration_id, reason in outcome.failed.items():
-            controller.fail(registration_id, reason)
-        if on_round is not None:
-            on_round()
+                outcome = runtime.train(batch)                                                  # 3
+            except TrainerLost as e:                                                            # fault: dead trainer
+                report.events += _logged([f"{e}; restarting the trainer"])
+                runtime.restart_trainer()
+                controller.attach_runtime(runtime_proxy)  # the controller re-prepares every live run from its checkpoint
+                continue
+            report.train_calls += 1
+            report.train_seconds += outcome.seconds
+            for s in outcome.stepped:
+                try:
+                    controller.record_step(s.registration_id, step=s.step, samples=s.samples, metrics=s.metrics)  # 4
+                except Conflict as e:  # retired and finished meanwhile, or failed: its progress no longer counts
+                    log.info("step of %s not recorded: %s", s.name, e)
+                    continue
+                report.steps += 1
+                report.samples += s.samples
+                version = controller.next_version()
+                try:
+                    runtime.publish(s.registration_id, version)                                 # 5
+                    controller.record_publish(s.registration_id, version)
+                except Exception as e:  # engines down: check_engines restarts them with the current weights
+                    report.events += _logged([f"publish of {s.name} v{version} failed: {type(e).__name__}: {e}"])
+                    next_engine_check = 0.0
+                if s.due_checkpoint:
+                    controller.record_checkpoint(s.registration_id, runtime.checkpoint(s.registration_id), s.step)  # 6
+                if s.exhausted:
+                    _retire(controller, (s.name, s.registration_id))                            # 7
+            for registration_id, reason in outcome.failed.items():
+                controller.fail(registration_id, reason)
+            if on_round is not None:
+                on_round()
+            errors = 0
+        except Exception as e:  # a round that failed (e.g. a worker call timed out): log, back off, retry
+            errors += 1
+            report.events += _logged([f"round failed ({errors} in a row): {type(e).__name__}: {e}"])
+            if errors >= opts.max_round_errors:
+                raise
+            stop.wait(min(0.5 * 2**errors, 10.0))
+
     if stop.is_set():
         report.stopped_by = stop.reason
-        for registration_id, (path, step) in runtime.drain().items():                  # drain
+        for registration_id, (path, step) in runtime.drain().items():                           # drain
             try:
                 controller.record_checkpoint(registration_id, path, step)
             except Conflict as e:

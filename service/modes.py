@@ -14,7 +14,9 @@ Registering a job's adapters after a restart over the same state dir:
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +34,8 @@ from service.shutdown import StopSignal
 log = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
+# Written by service mode once it serves (removed on exit): where to reach it.
+SERVICE_INFO_FILE = "service.json"
 
 
 @dataclass
@@ -150,9 +154,14 @@ def run_service(job: JobConfig, settings: ServiceSettings, *, console: Console |
         try:
             for line in register_job_adapters(fleet.controller, job, resume=True):
                 log.info("%s", line)
-            console.print(f"lorafleet serving on {fleet.api_url} (state {settings.state_dir}); Ctrl-C drains and stops", highlight=False)
+            console.print(f"lorafleet serving on {fleet.api_url} (state {settings.state_dir}, Ray {fleet.ray_address}); "
+                          "Ctrl-C drains and stops", highlight=False, soft_wrap=True)
+            info = settings.state_dir / SERVICE_INFO_FILE
+            info.write_text(json.dumps({"api_url": fleet.api_url, "ray_address": fleet.ray_address, "pid": os.getpid(),
+                                        "namespace": fleet.namespace}))
             if on_started is not None:
                 on_started(fleet)
             return run_training_loop(fleet.controller, fleet.runtime, fleet.runtime_proxy, opts, stop)
         finally:
+            (settings.state_dir / SERVICE_INFO_FILE).unlink(missing_ok=True)
             fleet.close()

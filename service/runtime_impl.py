@@ -69,6 +69,7 @@ class _Run:
     staged: list[RolloutGroup] = field(default_factory=list)  # RL: popped, waiting for a whole step
     publish_history: list[int] = field(default_factory=list)  # versions published, oldest first
     bad_steps: int = 0
+    foreign_groups: int = 0  # groups of another registration seen at collection (must stay 0)
     last_metrics: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -89,6 +90,7 @@ class StepPlan:
     reward_mean: float | None
     staleness_mean: float | None
     reward_failures: int
+    version_min: int | None = None  # oldest weight version that generated a sample of this step (RL)
 
 
 @dataclass(frozen=True)
@@ -135,7 +137,7 @@ class FleetRuntime:
         self.settings = settings
         self.trainer = trainer  # service.trainer_group.TrainerGroup
         self.rollout = rollout  # rollout.worker_actor.RolloutWorker handle
-        self.controller = controller  # controller actor handle (next_version)
+        self.controller = controller  # the controller (object, or RemoteCalls of its actor): next_version()
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or job.base_model.path)
         self._runs: dict[str, _Run] = {}
         self._lock = threading.RLock()
@@ -153,7 +155,7 @@ class FleetRuntime:
         return ray.get(getattr(self.rollout, method).remote(*args), timeout=timeout)
 
     def _next_version(self) -> int:
-        return int(ray.get(self.controller.next_version.remote(), timeout=30))
+        return int(self.controller.next_version())
 
     def _weights(self, slot: int) -> AdapterWeights:
         cfg, tensors = self.trainer.call("peft_tensors", slot)
@@ -262,6 +264,8 @@ class FleetRuntime:
             out = {"trainer": ComponentHealth(False, "trainer starting")}
         else:
             out = {"trainer": self.trainer.health(note=self._trainer_note)}
+        if self.rollout is None:  # SFT-only runtime (tests): nothing generates
+            return out
         try:
             engines = self._rollout("engine_health", timeout=10)
             out["rollout"] = ComponentHealth(True, f"{len(self.runs())} adapter(s) prepared")
@@ -277,6 +281,8 @@ class FleetRuntime:
         queue: dict[str, int] = {}
         inflight: dict[str, int] = {}
         try:
+            if self.rollout is None:
+                raise RuntimeError("no rollout worker")
             for name, s in self._rollout("stats", None, timeout=5).items():
                 queue[name] = s.buffered_groups
             for e in self._rollout("engine_health", timeout=5):
@@ -301,6 +307,9 @@ class FleetRuntime:
         `max_wait_s` (the loop then reconciles and calls again)."""
         with self._lock:
             runs = [self._runs[r] for r in active if r in self._runs]
+        if self.trainer is None or self.trainer.group is None:  # not started, or stopped: nothing can train
+            time.sleep(max_wait_s)
+            return CollectedBatch([], [])
         if not runs:
             return CollectedBatch([], [])
         k = self._rr_start % len(runs)
@@ -315,7 +324,11 @@ class FleetRuntime:
                 if run.is_rl:
                     need = run.groups_per_step - len(run.staged)
                     if need > 0:
-                        run.staged.extend(self._rollout("pop_groups", run.name, need))
+                        for g in self._rollout("pop_groups", run.name, need):
+                            if g.registration_id == run.registration_id:
+                                run.staged.append(g)
+                            else:  # the rollout buffer refuses these already; a second line of defence
+                                run.foreign_groups += 1
                     if len(run.staged) >= run.groups_per_step:
                         ready.append(run)
                 else:
@@ -349,6 +362,7 @@ class FleetRuntime:
                     reward_mean=sum(rewards) / len(rewards) if rewards else None,
                     staleness_mean=sum(stale) / len(stale) if stale else None,
                     reward_failures=sum(s.reward_error is not None for g in groups for s in g.samples),
+                    version_min=min(g.version for g in groups),
                 ))
             else:
                 rows, sft_samples = sft_steps.pop(run.registration_id)
@@ -406,6 +420,10 @@ class FleetRuntime:
                 m["reward_mean"] = plan.reward_mean
             if plan.staleness_mean is not None:
                 m["staleness_mean"] = plan.staleness_mean
+            if plan.version_min is not None:
+                m["sample_version_min"] = plan.version_min
+            # Samples of another tenant of the slot: dropped by the trainer / refused here (both must stay 0).
+            m["foreign_samples_dropped"] = result.dropped_foreign.get(run.slot, 0) + run.foreign_groups
             run.last_metrics = m
             interval = run.config.checkpoint_interval
             stepped.append(SteppedRun(
@@ -496,6 +514,8 @@ class FleetRuntime:
         """Restart every managed engine whose process died; its adapters' current versions are
         loaded again by the rollout worker (republished). Returns what was done."""
         done = []
+        if self.rollout is None:
+            return done
         for e in self._rollout("engine_health", timeout=30):
             if not e.alive:
                 t0 = time.monotonic()
@@ -541,11 +561,13 @@ class FleetRuntime:
         return out
 
     def shutdown(self) -> None:
-        try:
-            self._rollout("shutdown", timeout=120)
-        except Exception:
-            log.exception("rollout worker shutdown")
-        self.trainer.stop()
+        if self.rollout is not None:
+            try:
+                self._rollout("shutdown", timeout=120)
+            except Exception:
+                log.exception("rollout worker shutdown")
+        if self.trainer is not None:
+            self.trainer.stop("service stopped")
 
 
 @dataclass(frozen=True)

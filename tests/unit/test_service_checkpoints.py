@@ -1,0 +1,165 @@
+"""Checkpoint folders (atomic commit, lookup, pruning, refusals), SFT sources (whole steps,
+exact resume from a cursor) and the batch-mode summary (reward start/end windows)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from service.checkpoints import (
+    CheckpointError,
+    PendingCheckpoint,
+    RunState,
+    latest_checkpoint_folder,
+    load_checkpoint,
+    prune_checkpoints,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def _state(step: int, **over) -> RunState:
+    return RunState(name="a", registration_id="r1", objective="sft", rank=4, step=step, samples_trained=4 * step,
+                    data_cursor={"epoch": 0, "position": 4 * step, "pending": [], "consumed": 4 * step}, **over)
+
+
+def _write(run_dir, step: int) -> None:
+    with PendingCheckpoint(run_dir, step) as p:
+        for sub in (p.adapter_dir, p.trainer_dir):
+            sub.mkdir()
+            (sub / "x").write_text(str(step))
+        p.commit(_state(step))
+
+
+def test_commit_is_atomic_and_lookup_finds_the_newest(tmp_path):
+    _write(tmp_path, 3)
+    _write(tmp_path, 6)
+    # a crash mid-write: only a partial folder, which lookups ignore
+    with pytest.raises(RuntimeError):
+        with PendingCheckpoint(tmp_path, 9) as p:
+            p.adapter_dir.mkdir()
+            raise RuntimeError("killed")
+    assert not (tmp_path / "checkpoints" / ".step-000009.partial").exists()
+    (tmp_path / "checkpoints" / ".step-000012.partial").mkdir()  # left by a SIGKILL
+    assert latest_checkpoint_folder(tmp_path / "checkpoints").name == "step-000006"
+    for where in (tmp_path, tmp_path / "checkpoints", tmp_path / "checkpoints" / "step-000006"):
+        ck = load_checkpoint(where)
+        assert ck.state.step == 6 and ck.state.data_cursor["consumed"] == 24
+        assert (ck.adapter_dir / "x").read_text() == "6"
+    assert load_checkpoint(tmp_path / "checkpoints" / "step-000003").state.step == 3
+
+
+def test_commit_refuses_incomplete_or_mismatched(tmp_path):
+    with PendingCheckpoint(tmp_path, 2) as p:
+        p.adapter_dir.mkdir()
+        (p.adapter_dir / "x").write_text("1")
+        with pytest.raises(CheckpointError, match="trainer/ was not written"):
+            p.commit(_state(2))
+        p.trainer_dir.mkdir()
+        (p.trainer_dir / "x").write_text("1")
+        with pytest.raises(ValueError, match="for step 2, run state says step 5"):
+            p.commit(_state(5))
+    assert latest_checkpoint_folder(tmp_path / "checkpoints") is None
+
+
+@pytest.mark.parametrize(
+    "mutate,expected",
+    [
+        (lambda d: (d / "run_state.json").write_text(json.dumps({"format": "other-v9"})), "format 'other-v9' is not 'lorafleet-checkpoint-v1'"),
+        (lambda d: (d / "run_state.json").write_text("{not json"), "cannot read run_state.json"),
+        (lambda d: [p.unlink() for p in (d / "trainer").iterdir()] and (d / "trainer").rmdir(), "trainer/ is missing"),
+    ],
+)
+def test_load_refuses_broken_checkpoints(tmp_path, mutate, expected):
+    _write(tmp_path, 1)
+    folder = tmp_path / "checkpoints" / "step-000001"
+    mutate(folder)
+    with pytest.raises(CheckpointError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+        load_checkpoint(folder)
+
+
+def test_load_refuses_a_folder_without_checkpoints(tmp_path):
+    with pytest.raises(CheckpointError, match="is not a lorafleet checkpoint"):
+        load_checkpoint(tmp_path)
+
+
+def test_prune_keeps_the_newest(tmp_path):
+    for step in (1, 2, 3, 4):
+        _write(tmp_path, step)
+    (tmp_path / "checkpoints" / ".step-000005.partial").mkdir()
+    gone = prune_checkpoints(tmp_path, keep=2)
+    assert sorted(p.name for p in gone) == [".step-000005.partial", "step-000001", "step-000002"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000003", "step-000004"]
+
+
+# --- SFT source -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_world):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_world / "model")
+
+
+def _source(tiny_world, tokenizer, cursor=None, rows_path=None, per_step=3):
+    from rollout.config import DataConfig
+    from service.sft import SftSource
+
+    cfg = DataConfig(path=str(rows_path or tiny_world / "data" / "echo_sft.jsonl"), label_key="completion", shuffle_seed=5, num_epochs=1)
+    return SftSource(cfg, tokenizer, slot=2, registration_id="reg", samples_per_step=per_step, cursor=cursor)
+
+
+def test_sft_samples_learn_the_completion_and_eos(tiny_world, tokenizer):
+    src = _source(tiny_world, tokenizer)
+    rows, samples = src.take_step()
+    s, row = samples[0], rows[0]
+    completion = tokenizer(row.label, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert s.tokens == row.input_ids + completion
+    assert s.loss_mask == [0] * len(row.input_ids) + [1] * len(completion)
+    assert (s.slot, s.registration) == (2, "reg")
+
+
+def test_sft_resume_from_cursor_gives_the_same_steps(tiny_world, tokenizer):
+    a = _source(tiny_world, tokenizer)
+    for _ in range(2):
+        rows, _ = a.take_step()
+        a.commit(rows)
+    taken, _ = a.take_step()  # in flight when the checkpoint is written: must come back first
+    cursor = a.cursor()
+    a.give_back(taken)
+    expected = [[x.tokens for x in a.take_step()[1]] for _ in range(3)]
+    b = _source(tiny_world, tokenizer, cursor=cursor)
+    assert [[x.tokens for x in b.take_step()[1]] for _ in range(3)] == expected
+
+
+def test_sft_tail_shorter_than_a_step_is_dropped(tiny_world, tokenizer, tmp_path):
+    rows_path = tmp_path / "seven.jsonl"
+    rows_path.write_text("".join(json.dumps({"prompt": f"p{i}", "completion": f" c{i}"}) + "\n" for i in range(7)))
+    src = _source(tiny_world, tokenizer, rows_path=rows_path, per_step=3)
+    for _ in range(2):
+        rows, _ = src.take_step()
+        src.commit(rows)
+    assert not src.exhausted
+    assert src.take_step() is None  # 1 row left < 3
+    assert src.exhausted
+
+
+# --- summary ----------------------------------------------------------------------------------
+
+
+def test_summary_reward_windows():
+    from service.config import AdapterConfig
+    from service.progress import summarize
+    from service.registry import AdapterRef, AdapterState, StepRecord
+
+    cfg = AdapterConfig(data={"path": "/d/x.jsonl"}, reward={"name": "target_share"})
+    ref = AdapterRef("a", "r", AdapterState.COMPLETED, None, 1, cfg, 12, 12, 96, 5, {}, None, "/e", None, None,
+                     time.time(), time.time(), time.time(), time.time())
+    steps = [StepRecord(i, 8, None, {"reward_mean": 0.1 * i, "loss": 1.0}, 0.0) for i in range(1, 13)]
+    s = summarize(ref, steps)
+    assert s.reward_start == pytest.approx(0.3)  # mean of steps 1..5
+    assert s.reward_end == pytest.approx(1.0)  # mean of steps 8..12
+    assert (s.steps, s.total_steps, s.export_path) == (12, 12, "/e")
