@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict
 
-from rollout.client import EngineError, EngineUnavailable
+from rollout.client import EngineUnavailable
 from rollout.config import DataConfig, RewardConfig, RolloutConfig, SamplingConfig, check_adapter_name
 from rollout.data import DataCursor, DataSource, DataStatus, PromptRow
 from rollout.groups import AdapterBuffer, RolloutGroup, Sample, group_advantages
-from rollout.pool import EnginePool, NoHealthyEngine, UnknownAdapter
+from rollout.pool import EnginePool, GroupGeneration, NoHealthyEngine, UnknownAdapter
 from rollout.rewards import RewardFn, load_reward, score_async
 from rollout.weights import AdapterWeights
 
@@ -336,6 +336,26 @@ class RolloutCore:
         run.retry_at = time.monotonic() + min(0.1 * 2 ** (run.consecutive_failures - 1), 5.0)
         self._requeue(run, row)
 
+    async def _score(self, run: _AdapterRun, row: PromptRow, gen: GroupGeneration) -> RolloutGroup:
+        """Rewards (failure-safe), group-relative advantages, and the stamped group."""
+        outcomes = await asyncio.gather(
+            *(score_async(run.reward, r.text, row.label, row.metadata, self.cfg.reward_timeout_s) for r in gen.results)
+        )
+        run.reward_failures += sum(o.error is not None for o in outcomes)
+        advantages = group_advantages([o.value for o in outcomes])
+        samples = [
+            Sample(response_ids=r.token_ids, response_text=r.text, logprobs=r.logprobs, finish_reason=r.finish_reason,
+                   reward=o.value, reward_error=o.error, advantage=a)
+            for r, o, a in zip(gen.results, outcomes, advantages)
+        ]
+        group = RolloutGroup(
+            adapter=run.spec.name, registration_id=run.spec.registration_id, version=gen.version,
+            prompt_index=row.index, epoch=row.epoch, prompt_text=row.prompt_text, prompt_ids=row.input_ids,
+            label=row.label, metadata=row.metadata, samples=samples, engine=gen.engine,
+        )
+        group._row = row
+        return group
+
     async def _run_group(self, run: _AdapterRun, row: PromptRow) -> None:
         sampling = run.spec.sampling
         name = run.spec.name
@@ -347,7 +367,7 @@ class RolloutCore:
             except (EngineUnavailable, NoHealthyEngine) as e:
                 self._fail(run, row, e)
                 return
-            except EngineError as e:
+            except Exception as e:  # EngineError (e.g. a 400) or anything unexpected: never lose the row
                 log.warning("adapter %s: generation failed: %s", name, e)
                 self._fail(run, row, e)
                 return
@@ -357,37 +377,7 @@ class RolloutCore:
                 run.groups_aborted += 1
                 self._requeue(run, row)
                 return
-            outcomes = await asyncio.gather(
-                *(score_async(run.reward, r.text, row.label, row.metadata, self.cfg.reward_timeout_s) for r in gen.results)
-            )
-            advantages = group_advantages([o.value for o in outcomes])
-            samples = [
-                Sample(
-                    response_ids=r.token_ids,
-                    response_text=r.text,
-                    logprobs=r.logprobs,
-                    finish_reason=r.finish_reason,
-                    reward=o.value,
-                    reward_error=o.error,
-                    advantage=a,
-                )
-                for r, o, a in zip(gen.results, outcomes, advantages)
-            ]
-            run.reward_failures += sum(o.error is not None for o in outcomes)
-            group = RolloutGroup(
-                adapter=name,
-                registration_id=run.spec.registration_id,
-                version=gen.version,
-                prompt_index=row.index,
-                epoch=row.epoch,
-                prompt_text=row.prompt_text,
-                prompt_ids=row.input_ids,
-                label=row.label,
-                metadata=row.metadata,
-                samples=samples,
-                engine=gen.engine,
-            )
-            group._row = row
+            group = await self._score(run, row, gen)
             if self._runs.get(name) is not run or not run.buffer.put(group):
                 return
             run.groups_completed += 1

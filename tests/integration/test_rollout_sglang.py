@@ -207,6 +207,32 @@ def test_engine_client_errors_carry_the_body(sglang_server):
     assert dup.status == 400 and "never-loaded" in str(dup)
 
 
+def test_refused_update_changes_nothing(sglang_server, adapters, prompts, tiny_world, tmp_path):
+    """The server refuses v1 (rank 16 > --max-lora-rank 8): publish raises with the server's
+    message, v0 keeps serving, nothing of v1 stays loaded."""
+    too_big = make_peft_adapter(tiny_world / "model", tmp_path / "r16", seed=3, rank=16)
+
+    async def run():
+        pool = EnginePool([sglang_server.client()])
+        try:
+            await pool.publish("refuse", 0, AdapterWeights.from_folder(adapters["one"]))
+            with pytest.raises(Exception) as err:
+                await pool.publish("refuse", 1, AdapterWeights.from_folder(too_big))
+            version = pool.current_version("refuse")
+            g = await pool.generate_group("refuse", prompts[0], GREEDY, 1)
+            loaded = await pool.client(0).loaded_adapters()
+            await pool.remove_adapter("refuse")
+            return err.value, version, g, loaded
+        finally:
+            await pool.aclose()
+
+    err, version, g, loaded = asyncio.run(run())
+    assert getattr(err, "status", None) == 400 and "rank" in str(err).lower()
+    assert version == 0 and g.version == 0
+    assert g.results[0].token_ids == hf_greedy(tiny_world / "model", adapters["one"], prompts[:1])[0]
+    assert "refuse@v0" in loaded and "refuse@v1" not in loaded
+
+
 # --- the rollout worker ------------------------------------------------------------------------
 
 
