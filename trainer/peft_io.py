@@ -130,7 +130,8 @@ def write_peft_folder(out_dir: str | Path, config: dict, tensors: dict[str, torc
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    # clone: fused projections (q/k/v, gate/up) share one lora_A tensor, and safetensors refuses shared storage.
+    save_file({k: v.detach().to("cpu").clone().contiguous() for k, v in tensors.items()}, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return out
 
