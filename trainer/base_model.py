@@ -101,6 +101,10 @@ def build_frozen_base(
         # The fused cross entropy / rope kernels are TE or CUDA-JIT paths; we compute
         # the loss ourselves from the logits anyway.
         provider.cross_entropy_loss_fusion = False
+        # The local spec's fused softmax needs the apex/megatron CUDA extension
+        # `scaled_masked_softmax_cuda`, which is not installed without TE (seen on the
+        # H200: ModuleNotFoundError); torch's softmax path is used instead.
+        provider.masked_softmax_fusion = False
     for key, value in cpu_provider_overrides().items():
         setattr(provider, key, value)
     if random_init:
