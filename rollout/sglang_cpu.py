@@ -8,7 +8,7 @@ server still serves the model, with these adjustments, each needed for the
 reason given:
 
 1. ``SGLANG_USE_CPU_ENGINE=1``: without it SGLang does not take its CPU path
-   (platform detection finds no accelerator and stops).
+   (sglang.srt.platforms falls back to the CPU platform only when it is set).
 2. A stand-in ``sgl_kernel`` (rollout/_cpu_shims/sgl_kernel), *only when the
    real package cannot be imported*: the ``sglang-kernel`` wheel pip installs is
    CUDA-only and its import fails without libcuda, yet SGLang imports it on
@@ -24,16 +24,21 @@ reason given:
 5. ``--dtype float32`` unless configured otherwise: SGLang's ``--dtype auto``
    picks float16 on CPU even for an fp32 checkpoint, and rollouts must match the
    fp32 trainer (greedy outputs equal HF+PEFT's, logprobs within ~1e-5).
-6. ``--max-total-tokens 8192`` unless configured: SGLang otherwise sizes the KV
-   cache from (absent) GPU memory.
+6. ``--max-total-tokens 8192`` unless configured: otherwise SGLang sizes the KV
+   cache as a fraction (mem_fraction_static) of the free memory it finds, which
+   on CPU is the machine's RAM, shared with everything else; 8192 tokens hold
+   the tiny model's rollouts many times over.
 7. ``--sleep-on-idle``: without it the idle scheduler busy-polls its sockets and
    holds most of a core (measured: 67% of one core with no request), which on a
    small shared CPU machine slows everything else, including the trainer.
 8. ``OMP_NUM_THREADS=<cpu_threads>`` (default 1): SGLang's CPU engine runs torch
    with one thread per core. On a 2-core machine shared with a trainer, OpenMP
    threads spin-wait on each other whenever one is preempted. Measured with the
-   tiny model, 64 new tokens per request: 2 threads gave 30 / 97 / 325 tokens/s
-   for 1 / 4 / 16 concurrent requests, 1 thread gave 187 / 668 / 1693.
+   tiny model, 64 new tokens per request, while another process held one core:
+   2 threads gave 30 / 97 / 325 tokens/s for 1 / 4 / 16 concurrent requests,
+   1 thread 187 / 668 / 1693. With less contention 2 threads matched 1 thread
+   (docs/BENCHMARKS.md, "Rollout on CPU") but varied up to 6x between repeats.
+   On a dedicated CPU host, raise EngineConfig.cpu_threads.
 """
 
 from __future__ import annotations

@@ -1,0 +1,43 @@
+"""Engine pool bookkeeping that needs no server: least-in-flight routing, health, version rules."""
+
+import asyncio
+
+import pytest
+
+from rollout.client import EngineClient
+from rollout.pool import EnginePool, NoHealthyEngine, UnknownAdapter
+
+pytestmark = pytest.mark.unit
+
+
+def make_pool(n):
+    # Clients to a closed port: these tests never send a request.
+    return EnginePool([EngineClient(f"http://127.0.0.1:9/{i}") for i in range(n)])
+
+
+def test_least_inflight_routing_skips_unhealthy_engines():
+    pool = make_pool(3)
+    e = pool._engines
+    assert pool._pick_engine().index == 0  # ties go to the lowest index
+    e[0].inflight.update({"a::1": "a@v0", "a::2": "a@v0"})
+    e[1].inflight.update({"a::3": "a@v0"})
+    assert pool._pick_engine().index == 2
+    e[2].inflight.update({"b::1": "b@v0", "b::2": "b@v0"})
+    assert pool._pick_engine().index == 1
+    pool.mark_unhealthy(1)
+    assert pool._pick_engine().index == 0
+    assert pool.inflight() == 5 and pool.inflight("a") == 3 and pool.inflight_by_engine() == [2, 1, 2]
+    pool.mark_unhealthy(0)
+    pool.mark_unhealthy(2)
+    with pytest.raises(NoHealthyEngine, match="no healthy engine"):
+        pool._pick_engine()
+
+
+def test_unknown_adapter_and_version_order():
+    pool = make_pool(1)
+    with pytest.raises(UnknownAdapter, match="'x' is not published"):
+        pool.current_version("x")
+    with pytest.raises(UnknownAdapter):
+        asyncio.run(pool.generate_group("x", [1], {}, 1))
+    with pytest.raises(ValueError, match="'tensors' or 'disk'"):
+        EnginePool([], weight_transfer="nfs")
