@@ -97,8 +97,10 @@ def parse_generate_response(rid: str, body: dict[str, Any]) -> GenerateResult:
 class EngineClient:
     """Client of one SGLang server at `base_url`. Use as an async context manager, or call `aclose()`."""
 
-    def __init__(self, base_url: str, *, request_timeout_s: float = 600.0, admin_timeout_s: float = 120.0, max_connections: int = 512):
+    def __init__(self, base_url: str, *, request_timeout_s: float = 600.0, admin_timeout_s: float = 120.0,
+                 max_connections: int = 512, tp_size: int = 1):
         self.base_url = base_url.rstrip("/")
+        self.tp_size = tp_size  # tensor loads carry one copy of the weights per TP rank
         self.request_timeout_s = request_timeout_s
         self.admin_timeout_s = admin_timeout_s
         self._http = httpx.AsyncClient(
@@ -167,7 +169,12 @@ class EngineClient:
         """Load `weights` under `name`. transfer='tensors' sends them in the request; 'disk' sends a folder path."""
         extra = {"upsert": True} if upsert else {}
         if transfer == "tensors":
-            payload = {"lora_name": name, "config_dict": weights.config, "serialized_named_tensors": [weights.wire_payload()], **extra}
+            payload = {
+                "lora_name": name,
+                "config_dict": weights.config,
+                "serialized_named_tensors": [weights.wire_payload()] * self.tp_size,
+                **extra,
+            }
             await self._call("POST", "/load_lora_adapter_from_tensors", json=payload)
         elif transfer == "disk":
             if weights.folder is None and spill_dir is None:

@@ -61,7 +61,7 @@ class RolloutWorkerImpl:
     def _client(self, url: str) -> EngineClient:
         c = self.engine_cfg
         return EngineClient(url, request_timeout_s=c.request_timeout_s, admin_timeout_s=c.admin_timeout_s,
-                            max_connections=self.rollout_cfg.max_inflight_total + 16)
+                            max_connections=self.rollout_cfg.max_inflight_total + 16, tp_size=c.tp)
 
     async def start(self) -> list[EngineHealth]:
         from transformers import AutoTokenizer
