@@ -287,18 +287,15 @@ class EnginePool:
                 del e.name_refs[served]
                 if served in e.retiring:
                     self._spawn_unload(e, served)
+        aborted_here = state.aborted_rids.intersection(rids)
+        state.aborted_rids.difference_update(rids)
         errors = [o for o in outs if isinstance(o, BaseException)]
         if errors:
             if any(isinstance(o, EngineUnavailable) for o in errors):
                 e.healthy = False
                 raise next(o for o in errors if isinstance(o, EngineUnavailable))
             raise errors[0]
-        results = []
-        for r in outs:
-            if r.rid in state.aborted_rids:
-                state.aborted_rids.discard(r.rid)
-                r = r.model_copy(update={"finish_reason": "abort"})
-            results.append(r)
+        results = [r.model_copy(update={"finish_reason": "abort"}) if r.rid in aborted_here else r for r in outs]
         return GroupGeneration(adapter=adapter, version=version, engine=e.index, results=results)
 
     # --- abort -------------------------------------------------------------------------------

@@ -114,9 +114,9 @@ def test_stock_server_advertises_no_upsert_or_prefix_abort(sglang_server):
 def test_version_update_under_load(sglang_server, adapters, prompts, tiny_world):
     """In-flight requests finish on v0, later ones use v1, nothing errors, v0 is unloaded afterwards."""
     model_dir = tiny_world / "model"
-    long = {**GREEDY, "max_new_tokens": 96}
-    want_v0 = hf_greedy(model_dir, adapters["one"], prompts, 96)
-    want_v1 = hf_greedy(model_dir, adapters["two"], prompts, 96)
+    long = {**GREEDY, "max_new_tokens": 200}  # long enough to be mid-generation at the update on a fast machine
+    want_v0 = hf_greedy(model_dir, adapters["one"], prompts, 200)
+    want_v1 = hf_greedy(model_dir, adapters["two"], prompts, 200)
 
     async def run():
         pool = EnginePool([sglang_server.client()])
@@ -126,7 +126,7 @@ def test_version_update_under_load(sglang_server, adapters, prompts, tiny_world)
             before = [asyncio.create_task(pool.generate_group("upd", ids, long, 2)) for ids in prompts]
             while pool.inflight("upd") < 2 * len(prompts):
                 await asyncio.sleep(0.01)
-            await asyncio.sleep(0.3)  # let them decode a little on v0
+            await asyncio.sleep(0.1)  # let them decode a little on v0
             t0 = time.perf_counter()
             await pool.publish("upd", 1, AdapterWeights.from_folder(adapters["two"]))
             update_s = time.perf_counter() - t0
@@ -156,7 +156,7 @@ def test_version_update_under_load(sglang_server, adapters, prompts, tiny_world)
 
 def test_abort_by_prefix_spares_other_adapters(sglang_server, adapters, prompts):
     """24 requests of A and 24 of B in flight; abort A: all of A end aborted within 2 s, B untouched."""
-    sampling = {"temperature": 1.0, "max_new_tokens": 64, "ignore_eos": True}
+    sampling = {"temperature": 1.0, "max_new_tokens": 256, "ignore_eos": True}
 
     async def run():
         pool = EnginePool([sglang_server.client()])
@@ -167,7 +167,7 @@ def test_abort_by_prefix_spares_other_adapters(sglang_server, adapters, prompts)
             b = [asyncio.create_task(pool.generate_group("abort-b", prompts[i % 4], sampling, 4)) for i in range(6)]
             while pool.inflight("abort-a") < 24 or pool.inflight("abort-b") < 24:
                 await asyncio.sleep(0.01)
-            await asyncio.sleep(0.5)  # all are running on the server now
+            await asyncio.sleep(0.2)  # all are running on the server now
             t0 = time.perf_counter()
             count = await pool.abort_adapter("abort-a")
             a_groups = await asyncio.gather(*a)
@@ -183,10 +183,10 @@ def test_abort_by_prefix_spares_other_adapters(sglang_server, adapters, prompts)
 
     count, a_groups, a_done_s, b_inflight_after_a, b_groups = asyncio.run(run())
     assert count == 24
-    assert all(r.aborted and len(r.token_ids) < 64 for g in a_groups for r in g.results)
+    assert all(r.aborted and len(r.token_ids) < 256 for g in a_groups for r in g.results)
     assert a_done_s < 2.0
     assert b_inflight_after_a > 0  # B was still running when A's abort had completed
-    assert all(r.finish_reason == "length" and len(r.token_ids) == 64 for g in b_groups for r in g.results)
+    assert all(r.finish_reason == "length" and len(r.token_ids) == 256 for g in b_groups for r in g.results)
     print(f"\nabort latency: {count} requests of A ended {a_done_s * 1000:.0f} ms after the abort call")
 
 
@@ -336,7 +336,7 @@ def test_worker_abort_requeues_and_does_not_count(sglang_server, adapters, tiny_
         await worker.start()
         core = worker.core
         try:
-            spec = rollout_spec(tiny_world, "ab", "digits", "reg-1", max_new_tokens=200, ignore_eos=True)
+            spec = rollout_spec(tiny_world, "ab", "digits", "reg-1", max_new_tokens=400, ignore_eos=True)
             await worker.add_adapter(spec, AdapterWeights.from_folder(adapters["one"]))
             await wait_for(lambda: core.stats("ab").inflight_requests == 8, 30, "8 requests in flight")
             await asyncio.sleep(0.3)
@@ -391,7 +391,7 @@ def test_killed_engine_is_detected_and_its_groups_requeued(sglang_server, adapte
         await worker.start()
         core = worker.core
         try:
-            await worker.add_adapter(rollout_spec(tiny_world, "kill", "digits", "reg-k", max_new_tokens=200, ignore_eos=True),
+            await worker.add_adapter(rollout_spec(tiny_world, "kill", "digits", "reg-k", max_new_tokens=400, ignore_eos=True),
                                      AdapterWeights.from_folder(adapters["one"]))
             await wait_for(lambda: core.stats("kill").inflight_groups == 2, 30, "2 groups in flight")
             await asyncio.sleep(0.3)
@@ -412,7 +412,7 @@ def test_killed_engine_is_detected_and_its_groups_requeued(sglang_server, adapte
             await worker.shutdown()
 
     before, detect_s, after_kill, health, restarted, loaded, final = asyncio.run(run())
-    assert before.inflight_groups == 2 and before.groups_completed == 0  # 200 tokens each: none done yet
+    assert before.inflight_groups == 2 and before.groups_completed == 0  # 400 tokens each: none done yet
     assert detect_s < 5.0
     assert after_kill.groups_failed >= 2 and after_kill.groups_requeued == after_kill.groups_failed
     assert after_kill.groups_completed == 0 and after_kill.inflight_groups == 0
