@@ -48,7 +48,10 @@ def _load(job_path: Path | None, state_dir: Path | None, **explicit: Any):
         explicit["state_dir"] = state_dir
     try:
         job = load_job(job_path)
-        return job, job.service_settings(**explicit)
+        settings = job.service_settings(**explicit)
+        # Absolute: the registry records checkpoint and export paths under it, and Ray's
+        # worker processes must not depend on this process's working directory.
+        return job, settings.model_copy(update={"state_dir": settings.state_dir.absolute()})
     except ConfigError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None

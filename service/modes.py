@@ -97,6 +97,7 @@ def run_batch(job: JobConfig, settings: ServiceSettings, *, resume: bool = False
     opts = loop_options or LoopOptions(batch_mode=True)
     with StopSignal() as stop:
         fleet = start_fleet(job, settings, serve_api=serve_api)
+        stop.install()  # Ray replaced the SIGTERM handler
         try:
             for line in register_job_adapters(fleet.controller, job, resume=resume):
                 log.info("%s", line)
@@ -151,6 +152,7 @@ def run_service(job: JobConfig, settings: ServiceSettings, *, console: Console |
     opts = loop_options or LoopOptions(batch_mode=False)
     with StopSignal() as stop:
         fleet = start_fleet(job, settings, serve_api=True)
+        stop.install()  # Ray replaced the SIGTERM handler
         try:
             for line in register_job_adapters(fleet.controller, job, resume=True):
                 log.info("%s", line)

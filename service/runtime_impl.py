@@ -557,7 +557,10 @@ class FleetRuntime:
                     self._rollout("abort_adapter", run.name, True)
                 except Exception:
                     log.exception("draining %s: abort", run.name)
-            out[reg] = (self.checkpoint(reg), run.step)
+            try:
+                out[reg] = (self.checkpoint(reg), run.step)
+            except Exception:  # one run's failure must not cost the others their checkpoint
+                log.exception("draining %s: checkpoint failed; it resumes from its previous one", run.name)
         return out
 
     def shutdown(self) -> None:

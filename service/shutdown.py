@@ -39,10 +39,16 @@ class StopSignal:
             raise KeyboardInterrupt(f"second {name}: stopping without draining")
         self.request(f"{name} received: draining (a second signal stops at once)")
 
-    def __enter__(self) -> StopSignal:
+    def install(self) -> None:
+        """(Re)install the handlers. Call again after `ray.init`: it replaces the SIGTERM
+        handler (and the core worker's C++ one aborts the process on SIGTERM)."""
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.signal(sig, self._handle)
+                previous = signal.signal(sig, self._handle)
+                self._previous.setdefault(sig, previous)
+
+    def __enter__(self) -> StopSignal:
+        self.install()
         return self
 
     def __exit__(self, *exc) -> None:
