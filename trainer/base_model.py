@@ -2,16 +2,26 @@
 
 ``build_frozen_base`` turns a HF folder into a Megatron-core ``GPTModel`` through
 ``AutoBridge`` (weights loaded by Bridge's own mappings), every base parameter
-frozen. fp32 on CPU, bf16 on GPU (``dtype="auto"``). The layer spec is
-TransformerEngine's where TE imports, megatron-core's local spec otherwise.
+frozen. fp32 on CPU, bf16 on GPU (``dtype="auto"``). Layer specs: TransformerEngine's,
+megatron-core's local spec with lorafleet's fused attention (``fused``,
+``trainer/fused_attention.py``), or the unfused local spec. ``build_frozen_base``'s own
+``auto`` is TE where it imports, else the plain local spec; the trainer's ``auto``
+(``trainer_layer_spec``) is TE, else fused. Activation recomputation is set on the provider before the
+model is built.
 
-``token_logprobs`` is the one forward the trainer uses: input ids [b, s] ->
-log p(labels) [b, s] in fp32, computed from the vocab-parallel logits with
-megatron-core's vocab-parallel cross entropy (correct under tensor parallelism).
+Forward passes (the trainer's, and the tests' reference):
+* ``token_logprobs``: padded rows [b, s] -> log p(labels) [b, s] fp32, from full
+  vocab-parallel logits (megatron-core's vocab-parallel cross entropy) or, with
+  ``chunk_tokens``, chunked log-probs that never hold the full logits.
+* ``packed_token_logprobs``: one packed stream (``trainer/packing.py``) -> per-token
+  log-probs in stream order, attention confined to each sequence.
+Both correct under tensor parallelism. Only the unfused local spec needs an explicit
+causal mask; the fused and TE specs get ``attention_mask=None`` (causal by type).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,8 +51,9 @@ class FrozenBase:
     bridge: Any  # megatron.bridge.AutoBridge
     dtype: torch.dtype
     device: torch.device
-    layer_spec: str  # "local" | "transformer_engine"
+    layer_spec: str  # "fused" | "local" | "transformer_engine"
     hf_path: str
+    recompute: str = "none"  # "none" | "selective" | "full"
 
     @property
     def config(self):  # megatron TransformerConfig
@@ -58,9 +69,10 @@ def build_frozen_base(
     *,
     tp: int,
     dtype: Literal["auto", "float32", "bfloat16"] = "auto",
-    layer_spec: Literal["auto", "local", "transformer_engine"] = "auto",
+    layer_spec: Literal["auto", "fused", "local", "transformer_engine"] = "auto",
     random_init: bool = False,
     seed: int = 0,
+    recompute: Literal["none", "selective", "full"] = "none",
 ) -> FrozenBase:
     """Build the frozen Megatron model. The process group must already exist (init_parallel)."""
     import_megatron_bridge()
@@ -82,11 +94,21 @@ def build_frozen_base(
         bridge = AutoBridge.from_hf_pretrained(hf_path, dtype=torch_dtype)
         provider = bridge.to_megatron_provider(load_weights=True)
 
-    if layer_spec == "auto":
+    if layer_spec == "auto":  # the plain conversion; the trainer resolves its own "auto" (trainer_layer_spec)
         layer_spec = "transformer_engine" if transformer_engine_available() else "local"
     if layer_spec == "transformer_engine" and not transformer_engine_available():
-        raise ValueError("layer_spec 'transformer_engine' needs TransformerEngine, which does not import here; use 'local' or 'auto'")
-    provider.transformer_layer_spec = local_layer_spec if layer_spec == "local" else transformer_engine_layer_spec
+        raise ValueError(
+            "layer_spec 'transformer_engine' needs TransformerEngine, which does not import here; "
+            "use 'auto', 'fused' or 'local'"
+        )
+    if layer_spec == "fused":
+        from trainer.fused_attention import lorafleet_gpt_layer_spec
+
+        # Called by Bridge with the provider as the config. provider.attention_backend stays
+        # as it is (auto): 'local' would make Bridge put DotProductAttention back.
+        provider.transformer_layer_spec = functools.partial(lorafleet_gpt_layer_spec, prefer_te=False)
+    else:
+        provider.transformer_layer_spec = local_layer_spec if layer_spec == "local" else transformer_engine_layer_spec
     provider.tensor_model_parallel_size = tp
     provider.pipeline_model_parallel_size = 1
     provider.sequence_parallel = False
@@ -97,7 +119,7 @@ def build_frozen_base(
     provider.params_dtype = torch_dtype
     provider.bf16 = torch_dtype == torch.bfloat16
     provider.fp16 = False
-    if layer_spec == "local":
+    if layer_spec != "transformer_engine":
         # The fused cross entropy / rope kernels are TE or CUDA-JIT paths; we compute
         # the loss ourselves from the logits anyway.
         provider.cross_entropy_loss_fusion = False
@@ -106,6 +128,10 @@ def build_frozen_base(
         # H200: ModuleNotFoundError); torch's softmax path is used instead.
         provider.masked_softmax_fusion = False
     for key, value in cpu_provider_overrides().items():
+        setattr(provider, key, value)
+    from trainer.fused_attention import recompute_overrides
+
+    for key, value in recompute_overrides(recompute, num_layers=1).items():
         setattr(provider, key, value)
     if random_init:
         provider.perform_initialization = True
@@ -123,9 +149,12 @@ def build_frozen_base(
     model = models[0]
     for p in model.parameters():
         p.requires_grad_(False)
-    model.eval()  # no dropout anywhere; LoRA params still get gradients
+    # Dropout is 0 everywhere, so train/eval only matters for recomputation, which
+    # megatron-core does in training mode only. LoRA params get gradients either way.
+    model.train(recompute != "none")
     device = torch.device("cuda", torch.cuda.current_device()) if cuda_available() else torch.device("cpu")
-    return FrozenBase(model=model, bridge=bridge, dtype=torch_dtype, device=device, layer_spec=layer_spec, hf_path=hf_path)
+    return FrozenBase(model=model, bridge=bridge, dtype=torch_dtype, device=device, layer_spec=layer_spec,
+                      hf_path=hf_path, recompute=recompute)
 
 
 def causal_mask(seq_len: int, device: torch.device) -> torch.Tensor:
@@ -134,22 +163,98 @@ def causal_mask(seq_len: int, device: torch.device) -> torch.Tensor:
     return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]
 
 
-def token_logprobs(base: FrozenBase, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def trainer_layer_spec(layer_spec: Literal["auto", "fused", "local", "transformer_engine"]) -> str:
+    """The trainer's reading of ``TrainerConfig.layer_spec``: auto = TransformerEngine where it
+    imports, else megatron-core's local spec with fused attention (never the unfused one)."""
+    if layer_spec == "auto":
+        return "transformer_engine" if transformer_engine_available() else "fused"
+    return layer_spec
+
+
+def attention_mask(base: FrozenBase, seq_len: int, device: torch.device) -> torch.Tensor | None:
+    """The mask to pass for causal padded rows: None (causal by the layer's mask type) except
+    for the unfused local spec, whose default mask would be allocated on "cuda"."""
+    return causal_mask(seq_len, device) if base.layer_spec == "local" else None
+
+
+def _decoder_input(base: FrozenBase, ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor | None:
+    """With recomputation: the embeddings as a leaf that requires grad. A checkpointed block
+    whose inputs need no gradient would hand none to the LoRA weights inside it (the base
+    and its embedding are frozen), so the block input must carry one. None otherwise."""
+    if base.recompute == "none" or not torch.is_grad_enabled():
+        return None
+    return base.model.embedding(ids, position_ids).detach().requires_grad_()
+
+
+def token_logprobs(
+    base: FrozenBase,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    chunk_tokens: int | None = None,
+    tp_group=None,  # noqa: ANN001 - the TP process group, for chunked log-probs under TP > 1
+) -> torch.Tensor:
     """log p(labels[b, t] | input_ids[b, :t+1]) for every position, fp32, shape [b, s].
 
     Right padding is harmless: attention is causal, so pads never influence
-    earlier positions; the caller masks the pads' own outputs.
+    earlier positions; the caller masks the pads' own outputs. Inputs may sit on any
+    device; the result is on the inputs' device. ``chunk_tokens``: chunked log-probs
+    (no [b, s, V] logits); None = full logits and megatron-core's vocab-parallel CE.
     """
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
+    out_device = input_ids.device
+    input_ids, labels = input_ids.to(base.device), labels.to(base.device)
     b, s = input_ids.shape
-    position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
+    position_ids = torch.arange(s, device=base.device).unsqueeze(0).expand(b, s)
+    mask = attention_mask(base, s, base.device)
+    emb = _decoder_input(base, input_ids, position_ids)
+    if chunk_tokens is not None:
+        from trainer.chunked_logprobs import LogprobOutputProcessor
+
+        lp = base.model(input_ids, position_ids, mask, decoder_input=emb,
+                        output_processor=LogprobOutputProcessor(chunk_tokens, tp_group=tp_group),
+                        output_processor_context=labels)
+        return lp.to(out_device)
     # [b, s, V/tp]: runtime_gather_output=False keeps the vocab sharded across TP.
-    logits = base.model(
-        input_ids, position_ids, causal_mask(s, input_ids.device), runtime_gather_output=False
-    )
+    logits = base.model(input_ids, position_ids, mask, decoder_input=emb, runtime_gather_output=False)
     ce = vocab_parallel_cross_entropy(logits.float(), labels)
-    return -ce
+    return (-ce).to(out_device)
+
+
+def packed_token_logprobs(
+    base: FrozenBase,
+    packed,  # noqa: ANN001 - trainer.packing.PackedBatch
+    targets: torch.Tensor,
+    *,
+    chunk_tokens: int | None = None,
+    tp_group=None,  # noqa: ANN001
+) -> torch.Tensor:
+    """Per-token log-probs [T] fp32 of one packed stream, in stream order.
+
+    ``targets`` [T]: the token each position predicts, ``IGNORE_TARGET`` where there is
+    none (each sequence's last token), whose log-prob is 0. Attention stays inside each
+    sequence and positions restart at 0 per sequence, so every sequence gets what it
+    would get alone. The LoRA routing (if any) must be set for the stream by the caller.
+    """
+    from trainer.chunked_logprobs import IGNORE_TARGET, LogprobOutputProcessor
+
+    if base.layer_spec == "local":
+        raise ValueError("packed streams need the fused or TransformerEngine layer spec, not the unfused local one")
+    ids, pos = packed.tokens, packed.position_ids
+    emb = _decoder_input(base, ids, pos)
+    params = packed.packed_seq_params
+    if chunk_tokens is not None:
+        lp = base.model(ids, pos, None, decoder_input=emb, packed_seq_params=params,
+                        output_processor=LogprobOutputProcessor(chunk_tokens, tp_group=tp_group),
+                        output_processor_context=targets.unsqueeze(0))
+        return lp[0]
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    logits = base.model(ids, pos, None, decoder_input=emb, packed_seq_params=params, runtime_gather_output=False)
+    valid = targets != IGNORE_TARGET
+    ce = vocab_parallel_cross_entropy(logits.float(), torch.where(valid, targets, 0).unsqueeze(0))[0]
+    return torch.where(valid, -ce, torch.zeros_like(ce))
 
 
 def read_hf_config(hf_path: str | Path) -> dict:

@@ -43,13 +43,39 @@ class TrainerConfig(_Strict):
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="Base compute dtype: auto = float32 without CUDA, bfloat16 with CUDA."
     )
-    layer_spec: Literal["auto", "local", "transformer_engine"] = Field(
-        "auto", description="Megatron layer spec: auto = TransformerEngine where it imports, else local."
+    layer_spec: Literal["auto", "fused", "local", "transformer_engine"] = Field(
+        "auto",
+        description=(
+            "Megatron layer spec: auto = TransformerEngine where it imports, else fused; fused = megatron-core's "
+            "local spec with PyTorch fused attention (SDPA / varlen flash); local = the unfused local spec."
+        ),
     )
     tp: int = Field(1, ge=1, description="Tensor-parallel size.")
     dp: int = Field(1, ge=1, description="Data-parallel size (one trainer process per device: tp * dp).")
     micro_batch_tokens: int = Field(
-        8192, ge=1, description="Padded tokens (samples x longest sample) per forward/backward micro-batch."
+        8192, ge=1,
+        description=(
+            "Tokens per forward/backward micro-batch: packed = the stream's real tokens; "
+            "padded = samples x longest sample. A longer sample gets a micro-batch of its own."
+        ),
+    )
+    packed: bool = Field(
+        True,
+        description=(
+            "Pack each micro-batch into one token stream without padding (attention confined to each "
+            "sequence); needs layer_spec fused or transformer_engine."
+        ),
+    )
+    chunked_logprobs: bool = Field(
+        True, description="Log-probs from the output layer chunk by chunk (no full-vocab fp32 logits)."
+    )
+    logprob_chunk_tokens: int = Field(2048, ge=1, description="Tokens per chunk of the chunked log-probs.")
+    recompute: Literal["none", "selective", "full"] = Field(
+        "none",
+        description=(
+            "Activation recomputation: none; selective = the MLPs; full = every layer (keeps only layer "
+            "inputs, about a third more compute)."
+        ),
     )
     lora_kernel: Literal["auto", "grouped_mm", "loop"] = Field(
         "auto", description="LoRA delta kernel: grouped_mm over slot segments, or a per-segment loop."
@@ -65,6 +91,11 @@ class TrainerConfig(_Strict):
             )
         if len(set(self.target_modules)) != len(self.target_modules):
             raise ValueError(f"target_modules has duplicates: {list(self.target_modules)}")
+        if self.packed and self.layer_spec == "local":
+            raise ValueError(
+                "packed micro-batches need attention confined to each sequence, which the unfused local "
+                "layer_spec lacks: use layer_spec auto, fused or transformer_engine, or set packed: false"
+            )
         return self
 
 

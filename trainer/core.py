@@ -27,12 +27,19 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel
 
-from trainer.base_model import build_frozen_base, token_logprobs
-from trainer.batch import TrainBatch, TrainSample, assign_phases, dp_shard, pack_micro_batches
+from trainer.base_model import (
+    attention_mask,
+    build_frozen_base,
+    packed_token_logprobs,
+    token_logprobs,
+    trainer_layer_spec,
+)
+from trainer.batch import PlannedSample, TrainBatch, TrainSample, assign_phases, dp_shard, pack_micro_batches
 from trainer.config import SlotHyperParams, TrainerConfig
 from trainer.distributed import dp_group, init_parallel, tp_group
 from trainer.losses import TokenLossInputs, sample_loss_numerators
 from trainer.multi_lora import SlotRouting, install_multi_lora
+from trainer.packing import pack_sequences, split_by_token_budget
 from trainer.peft_io import hf_short_names, peft_config_dict, read_peft_folder, slot_to_hf, write_peft_folder
 from trainer.per_slot_optim import adamw_update_slots, clip_coefficient, lr_at
 from trainer.slot_checkpoint import load_slot_checkpoint, save_slot_checkpoint
@@ -85,8 +92,8 @@ class MultiLoraTrainer:
         self.config = config
         self.layout = init_parallel(tp=config.tp, dp=config.dp, rank=rank, master_addr=master_addr, master_port=master_port, seed=config.seed)
         self.base = build_frozen_base(
-            config.base_model_path, tp=config.tp, dtype=config.dtype, layer_spec=config.layer_spec,
-            random_init=config.random_init, seed=config.seed,
+            config.base_model_path, tp=config.tp, dtype=config.dtype, layer_spec=trainer_layer_spec(config.layer_spec),
+            random_init=config.random_init, seed=config.seed, recompute=config.recompute,
         )
         self.device = self.base.device
         self.routing = SlotRouting(config.num_slots, kernel=config.lora_kernel)
@@ -283,8 +290,6 @@ class MultiLoraTrainer:
     @torch.no_grad()
     def forward_logits(self, input_ids: torch.Tensor, slot: int | None) -> torch.Tensor:
         """Full-vocab logits [b, s, V] of the base with ``slot``'s LoRA on (None = base only)."""
-        from trainer.base_model import causal_mask
-
         ids = input_ids.to(self.device)
         b, s = ids.shape
         if slot is not None:
@@ -292,7 +297,7 @@ class MultiLoraTrainer:
             self.routing.set(torch.full((b,), slot), s, self.scales)
         try:
             pos = torch.arange(s, device=self.device).unsqueeze(0).expand(b, s)
-            return self.base.model(ids, pos, causal_mask(s, self.device), runtime_gather_output=True).float()
+            return self.base.model(ids, pos, attention_mask(self.base, s, self.device), runtime_gather_output=True).float()
         finally:
             self.routing.disable()
 
@@ -331,7 +336,7 @@ class MultiLoraTrainer:
         for phase in range(n_phases):
             in_phase = [p for p in planned if p.phase == phase]
             local = dp_shard(in_phase, self.layout.dp_rank, self.layout.dp_size)
-            for mb in pack_micro_batches(local, lengths, self.config.micro_batch_tokens):
+            for mb in self._micro_batches(local, lengths):
                 self._forward_backward([samples[p.index] for p in mb], call_stats)
             due = []
             for slot in sorted({p.slot for p in in_phase}):
@@ -369,61 +374,83 @@ class MultiLoraTrainer:
             kl_mean=float(stats[KL]) / rl_tokens, pending_samples=state.pending_samples, steps=steps,
         )
 
-    def _forward_backward(self, mb: list[TrainSample], call_stats: torch.Tensor) -> None:
-        dev = self.device
-        b, s = len(mb), max(len(x.tokens) for x in mb)
-        ids = torch.zeros(b, s, dtype=torch.long)
-        labels = torch.zeros(b, s, dtype=torch.long)
-        mask = torch.zeros(b, s, dtype=torch.bool)
-        rollout = torch.zeros(b, s, dtype=torch.float32)
-        has_rollout = torch.zeros(b, s, dtype=torch.bool)
-        for j, x in enumerate(mb):
-            n = len(x.tokens)
-            ids[j, :n] = torch.tensor(x.tokens)
-            labels[j, : n - 1] = ids[j, 1:n]
-            mask[j, : n - 1] = torch.tensor(x.loss_mask[1:], dtype=torch.bool)
-            if x.rollout_logprobs is not None:
-                rollout[j, : n - 1] = torch.tensor(x.rollout_logprobs[1:], dtype=torch.float32)
-                has_rollout[j, : n - 1] = True
-        hypers = [self.slots[x.slot].hyper for x in mb]
-        slot_ids = torch.tensor([x.slot for x in mb])
-        is_rl = torch.tensor([h.objective == "rl" for h in hypers])
-        kl_coef = torch.tensor([h.kl_coef if h.objective == "rl" else 0.0 for h in hypers])
-        n_tok = mask.sum(dim=1).clamp(min=1).to(torch.float32)
-        weight = torch.where(torch.tensor([h.loss_normalization == "sequence_mean" for h in hypers]), 1.0 / n_tok, torch.ones(b))
-        ids, labels, mask = ids.to(dev), labels.to(dev), mask.to(dev)
+    def _micro_batches(self, local: list[PlannedSample], lengths: list[int]) -> list[list[PlannedSample]]:
+        """This rank's samples of a phase cut into micro-batches, each sorted by slot.
 
-        ref = None
-        kl_rows = (kl_coef > 0).nonzero().flatten()
-        if len(kl_rows):  # reference policy = the base with LoRA off, for the KL term only
-            self.routing.disable()
-            with torch.no_grad():
-                ref_sub = token_logprobs(self.base, ids[kl_rows.to(dev)], labels[kl_rows.to(dev)])
-        self.routing.set(slot_ids, s, self.scales)
+        Packed: at most ``micro_batch_tokens`` real tokens each, filled in slot order, so a
+        slot's samples share as few micro-batches as possible. Padded: at most that many
+        (samples x longest) tokens each, longest first (less padding)."""
+        budget = self.config.micro_batch_tokens
+        if not self.config.packed:
+            return pack_micro_batches(local, lengths, budget)
+        groups = split_by_token_budget([lengths[p.index] for p in local], [p.slot for p in local], budget)
+        return [sorted((local[i] for i in g), key=lambda p: (p.slot, p.index)) for g in groups]
+
+    def _logprobs(self, mb: list[TrainSample], ids: torch.Tensor, labels: torch.Tensor, lora: bool) -> torch.Tensor:
+        """log p(labels) [b, s] fp32 on the device for the micro-batch ``mb`` (sorted by slot),
+        laid out like the padded ``ids``/``labels``; LoRA on (each sample's slot) or off.
+
+        Packed: the samples go through the model as one stream and the per-token values
+        are scattered back to [b, s] (positions past a sample's end stay 0, masked anyway).
+
+        With LoRA on, the routing is left set for the caller's backward (activation
+        recomputation re-runs the LoRA layers there); the caller disables it.
+        """
+        cfg = self.config
+        chunk = cfg.logprob_chunk_tokens if cfg.chunked_logprobs else None
+        tpg = tp_group() if cfg.tp > 1 else None
+        slot_ids = [x.slot for x in mb]
+        self.routing.disable()
         try:
-            logp = token_logprobs(self.base, ids, labels)
-        finally:
+            if not cfg.packed:
+                if lora:
+                    self.routing.set(torch.tensor(slot_ids), ids.shape[1], self.scales)
+                return token_logprobs(self.base, ids, labels, chunk_tokens=chunk, tp_group=tpg)
+            packed = pack_sequences([x.tokens for x in mb], slot_ids, cfg.num_slots, device=self.device)
+            if packed.sample_order != tuple(range(len(mb))):  # the scatter below relies on it
+                raise RuntimeError(f"micro-batch not sorted by slot: slots {slot_ids}")
+            targets, _ = packed.next_token_targets()
+            if lora:
+                self.routing.set_packed(packed, self.scales)
+            lp = packed_token_logprobs(self.base, packed, targets, chunk_tokens=chunk, tp_group=tpg)
+            layout = packed.layout
+            return lp.new_zeros(ids.shape).index_put((layout.document_ids.long(), layout.position_ids), lp)
+        except BaseException:
             self.routing.disable()
-        if len(kl_rows):
-            ref = logp.detach().clone()
-            ref[kl_rows.to(dev)] = ref_sub
-        # Unknown rollout logprobs (or masked positions): on-policy, ratio exactly 1.
-        rollout_lp = torch.where(has_rollout.to(dev) & mask, rollout.to(dev), logp.detach())
-        inputs = TokenLossInputs(
-            logprobs=logp, mask=mask, is_rl=is_rl.to(dev),
-            advantage=torch.tensor([x.advantage for x in mb], dtype=torch.float32, device=dev),
-            rollout_logprobs=rollout_lp,
-            clip_low=torch.tensor([h.clip_low for h in hypers], device=dev),
-            clip_high=torch.tensor([h.clip_high for h in hypers], device=dev),
-            kl_coef=kl_coef.to(dev), ref_logprobs=ref, per_token_weight=weight.to(dev),
-        )
-        numerators, st = sample_loss_numerators(inputs)
-        numerators.sum().backward()
+            raise
+
+    def _forward_backward(self, mb: list[TrainSample], call_stats: torch.Tensor) -> None:
+        """One micro-batch (sorted by slot): KL reference pass if any, policy forward, the
+        summed per-sample loss numerators backward, statistics into the slots' pending sums."""
+        dev = self.device
+        t = _MicroBatchTensors.build(mb, [self.slots[x.slot].hyper for x in mb], dev)
+        ref_sub = None
+        if t.kl_rows:  # reference policy = the base with LoRA off, for the KL term only
+            with torch.no_grad():
+                ref_sub = self._logprobs([mb[j] for j in t.kl_rows], t.ids[t.kl_rows], t.labels[t.kl_rows], lora=False)
+        try:
+            logp = self._logprobs(mb, t.ids, t.labels, lora=True)
+            ref = None
+            if ref_sub is not None:
+                ref = logp.detach().clone()
+                ref[t.kl_rows] = ref_sub
+            # Unknown rollout logprobs (or masked positions): on-policy, ratio exactly 1.
+            rollout_lp = torch.where(t.has_rollout & t.mask, t.rollout, logp.detach())
+            inputs = TokenLossInputs(
+                logprobs=logp, mask=t.mask, is_rl=t.is_rl, advantage=t.advantage, rollout_logprobs=rollout_lp,
+                clip_low=t.clip_low, clip_high=t.clip_high, kl_coef=t.kl_coef, ref_logprobs=ref,
+                per_token_weight=t.weight,
+            )
+            numerators, st = sample_loss_numerators(inputs)
+            numerators.sum().backward()
+        finally:
+            self.routing.disable()  # kept set through backward: recomputation runs the LoRA layers again
+        b = len(mb)
         rows = torch.stack(
             [st.numerator, torch.ones(b, device=dev), st.tokens, st.clipped, st.ratio_sum, st.kl_sum,
-             st.tokens * is_rl.to(dev)], dim=1,
+             st.tokens * t.is_rl], dim=1,
         ).to(torch.float64).cpu()
-        call_stats.index_add_(0, slot_ids, rows)
+        call_stats.index_add_(0, t.slot_ids, rows)
         for j, x in enumerate(mb):
             self.slots[x.slot].pending += rows[j]
 
@@ -490,3 +517,57 @@ class MultiLoraTrainer:
             st.pending_samples = 0
             st.pending = torch.zeros(N_STATS, dtype=torch.float64)
         return reports
+
+
+@dataclass
+class _MicroBatchTensors:
+    """A micro-batch laid out [b, s] (one row per sample, right-padded) for the losses.
+
+    Token t's entries describe the prediction of token t + 1: ``labels[j, t]`` is that
+    token, ``mask`` its loss mask, ``rollout`` its rollout log-prob. Per-sample columns
+    carry each sample's adapter hyper-parameters. On the device, except ``slot_ids``.
+    """
+
+    ids: torch.Tensor
+    labels: torch.Tensor
+    mask: torch.Tensor
+    rollout: torch.Tensor
+    has_rollout: torch.Tensor
+    slot_ids: torch.Tensor  # CPU, for the statistics
+    is_rl: torch.Tensor
+    kl_coef: torch.Tensor
+    kl_rows: list[int]  # rows with a KL term (need the reference pass)
+    weight: torch.Tensor  # per-sample token weight (1/n for sequence_mean)
+    advantage: torch.Tensor
+    clip_low: torch.Tensor
+    clip_high: torch.Tensor
+
+    @staticmethod
+    def build(mb: list[TrainSample], hypers: list[SlotHyperParams], dev: torch.device) -> "_MicroBatchTensors":
+        b, s = len(mb), max(len(x.tokens) for x in mb)
+        ids = torch.zeros(b, s, dtype=torch.long)
+        labels = torch.zeros(b, s, dtype=torch.long)
+        mask = torch.zeros(b, s, dtype=torch.bool)
+        rollout = torch.zeros(b, s, dtype=torch.float32)
+        has_rollout = torch.zeros(b, s, dtype=torch.bool)
+        for j, x in enumerate(mb):
+            n = len(x.tokens)
+            ids[j, :n] = torch.tensor(x.tokens)
+            labels[j, : n - 1] = ids[j, 1:n]
+            mask[j, : n - 1] = torch.tensor(x.loss_mask[1:], dtype=torch.bool)
+            if x.rollout_logprobs is not None:
+                rollout[j, : n - 1] = torch.tensor(x.rollout_logprobs[1:], dtype=torch.float32)
+                has_rollout[j, : n - 1] = True
+        is_rl = torch.tensor([h.objective == "rl" for h in hypers])
+        kl_coef = torch.tensor([h.kl_coef if h.objective == "rl" else 0.0 for h in hypers])
+        n_tok = mask.sum(dim=1).clamp(min=1).to(torch.float32)
+        seq_mean = torch.tensor([h.loss_normalization == "sequence_mean" for h in hypers])
+        weight = torch.where(seq_mean, 1.0 / n_tok, torch.ones(b))
+        return _MicroBatchTensors(
+            ids=ids.to(dev), labels=labels.to(dev), mask=mask.to(dev), rollout=rollout.to(dev),
+            has_rollout=has_rollout.to(dev), slot_ids=torch.tensor([x.slot for x in mb]), is_rl=is_rl.to(dev),
+            kl_coef=kl_coef.to(dev), kl_rows=(kl_coef > 0).nonzero().flatten().tolist(), weight=weight.to(dev),
+            advantage=torch.tensor([x.advantage for x in mb], dtype=torch.float32, device=dev),
+            clip_low=torch.tensor([h.clip_low for h in hypers], device=dev),
+            clip_high=torch.tensor([h.clip_high for h in hypers], device=dev),
+        )

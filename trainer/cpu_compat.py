@@ -22,7 +22,14 @@ Two switches, decided once per process:
      RNG tracker forks ``torch.cuda`` generator states, which do not exist
      here; the inference tracker is a no-op fork, so dropout (off anyway for
      LoRA training) would draw from the CPU generator.
-  5. Numerics: fp32 params by default (``dtype="auto"`` resolves to float32
+  5. Activation recomputation: megatron-core's checkpoint functions save and
+     restore the *CUDA* RNG state around the recomputed forward
+     (``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state``),
+     which fails without a CUDA device. There is no CUDA generator to keep in step
+     here (dropout is off and would draw from the CPU generator, whose state the
+     same functions save separately), so the getter answers an empty tensor and
+     the setter does nothing (:func:`_patch_rng_for_recompute`).
+  5b. Numerics: fp32 params by default (``dtype="auto"`` resolves to float32
      without CUDA, trainer/base_model.py; bf16 stays selectable for tests) and
      the CUDA/JIT fusions off (``bias_activation_fusion`` etc., see
      :func:`cpu_provider_overrides`). ``TORCHDYNAMO_DISABLE=1`` is set as a
@@ -95,7 +102,7 @@ def compute_device() -> torch.device:
 
 
 def apply_cpu_compat() -> None:
-    """Apply adjustments 1 and 2 when no CUDA device is present; no-op otherwise."""
+    """Apply adjustments 1, 2 and 5 when no CUDA device is present; no-op otherwise."""
     if cuda_available():
         return
     # Decide before the redirect: cuda_available() is cached above.
@@ -112,10 +119,26 @@ def apply_cpu_compat() -> None:
     #    in sys.modules makes `import flash_mla` raise ImportError instead.
     if "flash_mla" not in sys.modules or sys.modules["flash_mla"] is None:
         sys.modules["flash_mla"] = None  # type: ignore[assignment]
+    _patch_rng_for_recompute()
+
+
+def _no_cuda_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def _set_no_cuda_rng_state(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _patch_rng_for_recompute() -> None:
+    """Adjustment 5 (CPU only): no CUDA RNG state to save/restore around recomputation."""
+    random = importlib.import_module("megatron.core.tensor_parallel.random")
+    random._get_cuda_rng_state = _no_cuda_rng_state
+    random._set_cuda_rng_state = _set_no_cuda_rng_state
 
 
 def cpu_provider_overrides() -> dict[str, Any]:
-    """Provider fields that must change on a CPU-only machine (adjustment 5)."""
+    """Provider fields that must change on a CPU-only machine (adjustment 5b)."""
     if cuda_available():
         return {}
     return {

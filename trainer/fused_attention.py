@@ -8,8 +8,12 @@ same computation runs through PyTorch's fused kernels:
 - unpacked batches ([s, b, h] with a causal mask or an explicit mask): ``F.scaled_dot_product_attention``;
 - packed streams (``trainer.packing``, Megatron's ``thd``): attention confined to each
   sequence, through ``torch.nn.attention.varlen.varlen_attn`` (flash varlen) where it
-  runs, ``flex_attention`` with a document block mask, or SDPA with a dense document
-  mask (CPU, and the reference the others are tested against).
+  runs, ``flex_attention`` with a document block mask, or causal SDPA per document
+  (backend name ``dense``: CPU, and the reference the others are tested against).
+  varlen and the per-document loop keep documents fully apart, non-finite values
+  included; flex computes blocks that straddle two documents with zero weights, so a
+  NaN/inf in one document can reach its neighbours (0 * NaN), which breaks the
+  trainer's per-slot fault isolation: it is only the fallback where varlen is missing.
 
 ``PackedSelfAttention`` is Megatron's ``SelfAttention`` with one change for packed
 streams: RoPE is applied to the whole stream at once with per-token positions
@@ -92,20 +96,28 @@ def _repeat_kv(x: torch.Tensor, groups: int, dim: int) -> torch.Tensor:
 
 
 def packed_attention_dense(q, k, v, layout: DocumentLayout, scale: float, dropout_p: float = 0.0):
-    """Reference: SDPA over the stream with a dense [T, T] same-document causal mask."""
+    """Reference: causal SDPA over each document on its own (a loop over the documents).
+
+    Exact isolation between documents, also for non-finite values: one SDPA over the
+    whole stream with a same-document mask would multiply another document's NaN/inf
+    values by zero weights (0 * NaN = NaN) and leak them across, forward and backward.
+    The trainer relies on that isolation (a diverged slot skips only its own step).
+    """
     groups = q.shape[1] // k.shape[1]
-    doc = layout.document_ids
-    t = torch.arange(q.shape[0], device=q.device)
-    mask = (doc.unsqueeze(1) == doc.unsqueeze(0)) & (t.unsqueeze(1) >= t.unsqueeze(0))
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0),
-        _repeat_kv(k, groups, 1).transpose(0, 1).unsqueeze(0),
-        _repeat_kv(v, groups, 1).transpose(0, 1).unsqueeze(0),
-        attn_mask=mask,
-        dropout_p=dropout_p,
-        scale=scale,
-    )
-    return out[0].transpose(0, 1)
+    outs = []
+    start = 0
+    for n in layout.lengths:
+        sl = slice(start, start + n)
+        outs.append(F.scaled_dot_product_attention(
+            q[sl].transpose(0, 1).unsqueeze(0),
+            _repeat_kv(k[sl], groups, 1).transpose(0, 1).unsqueeze(0),
+            _repeat_kv(v[sl], groups, 1).transpose(0, 1).unsqueeze(0),
+            is_causal=n > 1,
+            dropout_p=dropout_p,
+            scale=scale,
+        )[0].transpose(0, 1))
+        start += n
+    return torch.cat(outs, dim=0)
 
 
 @functools.lru_cache(maxsize=1)

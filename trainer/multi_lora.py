@@ -77,6 +77,25 @@ class SlotRouting:
         self.seq_len = seq_len
         self.enabled = True
 
+    def set_packed(self, packed, slot_scales: torch.Tensor) -> None:  # noqa: ANN001 - trainer.packing.PackedBatch
+        """Route one packed stream (Megatron ``thd``: activations [T, 1, h], so b = 1, s = T).
+
+        Packing orders sequences by slot, so each slot's tokens are one contiguous
+        segment of the stream; its segment ends (``slot_offsets``) are the offsets as they
+        are, and every token takes its slot's scale.
+        """
+        if packed.num_slots != self.num_slots:
+            raise ValueError(f"stream packed for {packed.num_slots} slots, routing has {self.num_slots}")
+        slots = list(packed.sample_slots)
+        if any(a > b for a, b in zip(slots, slots[1:])):
+            raise ValueError(f"packed sequences must be sorted by slot, got slot order {slots}")
+        self.counts = packed.slot_token_counts.tolist()
+        self.offsets = packed.slot_offsets.to(slot_scales.device)
+        self.token_scale = slot_scales[packed.token_slots.to(slot_scales.device)]
+        self.batch = 1
+        self.seq_len = packed.num_tokens
+        self.enabled = True
+
     def disable(self) -> None:
         """LoRA off: every layer returns the base output (reference policy, frozen base)."""
         self.enabled = False

@@ -27,29 +27,43 @@ import torch.nn.functional as F
 Kernel = Literal["grouped_mm", "loop"]
 
 
-def _aligned(t: torch.Tensor) -> bool:
-    """grouped_mm needs the leading stride of each 2D operand to be a multiple of 16 bytes."""
+def _row_major_aligned(t: torch.Tensor) -> bool:
+    """A 2D operand grouped_mm takes as it is: unit last stride, 16-byte leading stride and
+    (on CUDA, for TMA) a 16-byte aligned start."""
     align = 16 // t.element_size()
-    if t.stride(-1) == 1:
-        return t.stride(-2) % align == 0
-    if t.stride(-2) == 1:
-        return t.stride(-1) % align == 0
-    return False
+    return (
+        t.stride(-1) == 1 and t.stride(-2) % align == 0 and (not t.is_cuda or t.data_ptr() % 16 == 0)
+    )
+
+
+def grouped_mm_eligible(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether x [T, K] against W [G, N, K] (and the backward GEMMs) can run on grouped_mm.
+
+    torch checks, on every device: each 2D operand's leading stride a multiple of 16
+    bytes, so K and N (in the compute dtype) must be multiples of 16 bytes, since
+    the forward, the input gradient and the weight gradient use W, W^T, x and gy^T
+    ([T, N]) as operands. x itself is made row-major and aligned by
+    ``segmented_matmul`` when it is not. On CUDA only bf16/fp16 have a grouped kernel
+    (fp32 falls back to a per-group loop with a host sync inside torch).
+    """
+    if not hasattr(F, "grouped_mm") or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    if x.is_cuda and x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    align = 16 // x.element_size()
+    return w.shape[-1] % align == 0 and w.shape[-2] % align == 0
 
 
 def pick_kernel(requested: Literal["auto", "grouped_mm", "loop"], x: torch.Tensor, w: torch.Tensor) -> Kernel:
-    """The kernel for x [T, K] against W [G, N, K] (also valid for the backward GEMMs)."""
+    """The kernel for x [T, K] against W [G, N, K], decided per call from dtype, device and
+    shape: ``auto`` takes grouped_mm where it is eligible and the loop elsewhere."""
     if requested == "loop":
         return "loop"
-    ok = hasattr(F, "grouped_mm") and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
-    if ok and x.is_cuda:
-        # CUDA grouped GEMM: 16-bit inputs, 16-byte aligned leading dims of every operand
-        # of the forward and backward GEMMs (K, N and the token-major transposes).
-        align = 16 // x.element_size()
-        ok = x.dtype in (torch.bfloat16, torch.float16) and w.shape[-1] % align == 0 and w.shape[-2] % align == 0
+    ok = grouped_mm_eligible(x, w)
     if requested == "grouped_mm" and not ok:
         raise ValueError(
-            f"lora_kernel 'grouped_mm' cannot run dtype {x.dtype} with dims {tuple(w.shape[-2:])} on {x.device}; "
+            f"lora_kernel 'grouped_mm' cannot run dtype {x.dtype} with dims {tuple(w.shape[-2:])} on {x.device} "
+            f"(needs bf16/fp16 on CUDA, and both dims multiples of {16 // x.element_size()} elements); "
             "use 'auto' or 'loop'"
         )
     return "grouped_mm" if ok else "loop"
@@ -118,4 +132,6 @@ def segmented_matmul(
     """x [T, K], w [G, N, K], offsets int32 [G] (cumulative ends, offsets[-1] == T) -> [T, N]."""
     if x.shape[0] != sum(counts):
         raise ValueError(f"segments cover {sum(counts)} tokens but x has {x.shape[0]}")
+    if kernel == "grouped_mm" and not _row_major_aligned(x):
+        x = x.contiguous() if not x.is_contiguous() else x.clone()  # a fresh allocation is aligned
     return SegmentedMatmul.apply(x, w, offsets, counts, kernel)
