@@ -57,7 +57,10 @@ class LoopReport:
     train_calls: int = 0
     steps: int = 0
     samples: int = 0
-    train_seconds: float = 0.0
+    train_seconds: float = 0.0  # inside mixed train calls
+    collect_seconds: float = 0.0  # waiting for whole steps (rollout generating)
+    publish_seconds: float = 0.0  # weight pushes to the engines
+    checkpoint_seconds: float = 0.0
     wall_seconds: float = 0.0
     stopped_by: str | None = None  # None: batch mode ran out of runs
     events: list[str] = field(default_factory=list)
@@ -80,7 +83,9 @@ def run_training_loop(controller: Any, runtime: Any, runtime_proxy: Any, opts: L
                 report.events += _logged(runtime.check_engines())                               # fault: dead engine
                 next_engine_check = time.monotonic() + opts.engine_check_s
             active = [r.registration_id for r in live if r.state == AdapterState.ACTIVE]
+            t_collect = time.monotonic()
             batch = runtime.collect_batch(active, opts.max_wait_s)                              # 2
+            report.collect_seconds += time.monotonic() - t_collect
             if batch.empty:
                 for ref in runtime.exhausted_runs(active):                                      # 7 (a tail shorter than a step)
                     _retire(controller, ref)
@@ -106,14 +111,18 @@ def run_training_loop(controller: Any, runtime: Any, runtime_proxy: Any, opts: L
                 report.steps += 1
                 report.samples += s.samples
                 version = controller.next_version()
+                t_publish = time.monotonic()
                 try:
                     runtime.publish(s.registration_id, version)                                 # 5
                     controller.record_publish(s.registration_id, version)
+                    report.publish_seconds += time.monotonic() - t_publish
                 except Exception as e:  # engines down: check_engines restarts them with the current weights
                     report.events += _logged([f"publish of {s.name} v{version} failed: {type(e).__name__}: {e}"])
                     next_engine_check = 0.0
                 if s.due_checkpoint:
+                    t_ckpt = time.monotonic()
                     controller.record_checkpoint(s.registration_id, runtime.checkpoint(s.registration_id), s.step)  # 6
+                    report.checkpoint_seconds += time.monotonic() - t_ckpt
                 if s.exhausted:
                     _retire(controller, (s.name, s.registration_id))                            # 7
             for registration_id, reason in outcome.failed.items():

@@ -134,11 +134,14 @@ def print_summary(console: Console, result: BatchResult) -> None:
         console.print(line, highlight=False, soft_wrap=True)
     loop = result.loop
     per_min = 60.0 * loop.steps / loop.wall_seconds if loop.wall_seconds > 0 else 0.0
+    start = result.startup_seconds
     console.print(
         f"{loop.steps} adapter steps in {loop.train_calls} mixed train calls, {loop.samples} samples; "
-        f"loop {loop.wall_seconds:.1f} s ({per_min:.1f} adapter steps/min, training {loop.train_seconds:.1f} s); "
-        f"start-up {result.startup_seconds.get('total', 0.0):.1f} s",
-        highlight=False,
+        f"training loop {loop.wall_seconds:.1f} s = {per_min:.1f} adapter steps/min (train calls {loop.train_seconds:.1f} s, "
+        f"waiting for rollouts {loop.collect_seconds:.1f} s, weight publishes {loop.publish_seconds:.1f} s, "
+        f"checkpoints {loop.checkpoint_seconds:.1f} s); start-up {start.get('total', 0.0):.1f} s "
+        f"(engines {start.get('engines', 0.0):.1f} s, trainer {start.get('trainer', 0.0):.1f} s, Ray {start.get('ray', 0.0):.1f} s)",
+        highlight=False, soft_wrap=True,
     )
     if loop.stopped_by:
         console.print(f"stopped: {loop.stopped_by}; every live adapter was checkpointed (run again with --resume to finish)",

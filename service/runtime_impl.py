@@ -521,6 +521,10 @@ class FleetRuntime:
                 t0 = time.monotonic()
                 health = self._rollout("restart_engine", e.index, timeout=self.job.engines.startup_deadline_s + 60)
                 done.append(f"engine {e.index} was dead: restarted ({health.url}) and republished in {time.monotonic() - t0:.1f} s")
+        if done:  # the new processes replace the dead ones in the record of what to reap after a crash
+            from service.app_runtime import record_engines
+
+            record_engines(self.settings.state_dir, [e.url for e in self._rollout("engine_health", timeout=30)])
         return done
 
     def restart_trainer(self) -> list[str]:
@@ -539,6 +543,11 @@ class FleetRuntime:
         self.trainer.restart()
         self._trainer_note = "running"
         return [r.registration_id for r in lost]
+
+    def kill_trainer_rank(self, rank: int = 0) -> None:
+        """Kill one trainer rank's process (a fault drill: the loop then restarts the trainer
+        and every live run continues from its last checkpoint)."""
+        self.trainer.kill_rank(rank)
 
     def stop_trainer(self) -> None:
         """Stop the trainer for good (operations and tests: the service then reports not ready)."""

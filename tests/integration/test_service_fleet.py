@@ -7,140 +7,53 @@ every test here, in this order:
   2. `lorafleet smoke` passes against it                                    (issue 6 proof)
   3. load: 200 concurrent GETs + 50 register/retire cycles during training:
      no 5xx, no leaked slot, p99 of GET /v1/adapters printed                  (issue 6 proof)
-  4. restart: SIGKILL the service mid-run, start it again over the same state dir:
-     the runs resume from their checkpoints and finish
-  5. the trainer stopped (through Ray, as an operator would): `lorafleet smoke` fails
+  4. the trainer stopped (through Ray, as an operator would): `lorafleet smoke` fails
      with a clear message                                                      (issue 6 proof)
-  teardown: SIGTERM drains (every live run checkpointed) and the process exits 0.
+  5. restart: SIGKILL the service mid-run, start it again over the same state dir:
+     the runs resume from their checkpoints and finish
+  6. SIGTERM drains: every live run is checkpointed, and the process exits 0.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import json
 import os
-import signal
 import subprocess
-import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
-from api.client import ApiError, LorafleetClient
+from tests.integration.service_world import (
+    LORAFLEET,
+    TOKEN,
+    Service,
+    call_runtime_actor,
+    retire_and_wait,
+    rl,
+    serve_job,
+    sft,
+    wait_for,
+)
 
 pytestmark = pytest.mark.integration
-
-LORAFLEET = Path(sys.executable).parent / "lorafleet"
-TOKEN = "fleet-test-token-31d7"
-START_TIMEOUT_S = 480
-
-
-@dataclass
-class Service:
-    job_path: Path
-    state_dir: Path
-    log_path: Path
-    proc: subprocess.Popen | None = None
-    url: str = ""
-    ray_address: str = ""
-
-    def start(self) -> None:
-        info = self.state_dir / "service.json"
-        info.unlink(missing_ok=True)
-        log = open(self.log_path, "a")
-        self.proc = subprocess.Popen([str(LORAFLEET), "serve", str(self.job_path), "-v"], stdout=log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "LORAFLEET_API_TOKEN": TOKEN, "COLUMNS": "200"})
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not info.is_file():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"lorafleet serve exited with {self.proc.returncode}:\n{self.log_tail()}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"lorafleet serve not up after {START_TIMEOUT_S} s:\n{self.log_tail()}")
-            time.sleep(0.5)
-        data = json.loads(info.read_text())
-        self.url, self.ray_address = data["api_url"], data["ray_address"]
-
-    def kill(self) -> None:
-        """SIGKILL: no drain, no cleanup (the engines it started are left behind, like after a crash)."""
-        self.proc.kill()
-        self.proc.wait(30)
-
-    def stop(self, timeout_s: float = 180) -> int:
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else 0
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(30)
-            return -9
-
-    def log_tail(self, n: int = 60) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-
-    def client(self, timeout_s: float = 30.0) -> LorafleetClient:
-        return LorafleetClient(self.url, TOKEN, timeout_s)
-
 
 @pytest.fixture(scope="module")
 def service(tiny_world, tmp_path_factory):
     from service.app_runtime import reap_engines
 
     tmp = tmp_path_factory.mktemp("fleet")
-    job = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "tiny" / "job.yaml").read_text())
-    job["base_model"]["path"] = str(tiny_world / "model")
-    job["adapters"] = []
-    job["service"] = {"state_dir": str(tmp / "state"), "data_roots": [str(tiny_world / "data"), str(tmp)], "port": 0}
-    job_path = tmp / "job.yaml"
-    job_path.write_text(yaml.safe_dump(job))
-    svc = Service(job_path, tmp / "state", tmp / "serve.log")
+    svc = Service(serve_job(tmp, tiny_world), tmp / "state", tmp / "serve.log")
     try:
         svc.start()
         yield svc
-        code = svc.stop()
-        assert code == 0, f"lorafleet serve exited {code} on SIGTERM:\n{svc.log_tail()}"
-        assert "stopped (SIGTERM received" in svc.log_path.read_text(), svc.log_tail()
     finally:
         if svc.proc is not None and svc.proc.poll() is None:
             svc.proc.kill()
         reap_engines(svc.state_dir)
 
-
-def rl(data: Path, name: str = "digits", **over) -> dict:
-    return {"objective": "rl", "rank": 4, "alpha": 8, "learning_rate": 3e-3, "data": {"path": str(data / "data" / f"{name}.jsonl")},
-            "reward": {"name": "target_share"}, "prompts_per_step": 2, "num_step": 1000, "checkpoint_interval": 0,
-            "sampling": {"n_samples_per_prompt": 4, "max_new_tokens": 12}, **over}
-
-
-def sft(data: Path, **over) -> dict:
-    return {"objective": "sft", "rank": 4, "alpha": 8, "learning_rate": 3e-3, "data": {"path": str(data / "data" / "echo_sft.jsonl")},
-            "prompts_per_step": 4, "num_step": 1000, "checkpoint_interval": 0, **over}
-
-
-def wait_for(client: LorafleetClient, name: str, pred, what: str, timeout_s: float = 240.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        ref = client.get(name)
-        assert ref["state"] != "FAILED", f"{name} FAILED: {ref['failure_reason']}"
-        if pred(ref):
-            return ref
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{name}: {what} not reached in {timeout_s} s; now {ref['state']} step {ref['step']}")
-        time.sleep(0.3)
-
-
-def retire_and_wait(client: LorafleetClient, *names: str) -> None:
-    for n in names:
-        client.retire(n)
-    for n in names:
-        ref = wait_for(client, n, lambda r: r["state"] == "COMPLETED", "COMPLETED")
-        assert ref["export_path"] and Path(ref["export_path"], "adapter_model.safetensors").is_file()
 
 
 # --- 1 -------------------------------------------------------------------------------------------
@@ -266,6 +179,24 @@ def test_load_concurrent_gets_and_register_retire_cycles(service, tiny_world):
 # --- 4 -------------------------------------------------------------------------------------------
 
 
+def test_smoke_fails_clearly_when_the_trainer_is_stopped(service):
+    call_runtime_actor(service, "stop_trainer")
+    proc = subprocess.run([str(LORAFLEET), "smoke", "--api-url", service.url, "--ready-timeout", "3", "--poll", "0.5"],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "LORAFLEET_API_TOKEN": TOKEN, "COLUMNS": "200"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert "smoke FAILED at ready" in out and "trainer: trainer not running (stopped by the operator)" in out, out
+    with service.client() as c:
+        assert all(not r["name"].startswith("smoke-") or r["state"] == "COMPLETED" for r in c.list())  # nothing registered
+        call_runtime_actor(service, "restart_trainer")  # and back (no live run to re-prepare)
+        ready = c.ready()
+        assert ready["ready"] and "starts=2" in ready["components"]["trainer"]["detail"], ready
+
+
+# --- 5 -------------------------------------------------------------------------------------------
+
+
 def test_restart_resumes_runs_from_their_checkpoints(service, tiny_world):
     total, interval = 9, 3
     with service.client() as c:
@@ -290,23 +221,23 @@ def test_restart_resumes_runs_from_their_checkpoints(service, tiny_world):
             assert after and after[0] % interval == 1 and after[0] > 1, (n, after)
 
 
-# --- 5 -------------------------------------------------------------------------------------------
+# --- 6 -------------------------------------------------------------------------------------------
 
 
-def test_smoke_fails_clearly_when_the_trainer_is_stopped(service):
-    stop = subprocess.run(
-        [sys.executable, "-c", (
-            "import ray, sys; ray.init(address=sys.argv[1], log_to_driver=False); "
-            "ray.get(ray.get_actor('lorafleet-runtime', namespace='lorafleet').stop_trainer.remote())")
-         , service.ray_address],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "RAY_AUTH_MODE": "token"},
-    )
-    assert stop.returncode == 0, stop.stderr[-3000:]
-    proc = subprocess.run([str(LORAFLEET), "smoke", "--api-url", service.url, "--ready-timeout", "3", "--poll", "0.5"],
-                          capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "LORAFLEET_API_TOKEN": TOKEN, "COLUMNS": "200"})
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 1, out
-    assert "smoke FAILED at ready" in out and "trainer: trainer not running (stopped by the operator)" in out, out
+def test_sigterm_drains_and_checkpoints_live_runs(service, tiny_world):
+    import sqlite3
+
     with service.client() as c:
-        assert all(not r["name"].startswith("smoke-") or r["state"] == "COMPLETED" for r in c.list())  # nothing registered
+        ref = c.register("d-sft", sft(tiny_world))  # checkpoint_interval 0: only a drain writes one
+        wait_for(c, "d-sft", lambda r: r["step"] >= 2, "2 steps")
+    assert service.stop() == 0, service.log_tail()
+    assert "stopped (SIGTERM received" in service.log_path.read_text()
+    con = sqlite3.connect(f"file:{service.state_dir / 'registry.sqlite3'}?mode=ro", uri=True)
+    try:
+        state, step, ckpt_step, ckpt = con.execute(
+            "SELECT state, step, checkpoint_step, checkpoint_path FROM runs WHERE registration_id = ?", (ref["registration_id"],)
+        ).fetchone()
+    finally:
+        con.close()
+    assert state == "ACTIVE" and step >= 2 and ckpt_step == step, (state, step, ckpt_step)
+    assert Path(ckpt, "run_state.json").is_file() and Path(ckpt, "adapter", "adapter_model.safetensors").is_file()

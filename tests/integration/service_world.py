@@ -1,0 +1,130 @@
+"""Shared set-up of the service end-to-end tests (test_service_fleet.py, test_service_faults.py):
+a real `lorafleet serve` process over a job file with no adapters, reached over REST, and
+small adapter configs on the tiny world's data."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from api.client import LorafleetClient
+
+REPO = Path(__file__).resolve().parents[2]
+LORAFLEET = Path(sys.executable).parent / "lorafleet"
+TOKEN = "fleet-test-token-31d7"
+START_TIMEOUT_S = 480
+
+
+@dataclass
+class Service:
+    job_path: Path
+    state_dir: Path
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    url: str = ""
+    ray_address: str = ""
+
+    def start(self) -> None:
+        info = self.state_dir / "service.json"
+        info.unlink(missing_ok=True)
+        log = open(self.log_path, "a")
+        self.proc = subprocess.Popen([str(LORAFLEET), "serve", str(self.job_path), "-v"], stdout=log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "LORAFLEET_API_TOKEN": TOKEN, "COLUMNS": "200"})
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not info.is_file():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"lorafleet serve exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"lorafleet serve not up after {START_TIMEOUT_S} s:\n{self.log_tail()}")
+            time.sleep(0.5)
+        data = json.loads(info.read_text())
+        self.url, self.ray_address = data["api_url"], data["ray_address"]
+
+    def kill(self) -> None:
+        """SIGKILL: no drain, no cleanup (the engines it started are left behind, like after a crash)."""
+        self.proc.kill()
+        self.proc.wait(30)
+
+    def stop(self, timeout_s: float = 180) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(30)
+            return -9
+
+    def log_tail(self, n: int = 60) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def client(self, timeout_s: float = 30.0) -> LorafleetClient:
+        return LorafleetClient(self.url, TOKEN, timeout_s)
+
+
+def rl(data: Path, name: str = "digits", **over) -> dict:
+    return {"objective": "rl", "rank": 4, "alpha": 8, "learning_rate": 3e-3, "data": {"path": str(data / "data" / f"{name}.jsonl")},
+            "reward": {"name": "target_share"}, "prompts_per_step": 2, "num_step": 1000, "checkpoint_interval": 0,
+            "sampling": {"n_samples_per_prompt": 4, "max_new_tokens": 12}, **over}
+
+
+def sft(data: Path, **over) -> dict:
+    return {"objective": "sft", "rank": 4, "alpha": 8, "learning_rate": 3e-3, "data": {"path": str(data / "data" / "echo_sft.jsonl")},
+            "prompts_per_step": 4, "num_step": 1000, "checkpoint_interval": 0, **over}
+
+
+def wait_for(client: LorafleetClient, name: str, pred, what: str, timeout_s: float = 240.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ref = client.get(name)
+        assert ref["state"] != "FAILED", f"{name} FAILED: {ref['failure_reason']}"
+        if pred(ref):
+            return ref
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{name}: {what} not reached in {timeout_s} s; now {ref['state']} step {ref['step']}")
+        time.sleep(0.3)
+
+
+def retire_and_wait(client: LorafleetClient, *names: str) -> None:
+    for n in names:
+        client.retire(n)
+    for n in names:
+        ref = wait_for(client, n, lambda r: r["state"] == "COMPLETED", "COMPLETED")
+        assert ref["export_path"] and Path(ref["export_path"], "adapter_model.safetensors").is_file()
+
+
+
+
+def serve_job(tmp: Path, tiny_world: Path) -> Path:
+    """The tiny job, without adapters, serving on a free port with its state under `tmp`."""
+    job = yaml.safe_load((REPO / "examples" / "tiny" / "job.yaml").read_text())
+    job["base_model"]["path"] = str(tiny_world / "model")
+    job["adapters"] = []
+    job["service"] = {"state_dir": str(tmp / "state"), "data_roots": [str(tiny_world / "data"), str(tmp)], "port": 0}
+    path = tmp / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def call_runtime_actor(service: Service, method: str, *args) -> str:
+    """Call a method of the service's runtime actor from another process, as an operator
+    attached to its Ray cluster would. Returns the repr of the result."""
+    code = (
+        "import ray, sys, json; ray.init(address=sys.argv[1], log_to_driver=False); "
+        "h = ray.get_actor('lorafleet-runtime', namespace='lorafleet'); "
+        f"print(repr(ray.get(h.{method}.remote(*json.loads(sys.argv[2])))))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, service.ray_address, json.dumps(list(args))], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "RAY_AUTH_MODE": "token"})
+    if proc.returncode != 0:
+        raise RuntimeError(f"runtime actor call {method} failed:\n{proc.stderr[-3000:]}")
+    return proc.stdout.strip().splitlines()[-1]
