@@ -117,6 +117,7 @@ def start_fleet(job: JobConfig, settings: ServiceSettings, *, serve_api: bool, n
     times: dict[str, float] = {}
     t0 = time.monotonic()
     settings.state_dir.mkdir(parents=True, exist_ok=True)
+    check_state_dir_free(settings)  # before anything starts: a second service would only fail later
     started_ray = _init_ray(job)
     times["ray"] = time.monotonic() - t0
     reap_engines(settings.state_dir)
@@ -186,6 +187,26 @@ def start_fleet(job: JobConfig, settings: ServiceSettings, *, serve_api: bool, n
     times["total"] = time.monotonic() - t0
     log.info("service started in %.1f s (%s)", times["total"], ", ".join(f"{k} {v:.1f} s" for k, v in times.items()))
     return fleet
+
+
+class StateDirBusy(RuntimeError):
+    """Another lorafleet service holds this state dir's registry."""
+
+
+def check_state_dir_free(settings: ServiceSettings) -> None:
+    """Refuse early when another service holds the registry's lock (service/registry.py I6)."""
+    import fcntl
+
+    lock_path = settings.db_path.with_name(settings.db_path.name + ".lock")
+    with open(lock_path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise StateDirBusy(
+                f"state dir {settings.state_dir} is in use by another running lorafleet service (its registry is locked); "
+                "stop that service first, or give this one another --state-dir"
+            ) from None
+        fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def start_api(controller_handle: Any, settings: ServiceSettings) -> Any:

@@ -6,6 +6,8 @@ the control-plane commands (`adapters ...`, `smoke`) are added beside them.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -57,6 +59,23 @@ def _load(job_path: Path | None, state_dir: Path | None, **explicit: Any):
         raise typer.Exit(2) from None
 
 
+@contextmanager
+def _clear_errors() -> Iterator[None]:
+    """Errors an operator can fix (a refused job adapter, a plan that does not fit, an engine
+    that does not start, a registry another service holds) end the command with their
+    message and exit 2 instead of a traceback."""
+    from rollout.engine import EngineStartError
+    from service.app_runtime import StateDirBusy
+    from service.errors import LorafleetError
+    from service.placement import PlacementError
+
+    try:
+        yield
+    except (LorafleetError, PlacementError, EngineStartError, StateDirBusy) as e:
+        typer.echo(f"error: {type(e).__name__}: {e}", err=True)
+        raise typer.Exit(2) from None
+
+
 def _logging(verbose: bool) -> None:
     import logging
 
@@ -79,7 +98,8 @@ def run(
 
     _logging(verbose)
     job_cfg, settings = _load(job, state_dir)
-    result = run_batch(job_cfg, settings, resume=resume)
+    with _clear_errors():
+        result = run_batch(job_cfg, settings, resume=resume)
     print_summary(Console(), result)
     raise typer.Exit(result.exit_code)
 
@@ -101,7 +121,8 @@ def serve(
     _logging(verbose)
     explicit = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
     job_cfg, settings = _load(job, state_dir, **explicit)
-    report = run_service(job_cfg, settings)
+    with _clear_errors():
+        report = run_service(job_cfg, settings)
     typer.echo(f"stopped ({report.stopped_by or 'done'}); {report.steps} adapter steps trained", err=True)
 
 

@@ -46,6 +46,19 @@ class BatchResult:
     startup_seconds: dict[str, float]
 
 
+def precheck_job_adapters(job: JobConfig, settings: ServiceSettings) -> None:
+    """The registration checks of every job adapter, before anything starts (BadValue names
+    the adapter and the field), so a bad job file fails in a second, not after start-up."""
+    from service.config_checks import check_adapter_config
+    from service.errors import BadValue
+
+    for spec in job.adapters:
+        try:
+            check_adapter_config(spec.config, settings, job.capacity)
+        except BadValue as e:
+            raise BadValue(f"adapter {spec.name!r} of the job: {e}", field=e.field) from None
+
+
 def register_job_adapters(controller: Any, job: JobConfig, *, resume: bool) -> list[str]:
     """Register the job's adapters as the module doc says; returns what was done, one line each."""
     done = []
@@ -95,12 +108,15 @@ def run_batch(job: JobConfig, settings: ServiceSettings, *, resume: bool = False
               loop_options: LoopOptions | None = None, serve_api: bool = False) -> BatchResult:
     console = console or Console(stderr=True)
     opts = loop_options or LoopOptions(batch_mode=True)
+    precheck_job_adapters(job, settings)
     with StopSignal() as stop:
         fleet = start_fleet(job, settings, serve_api=serve_api)
         stop.install()  # Ray replaced the SIGTERM handler
         try:
             for line in register_job_adapters(fleet.controller, job, resume=resume):
                 log.info("%s", line)
+            console.print(f"lorafleet: started in {fleet.startup_seconds.get('total', 0.0):.0f} s; training "
+                          f"{len(job.adapters)} adapter(s), state in {settings.state_dir}", highlight=False, soft_wrap=True)
             with ProgressView(console, title=f"lorafleet run ({len(job.adapters)} adapters)") as view, \
                     _ProgressPoller(fleet.controller, view):
                 report = run_training_loop(fleet.controller, fleet.runtime, fleet.runtime_proxy, opts, stop)
@@ -153,6 +169,7 @@ def run_service(job: JobConfig, settings: ServiceSettings, *, console: Console |
     """Service mode: the fleet plus the REST API, training whatever is registered, until stopped."""
     console = console or Console(stderr=True)
     opts = loop_options or LoopOptions(batch_mode=False)
+    precheck_job_adapters(job, settings)
     with StopSignal() as stop:
         fleet = start_fleet(job, settings, serve_api=True)
         stop.install()  # Ray replaced the SIGTERM handler

@@ -163,3 +163,32 @@ def test_summary_reward_windows():
     assert s.reward_start == pytest.approx(0.3)  # mean of steps 1..5
     assert s.reward_end == pytest.approx(1.0)  # mean of steps 8..12
     assert (s.steps, s.total_steps, s.export_path) == (12, 12, "/e")
+
+
+def test_progress_view_rows_and_rate_and_quiet_without_tty():
+    import io
+
+    from rich.console import Console
+
+    from service.config import AdapterConfig
+    from service.progress import ProgressView
+    from service.registry import AdapterRef, AdapterState
+
+    cfg = AdapterConfig(data={"path": "/d/x.jsonl"}, reward={"name": "target_share"})
+
+    def ref(step: int, samples: int) -> AdapterRef:
+        return AdapterRef("digits", "r", AdapterState.ACTIVE, 0, 1, cfg, 30, step, samples, 5,
+                          {"reward_mean": 0.25, "loss": -0.01}, None, None, None, None, 0.0, 0.0, 0.0, None)
+
+    buf = io.StringIO()
+    view = ProgressView(Console(file=buf, force_terminal=True, width=100))
+    assert view.enabled
+    view.render([ref(2, 64)], now=100.0)
+    out = io.StringIO()
+    Console(file=out, width=100).print(view.render([ref(4, 128)], now=104.0))
+    text = out.getvalue()
+    assert "digits" in text and "ACTIVE" in text and "4/30" in text and "0.250" in text and "16.0" in text  # 64 samples / 4 s
+    quiet = ProgressView(Console(file=io.StringIO(), force_terminal=False))
+    assert not quiet.enabled
+    with quiet:
+        quiet.update([ref(1, 32)])  # nothing drawn, nothing raised
