@@ -120,10 +120,7 @@ def install_lora(model, device, n_slots, rank):
 
 def route_packed(routing, packed, scales):
     """SlotRouting for a packed stream ([T, 1, h]: b = 1, s = T; slot segments from packing)."""
-    routing.counts = packed.slot_token_counts.tolist()
-    routing.offsets = packed.slot_offsets
-    routing.token_scale = scales[packed.token_slots]
-    routing.batch, routing.seq_len, routing.enabled = 1, packed.num_tokens, True
+    routing.set_packed(packed, scales)
 
 
 def padded_step(model, batch):

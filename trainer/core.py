@@ -41,7 +41,7 @@ from trainer.losses import TokenLossInputs, sample_loss_numerators
 from trainer.multi_lora import SlotRouting, install_multi_lora
 from trainer.packing import pack_sequences, split_by_token_budget
 from trainer.peft_io import hf_short_names, peft_config_dict, read_peft_folder, slot_to_hf, write_peft_folder
-from trainer.per_slot_optim import adamw_update_slots, clip_coefficient, lr_at
+from trainer.per_slot_optim import AdamwColumns, adamw_apply, clip_coefficient, lr_at
 from trainer.slot_checkpoint import load_slot_checkpoint, save_slot_checkpoint
 
 # Columns of the per-slot statistics accumulators.
@@ -476,11 +476,15 @@ class MultiLoraTrainer:
             dist.all_reduce(pending_dev, group=dp_group())
             pending = pending_dev.cpu()
         # Squared norms per slot of the raw (un-normalized) gradients. TP: blocks split over
-        # TP are summed over the group, replicated ones counted once.
+        # TP are summed over the group, replicated ones counted once. A contiguous range of
+        # due slots is read through a view (no copy of the gradients).
+        lo, hi = due[0], due[-1] + 1
+        contiguous = due == list(range(lo, hi))
         sq_split = torch.zeros(len(due), dtype=torch.float32, device=self.device)
         sq_repl = torch.zeros_like(sq_split)
         for g, split in zip(grads, self._tp_split_flags()):
-            sq = g.index_select(0, idx).float().pow(2).flatten(1).sum(dim=1)
+            rows = g[lo:hi] if contiguous else g.index_select(0, idx)
+            sq = torch.linalg.vector_norm(rows.flatten(1), dim=1, dtype=torch.float32).square()
             (sq_split if split else sq_repl).add_(sq)
         if self.config.tp > 1:
             dist.all_reduce(sq_split, group=tp_group())
@@ -503,16 +507,18 @@ class MultiLoraTrainer:
             reports[slot] = StepReport(step=st.step if finite else st.step + 1, lr=lr, grad_norm=grad_norm,
                                        loss=loss, skipped_nonfinite=not finite)
         if stepping:
-            sidx = torch.tensor(stepping, device=self.device)
-            hp = torch.tensor(hyper_rows, dtype=torch.float64, device=self.device)
+            hp = torch.tensor(hyper_rows, dtype=torch.float64)
+            cols = AdamwColumns.build(
+                self.params[0].dtype, self.device, grad_scale=torch.tensor(scale, dtype=torch.float64),
+                lr=hp[:, 0], weight_decay=hp[:, 1], beta1=hp[:, 2], beta2=hp[:, 3], eps=hp[:, 4], step=hp[:, 5],
+            )
             for p, m, v in zip(self.params, self.exp_avg, self.exp_avg_sq):
-                adamw_update_slots(
-                    p.data, p.grad, m, v, sidx,
-                    grad_scale=torch.tensor(scale, dtype=torch.float64, device=self.device),
-                    lr=hp[:, 0], weight_decay=hp[:, 1], beta1=hp[:, 2], beta2=hp[:, 3], eps=hp[:, 4], step=hp[:, 5],
-                )
+                adamw_apply(p.data, p.grad, m, v, stepping, cols)
         for p in self.params:
-            p.grad.index_fill_(0, idx, 0.0)
+            if contiguous:
+                p.grad[lo:hi].zero_()
+            else:
+                p.grad.index_fill_(0, idx, 0.0)
         for st in states:
             st.pending_samples = 0
             st.pending = torch.zeros(N_STATS, dtype=torch.float64)

@@ -61,6 +61,15 @@ class SlotRouting:
         self.offsets: torch.Tensor | None = None  # int32 [N] cumulative segment ends
         self.counts: list[int] = []  # tokens per slot (host copy, for the loop kernel)
         self.token_scale: torch.Tensor | None = None  # fp32 [b*s]
+        self._scale_columns: dict[torch.dtype, torch.Tensor] = {}  # token_scale as [b*s, 1] per dtype
+
+    def scale_column(self, dtype: torch.dtype) -> torch.Tensor:
+        """The per-token scales as a [b*s, 1] column in ``dtype`` (made once per routing, not
+        once per layer)."""
+        col = self._scale_columns.get(dtype)
+        if col is None:
+            col = self._scale_columns[dtype] = self.token_scale.to(dtype).unsqueeze(1)
+        return col
 
     def set(self, slot_of_sample: torch.Tensor, seq_len: int, slot_scales: torch.Tensor) -> None:
         """Route a micro-batch: ``slot_of_sample`` [b] (non-decreasing), ``slot_scales`` [N] fp32."""
@@ -73,6 +82,7 @@ class SlotRouting:
         self.counts = per_slot.tolist()
         self.offsets = torch.cumsum(per_slot, 0).to(torch.int32).to(slot_scales.device)
         self.token_scale = slot_scales[slot_of_sample.to(slot_scales.device)].repeat_interleave(seq_len)
+        self._scale_columns = {}
         self.batch = len(slots)
         self.seq_len = seq_len
         self.enabled = True
@@ -92,6 +102,7 @@ class SlotRouting:
         self.counts = packed.slot_token_counts.tolist()
         self.offsets = packed.slot_offsets.to(slot_scales.device)
         self.token_scale = slot_scales[packed.token_slots.to(slot_scales.device)]
+        self._scale_columns = {}
         self.batch = 1
         self.seq_len = packed.num_tokens
         self.enabled = True
@@ -101,6 +112,7 @@ class SlotRouting:
         self.enabled = False
         self.offsets = self.token_scale = None
         self.counts = []
+        self._scale_columns = {}
 
 
 class MultiLoraLinear(nn.Module):
@@ -171,7 +183,7 @@ class MultiLoraLinear(nn.Module):
                 h = copy_to_tensor_model_parallel_region(h, group=self.tp_group)
             else:  # forward: sum the partial h of the split inputs
                 h = reduce_from_tensor_model_parallel_region(h, group=self.tp_group)
-        h = h * r.token_scale.to(h.dtype).unsqueeze(1)
+        h = h * r.scale_column(h.dtype)
         kernel_b = pick_kernel(r.kernel, h, self.lora_B)
         y = segmented_matmul(h, self.lora_B, r.offsets, r.counts, kernel_b)
         return y.view(b, s, -1).transpose(0, 1)

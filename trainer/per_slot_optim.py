@@ -17,6 +17,7 @@ state" is the step count.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -80,7 +81,7 @@ def adamw_update_slots(
     grad: torch.Tensor,
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
-    slots: torch.Tensor,
+    slots: torch.Tensor | list[int],
     *,
     grad_scale: torch.Tensor,
     lr: torch.Tensor,
@@ -92,26 +93,82 @@ def adamw_update_slots(
 ) -> None:
     """AdamW for several slots of one stacked tensor at once (same math as ``adamw_update``).
 
-    ``param``/``grad``/moments are stacked [N, ...]; ``slots`` (long [D]) picks the slots
-    that step; every hyper-parameter is a float64 [D] tensor, one value per slot, and
-    ``grad_scale`` folds in the slot's loss normalization and clipping. Whole slot
-    slices are updated: padded rows/columns have zero weight, gradient and moments,
-    and the update keeps them exactly zero. Ops are elementwise, so a slot's result
-    does not depend on which other slots step with it.
+    ``param``/``grad``/moments are stacked [N, ...]; ``slots`` (ascending slot ids, [D])
+    picks the slots that step; every hyper-parameter is a float64 [D] tensor, one value
+    per slot, and ``grad_scale`` folds in the slot's loss normalization and clipping.
+    Whole slot slices are updated: padded rows/columns have zero weight, gradient and
+    moments, and the update keeps them exactly zero. Ops are elementwise, so a slot's
+    result does not depend on which other slots step with it.
+
+    The stepping slots' gradient is used as scratch (the caller zeroes it after the
+    step). Slots that form one contiguous range (the usual mixed step: every resident
+    adapter steps) are updated in place through views; otherwise they are gathered,
+    updated and scattered back. Both run the same ops, so the result is the same.
     """
+    cols = AdamwColumns.build(param.dtype, param.device, grad_scale=grad_scale, lr=lr, weight_decay=weight_decay,
+                              beta1=beta1, beta2=beta2, eps=eps, step=step)
+    adamw_apply(param, grad, exp_avg, exp_avg_sq, slots, cols)
+
+
+@dataclass(frozen=True)
+class AdamwColumns:
+    """Per-slot AdamW factors [D] (compute dtype, on the device), derived once per step and
+    shared by every stacked tensor (the trainer has hundreds: one set of tiny kernels)."""
+
+    grad_scale: torch.Tensor
+    decay: torch.Tensor  # 1 - lr * weight_decay
+    one_minus_beta1: torch.Tensor
+    beta2: torch.Tensor
+    one_minus_beta2: torch.Tensor
+    bias_correction2_sqrt: torch.Tensor
+    eps: torch.Tensor
+    neg_step_size: torch.Tensor  # -lr / bias_correction1
+
+    @staticmethod
+    def build(dtype: torch.dtype, device: torch.device, *, grad_scale, lr, weight_decay, beta1, beta2, eps, step) -> "AdamwColumns":  # noqa: ANN001 - float64 [D] tensors
+        def c(x: torch.Tensor) -> torch.Tensor:
+            return x.to(device=device, dtype=dtype)
+
+        return AdamwColumns(
+            grad_scale=c(grad_scale), decay=c(1 - lr * weight_decay), one_minus_beta1=c(1 - beta1), beta2=c(beta2),
+            one_minus_beta2=c(1 - beta2), bias_correction2_sqrt=c((1 - beta2**step).sqrt()), eps=c(eps),
+            neg_step_size=c(-lr / (1 - beta1**step)),
+        )
+
+
+@torch.no_grad()
+def adamw_apply(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    slots: torch.Tensor | list[int],
+    cols: AdamwColumns,
+) -> None:
+    """``adamw_update_slots`` with the per-slot factors already built (see there)."""
+    ids = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)
+    if not ids:
+        return
     shape = (-1,) + (1,) * (param.dim() - 1)
 
     def col(x: torch.Tensor) -> torch.Tensor:
-        return x.to(param.dtype).view(shape)
+        return x.view(shape)
 
-    bias_correction1 = 1 - beta1**step
-    bias_correction2_sqrt = (1 - beta2**step).sqrt()
-    g = grad.index_select(0, slots) * col(grad_scale)
-    p = param.index_select(0, slots) * col(1 - lr * weight_decay)
-    m = torch.lerp(exp_avg.index_select(0, slots), g, col(1 - beta1))
-    v = exp_avg_sq.index_select(0, slots) * col(beta2) + col(1 - beta2) * g * g
-    denom = v.sqrt() / col(bias_correction2_sqrt) + col(eps)
-    p = p + col(-lr / bias_correction1) * (m / denom)
-    param.index_copy_(0, slots, p)
-    exp_avg.index_copy_(0, slots, m)
-    exp_avg_sq.index_copy_(0, slots, v)
+    lo, hi = ids[0], ids[-1] + 1
+    contiguous = ids == list(range(lo, hi))
+    if contiguous:
+        p, g, m, v = param[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi]
+    else:
+        idx = torch.tensor(ids, device=param.device)
+        p, g, m, v = (t.index_select(0, idx) for t in (param, grad, exp_avg, exp_avg_sq))
+    g.mul_(col(cols.grad_scale))
+    p.mul_(col(cols.decay))
+    m.lerp_(g, col(cols.one_minus_beta1))
+    v.mul_(col(cols.beta2)).addcmul_(g.mul(col(cols.one_minus_beta2)), g)
+    denom = v.sqrt().div_(col(cols.bias_correction2_sqrt)).add_(col(cols.eps))
+    update = torch.div(m, denom, out=denom)
+    p.addcmul_(update, col(cols.neg_step_size))
+    if not contiguous:
+        param.index_copy_(0, idx, p)
+        exp_avg.index_copy_(0, idx, m)
+        exp_avg_sq.index_copy_(0, idx, v)

@@ -18,7 +18,7 @@ accumulated in fp32 where the kernel allows it.
 
 from __future__ import annotations
 
-import warnings
+import functools
 from typing import Literal
 
 import torch
@@ -116,13 +116,27 @@ class SegmentedMatmul(torch.autograd.Function):
         return gx, gw, None, None, None
 
 
+@functools.cache
+def _grouped_out_dtype_supported(device: torch.device, in_dtype: torch.dtype, out_dtype: torch.dtype) -> bool:
+    """Whether grouped_mm accumulates ``in_dtype`` inputs into an ``out_dtype`` result here.
+
+    Probed once per (device, dtypes) with a tiny call: torch 2.11's sm90 kernel refuses
+    (\"Grouped gemm output dtype must match mat_a dtype\"), and raising and catching that
+    in every backward of every layer costs real CPU time."""
+    a = torch.zeros(8, 16, dtype=in_dtype, device=device)
+    try:
+        F.grouped_mm(a.t(), a, offs=torch.tensor([16], dtype=torch.int32, device=device), out_dtype=out_dtype)
+    except RuntimeError:
+        return False
+    return True
+
+
 def _grouped_weight_grad(gy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """dW[g] = gy[seg g].T @ x[seg g] for every group (zeros for empty groups)."""
-    if gy.is_cuda and gy.dtype != dtype:
-        try:  # accumulate 16-bit inputs in fp32 where the CUDA kernel offers it
-            return F.grouped_mm(gy.t(), x, offs=offsets, out_dtype=dtype)
-        except RuntimeError as err:  # pragma: no cover - depends on the torch build
-            warnings.warn(f"grouped_mm out_dtype={dtype} unavailable ({err}); accumulating in {gy.dtype}")
+    """dW[g] = gy[seg g].T @ x[seg g] for every group (zeros for empty groups), in ``dtype``:
+    accumulated in fp32 by the kernel; written in ``dtype`` directly where the kernel can,
+    else in the input dtype and converted."""
+    if gy.is_cuda and gy.dtype != dtype and _grouped_out_dtype_supported(gy.device, gy.dtype, dtype):
+        return F.grouped_mm(gy.t(), x, offs=offsets, out_dtype=dtype)
     return F.grouped_mm(gy.t(), x, offs=offsets).to(dtype)
 
 

@@ -91,3 +91,32 @@ def test_vectorized_slots_update_matches_torch_per_slot():
         torch.testing.assert_close(v[s], opts[s].state[refs[s]]["exp_avg_sq"], rtol=2e-7, atol=1e-12)
     assert torch.equal(p[1], slot1) and torch.count_nonzero(m[1]) == 0
     assert torch.count_nonzero(p[:, 3:]) == 0 and torch.count_nonzero(m[:, 3:]) == 0 and torch.count_nonzero(v[:, 3:]) == 0
+
+
+def test_slot_sets_update_in_place_or_gathered_alike():
+    """A contiguous slot range is updated through views, other sets are gathered and
+    scattered back: both give each slot bit-identically what updating it alone gives,
+    and slots outside the set stay untouched."""
+    from trainer.per_slot_optim import adamw_update_slots
+
+    g = torch.Generator().manual_seed(2)
+    p0 = torch.randn(4, 3, 5, generator=g)
+    grad0 = torch.randn(4, 3, 5, generator=g)
+    f64 = dict(dtype=torch.float64)
+    hp = dict(lr=torch.tensor([1e-2, 3e-3], **f64), weight_decay=torch.tensor([0.1, 0.0], **f64),
+              beta1=torch.tensor([0.9, 0.8], **f64), beta2=torch.tensor([0.99, 0.95], **f64),
+              eps=torch.tensor([1e-6, 1e-8], **f64), step=torch.tensor([3.0, 1.0], **f64),
+              grad_scale=torch.tensor([0.5, 2.0], **f64))
+
+    def state():
+        return [p0.clone(), grad0.clone(), torch.full_like(p0, 0.1), torch.full_like(p0, 0.2)]
+
+    for pair in ([1, 2], [0, 2]):  # views / gathered
+        together, alone = state(), state()
+        adamw_update_slots(*together, torch.tensor(pair), **hp)
+        for j, slot in enumerate(pair):
+            adamw_update_slots(*alone, [slot], **{k: v[j : j + 1] for k, v in hp.items()})
+        for x, y in zip(together[:1] + together[2:], alone[:1] + alone[2:]):
+            assert torch.equal(x, y), pair
+        others = [k for k in range(4) if k not in pair]
+        assert torch.equal(together[0][others], p0[others]) and not torch.equal(together[0][pair], p0[pair])
