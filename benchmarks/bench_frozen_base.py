@@ -6,6 +6,10 @@ One process, one device, one run, same tokens (default 16 x 1024), bf16:
   mcore_fused          Megatron-core, lorafleet's fused attention spec, full-logits loss
   mcore_fused_chunked  + chunked log-probs (no full fp32 logits)          <- lorafleet's pass
   mcore_fused_packed   + the 16 sequences packed into one stream (varlen attention)
+  trainer              lorafleet's trainer itself (MultiLoraTrainer built through Megatron-Bridge
+                       with its defaults: packed, fused attention, chunked log-probs), its
+                       frozen-base pass (MultiLoraTrainer.frozen_base_pass: the mixed step's
+                       path with LoRA off), one 16384-token micro-batch
 The backward goes to the input embeddings only (the base is frozen), as in FINDINGS.md.
 Reported: median ms, peak GiB (torch max_memory_allocated), TFLOP/s counting
 4 x parameters x tokens, and the device's bf16 matmul TFLOP/s measured in the same run.
@@ -168,6 +172,36 @@ def mcore_packed_step(model, packed, chunk_size=2048):
 # ---- timing ---------------------------------------------------------------------------------
 
 
+def build_trainer(shape: dict, tokens: int, seed: int = 0):
+    """lorafleet's MultiLoraTrainer on a random model of ``shape`` (config-only HF folder),
+    one resident slot (the frozen-base pass does not use it), micro-batches of ``tokens``."""
+    import tempfile
+
+    from transformers import Qwen3Config
+
+    from trainer.config import TrainerConfig
+    from trainer.core import MultiLoraTrainer
+
+    cfg = Qwen3Config(
+        vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["ffn"],
+        num_hidden_layers=shape["num_layers"], num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"], head_dim=shape["head_dim"], tie_word_embeddings=True,
+        max_position_embeddings=8192, rope_theta=shape["rope_theta"], rms_norm_eps=1e-6, attention_bias=False,
+    )
+    cfg.architectures = ["Qwen3ForCausalLM"]
+    with tempfile.TemporaryDirectory() as folder:
+        cfg.save_pretrained(folder)
+        return MultiLoraTrainer(TrainerConfig(base_model_path=folder, random_init=True, num_slots=1, max_rank=16,
+                                              micro_batch_tokens=tokens, seed=seed))
+
+
+def trainer_batch(ids):
+    from trainer.batch import TrainBatch, TrainSample
+
+    rows = ids.cpu().tolist()
+    return TrainBatch(samples=[TrainSample(slot=0, tokens=r, loss_mask=[0] + [1] * (len(r) - 1)) for r in rows])
+
+
 def sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -297,11 +331,16 @@ def run(shape_name: str, batch: int, seq: int, warmup: int, iters: int, variants
     }
     params = None
     for name in variants:
-        model = None
+        model = trainer = None
         try:
             if name == "hf_sdpa":
                 model = build_hf(shape, dtype, device)
                 step = lambda: hf_step(model, ids)  # noqa: E731
+            elif name == "trainer":
+                trainer = build_trainer(shape, tokens)
+                model = trainer.base.model
+                batch_in = trainer_batch(ids)
+                step = lambda: torch.tensor(trainer.frozen_base_pass(batch_in))  # noqa: E731
             else:
                 model = build_megatron(shape, "local" if name == "mcore_local" else "fused", dtype)
                 if name in ("mcore_local", "mcore_fused"):
@@ -326,7 +365,7 @@ def run(shape_name: str, batch: int, seq: int, warmup: int, iters: int, variants
             print(f"{name}: FAILED {type(exc).__name__}: {exc}", flush=True)
         finally:
             del model
-            step = None
+            step = trainer = None
             free()
     return result
 
@@ -338,7 +377,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--variants", default="hf_sdpa,mcore_local,mcore_fused,mcore_fused_chunked,mcore_fused_packed")
+    parser.add_argument("--variants", default="hf_sdpa,mcore_local,mcore_fused,mcore_fused_chunked,mcore_fused_packed,trainer")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--attention-probe", action="store_true", help="also time the attention kernels alone")
     args = parser.parse_args()

@@ -8,12 +8,20 @@ adapter per round. Per round, median over --iters after a warm-up:
 
   serialized  N train calls, one per adapter (each forward+backward+step alone)
   mixed       one train call with every adapter's samples (lorafleet's step)
-  frozen base forward+backward of the same micro-batches with LoRA off, gradient to the
-              input embeddings only (the floor any LoRA step sits on)
+  frozen base the same micro-batches along the same path (MultiLoraTrainer.frozen_base_pass:
+              packed/fused/chunked as configured) with LoRA off, gradient to the input
+              embeddings only (the floor any LoRA step sits on)
+
+The trainer runs with its defaults (packed micro-batches, fused attention without
+TransformerEngine, chunked log-probs, no recomputation) unless flags say otherwise.
+The mixed and serialized rounds are broken down into forward+backward, optimizer step
+(normalize, clip, AdamW of the stepping slots) and the rest (batch planning, packing,
+host work), each timed with a device sync.
 
 Cases (N adapters x sequences per adapter x length): 1x16x1024, 4x4x1024,
-16x1x1024, 64x1x256 and 32x1x512. Prints a markdown table (median ms, peak GiB
-per mode) and writes --out JSON.
+16x1x1024, 64x1x256 and 32x1x512. Prints a markdown table and writes --out JSON.
+--profile-out DIR writes torch.profiler tables (device time per kernel) of one mixed
+and one frozen-base round of the last case.
 
   python -m benchmarks.bench_mixed_step --out mixed.json        # GPU, bf16 (8192-token micro-batches)
   python -m benchmarks.bench_mixed_step --tiny                  # CPU smoke test (tiny shape)
@@ -83,48 +91,56 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def timed(fn, iters: int, warmup: int) -> tuple[float, float | None]:
-    """(median ms, peak GiB; None without CUDA) of fn()."""
+def timed(fn, iters: int, warmup: int, phases: PhaseTimer | None = None) -> dict:
+    """Median ms, peak GiB (None without CUDA) and the median phase split of fn()."""
     for _ in range(warmup):
         fn()
     sync()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    times = []
+    times, fb, st = [], [], []
     for _ in range(iters):
+        if phases:
+            phases.reset()
         t0 = time.perf_counter()
         fn()
         sync()
         times.append((time.perf_counter() - t0) * 1e3)
-    peak = torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else None
-    return statistics.median(times), peak
+        if phases:
+            fb.append(phases.fwd_bwd * 1e3)
+            st.append(phases.step * 1e3)
+    out = {"ms": statistics.median(times), "all_ms": [round(t, 1) for t in times],
+           "peak_gib": torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else None}
+    if phases:
+        out["fwd_bwd_ms"] = statistics.median(fb)
+        out["step_ms"] = statistics.median(st)
+        out["other_ms"] = out["ms"] - out["fwd_bwd_ms"] - out["step_ms"]
+    return out
 
 
-def frozen_base_round(trainer, samples) -> None:
-    """The same micro-batches as the trainer's, LoRA off, loss = sum of token log-probs,
-    backward to the input embeddings only (the base is frozen)."""
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+class PhaseTimer:
+    """Times the trainer's forward+backward and optimizer-step phases (device-synced).
 
-    from trainer.base_model import causal_mask
-    from trainer.batch import PlannedSample, pack_micro_batches
+    Benchmark instrumentation only: wraps the two methods on this one trainer object."""
 
-    model, dev = trainer.base.model, trainer.device
-    planned = [PlannedSample(i, s.slot, 0) for i, s in enumerate(samples)]
-    lengths = [len(s.tokens) for s in samples]
-    trainer.routing.disable()
-    for mb in pack_micro_batches(planned, lengths, trainer.config.micro_batch_tokens):
-        s = max(lengths[p.index] for p in mb)
-        ids = torch.zeros(len(mb), s, dtype=torch.long)
-        for j, p in enumerate(mb):
-            ids[j, : lengths[p.index]] = torch.tensor(samples[p.index].tokens)
-        ids = ids.to(dev)
-        labels = torch.roll(ids, -1, dims=1)
-        pos = torch.arange(s, device=dev).unsqueeze(0).expand(len(mb), s)
-        emb = model.embedding(ids, pos).detach().requires_grad_()
-        logits = model(ids, pos, causal_mask(s, dev), decoder_input=emb, runtime_gather_output=False)
-        loss = vocab_parallel_cross_entropy(logits.float(), labels).sum()
-        loss.backward()
+    def __init__(self, trainer) -> None:
+        self.fwd_bwd = self.step = 0.0
+        for name, attr in (("_forward_backward", "fwd_bwd"), ("_step_slots", "step")):
+            inner = getattr(trainer, name)
+
+            def timed_call(*args, _inner=inner, _attr=attr, **kwargs):
+                sync()
+                t0 = time.perf_counter()
+                out = _inner(*args, **kwargs)
+                sync()
+                setattr(self, _attr, getattr(self, _attr) + time.perf_counter() - t0)
+                return out
+
+            setattr(trainer, name, timed_call)
+
+    def reset(self) -> None:
+        self.fwd_bwd = self.step = 0.0
 
 
 def init_slots(trainer, n: int, seqs: int, rank: int, objective: str) -> None:
@@ -145,12 +161,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-len", type=int, default=None, help="longest sequence (default 1024; tiny 64)")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--micro-batch-tokens", type=int, default=None,
-                    help="padded tokens per micro-batch (default 8192: two micro-batches per round; tiny: --tokens)")
+                    help="tokens per micro-batch (default 8192: two micro-batches per round; tiny: --tokens)")
     ap.add_argument("--kernel", choices=["auto", "grouped_mm", "loop"], default="auto")
     ap.add_argument("--objective", choices=["sft", "rl"], default="sft")
+    ap.add_argument("--padded", action="store_true", help="padded micro-batches instead of packed streams")
+    ap.add_argument("--layer-spec", choices=["auto", "fused", "local", "transformer_engine"], default="auto")
+    ap.add_argument("--full-logits", action="store_true", help="loss from full fp32 logits instead of chunked log-probs")
+    ap.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
     ap.add_argument("--iters", type=int, default=None, help="timed rounds per mode (default 5; tiny 2)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--only", default=None, help="comma list of modes: serialized,mixed,base")
+    ap.add_argument("--serialized-n", default="all",
+                    help="comma list of N whose serialized rounds are timed (they take N train calls), or 'all'")
+    ap.add_argument("--serialized-iters", type=int, default=None, help="timed serialized rounds (default --iters)")
+    ap.add_argument("--profile-out", default=None, help="folder for torch.profiler tables of the last case")
     ap.add_argument("--out", default=None, help="write results JSON here")
     args = ap.parse_args(argv)
 
@@ -163,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     max_len = args.max_len or (64 if args.tiny else 1024)
     iters = args.iters or (2 if args.tiny else 5)
     modes = (args.only or "serialized,mixed,base").split(",")
+    serialized_n = None if args.serialized_n == "all" else {int(x) for x in args.serialized_n.split(",")}
     plan = cases(tokens, max_len)
     num_slots = max(n for n, _, _ in plan)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
@@ -170,13 +195,21 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as folder:
         cfg = TrainerConfig(base_model_path=write_config(shape, folder), random_init=True, num_slots=num_slots,
                             max_rank=args.rank, lora_kernel=args.kernel,
-                            micro_batch_tokens=args.micro_batch_tokens or (tokens if args.tiny else 8192))
+                            micro_batch_tokens=args.micro_batch_tokens or (tokens if args.tiny else 8192),
+                            packed=not args.padded, layer_spec=args.layer_spec,
+                            chunked_logprobs=not args.full_logits, recompute=args.recompute)
         t0 = time.perf_counter()
         trainer = MultiLoraTrainer(cfg)
         build_s = time.perf_counter() - t0
+    phases = PhaseTimer(trainer)
     params = sum(p.numel() for p in trainer.base.model.parameters())
+    lora_params = sum(p.numel() for p in trainer.params)
+    path = (f"{'packed' if cfg.packed else 'padded'} micro-batches of {cfg.micro_batch_tokens} tokens, "
+            f"{trainer.base.layer_spec} layer spec, {'chunked log-probs' if cfg.chunked_logprobs else 'full logits'}, "
+            f"recompute {cfg.recompute}")
     print(f"# {device}, {trainer.base.dtype}, {params / 1e9:.3f} B params, built in {build_s:.1f} s, "
-          f"{num_slots} slots x rank {args.rank}, kernel {args.kernel}, objective {args.objective}", flush=True)
+          f"{num_slots} slots x rank {args.rank} ({lora_params / 1e6:.1f} M LoRA params), kernel {args.kernel}, "
+          f"objective {args.objective}; {path}", flush=True)
 
     results = []
     for n, seqs, length in plan:
@@ -195,43 +228,70 @@ def main(argv: list[str] | None = None) -> int:
             res = trainer.train(mixed)
             assert len(res.stepped) == n
 
-        runners = {"serialized": run_serialized, "mixed": run_mixed, "base": lambda: frozen_base_round(trainer, samples)}
+        runners = {"serialized": run_serialized, "mixed": run_mixed, "base": lambda: trainer.frozen_base_pass(mixed)}
         for mode in modes:
+            if mode == "serialized" and serialized_n is not None and n not in serialized_n:
+                continue
+            n_iters = args.serialized_iters or iters if mode == "serialized" else iters
             try:
-                ms, peak = timed(runners[mode], iters, args.warmup)
-                row[mode] = {"ms": ms, "peak_gib": peak}
+                row[mode] = timed(runners[mode], n_iters, args.warmup, phases if mode != "base" else None)
             except torch.cuda.OutOfMemoryError as err:  # report, keep going
                 row[mode] = {"error": f"OOM: {err}".splitlines()[0]}
                 torch.cuda.empty_cache()
             print(f"N={n:3d} x {seqs:2d} x {length:5d}  {mode:10s} {row[mode]}", flush=True)
         results.append(row)
+    if args.profile_out:
+        profile_round(trainer, mixed, args.profile_out, f"n{n}x{seqs}x{length}")
 
     print()
-    print(table(results, modes))
+    print(table(results))
     print(f"\nreproduce: python -m benchmarks.bench_mixed_step {' '.join(argv if argv is not None else sys.argv[1:])}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": device, "dtype": str(trainer.base.dtype), "params": params, "rank": args.rank,
-                       "kernel": args.kernel, "objective": args.objective, "results": results}, f, indent=2)
+            json.dump({"device": device, "dtype": str(trainer.base.dtype), "params": params,
+                       "lora_params": lora_params, "rank": args.rank, "kernel": args.kernel,
+                       "objective": args.objective, "path": path, "config": cfg.model_dump(mode="json"),
+                       "results": results}, f, indent=2)
     return 0
 
 
-def table(results: list[dict], modes: list[str]) -> str:
-    def ms(row, mode):
-        return row.get(mode, {}).get("ms")
+def profile_round(trainer, batch, folder: str, tag: str) -> None:
+    """torch.profiler tables (self device time per op/kernel) of one mixed and one frozen-base round."""
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(folder, exist_ok=True)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    for name, fn in (("mixed", lambda: trainer.train(batch)), ("base", lambda: trainer.frozen_base_pass(batch))):
+        fn()
+        sync()
+        with profile(activities=acts) as prof:
+            fn()
+            sync()
+        text = prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=90)
+        with open(os.path.join(folder, f"profile_{tag}_{name}.txt"), "w") as f:
+            f.write(text)
+        print(f"# profile {name} ({tag}): {os.path.join(folder, f'profile_{tag}_{name}.txt')}", flush=True)
+
+
+def table(results: list[dict]) -> str:
+    def get(row, mode, key="ms"):
+        return row.get(mode, {}).get(key)
 
     def fmt(x, spec=".0f"):
         return "-" if x is None else format(x, spec)
 
     lines = [
-        "| N adapters x seqs x len | serialized ms | mixed ms | frozen base ms | mixed / base | serialized / mixed | peak GiB serialized / mixed / base |",
+        "| N adapters x seqs x len | serialized ms | mixed ms (fwd+bwd / step / rest) | frozen base ms | mixed / base "
+        "| serialized / mixed | peak GiB serialized / mixed / base |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        s, m, b = ms(r, "serialized"), ms(r, "mixed"), ms(r, "base")
-        peaks = " / ".join(fmt(r.get(k, {}).get("peak_gib"), ".1f") for k in ("serialized", "mixed", "base"))
+        s, m, b = get(r, "serialized"), get(r, "mixed"), get(r, "base")
+        split = " / ".join(fmt(get(r, "mixed", k)) for k in ("fwd_bwd_ms", "step_ms", "other_ms"))
+        peaks = " / ".join(fmt(get(r, k, "peak_gib"), ".1f") for k in ("serialized", "mixed", "base"))
         lines.append(
-            f"| {r['n']} x {r['seqs']} x {r['len']} | {fmt(s)} | {fmt(m)} | {fmt(b)} | "
+            f"| {r['n']} x {r['seqs']} x {r['len']} | {fmt(s)} | {fmt(m)} ({split}) | {fmt(b)} | "
             f"{fmt(m / b if m and b else None, '.2f')} | {fmt(s / m if s and m else None, '.1f')} | {peaks} |"
         )
     return "\n".join(lines)

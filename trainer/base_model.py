@@ -177,11 +177,16 @@ def attention_mask(base: FrozenBase, seq_len: int, device: torch.device) -> torc
     return causal_mask(seq_len, device) if base.layer_spec == "local" else None
 
 
-def _decoder_input(base: FrozenBase, ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor | None:
-    """With recomputation: the embeddings as a leaf that requires grad. A checkpointed block
-    whose inputs need no gradient would hand none to the LoRA weights inside it (the base
-    and its embedding are frozen), so the block input must carry one. None otherwise."""
-    if base.recompute == "none" or not torch.is_grad_enabled():
+def _decoder_input(
+    base: FrozenBase, ids: torch.Tensor, position_ids: torch.Tensor, input_grad: bool = False
+) -> torch.Tensor | None:
+    """The embeddings as a leaf that requires grad, or None (the model embeds itself).
+
+    Needed with recomputation: a checkpointed block whose inputs need no gradient would
+    hand none to the LoRA weights inside it (the base and its embedding are frozen), so
+    the block input must carry one. ``input_grad`` asks for it anyway (the frozen-base
+    benchmark: backward to the input embeddings, no LoRA)."""
+    if not torch.is_grad_enabled() or (base.recompute == "none" and not input_grad):
         return None
     return base.model.embedding(ids, position_ids).detach().requires_grad_()
 
@@ -193,6 +198,7 @@ def token_logprobs(
     *,
     chunk_tokens: int | None = None,
     tp_group=None,  # noqa: ANN001 - the TP process group, for chunked log-probs under TP > 1
+    input_grad: bool = False,
 ) -> torch.Tensor:
     """log p(labels[b, t] | input_ids[b, :t+1]) for every position, fp32, shape [b, s].
 
@@ -200,6 +206,7 @@ def token_logprobs(
     earlier positions; the caller masks the pads' own outputs. Inputs may sit on any
     device; the result is on the inputs' device. ``chunk_tokens``: chunked log-probs
     (no [b, s, V] logits); None = full logits and megatron-core's vocab-parallel CE.
+    ``input_grad``: let the backward reach the input embeddings (frozen-base benchmark).
     """
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
@@ -208,7 +215,7 @@ def token_logprobs(
     b, s = input_ids.shape
     position_ids = torch.arange(s, device=base.device).unsqueeze(0).expand(b, s)
     mask = attention_mask(base, s, base.device)
-    emb = _decoder_input(base, input_ids, position_ids)
+    emb = _decoder_input(base, input_ids, position_ids, input_grad)
     if chunk_tokens is not None:
         from trainer.chunked_logprobs import LogprobOutputProcessor
 
@@ -229,6 +236,7 @@ def packed_token_logprobs(
     *,
     chunk_tokens: int | None = None,
     tp_group=None,  # noqa: ANN001
+    input_grad: bool = False,
 ) -> torch.Tensor:
     """Per-token log-probs [T] fp32 of one packed stream, in stream order.
 
@@ -242,7 +250,7 @@ def packed_token_logprobs(
     if base.layer_spec == "local":
         raise ValueError("packed streams need the fused or TransformerEngine layer spec, not the unfused local one")
     ids, pos = packed.tokens, packed.position_ids
-    emb = _decoder_input(base, ids, pos)
+    emb = _decoder_input(base, ids, pos, input_grad)
     params = packed.packed_seq_params
     if chunk_tokens is not None:
         lp = base.model(ids, pos, None, decoder_input=emb, packed_seq_params=params,

@@ -374,6 +374,24 @@ class MultiLoraTrainer:
             kl_mean=float(stats[KL]) / rl_tokens, pending_samples=state.pending_samples, steps=steps,
         )
 
+    def frozen_base_pass(self, batch: TrainBatch) -> float:
+        """Forward+backward of ``batch`` through the frozen base alone (LoRA off), in the
+        micro-batches and along the path ``train`` uses, the gradient going to the input
+        embeddings only; changes no slot. The floor under a LoRA step, for benchmarks.
+        Returns the summed log-prob of the learned tokens. Collective like ``train``."""
+        samples = batch.samples
+        planned = [PlannedSample(i, s.slot, 0) for i, s in enumerate(samples)]
+        local = dp_shard(planned, self.layout.dp_rank, self.layout.dp_size)
+        total = 0.0
+        for mb in self._micro_batches(local, [len(s.tokens) for s in samples]):
+            mbs = [samples[p.index] for p in mb]
+            t = _MicroBatchTensors.build(mbs, [SlotHyperParams(objective="sft")] * len(mbs), self.device)
+            lp = self._logprobs(mbs, t.ids, t.labels, lora=False, input_grad=True)
+            loss = -torch.where(t.mask, lp, torch.zeros_like(lp)).sum()
+            loss.backward()
+            total -= float(loss)
+        return total
+
     def _micro_batches(self, local: list[PlannedSample], lengths: list[int]) -> list[list[PlannedSample]]:
         """This rank's samples of a phase cut into micro-batches, each sorted by slot.
 
@@ -386,7 +404,9 @@ class MultiLoraTrainer:
         groups = split_by_token_budget([lengths[p.index] for p in local], [p.slot for p in local], budget)
         return [sorted((local[i] for i in g), key=lambda p: (p.slot, p.index)) for g in groups]
 
-    def _logprobs(self, mb: list[TrainSample], ids: torch.Tensor, labels: torch.Tensor, lora: bool) -> torch.Tensor:
+    def _logprobs(
+        self, mb: list[TrainSample], ids: torch.Tensor, labels: torch.Tensor, lora: bool, input_grad: bool = False
+    ) -> torch.Tensor:
         """log p(labels) [b, s] fp32 on the device for the micro-batch ``mb`` (sorted by slot),
         laid out like the padded ``ids``/``labels``; LoRA on (each sample's slot) or off.
 
@@ -405,14 +425,14 @@ class MultiLoraTrainer:
             if not cfg.packed:
                 if lora:
                     self.routing.set(torch.tensor(slot_ids), ids.shape[1], self.scales)
-                return token_logprobs(self.base, ids, labels, chunk_tokens=chunk, tp_group=tpg)
+                return token_logprobs(self.base, ids, labels, chunk_tokens=chunk, tp_group=tpg, input_grad=input_grad)
             packed = pack_sequences([x.tokens for x in mb], slot_ids, cfg.num_slots, device=self.device)
             if packed.sample_order != tuple(range(len(mb))):  # the scatter below relies on it
                 raise RuntimeError(f"micro-batch not sorted by slot: slots {slot_ids}")
             targets, _ = packed.next_token_targets()
             if lora:
                 self.routing.set_packed(packed, self.scales)
-            lp = packed_token_logprobs(self.base, packed, targets, chunk_tokens=chunk, tp_group=tpg)
+            lp = packed_token_logprobs(self.base, packed, targets, chunk_tokens=chunk, tp_group=tpg, input_grad=input_grad)
             layout = packed.layout
             return lp.new_zeros(ids.shape).index_put((layout.document_ids.long(), layout.position_ids), lp)
         except BaseException:

@@ -123,9 +123,10 @@ def _grouped_out_dtype_supported(device: torch.device, in_dtype: torch.dtype, ou
     Probed once per (device, dtypes) with a tiny call: torch 2.11's sm90 kernel refuses
     (\"Grouped gemm output dtype must match mat_a dtype\"), and raising and catching that
     in every backward of every layer costs real CPU time."""
-    a = torch.zeros(8, 16, dtype=in_dtype, device=device)
+    gy = torch.zeros(16, 8, dtype=in_dtype, device=device)  # [T, N]
+    x = torch.zeros(16, 16, dtype=in_dtype, device=device)  # [T, K]; one group of all 16 tokens
     try:
-        F.grouped_mm(a.t(), a, offs=torch.tensor([16], dtype=torch.int32, device=device), out_dtype=out_dtype)
+        F.grouped_mm(gy.t(), x, offs=torch.tensor([16], dtype=torch.int32, device=device), out_dtype=out_dtype)
     except RuntimeError:
         return False
     return True
