@@ -193,19 +193,30 @@ class StateDirBusy(RuntimeError):
     """Another lorafleet service holds this state dir's registry."""
 
 
+# A service that was just killed releases the registry lock when its controller actor
+# process exits, a few seconds after the driver: wait that long before refusing.
+STATE_DIR_WAIT_S = 30.0
+
+
 def check_state_dir_free(settings: ServiceSettings) -> None:
     """Refuse early when another service holds the registry's lock (service/registry.py I6)."""
     import fcntl
 
     lock_path = settings.db_path.with_name(settings.db_path.name + ".lock")
+    deadline = time.monotonic() + STATE_DIR_WAIT_S
     with open(lock_path, "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise StateDirBusy(
-                f"state dir {settings.state_dir} is in use by another running lorafleet service (its registry is locked); "
-                "stop that service first, or give this one another --state-dir"
-            ) from None
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise StateDirBusy(
+                        f"state dir {settings.state_dir} is in use by another running lorafleet service (its registry "
+                        f"is still locked after {STATE_DIR_WAIT_S:.0f} s); stop that service first, or give this one "
+                        "another --state-dir"
+                    ) from None
+                time.sleep(0.2)
         fcntl.flock(f, fcntl.LOCK_UN)
 
 

@@ -54,6 +54,7 @@ class RunState(BaseModel):
     registration_id: str = Field(description="Registration that wrote it (a resume under a new registration keeps training the same weights).")
     objective: str
     rank: int
+    samples_per_step: int | None = Field(None, description="Samples in one optimizer step (the slot steps when it has them all).")
     step: int = Field(ge=0, description="Optimizer steps done.")
     samples_trained: int = Field(ge=0)
     weight_version: int | None = Field(None, description="Version the engines served when it was written (informational).")

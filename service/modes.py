@@ -18,6 +18,8 @@ import json
 import logging
 import os
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,10 +106,9 @@ class _ProgressPoller:
             self._thread.join(5)
 
 
-def run_batch(job: JobConfig, settings: ServiceSettings, *, resume: bool = False, console: Console | None = None,
-              loop_options: LoopOptions | None = None, serve_api: bool = False) -> BatchResult:
-    console = console or Console(stderr=True)
-    opts = loop_options or LoopOptions(batch_mode=True)
+@contextmanager
+def _running(job: JobConfig, settings: ServiceSettings, *, serve_api: bool, resume: bool) -> Iterator[tuple[Fleet, StopSignal]]:
+    """The fleet started with the job's adapters registered, under a StopSignal; closed on exit."""
     precheck_job_adapters(job, settings)
     with StopSignal() as stop:
         fleet = start_fleet(job, settings, serve_api=serve_api)
@@ -115,14 +116,22 @@ def run_batch(job: JobConfig, settings: ServiceSettings, *, resume: bool = False
         try:
             for line in register_job_adapters(fleet.controller, job, resume=resume):
                 log.info("%s", line)
-            console.print(f"lorafleet: started in {fleet.startup_seconds.get('total', 0.0):.0f} s; training "
-                          f"{len(job.adapters)} adapter(s), state in {settings.state_dir}", highlight=False, soft_wrap=True)
-            with ProgressView(console, title=f"lorafleet run ({len(job.adapters)} adapters)") as view, \
-                    _ProgressPoller(fleet.controller, view):
-                report = run_training_loop(fleet.controller, fleet.runtime, fleet.runtime_proxy, opts, stop)
-            summaries = job_summaries(fleet, job)
+            yield fleet, stop
         finally:
             fleet.close()
+
+
+def run_batch(job: JobConfig, settings: ServiceSettings, *, resume: bool = False, console: Console | None = None,
+              loop_options: LoopOptions | None = None, serve_api: bool = False) -> BatchResult:
+    console = console or Console(stderr=True)
+    opts = loop_options or LoopOptions(batch_mode=True)
+    with _running(job, settings, serve_api=serve_api, resume=resume) as (fleet, stop):
+        console.print(f"lorafleet: started in {fleet.startup_seconds.get('total', 0.0):.0f} s; training "
+                      f"{len(job.adapters)} adapter(s), state in {settings.state_dir}", highlight=False, soft_wrap=True)
+        with ProgressView(console, title=f"lorafleet run ({len(job.adapters)} adapters)") as view, \
+                _ProgressPoller(fleet.controller, view):
+            report = run_training_loop(fleet.controller, fleet.runtime, fleet.runtime_proxy, opts, stop)
+        summaries = job_summaries(fleet, job)
     if report.stopped_by is not None:
         code = EXIT_INTERRUPTED
     elif any(s.state != AdapterState.COMPLETED for s in summaries):
@@ -165,25 +174,18 @@ def print_summary(console: Console, result: BatchResult) -> None:
 
 
 def run_service(job: JobConfig, settings: ServiceSettings, *, console: Console | None = None,
-                loop_options: LoopOptions | None = None, on_started: Any = None) -> LoopReport:
-    """Service mode: the fleet plus the REST API, training whatever is registered, until stopped."""
+                loop_options: LoopOptions | None = None) -> LoopReport:
+    """Service mode: the fleet plus the REST API, training whatever is registered, until stopped.
+    The job's adapters are registered unless they already COMPLETED (a restart does not redo them)."""
     console = console or Console(stderr=True)
     opts = loop_options or LoopOptions(batch_mode=False)
-    precheck_job_adapters(job, settings)
-    with StopSignal() as stop:
-        fleet = start_fleet(job, settings, serve_api=True)
-        stop.install()  # Ray replaced the SIGTERM handler
+    with _running(job, settings, serve_api=True, resume=True) as (fleet, stop):
+        console.print(f"lorafleet serving on {fleet.api_url} (state {settings.state_dir}, Ray {fleet.ray_address}); "
+                      "Ctrl-C drains and stops", highlight=False, soft_wrap=True)
+        info = settings.state_dir / SERVICE_INFO_FILE
+        info.write_text(json.dumps({"api_url": fleet.api_url, "ray_address": fleet.ray_address, "pid": os.getpid(),
+                                    "namespace": fleet.namespace}))
         try:
-            for line in register_job_adapters(fleet.controller, job, resume=True):
-                log.info("%s", line)
-            console.print(f"lorafleet serving on {fleet.api_url} (state {settings.state_dir}, Ray {fleet.ray_address}); "
-                          "Ctrl-C drains and stops", highlight=False, soft_wrap=True)
-            info = settings.state_dir / SERVICE_INFO_FILE
-            info.write_text(json.dumps({"api_url": fleet.api_url, "ray_address": fleet.ray_address, "pid": os.getpid(),
-                                        "namespace": fleet.namespace}))
-            if on_started is not None:
-                on_started(fleet)
             return run_training_loop(fleet.controller, fleet.runtime, fleet.runtime_proxy, opts, stop)
         finally:
-            (settings.state_dir / SERVICE_INFO_FILE).unlink(missing_ok=True)
-            fleet.close()
+            info.unlink(missing_ok=True)

@@ -175,10 +175,12 @@ class FleetRuntime:
     # --- Runtime protocol: lifecycle -----------------------------------------------------------
 
     def prepare_adapter(self, ref: AdapterRef) -> Prepared:
+        """See Runtime.prepare_adapter. A run resumed from a checkpoint keeps the checkpoint's
+        optimizer hyper-parameters (exact continuation); its shape must match this config."""
         cfg = ref.config
         assert ref.slot is not None, f"{ref.name}: a live run always holds a slot"
-        self._evict_slot(ref.slot, keep=None)
-        self.release_adapter(ref)  # a stale entry of this registration (trainer restart): start clean
+        self._evict_slot(ref.slot)  # whatever this runtime still had there, and this registration's own stale entry
+        self.trainer.call("clear_slot", ref.slot)  # the slot may hold a tenant that was never released cleanly
         if cfg.objective == "rl":
             self._rollout("remove_adapter", ref.name)  # a leftover of this name (e.g. after a trainer restart)
         hyper = cfg.slot_hyper_params(ref.total_steps)
@@ -187,10 +189,11 @@ class FleetRuntime:
         step = samples = 0
         if source is not None:
             ckpt = load_checkpoint(source)
-            if ckpt.state.rank != cfg.rank or ckpt.state.objective != cfg.objective:
+            saved = (ckpt.state.objective, ckpt.state.rank, ckpt.state.samples_per_step or cfg.samples_per_step)
+            if saved != (cfg.objective, cfg.rank, cfg.samples_per_step):
                 raise ValueError(
-                    f"checkpoint {ckpt.folder} is of a rank-{ckpt.state.rank} {ckpt.state.objective} run; "
-                    f"this run is rank {cfg.rank} {cfg.objective}"
+                    f"checkpoint {ckpt.folder} is of a {saved[0]} run of rank {saved[1]} with {saved[2]} samples per step; "
+                    f"this run is {cfg.objective}, rank {cfg.rank}, {cfg.samples_per_step} samples per step: make them equal"
                 )
             self.trainer.call("load_slot_state", ref.slot, str(ckpt.trainer_dir), registration=ref.registration_id)  # the new tenant's id
             step, samples = ckpt.state.step, ckpt.state.samples_trained
@@ -219,10 +222,10 @@ class FleetRuntime:
         log.info("prepared %s in slot %d at step %d (version %d, from %s)", ref.name, ref.slot, step, version, source or cfg.init_from or "seed")
         return Prepared(weight_version=version, step=step, samples_trained=samples)
 
-    def _evict_slot(self, slot: int, keep: str | None) -> None:
-        """Drop any other registration this runtime still has in `slot` (its release was lost)."""
+    def _evict_slot(self, slot: int) -> None:
+        """Forget whatever registration this runtime still has in `slot` (a lost release)."""
         with self._lock:
-            stale = [r for r in self._runs.values() if r.slot == slot and r.registration_id != keep]
+            stale = [r for r in self._runs.values() if r.slot == slot]
         for r in stale:
             self._forget(r)
 
@@ -237,7 +240,8 @@ class FleetRuntime:
     def finish_adapter(self, ref: AdapterRef) -> Finished:
         run = self._run(ref.registration_id)
         if run.is_rl:
-            # Stop generating and abort its requests; keep the cursor first (pending rows come back on resume).
+            # Stop generating and abort its requests (their prompts go back to the data source,
+            # so the final checkpoint's cursor still lists them).
             self._rollout("abort_adapter", run.name, True)
         checkpoint = self.checkpoint(ref.registration_id)
         export = run_dir(self.settings.state_dir, ref) / "export"
@@ -492,6 +496,7 @@ class FleetRuntime:
             self.trainer.call("export_peft", run.slot, str(pending.adapter_dir))
             state = RunState(
                 name=run.name, registration_id=registration_id, objective=run.config.objective, rank=run.config.rank,
+                samples_per_step=run.config.samples_per_step,
                 step=run.step, samples_trained=run.samples_trained, weight_version=run.weight_version,
                 data_cursor=cursor.model_dump(mode="json") if cursor is not None else None,
                 rng={"data_shuffle_seed": run.config.seed, "slot_init_seed": run.config.seed},

@@ -4,12 +4,14 @@ small adapter configs on the tiny world's data."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,3 +130,18 @@ def call_runtime_actor(service: Service, method: str, *args) -> str:
     if proc.returncode != 0:
         raise RuntimeError(f"runtime actor call {method} failed:\n{proc.stderr[-3000:]}")
     return proc.stdout.strip().splitlines()[-1]
+
+
+@contextlib.contextmanager
+def running_service(tmp: Path, tiny_world: Path) -> Iterator[Service]:
+    """A started `lorafleet serve`; killed (and its engines reaped) however the tests end."""
+    from service.app_runtime import reap_engines
+
+    svc = Service(serve_job(tmp, tiny_world), tmp / "state", tmp / "serve.log")
+    try:
+        svc.start()
+        yield svc
+    finally:
+        if svc.proc is not None and svc.proc.poll() is None:
+            svc.proc.kill()
+        reap_engines(svc.state_dir)

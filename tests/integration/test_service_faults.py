@@ -17,25 +17,16 @@ import time
 
 import pytest
 
-from tests.integration.service_world import Service, call_runtime_actor, retire_and_wait, rl, serve_job, sft, wait_for
+from tests.integration.service_world import call_runtime_actor, retire_and_wait, rl, running_service, sft, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
 def service(tiny_world, tmp_path_factory):
-    from service.app_runtime import reap_engines
-
-    tmp = tmp_path_factory.mktemp("faults")
-    svc = Service(serve_job(tmp, tiny_world), tmp / "state", tmp / "serve.log")
-    try:
-        svc.start()
+    with running_service(tmp_path_factory.mktemp("faults"), tiny_world) as svc:
         yield svc
         assert svc.stop() == 0, svc.log_tail()
-    finally:
-        if svc.proc is not None and svc.proc.poll() is None:
-            svc.proc.kill()
-        reap_engines(svc.state_dir)
 
 
 def test_dead_engine_is_restarted_and_adapters_republished(service, tiny_world):

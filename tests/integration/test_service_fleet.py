@@ -29,31 +29,21 @@ import pytest
 from tests.integration.service_world import (
     LORAFLEET,
     TOKEN,
-    Service,
     call_runtime_actor,
     retire_and_wait,
     rl,
-    serve_job,
+    running_service,
     sft,
     wait_for,
 )
 
 pytestmark = pytest.mark.integration
 
+
 @pytest.fixture(scope="module")
 def service(tiny_world, tmp_path_factory):
-    from service.app_runtime import reap_engines
-
-    tmp = tmp_path_factory.mktemp("fleet")
-    svc = Service(serve_job(tmp, tiny_world), tmp / "state", tmp / "serve.log")
-    try:
-        svc.start()
+    with running_service(tmp_path_factory.mktemp("fleet"), tiny_world) as svc:
         yield svc
-    finally:
-        if svc.proc is not None and svc.proc.poll() is None:
-            svc.proc.kill()
-        reap_engines(svc.state_dir)
-
 
 
 # --- 1 -------------------------------------------------------------------------------------------

@@ -41,8 +41,11 @@ def test_adapter_data_outside_the_roots_is_refused_before_start(tmp_path, tiny_w
     assert "adapter 'digits' of the job: config.data.path" in result.output and "outside the allowed roots" in result.output
 
 
-def test_state_dir_held_by_another_service_is_refused(tmp_path, tiny_world):
+def test_state_dir_held_by_another_service_is_refused(tmp_path, tiny_world, monkeypatch):
+    from service import app_runtime
     from service.registry import Registry
+
+    monkeypatch.setattr(app_runtime, "STATE_DIR_WAIT_S", 0.5)
 
     held = Registry(tmp_path / "state" / "registry.sqlite3", 4)  # as a running service holds it
     try:
