@@ -115,8 +115,9 @@ def build_hf(shape: dict, dtype: torch.dtype, device: torch.device, seed: int = 
     return model.train()
 
 
-def count_params(model) -> int:
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+def count_params(model, frozen_only: bool = False) -> int:
+    unique = {id(p): p for p in model.parameters()}.values()
+    return sum(p.numel() for p in unique if not (frozen_only and p.requires_grad))
 
 
 # ---- one frozen-base step per stack: forward, scalar loss, backward to the input embeddings ----
@@ -352,7 +353,7 @@ def run(shape_name: str, batch: int, seq: int, warmup: int, iters: int, variants
                     step = lambda: mcore_packed_step(model, packed)  # noqa: E731
                 else:
                     raise ValueError(f"unknown variant {name}")
-            n_params = count_params(model)
+            n_params = count_params(model, frozen_only=name == "trainer")  # not the trainer's LoRA slot
             params = params or n_params
             r = timed(step, warmup, iters)
             r["params"] = n_params

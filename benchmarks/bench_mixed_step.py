@@ -112,10 +112,12 @@ def timed(fn, iters: int, warmup: int, phases: PhaseTimer | None = None) -> dict
             st.append(phases.step * 1e3)
     out = {"ms": statistics.median(times), "all_ms": [round(t, 1) for t in times],
            "peak_gib": torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else None}
-    if phases:
-        out["fwd_bwd_ms"] = statistics.median(fb)
-        out["step_ms"] = statistics.median(st)
-        out["other_ms"] = out["ms"] - out["fwd_bwd_ms"] - out["step_ms"]
+    if phases:  # the split of the median round (so the parts add up to the reported time)
+        mid = sorted(range(iters), key=lambda i: times[i])[(iters - 1) // 2]
+        out["ms"] = times[mid]
+        out["fwd_bwd_ms"] = fb[mid]
+        out["step_ms"] = st[mid]
+        out["other_ms"] = times[mid] - fb[mid] - st[mid]
     return out
 
 
@@ -202,8 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         trainer = MultiLoraTrainer(cfg)
         build_s = time.perf_counter() - t0
     phases = PhaseTimer(trainer)
-    params = sum(p.numel() for p in trainer.base.model.parameters())
     lora_params = sum(p.numel() for p in trainer.params)
+    params = sum(p.numel() for p in trainer.base.model.parameters()) - lora_params  # the base's own
     path = (f"{'packed' if cfg.packed else 'padded'} micro-batches of {cfg.micro_batch_tokens} tokens, "
             f"{trainer.base.layer_spec} layer spec, {'chunked log-probs' if cfg.chunked_logprobs else 'full logits'}, "
             f"recompute {cfg.recompute}")

@@ -42,6 +42,7 @@ from trainer.multi_lora import SlotRouting, install_multi_lora
 from trainer.packing import pack_sequences, split_by_token_budget
 from trainer.peft_io import hf_short_names, peft_config_dict, read_peft_folder, slot_to_hf, write_peft_folder
 from trainer.per_slot_optim import AdamwColumns, adamw_apply, clip_coefficient, lr_at
+from trainer.slot_buffers import SlotBuffers
 from trainer.slot_checkpoint import load_slot_checkpoint, save_slot_checkpoint
 
 # Columns of the per-slot statistics accumulators.
@@ -101,11 +102,12 @@ class MultiLoraTrainer:
             self.base, target_modules=config.target_modules, num_slots=config.num_slots,
             max_rank=config.max_rank, routing=self.routing, tp_group=tp_group() if config.tp > 1 else None,
         )
-        self.params = [p for layer in self.layers for p in (layer.lora_A, layer.lora_B)]
-        for p in self.params:
-            p.grad = torch.zeros_like(p)
-        self.exp_avg = [torch.zeros_like(p) for p in self.params]
-        self.exp_avg_sq = [torch.zeros_like(p) for p in self.params]
+        # Weights, gradients and Adam moments of all slots: rows of four slot-major buffers,
+        # every layer's tensors views into them (slot_buffers.py). Lists in layer order.
+        self.buffers = SlotBuffers(self.layers, config.num_slots, self.device)
+        self.params = self.buffers.params
+        self.exp_avg = self.buffers.exp_avg_views
+        self.exp_avg_sq = self.buffers.exp_avg_sq_views
         self.scales = torch.zeros(config.num_slots, dtype=torch.float32, device=self.device)
         self.slots: list[SlotState | None] = [None] * config.num_slots
         self.vocab_size: int = self.base.model.vocab_size
@@ -114,9 +116,6 @@ class MultiLoraTrainer:
 
     def _grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self.params]
-
-    def _tp_split_flags(self) -> list[bool]:
-        return [f for layer in self.layers for f in (layer.a_is_tp_split, layer.b_is_tp_split)]
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.config.num_slots:
@@ -178,9 +177,7 @@ class MultiLoraTrainer:
 
     @torch.no_grad()
     def _zero_slot(self, slot: int) -> None:
-        for tensors in ([p.data for p in self.params], self._grads(), self.exp_avg, self.exp_avg_sq):
-            for t in tensors:
-                t[slot].zero_()
+        self.buffers.zero_slot(slot)
 
     def clear_slot(self, slot: int) -> None:
         """Weights, gradients, optimizer state and pending samples of the slot, all gone."""
@@ -463,6 +460,7 @@ class MultiLoraTrainer:
             )
             numerators, st = sample_loss_numerators(inputs)
             numerators.sum().backward()
+            self.buffers.check_grads_in_place()
         finally:
             self.routing.disable()  # kept set through backward: recomputation runs the LoRA layers again
         b = len(mb)
@@ -478,34 +476,24 @@ class MultiLoraTrainer:
     def _step_slots(self, due: list[int]) -> dict[int, StepReport]:
         """Reduce over DP, normalize, check, clip and update the due slots, then reset them.
 
-        Vectorized over slots: a handful of ops per stacked tensor, whatever the number
-        of slots stepping (a per-slot loop would launch ~10 ops x slots x tensors)."""
+        On whole rows of the slot buffers: a handful of ops whatever the number of slots
+        stepping and of layers (slot_buffers.py)."""
+        buf = self.buffers
         states = [self.slots[slot] for slot in due]
-        idx = torch.tensor(due, device=self.device)
-        grads = self._grads()
         pending = torch.stack([st.pending for st in states])
+        grads = buf.rows(buf.grad, due)  # a view when the due slots are one contiguous range
         if self.layout.dp_size > 1:  # only the due slots' gradients (and counters) cross DP
-            parts = [g.index_select(0, idx) for g in grads]
-            flat = torch.cat([t.reshape(-1) for t in parts])
-            dist.all_reduce(flat, group=dp_group())
-            offset = 0
-            for g, t in zip(grads, parts):
-                g.index_copy_(0, idx, flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+            reduced = grads.contiguous()
+            dist.all_reduce(reduced, group=dp_group())
+            buf.put_rows(buf.grad, due, reduced)
+            grads = buf.rows(buf.grad, due)
             pending_dev = pending.to(self.device)
             dist.all_reduce(pending_dev, group=dp_group())
             pending = pending_dev.cpu()
-        # Squared norms per slot of the raw (un-normalized) gradients. TP: blocks split over
-        # TP are summed over the group, replicated ones counted once. A contiguous range of
-        # due slots is read through a view (no copy of the gradients).
-        lo, hi = due[0], due[-1] + 1
-        contiguous = due == list(range(lo, hi))
-        sq_split = torch.zeros(len(due), dtype=torch.float32, device=self.device)
-        sq_repl = torch.zeros_like(sq_split)
-        for g, split in zip(grads, self._tp_split_flags()):
-            rows = g[lo:hi] if contiguous else g.index_select(0, idx)
-            sq = torch.linalg.vector_norm(rows.flatten(1), dim=1, dtype=torch.float32).square()
-            (sq_split if split else sq_repl).add_(sq)
+        # Squared norms per slot of the raw (un-normalized) gradients. TP: columns split over
+        # TP are summed over the group, replicated ones counted once.
+        sq_split = torch.linalg.vector_norm(grads[:, : buf.split_cols], dim=1, dtype=torch.float32).square()
+        sq_repl = torch.linalg.vector_norm(grads[:, buf.split_cols :], dim=1, dtype=torch.float32).square()
         if self.config.tp > 1:
             dist.all_reduce(sq_split, group=tp_group())
         raw_norms = (sq_split + sq_repl).sqrt().double().cpu().tolist()
@@ -529,16 +517,15 @@ class MultiLoraTrainer:
         if stepping:
             hp = torch.tensor(hyper_rows, dtype=torch.float64)
             cols = AdamwColumns.build(
-                self.params[0].dtype, self.device, grad_scale=torch.tensor(scale, dtype=torch.float64),
+                buf.weight.dtype, self.device, grad_scale=torch.tensor(scale, dtype=torch.float64),
                 lr=hp[:, 0], weight_decay=hp[:, 1], beta1=hp[:, 2], beta2=hp[:, 3], eps=hp[:, 4], step=hp[:, 5],
             )
-            for p, m, v in zip(self.params, self.exp_avg, self.exp_avg_sq):
-                adamw_apply(p.data, p.grad, m, v, stepping, cols)
-        for p in self.params:
-            if contiguous:
-                p.grad[lo:hi].zero_()
-            else:
-                p.grad.index_fill_(0, idx, 0.0)
+            adamw_apply(buf.weight, buf.grad, buf.exp_avg, buf.exp_avg_sq, stepping, cols)
+        lo, hi = due[0], due[-1] + 1
+        if due == list(range(lo, hi)):
+            buf.grad[lo:hi].zero_()
+        else:
+            buf.grad.index_fill_(0, torch.tensor(due, device=self.device), 0.0)
         for st in states:
             st.pending_samples = 0
             st.pending = torch.zeros(N_STATS, dtype=torch.float64)

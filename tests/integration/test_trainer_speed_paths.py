@@ -121,3 +121,21 @@ def test_packed_needs_a_fused_spec():
     assert TrainerConfig(base_model_path="/m", layer_spec="local", packed=False).packed is False
     cfg = TrainerConfig(base_model_path="/m")
     assert (cfg.packed, cfg.chunked_logprobs, cfg.recompute, cfg.layer_spec) == (True, True, "none", "auto")
+
+
+def test_frozen_base_pass_is_the_base_and_changes_nothing(tiny_world, reference):
+    """The benchmark floor: the batch's learned-token log-probs through the base alone, along
+    the packed path, equal the padded reference's; no slot gradient or weight moves."""
+    from trainer.base_model import token_logprobs
+
+    batches, _ = reference
+    trainer = _trainer(tiny_world)
+    batch = batches[0]
+    total = trainer.frozen_base_pass(batch)
+    expected = 0.0
+    for s in batch.samples:
+        ids = torch.tensor(s.tokens)
+        lp = token_logprobs(trainer.base, ids[None, :-1], ids[None, 1:])[0]
+        expected += float((lp * torch.tensor(s.loss_mask[1:], dtype=torch.float32)).sum())
+    assert total == pytest.approx(expected, rel=1e-5) and total < 0
+    assert trainer.buffers.grad.abs().max() == 0 and trainer.buffers.weight.abs().max() == 0
