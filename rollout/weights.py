@@ -122,7 +122,23 @@ class AdapterWeights:
         return self.folder
 
     def __getstate__(self):
-        # Ray / pickle: drop the cached payload (rebuilt on demand, and larger than the tensors).
+        # Ray / pickle: drop the cached payload (rebuilt on demand, and larger than the tensors),
+        # and ship the tensors as safetensors bytes: a pickled torch storage names the function
+        # that rebuilds it, which in a process that imported megatron.core is Megatron's, so
+        # unpickling it would import Megatron into the receiver (seconds of a blocked event
+        # loop in the rollout worker) — see _pickle_with_torch_storage_reducer.
         state = dict(self.__dict__)
         state["_payload"] = None
+        if self.tensors is not None:
+            from safetensors.torch import save
+
+            # clone: fused projections share one lora_A tensor, and safetensors refuses shared storage
+            state["tensors"] = save({k: v.clone() for k, v in self.tensors.items()})
         return state
+
+    def __setstate__(self, state):
+        if isinstance(state.get("tensors"), bytes):
+            from safetensors.torch import load
+
+            state = {**state, "tensors": load(state["tensors"])}
+        self.__dict__.update(state)

@@ -6,8 +6,9 @@
         2. collect               one whole step per adapter that has one ready, round-robin,
                                  waiting at most `max_wait_s` for the others once one is ready
         3. train                 ONE mixed train call over every collected adapter
-        4. commit                per stepped adapter, only now (the call succeeded): record_step
-        5. publish               the stepped adapters' new weights, under fresh versions
+        4. publish               the stepped adapters' new weights (only theirs), under fresh versions;
+                                 the engines load them while the loop goes on
+        5. commit                per stepped adapter, only now (the call succeeded): record_step
         6. checkpoint            every `checkpoint_interval` steps of an adapter
         7. retire                adapters whose data or num_step is used up
     on stop: drain               stop generating, checkpoint every live adapter
@@ -59,7 +60,7 @@ class LoopReport:
     samples: int = 0
     train_seconds: float = 0.0  # inside mixed train calls
     collect_seconds: float = 0.0  # waiting for whole steps (rollout generating)
-    publish_seconds: float = 0.0  # weight pushes to the engines
+    publish_seconds: float = 0.0  # taking stepped weights from the trainer and handing them to the rollout worker
     checkpoint_seconds: float = 0.0
     wall_seconds: float = 0.0
     stopped_by: str | None = None  # None: batch mode ran out of runs
@@ -80,7 +81,7 @@ def run_training_loop(controller: Any, runtime: Any, runtime_proxy: Any, opts: L
             if opts.batch_mode and not live:
                 break
             if time.monotonic() >= next_engine_check:
-                report.events += _logged(runtime.check_engines())                               # fault: dead engine
+                report.events += _logged(runtime.check_engines())                               # fault: dead engine, failed publish
                 next_engine_check = time.monotonic() + opts.engine_check_s
             active = [r.registration_id for r in live if r.state == AdapterState.ACTIVE]
             t_collect = time.monotonic()
@@ -103,22 +104,18 @@ def run_training_loop(controller: Any, runtime: Any, runtime_proxy: Any, opts: L
             report.train_calls += 1
             report.train_seconds += outcome.seconds
             for s in outcome.stepped:
+                version = controller.next_version()
+                t_publish = time.monotonic()
+                runtime.publish(s.registration_id, version)                                     # 4
+                report.publish_seconds += time.monotonic() - t_publish
                 try:
-                    controller.record_step(s.registration_id, step=s.step, samples=s.samples, metrics=s.metrics)  # 4
-                except Conflict as e:  # retired and finished meanwhile, or failed: its progress no longer counts
+                    controller.record_step(s.registration_id, step=s.step, samples=s.samples, metrics=s.metrics,
+                                           weight_version=version)                              # 5
+                except Conflict as e:  # failed meanwhile: its progress no longer counts
                     log.info("step of %s not recorded: %s", s.name, e)
                     continue
                 report.steps += 1
                 report.samples += s.samples
-                version = controller.next_version()
-                t_publish = time.monotonic()
-                try:
-                    runtime.publish(s.registration_id, version)                                 # 5
-                    controller.record_publish(s.registration_id, version)
-                    report.publish_seconds += time.monotonic() - t_publish
-                except Exception as e:  # engines down: check_engines restarts them with the current weights
-                    report.events += _logged([f"publish of {s.name} v{version} failed: {type(e).__name__}: {e}"])
-                    next_engine_check = 0.0
                 if s.due_checkpoint:
                     t_ckpt = time.monotonic()
                     controller.record_checkpoint(s.registration_id, runtime.checkpoint(s.registration_id), s.step)  # 6

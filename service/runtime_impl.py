@@ -145,6 +145,8 @@ class FleetRuntime:
         self._trainer_note = "running"
         self._rr_start = 0  # round-robin start of batch collection
         self._sft_rows: dict[str, list] = {}  # SFT rows of the batch being trained, by registration id
+        self._publishing: list[tuple[str, int, Any]] = []  # (adapter, version, ObjectRef) of publishes in flight
+        self._unroutable: dict[int, int] = {}  # engine index -> checks in a row that found it alive but not routed to
 
     def set_trainer(self, trainer: Any) -> None:
         self.trainer = trainer
@@ -478,13 +480,34 @@ class FleetRuntime:
         return out
 
     def publish(self, registration_id: str, version: int) -> None:
-        """Push the run's current weights to the engines as `version` (RL; SFT runs are not served)."""
+        """Push the run's current weights to the engines as `version` (RL; SFT runs are not served).
+
+        Returns once the weights are taken from the trainer; the engines load them while the
+        loop goes on (the rollout worker applies one adapter's publishes in order, and any later
+        remove/abort of the adapter after them). Failures surface in `check_engines`."""
         run = self._run(registration_id)
         if run.is_rl:
-            self._rollout("publish_version", run.name, version, self._weights(run.slot), timeout=120)
+            ref = self.rollout.publish_version.remote(run.name, version, self._weights(run.slot))
+            self._publishing.append((run.name, version, ref))
         run.weight_version = version
         run.publish_history.append(version)
         del run.publish_history[:-64]
+
+    def _publish_failures(self) -> list[str]:
+        """Finished publishes that failed (their engines are checked next); drops finished ones."""
+        if not self._publishing:
+            return []
+        done, _ = ray.wait([ref for _, _, ref in self._publishing], num_returns=len(self._publishing), timeout=0)
+        finished = set(done)
+        failures = []
+        for name, version, ref in self._publishing:
+            if ref in finished:
+                try:
+                    ray.get(ref)
+                except Exception as e:
+                    failures.append(f"publish of {name} v{version} failed: {type(e).__name__}: {e}"[:500])
+        self._publishing = [p for p in self._publishing if p[2] not in finished]
+        return failures
 
     def checkpoint(self, registration_id: str) -> str:
         """Write a complete checkpoint of the run at its current step; returns its folder."""
@@ -516,17 +539,26 @@ class FleetRuntime:
     # --- faults --------------------------------------------------------------------------------------
 
     def check_engines(self) -> list[str]:
-        """Restart every managed engine whose process died; its adapters' current versions are
-        loaded again by the rollout worker (republished). Returns what was done."""
-        done = []
+        """Restart every managed engine whose process died, or that the rollout worker stopped
+        routing to (it does after a connection error) on two checks in a row: the pool has no
+        way to take a live engine back, and without one no adapter generates. The rollout
+        worker loads every adapter's current version on the restarted engine (republished).
+        Returns what was done, including publishes that failed since the last check."""
         if self.rollout is None:
-            return done
+            return []
+        done = self._publish_failures()
         for e in self._rollout("engine_health", timeout=30):
-            if not e.alive:
+            unroutable = e.alive and not e.routable
+            if unroutable and self._unroutable.get(e.index, 0) == 0:
+                self._unroutable[e.index] = 1  # once may be a restart in progress: look again next time
+                continue
+            self._unroutable.pop(e.index, None)
+            if not e.alive or unroutable:
+                why = "was dead" if not e.alive else "was taken out of routing after a connection error"
                 t0 = time.monotonic()
                 health = self._rollout("restart_engine", e.index, timeout=self.job.engines.startup_deadline_s + 60)
-                done.append(f"engine {e.index} was dead: restarted ({health.url}) and republished in {time.monotonic() - t0:.1f} s")
-        if done:  # the new processes replace the dead ones in the record of what to reap after a crash
+                done.append(f"engine {e.index} {why}: restarted ({health.url}) and republished in {time.monotonic() - t0:.1f} s")
+        if any("restarted" in d for d in done):  # the new processes replace the dead ones in the record of what to reap
             from service.app_runtime import record_engines
 
             record_engines(self.settings.state_dir, [e.url for e in self._rollout("engine_health", timeout=30)])
