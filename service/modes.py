@@ -104,6 +104,10 @@ class _ProgressPoller:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(5)
+            try:
+                self.view.update(self.controller.list())  # the final states, not the last poll's
+            except Exception:
+                log.debug("final progress update failed", exc_info=True)
 
 
 @contextmanager
