@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from service.errors import Conflict
 from service.registry import AdapterState
-from service.runtime_impl import TrainerLost
+from service.batches import TrainerLost
 from service.shutdown import StopSignal
 
 log = logging.getLogger(__name__)
