@@ -38,8 +38,9 @@ class Service:
         info = self.state_dir / "service.json"
         info.unlink(missing_ok=True)
         log = open(self.log_path, "a")
+        # cwd: the repository, so the test rewards (tests.integration.rewards_for_tests) import in Ray's workers
         self.proc = subprocess.Popen([str(LORAFLEET), "serve", str(self.job_path), "-v"], stdout=log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "LORAFLEET_API_TOKEN": TOKEN, "COLUMNS": "200"})
+                                     env={**os.environ, "LORAFLEET_API_TOKEN": TOKEN, "COLUMNS": "200"}, cwd=REPO)
         deadline = time.monotonic() + START_TIMEOUT_S
         while not info.is_file():
             if self.proc.poll() is not None:
@@ -111,7 +112,8 @@ def serve_job(tmp: Path, tiny_world: Path) -> Path:
     job = yaml.safe_load((REPO / "examples" / "tiny" / "job.yaml").read_text())
     job["base_model"]["path"] = str(tiny_world / "model")
     job["adapters"] = []
-    job["service"] = {"state_dir": str(tmp / "state"), "data_roots": [str(tiny_world / "data"), str(tmp)], "port": 0}
+    job["service"] = {"state_dir": str(tmp / "state"), "data_roots": [str(tiny_world / "data"), str(tmp)], "port": 0,
+                      "reward_import_roots": ["tests.integration.rewards_for_tests"]}
     path = tmp / "job.yaml"
     path.write_text(yaml.safe_dump(job))
     return path

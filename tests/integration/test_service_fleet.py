@@ -4,6 +4,7 @@ every test here, in this order:
 
   1. tenants come and go during training (register mid-run, retire, re-register the name:
      the new tenant gets the retired slot with a new version and never an old sample)
+  1b. an adapter whose reward crashes on every sample is FAILED after 3 steps; the others go on
   2. `lorafleet smoke` passes against it                                    (issue 6 proof)
   3. load: 200 concurrent GETs + 50 register/retire cycles during training:
      no 5xx, no leaked slot, p99 of GET /v1/adapters printed                  (issue 6 proof)
@@ -88,6 +89,26 @@ def test_tenants_come_and_go_without_disturbing_the_others(service, tiny_world):
             assert s["samples"] == 8
         assert all(r["state"] != "FAILED" for r in c.list())
         retire_and_wait(c, "t-rl", "t-sft", "t-new")
+        assert c.ready()["slots"]["free"] == 4
+
+
+# --- 1b ------------------------------------------------------------------------------------------
+
+
+def test_an_adapter_whose_reward_keeps_crashing_fails_alone(service, tiny_world):
+    with service.client() as c:
+        c.register("ok-sft", sft(tiny_world))
+        c.register("bad-reward", rl(tiny_world, reward={"name": "tests.integration.rewards_for_tests:always_raises"}))
+        deadline = time.monotonic() + 240
+        while (bad := c.get("bad-reward"))["state"] != "FAILED":
+            assert bad["state"] in ("PENDING", "ACTIVE"), bad
+            assert time.monotonic() < deadline, f"bad-reward still {bad['state']} at step {bad['step']}"
+            time.sleep(0.3)
+        assert "the reward failed on every sample of 3 consecutive steps" in bad["failure_reason"], bad
+        assert bad["slot"] is None and bad["step"] == 3
+        ok = c.get("ok-sft")["step"]
+        wait_for(c, "ok-sft", lambda r: r["step"] >= ok + 2, "2 more steps after the other adapter failed")
+        retire_and_wait(c, "ok-sft")
         assert c.ready()["slots"]["free"] == 4
 
 
