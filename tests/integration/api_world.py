@@ -55,5 +55,20 @@ def serve(controller_handle: Any, settings: ServiceSettings) -> Iterator[ApiServ
         server.stop()
 
 
+@contextlib.contextmanager
+def served_world(tmp: Path) -> Iterator[tuple[World, ApiServer]]:
+    """A fresh world and a Controller (no runtime) behind the real app on loopback;
+    server stopped and registry closed even when the test fails."""
+    from service.controller import Controller
+
+    world = make_world(tmp)
+    controller = Controller(world.settings, CAPACITY)
+    try:
+        with serve(controller, world.settings) as server:
+            yield world, server
+    finally:
+        controller.close()
+
+
 def client(url: str, token: str | None = TOKEN) -> httpx.Client:
     return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"} if token else {}, timeout=10.0)

@@ -14,22 +14,16 @@ import pytest
 from typer.testing import CliRunner
 
 from service.cli import app
-from service.controller import Controller
 from service.smoke import SmokeFailure, check_metrics
-from tests.integration.api_world import CAPACITY, TOKEN, make_world, serve
+from tests.integration.api_world import TOKEN, served_world
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
 def service(tmp_path):
-    world = make_world(tmp_path)
-    controller = Controller(world.settings, CAPACITY)
-    try:
-        with serve(controller, world.settings) as server:
-            yield world, server.url
-    finally:
-        controller.close()
+    with served_world(tmp_path) as (world, server):
+        yield world, server.url
 
 
 def cli(*args: str, url: str, token: str | None = TOKEN):

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.controller import Controller
-from tests.integration.api_world import CAPACITY, MAX_BODY, TOKEN, client, make_world, serve
+from tests.integration.api_world import MAX_BODY, TOKEN, client, make_world, served_world
 
 pytestmark = pytest.mark.integration
 
@@ -92,13 +91,8 @@ SCENARIOS = {
 
 @pytest.fixture
 def served(tmp_path):
-    world = make_world(tmp_path)
-    controller = Controller(world.settings, CAPACITY)
-    try:
-        with serve(controller, world.settings) as server:
-            yield world, server
-    finally:
-        controller.close()
+    with served_world(tmp_path) as pair:
+        yield pair
 
 
 def check_row(http, i, row, default_token=TOKEN):
