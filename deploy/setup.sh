@@ -53,8 +53,8 @@ else
   # --no-deps: the lock is the complete, verified set; pip's resolver would
   # otherwise try to build megatron-bridge's CUDA-only requirements.
   "$VENV/bin/python" -m pip install -q --no-deps -r "$LOCK"
-  "$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$ROOT" \
-    || "$VENV/bin/python" -m pip install -q --no-deps -e "$ROOT"
+  # setuptools comes from the lock, so the editable install needs no build environment.
+  "$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$ROOT"
   echo "$inputs_hash" > "$STAMP"
 fi
 
