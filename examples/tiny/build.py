@@ -105,7 +105,8 @@ def build_tokenizer(corpus: list[str], out: Path):
     return fast
 
 
-def build_model(tokenizer, corpus: list[str], out: Path, steps: int, quiet: bool) -> None:
+def build_model(tokenizer, corpus: list[str], out: Path, steps: int, quiet: bool) -> int:
+    """Pre-train and save the tiny model; returns its parameter count."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -141,6 +142,7 @@ def build_model(tokenizer, corpus: list[str], out: Path, steps: int, quiet: bool
     model.eval()
     model.generation_config.do_sample = False
     model.save_pretrained(out, safe_serialization=True)
+    return sum(p.numel() for p in model.parameters())
 
 
 def build_datasets(out: Path) -> None:
@@ -177,12 +179,11 @@ def build(out: Path | None = None, *, steps: int = 300, quiet: bool = False) -> 
     model_dir = out / "model"
     model_dir.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(corpus, model_dir)
-    build_model(tok, corpus, model_dir, steps, quiet)
+    n_params = build_model(tok, corpus, model_dir, steps, quiet)
     build_datasets(out / "data")
     (out / "STAMP").write_text(BUILD_VERSION + "\n")
     if not quiet:
-        n = sum(p.numel() for p in __import__("transformers").AutoModelForCausalLM.from_pretrained(model_dir).parameters())
-        print(f"[tiny] built {out} ({n} parameters)")
+        print(f"[tiny] built {out} ({n_params} parameters)")
     return out
 
 
