@@ -16,6 +16,10 @@ def pytest_configure(config):
     import torch
 
     torch.set_num_threads(1)
+    if not torch.cuda.is_available():
+        # The trainer's Triton kernels run in Triton's interpreter on the CPU (same kernel
+        # source as on the GPU). Triton reads this when it is imported, so set it first.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

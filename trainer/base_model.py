@@ -127,6 +127,11 @@ def build_frozen_base(
         # `scaled_masked_softmax_cuda`, which is not installed without TE (seen on the
         # H200: ModuleNotFoundError); torch's softmax path is used instead.
         provider.masked_softmax_fusion = False
+        if cuda_available() and not getattr(provider, "rotary_interleaved", False):
+            # RoPE as one Triton kernel per direction instead of ~8 eager passes (triton_rope.py).
+            from trainer import triton_rope
+
+            provider.apply_rope_fusion = triton_rope.install()
     for key, value in cpu_provider_overrides().items():
         setattr(provider, key, value)
     from trainer.fused_attention import recompute_overrides
@@ -149,6 +154,12 @@ def build_frozen_base(
     model = models[0]
     for p in model.parameters():
         p.requires_grad_(False)
+        if p.is_floating_point() and p.dtype != torch_dtype:
+            # Megatron's torch-norm wrapper makes its weight fp32 (it counts on a Float16Module
+            # wrapper, which a frozen base does not need); against bf16 activations torch's
+            # rms_norm then falls back to an unfused composite: 90 ms of elementwise ops per
+            # 16k-token forward+backward on the H200. Every base parameter in the compute dtype.
+            p.data = p.data.to(torch_dtype)
     # Dropout is 0 everywhere, so train/eval only matters for recomputation, which
     # megatron-core does in training mode only. LoRA params get gradients either way.
     model.train(recompute != "none")

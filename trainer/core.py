@@ -97,7 +97,7 @@ class MultiLoraTrainer:
             random_init=config.random_init, seed=config.seed, recompute=config.recompute,
         )
         self.device = self.base.device
-        self.routing = SlotRouting(config.num_slots, kernel=config.lora_kernel)
+        self.routing = SlotRouting(config.num_slots, kernel=config.lora_kernel, fused=config.fused_lora)
         self.layers = install_multi_lora(
             self.base, target_modules=config.target_modules, num_slots=config.num_slots,
             max_rank=config.max_rank, routing=self.routing, tp_group=tp_group() if config.tp > 1 else None,
@@ -520,12 +520,10 @@ class MultiLoraTrainer:
                 buf.weight.dtype, self.device, grad_scale=torch.tensor(scale, dtype=torch.float64),
                 lr=hp[:, 0], weight_decay=hp[:, 1], beta1=hp[:, 2], beta2=hp[:, 3], eps=hp[:, 4], step=hp[:, 5],
             )
-            adamw_apply(buf.weight, buf.grad, buf.exp_avg, buf.exp_avg_sq, stepping, cols)
-        lo, hi = due[0], due[-1] + 1
-        if due == list(range(lo, hi)):
-            buf.grad[lo:hi].zero_()
-        else:
-            buf.grad.index_fill_(0, torch.tensor(due, device=self.device), 0.0)
+            adamw_apply(buf.weight, buf.grad, buf.exp_avg, buf.exp_avg_sq, stepping, cols)  # zeroes their grads
+        skipped = [slot for slot in due if slot not in set(stepping)]
+        if skipped:  # a non-finite slot's accumulated batch is discarded
+            buf.grad.index_fill_(0, torch.tensor(skipped, device=self.device), 0.0)
         for st in states:
             st.pending_samples = 0
             st.pending = torch.zeros(N_STATS, dtype=torch.float64)

@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.segmented_mm import pick_kernel, segmented_matmul
+from trainer.fused_lora import ComputeWeights, FusedLoraLinear, SlotSpan
+from trainer.segmented_mm import grouped_operand, pick_kernel, segmented_matmul
 
 FusedKind = Literal["qkv", "gate_up", "plain"]
 ParallelMode = Literal["column", "row"]
@@ -52,9 +53,10 @@ class SlotRouting:
     [offsets[g-1], offsets[g]).
     """
 
-    def __init__(self, num_slots: int, kernel: Literal["auto", "grouped_mm", "loop"] = "auto") -> None:
+    def __init__(self, num_slots: int, kernel: Literal["auto", "grouped_mm", "loop"] = "auto", fused: bool = True) -> None:
         self.num_slots = num_slots
         self.kernel = kernel
+        self.fused = fused  # layers that can may use FusedLoraLinear (fused_lora.py)
         self.enabled = False
         self.batch = 0
         self.seq_len = 0
@@ -62,6 +64,14 @@ class SlotRouting:
         self.counts: list[int] = []  # tokens per slot (host copy, for the loop kernel)
         self.token_scale: torch.Tensor | None = None  # fp32 [b*s]
         self._scale_columns: dict[torch.dtype, torch.Tensor] = {}  # token_scale as [b*s, 1] per dtype
+        self._span: SlotSpan | None = None
+
+    @property
+    def span(self) -> SlotSpan:
+        """The slots this micro-batch touches (made once per routing, not once per layer)."""
+        if self._span is None:
+            self._span = SlotSpan.of(self.offsets, self.counts)
+        return self._span
 
     def scale_column(self, dtype: torch.dtype) -> torch.Tensor:
         """The per-token scales as a [b*s, 1] column in ``dtype`` (made once per routing, not
@@ -83,6 +93,7 @@ class SlotRouting:
         self.offsets = torch.cumsum(per_slot, 0).to(torch.int32).to(slot_scales.device)
         self.token_scale = slot_scales[slot_of_sample.to(slot_scales.device)].repeat_interleave(seq_len)
         self._scale_columns = {}
+        self._span = None
         self.batch = len(slots)
         self.seq_len = seq_len
         self.enabled = True
@@ -103,6 +114,7 @@ class SlotRouting:
         self.offsets = packed.slot_offsets.to(slot_scales.device)
         self.token_scale = slot_scales[packed.token_slots.to(slot_scales.device)]
         self._scale_columns = {}
+        self._span = None
         self.batch = 1
         self.seq_len = packed.num_tokens
         self.enabled = True
@@ -113,6 +125,7 @@ class SlotRouting:
         self.offsets = self.token_scale = None
         self.counts = []
         self._scale_columns = {}
+        self._span = None
 
 
 class MultiLoraLinear(nn.Module):
@@ -150,6 +163,15 @@ class MultiLoraLinear(nn.Module):
         # Which of A/B is split over TP (the other is replicated): grad-norm bookkeeping.
         self.a_is_tp_split = parallel == "row"
         self.b_is_tp_split = parallel == "column"
+        self._compute = ComputeWeights()
+        # FusedLoraLinear computes x @ W.T itself, so only for a plain Megatron linear on one
+        # TP rank without bias (TE's fused layernorm-linear and TP > 1 keep the general path).
+        self.fusable = (
+            type(base).__name__ in ("ColumnParallelLinear", "RowParallelLinear")
+            and self.tp_size == 1
+            and getattr(base, "bias", None) is None
+            and not hasattr(base, "return_layernorm_output")
+        )
         if hasattr(base, "return_layernorm_output"):
             # TransformerEngine's fused LayerNorm+linear: LoRA must see the normed input.
             base.return_layernorm_output = True
@@ -159,11 +181,32 @@ class MultiLoraLinear(nn.Module):
     # -- forward ---------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor, *args, **kwargs):
+        r = self.routing
+        if r.enabled and r.fused and self.fusable and not args and not kwargs and x.shape[1] == 1 \
+                and not self.base.weight.requires_grad:
+            return self._fused_forward(x), None
         out = self.base(x, *args, **kwargs)
         if not self.routing.enabled:
             return _strip_layernorm_output(out)
         linear_out, bias, lora_in = _split_base_output(out, x)
         return linear_out + self._delta(lora_in), bias
+
+    def _fused_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Base GEMM + delta in one node, for one packed stream x [T, 1, in] (fused_lora.py)."""
+        r = self.routing
+        if x.shape[0] != r.seq_len or r.batch != 1:
+            raise RuntimeError(f"{self.name}: activations [s={x.shape[0]}, b=1] but routing was set for "
+                               f"s={r.seq_len}, b={r.batch}")
+        a_c, b_c = self._compute.get(self.lora_A, self.lora_B, x.dtype)
+        x_tok = x.reshape(x.shape[0], x.shape[-1])
+        kernel = pick_kernel(r.kernel, x_tok, a_c)
+        if kernel == "grouped_mm" and pick_kernel(r.kernel, x_tok, b_c) == "loop":
+            kernel = "loop"  # one kernel for all GEMMs of the node
+        if kernel == "grouped_mm":
+            x_tok = grouped_operand(x_tok)
+        y = FusedLoraLinear.apply(x_tok, self.base.weight, self.lora_A, self.lora_B, a_c, b_c, r.span,
+                                  r.scale_column(x.dtype), kernel)
+        return y.view(x.shape[0], 1, -1)
 
     def _delta(self, x: torch.Tensor) -> torch.Tensor:
         r = self.routing

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trainer import triton_adamw
 from trainer.config import SlotHyperParams
 
 
@@ -100,8 +101,7 @@ def adamw_update_slots(
     moments, and the update keeps them exactly zero. Ops are elementwise, so a slot's
     result does not depend on which other slots step with it.
 
-    The stepping slots' gradient is used as scratch (the caller zeroes it after the
-    step). Slots that form one contiguous range (the usual mixed step: every resident
+    The stepping slots' gradient is consumed: it is left zero. Slots that form one contiguous range (the usual mixed step: every resident
     adapter steps) are updated in place through views; otherwise they are gathered,
     updated and scattered back. Both run the same ops, so the result is the same.
     """
@@ -145,9 +145,15 @@ def adamw_apply(
     slots: torch.Tensor | list[int],
     cols: AdamwColumns,
 ) -> None:
-    """``adamw_update_slots`` with the per-slot factors already built (see there)."""
+    """``adamw_update_slots`` with the per-slot factors already built (see there). On CUDA
+    with Triton, one fused kernel over the rows (triton_adamw.py); else torch ops."""
     ids = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)
     if not ids:
+        return
+    if param.dim() == 2 and triton_adamw.available(param) and grad.stride() == param.stride():
+        coef = torch.stack([cols.grad_scale, cols.decay, cols.one_minus_beta1, cols.beta2, cols.one_minus_beta2,
+                            cols.bias_correction2_sqrt, cols.eps, cols.neg_step_size], dim=1).float()
+        triton_adamw.adamw_rows(param, grad, exp_avg, exp_avg_sq, ids, coef)
         return
     shape = (-1,) + (1,) * (param.dim() - 1)
 
@@ -168,7 +174,10 @@ def adamw_apply(
     denom = v.sqrt().div_(col(cols.bias_correction2_sqrt)).add_(col(cols.eps))
     update = torch.div(m, denom, out=denom)
     p.addcmul_(update, col(cols.neg_step_size))
-    if not contiguous:
+    if contiguous:
+        g.zero_()
+    else:
         param.index_copy_(0, idx, p)
         exp_avg.index_copy_(0, idx, m)
         exp_avg_sq.index_copy_(0, idx, v)
+        grad.index_fill_(0, idx, 0.0)

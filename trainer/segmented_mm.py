@@ -77,16 +77,44 @@ def _bounds(counts: list[int]):
         start += n
 
 
+def segment_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, counts: list[int], kernel: Kernel) -> torch.Tensor:
+    """y[t] = x[t] @ w[g(t)].T: x [T, K], w [G, N, K] in x's dtype -> [T, N] (no autograd)."""
+    if kernel == "grouped_mm":
+        return F.grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+    y = x.new_zeros(x.shape[0], w.shape[1])
+    for g, s, e in _bounds(counts):
+        torch.matmul(x[s:e], w[g].t(), out=y[s:e])
+    return y
+
+
+def segment_mm_nt(gy: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, counts: list[int], kernel: Kernel) -> torch.Tensor:
+    """gx[t] = gy[t] @ w[g(t)]: gy [T, N], w [G, N, K] in gy's dtype -> [T, K] (the input
+    gradient of ``segment_mm``; no autograd)."""
+    if kernel == "grouped_mm":
+        return F.grouped_mm(gy, w, offs=offsets)
+    gx = gy.new_zeros(gy.shape[0], w.shape[2])
+    for g, s, e in _bounds(counts):
+        torch.matmul(gy[s:e], w[g], out=gx[s:e])
+    return gx
+
+
+def segment_weight_grad(gy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, counts: list[int], kernel: Kernel,
+                        dtype: torch.dtype | None = None) -> torch.Tensor:
+    """dW[g] = gy[seg g].T @ x[seg g]: gy [T, N], x [T, K] -> [G, N, K] (zeros for empty
+    groups), accumulated in fp32 by the GEMM and returned in ``dtype`` (default the inputs')."""
+    dtype = dtype or gy.dtype
+    if kernel == "grouped_mm":
+        return _grouped_weight_grad(gy, x, offsets, dtype)
+    gw = gy.new_zeros(len(counts), gy.shape[1], x.shape[1], dtype=dtype)
+    for g, s, e in _bounds(counts):
+        gw[g] = (gy[s:e].t() @ x[s:e]).to(dtype)
+    return gw
+
+
 class SegmentedMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, offsets, counts, kernel):  # noqa: ANN001 - autograd signature
-        wc = w.to(x.dtype)
-        if kernel == "grouped_mm":
-            y = F.grouped_mm(x, wc.transpose(-2, -1), offs=offsets)
-        else:
-            y = x.new_zeros(x.shape[0], w.shape[1])
-            for g, s, e in _bounds(counts):
-                torch.matmul(x[s:e], wc[g].t(), out=y[s:e])
+        y = segment_mm(x, w.to(x.dtype), offsets, counts, kernel)
         ctx.save_for_backward(x, w, offsets)
         ctx.counts = counts
         ctx.kernel = kernel
@@ -96,23 +124,11 @@ class SegmentedMatmul(torch.autograd.Function):
     def backward(ctx, gy):  # noqa: ANN001
         x, w, offsets = ctx.saved_tensors
         gy = gy.contiguous()
-        wc = w.to(x.dtype)
         gx = gw = None
-        if ctx.kernel == "grouped_mm":
-            if ctx.needs_input_grad[0]:
-                gx = F.grouped_mm(gy, wc, offs=offsets)
-            if ctx.needs_input_grad[1]:
-                gw = _grouped_weight_grad(gy, x, offsets, w.dtype)
-        else:
-            if ctx.needs_input_grad[0]:
-                gx = torch.zeros_like(x)
-            if ctx.needs_input_grad[1]:
-                gw = torch.zeros_like(w)
-            for g, s, e in _bounds(ctx.counts):
-                if gx is not None:
-                    torch.matmul(gy[s:e], wc[g], out=gx[s:e])
-                if gw is not None:
-                    gw[g] = (gy[s:e].t() @ x[s:e]).to(w.dtype)
+        if ctx.needs_input_grad[0]:
+            gx = segment_mm_nt(gy, w.to(x.dtype), offsets, ctx.counts, ctx.kernel)
+        if ctx.needs_input_grad[1]:
+            gw = segment_weight_grad(gy, x, offsets, ctx.counts, ctx.kernel, w.dtype)
         return gx, gw, None, None, None
 
 
@@ -147,6 +163,13 @@ def segmented_matmul(
     """x [T, K], w [G, N, K], offsets int32 [G] (cumulative ends, offsets[-1] == T) -> [T, N]."""
     if x.shape[0] != sum(counts):
         raise ValueError(f"segments cover {sum(counts)} tokens but x has {x.shape[0]}")
-    if kernel == "grouped_mm" and not _row_major_aligned(x):
-        x = x.contiguous() if not x.is_contiguous() else x.clone()  # a fresh allocation is aligned
+    if kernel == "grouped_mm":
+        x = grouped_operand(x)
     return SegmentedMatmul.apply(x, w, offsets, counts, kernel)
+
+
+def grouped_operand(x: torch.Tensor) -> torch.Tensor:
+    """x itself when grouped_mm takes it as it is, else a fresh (row-major, aligned) copy."""
+    if _row_major_aligned(x):
+        return x
+    return x.contiguous() if not x.is_contiguous() else x.clone()  # a fresh allocation is aligned

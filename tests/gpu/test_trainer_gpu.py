@@ -151,15 +151,28 @@ def test_default_path_is_packed_fused_chunked(trainer):
         assert isinstance(core, FusedCoreAttention)
         backend = resolve_packed_backend(core.packed_backend, trainer.device, 0.0)
         assert backend == ("varlen" if trainer.device.type == "cuda" else "dense"), backend
+    # TP 1, packed: every LoRA linear takes the fused node; on CUDA RoPE is the Triton kernel
+    # and every base parameter (norm weights included) is in the compute dtype.
+    assert cfg.fused_lora and trainer.routing.fused and all(layer.fusable for layer in trainer.layers)
+    if trainer.device.type == "cuda":
+        assert trainer.base.model.config.apply_rope_fusion
+    lora = {id(p) for p in trainer.params}
+    assert {p.dtype for p in trainer.base.model.parameters() if id(p) not in lora} == {trainer.base.dtype}
 
 
-@pytest.mark.parametrize("variant", ["padded_local_full_logits", "recompute_full"])
+SPEED_VARIANTS = {
+    "padded_local_full_logits": dict(packed=False, layer_spec="local", chunked_logprobs=False),
+    "recompute_full": dict(recompute="full"),
+    "general_lora_node": dict(fused_lora=False),  # base + delta as separate autograd nodes
+}
+
+
+@pytest.mark.parametrize("variant", sorted(SPEED_VARIANTS))
 def test_bf16_speed_path_equals_other_paths(trainer, batches, scenario, tiny_world, variant):
     from trainer.config import TrainerConfig
     from trainer.core import MultiLoraTrainer
 
-    overrides = (dict(packed=False, layer_spec="local", chunked_logprobs=False) if variant == "padded_local_full_logits"
-                 else dict(recompute="full"))
+    overrides = SPEED_VARIANTS[variant]
     cfg = trainer.config.model_copy(update=overrides)
     other = MultiLoraTrainer(TrainerConfig(**cfg.model_dump()))
     # First call only, default eps: two different bf16 kernel sets (attention, logits) drift
