@@ -74,7 +74,11 @@ def build_megatron(shape: dict, spec: str, dtype: torch.dtype, recompute: str = 
 
     from trainer.fused_attention import fused_gpt_layer_spec
 
+    from trainer.base_model import freeze_in_dtype, triton_rope_enabled
+
     cfg = transformer_config(shape, dtype, recompute)
+    if spec == "fused":  # lorafleet's spec comes with its Triton RoPE (trainer/base_model.py)
+        cfg.apply_rope_fusion = triton_rope_enabled()
     layer_spec = (
         fused_gpt_layer_spec(cfg) if spec == "fused" else get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
     )
@@ -87,8 +91,7 @@ def build_megatron(shape: dict, spec: str, dtype: torch.dtype, recompute: str = 
     )
     if torch.cuda.is_available():
         model = model.cuda()
-    for p in model.parameters():
-        p.requires_grad_(False)
+    freeze_in_dtype(model, dtype)  # norm weights in bf16 too, as the trainer has them
     return model.train()  # train(): recomputation runs only in training mode; no dropout anyway
 
 

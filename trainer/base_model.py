@@ -127,11 +127,8 @@ def build_frozen_base(
         # `scaled_masked_softmax_cuda`, which is not installed without TE (seen on the
         # H200: ModuleNotFoundError); torch's softmax path is used instead.
         provider.masked_softmax_fusion = False
-        if cuda_available() and not getattr(provider, "rotary_interleaved", False):
-            # RoPE as one Triton kernel per direction instead of ~8 eager passes (triton_rope.py).
-            from trainer import triton_rope
-
-            provider.apply_rope_fusion = triton_rope.install()
+        if not getattr(provider, "rotary_interleaved", False):
+            provider.apply_rope_fusion = triton_rope_enabled()
     for key, value in cpu_provider_overrides().items():
         setattr(provider, key, value)
     from trainer.fused_attention import recompute_overrides
@@ -152,20 +149,37 @@ def build_frozen_base(
     if len(models) != 1:
         raise ValueError(f"expected one model chunk (no virtual pipeline), got {len(models)}")
     model = models[0]
-    for p in model.parameters():
-        p.requires_grad_(False)
-        if p.is_floating_point() and p.dtype != torch_dtype:
-            # Megatron's torch-norm wrapper makes its weight fp32 (it counts on a Float16Module
-            # wrapper, which a frozen base does not need); against bf16 activations torch's
-            # rms_norm then falls back to an unfused composite: 90 ms of elementwise ops per
-            # 16k-token forward+backward on the H200. Every base parameter in the compute dtype.
-            p.data = p.data.to(torch_dtype)
+    freeze_in_dtype(model, torch_dtype)
     # Dropout is 0 everywhere, so train/eval only matters for recomputation, which
     # megatron-core does in training mode only. LoRA params get gradients either way.
     model.train(recompute != "none")
     device = torch.device("cuda", torch.cuda.current_device()) if cuda_available() else torch.device("cpu")
     return FrozenBase(model=model, bridge=bridge, dtype=torch_dtype, device=device, layer_spec=layer_spec,
                       hf_path=hf_path, recompute=recompute)
+
+
+def triton_rope_enabled() -> bool:
+    """Whether RoPE runs as the Triton kernel (triton_rope.py, one pass per direction instead
+    of about eight eager ones): on CUDA without TransformerEngine's fused RoPE. Installs
+    the kernel as megatron-core's fused-RoPE hook; set ``apply_rope_fusion`` to the result."""
+    if not cuda_available():
+        return False
+    from trainer import triton_rope
+
+    return triton_rope.install()
+
+
+def freeze_in_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """No gradients for the base, and every floating parameter in the compute dtype.
+
+    Megatron's torch-norm wrapper makes its weight fp32 (it counts on a Float16Module
+    wrapper, which a frozen base does not need); against bf16 activations torch's rms_norm
+    then falls back to an unfused composite: 90 ms of elementwise ops per 16k-token
+    forward+backward of the 1.7B shape on the H200 (docs/BENCHMARKS.md)."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
 
 
 def causal_mask(seq_len: int, device: torch.device) -> torch.Tensor:

@@ -8,7 +8,7 @@ with tensor parallel 1 and packed tokens (the trainer's default), this node does
 the same math with fewer passes over memory, which is what a LoRA step costs on
 top of the frozen base (the rank-R GEMMs themselves are memory-bound):
 
-* the delta is the C operand of the base GEMM (``addmm``, beta = 1), so no
+* the delta is the C operand of the base GEMM (``addmm_`` in place, beta = 1), so no
   separate pass adds it to the [T, out] output; in backward, the LoRA part of the
   input gradient is likewise the C operand of ``g @ W``, so autograd does not sum
   two [T, in] gradients;
@@ -87,8 +87,8 @@ class FusedLoraLinear(torch.autograd.Function):
     def forward(ctx, x, weight, a_param, b_param, a_c, b_c, span, scale_col, kernel):  # noqa: ANN001 - autograd
         a, b = a_c[span.lo : span.hi], b_c[span.lo : span.hi]
         h = segment_mm(x, a, span.offsets, span.counts, kernel) * scale_col  # [T, R], scaled
-        delta = segment_mm(h, b, span.offsets, span.counts, kernel)  # [T, out]
-        y = torch.addmm(delta, x, weight.t())
+        # In place on the fresh delta: out-of-place addmm would first copy C into its result.
+        y = segment_mm(h, b, span.offsets, span.counts, kernel).addmm_(x, weight.t())  # delta + x W^T
         ctx.save_for_backward(x, weight, h, a, b, scale_col)
         ctx.span, ctx.kernel = span, kernel
         ctx.a_param, ctx.b_param = a_param, b_param
@@ -102,7 +102,7 @@ class FusedLoraLinear(torch.autograd.Function):
         gh = segment_mm_nt(gy, b, span.offsets, span.counts, kernel) * scale_col  # d(x A^T) [T, R]
         gx = None
         if ctx.needs_input_grad[0]:
-            gx = torch.addmm(segment_mm_nt(gh, a, span.offsets, span.counts, kernel), gy, weight)
+            gx = segment_mm_nt(gh, a, span.offsets, span.counts, kernel).addmm_(gy, weight)
         for param, grad in ((ctx.b_param, segment_weight_grad(gy, h, span.offsets, span.counts, kernel)),
                             (ctx.a_param, segment_weight_grad(gh, x, span.offsets, span.counts, kernel))):
             if param.grad is None:

@@ -79,6 +79,8 @@ def _bounds(counts: list[int]):
 
 def segment_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, counts: list[int], kernel: Kernel) -> torch.Tensor:
     """y[t] = x[t] @ w[g(t)].T: x [T, K], w [G, N, K] in x's dtype -> [T, N] (no autograd)."""
+    if len(counts) == 1:  # one segment: a plain GEMM (cuBLAS picks its split-K and tiles)
+        return x @ w[0].t()
     if kernel == "grouped_mm":
         return F.grouped_mm(x, w.transpose(-2, -1), offs=offsets)
     y = x.new_zeros(x.shape[0], w.shape[1])
@@ -90,6 +92,8 @@ def segment_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, counts: 
 def segment_mm_nt(gy: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, counts: list[int], kernel: Kernel) -> torch.Tensor:
     """gx[t] = gy[t] @ w[g(t)]: gy [T, N], w [G, N, K] in gy's dtype -> [T, K] (the input
     gradient of ``segment_mm``; no autograd)."""
+    if len(counts) == 1:
+        return gy @ w[0]
     if kernel == "grouped_mm":
         return F.grouped_mm(gy, w, offs=offsets)
     gx = gy.new_zeros(gy.shape[0], w.shape[2])
@@ -103,6 +107,8 @@ def segment_weight_grad(gy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor
     """dW[g] = gy[seg g].T @ x[seg g]: gy [T, N], x [T, K] -> [G, N, K] (zeros for empty
     groups), accumulated in fp32 by the GEMM and returned in ``dtype`` (default the inputs')."""
     dtype = dtype or gy.dtype
+    if len(counts) == 1:
+        return (gy.t() @ x).to(dtype).unsqueeze(0)
     if kernel == "grouped_mm":
         return _grouped_weight_grad(gy, x, offsets, dtype)
     gw = gy.new_zeros(len(counts), gy.shape[1], x.shape[1], dtype=dtype)

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The trainer's GPU tier and benchmarks in one go, on the device machine (docs/BENCHMARKS.md).
+# Usage (repo root, megatron wheels installed on PYTHONPATH): bash benchmarks/gpu_suite.sh OUTDIR [PARTS]
+# PARTS: comma list of tests,lora,mixed16k,mixed8k,frozen,packed (default: all).
+set -uo pipefail
+out=${1:?output folder}
+parts=${2:-tests,lora,mixed16k,mixed8k,frozen,packed}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 TORCHDYNAMO_DISABLE=1
+has() { [[ ",$parts," == *",$1,"* ]]; }
+quiet() { grep -v -i -E "warn|deprecat|^\s*$|megatron\.|transformers\]" ; }
+nvidia-smi --query-gpu=name,clocks.sm,power.draw,memory.used --format=csv,noheader
+if has tests; then
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu tests/unit/test_triton_adamw.py tests/unit/test_triton_rope.py 2>&1 \
+    | tee "$out/gpu_tests.log" | grep -E "passed|failed|error" | tail -3
+fi
+if has lora; then python3 -m benchmarks.bench_lora_layer --out "$out/lora_layer.json" 2>&1 | tail -14; fi
+if has mixed16k; then
+  python3 -m benchmarks.bench_mixed_step --micro-batch-tokens 16384 --only mixed,base --out "$out/mixed16k.json" 2>&1 | quiet | tail -9
+fi
+if has mixed8k; then
+  python3 -m benchmarks.bench_mixed_step --serialized-n 32 --serialized-iters 1 --out "$out/mixed8k.json" 2>&1 | quiet | tail -9
+fi
+if has frozen; then
+  python3 -m benchmarks.bench_frozen_base --warmup 2 --iters 5 --variants hf_sdpa,mcore_fused_chunked,trainer \
+    --out "$out/frozen.json" 2>&1 | quiet | tail -6
+fi
+if has packed; then
+  python3 -m benchmarks.bench_packed_step --iters 2 --out "$out/packed_step.json" 2>&1 | quiet | tail -12
+fi
