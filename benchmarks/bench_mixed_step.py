@@ -23,7 +23,7 @@ Cases (N adapters x sequences per adapter x length): 1x16x1024, 4x4x1024,
 --profile-out DIR writes torch.profiler tables (device time per kernel) of one mixed
 and one frozen-base round of the last case.
 
-  python -m benchmarks.bench_mixed_step --out mixed.json        # GPU, bf16 (8192-token micro-batches)
+  python -m benchmarks.bench_mixed_step --out mixed.json        # GPU, bf16 (the config default: 16384-token micro-batches)
   python -m benchmarks.bench_mixed_step --tiny                  # CPU smoke test (tiny shape)
 """
 
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-len", type=int, default=None, help="longest sequence (default 1024; tiny 64)")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--micro-batch-tokens", type=int, default=None,
-                    help="tokens per micro-batch (default 8192: two micro-batches per round; tiny: --tokens)")
+                    help="tokens per micro-batch (default: the trainer config default, 16384: one per round; tiny: --tokens)")
     ap.add_argument("--kernel", choices=["auto", "grouped_mm", "loop"], default="auto")
     ap.add_argument("--objective", choices=["sft", "rl"], default="sft")
     ap.add_argument("--padded", action="store_true", help="padded micro-batches instead of packed streams")
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as folder:
         cfg = TrainerConfig(base_model_path=write_config(shape, folder), random_init=True, num_slots=num_slots,
                             max_rank=args.rank, lora_kernel=args.kernel,
-                            micro_batch_tokens=args.micro_batch_tokens or (tokens if args.tiny else 8192),
+                            micro_batch_tokens=args.micro_batch_tokens or (tokens if args.tiny else 16384),
                             packed=not args.padded, layer_spec=args.layer_spec,
                             chunked_logprobs=not args.full_logits, recompute=args.recompute)
         t0 = time.perf_counter()

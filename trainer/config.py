@@ -53,10 +53,11 @@ class TrainerConfig(_Strict):
     tp: int = Field(1, ge=1, description="Tensor-parallel size.")
     dp: int = Field(1, ge=1, description="Data-parallel size (one trainer process per device: tp * dp).")
     micro_batch_tokens: int = Field(
-        8192, ge=1,
+        16384, ge=1,
         description=(
             "Tokens per forward/backward micro-batch: packed = the stream's real tokens; "
-            "padded = samples x longest sample. A longer sample gets a micro-batch of its own."
+            "padded = samples x longest sample. A longer sample gets a micro-batch of its own. "
+            "Larger is faster (per-micro-batch LoRA work is paid once); lower it if memory is short."
         ),
     )
     packed: bool = Field(

@@ -105,7 +105,7 @@ class FusedLoraLinear(torch.autograd.Function):
             gx = segment_mm_nt(gh, a, span.offsets, span.counts, kernel).addmm_(gy, weight)
         for param, grad in ((ctx.b_param, segment_weight_grad(gy, h, span.offsets, span.counts, kernel)),
                             (ctx.a_param, segment_weight_grad(gh, x, span.offsets, span.counts, kernel))):
-            if param.grad is None:
-                raise RuntimeError("fused LoRA needs preset .grad buffers on the slot parameters (SlotBuffers)")
+            if param.grad is None:  # as autograd would; the trainer presets them (SlotBuffers)
+                param.grad = torch.zeros_like(param)
             param.grad[span.lo : span.hi].add_(grad)
         return gx, None, None, None, None, None, None, None, None

@@ -107,3 +107,16 @@ def test_span_of_segments():
     assert span.offsets.tolist() == [5, 5, 9]
     with pytest.raises(ValueError, match="no tokens"):
         SlotSpan.of(offsets[:2], [0, 0])
+
+
+def test_gradients_without_preset_buffers():
+    """Outside the trainer (no SlotBuffers), the node creates the .grad tensors as autograd
+    would, and they hold exactly the gradients a zero-preset buffer receives."""
+    preset, routing = _layer("grouped_mm", torch.float32, fused=True)
+    bare, bare_routing = _layer("grouped_mm", torch.float32, fused=True)
+    with torch.no_grad():
+        preset.lora_A.grad.zero_()
+        preset.lora_B.grad.zero_()
+    bare.lora_A.grad = bare.lora_B.grad = None
+    want, got = _run(preset, routing, torch.float32), _run(bare, bare_routing, torch.float32)
+    assert torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])
