@@ -17,6 +17,10 @@ the version new requests use. From these it does:
   repeated for stragglers until they end or the wait runs out.
 * **Least-in-flight routing** across healthy engines; all samples of a group go
   to one engine (they share the prompt's KV cache there).
+* **Engine health**: a connection error takes an engine out of routing at once;
+  `readmit` takes it back once it answers /health again, after bringing its
+  adapters in line (the rollout worker probes out-of-routing engines every second),
+  and `replace_engine` installs a restarted process.
 
 Invariants (asyncio, single thread: the steps between awaits are atomic):
 * A served name is chosen and its in-flight count raised in the same step, so
@@ -343,6 +347,43 @@ class EnginePool:
     def mark_unhealthy(self, engine: int) -> None:
         e = self._engines[engine]
         e.healthy = False
+
+    async def readmit(self, engine: int, *, health_timeout_s: float = 2.0) -> bool:
+        """Take a live engine back into routing after a connection error took it out.
+
+        A connection error marks an engine unhealthy at once (its requests fail and their
+        groups re-queue), but the server may be fine: a dropped connection, a moment of
+        overload. If it answers /health, bring what it serves in line with the pool, then
+        route to it again; return whether it is routable. While it was out, publishes
+        skipped it and unloads of retired versions were not sent, so the server's own list
+        of adapters is the truth here: every name no adapter serves now is unloaded, every
+        adapter's current version is loaded (re-sent in full where the server upserts, since
+        an upserted name may hold old weights)."""
+        e = self._engines[engine]
+        if e.healthy:
+            return True
+        if not await e.client.health(timeout_s=health_timeout_s):
+            return False
+        async with self._lock:
+            if e.healthy or self._engines[engine] is not e:  # readmitted or replaced meanwhile
+                return self._engines[engine].healthy
+            try:
+                on_server = set(await e.client.loaded_adapters())
+                wanted = {a.served: a for a in self._adapters.values()}
+                for name in sorted(on_server - wanted.keys()):
+                    await e.client.unload_adapter(name)
+                e.loaded = on_server & wanted.keys()
+                e.retiring.clear()
+                upsert = self._upsert_ok(e)
+                for name, a in wanted.items():
+                    if upsert or name not in e.loaded:
+                        await self._load(e, name, a.weights, upsert=upsert and name in e.loaded)
+            except EngineError as err:
+                log.warning("engine %d answers /health but could not be brought up to date: %s", e.index, err)
+                return False
+            e.healthy = True
+            log.info("engine %d is routed to again (%d adapters current)", e.index, len(wanted))
+            return True
 
     async def replace_engine(self, engine: int, client: EngineClient) -> None:
         """A restarted engine (new process, maybe new port): load every adapter's current version, then route to it.

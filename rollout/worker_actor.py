@@ -24,6 +24,7 @@ Interface for the service controller (all async):
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 
 import ray
@@ -34,6 +35,8 @@ from rollout.engine import EngineProcess
 from rollout.pool import EnginePool
 from rollout.weights import AdapterWeights
 from rollout.worker import AdapterRollout, AdapterStats, EngineHealth, RolloutCore, RolloutError
+
+log = logging.getLogger(__name__)
 
 
 class RolloutWorkerImpl:
@@ -91,12 +94,22 @@ class RolloutWorkerImpl:
         return await self.engine_health()
 
     async def _watch_engines(self, interval_s: float = 1.0) -> None:
-        """Mark a managed engine whose process died as unroutable at once (its requests fail and re-queue)."""
+        """Every second: mark a managed engine whose process died as unroutable at once (its
+        requests fail and re-queue), and take back into routing an engine that a connection
+        error took out but that answers /health again (``EnginePool.readmit``)."""
         while True:
             await asyncio.sleep(interval_s)
-            for e in self.engines:
-                if not e.is_alive() and self.pool.healthy(e.index):
-                    self.pool.mark_unhealthy(e.index)
+            for i in range(self.pool.num_engines):
+                managed = self.engines[i] if self.engines else None
+                if managed is not None and not managed.is_alive():
+                    if self.pool.healthy(i):
+                        self.pool.mark_unhealthy(i)
+                    continue  # dead: the service restarts it (restart_engine)
+                if not self.pool.healthy(i):
+                    try:
+                        await self.pool.readmit(i)
+                    except Exception as err:  # noqa: BLE001 - the watcher must outlive any one probe
+                        log.warning("engine %d: re-admission failed: %s", i, err)
 
     def _need(self) -> RolloutCore:
         if self.core is None:

@@ -472,9 +472,10 @@ class FleetRuntime:
     # --- faults --------------------------------------------------------------------------------------
 
     def check_engines(self) -> list[str]:
-        """Restart every managed engine whose process died, or that the rollout worker stopped
-        routing to (it does after a connection error) on two checks in a row: the pool has no
-        way to take a live engine back, and without one no adapter generates. The rollout
+        """Restart every managed engine whose process died, or that stays out of routing on two
+        checks in a row although alive: a connection error takes an engine out, and the rollout
+        worker takes it back within about a second once it answers /health and its adapters are
+        brought up to date (``EnginePool.readmit``); one still out after that is restarted. The rollout
         worker loads every adapter's current version on the restarted engine (republished).
         Returns what was done, including publishes that failed since the last check."""
         if self.rollout is None:
@@ -487,7 +488,7 @@ class FleetRuntime:
                 continue
             self._unroutable.pop(e.index, None)
             if not e.alive or unroutable:
-                why = "was dead" if not e.alive else "was taken out of routing after a connection error"
+                why = "was dead" if not e.alive else "stayed out of routing after a connection error"
                 t0 = time.monotonic()
                 health = self._rollout("restart_engine", e.index, timeout=self.job.engines.startup_deadline_s + 60)
                 done.append(f"engine {e.index} {why}: restarted ({health.url}) and republished in {time.monotonic() - t0:.1f} s")

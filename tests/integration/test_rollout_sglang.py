@@ -382,6 +382,73 @@ def test_ray_actor_wrapper(sglang_server, adapters, tiny_world):
         ray.shutdown()
 
 
+def test_engine_out_of_routing_is_readmitted_with_its_adapters_brought_up_to_date(sglang_server, adapters, prompts):
+    """A connection error takes a live engine out of routing (``mark_unhealthy`` leaves the
+    pool exactly as that error does; the real server cannot be made to drop one connection on
+    cue). While it is out, the retired v0's unload is skipped, so the server still holds it.
+    ``readmit`` unloads v0, keeps v1, routes to the engine again, and v1 serves."""
+    long = {**GREEDY, "max_new_tokens": 120}
+
+    async def run():
+        pool = EnginePool([sglang_server.client()])
+        client = sglang_server.client()
+        try:
+            await pool.publish("back", 0, AdapterWeights.from_folder(adapters["one"]))
+            running = asyncio.create_task(pool.generate_group("back", prompts[0], long, 1))
+            while pool.inflight("back") < 1:
+                await asyncio.sleep(0.01)
+            await pool.publish("back", 1, AdapterWeights.from_folder(adapters["two"]))  # v0 retires when its request ends
+            pool.mark_unhealthy(0)
+            await running  # v0's last request ends while the engine is out: its unload is not sent
+            await pool.wait_unloaded()
+            held_while_out = await client.loaded_adapters()
+            t0 = time.perf_counter()
+            readmitted = await pool.readmit(0)
+            readmit_s = time.perf_counter() - t0
+            held_after = await client.loaded_adapters()
+            group = await pool.generate_group("back", prompts[1], GREEDY, 1)
+            await pool.remove_adapter("back")
+            await pool.wait_unloaded()
+            return held_while_out, readmitted, readmit_s, held_after, pool.healthy(0), group
+        finally:
+            await pool.aclose()
+            await client.aclose()
+
+    held_while_out, readmitted, readmit_s, held_after, healthy, group = asyncio.run(run())
+    assert held_while_out == ["back@v0", "back@v1"]  # the skipped unload left v0 on the server
+    assert readmitted and healthy
+    assert held_after == ["back@v1"]
+    assert group.version == 1 and group.results[0].finish_reason != "abort"
+    print(f"\nengine re-admitted in {readmit_s * 1000:.0f} ms")
+
+
+def test_worker_readmits_a_live_engine_within_seconds(sglang_server, adapters, tiny_world):
+    """The rollout worker's watcher takes a live engine back into routing by itself (no restart)."""
+    cfg = RolloutConfig(max_inflight_per_adapter=4, max_inflight_total=4)
+
+    async def run():
+        worker = RolloutWorkerImpl(sglang_server.cfg, cfg, tiny_world / "model", engines=[sglang_server.engine])
+        await worker.start()
+        try:
+            await worker.add_adapter(rollout_spec(tiny_world, "watch", "digits", "reg-w", max_new_tokens=8),
+                                     AdapterWeights.from_folder(adapters["one"]))
+            starts = sglang_server.engine.starts
+            worker.pool.mark_unhealthy(0)
+            t0 = time.perf_counter()
+            await wait_for(lambda: worker.pool.healthy(0), 10, "the watcher to re-admit the engine")
+            back_s = time.perf_counter() - t0
+            done = worker.core.stats("watch").groups_completed
+            await wait_for(lambda: worker.core.stats("watch").groups_completed > done, 60, "a group after re-admission")
+            return back_s, starts, sglang_server.engine.starts
+        finally:
+            await worker.remove_adapter("watch")
+            await worker.shutdown()
+
+    back_s, starts_before, starts_after = asyncio.run(run())
+    assert back_s < 5.0 and starts_after == starts_before  # taken back, not restarted
+    print(f"\nworker re-admitted the engine after {back_s * 1000:.0f} ms")
+
+
 def test_killed_engine_is_detected_and_its_groups_requeued(sglang_server, adapters, tiny_world):
     """Kill the server mid-generation: the worker marks it dead, re-queues its groups; a restart resumes."""
     cfg = RolloutConfig(max_inflight_per_adapter=8, max_inflight_total=8)

@@ -41,3 +41,18 @@ def test_unknown_adapter_and_version_order():
         asyncio.run(pool.generate_group("x", [1], {}, 1))
     with pytest.raises(ValueError, match="'tensors' or 'disk'"):
         EnginePool([], weight_transfer="nfs")
+
+
+def test_readmit_keeps_an_unreachable_engine_out():
+    """readmit probes /health first: an engine that does not answer stays out of routing."""
+    pool = make_pool(2)
+    pool.mark_unhealthy(1)
+
+    async def probe():
+        try:
+            return await pool.readmit(1, health_timeout_s=1.0), await pool.readmit(0)
+        finally:
+            await pool.aclose()
+
+    assert asyncio.run(probe()) == (False, True)  # engine 0 was never out: nothing to do
+    assert not pool.healthy(1) and pool.healthy(0)
