@@ -140,7 +140,8 @@ def packed_attention_varlen(q, k, v, layout: DocumentLayout, scale: float):
     kwargs = {}
     # The signature moved between torch releases: early ones take is_causal; 2.11
     # (the GPU machine) takes window_size=(-1, 0) for causal and scale, but has no
-    # enable_gqa (k/v are repeated then); 2.14 adds enable_gqa.
+    # enable_gqa (GQA then goes to aten's kernels directly: FlashVarlenCausal); 2.14
+    # adds enable_gqa.
     if "window_size" in params:
         kwargs["window_size"] = (-1, 0)
     else:
@@ -149,14 +150,39 @@ def packed_attention_varlen(q, k, v, layout: DocumentLayout, scale: float):
     if groups > 1:
         if "enable_gqa" in params:
             kwargs["enable_gqa"] = True
-        else:
-            k, v = _repeat_kv(k, groups, 1), _repeat_kv(v, groups, 1)
+        else:  # the aten kernels take GQA natively: no repeated k/v copies
+            return FlashVarlenCausal.apply(q, k, v, layout.cu_seqlens, layout.max_seqlen, scale)
     if "scale" in params:
         kwargs["scale"] = scale
     elif not math.isclose(scale, 1.0 / math.sqrt(q.shape[-1]), rel_tol=1e-12):
         q = q * (scale * math.sqrt(q.shape[-1]))
     cu = layout.cu_seqlens
     return fn(q, k, v, cu, cu, layout.max_seqlen, layout.max_seqlen, **kwargs)
+
+
+class FlashVarlenCausal(torch.autograd.Function):
+    """Causal flash-attention over packed documents through aten's varlen kernels directly.
+
+    Those kernels (FlashAttention-2) take k/v with fewer heads than q (GQA, each kv head
+    shared by q.heads / kv.heads query heads); torch 2.11's ``varlen_attn`` wrapper has no
+    way to pass that, so k/v would be repeated: two extra [T, heads, dim] copies forward and
+    a reduction backward per layer. q [T, hq, d], k/v [T, hkv, d], ``cu`` int32 [docs + 1]."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, max_len, scale):  # noqa: ANN001 - autograd signature
+        out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu, cu, max_len, max_len, 0.0, True, False, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu, rng_state, unused)
+        ctx.max_len, ctx.scale = max_len, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001
+        q, k, v, out, lse, cu, rng_state, unused = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_len, ctx.max_len, 0.0, True, rng_state, unused,
+            scale=ctx.scale)
+        return dq, dk, dv, None, None, None
 
 
 @functools.lru_cache(maxsize=1)
