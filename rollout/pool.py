@@ -370,10 +370,12 @@ class EnginePool:
             try:
                 on_server = set(await e.client.loaded_adapters())
                 wanted = {a.served: a for a in self._adapters.values()}
-                for name in sorted(on_server - wanted.keys()):
+                stale = on_server - wanted.keys()
+                busy = {name for name in stale if e.name_refs[name] > 0}  # requests started before the error
+                for name in sorted(stale - busy):
                     await e.client.unload_adapter(name)
-                e.loaded = on_server & wanted.keys()
-                e.retiring.clear()
+                e.loaded = (on_server & wanted.keys()) | busy
+                e.retiring = set(busy)  # unloaded when their last request ends
                 upsert = self._upsert_ok(e)
                 for name, a in wanted.items():
                     if upsert or name not in e.loaded:

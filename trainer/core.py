@@ -521,7 +521,8 @@ class MultiLoraTrainer:
                 lr=hp[:, 0], weight_decay=hp[:, 1], beta1=hp[:, 2], beta2=hp[:, 3], eps=hp[:, 4], step=hp[:, 5],
             )
             adamw_apply(buf.weight, buf.grad, buf.exp_avg, buf.exp_avg_sq, stepping, cols)  # zeroes their grads
-        skipped = [slot for slot in due if slot not in set(stepping)]
+        stepped = set(stepping)
+        skipped = [slot for slot in due if slot not in stepped]
         if skipped:  # a non-finite slot's accumulated batch is discarded
             buf.grad.index_fill_(0, torch.tensor(skipped, device=self.device), 0.0)
         for st in states:

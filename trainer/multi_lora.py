@@ -56,7 +56,7 @@ class SlotRouting:
     def __init__(self, num_slots: int, kernel: Literal["auto", "grouped_mm", "loop"] = "auto", fused: bool = True) -> None:
         self.num_slots = num_slots
         self.kernel = kernel
-        self.fused = fused  # layers that can may use FusedLoraLinear (fused_lora.py)
+        self.fused = fused  # layers that can take FusedLoraLinear (fused_lora.py) do
         self.enabled = False
         self.batch = 0
         self.seq_len = 0

@@ -101,9 +101,10 @@ def adamw_update_slots(
     moments, and the update keeps them exactly zero. Ops are elementwise, so a slot's
     result does not depend on which other slots step with it.
 
-    The stepping slots' gradient is consumed: it is left zero. Slots that form one contiguous range (the usual mixed step: every resident
-    adapter steps) are updated in place through views; otherwise they are gathered,
-    updated and scattered back. Both run the same ops, so the result is the same.
+    The stepping slots' gradient is consumed: it is left zero. Slots that form one
+    contiguous range (the usual mixed step: every resident adapter steps) are updated in
+    place through views; otherwise they are gathered, updated and scattered back. Both run
+    the same ops, so the result is the same.
     """
     cols = AdamwColumns.build(param.dtype, param.device, grad_scale=grad_scale, lr=lr, weight_decay=weight_decay,
                               beta1=beta1, beta2=beta2, eps=eps, step=step)
