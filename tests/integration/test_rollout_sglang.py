@@ -10,6 +10,7 @@ killed engine detected with its groups re-queued (last: it restarts the server).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -254,21 +255,36 @@ async def wait_for(predicate, timeout_s, what):
         await asyncio.sleep(0.02)
 
 
+@contextlib.asynccontextmanager
+async def started_worker(sglang_server, cfg, tiny_world, adapter_names, *, managed=False):
+    """A started rollout worker on the module's server. ``managed``: the worker watches the
+    engine process (it sees it die and can restart it); else it knows only the URL. On the
+    way out it removes ``adapter_names`` (unknown names are a no-op) and shuts down; the
+    server stays up."""
+    where = {"engines": [sglang_server.engine]} if managed else {"engine_urls": [sglang_server.url]}
+    worker = RolloutWorkerImpl(sglang_server.cfg, cfg, tiny_world / "model", **where)
+    await worker.start()
+    try:
+        yield worker
+    finally:
+        for name in adapter_names:
+            await worker.remove_adapter(name)
+        await worker.shutdown()
+
+
 def test_worker_groups_round_robin_stamped_and_scored(sglang_server, adapters, tiny_world):
     cfg = RolloutConfig(max_inflight_per_adapter=8, max_inflight_total=12, max_staleness=0, max_buffered_groups_per_adapter=4)
 
     async def run():
-        worker = RolloutWorkerImpl(sglang_server.cfg, cfg, tiny_world / "model", engine_urls=[sglang_server.url])
-        await worker.start()
-        core = worker.core
-        peak = {"total": 0, "digits": 0, "vowels": 0}
+        async with started_worker(sglang_server, cfg, tiny_world, ["digits", "vowels"]) as worker:
+            core = worker.core
+            peak = {"total": 0, "digits": 0, "vowels": 0}
 
-        def sample_peaks():
-            peak["total"] = max(peak["total"], worker.pool.inflight())
-            for n in ("digits", "vowels"):
-                peak[n] = max(peak[n], worker.pool.inflight(n))
+            def sample_peaks():
+                peak["total"] = max(peak["total"], worker.pool.inflight())
+                for n in ("digits", "vowels"):
+                    peak[n] = max(peak[n], worker.pool.inflight(n))
 
-        try:
             await worker.add_adapter(rollout_spec(tiny_world, "digits", "digits", "reg-d1"), AdapterWeights.from_folder(adapters["one"]))
             await worker.add_adapter(rollout_spec(tiny_world, "vowels", "vowels", "reg-v1"), AdapterWeights.from_folder(adapters["two"]))
 
@@ -301,10 +317,6 @@ def test_worker_groups_round_robin_stamped_and_scored(sglang_server, adapters, t
             await wait_for(lambda: core.stats("vowels").buffered_groups >= 1, 60, "a group of the new vowels tenant")
             new_tenant = await worker.pop_groups("vowels", 10)
             return stats_full, groups, popped_after_update, v1_groups, stats_after, cursor, new_tenant, peak
-        finally:
-            await worker.remove_adapter("digits")
-            await worker.remove_adapter("vowels")
-            await worker.shutdown()
 
     stats_full, groups, popped_after_update, v1_groups, stats_after, cursor, new_tenant, peak = asyncio.run(run())
     # Bounds: per adapter 8 requests (2 groups of 4), 12 overall, 4 groups buffered.
@@ -332,10 +344,8 @@ def test_worker_abort_requeues_and_does_not_count(sglang_server, adapters, tiny_
     cfg = RolloutConfig(max_inflight_per_adapter=8, max_inflight_total=8, max_buffered_groups_per_adapter=64)
 
     async def run():
-        worker = RolloutWorkerImpl(sglang_server.cfg, cfg, tiny_world / "model", engine_urls=[sglang_server.url])
-        await worker.start()
-        core = worker.core
-        try:
+        async with started_worker(sglang_server, cfg, tiny_world, ["ab"]) as worker:
+            core = worker.core
             spec = rollout_spec(tiny_world, "ab", "digits", "reg-1", max_new_tokens=400, ignore_eos=True)
             await worker.add_adapter(spec, AdapterWeights.from_folder(adapters["one"]))
             await wait_for(lambda: core.stats("ab").inflight_requests == 8, 30, "8 requests in flight")
@@ -346,9 +356,6 @@ def test_worker_abort_requeues_and_does_not_count(sglang_server, adapters, tiny_
             after = core.stats("ab")
             cursor = await worker.data_cursor("ab")
             return before, aborted, after, cursor
-        finally:
-            await worker.remove_adapter("ab")
-            await worker.shutdown()
 
     before, aborted, after, cursor = asyncio.run(run())
     assert aborted == 8
@@ -427,9 +434,7 @@ def test_worker_readmits_a_live_engine_within_seconds(sglang_server, adapters, t
     cfg = RolloutConfig(max_inflight_per_adapter=4, max_inflight_total=4)
 
     async def run():
-        worker = RolloutWorkerImpl(sglang_server.cfg, cfg, tiny_world / "model", engines=[sglang_server.engine])
-        await worker.start()
-        try:
+        async with started_worker(sglang_server, cfg, tiny_world, ["watch"], managed=True) as worker:
             await worker.add_adapter(rollout_spec(tiny_world, "watch", "digits", "reg-w", max_new_tokens=8),
                                      AdapterWeights.from_folder(adapters["one"]))
             starts = sglang_server.engine.starts
@@ -440,9 +445,6 @@ def test_worker_readmits_a_live_engine_within_seconds(sglang_server, adapters, t
             done = worker.core.stats("watch").groups_completed
             await wait_for(lambda: worker.core.stats("watch").groups_completed > done, 60, "a group after re-admission")
             return back_s, starts, sglang_server.engine.starts
-        finally:
-            await worker.remove_adapter("watch")
-            await worker.shutdown()
 
     back_s, starts_before, starts_after = asyncio.run(run())
     assert back_s < 5.0 and starts_after == starts_before  # taken back, not restarted
@@ -454,10 +456,8 @@ def test_killed_engine_is_detected_and_its_groups_requeued(sglang_server, adapte
     cfg = RolloutConfig(max_inflight_per_adapter=8, max_inflight_total=8)
 
     async def run():
-        worker = RolloutWorkerImpl(sglang_server.cfg, cfg, tiny_world / "model", engines=[sglang_server.engine])
-        await worker.start()
-        core = worker.core
-        try:
+        async with started_worker(sglang_server, cfg, tiny_world, ["kill"], managed=True) as worker:
+            core = worker.core
             await worker.add_adapter(rollout_spec(tiny_world, "kill", "digits", "reg-k", max_new_tokens=400, ignore_eos=True),
                                      AdapterWeights.from_folder(adapters["one"]))
             await wait_for(lambda: core.stats("kill").inflight_groups == 2, 30, "2 groups in flight")
@@ -474,9 +474,6 @@ def test_killed_engine_is_detected_and_its_groups_requeued(sglang_server, adapte
             loaded = await worker.pool.client(0).loaded_adapters()
             await wait_for(lambda: core.stats("kill").groups_completed > after_kill.groups_completed, 120, "a group after the restart")
             return before, detect_s, after_kill, health, restarted, loaded, core.stats("kill")
-        finally:
-            await worker.remove_adapter("kill")
-            await worker.shutdown()
 
     before, detect_s, after_kill, health, restarted, loaded, final = asyncio.run(run())
     assert before.inflight_groups == 2 and before.groups_completed == 0  # 400 tokens each: none done yet
