@@ -46,7 +46,8 @@ def setup_parallel(seed: int = 0) -> None:
     init_parallel(tp=1, dp=1, seed=seed)
 
 
-def transformer_config(shape: dict, dtype: torch.dtype, recompute: str = "none"):
+def transformer_config(shape: dict, dtype: torch.dtype, recompute: str = "none", init_std: float = 0.02):
+    """Megatron config of a frozen Qwen3-shaped ``shape`` (also the GPU speed tests' models)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from trainer.fused_attention import recompute_overrides
@@ -60,7 +61,7 @@ def transformer_config(shape: dict, dtype: torch.dtype, recompute: str = "none")
         hidden_dropout=0.0, attention_dropout=0.0, bf16=dtype == torch.bfloat16, params_dtype=dtype,
         bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
         persist_layer_norm=False, gradient_accumulation_fusion=False, cross_entropy_loss_fusion=False,
-        use_cpu_initialization=on_cpu, init_method_std=0.02, **recompute_overrides(recompute),
+        use_cpu_initialization=on_cpu, init_method_std=init_std, **recompute_overrides(recompute),
     )
 
 

@@ -43,20 +43,12 @@ def build(spec_kind, dtype, state_dict=None, seed=0):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from benchmarks.bench_frozen_base import transformer_config
     from trainer.fused_attention import fused_gpt_layer_spec
 
     s = SHAPE
-    cfg = TransformerConfig(
-        num_layers=s["num_layers"], hidden_size=s["hidden"], num_attention_heads=s["heads"],
-        num_query_groups=s["kv_heads"], kv_channels=s["head_dim"], ffn_hidden_size=s["ffn"],
-        normalization="RMSNorm", layernorm_epsilon=1e-6, gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, add_bias_linear=False, qk_layernorm=True,
-        hidden_dropout=0.0, attention_dropout=0.0, bf16=dtype == torch.bfloat16, params_dtype=dtype,
-        bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
-        persist_layer_norm=False, gradient_accumulation_fusion=False, init_method_std=0.05,
-    )
+    cfg = transformer_config(s, dtype, init_std=0.05)
     spec = fused_gpt_layer_spec(cfg) if spec_kind == "fused" else get_gpt_layer_local_spec(
         qk_layernorm=True, normalization="RMSNorm"
     )
