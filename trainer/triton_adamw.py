@@ -93,13 +93,11 @@ def adamw_rows(
         raise ValueError(f"coef must be fp32 [{len(slots)}, 8], got {tuple(coef.shape)} {coef.dtype}")
     if not slots:
         return
+    import triton
+
     ids = torch.tensor(slots, dtype=torch.int32, device=weight.device)
     ncols = weight.shape[1]
-    grid = (triton_cdiv(ncols, BLOCK), len(slots))
+    grid = (triton.cdiv(ncols, BLOCK), len(slots))
     _kernel()[grid](weight, grad, exp_avg, exp_avg_sq, ids, coef.contiguous(), weight.stride(0), ncols, BLOCK=BLOCK)
     for b in bufs:  # written through pointers: tell version-counter caches (fused_lora.ComputeWeights)
         torch.autograd.graph.increment_version(b)
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
