@@ -50,3 +50,9 @@ def parse_lora_name(name: str) -> tuple[str, int]:
     if not m:
         raise ValueError(f"{name!r} is not a versioned lorafleet LoRA name ('<adapter>@v<version>')")
     return m["adapter"], int(m["version"])
+
+
+def served_by(name: str, adapter: str) -> bool:
+    """Whether a loaded LoRA name belongs to `adapter` (any version, or the bare name)."""
+    m = _LORA_RE.match(name)
+    return name == adapter or (m is not None and m["adapter"] == adapter)

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ConfigDict
 
 from rollout.client import EngineClient, EngineError, EngineUnavailable, GenerateResult, ServerCapabilities
-from rollout.naming import lora_name, new_rid, rid_prefix
+from rollout.naming import lora_name, new_rid, rid_prefix, served_by
 from rollout.weights import AdapterWeights
 
 log = logging.getLogger(__name__)
@@ -245,14 +245,38 @@ class EnginePool:
             if state is None:
                 return aborted
             for e in self._engines:
-                for name in [n for n in e.loaded if n == adapter or n.startswith(adapter + "@v")]:
+                for name in [n for n in e.loaded if served_by(n, adapter)]:
                     self._retire(e, name)
             # Unloads of names with nothing in flight run now: wait for them, so a new
             # registration of the name finds the engines clean.
             pending = [t for e in self._engines for t in e.unloading.values()]
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
+        await self._sweep_removed(adapter)
         return aborted
+
+    async def _sweep_removed(self, adapter: str) -> None:
+        """Unload any version of a removed `adapter` the servers still hold.
+
+        The server's list is the truth: an unload that failed, or one skipped while the
+        engine was out, would otherwise leave a retired tenant's weights resident. Names
+        with requests still in flight are left to their own unload. Runs under the lock,
+        so a new registration of the same name cannot be caught by it."""
+        async with self._lock:
+            if adapter in self._adapters:  # registered again meanwhile: its names are live
+                return
+            for e in self._engines:
+                if not e.healthy:
+                    continue
+                try:
+                    held = await e.client.loaded_adapters()
+                    for name in held:
+                        if served_by(name, adapter) and e.name_refs[name] == 0 and name not in e.unloading:
+                            log.warning("engine %d still held %s after its removal: unloading it", e.index, name)
+                            await e.client.unload_adapter(name)
+                            e.loaded.discard(name)
+                except EngineError as err:
+                    log.warning("engine %d: checking %s was unloaded failed: %s", e.index, adapter, err)
 
     # --- generation --------------------------------------------------------------------------
 

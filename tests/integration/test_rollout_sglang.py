@@ -178,17 +178,46 @@ def test_abort_by_prefix_spares_other_adapters(sglang_server, adapters, prompts)
             await pool.remove_adapter("abort-a")
             await pool.remove_adapter("abort-b")
             await pool.wait_unloaded()
-            return count, a_groups, a_done_s, b_inflight_after_a, b_groups
+            async with sglang_server.client() as c:
+                left = [n for n in await c.loaded_adapters() if n.startswith("abort-")]
+            return count, a_groups, a_done_s, b_inflight_after_a, b_groups, left
         finally:
             await pool.aclose()
 
-    count, a_groups, a_done_s, b_inflight_after_a, b_groups = asyncio.run(run())
+    count, a_groups, a_done_s, b_inflight_after_a, b_groups, left = asyncio.run(run())
+    assert left == []  # removal leaves nothing of either adapter on the server
     assert count == 24
     assert all(r.aborted and len(r.token_ids) < 256 for g in a_groups for r in g.results)
     assert a_done_s < 2.0
     assert b_inflight_after_a > 0  # B was still running when A's abort had completed
     assert all(r.finish_reason == "length" and len(r.token_ids) == 256 for g in b_groups for r in g.results)
     print(f"\nabort latency: {count} requests of A ended {a_done_s * 1000:.0f} ms after the abort call")
+
+
+def test_remove_unloads_versions_the_pool_did_not_know_were_still_held(sglang_server, adapters):
+    """A version loaded behind the pool's back (as a failed or skipped unload would leave one)
+    is found on the server's own list at removal and unloaded; other names are left alone."""
+
+    async def run():
+        pool = EnginePool([sglang_server.client()])
+        async with sglang_server.client() as direct:
+            try:
+                await pool.publish("sweep", 0, AdapterWeights.from_folder(adapters["one"]))
+                await pool.publish("sweepy", 0, AdapterWeights.from_folder(adapters["two"]))
+                await direct.load_adapter(lora_name("sweep", 7), AdapterWeights.from_folder(adapters["two"]), transfer="disk")
+                before = await direct.loaded_adapters()
+                await pool.remove_adapter("sweep")
+                after = await direct.loaded_adapters()
+                await pool.remove_adapter("sweepy")
+                return before, after, await direct.loaded_adapters()
+            finally:
+                await pool.aclose()
+
+    before, after, end = asyncio.run(run())
+    mine = lambda names: [n for n in names if n.startswith("sweep")]  # noqa: E731
+    assert mine(before) == ["sweep@v0", "sweep@v7", "sweepy@v0"]
+    assert mine(after) == ["sweepy@v0"]
+    assert mine(end) == []
 
 
 def test_engine_client_errors_carry_the_body(sglang_server):
@@ -408,7 +437,7 @@ def test_engine_out_of_routing_is_readmitted_with_its_adapters_brought_up_to_dat
             pool.mark_unhealthy(0)
             await running  # v0's last request ends while the engine is out: its unload is not sent
             await pool.wait_unloaded()
-            held_while_out = await client.loaded_adapters()
+            held_while_out = [n for n in await client.loaded_adapters() if n.startswith("back@")]  # the server is shared by the module
             t0 = time.perf_counter()
             readmitted = await pool.readmit(0)
             readmit_s = time.perf_counter() - t0
