@@ -5,6 +5,7 @@ For each linear of the Qwen3-1.7B shape (qkv 2048->4096, proj 2048->2048, fc1
 
   base      x @ W.T forward and g @ W backward (frozen weight: no weight gradient)
   fused     trainer/fused_lora.py's node, forward + backward (dx, dA, dB)
+  triton    the same node with its rank-R reductions in Triton (triton_lora.py)
   and each rank-R GEMM of the fused node alone (shrink x A^T, expand h B^T, g B,
   gh A, dB = g^T h, dA = gh^T x), plus the memory floor of the LoRA part: the bytes
   the six GEMMs must move (3 x (in + out) x T x 2) plus the C operand reads of the two
@@ -53,6 +54,7 @@ def copy_bandwidth() -> float:
 
 def bench_shape(name: str, fan_in: int, fan_out: int, groups: int, tokens: int, rank: int, iters: int) -> dict:
     from trainer.fused_lora import FusedLoraLinear, SlotSpan
+    from trainer import triton_lora
     from trainer.segmented_mm import segment_mm, segment_mm_nt, segment_weight_grad
 
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -76,14 +78,27 @@ def bench_shape(name: str, fan_in: int, fan_out: int, groups: int, tokens: int, 
         y = x.detach() @ w.t()
         return y, g @ w
 
-    def fused():
-        y = FusedLoraLinear.apply(x, w, a_param, b_param, a_c, b_c, span, scale, k)
+    def fused(rank_kernels="library"):
+        y = FusedLoraLinear.apply(x, w, a_param, b_param, a_c, b_c, span, scale, k, rank_kernels)
         return torch.autograd.grad(y, x, g)  # dx returned (as base() returns it); dA, dB accumulate
+
+    # the two variants agree (bf16 rounding apart) before either is timed
+    a_param.grad.zero_()
+    dx_lib, ga_lib = fused()[0], a_param.grad.clone()
+    a_param.grad.zero_()
+    dx_tl, ga_tl = fused("triton")[0], a_param.grad.clone()
+    for what, got, ref in (("dx", dx_tl, dx_lib), ("dA", ga_tl, ga_lib)):
+        err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+        if err > 2e-2:
+            raise SystemExit(f"{name} G={groups}: triton {what} differs from the library node by {err:.2e}")
 
     row = {"shape": name, "in": fan_in, "out": fan_out, "groups": groups, "tokens": tokens}
     row["base_ms"] = timed(base, iters)
     row["fused_ms"] = timed(fused, iters)
+    row["triton_ms"] = timed(lambda: fused("triton"), iters)
     xd = x.detach()
+    tiles = span.tiles(dev)
+    ga, gb = a_param.grad, b_param.grad
     parts = {
         "shrink": lambda: segment_mm(xd, a_c, offsets, counts, k),
         "expand": lambda: segment_mm(h, b_c, offsets, counts, k),
@@ -91,10 +106,15 @@ def bench_shape(name: str, fan_in: int, fan_out: int, groups: int, tokens: int, 
         "gh_A": lambda: segment_mm_nt(h, a_c, offsets, counts, k),
         "dB": lambda: segment_weight_grad(g, h, offsets, counts, k),
         "dA": lambda: segment_weight_grad(h, xd, offsets, counts, k),
+        "shrink_tl": lambda: triton_lora.shrink(xd, a_c, tiles, scale, wide_dim=2),
+        "g_B_tl": lambda: triton_lora.shrink(g, b_c, tiles, scale, wide_dim=1),
+        "dB_tl": lambda: triton_lora.weight_grad_into(gb, g, h, tiles, wide_dim=1),
+        "dA_tl": lambda: triton_lora.weight_grad_into(ga, xd, h, tiles, wide_dim=2),
     }
     for part, fn in parts.items():
         row[f"{part}_ms"] = timed(fn, iters)
     row["lora_ms"] = row["fused_ms"] - row["base_ms"]
+    row["lora_triton_ms"] = row["triton_ms"] - row["base_ms"]
     return row
 
 
@@ -115,12 +135,14 @@ def main(argv: list[str] | None = None) -> int:
             row["floor_ms"] = (4 * (fan_in + fan_out) * args.tokens * 2) / bw * 1e3
             rows.append(row)
             print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
-    print("\n| linear | G | base ms | fused ms | LoRA ms | floor ms | shrink / expand / g B / gh A / dB / dA ms |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| linear | G | base ms | fused ms | LoRA ms | LoRA ms, Triton | floor ms "
+          "| shrink / expand / g B / gh A / dB / dA ms | Triton shrink / g B / dB / dA ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         parts = " / ".join(f"{r[p + '_ms']:.3f}" for p in ("shrink", "expand", "g_B", "gh_A", "dB", "dA"))
+        tl_parts = " / ".join(f"{r[p + '_tl_ms']:.3f}" for p in ("shrink", "g_B", "dB", "dA"))
         print(f"| {r['shape']} {r['in']}->{r['out']} | {r['groups']} | {r['base_ms']:.3f} | {r['fused_ms']:.3f} | "
-              f"{r['lora_ms']:.3f} | {r['floor_ms']:.3f} | {parts} |")
+              f"{r['lora_ms']:.3f} | {r['lora_triton_ms']:.3f} | {r['floor_ms']:.3f} | {parts} | {tl_parts} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "copy_bytes_per_s": bw, "rows": rows}, f, indent=2)

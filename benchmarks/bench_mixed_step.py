@@ -165,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro-batch-tokens", type=int, default=None,
                     help="tokens per micro-batch (default: the trainer config default, 16384: one per round; tiny: --tokens)")
     ap.add_argument("--kernel", choices=["auto", "grouped_mm", "loop"], default="auto")
+    ap.add_argument("--rank-kernels", choices=["auto", "triton", "library"], default="auto",
+                    help="the fused node's rank-R reductions (TrainerConfig.lora_rank_kernels)")
     ap.add_argument("--objective", choices=["sft", "rl"], default="sft")
     ap.add_argument("--padded", action="store_true", help="padded micro-batches instead of packed streams")
     ap.add_argument("--layer-spec", choices=["auto", "fused", "local", "transformer_engine"], default="auto")
@@ -172,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
     ap.add_argument("--iters", type=int, default=None, help="timed rounds per mode (default 5; tiny 2)")
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--only", default=None, help="comma list of modes: serialized,mixed,base")
+    ap.add_argument("--only", default=None, help="comma list of modes: serialized,mixed,base,mixed_library "
+                    "(mixed_library: the mixed step with lora_rank_kernels='library')")
+    ap.add_argument("--n", default="all", help="comma list of the cases' N to run (default all: 1,4,16,64,32)")
     ap.add_argument("--serialized-n", default="all",
                     help="comma list of N whose serialized rounds are timed (they take N train calls), or 'all'")
     ap.add_argument("--serialized-iters", type=int, default=None, help="timed serialized rounds (default --iters)")
@@ -191,12 +195,14 @@ def main(argv: list[str] | None = None) -> int:
     modes = (args.only or "serialized,mixed,base").split(",")
     serialized_n = None if args.serialized_n == "all" else {int(x) for x in args.serialized_n.split(",")}
     plan = cases(tokens, max_len)
+    if args.n != "all":
+        plan = [c for c in plan if c[0] in {int(x) for x in args.n.split(",")}]
     num_slots = max(n for n, _, _ in plan)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
     with tempfile.TemporaryDirectory() as folder:
         cfg = TrainerConfig(base_model_path=write_config(shape, folder), random_init=True, num_slots=num_slots,
-                            max_rank=args.rank, lora_kernel=args.kernel,
+                            max_rank=args.rank, lora_kernel=args.kernel, lora_rank_kernels=args.rank_kernels,
                             micro_batch_tokens=args.micro_batch_tokens or (tokens if args.tiny else 16384),
                             packed=not args.padded, layer_spec=args.layer_spec,
                             chunked_logprobs=not args.full_logits, recompute=args.recompute)
@@ -230,7 +236,15 @@ def main(argv: list[str] | None = None) -> int:
             res = trainer.train(mixed)
             assert len(res.stepped) == n
 
-        runners = {"serialized": run_serialized, "mixed": run_mixed, "base": lambda: trainer.frozen_base_pass(mixed)}
+        def run_mixed_library():
+            kept, trainer.routing.rank_kernels = trainer.routing.rank_kernels, "library"
+            try:
+                run_mixed()
+            finally:
+                trainer.routing.rank_kernels = kept
+
+        runners = {"serialized": run_serialized, "mixed": run_mixed, "base": lambda: trainer.frozen_base_pass(mixed),
+                   "mixed_library": run_mixed_library}
         for mode in modes:
             if mode == "serialized" and serialized_n is not None and n not in serialized_n:
                 continue
@@ -285,16 +299,17 @@ def table(results: list[dict]) -> str:
 
     lines = [
         "| N adapters x seqs x len | serialized ms | mixed ms (fwd+bwd / step / rest) | frozen base ms | mixed / base "
-        "| serialized / mixed | peak GiB serialized / mixed / base |",
-        "|---|---|---|---|---|---|---|",
+        "| serialized / mixed | peak GiB serialized / mixed / base | mixed, library rank kernels, ms |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         s, m, b = get(r, "serialized"), get(r, "mixed"), get(r, "base")
+        lib = get(r, "mixed_library")
         split = " / ".join(fmt(get(r, "mixed", k)) for k in ("fwd_bwd_ms", "step_ms", "other_ms"))
         peaks = " / ".join(fmt(get(r, k, "peak_gib"), ".1f") for k in ("serialized", "mixed", "base"))
         lines.append(
             f"| {r['n']} x {r['seqs']} x {r['len']} | {fmt(s)} | {fmt(m)} ({split}) | {fmt(b)} | "
-            f"{fmt(m / b if m and b else None, '.2f')} | {fmt(s / m if s and m else None, '.1f')} | {peaks} |"
+            f"{fmt(m / b if m and b else None, '.2f')} | {fmt(s / m if s and m else None, '.1f')} | {peaks} | {fmt(lib)} |"
         )
     return "\n".join(lines)
 

@@ -13,12 +13,12 @@ nvidia-smi --query-gpu=name,clocks.sm,power.draw,memory.used --format=csv,nohead
 if has tests; then
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu 2>&1 | tee "$out/gpu_tests.log" | grep -E "passed|failed|error" | tail -3
   # the Triton kernels' unit tests (marked unit) compiled on the device instead of interpreted
-  python3 -m pytest -q -p no:cacheprovider tests/unit/test_triton_adamw.py tests/unit/test_triton_rope.py 2>&1 \
+  python3 -m pytest -q -p no:cacheprovider tests/unit/test_triton_adamw.py tests/unit/test_triton_rope.py tests/unit/test_triton_lora.py 2>&1 \
     | tee "$out/triton_tests.log" | grep -E "passed|failed|error" | tail -3
 fi
 if has lora; then python3 -m benchmarks.bench_lora_layer --out "$out/lora_layer.json" 2>&1 | tail -14; fi
 if has mixed16k; then
-  python3 -m benchmarks.bench_mixed_step --micro-batch-tokens 16384 --only mixed,base --out "$out/mixed16k.json" 2>&1 | quiet | tail -9
+  python3 -m benchmarks.bench_mixed_step --micro-batch-tokens 16384 --only mixed,mixed_library,base --out "$out/mixed16k.json" 2>&1 | quiet | tail -9
 fi
 if has mixed8k; then
   python3 -m benchmarks.bench_mixed_step --serialized-n 32 --serialized-iters 1 --out "$out/mixed8k.json" 2>&1 | quiet | tail -9

@@ -88,6 +88,14 @@ class TrainerConfig(_Strict):
             "fewer passes over memory, same result; false keeps them separate."
         ),
     )
+    lora_rank_kernels: Literal["auto", "triton", "library"] = Field(
+        "auto",
+        description=(
+            "Kernels of the fused node's four GEMMs that reduce a wide operand to the LoRA rank (x A^T, "
+            "g B, dA, dB): triton = segment-aware Triton kernels (CUDA; the CPU only under "
+            "TRITON_INTERPRET=1), library = lora_kernel's GEMMs; auto = triton on CUDA."
+        ),
+    )
     seed: int = Field(0, description="Seed of the model-parallel RNG.")
 
     @model_validator(mode="after")

@@ -97,7 +97,8 @@ class MultiLoraTrainer:
             random_init=config.random_init, seed=config.seed, recompute=config.recompute,
         )
         self.device = self.base.device
-        self.routing = SlotRouting(config.num_slots, kernel=config.lora_kernel, fused=config.fused_lora)
+        self.routing = SlotRouting(config.num_slots, kernel=config.lora_kernel, fused=config.fused_lora,
+                                   rank_kernels=config.lora_rank_kernels)
         self.layers = install_multi_lora(
             self.base, target_modules=config.target_modules, num_slots=config.num_slots,
             max_rank=config.max_rank, routing=self.routing, tp_group=tp_group() if config.tp > 1 else None,

@@ -29,10 +29,11 @@ Same result as the general path up to float rounding (tests/unit/test_fused_lora
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from trainer import triton_lora
 from trainer.segmented_mm import Kernel, segment_mm, segment_mm_nt, segment_weight_grad
 
 
@@ -46,6 +47,14 @@ class SlotSpan:
     hi: int
     offsets: torch.Tensor
     counts: list[int]
+    _tiles: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def tiles(self, device: torch.device) -> triton_lora.SlotTiles:
+        """The segments' row tiles for the Triton rank-R kernels (made once per micro-batch)."""
+        t = self._tiles.get(device)
+        if t is None:
+            t = self._tiles[device] = triton_lora.SlotTiles.of(self.counts, device)
+        return t
 
     @staticmethod
     def of(offsets: torch.Tensor, counts: list[int]) -> "SlotSpan":
@@ -81,16 +90,23 @@ class ComputeWeights:
 
 
 class FusedLoraLinear(torch.autograd.Function):
-    """y = x @ W.T + delta(x) for packed tokens x [T, in] (see the module docstring)."""
+    """y = x @ W.T + delta(x) for packed tokens x [T, in] (see the module docstring).
+
+    ``kernel`` runs the GEMMs with a rank-R output dim (the expand and the LoRA input
+    gradient); the four that reduce a wide operand to rank R (shrink, g B, dA, dB) run the
+    Triton kernels of triton_lora.py when ``rank_kernels == "triton"``, else ``kernel`` too."""
 
     @staticmethod
-    def forward(ctx, x, weight, a_param, b_param, a_c, b_c, span, scale_col, kernel):  # noqa: ANN001 - autograd
+    def forward(ctx, x, weight, a_param, b_param, a_c, b_c, span, scale_col, kernel, rank_kernels="library"):  # noqa: ANN001
         a, b = a_c[span.lo : span.hi], b_c[span.lo : span.hi]
-        h = segment_mm(x, a, span.offsets, span.counts, kernel) * scale_col  # [T, R], scaled
+        if rank_kernels == "triton":
+            h = triton_lora.shrink(x, a, span.tiles(x.device), scale_col, wide_dim=2)  # [T, R], scaled
+        else:
+            h = segment_mm(x, a, span.offsets, span.counts, kernel) * scale_col
         # In place on the fresh delta: out-of-place addmm would first copy C into its result.
         y = segment_mm(h, b, span.offsets, span.counts, kernel).addmm_(x, weight.t())  # delta + x W^T
         ctx.save_for_backward(x, weight, h, a, b, scale_col)
-        ctx.span, ctx.kernel = span, kernel
+        ctx.span, ctx.kernel, ctx.rank_kernels = span, kernel, rank_kernels
         ctx.a_param, ctx.b_param = a_param, b_param
         return y
 
@@ -99,13 +115,23 @@ class FusedLoraLinear(torch.autograd.Function):
         x, weight, h, a, b, scale_col = ctx.saved_tensors
         span, kernel = ctx.span, ctx.kernel
         gy = gy.contiguous()
-        gh = segment_mm_nt(gy, b, span.offsets, span.counts, kernel) * scale_col  # d(x A^T) [T, R]
+        triton = ctx.rank_kernels == "triton"
+        if triton:
+            gh = triton_lora.shrink(gy, b, span.tiles(x.device), scale_col, wide_dim=1)  # d(x A^T) [T, R]
+        else:
+            gh = segment_mm_nt(gy, b, span.offsets, span.counts, kernel) * scale_col
         gx = None
         if ctx.needs_input_grad[0]:
             gx = segment_mm_nt(gh, a, span.offsets, span.counts, kernel).addmm_(gy, weight)
-        for param, grad in ((ctx.b_param, segment_weight_grad(gy, h, span.offsets, span.counts, kernel)),
-                            (ctx.a_param, segment_weight_grad(gh, x, span.offsets, span.counts, kernel))):
+        for param in (ctx.a_param, ctx.b_param):
             if param.grad is None:  # as autograd would; the trainer presets them (SlotBuffers)
                 param.grad = torch.zeros_like(param)
-            param.grad[span.lo : span.hi].add_(grad)
-        return gx, None, None, None, None, None, None, None, None
+        grad_a, grad_b = ctx.a_param.grad[span.lo : span.hi], ctx.b_param.grad[span.lo : span.hi]
+        if triton:
+            tiles = span.tiles(x.device)
+            triton_lora.weight_grad_into(grad_b, gy, h, tiles, wide_dim=1)
+            triton_lora.weight_grad_into(grad_a, x, gh, tiles, wide_dim=2)
+        else:
+            grad_b.add_(segment_weight_grad(gy, h, span.offsets, span.counts, kernel))
+            grad_a.add_(segment_weight_grad(gh, x, span.offsets, span.counts, kernel))
+        return gx, None, None, None, None, None, None, None, None, None

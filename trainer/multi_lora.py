@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainer import triton_lora
 from trainer.fused_lora import ComputeWeights, FusedLoraLinear, SlotSpan
 from trainer.segmented_mm import grouped_operand, pick_kernel, segmented_matmul
 
@@ -53,10 +54,12 @@ class SlotRouting:
     [offsets[g-1], offsets[g]).
     """
 
-    def __init__(self, num_slots: int, kernel: Literal["auto", "grouped_mm", "loop"] = "auto", fused: bool = True) -> None:
+    def __init__(self, num_slots: int, kernel: Literal["auto", "grouped_mm", "loop"] = "auto", fused: bool = True,
+                 rank_kernels: Literal["auto", "triton", "library"] = "auto") -> None:
         self.num_slots = num_slots
         self.kernel = kernel
         self.fused = fused  # layers that can take FusedLoraLinear (fused_lora.py) do
+        self.rank_kernels = rank_kernels  # the fused node's rank-R reductions (triton_lora.py)
         self.enabled = False
         self.batch = 0
         self.seq_len = 0
@@ -205,7 +208,7 @@ class MultiLoraLinear(nn.Module):
         if kernel == "grouped_mm":
             x_tok = grouped_operand(x_tok)
         y = FusedLoraLinear.apply(x_tok, self.base.weight, self.lora_A, self.lora_B, a_c, b_c, r.span,
-                                  r.scale_column(x.dtype), kernel)
+                                  r.scale_column(x.dtype), kernel, triton_lora.pick(r.rank_kernels, x_tok))
         return y.view(x.shape[0], 1, -1)
 
     def _delta(self, x: torch.Tensor) -> torch.Tensor:

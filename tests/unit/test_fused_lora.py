@@ -28,9 +28,9 @@ class _FrozenLinear(nn.Module):
         return x @ self.weight.t(), None
 
 
-def _layer(kernel, dtype, fused, master=torch.float32):
+def _layer(kernel, dtype, fused, master=torch.float32, rank_kernels="library"):
     torch.manual_seed(0)
-    routing = SlotRouting(N, kernel=kernel, fused=fused)
+    routing = SlotRouting(N, kernel=kernel, fused=fused, rank_kernels=rank_kernels)
     layer = MultiLoraLinear(_FrozenLinear(dtype), name="l", kind="plain", parallel="column", num_slots=N,
                             max_rank=R, routing=routing, tp_group=None, device=torch.device("cpu"))
     layer.fusable = True  # the stand-in base is what the fused node assumes: x @ W.T, no bias, TP 1
@@ -69,6 +69,21 @@ def test_fused_equals_general_path(kernel, dtype, tol):
     for name, a, b in zip(("y", "dx", "dA", "dB"), got, ref):
         err = ((a - b).abs().max() / b.abs().max()).item()
         assert err <= tol, f"{name}: relative error {err:.2e} > {tol:.0e}"
+
+
+@pytest.mark.parametrize("kernel", ["loop", "grouped_mm"])
+def test_fused_with_triton_rank_kernels_equals_general_path(kernel):
+    """The same node with its four rank-R reductions in Triton (triton_lora.py; run through
+    Triton's interpreter here), fp32."""
+    ref_layer, ref_routing = _layer(kernel, torch.float32, fused=False, master=torch.float32)
+    layer, routing = _layer(kernel, torch.float32, fused=True, master=torch.float32, rank_kernels="triton")
+    ref, got = _run(ref_layer, ref_routing, torch.float32), _run(layer, routing, torch.float32)
+    for name, a, b in zip(("y", "dx", "dA", "dB"), got, ref):
+        err = ((a - b).abs().max() / b.abs().max()).item()
+        assert err <= 2e-6, f"{name}: relative error {err:.2e}"
+    for slot in (0, 2, 5):  # absent or empty: never written
+        assert torch.equal(got[2][slot], torch.full_like(got[2][slot], 0.25))
+        assert torch.equal(got[3][slot], torch.full_like(got[3][slot], -0.5))
 
 
 def test_only_present_slots_get_gradients():

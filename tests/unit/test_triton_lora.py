@@ -1,0 +1,82 @@
+"""The Triton rank-R kernels (trainer/triton_lora.py) against plain per-segment matmuls,
+fp32, through Triton's interpreter on the CPU (tests/conftest.py switches it on): a
+segment longer than a weight-gradient chunk (atomic adds), empty segments, one-row
+segments, ranks below and between tl.dot's 16-wide blocks, strided (transposed) weights."""
+
+import pytest
+import torch
+
+from trainer import triton_lora
+from trainer.triton_lora import SlotTiles, shrink, weight_grad_into
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture
+def dev():
+    """The kernels compiled on a GPU, else interpreted on the CPU (tests/conftest.py)."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _segments(counts):
+    return torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+
+
+def _rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("counts, rank", [([70, 0, 1500, 1], 8), ([3, 64, 65, 0], 24), ([0, 200], 16)])
+def test_kernels_equal_per_segment_matmuls(counts, rank, dev):
+    g = torch.Generator().manual_seed(sum(counts) + rank)
+    t, k, n = sum(counts), 96, 40
+    x, gy = torch.randn(t, k, generator=g).to(dev), torch.randn(t, n, generator=g).to(dev)
+    a = torch.randn(len(counts), rank, k, generator=g).to(dev)
+    b = torch.randn(len(counts), n, rank, generator=g).to(dev)
+    scale = torch.rand(t, 1, generator=g).to(dev)
+    tiles = SlotTiles.of(counts, x.device)
+    assert tiles.wgrad_split == (max(counts) > triton_lora.WGRAD_CHUNK)
+    seg = _segments(counts).to(dev)
+
+    h = shrink(x, a, tiles, scale, wide_dim=2)
+    gh = shrink(gy, b, tiles, None, wide_dim=1)
+    assert _rel(h, torch.einsum("tk,trk->tr", x, a[seg]) * scale) <= 1e-6
+    assert _rel(gh, torch.einsum("tn,tnr->tr", gy, b[seg])) <= 1e-6
+
+    grad_a = torch.full_like(a, 0.5)  # accumulates into what is there
+    grad_b = torch.full_like(b, -1.0)
+    weight_grad_into(grad_a, x, gh, tiles, wide_dim=2)
+    weight_grad_into(grad_b, gy, h, tiles, wide_dim=1)
+    for s, count in enumerate(counts):
+        rows = seg == s
+        if count == 0:  # an empty segment's rows are not touched at all
+            assert torch.equal(grad_a[s], torch.full_like(grad_a[s], 0.5))
+            assert torch.equal(grad_b[s], torch.full_like(grad_b[s], -1.0))
+            continue
+        assert _rel(grad_a[s], 0.5 + gh[rows].t() @ x[rows]) <= 1e-6
+        assert _rel(grad_b[s], -1.0 + gy[rows].t() @ h[rows]) <= 1e-6
+
+
+def test_strided_weights_and_shape_errors(dev):
+    """A transposed view of the weights reads the same numbers; a wrong wide dim or a
+    non-fp32 gradient buffer is refused with the shapes."""
+    counts = [10, 20]
+    x = torch.randn(30, 32, device=dev)
+    a = torch.randn(2, 32, 16, device=dev).transpose(1, 2)  # [G, R, K], not contiguous
+    tiles = SlotTiles.of(counts, x.device)
+    seg = _segments(counts).to(dev)
+    assert _rel(shrink(x, a, tiles, None, wide_dim=2), torch.einsum("tk,trk->tr", x, a[seg])) <= 1e-6
+    with pytest.raises(ValueError, match="wide dim is 16"):
+        shrink(x, a, tiles, None, wide_dim=1)
+    with pytest.raises(ValueError, match="fp32 grad"):
+        weight_grad_into(torch.zeros(2, 16, 32, dtype=torch.float64, device=dev), x, torch.randn(30, 16, device=dev), tiles,
+                         wide_dim=2)
+
+
+def test_pick(dev):
+    x = torch.zeros(2, 2, device=dev)
+    assert triton_lora.pick("library", x) == "library"
+    assert triton_lora.pick("auto", x) == ("triton" if x.is_cuda else "library")  # never the interpreter by itself
+    assert triton_lora.pick("triton", x) == "triton"  # the interpreter is on in the CPU tests
+    with pytest.raises(ValueError, match="'auto', 'triton' or 'library'"):
+        triton_lora.pick("cutlass", x)
