@@ -93,7 +93,8 @@ class TrainerConfig(_Strict):
         description=(
             "Kernels of the fused node's four GEMMs that reduce a wide operand to the LoRA rank (x A^T, "
             "g B, dA, dB): triton = segment-aware Triton kernels (CUDA; the CPU only under "
-            "TRITON_INTERPRET=1), library = lora_kernel's GEMMs; auto = triton on CUDA."
+            "TRITON_INTERPRET=1), library = lora_kernel's GEMMs; auto = triton on CUDA for micro-batches of "
+            "more than one slot (faster there on the H200), library otherwise."
         ),
     )
     seed: int = Field(0, description="Seed of the model-parallel RNG.")

@@ -49,6 +49,11 @@ class SlotSpan:
     counts: list[int]
     _tiles: dict = field(default_factory=dict, compare=False, repr=False)
 
+    @property
+    def segments(self) -> int:
+        """How many slots in the span have tokens."""
+        return sum(1 for n in self.counts if n)
+
     def tiles(self, device: torch.device) -> triton_lora.SlotTiles:
         """The segments' row tiles for the Triton rank-R kernels (made once per micro-batch)."""
         t = self._tiles.get(device)

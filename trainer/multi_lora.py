@@ -208,7 +208,8 @@ class MultiLoraLinear(nn.Module):
         if kernel == "grouped_mm":
             x_tok = grouped_operand(x_tok)
         y = FusedLoraLinear.apply(x_tok, self.base.weight, self.lora_A, self.lora_B, a_c, b_c, r.span,
-                                  r.scale_column(x.dtype), kernel, triton_lora.pick(r.rank_kernels, x_tok))
+                                  r.scale_column(x.dtype), kernel,
+                                  triton_lora.pick(r.rank_kernels, x_tok, r.span.segments))
         return y.view(x.shape[0], 1, -1)
 
     def _delta(self, x: torch.Tensor) -> torch.Tensor:

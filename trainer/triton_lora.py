@@ -59,10 +59,15 @@ def available(x: torch.Tensor) -> bool:
     return x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
 
 
-def pick(requested: str, x: torch.Tensor) -> str:
-    """``triton`` or ``library`` for the fused node's rank-R reductions on ``x``: ``auto`` takes
-    Triton on CUDA only (the interpreter is for proofs, far too slow to train with); an
-    explicit ``triton`` where it cannot run is refused."""
+def pick(requested: str, x: torch.Tensor, segments: int) -> str:
+    """``triton`` or ``library`` for the fused node's rank-R reductions on ``x`` over
+    ``segments`` non-empty slot segments. ``auto`` takes Triton on CUDA when there is more
+    than one segment: measured on the H200 (docs/BENCHMARKS.md), the Triton weight
+    gradients beat ``grouped_mm`` over 64 segments (mixed step at N = 64: 347 against
+    361 ms), while for one segment cuBLAS's plain GEMMs are as fast or faster (N = 1: 361
+    against 362 ms; the LoRA part of one linear 0.36-0.79 ms with Triton against 0.31-0.60
+    ms). The CPU interpreter is for proofs only, far too slow to train with, so ``auto``
+    never picks it. An explicit ``triton`` where it cannot run is refused."""
     if requested == "library":
         return "library"
     if requested == "triton":
@@ -72,7 +77,7 @@ def pick(requested: str, x: torch.Tensor) -> str:
         return "triton"
     if requested != "auto":
         raise ValueError(f"lora_rank_kernels must be 'auto', 'triton' or 'library', got {requested!r}")
-    return "triton" if x.is_cuda and _importable() else "library"
+    return "triton" if x.is_cuda and segments > 1 and _importable() else "library"
 
 
 @dataclass(frozen=True)

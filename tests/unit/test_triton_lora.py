@@ -53,8 +53,9 @@ def test_kernels_equal_per_segment_matmuls(counts, rank, dev):
             assert torch.equal(grad_a[s], torch.full_like(grad_a[s], 0.5))
             assert torch.equal(grad_b[s], torch.full_like(grad_b[s], -1.0))
             continue
-        assert _rel(grad_a[s], 0.5 + gh[rows].t() @ x[rows]) <= 1e-6
-        assert _rel(grad_b[s], -1.0 + gy[rows].t() @ h[rows]) <= 1e-6
+        # sums over up to 1,500 rows in another order: 1.15e-6 seen compiled on the H200
+        assert _rel(grad_a[s], 0.5 + gh[rows].t() @ x[rows]) <= 1e-5
+        assert _rel(grad_b[s], -1.0 + gy[rows].t() @ h[rows]) <= 1e-5
 
 
 def test_strided_weights_and_shape_errors(dev):
@@ -75,8 +76,9 @@ def test_strided_weights_and_shape_errors(dev):
 
 def test_pick(dev):
     x = torch.zeros(2, 2, device=dev)
-    assert triton_lora.pick("library", x) == "library"
-    assert triton_lora.pick("auto", x) == ("triton" if x.is_cuda else "library")  # never the interpreter by itself
-    assert triton_lora.pick("triton", x) == "triton"  # the interpreter is on in the CPU tests
+    assert triton_lora.pick("library", x, 4) == "library"
+    assert triton_lora.pick("auto", x, 4) == ("triton" if x.is_cuda else "library")  # never the interpreter by itself
+    assert triton_lora.pick("auto", x, 1) == "library"  # one segment: cuBLAS's plain GEMMs
+    assert triton_lora.pick("triton", x, 1) == "triton"  # the interpreter is on in the CPU tests
     with pytest.raises(ValueError, match="'auto', 'triton' or 'library'"):
-        triton_lora.pick("cutlass", x)
+        triton_lora.pick("cutlass", x, 1)
