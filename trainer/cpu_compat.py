@@ -90,6 +90,16 @@ def transformer_engine_available() -> bool:
     return True
 
 
+@cache
+def triton_available() -> bool:
+    """Whether triton imports (the trainer's Triton kernels: triton_adamw, triton_lora)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def process_group_backend() -> str:
     """nccl with CUDA, gloo without (adjustment 3)."""
     return "nccl" if cuda_available() else "gloo"

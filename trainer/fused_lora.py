@@ -29,6 +29,7 @@ Same result as the general path up to float rounding (tests/unit/test_fused_lora
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -49,7 +50,7 @@ class SlotSpan:
     counts: list[int]
     _tiles: dict = field(default_factory=dict, compare=False, repr=False)
 
-    @property
+    @functools.cached_property  # read by every layer's forward: counted once per micro-batch
     def segments(self) -> int:
         """How many slots in the span have tokens."""
         return sum(1 for n in self.counts if n)

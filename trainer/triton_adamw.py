@@ -22,6 +22,8 @@ import functools
 
 import torch
 
+from trainer.cpu_compat import triton_available
+
 # Column order of the per-slot factor table.
 GRAD_SCALE, DECAY, ONE_MINUS_BETA1, BETA2, ONE_MINUS_BETA2, BC2_SQRT, EPS, NEG_STEP_SIZE = range(8)
 BLOCK = 2048
@@ -65,18 +67,9 @@ def _kernel():
     return adamw_rows
 
 
-@functools.cache
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def available(t: torch.Tensor) -> bool:
     """Whether the fused kernel can update ``t`` (fp32, CUDA, rows of unit column stride)."""
-    return t.is_cuda and t.dtype == torch.float32 and t.stride(-1) == 1 and _triton_importable()
+    return t.is_cuda and t.dtype == torch.float32 and t.stride(-1) == 1 and triton_available()
 
 
 @torch.no_grad()

@@ -29,9 +29,12 @@ On the CPU the same kernels run through Triton's interpreter (tests set
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
+
+from trainer.cpu_compat import triton_available
 
 SHRINK_ROWS = 64  # BT of the shrink kernel
 SHRINK_COLS = 128  # BK: wide columns per inner step of the shrink kernel
@@ -40,21 +43,10 @@ WGRAD_ROWS = 64  # rows per inner step of the weight-gradient kernel
 WGRAD_COLS = 64  # BM: wide columns per weight-gradient program
 
 
-@functools.cache
-def _importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def available(x: torch.Tensor) -> bool:
     """Whether these kernels can run on ``x``'s device: CUDA with Triton, or the CPU when
     Triton's interpreter is switched on (tests)."""
-    import os
-
-    if not _importable():
+    if not triton_available():
         return False
     return x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
 
@@ -77,7 +69,7 @@ def pick(requested: str, x: torch.Tensor, segments: int) -> str:
         return "triton"
     if requested != "auto":
         raise ValueError(f"lora_rank_kernels must be 'auto', 'triton' or 'library', got {requested!r}")
-    return "triton" if x.is_cuda and segments > 1 and _importable() else "library"
+    return "triton" if x.is_cuda and segments > 1 and triton_available() else "library"
 
 
 @dataclass(frozen=True)
