@@ -27,7 +27,8 @@ Invariants (asyncio, single thread: the steps between awaits are atomic):
   an old version is never unloaded while a request that chose it is pending.
   After an unload nothing names the old version again (FINDINGS.md: a
   /generate naming an unloaded adapter silently reloads it).
-* The current version changes only after the new version is loaded everywhere.
+* The current version changes only after the new version is loaded on every engine
+  in routing; an engine out of routing gets it before it is routed to again.
 * Requests of an adapter that was aborted are reported as aborted even if the
   server had already finished them (the abort won the race on our side).
 """
@@ -167,6 +168,11 @@ class EnginePool:
     async def publish(self, adapter: str, version: int, weights: AdapterWeights) -> None:
         """Make `version` the adapter's weights for every new request (see module docstring).
 
+        With no engine in routing (all dead or being restarted) the version becomes current at
+        once and is loaded by whichever engine comes back first (`readmit` and `replace_engine`
+        load every adapter's current version): a tenant registered or stepped during an engine
+        restart is not failed for it.
+
         Raises (and changes nothing in routing) if any healthy engine refuses the load."""
         async with self._lock:
             cur = self._adapters.get(adapter)
@@ -174,8 +180,8 @@ class EnginePool:
                 raise ValueError(f"adapter {adapter}: version {version} is not newer than the served version {cur.version}")
             targets = [e for e in self._engines if e.healthy]
             if not targets:
-                raise NoHealthyEngine(f"no healthy engine to load adapter {adapter} v{version} on")
-            native = all(self._upsert_ok(e) for e in targets)
+                log.info("adapter %s v%d: no engine in routing; it is loaded when one comes back", adapter, version)
+            native = all(self._upsert_ok(e) for e in targets or self._engines)
             served = adapter if native else lora_name(adapter, version)
             results = await asyncio.gather(
                 *(self._load(e, served, weights, upsert=native and served in e.loaded) for e in targets),

@@ -421,8 +421,10 @@ def test_ray_actor_wrapper(sglang_server, adapters, tiny_world):
 def test_engine_out_of_routing_is_readmitted_with_its_adapters_brought_up_to_date(sglang_server, adapters, prompts):
     """A connection error takes a live engine out of routing (``mark_unhealthy`` leaves the
     pool exactly as that error does; the real server cannot be made to drop one connection on
-    cue). While it is out, the retired v0's unload is skipped, so the server still holds it.
-    ``readmit`` unloads v0, keeps v1, routes to the engine again, and v1 serves."""
+    cue). While it is out, the retired v0's unload is skipped, so the server still holds it,
+    and with no engine in routing a new version of "back" and a new adapter "fresh" are
+    still published (they become current; a tenant is not failed for an engine restart).
+    ``readmit`` unloads v0 and v1, loads v2 and fresh's v0, routes to the engine again, and both serve."""
     long = {**GREEDY, "max_new_tokens": 120}
 
     async def run():
@@ -437,24 +439,31 @@ def test_engine_out_of_routing_is_readmitted_with_its_adapters_brought_up_to_dat
             pool.mark_unhealthy(0)
             await running  # v0's last request ends while the engine is out: its unload is not sent
             await pool.wait_unloaded()
-            held_while_out = [n for n in await client.loaded_adapters() if n.startswith("back@")]  # the server is shared by the module
+            await pool.publish("back", 2, AdapterWeights.from_folder(adapters["one"]))
+            await pool.publish("fresh", 0, AdapterWeights.from_folder(adapters["two"]))
+            current_while_out = pool.current_version("back"), pool.current_version("fresh")
+            mine = ("back@", "fresh@")  # the server is shared by the module
+            held_while_out = [n for n in await client.loaded_adapters() if n.startswith(mine)]
             t0 = time.perf_counter()
             readmitted = await pool.readmit(0)
             readmit_s = time.perf_counter() - t0
             held_after = await client.loaded_adapters()
-            group = await pool.generate_group("back", prompts[1], GREEDY, 1)
-            await pool.remove_adapter("back")
+            groups = [await pool.generate_group(a, prompts[1], GREEDY, 1) for a in ("back", "fresh")]
+            for a in ("back", "fresh"):
+                await pool.remove_adapter(a)
             await pool.wait_unloaded()
-            return held_while_out, readmitted, readmit_s, held_after, pool.healthy(0), group
+            return current_while_out, held_while_out, readmitted, readmit_s, held_after, pool.healthy(0), groups
         finally:
             await pool.aclose()
             await client.aclose()
 
-    held_while_out, readmitted, readmit_s, held_after, healthy, group = asyncio.run(run())
-    assert held_while_out == ["back@v0", "back@v1"]  # the skipped unload left v0 on the server
+    current_while_out, held_while_out, readmitted, readmit_s, held_after, healthy, groups = asyncio.run(run())
+    assert current_while_out == (2, 0)
+    assert held_while_out == ["back@v0", "back@v1"]  # the skipped unload left v0; v2 and fresh wait for the engine
     assert readmitted and healthy
-    assert held_after == ["back@v1"]
-    assert group.version == 1 and group.results[0].finish_reason != "abort"
+    assert held_after == ["back@v2", "fresh@v0"]
+    assert [(g.adapter, g.version) for g in groups] == [("back", 2), ("fresh", 0)]
+    assert all(g.results[0].finish_reason != "abort" for g in groups)
     print(f"\nengine re-admitted in {readmit_s * 1000:.0f} ms")
 
 

@@ -13,7 +13,8 @@ every test here, in this order:
   5. restart: SIGKILL the service mid-run, start it again over the same state dir:
      the runs resume from their checkpoints and finish
   6. the SGLang engine process group is SIGKILLed: the service restarts the engine,
-     republishes every adapter's current weights, and the RL adapter keeps training
+     republishes every adapter's current weights, and the RL adapter keeps training;
+     a tenant registered while the engine is dead starts once it is back
   7. a trainer rank's process is killed (ray.kill through the runtime actor): the service
      restarts the trainer and every live run continues from its last checkpoint
   8. SIGTERM drains: every live run is checkpointed, and the process exits 0.
@@ -252,17 +253,26 @@ def test_dead_engine_is_restarted_and_adapters_republished(service, tiny_world):
         for pid in pids:
             os.killpg(os.getpgid(pid), signal.SIGKILL)
         killed_at = time.time()
-        step_at_kill = c.get("e-rl")["step"]
-        ref = wait_for(c, "e-rl", lambda r: r["step"] >= step_at_kill + 3, "3 steps after the engine died", timeout_s=420)
-        engine = c.ready()["components"]["engine-0"]
-        assert engine["ok"] and "starts=2" in engine["detail"], engine
+        c.register("e-late", rl(tiny_world, "vowels"))  # a tenant that joins while the engine is dead
+        # Groups generated before the kill may train a few steps on their own, so steps alone
+        # do not show the restart: first the engine must be back (a second start, routable) ...
+        deadline = time.monotonic() + 420
+        while not ((engine := c.ready()["components"]["engine-0"])["ok"] and "starts=2" in engine["detail"]):
+            assert time.monotonic() < deadline, f"engine not restarted in 420 s: {engine}"
+            for n in ("e-rl", "e-late"):
+                assert (r := c.get(n))["state"] != "FAILED", (n, r["failure_reason"])
+            time.sleep(0.5)
+        # ... then the adapter trains on groups the restarted engine generated with its republished weights.
+        step_at_restart = c.get("e-rl")["step"]
+        ref = wait_for(c, "e-rl", lambda r: r["step"] >= step_at_restart + 3, "3 steps after the engine restarted", timeout_s=240)
         assert ref["state"] == "ACTIVE"
         steps = c.metrics("e-rl")["steps"]
         assert [s["step"] for s in steps] == list(range(1, ref["step"] + 1))
         later = [s for s in steps if s["recorded_at"] > killed_at + 1]
         assert later and all(s["metrics"]["foreign_samples_dropped"] == 0 for s in later)
         assert "engine 0 was dead: restarted" in service.log_path.read_text()
-        retire_and_wait(c, "e-rl")
+        wait_for(c, "e-late", lambda r: r["step"] >= 2, "2 steps of the tenant that joined while the engine was dead")
+        retire_and_wait(c, "e-rl", "e-late")
 
 
 # --- 7 -------------------------------------------------------------------------------------------
