@@ -121,9 +121,9 @@ class FusedLoraLinear(torch.autograd.Function):
         x, weight, h, a, b, scale_col = ctx.saved_tensors
         span, kernel = ctx.span, ctx.kernel
         gy = gy.contiguous()
-        triton = ctx.rank_kernels == "triton"
-        if triton:
-            gh = triton_lora.shrink(gy, b, span.tiles(x.device), scale_col, wide_dim=1)  # d(x A^T) [T, R]
+        tiles = span.tiles(x.device) if ctx.rank_kernels == "triton" else None
+        if tiles is not None:
+            gh = triton_lora.shrink(gy, b, tiles, scale_col, wide_dim=1)  # d(x A^T) [T, R]
         else:
             gh = segment_mm_nt(gy, b, span.offsets, span.counts, kernel) * scale_col
         gx = None
@@ -133,8 +133,7 @@ class FusedLoraLinear(torch.autograd.Function):
             if param.grad is None:  # as autograd would; the trainer presets them (SlotBuffers)
                 param.grad = torch.zeros_like(param)
         grad_a, grad_b = ctx.a_param.grad[span.lo : span.hi], ctx.b_param.grad[span.lo : span.hi]
-        if triton:
-            tiles = span.tiles(x.device)
+        if tiles is not None:
             triton_lora.weight_grad_into(grad_b, gy, h, tiles, wide_dim=1)
             triton_lora.weight_grad_into(grad_a, x, gh, tiles, wide_dim=2)
         else:

@@ -204,7 +204,9 @@ def weight_grad_into(grad: torch.Tensor, wide: torch.Tensor, rank_side: torch.Te
                          f"{tuple(grad.shape)} {grad.dtype}")
     n = tiles.wgrad.shape[0]
     if n:
-        grid = (n, -(-m // WGRAD_COLS))
+        import triton
+
+        grid = (n, triton.cdiv(m, WGRAD_COLS))
         wgrad_kernel[grid](wide, rank_side, grad, tiles.wgrad, m, r,
                            wide.stride(0), wide.stride(1), rank_side.stride(0), rank_side.stride(1),
                            grad.stride(0), grad.stride(wide_dim), grad.stride(rank_dim),
