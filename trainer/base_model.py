@@ -34,6 +34,7 @@ from trainer.cpu_compat import (
     cuda_available,
     import_megatron_bridge,
     transformer_engine_available,
+    triton_available,
 )
 
 
@@ -160,9 +161,10 @@ def build_frozen_base(
 
 def triton_rope_enabled() -> bool:
     """Whether RoPE runs as the Triton kernel (triton_rope.py, one pass per direction instead
-    of about eight eager ones): on CUDA without TransformerEngine's fused RoPE. Installs
-    the kernel as megatron-core's fused-RoPE hook; set ``apply_rope_fusion`` to the result."""
-    if not cuda_available():
+    of about eight eager ones): on CUDA with Triton, without TransformerEngine's fused RoPE.
+    Installs the kernel as megatron-core's fused-RoPE hook; set ``apply_rope_fusion`` to the
+    result. Triton is probed as for the other kernels (triton_adamw, triton_lora)."""
+    if not (cuda_available() and triton_available()):
         return False
     from trainer import triton_rope
 
