@@ -23,6 +23,15 @@ def pytest_configure(config):
 
 
 @pytest.fixture(scope="session")
+def kernel_device():
+    """Where the trainer's Triton kernels are tested: compiled on a GPU, else run by Triton's
+    interpreter on the CPU (switched on above). Triton is in the lock: no skip without it."""
+    import torch
+
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(scope="session")
 def tiny_world():
     from examples.tiny.build import ensure_tiny_world
 
