@@ -97,6 +97,14 @@ class TrainerConfig(_Strict):
             "more than one slot (faster there on the H200), library otherwise."
         ),
     )
+    swap_host_budget_mb: float | None = Field(
+        None, gt=0,
+        description=(
+            "Host memory (MiB per trainer rank) for evicted slots' state (keep-warm eviction); beyond it "
+            "evicted slots spill to swap_spill_dir. null = no limit."
+        ),
+    )
+    swap_spill_dir: str | None = Field(None, description="Folder for evicted slots beyond the host-memory budget.")
     seed: int = Field(0, description="Seed of the model-parallel RNG.")
 
     @model_validator(mode="after")

@@ -20,6 +20,7 @@ Invariants:
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +45,7 @@ from trainer.peft_io import hf_short_names, peft_config_dict, read_peft_folder, 
 from trainer.per_slot_optim import AdamwColumns, adamw_apply, clip_coefficient, lr_at
 from trainer.slot_buffers import SlotBuffers
 from trainer.slot_checkpoint import load_slot_checkpoint, save_slot_checkpoint
+from trainer.slot_swap import SlotSnapshot, SwapError, SwapStore, copy_rows_in, copy_rows_out, timed
 
 # Columns of the per-slot statistics accumulators.
 NUM, SAMPLES, TOKENS, CLIPPED, RATIO, KL, RL_TOKENS = range(7)
@@ -112,6 +114,8 @@ class MultiLoraTrainer:
         self.scales = torch.zeros(config.num_slots, dtype=torch.float32, device=self.device)
         self.slots: list[SlotState | None] = [None] * config.num_slots
         self.vocab_size: int = self.base.model.vocab_size
+        budget = config.swap_host_budget_mb
+        self.swap = SwapStore(None if budget is None else int(budget * 2**20), config.swap_spill_dir, rank=self.layout.rank)
 
     # -- slot blocks ------------------------------------------------------------------------
 
@@ -284,6 +288,63 @@ class MultiLoraTrainer:
         self.slots[slot] = state
         self.scales[slot] = state.scale
         return self.slot_status(slot)
+
+    # -- keep-warm eviction (trainer/slot_swap.py) -----------------------------------------------
+
+    def _buffer_rows(self) -> dict[str, torch.Tensor]:
+        b = self.buffers
+        return {"weight": b.weight, "grad": b.grad, "exp_avg": b.exp_avg, "exp_avg_sq": b.exp_avg_sq}
+
+    def swap_out(self, slot: int, key: str) -> dict:
+        """Evict the slot: its rows and counters go to this rank's swap store under ``key``
+        (host memory, or the spill folder beyond the budget), then the slot is cleared.
+        Raises SwapError with the slot unchanged when the snapshot cannot be stored (S1).
+        Collective: every rank stores its own part."""
+        state = self._state(slot)
+        if key in self.swap:
+            raise SwapError(f"a snapshot {key!r} is already stored on this trainer")
+        rows, seconds = timed(lambda: copy_rows_out(self._buffer_rows(), slot))
+        meta = {"hyper": state.hyper.model_dump(mode="json"), "rank": state.rank, "scale": state.scale,
+                "seed": state.seed, "registration": state.registration, "step": state.step,
+                "pending_samples": state.pending_samples}
+        snap = SlotSnapshot(meta=meta, pending=state.pending.clone(), rows=rows)
+        nbytes = snap.nbytes
+        where = self.swap.put(key, snap)
+        self.clear_slot(slot)
+        return {"key": key, "slot": slot, "where": where, "bytes": nbytes, "seconds": seconds, "step": state.step}
+
+    def swap_in(self, slot: int, key: str) -> dict:
+        """Bring the snapshot ``key`` back into the free ``slot`` (any slot: every row has the
+        same layout), bit-exact (S2). Collective."""
+        self._check_slot(slot)
+        if self.slots[slot] is not None:
+            raise ValueError(f"slot {slot} is in use; clear or swap it out before swapping {key!r} in")
+        t0 = time.perf_counter()
+        snap = self.swap.take(key)
+        try:
+            copy_rows_in(self._buffer_rows(), slot, snap.rows)
+        except BaseException:
+            self._zero_slot(slot)
+            self.swap.put(key, snap)  # keep it for another try (the slot stays free)
+            raise
+        m = snap.meta
+        self.slots[slot] = SlotState(
+            hyper=SlotHyperParams(**m["hyper"]), rank=m["rank"], scale=m["scale"], seed=m["seed"],
+            registration=m["registration"], step=m["step"], pending_samples=m["pending_samples"],
+            pending=snap.pending.clone(),
+        )
+        self.scales[slot] = m["scale"]
+        return {"key": key, "slot": slot, "seconds": time.perf_counter() - t0, "step": m["step"],
+                "from": "disk" if snap.spill_path is not None else "host"}
+
+    def drop_swapped(self, key: str) -> bool:
+        """Forget an evicted slot (its run retired or failed while out). Collective."""
+        return self.swap.drop(key)
+
+    def swapped(self) -> dict:
+        """What this rank holds evicted: keys, host bytes, and which are spilled."""
+        return {"keys": self.swap.keys(), "host_bytes": self.swap.host_bytes(),
+                "spilled": self.swap.spilled_keys()}
 
     @torch.no_grad()
     def forward_logits(self, input_ids: torch.Tensor, slot: int | None) -> torch.Tensor:
