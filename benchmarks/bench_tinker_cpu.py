@@ -1,0 +1,107 @@
+"""Tinker API on CPU: forward_backward calls per second and the coalescing factor.
+
+One in-process server (uvicorn on loopback, the Tinker routes over a MultiLoraTrainer
+on the tiny world), C concurrent clients of the official tinker SDK (C = 1, 4, 16 by
+default), each with its own API key and LoRA model; every client runs S steps of
+forward_backward (cross_entropy, D datums of the tiny SFT data) + optim_step, submitting
+both before waiting, as the Tinker docs recommend. Reported per C: wall seconds of the
+steps (model creation excluded), forward_backward calls/s, mixed steps, and the
+coalescing factor (calls per mixed step, from the server's counters).
+
+  .venv/bin/python -m benchmarks.bench_tinker_cpu                      # 1, 4, 16 clients
+  .venv/bin/python -m benchmarks.bench_tinker_cpu --clients 4 --steps 3 --window-ms 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+
+def sft_data(tok, data_dir: Path, start: int, n: int):  # noqa: ANN001, ANN201
+    from tinker import types
+
+    rows = [json.loads(line) for line in (data_dir / "echo_sft.jsonl").read_text().splitlines()]
+    out = []
+    for r in (rows[(start + i) % len(rows)] for i in range(n)):
+        p, c = tok.encode(r["prompt"]), tok.encode(r["completion"])
+        full = p + c
+        out.append(types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
+                               loss_fn_inputs={"target_tokens": full[1:], "weights": [0.0] * (len(p) - 1) + [1.0] * len(c)}))
+    return out
+
+
+def run(clients: int, steps: int, datums: int, window_s: float) -> dict:
+    import tinker
+    from tinker import types
+
+    from api.server import ApiServer
+    from api.tinker.auth import TenantKeys
+    from api.tinker.standalone import in_process_service, tinker_app
+    from examples.tiny.build import ensure_tiny_world
+
+    world = ensure_tiny_world()
+    keys = {f"bench{i}": f"tml-bench-{i:04d}-key" for i in range(clients)}
+    svc = in_process_service(world / "model", TenantKeys(keys), tempfile.mkdtemp(prefix="tinker-bench-"), num_slots=clients,
+                             max_rank=8, base_model="tiny-qwen3", window_s=window_s)
+    with ApiServer(tinker_app(svc)) as server:
+        tcs = [tinker.ServiceClient(base_url=server.url, api_key=k).create_lora_training_client(
+            base_model="tiny-qwen3", rank=8, seed=i, train_unembed=False).result() for i, k in enumerate(keys.values())]
+        tok = tcs[0].get_tokenizer()
+        data = [sft_data(tok, world / "data", i * datums, datums) for i in range(clients)]
+        barrier = threading.Barrier(clients + 1)
+
+        def client(i: int) -> None:
+            barrier.wait()
+            for _ in range(steps):
+                fb = tcs[i].forward_backward(data[i], "cross_entropy")
+                opt = tcs[i].optim_step(types.AdamParams(learning_rate=1e-3))
+                fb.result()
+                opt.result()
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+        for t in threads:
+            t.start()
+        before = svc.metrics()
+        barrier.wait()
+        t0 = time.perf_counter()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t0
+        after = svc.metrics()
+    calls = after["forward_backward_calls"] - before["forward_backward_calls"]
+    mixed = after["mixed_steps"] - before["mixed_steps"]
+    return {"clients": clients, "steps": steps, "datums_per_call": datums, "window_ms": window_s * 1e3, "wall_s": round(wall, 2),
+            "fwdbwd_calls": calls, "calls_per_s": round(calls / wall, 2), "mixed_steps": mixed,
+            "coalescing_factor": round(calls / mixed, 2) if mixed else 0.0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--datums", type=int, default=4, help="datums per forward_backward call")
+    ap.add_argument("--window-ms", type=float, default=20.0, help="coalescing window")
+    ap.add_argument("--out", type=str, default=None)
+    args = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(1)
+    rows = [run(c, args.steps, args.datums, args.window_ms / 1e3) for c in args.clients]
+    print("| clients | fwd_bwd calls | wall s | calls/s | mixed steps | coalescing factor |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['clients']} | {r['fwdbwd_calls']} | {r['wall_s']} | {r['calls_per_s']} | {r['mixed_steps']} | {r['coalescing_factor']} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
