@@ -68,7 +68,7 @@ def tinker_router(service: TinkerService) -> APIRouter:
         tenant(request)
         b = service.backend
         return {"supported_models": [{"model_name": b.base_model, "max_context_length": b.max_seq_len,
-                                      "trainable": True, "sampleable": False}]}
+                                      "trainable": True, "sampleable": service.sampler is not None}]}
 
     @r.post("/create_session")
     async def create_session(body: wire.CreateSessionRequest, request: Request) -> dict:
@@ -176,6 +176,54 @@ def tinker_router(service: TinkerService) -> APIRouter:
             raise HTTPException(404, str(err)) from None
         return {"base_model": service.backend.base_model, "is_lora": True, "lora_rank": lora.rank,
                 "train_unembed": False, "train_mlp": True, "train_attn": True}
+
+    # -- sampling ---------------------------------------------------------------------------------
+
+    @r.post("/create_sampling_session")
+    async def create_sampling_session(body: wire.CreateSamplingSessionRequest, request: Request) -> dict:
+        t = tenant(request)
+        service.session(t, body.session_id)
+        try:
+            folder = service.sampling_folder(t, body.base_model, body.model_path)
+        except ValueError as err:
+            raise HTTPException(404 if body.model_path else 400, str(err)) from None
+        sid = service.sampler.create_session(t, folder, body.model_path)
+        return {"type": "create_sampling_session", "sampling_session_id": sid}
+
+    @r.get("/samplers/{sampler_id}")
+    async def get_sampler(sampler_id: str, request: Request) -> dict:
+        s = service.sampler.session(tenant(request), sampler_id) if service.sampler else None
+        if s is None:
+            raise HTTPException(404, f"unknown sampler {sampler_id}")
+        return {"sampler_id": sampler_id, "base_model": service.backend.base_model, "model_path": s.model_path}
+
+    @r.post("/asample")
+    async def asample(body: wire.SampleRequest, request: Request) -> dict:
+        t = tenant(request)
+        rid = service.futures.create(t, None)
+        answer = {"request_id": rid, "sample_sequence_ids": [f"{rid}-{i}" for i in range(body.num_samples)]}
+        try:
+            if body.prompt_logprobs or body.topk_prompt_logprobs or body.topk_sample_logprobs:
+                raise ValueError("prompt logprobs and top-k logprobs are not served yet; sample without them")
+            prompt = body.prompt.tokens()
+            if not prompt or min(prompt) < 0:
+                raise ValueError("prompt needs at least one token id >= 0")
+            if body.sampling_session_id is not None:
+                session = service.sampler.session(t, body.sampling_session_id) if service.sampler else None
+                if session is None:
+                    raise HTTPException(404, f"unknown sampling session {body.sampling_session_id}")
+            else:
+                folder = service.sampling_folder(t, body.base_model, body.model_path)
+                session = service.sampler.sessions[service.sampler.create_session(t, folder, body.model_path)]
+        except ValueError as err:
+            service.futures.resolve(rid, user_error(str(err)))
+            return answer
+
+        async def run() -> None:
+            service.futures.resolve(rid, await service.sampler.sample(session, prompt, body.num_samples, body.sampling_params))
+
+        service.background(run())
+        return answer
 
     # -- futures ----------------------------------------------------------------------------------
 

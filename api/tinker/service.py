@@ -23,6 +23,7 @@ from api.tinker.auth import TenantKeys
 from api.tinker.backend import LoraSpec, TinkerBackend
 from api.tinker.coalescer import Coalescer, Op
 from api.tinker.futures import FutureStore, Outcome, user_error
+from api.tinker.sampling import SglangSampler
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 KINDS = ("weights", "sampler_weights")
@@ -48,20 +49,40 @@ class ModelRecord:
 
 class TinkerService:
     def __init__(self, backend: TinkerBackend, keys: TenantKeys, checkpoint_root: str | Path, *,
-                 window_s: float = 0.02, poll_s: float = 10.0):
+                 window_s: float = 0.02, poll_s: float = 10.0, sampler: SglangSampler | None = None,
+                 session_timeout_s: float | None = 300.0):
+        """``session_timeout_s``: a session without a heartbeat for this long (the SDK sends one
+        every 10 s) has its models saved (``tinker://<model>/weights/expired-<unix time>``) and
+        their slots freed; None = never."""
         self.backend = backend
+        self.session_timeout_s = session_timeout_s
+        self._reaper = None
+        self.sampler = sampler
         self.keys = keys
         self.checkpoint_root = Path(checkpoint_root)
         self.futures = FutureStore(poll_s=poll_s)
         self.coalescer = Coalescer(backend.forward_backward, self.futures, window_s=window_s)
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, ModelRecord] = {}
+        self._tasks: set = set()
 
     async def start(self) -> None:
         self.coalescer.start()
 
     async def stop(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
         await self.coalescer.stop()
+        if self.sampler is not None:
+            await self.sampler.aclose()
+
+    def background(self, coro) -> None:  # noqa: ANN001 - a coroutine run on the serving loop
+        """Run ``coro`` as a task that is kept referenced until it ends (sampling)."""
+        import asyncio
+
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def metrics(self) -> dict[str, float]:
         return {**self.coalescer.stats(), "models": len(self.models), "sessions": len(self.sessions)}
@@ -71,7 +92,34 @@ class TinkerService:
     def create_session(self, tenant: str) -> str:
         sid = f"s-{uuid.uuid4().hex[:16]}"
         self.sessions[sid] = Session(tenant, sid)
+        if self.session_timeout_s is not None and self._reaper is None:  # lazily, on the serving loop
+            import asyncio
+
+            self._reaper = asyncio.get_running_loop().create_task(self._reap_forever(), name="tinker-session-reaper")
         return sid
+
+    async def _reap_forever(self) -> None:
+        import asyncio
+
+        while True:
+            await asyncio.sleep(min(self.session_timeout_s / 4, 5.0))  # a periodic check, not a synchronization
+            self.expire_sessions(time.monotonic())
+
+    def expire_sessions(self, now: float) -> list[str]:
+        """Sessions silent for longer than the timeout: save each model, free its slot, forget the session."""
+        expired = [s for s in self.sessions.values() if now - s.last_seen > self.session_timeout_s]
+        for s in expired:
+            for m in [m for m in self.models.values() if m.session_id == s.session_id]:
+                folder = self._folder(s.tenant, m.model_id, "weights", f"expired-{int(time.time())}")
+
+                def save_and_unload(m: ModelRecord = m, folder: Path = folder) -> Outcome:
+                    if not folder.exists():
+                        self.backend.save_state(m.model_id, folder)
+                    return self.unload(m.model_id)
+
+                self.coalescer.submit(Op(m.model_id, self.futures.create(s.tenant, m.model_id), run=save_and_unload))
+            del self.sessions[s.session_id]
+        return [s.session_id for s in expired]
 
     def session(self, tenant: str, session_id: str) -> Session:
         s = self.sessions.get(session_id)
@@ -172,7 +220,10 @@ class TinkerService:
             if folder.exists():
                 return user_error(f"checkpoint {path} exists; choose another name")
             save(body.model_id, folder)
-            return Outcome(json={"type": wire_type, "path": path})
+            answer = {"type": wire_type, "path": path}
+            if kind == "sampler_weights" and body.sampling_session_seq_id is not None and self.sampler is not None:
+                answer["sampling_session_id"] = self.sampler.create_session(tenant, folder, path)
+            return Outcome(json=answer)
 
         self.coalescer.submit(Op(body.model_id, rid, run=run))
         return answer
@@ -207,3 +258,15 @@ class TinkerService:
 
         self.coalescer.submit(Op(model_id, rid, run=run))
         return answer
+
+    # -- sampling ----------------------------------------------------------------------------------------
+
+    def sampling_folder(self, tenant: str, base_model: str | None, model_path: str | None) -> Path | None:
+        """The PEFT folder to sample with (None = the base model); ValueError naming the problem."""
+        if self.sampler is None:
+            raise ValueError("this server has no sampling engine (sampleable: false)")
+        if model_path:
+            return self.checkpoint_folder(tenant, model_path, kinds=("sampler_weights",))
+        if base_model != self.backend.base_model:
+            raise ValueError(f"base_model {base_model!r} is not served here; this server samples {self.backend.base_model!r}")
+        return None

@@ -16,7 +16,9 @@ from api.tinker.service import TinkerService
 
 def in_process_service(model_dir: str | Path, keys: TenantKeys, checkpoint_root: str | Path, *, num_slots: int = 8,
                        max_rank: int = 16, base_model: str | None = None, window_s: float = 0.02,
-                       micro_batch_tokens: int = 16384, max_seq_len: int = 4096) -> TinkerService:
+                       micro_batch_tokens: int = 16384, max_seq_len: int = 4096,
+                       sglang_url: str | None = None, session_timeout_s: float | None = 300.0) -> TinkerService:
+    """``sglang_url``: an SGLang server of the same model with LoRA enabled, for sampling."""
     from trainer.config import TrainerConfig
     from trainer.core import MultiLoraTrainer
 
@@ -24,7 +26,11 @@ def in_process_service(model_dir: str | Path, keys: TenantKeys, checkpoint_root:
                                              micro_batch_tokens=micro_batch_tokens))
     backend = InProcessBackend(trainer, base_model=base_model or Path(model_dir).name, tokenizer_id=str(model_dir),
                                max_seq_len=max_seq_len)
-    return TinkerService(backend, keys, checkpoint_root, window_s=window_s)
+    from api.tinker.sampling import SglangSampler
+
+    sampler = SglangSampler(sglang_url) if sglang_url else None
+    return TinkerService(backend, keys, checkpoint_root, window_s=window_s, sampler=sampler,
+                         session_timeout_s=session_timeout_s)
 
 
 def tinker_app(service: TinkerService) -> FastAPI:

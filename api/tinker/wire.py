@@ -66,6 +66,39 @@ class SaveWeightsRequest(_In):
     model_id: str
     path: str | None = None
     seq_id: int | None = None
+    sampling_session_seq_id: int | None = None  # save_weights_for_sampler: also open a sampling session
+
+
+class CreateSamplingSessionRequest(_In):
+    session_id: str
+    sampling_session_seq_id: int | None = None
+    base_model: str | None = None
+    model_path: str | None = None
+
+
+class ModelInputIn(_In):
+    chunks: list[dict[str, Any]]
+
+    def tokens(self) -> list[int]:
+        out: list[int] = []
+        for c in self.chunks:
+            if c.get("type", "encoded_text") != "encoded_text" or "tokens" not in c:
+                raise ValueError(f"prompt chunk of type {c.get('type')!r} not supported; only encoded text")
+            out.extend(int(t) for t in c["tokens"])
+        return out
+
+
+class SampleRequest(_In):
+    num_samples: int = Field(1, ge=1, le=1024)
+    prompt: ModelInputIn
+    sampling_params: dict[str, Any] = {}
+    base_model: str | None = None
+    model_path: str | None = None
+    sampling_session_id: str | None = None
+    seq_id: int | None = None
+    prompt_logprobs: bool | None = None
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
 
 
 class LoadWeightsRequest(_In):
