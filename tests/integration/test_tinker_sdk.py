@@ -245,3 +245,31 @@ def test_bad_input_is_a_clear_error_and_changes_nothing(world, tiny_world):
         assert all(torch.equal(before[m][k], after[k]) for k in after), m
     for m in (tc, other):
         svc.unload(m.model_id)
+
+
+def test_silent_session_is_saved_and_its_slot_freed(world):
+    """A session without heartbeats (raw HTTP, no SDK loop) past the timeout: its model is saved
+    under tinker://<model>/weights/expired-<time> and its slot freed; the session is gone."""
+    import time
+
+    svc, url = world
+    key = {"X-API-Key": KEYS["t3"]}
+    free_before = sum(1 for s in svc.backend.trainer.slots if s is None)
+    svc.session_timeout_s = 2.0
+    try:
+        with httpx.Client(base_url=url + "/api/v1", timeout=30) as http:
+            sid = http.post("create_session", headers=key, json={"tags": [], "sdk_version": "raw"}).json()["session_id"]
+            body = {"session_id": sid, "model_seq_id": 0, "base_model": BASE, "lora_config": {"rank": 2, "seed": 1, "train_unembed": False}}
+            rid = http.post("create_model", headers=key, json=body).json()["request_id"]
+            model_id = http.post("retrieve_future", headers=key, json={"request_id": rid}).json()["model_id"]
+            assert sum(1 for s in svc.backend.trainer.slots if s is None) == free_before - 1
+            deadline = time.monotonic() + 120
+            while model_id in svc.models and time.monotonic() < deadline:
+                time.sleep(0.2)  # polling a condition with a deadline
+            assert model_id not in svc.models
+            assert http.post("session_heartbeat", headers=key, json={"session_id": sid}).status_code == 404
+    finally:
+        svc.session_timeout_s = 300.0
+    saved = list((svc.checkpoint_root / "t3" / model_id.replace(":", "_") / "weights").glob("expired-*"))
+    assert len(saved) == 1 and (saved[0] / "slot_state.json").is_file()
+    assert sum(1 for s in svc.backend.trainer.slots if s is None) == free_before
