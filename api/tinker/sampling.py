@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,8 +34,12 @@ class SamplingSession:
 
 
 class SglangSampler:
-    def __init__(self, engine_url: str, *, request_timeout_s: float = 600.0):
+    def __init__(self, engine_url: str, *, request_timeout_s: float = 600.0, max_loaded: int = 6):
+        """``max_loaded``: adapters kept loaded in the engine (below its max_loaded_loras); the least
+        recently used session's adapter is unloaded to make room, and loaded again when used."""
         self.engine_url = engine_url
+        self.max_loaded = max_loaded
+        self._loaded: OrderedDict[str, SamplingSession] = OrderedDict()
         self.request_timeout_s = request_timeout_s
         self.sessions: dict[str, SamplingSession] = {}
         self._client: EngineClient | None = None
@@ -80,11 +85,17 @@ class SglangSampler:
             return user_error(str(err))
         engine = self._engine()
         try:
-            if session.lora_name is not None and not session.loaded:
+            if session.lora_name is not None:
                 async with self._load_lock:
                     if not session.loaded:
+                        while len(self._loaded) >= self.max_loaded:
+                            _, old = self._loaded.popitem(last=False)
+                            await engine.unload_adapter(old.lora_name)
+                            old.loaded = False
                         await engine.load_adapter(session.lora_name, AdapterWeights.from_folder(session.folder), transfer="disk")
                         session.loaded = True
+                        self._loaded[session.lora_name] = session
+                    self._loaded.move_to_end(session.lora_name)
             results = await asyncio.gather(*(
                 engine.generate(rid=f"tinker::{uuid.uuid4().hex}", input_ids=prompt, sampling_params=sp, lora_name=session.lora_name)
                 for _ in range(num_samples)))
