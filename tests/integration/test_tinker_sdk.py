@@ -273,3 +273,30 @@ def test_silent_session_is_saved_and_its_slot_freed(world):
     saved = list((svc.checkpoint_root / "t3" / model_id.replace(":", "_") / "weights").glob("expired-*"))
     assert len(saved) == 1 and (saved[0] / "slot_state.json").is_file()
     assert sum(1 for s in svc.backend.trainer.slots if s is None) == free_before
+
+
+def test_forward_and_client_side_custom_loss(world, tiny_world):
+    """forward() gives forward_backward's outputs without a gradient; forward_backward_custom
+    (the SDK's client-side path: forward, then a linear cross_entropy) gives the gradient of
+    the custom loss: here -sum(logprobs * weights), so equal to cross_entropy's."""
+    svc, url = world
+    sc = client(url, "t2")
+    ce, custom = training_client(sc, seed=8), training_client(sc, seed=8)
+    data = sft_data(ce.get_tokenizer(), tiny_world, 70, 3)
+    fwd = ce.forward(data, "cross_entropy").result()
+    assert not slot_state(svc, ce.model_id)["grad.1.decoder.layers.0.self_attention.linear_qkv"].any()
+    fb = ce.forward_backward(data, "cross_entropy").result()
+    assert fwd.metrics["loss:sum"] == pytest.approx(fb.metrics["loss:sum"], rel=1e-6)
+    for a, b in zip(fwd.loss_fn_outputs, fb.loss_fn_outputs):
+        assert torch.allclose(a["logprobs"].to_torch(), b["logprobs"].to_torch(), atol=1e-6)
+
+    def neg_weighted_ll(batch, logprobs_list):
+        loss = sum(-(lp * d.loss_fn_inputs["weights"].to_torch()).sum() for d, lp in zip(batch, logprobs_list))
+        return loss, {}
+
+    custom.forward_backward_custom(data, neg_weighted_ll).result()
+    want, got = slot_state(svc, ce.model_id), slot_state(svc, custom.model_id)
+    grads = [k for k in want if k.startswith("grad.")]
+    assert max(max_rel_err(got[k], want[k]) for k in grads if want[k].abs().max() > 0) <= 1e-5
+    for m in (ce, custom):
+        svc.unload(m.model_id)
