@@ -253,6 +253,8 @@ class TinkerService:
             try:
                 self.backend.load_state(model_id, folder, body.optimizer)
             except ValueError as err:
+                if body.model_id is None:  # a model created for this load does not outlive it
+                    self.unload(model_id)
                 return user_error(str(err))
             return Outcome(json={"type": "load_weights", "path": body.path, "model_id": model_id})
 
