@@ -23,6 +23,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -414,6 +415,83 @@ class MultiLoraTrainer:
         stepped = sorted(s for s, rs in reports.items() if any(not r.skipped_nonfinite for r in rs))
         skipped = sorted(s for s, rs in reports.items() if any(r.skipped_nonfinite for r in rs))
         return TrainResult(slots=metrics, stepped=stepped, skipped_nonfinite=skipped, dropped_foreign=dropped)
+
+    def packed_lora_pass(
+        self, sequences: list[list[int]], slot_ids: list[int], targets: list[list[int]],
+        loss_of: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """One packed stream with each sequence's slot LoRA on: log p(targets[i][t] | sequences[i][:t+1])
+        for every position, returned detached as one fp32 [T] tensor in the given order.
+
+        For tenant-driven calls (the Tinker API, trainer/tinker_ops.py), whose targets are given
+        per position rather than taken from the next token. ``slot_ids`` must be non-decreasing
+        (each slot one contiguous segment). With ``loss_of`` (differentiable [T] log-probs ->
+        scalar) the scalar is back-propagated: gradients ACCUMULATE into the slots' gradient
+        rows, nothing steps. Without it, no graph is built. Collective over TP (same arguments
+        on every rank); needs the packed path (``TrainerConfig.packed``)."""
+        if not self.config.packed:
+            raise ValueError("packed_lora_pass needs TrainerConfig.packed (fused or TransformerEngine layer spec)")
+        if any(a > b for a, b in zip(slot_ids, slot_ids[1:])):
+            raise ValueError(f"slot_ids must be non-decreasing, got {slot_ids}")
+        for s in set(slot_ids):
+            self._state(s)
+        cfg = self.config
+        chunk = cfg.logprob_chunk_tokens if cfg.chunked_logprobs else None
+        tpg = tp_group() if cfg.tp > 1 else None
+        packed = pack_sequences(sequences, slot_ids, cfg.num_slots, device=self.device)
+        flat_targets = torch.tensor([t for seq in targets for t in seq], dtype=torch.long, device=self.device)
+        self.routing.disable()
+        try:
+            self.routing.set_packed(packed, self.scales)
+            if loss_of is None:
+                with torch.no_grad():
+                    return packed_token_logprobs(self.base, packed, flat_targets, chunk_tokens=chunk, tp_group=tpg).float()
+            lp = packed_token_logprobs(self.base, packed, flat_targets, chunk_tokens=chunk, tp_group=tpg)
+            loss_of(lp).backward()
+            self.buffers.check_grads_in_place()
+            return lp.detach().float()
+        finally:
+            self.routing.disable()  # kept set through backward: recomputation runs the LoRA layers again
+
+    @torch.no_grad()
+    def adam_step_slot(self, slot: int, *, lr: float, beta1: float, beta2: float, eps: float,
+                       weight_decay: float, max_grad_norm: float | None) -> dict:
+        """Apply the slot's accumulated gradient AS IS (no normalization: the caller's loss
+        defines the scale) with per-call AdamW parameters, then zero it. The slot's update
+        count ``step`` advances by one (Adam's bias correction uses it). A non-finite gradient
+        changes nothing but zeroes the gradient and is reported. Only dp == 1 (the gradient
+        would first need a DP reduction). Collective over TP."""
+        state = self._state(slot)
+        if self.layout.dp_size > 1:
+            raise ValueError("adam_step_slot supports dp == 1 only")
+        buf = self.buffers
+        grads = buf.rows(buf.grad, [slot])
+        sq_split = torch.linalg.vector_norm(grads[:, : buf.split_cols], dim=1, dtype=torch.float32).square()
+        sq_repl = torch.linalg.vector_norm(grads[:, buf.split_cols :], dim=1, dtype=torch.float32).square()
+        if self.config.tp > 1:
+            dist.all_reduce(sq_split, group=tp_group())
+        grad_norm = float((sq_split + sq_repl).sqrt()[0])
+        if not math.isfinite(grad_norm):
+            buf.grad.index_fill_(0, torch.tensor([slot], device=self.device), 0.0)
+            return {"grad_norm": grad_norm, "skipped_nonfinite": True, "step": state.step}
+        state.step += 1
+        f64 = lambda x: torch.tensor([x], dtype=torch.float64)  # noqa: E731
+        cols = AdamwColumns.build(
+            buf.weight.dtype, self.device, grad_scale=f64(clip_coefficient(grad_norm, max_grad_norm)), lr=f64(lr),
+            weight_decay=f64(weight_decay), beta1=f64(beta1), beta2=f64(beta2), eps=f64(eps), step=f64(state.step),
+        )
+        adamw_apply(buf.weight, buf.grad, buf.exp_avg, buf.exp_avg_sq, [slot], cols)  # zeroes its gradient
+        return {"grad_norm": grad_norm, "skipped_nonfinite": False, "step": state.step}
+
+    @torch.no_grad()
+    def reset_optimizer(self, slot: int) -> None:
+        """Adam moments, update count and pending gradient of the slot to zero (weights kept)."""
+        state = self._state(slot)
+        idx = torch.tensor([slot], device=self.device)
+        for t in (self.buffers.exp_avg, self.buffers.exp_avg_sq, self.buffers.grad):
+            t.index_fill_(0, idx, 0.0)
+        state.step, state.pending_samples = 0, 0
+        state.pending = torch.zeros(N_STATS, dtype=torch.float64)
 
     def _normalizer(self, state: SlotState, stats: torch.Tensor) -> float:
         h = state.hyper

@@ -1,0 +1,102 @@
+"""The SDK's protobuf bodies: forward_backward requests in, ForwardBackwardOutput out.
+
+The SDK posts forward_backward (and forward, as ``forward_only``) as
+``application/x-protobuf`` (zstd-compressed when the server's client config asks for
+it; ours does not), and asks for ForwardBackwardOutput results as protobuf. The
+message classes are the SDK's own generated module (``tinker.proto``), so the two
+sides cannot drift apart. Only text chunks are accepted (no images or audio).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from trainer.tinker_ops import CallResult, Datum
+
+PROTO_CONTENT_TYPE = "application/x-protobuf"
+
+
+def _pb():  # noqa: ANN202 - generated module
+    from tinker.proto import tinker_public_pb2
+
+    return tinker_public_pb2
+
+
+@dataclass
+class ForwardBackwardBody:
+    model_id: str
+    seq_id: int
+    loss_fn: str
+    loss_fn_config: dict[str, float]
+    forward_only: bool
+    data: list[Datum]
+
+
+_DTYPES = {1: np.float32, 2: np.int64, 3: np.int32}
+
+
+def _tensor(msg, what: str) -> torch.Tensor:  # noqa: ANN001 - pb Tensor
+    if msg.HasField("sparse_csr"):
+        raise ValueError(f"{what}: sparse tensors are not supported; send dense arrays")
+    dtype = _DTYPES.get(msg.dtype)
+    if dtype is None:
+        raise ValueError(f"{what}: dtype {msg.dtype} not supported (float32 or int64)")
+    arr = np.frombuffer(msg.dense, dtype=dtype).copy()
+    shape = list(msg.shape) or [arr.size]
+    if int(np.prod(shape)) != arr.size:
+        raise ValueError(f"{what}: shape {shape} does not match its {arr.size} values")
+    t = torch.from_numpy(arr.reshape(shape))
+    return t.to(torch.int64) if dtype != np.float32 else t
+
+
+def decode_forward_backward(body: bytes, content_encoding: str | None = None) -> ForwardBackwardBody:
+    """ValueError with what was wrong for a body that is not a usable request."""
+    if content_encoding and content_encoding.lower() == "zstd":
+        import zstandard
+
+        body = zstandard.ZstdDecompressor().decompress(body, max_output_size=1 << 30)
+    msg = _pb().ForwardBackwardRequest()
+    try:
+        msg.ParseFromString(body)
+    except Exception as err:  # noqa: BLE001 - protobuf's DecodeError and friends
+        raise ValueError(f"body is not a ForwardBackwardRequest protobuf: {err}") from None
+    if msg.loss_fn_config_v2:
+        config: dict[str, float] = {}
+        for k, v in msg.loss_fn_config_v2.items():
+            if v.WhichOneof("value") == "text":
+                raise ValueError(f"loss_fn_config[{k!r}] is text; only numbers are supported")
+            config[k] = v.number
+    else:
+        config = dict(msg.loss_fn_config)
+    data = []
+    for i, d in enumerate(msg.data):
+        tokens: list[int] = []
+        for chunk in d.model_input:
+            kind = chunk.WhichOneof("chunk") if chunk.DESCRIPTOR.oneofs else None
+            if kind not in (None, "encoded_text"):
+                raise ValueError(f"datum {i}: model_input chunk kind {kind!r} not supported; only encoded text")
+            tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist())
+        inputs = {k: _tensor(v, f"datum {i}: loss_fn_inputs[{k!r}]") for k, v in d.loss_fn_inputs.items()}
+        data.append(Datum(tokens=tokens, inputs=inputs))
+    return ForwardBackwardBody(model_id=msg.model_id, seq_id=msg.seq_id, loss_fn=msg.loss_fn, loss_fn_config=config,
+                               forward_only=msg.forward_only, data=data)
+
+
+def encode_forward_backward_output(result: CallResult) -> bytes:
+    """One ArrayRecord holding every datum's outputs (float32, one flat array per datum)."""
+    pb = _pb()
+    out = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", metrics=result.metrics)
+    record = out.loss_fn_outputs.add()
+    record.type_tag = "ArrayRecord"
+    record.num_datums = len(result.outputs)
+    for name in (result.outputs[0] if result.outputs else {}):
+        arrays = [o[name].numpy().astype(np.float32).ravel() for o in result.outputs]
+        offsets = np.cumsum([0] + [a.nbytes for a in arrays]).astype(np.int64)
+        bt = record.fields[name]
+        bt.data = b"".join(a.tobytes() for a in arrays)
+        bt.offsets = offsets.tobytes()
+        bt.dtype = pb.DTYPE_FLOAT32
+    return out.SerializeToString()

@@ -1,0 +1,251 @@
+"""``tinker_router(service)``: the Tinker wire protocol under ``/api/v1``.
+
+Thin handlers: authenticate (key -> tenant), check ownership (another tenant's
+session, model or future id is 404, as if it did not exist), enqueue the work on the
+model's queue (coalescer.py) and answer the future's id; the result comes through
+``retrieve_future``. Bad input that the SDK would only learn about through the future
+(bad data, unsupported LoRA options, unknown checkpoint) is reported there, with
+category ``user`` and a message saying what is allowed; nothing changes for anyone.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, HTTPException, Request, Response
+from fastapi.responses import JSONResponse
+
+from api.tinker import wire
+from api.tinker.coalescer import Op
+from api.tinker.futures import Outcome, user_error
+from api.tinker.proto_io import PROTO_CONTENT_TYPE, decode_forward_backward, encode_forward_backward_output
+from api.tinker.service import TinkerService
+from api.tinker.backend import ModelCall
+from trainer.tinker_ops import AdamStep, CallResult
+
+
+def _fb_outcome(result: CallResult) -> Outcome:
+    if result.error is not None:
+        return user_error(result.error)
+    return Outcome(proto=encode_forward_backward_output(result))
+
+
+def tinker_router(service: TinkerService) -> APIRouter:
+    r = APIRouter(prefix="/api/v1")
+
+    def tenant(request: Request) -> str:
+        return service.keys.authenticate(request)
+
+    def future(t: str, model_id: str | None) -> tuple[str, dict]:
+        rid = service.futures.create(t, model_id)
+        body = {"request_id": rid}
+        if model_id:
+            body["model_id"] = model_id
+        return rid, body
+
+    # -- service --------------------------------------------------------------------------------
+
+    @r.get("/healthz")
+    async def healthz() -> dict:
+        return {"status": "ok"}
+
+    @r.post("/client/config")
+    async def client_config(request: Request) -> dict:
+        tenant(request)
+        # httpx transport (no pyqwest), plain protobuf bodies, no JWT exchange.
+        return {"pjwt_auth_enabled": False, "use_pyqwest_transport": False, "proto_compress_fwdbwd": False}
+
+    @r.post("/client/dynamic_config")
+    async def client_dynamic_config(request: Request) -> dict:
+        tenant(request)
+        return {}
+
+    @r.post("/telemetry")
+    async def telemetry(request: Request) -> dict:
+        tenant(request)
+        return {"status": "accepted"}
+
+    @r.get("/get_server_capabilities")
+    async def capabilities(request: Request) -> dict:
+        tenant(request)
+        b = service.backend
+        return {"supported_models": [{"model_name": b.base_model, "max_context_length": b.max_seq_len,
+                                      "trainable": True, "sampleable": service.sampler is not None}]}
+
+    @r.post("/create_session")
+    async def create_session(body: wire.CreateSessionRequest, request: Request) -> dict:
+        return {"type": "create_session", "session_id": service.create_session(tenant(request))}
+
+    @r.post("/session_heartbeat")
+    async def heartbeat(body: wire.SessionRequest, request: Request) -> dict:
+        service.session(tenant(request), body.session_id).touch()
+        return {"type": "session_heartbeat"}
+
+    @r.post("/sessions/{session_id}/finish")
+    async def finish_session(session_id: str, request: Request) -> dict:
+        await service.finish_session(tenant(request), session_id)
+        return {}
+
+    # -- models -----------------------------------------------------------------------------------
+
+    @r.post("/create_model")
+    async def create_model(body: wire.CreateModelRequest, request: Request) -> dict:
+        t = tenant(request)
+        service.session(t, body.session_id)
+        model_id = service.model_id(body.session_id, body.model_seq_id)
+        rid, answer = future(t, model_id)
+        service.futures.resolve(rid, await service.create_model(t, body, model_id))
+        return answer
+
+    @r.post("/get_info")
+    async def get_info(body: wire.ModelRequest, request: Request) -> dict:
+        m = service.model(tenant(request), body.model_id)
+        b = service.backend
+        return {"type": "get_info", "model_id": m.model_id, "is_lora": True, "lora_rank": m.rank,
+                "model_name": b.base_model,
+                "model_data": {"arch": "lorafleet", "model_name": b.base_model, "tokenizer_id": b.tokenizer_id}}
+
+    @r.post("/unload_model")
+    async def unload_model(body: wire.ModelRequest, request: Request) -> dict:
+        t = tenant(request)
+        service.model(t, body.model_id)
+        rid, answer = future(t, body.model_id)
+        service.coalescer.submit(Op(body.model_id, rid, run=lambda: service.unload(body.model_id)))
+        return answer
+
+    # -- training ---------------------------------------------------------------------------------
+
+    @r.post("/forward_backward")
+    async def forward_backward(request: Request) -> dict:
+        t = tenant(request)
+        try:
+            fb = decode_forward_backward(await request.body(), request.headers.get("content-encoding"))
+        except ValueError as err:
+            raise HTTPException(400, str(err)) from None
+        service.model(t, fb.model_id)
+        rid, answer = future(t, fb.model_id)
+        call = ModelCall(fb.model_id, fb.data, fb.loss_fn, fb.loss_fn_config)
+        if fb.forward_only:
+            run = lambda: _fb_outcome(service.backend.forward([call])[0])  # noqa: E731
+            service.coalescer.submit(Op(fb.model_id, rid, run=run))
+        else:
+            service.coalescer.submit(Op(fb.model_id, rid, call=call, to_outcome=_fb_outcome))
+        return answer
+
+    @r.post("/optim_step")
+    async def optim_step(body: wire.OptimStepRequest, request: Request) -> dict:
+        t = tenant(request)
+        service.model(t, body.model_id)
+        rid, answer = future(t, body.model_id)
+        if body.adam_params is None or body.adam_params.type not in (None, "adam", "adamw"):
+            service.futures.resolve(rid, user_error("only Adam(W) optimizer steps are supported: send adam_params"))
+            return answer
+        p = body.adam_params
+        adam = AdamStep(learning_rate=p.learning_rate, beta1=p.beta1, beta2=p.beta2, eps=p.eps,
+                        weight_decay=p.weight_decay, grad_clip_norm=p.grad_clip_norm)
+
+        def run() -> Outcome:
+            try:
+                metrics = service.backend.optim_step(body.model_id, adam)
+            except ValueError as err:
+                return user_error(str(err))
+            return Outcome(json={"type": "optim_step", "metrics": {f"{k}:last": v for k, v in metrics.items()}})
+
+        service.coalescer.submit(Op(body.model_id, rid, run=run))
+        return answer
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    @r.post("/save_weights")
+    async def save_weights(body: wire.SaveWeightsRequest, request: Request) -> dict:
+        return service.submit_save(tenant(request), body, kind="weights")
+
+    @r.post("/save_weights_for_sampler")
+    async def save_weights_for_sampler(body: wire.SaveWeightsRequest, request: Request) -> dict:
+        return service.submit_save(tenant(request), body, kind="sampler_weights")
+
+    @r.post("/load_weights")
+    async def load_weights(body: wire.LoadWeightsRequest, request: Request) -> dict:
+        return await service.submit_load(tenant(request), body)
+
+    @r.post("/weights_info")
+    async def weights_info(body: wire.WeightsInfoRequest, request: Request) -> dict:
+        t = tenant(request)
+        try:
+            folder = service.checkpoint_folder(t, body.tinker_path, kinds=("weights",))
+            lora = service.backend.checkpoint_lora(folder)
+        except ValueError as err:
+            raise HTTPException(404, str(err)) from None
+        return {"base_model": service.backend.base_model, "is_lora": True, "lora_rank": lora.rank,
+                "train_unembed": False, "train_mlp": True, "train_attn": True}
+
+    # -- sampling ---------------------------------------------------------------------------------
+
+    @r.post("/create_sampling_session")
+    async def create_sampling_session(body: wire.CreateSamplingSessionRequest, request: Request) -> dict:
+        t = tenant(request)
+        service.session(t, body.session_id)
+        try:
+            folder = service.sampling_folder(t, body.base_model, body.model_path)
+        except ValueError as err:
+            raise HTTPException(404 if body.model_path else 400, str(err)) from None
+        sid = service.sampler.create_session(t, folder, body.model_path)
+        return {"type": "create_sampling_session", "sampling_session_id": sid}
+
+    @r.get("/samplers/{sampler_id}")
+    async def get_sampler(sampler_id: str, request: Request) -> dict:
+        s = service.sampler.session(tenant(request), sampler_id) if service.sampler else None
+        if s is None:
+            raise HTTPException(404, f"unknown sampler {sampler_id}")
+        return {"sampler_id": sampler_id, "base_model": service.backend.base_model, "model_path": s.model_path}
+
+    @r.post("/asample")
+    async def asample(body: wire.SampleRequest, request: Request) -> dict:
+        t = tenant(request)
+        rid = service.futures.create(t, None)
+        answer = {"request_id": rid, "sample_sequence_ids": [f"{rid}-{i}" for i in range(body.num_samples)]}
+        try:
+            if body.prompt_logprobs or body.topk_prompt_logprobs or body.topk_sample_logprobs:
+                raise ValueError("prompt logprobs and top-k logprobs are not served yet; sample without them")
+            prompt = body.prompt.tokens()
+            if not prompt or min(prompt) < 0:
+                raise ValueError("prompt needs at least one token id >= 0")
+            if body.sampling_session_id is not None:
+                session = service.sampler.session(t, body.sampling_session_id) if service.sampler else None
+                if session is None:
+                    raise HTTPException(404, f"unknown sampling session {body.sampling_session_id}")
+            else:
+                folder = service.sampling_folder(t, body.base_model, body.model_path)
+                session = service.sampler.sessions[service.sampler.create_session(t, folder, body.model_path)]
+        except ValueError as err:
+            service.futures.resolve(rid, user_error(str(err)))
+            return answer
+
+        async def run() -> None:
+            service.futures.resolve(rid, await service.sampler.sample(session, prompt, body.num_samples, body.sampling_params))
+
+        service.background(run())
+        return answer
+
+    # -- futures ----------------------------------------------------------------------------------
+
+    @r.post("/retrieve_future")
+    async def retrieve_future(body: wire.FutureRequest, request: Request) -> Response:
+        t = tenant(request)
+        try:
+            outcome = await service.futures.retrieve(t, body.request_id)
+        except KeyError:
+            raise HTTPException(404, f"unknown request id {body.request_id}") from None
+        if outcome is None:
+            return JSONResponse({"type": "try_again", "request_id": body.request_id, "queue_state": "active"})
+        if outcome.proto is not None:
+            return Response(outcome.proto, media_type=PROTO_CONTENT_TYPE)
+        return JSONResponse(outcome.json)
+
+    @r.post("/cancel_future")
+    async def cancel_future(body: wire.FutureRequest, request: Request) -> dict:
+        try:
+            cancelled = service.futures.cancel(tenant(request), body.request_id)
+        except KeyError:
+            raise HTTPException(404, f"unknown request id {body.request_id}") from None
+        return {"cancelled": cancelled}
+
+    return r

@@ -1,0 +1,39 @@
+"""A Tinker-only app over an in-process trainer: tests, the CPU benchmark, and the
+single-process example in docs/tinker.md. (The service mounts ``tinker_router`` in
+its own app instead.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastapi import FastAPI
+
+from api.tinker.auth import TenantKeys
+from api.tinker.backend import InProcessBackend
+from api.tinker.routes import tinker_router
+from api.tinker.service import TinkerService
+
+
+def in_process_service(model_dir: str | Path, keys: TenantKeys, checkpoint_root: str | Path, *, num_slots: int = 8,
+                       max_rank: int = 16, base_model: str | None = None, window_s: float = 0.02,
+                       micro_batch_tokens: int = 16384, max_seq_len: int = 4096,
+                       sglang_url: str | None = None, session_timeout_s: float | None = 300.0) -> TinkerService:
+    """``sglang_url``: an SGLang server of the same model with LoRA enabled, for sampling."""
+    from trainer.config import TrainerConfig
+    from trainer.core import MultiLoraTrainer
+
+    trainer = MultiLoraTrainer(TrainerConfig(base_model_path=str(model_dir), num_slots=num_slots, max_rank=max_rank,
+                                             micro_batch_tokens=micro_batch_tokens))
+    backend = InProcessBackend(trainer, base_model=base_model or Path(model_dir).name, tokenizer_id=str(model_dir),
+                               max_seq_len=max_seq_len)
+    from api.tinker.sampling import SglangSampler
+
+    sampler = SglangSampler(sglang_url) if sglang_url else None
+    return TinkerService(backend, keys, checkpoint_root, window_s=window_s, sampler=sampler,
+                         session_timeout_s=session_timeout_s)
+
+
+def tinker_app(service: TinkerService) -> FastAPI:
+    app = FastAPI(title="lorafleet Tinker API")
+    app.include_router(tinker_router(service))
+    return app

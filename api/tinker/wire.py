@@ -1,0 +1,120 @@
+"""Pydantic models of the JSON bodies the SDK (tinker 0.38.0) sends and receives under
+``/api/v1``. Requests ignore fields added by newer SDKs (the SDK's own ``type`` tags,
+telemetry-only fields); what we act on is validated. forward_backward travels as
+protobuf (proto_io.py), not JSON."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _In(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+class CreateSessionRequest(_In):
+    tags: list[str] = []
+    user_metadata: dict[str, Any] | None = None
+    sdk_version: str | None = None
+
+
+class SessionRequest(_In):
+    session_id: str
+
+
+class LoraConfigIn(_In):
+    rank: int = Field(ge=1)
+    seed: int | None = None
+    train_unembed: bool = True
+    train_mlp: bool = True
+    train_attn: bool = True
+
+
+class CreateModelRequest(_In):
+    session_id: str
+    model_seq_id: int = Field(ge=0)
+    base_model: str
+    lora_config: LoraConfigIn | None = None
+    optimizer_config: dict[str, Any] | None = None
+    user_metadata: dict[str, Any] | None = None
+
+
+class ModelRequest(_In):
+    model_id: str
+
+
+class AdamParamsIn(_In):
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+    type: str | None = None
+
+
+class OptimStepRequest(_In):
+    model_id: str
+    adam_params: AdamParamsIn | None = None
+    optimizer_params: dict[str, Any] | None = None
+    seq_id: int | None = None
+
+
+class SaveWeightsRequest(_In):
+    model_id: str
+    path: str | None = None
+    seq_id: int | None = None
+    sampling_session_seq_id: int | None = None  # save_weights_for_sampler: also open a sampling session
+
+
+class CreateSamplingSessionRequest(_In):
+    session_id: str
+    sampling_session_seq_id: int | None = None
+    base_model: str | None = None
+    model_path: str | None = None
+
+
+class ModelInputIn(_In):
+    chunks: list[dict[str, Any]]
+
+    def tokens(self) -> list[int]:
+        out: list[int] = []
+        for c in self.chunks:
+            if c.get("type", "encoded_text") != "encoded_text" or "tokens" not in c:
+                raise ValueError(f"prompt chunk of type {c.get('type')!r} not supported; only encoded text")
+            out.extend(int(t) for t in c["tokens"])
+        return out
+
+
+class SampleRequest(_In):
+    num_samples: int = Field(1, ge=1, le=1024)
+    prompt: ModelInputIn
+    sampling_params: dict[str, Any] = {}
+    base_model: str | None = None
+    model_path: str | None = None
+    sampling_session_id: str | None = None
+    seq_id: int | None = None
+    prompt_logprobs: bool | None = None
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
+
+
+class LoadWeightsRequest(_In):
+    model_id: str | None = None
+    seq_id: int | None = None
+    session_id: str | None = None
+    model_seq_id: int | None = None
+    base_model: str | None = None
+    path: str
+    optimizer: bool = False
+
+
+class WeightsInfoRequest(_In):
+    tinker_path: str
+
+
+class FutureRequest(_In):
+    request_id: str
+    allow_metadata_only: bool = False

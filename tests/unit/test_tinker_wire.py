@@ -1,0 +1,195 @@
+"""The Tinker wire pieces alone: keys, loss resolution, protobuf bodies against the SDK's own
+encoder/decoder, the futures' try-again protocol, and the coalescer's ordering rule."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.unit
+
+
+# -- keys ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "mapping, message",
+    [
+        ({"alice": "sk-alice-123456789"}, "must be a string starting with 'tml-'"),
+        ({"alice": "tml-short"}, "at least 8 more characters"),
+        ({"alice": "tml-same-key-1234", "bob": "tml-same-key-1234"}, "share one key"),
+        ({"bad name": "tml-alice-123456789"}, "tenant name 'bad name' invalid"),
+        ({"alice": 12345}, "must be a string"),
+    ],
+)
+def test_bad_key_files_are_refused(mapping, message):
+    from api.tinker.auth import TenantKeys
+
+    with pytest.raises(ValueError, match=message):
+        TenantKeys(mapping)
+
+
+def test_key_file_maps_keys_to_tenants(tmp_path):
+    from api.tinker.auth import TenantKeys
+
+    f = tmp_path / "keys.yaml"
+    f.write_text("alice: tml-alice-123456789\nbob: tml-bob-987654321\n")
+    keys = TenantKeys.from_file(f)
+    assert keys.tenant_of("tml-bob-987654321") == "bob"
+    assert keys.tenant_of("tml-nobody-0000000") is None and keys.tenant_of(None) is None
+    f.write_text("- alice\n")
+    with pytest.raises(ValueError, match="mapping of 'tenant: key'"):
+        TenantKeys.from_file(f)
+
+
+# -- losses ---------------------------------------------------------------------------------------
+
+
+def test_loss_resolution_defaults_and_refusals():
+    from trainer.tinker_losses import resolve_loss
+
+    assert resolve_loss("ppo", None)[1] == {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+    assert resolve_loss("cispo", {"clip_high_threshold": 2})[1] == {"clip_low_threshold": 0.8, "clip_high_threshold": 2.0}
+    assert resolve_loss("dro", {"beta": 0.05})[1] == {"beta": 0.05}
+    for loss_fn, cfg, message in [
+        ("dro", None, r"needs loss_fn_config\['beta'\]"),
+        ("ppo", {"clip": 0.2}, r"keys \['clip'\] are not known to 'ppo'; allowed: \['clip_high_threshold', 'clip_low_threshold'\]"),
+        ("cross_entropy", {"beta": 1}, "allowed: none"),
+        ("ppo", {"clip_low_threshold": 1.5}, "clip_low_threshold <= clip_high_threshold"),
+        ("dro", {"beta": float("inf")}, "must be a finite number"),
+        ("custom", None, "server-side custom losses are not supported"),
+        ("mse", None, "unknown loss_fn 'mse'; supported: \\['cispo', 'cross_entropy', 'dro', 'importance_sampling', 'ppo'\\]"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            resolve_loss(loss_fn, cfg)
+
+
+def test_loss_values_follow_the_definitions():
+    from trainer.tinker_losses import LOSSES
+
+    lp = torch.tensor([-1.0, -2.0, -0.5])
+    q = torch.tensor([-1.2, -1.0, -0.5])
+    adv = torch.tensor([1.0, -2.0, 0.5])
+    inp = {"logprobs": q, "advantages": adv, "weights": torch.tensor([0.0, 1.0, 2.0])}
+    ratio = torch.exp(lp - q)
+    clip = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+    expected = {
+        "cross_entropy": (torch.tensor([0.0, 2.0, 1.0]), {}),
+        "importance_sampling": (-ratio * adv, {}),
+        "ppo": (torch.stack([-torch.min(r * a, torch.clamp(r, 0.8, 1.2) * a) for r, a in zip(ratio, adv)]), clip),
+        "cispo": (-torch.clamp(ratio, 0.8, 1.2) * lp * adv, clip),
+        "dro": (-(lp * adv - 0.5 * 0.3 * (lp - q) ** 2), {"beta": 0.3}),
+    }
+    for name, (want, cfg) in expected.items():
+        assert torch.allclose(LOSSES[name].fn(lp, inp, cfg), want), name
+
+
+# -- protobuf ---------------------------------------------------------------------------------------
+
+
+def _sdk_request(**cfg):
+    from tinker import types
+
+    datum = types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7]),
+                        loss_fn_inputs={"target_tokens": [6, 7, 8], "weights": [0.0, 1.0, 0.5]})
+    return types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=[datum, datum], loss_fn="ppo", loss_fn_config=cfg or None),
+        model_id="s-1:train:0", seq_id=3)
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_forward_backward_body_decodes_what_the_sdk_encodes(compress):
+    import zstandard
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+
+    from api.tinker.proto_io import decode_forward_backward
+
+    msg = forward_backward_request_to_proto(_sdk_request(clip_low_threshold=0.7))
+    msg.forward_only = True
+    body = msg.SerializeToString()
+    if compress:
+        body = zstandard.ZstdCompressor().compress(body)
+    fb = decode_forward_backward(body, "zstd" if compress else None)
+    assert (fb.model_id, fb.seq_id, fb.loss_fn, fb.forward_only) == ("s-1:train:0", 3, "ppo", True)
+    assert fb.loss_fn_config == {"clip_low_threshold": pytest.approx(0.7)}
+    assert len(fb.data) == 2 and fb.data[1].tokens == [5, 6, 7]
+    assert fb.data[0].inputs["target_tokens"].dtype == torch.int64 and fb.data[0].inputs["target_tokens"].tolist() == [6, 7, 8]
+    assert fb.data[0].inputs["weights"].tolist() == [0.0, 1.0, 0.5]
+    with pytest.raises(ValueError, match="not a ForwardBackwardRequest protobuf"):
+        decode_forward_backward(b"\xff\xff\xff")
+
+
+def test_forward_backward_output_reads_back_in_the_sdk():
+    from tinker.proto.response_conv import deserialize_forward_backward_output
+
+    from api.tinker.proto_io import encode_forward_backward_output
+    from trainer.tinker_ops import CallResult
+
+    res = CallResult(outputs=[{"logprobs": torch.tensor([-1.0, -2.0]), "elementwise_loss": torch.tensor([0.0, 2.0])},
+                              {"logprobs": torch.tensor([-0.5, -0.25, -3.0]), "elementwise_loss": torch.tensor([1.0, 1.0, 1.0])}],
+                     metrics={"loss:sum": 5.0})
+    out = deserialize_forward_backward_output(encode_forward_backward_output(res))
+    assert out.metrics == {"loss:sum": 5.0} and len(out.loss_fn_outputs) == 2
+    assert out.loss_fn_outputs[1]["logprobs"].tolist() == [-0.5, -0.25, -3.0]
+    assert out.loss_fn_outputs[0]["elementwise_loss"].tolist() == [0.0, 2.0]
+
+
+# -- futures and coalescing -------------------------------------------------------------------------------
+
+
+def test_futures_try_again_then_result_and_owner_only():
+    from api.tinker.futures import FutureStore, Outcome
+
+    async def scenario():
+        store = FutureStore(poll_s=0.01)
+        rid = store.create("alice", "m1")
+        assert await store.retrieve("alice", rid) is None  # still running: try again
+        with pytest.raises(KeyError):
+            await store.retrieve("bob", rid)
+        store.resolve(rid, Outcome(json={"type": "optim_step"}))
+        assert (await store.retrieve("alice", rid)).json == {"type": "optim_step"}
+        rid2 = store.create("alice", "m1")
+        assert store.cancel("alice", rid2) is True and "cancelled" in (await store.retrieve("alice", rid2)).json["error"]
+        assert store.cancel("alice", rid) is False
+
+    asyncio.run(scenario())
+
+
+def test_coalescer_mixes_models_and_keeps_each_models_order():
+    """Model a: fb, optim, fb; model b: fb, fb. Round 1 mixes a.fb1 + b.fb1 + b.fb2 (b's run of
+    calls), then a.optim runs alone, then a.fb2 in a mixed step of its own."""
+    from api.tinker.coalescer import Coalescer, Op
+    from api.tinker.futures import FutureStore, Outcome
+    from trainer.tinker_ops import CallResult
+
+    events: list = []
+
+    def forward_backward(calls):
+        events.append(("mixed", [c for c in calls]))
+        return [CallResult(metrics={"loss:sum": 0.0}) for _ in calls]
+
+    async def scenario():
+        store = FutureStore(poll_s=5)
+        co = Coalescer(forward_backward, store, window_s=0.01)
+        rids = []
+
+        def submit(model, call=None, run=None):
+            rid = store.create("t", model)
+            rids.append(rid)
+            co.submit(Op(model, rid, call=call, run=run, to_outcome=lambda r: Outcome(json=r.metrics)))
+
+        submit("a", call="a.fb1")
+        submit("a", run=lambda: events.append(("single", "a.optim")) or Outcome(json={}))
+        submit("a", call="a.fb2")
+        submit("b", call="b.fb1")
+        submit("b", call="b.fb2")
+        for rid in rids:
+            assert await store.retrieve("t", rid) is not None
+        await co.stop()
+        return co.stats()
+
+    stats = asyncio.run(scenario())
+    assert events == [("mixed", ["a.fb1", "b.fb1", "b.fb2"]), ("single", "a.optim"), ("mixed", ["a.fb2"])]
+    assert stats["mixed_steps"] == 2 and stats["forward_backward_calls"] == 4 and stats["coalescing_factor"] == 2.0
