@@ -58,8 +58,9 @@ OBJECTIVES = {"rl": ["rl"] * 4, "sft": ["sft"] * 4, "mixed": ["rl", "sft", "rl",
 def make_hypers(objectives, eps=SMOOTH_ADAM):
     from trainer.config import SlotHyperParams
 
+    eps = tuple(eps) if isinstance(eps, (tuple, list)) else (eps,) * len(BASE_HYPERS)  # one per slot, or one for all
     out = []
-    for h, obj, e in zip(BASE_HYPERS, objectives, eps):
+    for h, obj, e in zip(BASE_HYPERS, objectives, eps, strict=True):
         h = dict(h, objective=obj, eps=e)
         if obj == "sft":
             for key in ("clip_low", "clip_high", "kl_coef"):
@@ -176,7 +177,7 @@ def trainer(tiny_world):
     from trainer.core import MultiLoraTrainer
 
     cfg = TrainerConfig(base_model_path=str(tiny_world / "model"), num_slots=4, max_rank=8,
-                        micro_batch_tokens=MICRO_BATCH_TOKENS, lora_kernel="auto")
+                        micro_batch_tokens=MICRO_BATCH_TOKENS, lora_kernel="auto", dtype="float32")  # fp32 on CUDA too
     return MultiLoraTrainer(cfg)
 
 
