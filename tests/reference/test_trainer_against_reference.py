@@ -20,7 +20,7 @@ error over all compared quantities: 1.2e-5 (Adam's second moments; losses <= 3.4
 gradient norms <= 3.3e-6, weights <= 5.2e-6); REL_TOL leaves a 4x margin. The four
 planted bugs of issue 13 (Adam betas swapped, KL sign flipped, every slot stepping with
 the first stepping slot's betas/eps, or with its weight decay) each fail this test by
-orders of magnitude more (numbers in the issue's closing note).
+orders of magnitude more (tests/reference/plant_mutation.py plants them and lists the margins).
 """
 
 from __future__ import annotations
