@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # The trainer's GPU tier and benchmarks in one go, on the device machine (docs/BENCHMARKS.md).
 # Usage (repo root, megatron wheels installed on PYTHONPATH): bash benchmarks/gpu_suite.sh OUTDIR [PARTS]
-# PARTS: comma list of tests,lora,mixed16k,mixed8k,frozen,packed (default: all).
+# PARTS: comma list of tests,fp32dev,lora,mixed16k,mixed8k,frozen,packed (default: all).
+# tests includes tests/gpu/test_fp32_gpu.py (fp32 mixed == alone on CUDA; TP=2 and DP=2 over
+# NCCL when 2 GPUs are present); fp32dev is benchmarks/fp32_deviation.py (which kernel makes
+# fp32 deviate; with 2 GPUs also TP=2 / DP=2).
 set -uo pipefail
 out=${1:?output folder}
-parts=${2:-tests,lora,mixed16k,mixed8k,frozen,packed}
+parts=${2:-tests,fp32dev,lora,mixed16k,mixed8k,frozen,packed}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 TORCHDYNAMO_DISABLE=1
+export PYTHONUNBUFFERED=1 TORCHDYNAMO_DISABLE=1 NCCL_NVLS_ENABLE=0
+ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
 has() { [[ ",$parts," == *",$1,"* ]]; }
 quiet() { grep -v -i -E "warn|deprecat|^\s*$|megatron\.|transformers\]" ; }
 nvidia-smi --query-gpu=name,clocks.sm,power.draw,memory.used --format=csv,noheader
@@ -15,6 +19,11 @@ if has tests; then
   # the Triton kernels' unit tests (marked unit) compiled on the device instead of interpreted
   python3 -m pytest -q -p no:cacheprovider tests/unit/test_triton_adamw.py tests/unit/test_triton_rope.py tests/unit/test_triton_lora.py 2>&1 \
     | tee "$out/triton_tests.log" | grep -E "passed|failed|error" | tail -3
+fi
+if has fp32dev; then
+  par=""; if [ "$ngpu" -ge 2 ]; then par="--parallel"; fi
+  python3 -m benchmarks.fp32_deviation --out "$out/fp32_deviation.json" $par > "$out/fp32_deviation.log" 2>&1
+  sed -n '/^mixed vs alone, fp32/,$p' "$out/fp32_deviation.log"
 fi
 if has lora; then python3 -m benchmarks.bench_lora_layer --out "$out/lora_layer.json" 2>&1 | tail -14; fi
 if has mixed16k; then

@@ -215,13 +215,16 @@ def packed_attention_flex(q, k, v, layout: DocumentLayout, scale: float):
     return out[0].transpose(0, 1)
 
 
-def resolve_packed_backend(backend: PackedBackend, device: torch.device, dropout_p: float) -> str:
+def resolve_packed_backend(backend: PackedBackend, device: torch.device, dropout_p: float,
+                           dtype: torch.dtype | None = None) -> str:
     if backend != "auto":
         return backend
     if device.type != "cuda":
         return "dense"
     if dropout_p > 0:
         return "dense"  # varlen/flex take no dropout; the dense path is exact and slow
+    if dtype == torch.float32:
+        return "dense"  # flash (varlen) kernels take 16-bit inputs only; fp32 is for proofs, not speed
     return "varlen" if varlen_available(device) else "flex"
 
 
@@ -328,7 +331,7 @@ class FusedCoreAttention(MegatronModule):
             raise ValueError(f"packed qkv_format {params.qkv_format!r}: allowed are 'thd' and {DOCUMENTS_FORMAT!r}")
         if not thd:  # [T, 1, heads, dim] -> [T, heads, dim]
             query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
-        backend = resolve_packed_backend(self.packed_backend, query.device, dropout_p)
+        backend = resolve_packed_backend(self.packed_backend, query.device, dropout_p, query.dtype)
         if backend != "dense" and dropout_p > 0:
             raise NotImplementedError(f"attention dropout is not supported by the {backend} packed backend")
         with self._dropout_rng(dropout_p):

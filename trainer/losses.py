@@ -13,12 +13,16 @@ to the accumulated gradient when the slot steps (config.py explains why this
 gives each adapter exactly its alone-gradient).
 
 Masked positions are excluded with ``torch.where`` rather than multiplication so
-that a non-finite value at a pad cannot turn a sample's loss into NaN.
+that a non-finite value at a pad cannot turn a sample's loss into NaN; and the
+per-token inputs are set to 0 there *before* any arithmetic, so that such a value
+cannot turn the gradient into NaN either (the backward of ``where`` multiplies the
+unselected branch's gradient by 0, and 0 * NaN from ``exp`` of a non-finite input
+would still be NaN).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -74,6 +78,7 @@ def policy_gradient_token_loss(inp: TokenLossInputs) -> tuple[torch.Tensor, torc
 
 def sample_loss_numerators(inp: TokenLossInputs) -> tuple[torch.Tensor, TokenLossStats]:
     """[b] weighted per-sample loss sums (differentiable) and their statistics."""
+    inp = _zero_masked_positions(inp)
     sft_loss = -inp.logprobs
     rl_loss, ratio, was_clipped, kl = policy_gradient_token_loss(inp)
     is_rl = inp.is_rl.unsqueeze(1)
@@ -90,3 +95,13 @@ def sample_loss_numerators(inp: TokenLossInputs) -> tuple[torch.Tensor, TokenLos
         kl_sum=torch.where(rl_mask, kl, zero).sum(dim=1),
     )
     return numerators, stats
+
+
+def _zero_masked_positions(inp: TokenLossInputs) -> TokenLossInputs:
+    """The per-token inputs with 0 at positions outside the mask (module doc: no NaN gradient)."""
+
+    def keep(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else torch.where(inp.mask, t, torch.zeros_like(t))
+
+    return replace(inp, logprobs=keep(inp.logprobs), rollout_logprobs=keep(inp.rollout_logprobs),
+                   ref_logprobs=keep(inp.ref_logprobs))

@@ -7,7 +7,11 @@ Folder layout:
 * ``slot_state.safetensors``: ``<megatron layer>.{A,B}.{weight,exp_avg,exp_avg_sq,grad}``,
   full tensors in TP=1 Megatron layout (tp/dp independent), fp32.
 
-The service adds its own data cursor and RNG next to these files.
+The service adds its own data cursor and seed next to these files. No generator state
+is stored because none affects a continuation: the trainer draws no random numbers
+after init_slot (dropout is 0; tests/integration/test_trainer_resume.py checks that
+train() leaves torch's generators untouched), the init generator is seeded by ``seed``
+and used once, and the data order is a function of the seed and the epoch.
 """
 
 from __future__ import annotations

@@ -1,0 +1,122 @@
+"""GPU tier, fp32: the mixed step equals each adapter alone on CUDA as on the CPU, and so do
+tensor parallel 2 and data parallel 2 over NCCL on two GPUs.
+
+The proof scenario of tests/integration/test_trainer_equivalence.py in fp32 on the device,
+at the CPU's tolerance (REL_TOL there, 1e-5). fp32 on CUDA takes the exact kernels: TF32
+is off (PyTorch's default; checked below), Triton's tl.dot runs with input_precision
+"ieee" for fp32 (trainer/triton_lora.py), and packed attention goes to the per-document
+SDPA path because flash/varlen kernels take 16-bit inputs only (fused_attention.py).
+Where this fails, benchmarks/fp32_deviation.py measures which kernel is responsible (one
+run, every suspect switched off in turn).
+
+Multi-GPU tests spawn one process per GPU (NCCL, ``NCCL_NVLS_ENABLE=0``) and are skipped
+with fewer than two GPUs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+
+def _scenario_module():
+    path = Path(__file__).resolve().parents[1] / "integration" / "test_trainer_equivalence.py"
+    spec = importlib.util.spec_from_file_location("trainer_equivalence_scenario", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def scenario():
+    return _scenario_module()
+
+
+def _config(scenario, tiny_world, **overrides):
+    from trainer.config import TrainerConfig
+
+    return TrainerConfig(base_model_path=str(tiny_world / "model"), num_slots=4, max_rank=8,
+                         micro_batch_tokens=scenario.MICRO_BATCH_TOKENS, dtype="float32", **overrides)
+
+
+@pytest.fixture(scope="module")
+def trainer(tiny_world, scenario):
+    from trainer.core import MultiLoraTrainer
+
+    t = MultiLoraTrainer(_config(scenario, tiny_world))
+    assert t.device.type == "cuda" and t.base.dtype == torch.float32
+    return t
+
+
+@pytest.fixture(scope="module")
+def batches(trainer, scenario):
+    return scenario.make_batches(trainer)
+
+
+@pytest.fixture(scope="module")
+def tp1_mixed_run(trainer, scenario, batches):
+    return scenario.run_scenario(trainer, scenario.make_hypers(scenario.OBJECTIVES["mixed"]), batches)
+
+
+def test_fp32_runs_without_tf32(trainer):
+    assert not torch.backends.cuda.matmul.allow_tf32
+    assert torch.get_float32_matmul_precision() == "highest"
+
+
+@pytest.mark.parametrize("objectives", ["rl", "sft"])
+def test_fp32_mixed_step_equals_each_adapter_alone_on_cuda(trainer, batches, scenario, objectives):
+    run = scenario.run_scenario(trainer, scenario.make_hypers(scenario.OBJECTIVES[objectives]), batches)
+    worst = scenario.assert_equivalent(run["mixed"], run["alone"])
+    print(f"fp32 CUDA {objectives}: worst relative error {worst:.2e}")
+
+
+def test_fp32_mixed_objectives_on_cuda(tp1_mixed_run, scenario):
+    worst = scenario.assert_equivalent(tp1_mixed_run["mixed"], tp1_mixed_run["alone"])
+    print(f"fp32 CUDA mixed objectives: worst relative error {worst:.2e}")
+
+
+def test_fp32_first_step_with_tiny_eps_on_cuda(trainer, batches, scenario):
+    run = scenario.run_scenario(trainer, scenario.make_hypers(scenario.OBJECTIVES["mixed"], eps=scenario.DEFAULT_ADAM),
+                                batches[:1])
+    worst = scenario.assert_equivalent(run["mixed"], run["alone"], kinds=("exp_avg", "exp_avg_sq", "grad"))
+    print(f"fp32 CUDA first step: worst relative error {worst:.2e}")
+
+
+def _parallel_worker(rank, port, cfg_kwargs, hypers, batches, out_path):
+    import torch.distributed as dist
+
+    from trainer.config import TrainerConfig
+    from trainer.core import MultiLoraTrainer
+
+    scenario = _scenario_module()
+    trainer = MultiLoraTrainer(TrainerConfig(**cfg_kwargs), rank=rank, master_port=port)
+    result = scenario.run_scenario(trainer, hypers, batches)
+    if rank == 0:
+        torch.save(result, out_path)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@two_gpus
+@pytest.mark.parametrize("layout", [{"tp": 2}, {"dp": 2}], ids=["tp2", "dp2"])
+def test_fp32_two_gpus_over_nccl(trainer, batches, scenario, tp1_mixed_run, tmp_path, layout):
+    import torch.multiprocessing as mp
+
+    from trainer.distributed import free_loopback_port
+
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    cfg_kwargs = trainer.config.model_dump() | layout
+    out = tmp_path / "run.pt"
+    mp.spawn(_parallel_worker, args=(free_loopback_port(), cfg_kwargs, scenario.make_hypers(scenario.OBJECTIVES["mixed"]),
+                                     batches, str(out)), nprocs=2, join=True)
+    run = torch.load(out, weights_only=False)
+    inside = scenario.assert_equivalent(run["mixed"], run["alone"])
+    across = scenario.assert_equivalent(run["mixed"], tp1_mixed_run["mixed"])  # same result as one GPU
+    print(f"fp32 {layout}: mixed vs alone {inside:.2e}, vs one GPU {across:.2e}")

@@ -1,0 +1,46 @@
+"""Plant one of issue 13's four trainer bugs in the working tree, to watch the tests catch it.
+
+    python -m tests.reference.plant_mutation betas_swapped      # or kl_sign, first_betas_eps, first_weight_decay
+    python -m pytest tests/reference tests/unit/test_losses.py -q  # must fail
+    git checkout trainer/core.py trainer/losses.py                  # undo
+
+Measured (max relative error vs the reference per slot, REL_TOL 5e-5; clean run <= 1.2e-5):
+* betas_swapped (Adam beta1/beta2 exchanged): losses up to 4.5e-2, weights up to 8.6e-1;
+* kl_sign (the k3 KL term subtracted): slots with kl_coef > 0: losses 2.2e-3 / 4.8e-2, B weights 7.6e-2 / 8.9e-1;
+  also tests/unit/test_losses.py::test_k3_kl_value_and_sign;
+* first_betas_eps (every slot steps with the first stepping slot's betas and eps): slots 1-3,
+  losses >= 5.6e-3, B weights >= 4.0e-1; also test_trainer_equivalence's first-step test;
+* first_weight_decay (every slot steps with the first stepping slot's weight decay): slots 1-3,
+  grad norms >= 4.2e-4, A weights >= 6.6e-4, B weights >= 2.3e-4.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ADAM_ROW = "hyper_rows.append((lr, h.weight_decay, h.betas[0], h.betas[1], h.eps, st.step))"
+FIRST = "h0 = self.slots[stepping[0]].hyper; "
+MUTATIONS = {
+    "betas_swapped": ("trainer/core.py", ADAM_ROW, ADAM_ROW.replace("h.betas[0], h.betas[1]", "h.betas[1], h.betas[0]")),
+    "kl_sign": ("trainer/losses.py", "loss = loss + inp.kl_coef.unsqueeze(1) * kl", "loss = loss - inp.kl_coef.unsqueeze(1) * kl"),
+    "first_betas_eps": ("trainer/core.py", ADAM_ROW,
+                        FIRST + ADAM_ROW.replace("h.betas[0], h.betas[1], h.eps", "h0.betas[0], h0.betas[1], h0.eps")),
+    "first_weight_decay": ("trainer/core.py", ADAM_ROW, FIRST + ADAM_ROW.replace("h.weight_decay", "h0.weight_decay")),
+}
+
+
+def plant(name: str, root: Path = Path(__file__).resolve().parents[2]) -> None:
+    if name not in MUTATIONS:
+        raise SystemExit(f"unknown mutation {name!r}: choose one of {', '.join(MUTATIONS)}")
+    rel, old, new = MUTATIONS[name]
+    path = root / rel
+    text = path.read_text()
+    if text.count(old) != 1:
+        raise SystemExit(f"{rel}: the line to mutate is not there exactly once (already planted, or the code moved)")
+    path.write_text(text.replace(old, new))
+    print(f"planted {name} in {rel}; undo with: git checkout {rel}")
+
+
+if __name__ == "__main__":
+    plant(sys.argv[1] if len(sys.argv) > 1 else "")
