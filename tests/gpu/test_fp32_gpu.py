@@ -104,6 +104,9 @@ def _parallel_worker(rank, port, cfg_kwargs, hypers, batches, out_path):
     dist.destroy_process_group()
 
 
+ACROSS_LAYOUTS_TOL = 3e-5
+
+
 @two_gpus
 @pytest.mark.parametrize("layout", [{"tp": 2}, {"dp": 2}], ids=["tp2", "dp2"])
 def test_fp32_two_gpus_over_nccl(trainer, batches, scenario, tp1_mixed_run, tmp_path, layout):
@@ -118,5 +121,9 @@ def test_fp32_two_gpus_over_nccl(trainer, batches, scenario, tp1_mixed_run, tmp_
                                      batches, str(out)), nprocs=2, join=True)
     run = torch.load(out, weights_only=False)
     inside = scenario.assert_equivalent(run["mixed"], run["alone"])
-    across = scenario.assert_equivalent(run["mixed"], tp1_mixed_run["mixed"])  # same result as one GPU
+    # Same result as one GPU, to a looser bound than mixed vs alone inside one layout: TP=2 sums
+    # the row-parallel halves over NCCL (and DP=2 the gradient halves) in another order than
+    # the single GEMM of TP=1, and Adam's moments carry that fp32 rounding on. Measured on two
+    # H200s (2026-11-30): TP=2 vs one GPU 1.16e-5 (exp_avg, slot 0), inside TP=2 5.1e-6.
+    across = scenario.assert_equivalent(run["mixed"], tp1_mixed_run["mixed"], tol=ACROSS_LAYOUTS_TOL)
     print(f"fp32 {layout}: mixed vs alone {inside:.2e}, vs one GPU {across:.2e}")
