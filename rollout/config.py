@@ -13,6 +13,7 @@ import (custom reward) happen in rollout.rewards.load_reward.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Literal
 
@@ -46,7 +47,19 @@ MANAGED_SERVER_FLAGS = frozenset(
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan=False: Python's json reads `Infinity`/`NaN`; no field here means anything with them.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+def non_finite_numbers(value: Any, where: str) -> list[str]:
+    """Dotted places in a JSON-like value that hold an infinite or NaN float (strict JSON has neither)."""
+    if isinstance(value, float):
+        return [] if math.isfinite(value) else [where]
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in non_finite_numbers(v, f"{where}.{k}")]
+    if isinstance(value, (list, tuple)):
+        return [p for i, v in enumerate(value) for p in non_finite_numbers(v, f"{where}.{i}")]
+    return []
 
 
 def check_adapter_name(name: str) -> str:
@@ -189,7 +202,15 @@ class RewardConfig(_Strict):
         description="Built-in: math, exact_match, target_share. Custom: 'package.module:function' or "
         "'package.module.function', under one of RolloutConfig.reward_import_roots.",
     )
-    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments given to every call.")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments given to every call (JSON values; numbers finite).")
+
+    @field_validator("kwargs")
+    @classmethod
+    def _finite_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        bad = non_finite_numbers(kwargs, "kwargs")
+        if bad:
+            raise ValueError(f"numbers must be finite; {', '.join(bad)} is Infinity or NaN")
+        return kwargs
 
 
 class SamplingConfig(_Strict):

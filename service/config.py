@@ -45,7 +45,8 @@ AdapterName = Annotated[
 
 class _Strict(BaseModel):
     # frozen: configs are values; a validated config cannot drift afterwards.
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan=False: Python's json reads `Infinity`/`NaN`; no setting means anything with them.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 def _rebase(path: str | None, info: ValidationInfo) -> str | None:
@@ -187,7 +188,7 @@ class ServiceSettings(BaseSettings):
     """Settings of the running service. Sources, highest first: explicit values,
     environment (LORAFLEET_*), the settings file (LORAFLEET_SETTINGS_FILE), defaults."""
 
-    model_config = SettingsConfigDict(env_prefix="LORAFLEET_", extra="forbid", frozen=True)
+    model_config = SettingsConfigDict(env_prefix="LORAFLEET_", extra="forbid", frozen=True, allow_inf_nan=False)
 
     api_token: SecretStr | None = Field(None, description="Bearer token clients must send; required when host is not a loopback address.")
     host: str = Field("127.0.0.1", description="Address the REST API binds to.")
