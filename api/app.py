@@ -39,16 +39,17 @@ from api.models import (
     ReadyOut,
     StepOut,
 )
-from service.config import ServiceSettings, is_loopback_host
+from service.config import ServiceSettings, api_token_problem
 from service.registry import AdapterState
 
 log = logging.getLogger(__name__)
 
 
 def create_app(controller_handle: Any, settings: ServiceSettings) -> FastAPI:
-    token = settings.api_token.get_secret_value() if settings.api_token is not None else ""
-    if not token and not is_loopback_host(settings.host):
-        raise ValueError(f"refusing to serve on {settings.host!r} without an API token (set LORAFLEET_API_TOKEN)")
+    token = settings.api_token.get_secret_value().strip() if settings.api_token is not None else ""
+    problem = api_token_problem(settings.host, token or None)
+    if problem:
+        raise ValueError(f"refusing to serve on {settings.host!r} without an API token that can protect it: {problem}")
     controller = ControllerClient(controller_handle, settings.controller_timeout_s)
 
     app = FastAPI(

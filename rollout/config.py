@@ -77,7 +77,11 @@ class EngineConfig(_Strict):
 
     num_engines: int = Field(1, ge=1, le=64, description="SGLang servers to start.")
     tp: int = Field(1, ge=1, le=64, description="Tensor-parallel size of each server (GPUs per engine).")
-    host: str = Field("127.0.0.1", description="Address the servers bind to and the client calls.")
+    host: str = Field(
+        "127.0.0.1",
+        description="Address the servers bind to and the client calls. Loopback by default: the servers' only "
+        "client is the rollout worker that starts them on its node. Must be loopback when the service is.",
+    )
     ports: list[int] = Field(
         default_factory=list,
         description="One port per engine; 0 (or an empty list) = pick a free port at launch.",

@@ -184,13 +184,34 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
+MIN_TOKEN_CHARS_OFF_LOOPBACK = 16
+
+
+def api_token_problem(host: str, token: str | None) -> str | None:
+    """Why `token` cannot protect an API bound to `host`, or None. A token that is set must not be
+    blank; off loopback one is required, of at least MIN_TOKEN_CHARS_OFF_LOOPBACK characters
+    (whitespace around it does not count: it is stripped)."""
+    if token is not None and not token.strip():
+        return "api_token is blank (only whitespace); set a real token or leave it unset"
+    if is_loopback_host(host):
+        return None
+    if token is None:
+        return (f"host {host!r} is not a loopback address, so an API token is required: set LORAFLEET_API_TOKEN "
+                f"(or api_token in the settings file) to at least {MIN_TOKEN_CHARS_OFF_LOOPBACK} characters, or bind to 127.0.0.1")
+    if len(token.strip()) < MIN_TOKEN_CHARS_OFF_LOOPBACK:
+        return (f"host {host!r} is not a loopback address and the API token has only {len(token.strip())} characters; "
+                f"use at least {MIN_TOKEN_CHARS_OFF_LOOPBACK} (e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`), "
+                "or bind to 127.0.0.1")
+    return None
+
+
 class ServiceSettings(BaseSettings):
     """Settings of the running service. Sources, highest first: explicit values,
     environment (LORAFLEET_*), the settings file (LORAFLEET_SETTINGS_FILE), defaults."""
 
     model_config = SettingsConfigDict(env_prefix="LORAFLEET_", extra="forbid", frozen=True, allow_inf_nan=False)
 
-    api_token: SecretStr | None = Field(None, description="Bearer token clients must send; required when host is not a loopback address.")
+    api_token: SecretStr | None = Field(None, description="Bearer token clients must send (surrounding whitespace stripped); required when host is not a loopback address, and then at least 16 characters.")
     host: str = Field("127.0.0.1", description="Address the REST API binds to.")
     port: int = Field(8000, ge=0, le=65535, description="TCP port of the REST API (0 = any free port).")
     state_dir: Path = Field(Path("runs/service"), description="Folder for the registry database, checkpoints and exports.")
@@ -202,13 +223,17 @@ class ServiceSettings(BaseSettings):
 
     _split = field_validator("data_roots", "reward_import_roots", mode="before")(lambda cls, v: _split_list(v))
 
+    @field_validator("api_token", mode="after")
+    @classmethod
+    def _strip_token(cls, token: SecretStr | None) -> SecretStr | None:
+        # Clients send the token in a header, where surrounding whitespace does not survive.
+        return None if token is None else SecretStr(token.get_secret_value().strip())
+
     @model_validator(mode="after")
     def _token_off_loopback(self) -> ServiceSettings:
-        if not is_loopback_host(self.host) and (self.api_token is None or not self.api_token.get_secret_value()):
-            raise ValueError(
-                f"host {self.host!r} is not a loopback address, so an API token is required: "
-                "set LORAFLEET_API_TOKEN (or api_token in the settings file), or bind to 127.0.0.1"
-            )
+        problem = api_token_problem(self.host, self.api_token.get_secret_value() if self.api_token is not None else None)
+        if problem:
+            raise ValueError(problem)
         return self
 
     @property
@@ -360,6 +385,18 @@ class JobConfig(_Strict):
         """The rollout worker's config, with the reward import roots of the running service."""
         return self.rollout.model_copy(update={"reward_import_roots": list(settings.reward_import_roots)})
 
+    def engine_config(self, settings: ServiceSettings) -> EngineConfig:
+        """The engines' config for a service bound to `settings.host`. The engines' only client is the
+        rollout worker that starts them on its own node, so they bind to loopback unless the job names
+        another interface in engines.host; a service on loopback keeps them there (a job that asks for
+        another interface is refused: it would open ports the service itself does not)."""
+        if is_loopback_host(settings.host) and not is_loopback_host(self.engines.host):
+            raise ConfigError(
+                f"engines.host {self.engines.host!r} is not a loopback address but the service binds to "
+                f"{settings.host!r}: remove engines.host (engines then bind to 127.0.0.1) or bind the service elsewhere"
+            )
+        return self.engines
+
     def service_settings(self, **explicit: Any) -> ServiceSettings:
         """The job's service section under the usual precedence (explicit > env > this section)."""
         return load_settings(base=self.service, **explicit)
@@ -379,7 +416,11 @@ def load_job(path: str | Path) -> JobConfig:
     except ValidationError as e:
         raise ConfigError(f"job file {path} is invalid:\n{format_validation_error(e)}") from None
     try:
-        job.service_settings()  # validated now, with the environment it will run under
+        settings = job.service_settings()  # validated now, with the environment it will run under
     except ConfigError as e:
         raise ConfigError(f"job file {path}: service section: {e}") from None
+    try:
+        job.engine_config(settings)
+    except ConfigError as e:
+        raise ConfigError(f"job file {path}: {e}") from None
     return job

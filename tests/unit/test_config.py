@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
-from pydantic import ValidationError
+from pydantic import SecretStr, ValidationError
 
 from service.config import AdapterConfig, ConfigError, SlotCapacity, load_job, load_settings
 from service.config_checks import check_adapter_config, confine_path
@@ -72,8 +72,26 @@ def test_non_loopback_bind_needs_a_token(monkeypatch):
     monkeypatch.delenv("LORAFLEET_API_TOKEN", raising=False)
     with pytest.raises(ConfigError, match="host '0.0.0.0' is not a loopback address, so an API token is required"):
         load_settings(host="0.0.0.0")
-    assert load_settings(host="0.0.0.0", api_token="t").host == "0.0.0.0"
+    assert load_settings(host="0.0.0.0", api_token="x" * 16).host == "0.0.0.0"
     assert load_settings(host="::1").host == "::1"
+
+
+@pytest.mark.parametrize(
+    "host, token, error",
+    [
+        ("0.0.0.0", "t", "the API token has only 1 characters; use at least 16"),
+        ("10.1.2.3", "   ", "api_token is blank"),
+        ("0.0.0.0", "  short-token-15c  ", "the API token has only 15 characters"),  # whitespace does not count
+        ("127.0.0.1", " \t ", "api_token is blank"),  # a blank token protects nothing, on loopback either
+    ],
+)
+def test_weak_tokens_are_refused_off_loopback(monkeypatch, host, token, error):
+    """Issue 14 F10: off loopback, a whitespace-only or short token was accepted."""
+    monkeypatch.delenv("LORAFLEET_API_TOKEN", raising=False)
+    with pytest.raises(ConfigError, match=error):
+        load_settings(host=host, api_token=token)
+    assert load_settings(host="127.0.0.1", api_token=" t ").api_token.get_secret_value() == "t"  # loopback: any token, stripped
+    assert load_settings(host=host, api_token=" " + "k" * 16 + "\n").api_token.get_secret_value() == "k" * 16
 
 
 def write_job(tmp_path, body: str) -> Path:
@@ -202,3 +220,22 @@ def test_registration_checks(roots, tmp_path):
     with pytest.raises(BadValue, match="has rank 4 but config.rank is 8"):
         check(init_from="sub")
     assert check(init_from="sub", rank=4).config.init_from == str((root / "sub").resolve())
+
+
+def test_engines_bind_to_loopback_when_the_service_does(tmp_path, monkeypatch):
+    """Issue 14 F10: engines stay on loopback with a loopback service (a job asking otherwise is
+    refused at load), and bind to the interface the job names when the service is not on loopback."""
+    monkeypatch.delenv("LORAFLEET_HOST", raising=False)
+    monkeypatch.setenv("LORAFLEET_API_TOKEN", "k" * 16)
+    base = "base_model: {path: model}\n"
+    job = load_job(write_job(tmp_path, base))
+    assert job.engine_config(job.service_settings()).host == "127.0.0.1"
+    with pytest.raises(ConfigError, match="engines.host '0.0.0.0' is not a loopback address but the service binds to '127.0.0.1'"):
+        load_job(write_job(tmp_path, base + "engines: {host: 0.0.0.0}\n"))
+    job = load_job(write_job(tmp_path, base + "engines: {host: 10.1.2.3}\nservice: {host: 10.1.2.3}\n"))
+    assert job.engine_config(job.service_settings()).host == "10.1.2.3"
+    from api.app import create_app  # the API checks the token again, with the same rule
+
+    weak = job.service_settings().model_copy(update={"api_token": SecretStr("short")})
+    with pytest.raises(ValueError, match="refusing to serve on '10.1.2.3'.*only 5 characters"):
+        create_app(None, weak)
