@@ -189,6 +189,11 @@ class DataConfig(_Strict):
     )
     shuffle_seed: int | None = Field(0, description="Seed of the per-epoch shuffle; null = file order every epoch.")
     num_epochs: int | None = Field(None, ge=1, description="Passes over the data before the source reports exhaustion; null = endless.")
+    # Limits (the service fills them in at registration; see service.config_checks). Null = none.
+    max_row_bytes: int | None = Field(None, ge=1, description="Skip (and count) lines longer than this many bytes, without loading them.")
+    max_prompt_tokens: int | None = Field(None, ge=1, description="Skip (and count) rows whose prompt (after the chat template) has more tokens.")
+    max_completion_tokens: int | None = Field(None, ge=1, description="SFT: skip (and count) rows whose completion (+ EOS) has more tokens.")
+    max_sample_tokens: int | None = Field(None, ge=1, description="Skip (and count) rows whose prompt + completion has more tokens.")
 
     @field_validator("path")
     @classmethod

@@ -68,6 +68,13 @@ class DataSpec(_Strict):
     label_key: str | None = Field(None, description="Key of the label (RL: passed to the reward) or of the target completion (SFT). Default: 'label' for rl, 'completion' for sft.")
     metadata_key: str | None = Field("metadata", description="Key of an optional per-row metadata object passed to the reward; null for none.")
     apply_chat_template: bool = Field(True, description="Wrap the prompt as a user message with the base model tokenizer's chat template.")
+    # Length limits: rows over one are skipped and counted (metrics rows_skipped_*), never sent to an
+    # engine or a train call. Registration fills each with the service's limit (GET /v1/adapters/{name}
+    # shows them); a tenant may ask for lower ones.
+    max_row_bytes: int | None = Field(None, ge=1, description="Skip lines longer than this many bytes (default and maximum: the service's max_row_bytes).")
+    max_prompt_tokens: int | None = Field(None, ge=1, description="Skip rows whose prompt (after the chat template) is longer, in tokens. Default and maximum: the service's max_prompt_tokens, and for rl the model's context minus sampling.max_new_tokens.")
+    max_completion_tokens: int | None = Field(None, ge=1, description="SFT only: skip rows whose completion (+ EOS) is longer, in tokens (default and maximum: the service's max_completion_tokens). RL completions are bounded by sampling.max_new_tokens.")
+    max_sample_tokens: int | None = Field(None, ge=1, description="Skip rows whose prompt + completion is longer, in tokens (default and maximum: the model's context).")
 
     _rebase_path = field_validator("path")(_rebase)
 
@@ -121,6 +128,8 @@ class AdapterConfig(_Strict):
                 raise ValueError("objective 'rl' needs sampling.n_samples_per_prompt >= 2: group-relative advantages of a group of one are always zero")
         elif self.reward is not None:
             raise ValueError("reward applies only to objective 'rl'; remove it for 'sft'")
+        if self.objective == "rl" and self.data.max_completion_tokens is not None:
+            raise ValueError("data.max_completion_tokens applies only to objective 'sft'; rl completions are bounded by sampling.max_new_tokens")
         try:  # the rollout side's own data checks (file formats it can read), once, here
             self.data_config()
         except ValidationError as e:
@@ -218,6 +227,13 @@ class ServiceSettings(BaseSettings):
     data_roots: Annotated[list[Path], NoDecode] = Field(default_factory=lambda: [Path.cwd()], description="Folders that adapter data, init_from and resume_from must lie in (state_dir is also allowed for init_from/resume_from).")
     reward_import_roots: Annotated[list[str], NoDecode] = Field(default_factory=list, description="Python package prefixes custom reward functions may be imported from (e.g. 'myorg.rewards'); builtin rewards are always allowed.")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body the API accepts (bytes); larger ones get 413.")
+    # Length limits of every adapter's rows (issue 14: one tenant's long rows must not stall the fleet).
+    max_row_bytes: int = Field(1 << 20, ge=1024, description="Longest line of a data file (bytes); longer lines are skipped and counted, never loaded.")
+    max_prompt_tokens: int = Field(4096, ge=1, description="Longest prompt (tokens, after the chat template); longer rows are skipped and counted.")
+    max_completion_tokens: int = Field(8192, ge=1, description="Longest completion (tokens): SFT rows with a longer one are skipped; an rl sampling.max_new_tokens above it is refused.")
+    max_step_tokens: int = Field(1 << 21, ge=1, description="Per-step token budget of one adapter: samples per step x the longest sample it may have (prompt + completion limits, the model's context) must not exceed it, checked at registration; bounds what one tenant adds to a mixed train call.")
+    data_check_bytes: int = Field(64 << 20, ge=1024, description="Registration reads at most this many bytes of a data file to check its rows (a bounded prefix).")
+    data_check_s: float = Field(10.0, gt=0, description="Registration spends at most this many seconds checking a data file; rows beyond are counted from the file size.")
     controller_timeout_s: float = Field(30.0, gt=0, description="Timeout of one API -> controller call (seconds).")
     settings_file: Path | None = Field(None, description="YAML file with any of these settings (lower priority than the environment).")
 
@@ -297,6 +313,20 @@ class SlotCapacity(_Strict):
 
     num_slots: int = Field(4, ge=1, le=1024, description="Adapter slots resident on the trainer (= most live adapter runs).")
     max_rank: int = Field(16, ge=1, le=1024, description="Largest LoRA rank a slot holds.")
+    context_tokens: int | None = Field(None, ge=2, description="Longest sample (prompt + completion, tokens) engines and trainer take. Default: the base model's max_position_embeddings (config.json); set it lower when the engines run with a shorter --context-length.")
+
+
+def model_context_tokens(model_path: str | Path) -> int | None:
+    """The base model's context in tokens (config.json max_position_embeddings, also under text_config); None if unknown."""
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for section in (cfg, cfg.get("text_config") or {}):
+        value = section.get("max_position_embeddings") if isinstance(section, dict) else None
+        if isinstance(value, int) and value >= 2:
+            return value
+    return None
 
 
 # Facts the job file states once, and the trainer/engine fields derived from them:
@@ -379,7 +409,10 @@ class JobConfig(_Strict):
 
     @property
     def capacity(self) -> SlotCapacity:
-        return self.slots
+        """The slots section, with the model's context filled in from the base model when not stated."""
+        if self.slots.context_tokens is not None:
+            return self.slots
+        return self.slots.model_copy(update={"context_tokens": model_context_tokens(self.base_model.path)})
 
     def rollout_config(self, settings: ServiceSettings) -> RolloutConfig:
         """The rollout worker's config, with the reward import roots of the running service."""

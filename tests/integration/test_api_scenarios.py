@@ -106,12 +106,37 @@ def rows_not_finite_and_framework_errors(w):
     ]
 
 
+def rows_bounded_data_checks(w):
+    """Issue 14 F4: registration reads a bounded prefix of a data file. A 2 GiB sparse file (one
+    line of NULs) was a 503 after 30 s and 4 GB in the controller; now a 400 naming the limits."""
+    with open(w.root / "huge.jsonl", "wb") as f:
+        f.truncate(2 << 30)
+    good = '{"prompt": "say digits", "label": "0123456789"}\n'
+    (w.root / "long_line_first.jsonl").write_text('{"prompt": "' + "x" * (2 << 20) + '", "label": "1"}\n' + good * 3)
+    with open(w.root / "big_tail.jsonl", "wb") as f:  # good rows, then a sparse tail past the checked prefix
+        f.write(good.encode() * 1000)
+        f.truncate(1 << 30)
+    return [
+        ("POST", "/v1/adapters", {"name": "a", "config": w.rl_config("huge.jsonl")}, 400,
+         "no usable row in the first 67108864 bytes of huge.jsonl: 1 line(s) longer than the 1048576 bytes a row may have (max_row_bytes"),
+        ("POST", "/v1/adapters", {"name": "a", "config": w.rl_config("huge.jsonl", data={"path": "huge.jsonl", "max_row_bytes": 1 << 30})}, 400,
+         "config.data.max_row_bytes 1073741824 is above the service's limit of 1048576"),
+        # an over-long line is skipped and counted (3 rows left), not a refusal
+        ("POST", "/v1/adapters", {"name": "a", "config": w.rl_config("long_line_first.jsonl", num_epoch=1, prompts_per_step=1)}, 201,
+         {"total_steps": 3}),
+        # 1000 rows in the checked 64 MiB of 1 GiB: the rest is counted from the size (1000 * 16 rows / 4 per step)
+        ("POST", "/v1/adapters", {"name": "b", "config": w.rl_config("big_tail.jsonl")}, 201, {"total_steps": 4000}),
+        ("GET", "/v1/adapters", None, 200, {"names": ["a", "b"]}),
+    ]
+
+
 SCENARIOS = {
     "register, duplicate, no free slot": rows_register_conflicts,
     "bad values and schema: 400 / 422, nothing changes": rows_bad_values,
     "unknown name, delete twice, abort, re-register while retiring": rows_lifecycle,
     "auth missing and wrong": rows_auth,
     "non-finite numbers, unknown route, wrong method: ErrorOut 4xx": rows_not_finite_and_framework_errors,
+    "huge data files: bounded check, 400 with the limit": rows_bounded_data_checks,
 }
 
 
