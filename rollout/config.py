@@ -263,6 +263,10 @@ class RolloutConfig(_Strict):
         default_factory=list, description="Package prefixes custom rewards may be imported from (e.g. 'myorg.rewards')."
     )
     reward_timeout_s: float = Field(30.0, gt=0, description="A reward call running longer is a recorded failure, reward 0.")
+    max_rejections_in_a_row: int = Field(
+        8, ge=1, description="An adapter whose requests the engines refuse (HTTP 4xx, e.g. a prompt longer than the "
+        "context) this many times in a row stops generating and reports a fatal_reason (the service fails the run).",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> RolloutConfig:

@@ -78,6 +78,10 @@ class DataStatus(BaseModel):
     skipped_oversized: int = 0  # lines over cfg.max_row_bytes: never loaded
     unusable: str | None = None  # set when every row is over a limit: why nothing can be served
 
+    def skip_metrics(self) -> dict[str, float]:
+        """The skip counts under the metric keys the adapter's record and step metrics use."""
+        return {"rows_skipped_too_long": float(self.skipped_too_long), "rows_skipped_oversized": float(self.skipped_oversized)}
+
 
 def _is_messages(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
