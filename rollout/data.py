@@ -117,7 +117,7 @@ def read_line_bounded(f: BinaryIO, max_bytes: int | None) -> tuple[bytes | None,
         return line, len(line)
     span = len(line)
     while True:  # over the cap: skip to the end of the line without keeping it
-        chunk = f.readline(1 << 20)
+        chunk = f.readline(1 << 16)
         span += len(chunk)
         if not chunk or chunk.endswith(b"\n"):
             return None, span
