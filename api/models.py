@@ -44,8 +44,8 @@ class AdapterOut(_Out):
     last_loss: float | None
     last_metrics: dict[str, float]
     failure_reason: str | None
-    export_path: str | None = Field(description="PEFT export folder, set when the run retires.")
-    checkpoint_path: str | None
+    export_path: str | None = Field(description="PEFT export folder, set when the run retires; relative to the service's state dir (no response shows a server path).")
+    checkpoint_path: str | None = Field(description="Newest checkpoint folder, relative to the service's state dir.")
     checkpoint_step: int | None
     created_at: float
     updated_at: float

@@ -73,7 +73,7 @@ class DataStatus(BaseModel):
     position: int
     pending: int
     consumed: int
-    exhausted: bool  # num_epochs done (or no row fits) and nothing pending: this adapter's data is used up
+    exhausted: bool  # num_epochs done and nothing pending: this adapter's data is used up (never when unusable)
     skipped_too_long: int = 0  # rows over a token limit (cfg.max_*_tokens): never served
     skipped_oversized: int = 0  # lines over cfg.max_row_bytes: never loaded
     unusable: str | None = None  # set when every row is over a limit: why nothing can be served
@@ -389,15 +389,16 @@ class DataSource:
 
     def status(self) -> DataStatus:
         pending = len(self._outstanding) + len(self._requeued)
-        fresh_left = self._fresh_left() and self.unusable is None
+        unusable = self.unusable
         return DataStatus(
             rows=len(self._rows),
             epoch=self._epoch,
             position=self._position,
             pending=pending,
             consumed=self._consumed,
-            exhausted=not fresh_left and pending == 0,
+            # Data that cannot be used is not used up: such a run must fail (unusable says why), not complete.
+            exhausted=unusable is None and not self._fresh_left() and pending == 0,
             skipped_too_long=len(self._too_long),
             skipped_oversized=self._rows.oversized if isinstance(self._rows, _JsonlRows) else 0,
-            unusable=self.unusable,
+            unusable=unusable,
         )

@@ -195,7 +195,7 @@ def test_a_source_whose_every_row_is_too_long_is_unusable_and_serves_nothing(tmp
     assert src.take() is None and src.take() is None
     st = src.status()
     assert st.unusable.startswith("no usable rows: all 3 rows of long.jsonl are over a length limit (e.g. sample of ")
-    assert st.skipped_too_long == 3 and st.exhausted
+    assert st.skipped_too_long == 3 and not st.exhausted  # not used up: the run must fail, not complete
 
 
 def test_completion_sources_measure_the_completion_with_eos(tmp_path, tokenizer):

@@ -52,3 +52,4 @@ def test_a_source_with_no_row_within_the_limits_reports_why(tmp_path, tokenizer)
     assert src.take_step() is None
     assert src.failure_reason.startswith("no usable rows: all 16 rows of sft.jsonl are over a length limit (e.g. sample of ")
     assert src.skip_metrics()["rows_skipped_too_long"] == 16.0
+    assert not src.exhausted  # the run fails with the reason; it does not complete with an untrained export
