@@ -8,7 +8,8 @@ swapped after the check.
 
 Path confinement (the security boundary for tenant-supplied paths):
   * no `..` component anywhere in the given path;
-  * relative paths are taken relative to the first allowed root;
+  * relative paths are taken relative to the first allowed root they exist under
+    (else the first root);
   * the path must lie inside an allowed root lexically AND after resolving
     every symlink (a symlink inside a root that points outside is refused);
   * the lexical check comes first, so a refused path outside the roots does not
@@ -136,7 +137,10 @@ def confine_path(raw: str, roots: list[Path], field: str, *, want: str) -> Path:
     given = Path(raw)
     if ".." in given.parts:
         raise BadValue(f"{field}: '..' is not allowed in paths (got {raw!r}); give a path inside: {allowed}", field=field)
-    path = given if given.is_absolute() else roots[0] / given
+    # A relative path is taken against the first root it exists under (else the first root): records show
+    # paths relative to their root (api.public_paths), so a checkpoint shown as "runs/<run>/checkpoints/..."
+    # under the state dir is given back as it is shown.
+    path = given if given.is_absolute() else next((r / given for r in roots if (r / given).exists()), roots[0] / given)
     abs_roots = [r.absolute() for r in roots]
     real_roots = [r.resolve() for r in roots]
     if not any(path.is_relative_to(r) for r in abs_roots + real_roots):

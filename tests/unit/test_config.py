@@ -290,3 +290,14 @@ def test_the_job_reads_the_model_context_from_the_base_model(tmp_path):
     assert job.capacity.context_tokens == 512
     assert load_job(write_job(tmp_path, "base_model: {path: model}\nslots: {context_tokens: 256}\n")).capacity.context_tokens == 256
     assert load_job(write_job(tmp_path, "base_model: {path: nowhere}\n")).capacity.context_tokens is None
+
+
+def test_relative_paths_as_records_show_them_resolve_under_any_root(roots, tmp_path):
+    """Records show paths relative to their root (issue 14 F8); given back, they resolve: a checkpoint
+    under the state dir is found there although data roots come first."""
+    root, _ = roots
+    state = tmp_path / "state"
+    (state / "runs" / "a-1" / "ckpt").mkdir(parents=True)
+    assert confine_path("runs/a-1/ckpt", [root, state], "config.resume_from", want="dir") == (state / "runs" / "a-1" / "ckpt").resolve()
+    with pytest.raises(BadValue, match="'runs/nope' does not exist"):
+        confine_path("runs/nope", [root, state], "config.resume_from", want="dir")
