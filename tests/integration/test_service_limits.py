@@ -54,9 +54,9 @@ def test_over_long_tenants_fail_with_a_reason_and_the_others_train(service, tiny
     (data / "mixed_sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in mixed))
     with service.client() as c:
         c.register("ok-sft", sft(tiny_world))
-        c.register("long-sft", sft(tiny_world, data={"path": str(data / "long_sft.jsonl")}))
-        c.register("long-rl", rl(tiny_world, data={"path": str(data / "long_rl.jsonl")}))
-        c.register("mixed-sft", sft(tiny_world, data={"path": str(data / "mixed_sft.jsonl")}, prompts_per_step=2))
+        c.register("long-sft", {**sft(tiny_world), "data": {"path": str(data / "long_sft.jsonl")}})
+        c.register("long-rl", {**rl(tiny_world), "data": {"path": str(data / "long_rl.jsonl")}})
+        c.register("mixed-sft", {**sft(tiny_world), "data": {"path": str(data / "mixed_sft.jsonl")}, "prompts_per_step": 2})
 
         failed_sft = wait_until(c, "long-sft", lambda r: r["state"] == "FAILED", "FAILED")
         failed_rl = wait_until(c, "long-rl", lambda r: r["state"] == "FAILED", "FAILED")
