@@ -1,18 +1,16 @@
 """The FastAPI control plane: `create_app(controller_handle, settings)`.
 
-Routes are thin: authenticate, validate (pydantic), call the controller, map
-its typed errors to a status. The mapping lives here only:
-
-    BadValue 400 · bad/missing token 401 · NotFound 404 · Conflict / NoFreeSlot 409
-    · body too large 413 · schema 422 · controller unavailable 503
-
-Every error body is `api.models.ErrorOut`: what was wrong and what is allowed.
+Routes are thin: authenticate, validate (pydantic), call the controller; its
+typed errors map to a status in api/errors.py (the one place), and every error
+body is `api.models.ErrorOut`: what was wrong and what is allowed. No JSON body
+shows the server's absolute paths (api/public_paths.py).
 A refused request changes nothing (the controller checks before it writes and
 the registry writes in one transaction).
 
 Auth: when settings.api_token is set, every /v1 route and /metrics need
 `Authorization: Bearer <token>` (constant-time compare). /health, /ready and
-the OpenAPI docs stay open (they reveal no tenant data). A token is mandatory
+the OpenAPI docs stay open (they reveal no tenant data; /ready without the token
+says ready or not per component, no details such as engine URLs). A token is mandatory
 when the bind host is not loopback (ServiceSettings refuses otherwise, and
 create_app checks again).
 """
@@ -24,11 +22,11 @@ import logging
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from api.body_limit import BodySizeLimit
-from api.controller_client import ControllerClient, ControllerUnavailable
+from api.controller_client import ControllerClient
+from api.errors import Unauthorized, install_error_handlers
 from api.metrics import render_prometheus
 from api.models import (
     ERROR_RESPONSES,
@@ -36,29 +34,22 @@ from api.models import (
     AdapterCreate,
     AdapterList,
     AdapterOut,
-    ErrorOut,
     HealthOut,
     MetricsOut,
     ReadyOut,
     StepOut,
 )
-from service.config import ServiceSettings, is_loopback_host
-from service.errors import BadValue, Conflict, LorafleetError, NoFreeSlot, NotFound
+from service.config import ServiceSettings, api_token_problem
 from service.registry import AdapterState
 
 log = logging.getLogger(__name__)
 
-STATUS_OF_ERROR: dict[type[LorafleetError], int] = {BadValue: 400, NotFound: 404, NoFreeSlot: 409, Conflict: 409}
-
-
-class Unauthorized(Exception):
-    pass
-
 
 def create_app(controller_handle: Any, settings: ServiceSettings) -> FastAPI:
-    token = settings.api_token.get_secret_value() if settings.api_token is not None else ""
-    if not token and not is_loopback_host(settings.host):
-        raise ValueError(f"refusing to serve on {settings.host!r} without an API token (set LORAFLEET_API_TOKEN)")
+    token = settings.api_token.get_secret_value().strip() if settings.api_token is not None else ""
+    problem = api_token_problem(settings.host, token or None)
+    if problem:
+        raise ValueError(f"refusing to serve on {settings.host!r} without an API token that can protect it: {problem}")
     controller = ControllerClient(controller_handle, settings.controller_timeout_s)
 
     app = FastAPI(
@@ -78,6 +69,13 @@ def create_app(controller_handle: Any, settings: ServiceSettings) -> FastAPI:
             raise Unauthorized("missing bearer token: send the header 'Authorization: Bearer <token>'")
         if not hmac.compare_digest(given.strip().encode(), token.encode()):
             raise Unauthorized("invalid bearer token")
+
+    def has_token(request: Request) -> bool:
+        try:
+            require_token(request)
+        except Unauthorized:
+            return False
+        return True
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_token)])
 
@@ -114,8 +112,10 @@ def create_app(controller_handle: Any, settings: ServiceSettings) -> FastAPI:
         return HealthOut(**await controller.call("health"))
 
     @app.get("/ready", response_model=ReadyOut, responses={503: {"model": ReadyOut}}, summary="Trainer and engines up")
-    async def ready() -> Any:
+    async def ready(request: Request) -> Any:
         body = ReadyOut(**await controller.call("ready"))
+        if not has_token(request):
+            body = body.public()
         return body if body.ready else JSONResponse(body.model_dump(), status_code=503)
 
     @app.get("/metrics", dependencies=[Depends(require_token)], response_class=Response, summary="Prometheus metrics")
@@ -123,42 +123,8 @@ def create_app(controller_handle: Any, settings: ServiceSettings) -> FastAPI:
         body, content_type = render_prometheus(await controller.call("snapshot"))
         return Response(body, media_type=content_type)
 
-    _install_error_handlers(app)
+    install_error_handlers(app, settings)
     return app
-
-
-def _error(status: int, code: str, detail: str, field: str | None = None, **extra: Any) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    body = ErrorOut(error=code, detail=detail, field=field, **extra)
-    return JSONResponse(body.model_dump(exclude_none=True), status_code=status, headers=headers)
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(LorafleetError)
-    async def _typed(_: Request, e: LorafleetError) -> JSONResponse:
-        # Most specific class first (NoFreeSlot before Conflict).
-        status = next((STATUS_OF_ERROR[c] for c in type(e).__mro__ if c in STATUS_OF_ERROR), 400)
-        return _error(status, e.code, e.message, e.field)
-
-    @app.exception_handler(Unauthorized)
-    async def _unauthorized(_: Request, e: Unauthorized) -> JSONResponse:
-        return _error(401, "unauthorized", str(e))
-
-    @app.exception_handler(ControllerUnavailable)
-    async def _unavailable(_: Request, e: ControllerUnavailable) -> JSONResponse:
-        return _error(503, "unavailable", str(e))
-
-    @app.exception_handler(RequestValidationError)
-    async def _schema(_: Request, e: RequestValidationError) -> JSONResponse:
-        errors = []
-        lines = []
-        for err in e.errors():
-            loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-            where = ".".join(loc) or "body"
-            lines.append(f"{where}: {err.get('msg')}")
-            errors.append({"field": where, "message": err.get("msg"), "type": err.get("type")})
-        first = errors[0]["field"] if errors else None
-        return _error(422, "schema", "; ".join(lines), first, errors=errors)
 
 
 def _version() -> str:

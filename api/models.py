@@ -8,6 +8,7 @@ are one model. Responses are built from the registry's immutable refs with the
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -16,6 +17,11 @@ from service.config import AdapterConfig, AdapterSpec
 from service.registry import AdapterRef, AdapterState, StepRecord
 
 AdapterCreate = AdapterSpec  # POST /v1/adapters body
+
+
+def finite_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """The finite entries: JSON has no Infinity or NaN (a response holding one could not be sent)."""
+    return {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
 
 
 class _Out(BaseModel):
@@ -38,8 +44,8 @@ class AdapterOut(_Out):
     last_loss: float | None
     last_metrics: dict[str, float]
     failure_reason: str | None
-    export_path: str | None = Field(description="PEFT export folder, set when the run retires.")
-    checkpoint_path: str | None
+    export_path: str | None = Field(description="PEFT export folder, set when the run retires; relative to the service's state dir (no response shows a server path).")
+    checkpoint_path: str | None = Field(description="Newest checkpoint folder, relative to the service's state dir.")
     checkpoint_step: int | None
     created_at: float
     updated_at: float
@@ -58,9 +64,9 @@ class AdapterOut(_Out):
             step=ref.step,
             total_steps=ref.total_steps,
             samples_trained=ref.samples_trained,
-            last_reward=ref.last_metrics.get("reward_mean"),
-            last_loss=ref.last_metrics.get("loss"),
-            last_metrics=ref.last_metrics,
+            last_reward=finite_metrics(ref.last_metrics).get("reward_mean"),
+            last_loss=finite_metrics(ref.last_metrics).get("loss"),
+            last_metrics=finite_metrics(ref.last_metrics),
             failure_reason=ref.failure_reason,
             export_path=ref.export_path,
             checkpoint_path=ref.checkpoint_path,
@@ -89,7 +95,7 @@ class StepOut(_Out):
 
     @classmethod
     def from_record(cls, r: StepRecord) -> StepOut:
-        m = r.metrics
+        m = finite_metrics(r.metrics)
         return cls(
             step=r.step,
             samples=r.samples,
@@ -122,7 +128,7 @@ class HealthOut(_Out):
 
 class ComponentOut(_Out):
     ok: bool
-    detail: str
+    detail: str | None = Field(None, description="What the component reports (engine URL, in-flight requests...); only with the token.")
 
 
 class SlotsOut(_Out):
@@ -136,11 +142,15 @@ class ReadyOut(_Out):
     components: dict[str, ComponentOut]
     slots: SlotsOut
 
+    def public(self) -> ReadyOut:
+        """What /ready tells a caller without the token: ready or not, per component, nothing internal."""
+        return self.model_copy(update={"components": {k: ComponentOut(ok=c.ok) for k, c in self.components.items()}})
+
 
 class ErrorOut(_Out):
     """Body of every error response."""
 
-    error: str = Field(description="Machine-readable code: bad_value, unauthorized, not_found, conflict, no_free_slot, too_large, schema, unavailable, internal.")
+    error: str = Field(description="Machine-readable code: bad_value, bad_request, unauthorized, not_found, method_not_allowed, conflict, no_free_slot, too_large, unsupported_media_type, schema, unavailable, internal.")
     detail: str = Field(description="What was wrong and what is allowed.")
     field: str | None = Field(None, description="The offending field, when there is one.")
     errors: list[dict[str, Any]] | None = Field(None, description="422 only: every schema error.")
@@ -149,12 +159,14 @@ class ErrorOut(_Out):
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorOut, "description": text}
     for code, text in {
-        400: "A value that cannot work (missing data file, rank above max, path outside the roots)",
+        400: "A value that cannot work (missing data file, rank above max, path outside the roots), or a body that cannot be read",
         401: "Missing or wrong bearer token",
-        404: "Unknown adapter",
+        404: "Unknown adapter or route",
+        405: "Method not allowed on this route (the Allow header lists the allowed ones)",
         409: "Name in use, still retiring, already retiring, or no free slot",
         413: "Body larger than the service allows",
-        422: "Body does not match the schema",
+        415: "Body is not sent as JSON (Content-Type must be application/json)",
+        422: "Body does not match the schema (including numbers that are not finite)",
         503: "The controller did not answer in time",
     }.items()
 }

@@ -13,6 +13,7 @@ import (custom reward) happen in rollout.rewards.load_reward.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Literal
 
@@ -46,7 +47,19 @@ MANAGED_SERVER_FLAGS = frozenset(
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan=False: Python's json reads `Infinity`/`NaN`; no field here means anything with them.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+def non_finite_numbers(value: Any, where: str) -> list[str]:
+    """Dotted places in a JSON-like value that hold an infinite or NaN float (strict JSON has neither)."""
+    if isinstance(value, float):
+        return [] if math.isfinite(value) else [where]
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in non_finite_numbers(v, f"{where}.{k}")]
+    if isinstance(value, (list, tuple)):
+        return [p for i, v in enumerate(value) for p in non_finite_numbers(v, f"{where}.{i}")]
+    return []
 
 
 def check_adapter_name(name: str) -> str:
@@ -64,7 +77,11 @@ class EngineConfig(_Strict):
 
     num_engines: int = Field(1, ge=1, le=64, description="SGLang servers to start.")
     tp: int = Field(1, ge=1, le=64, description="Tensor-parallel size of each server (GPUs per engine).")
-    host: str = Field("127.0.0.1", description="Address the servers bind to and the client calls.")
+    host: str = Field(
+        "127.0.0.1",
+        description="Address the servers bind to and the client calls. Loopback by default: the servers' only "
+        "client is the rollout worker that starts them on its node. Must be loopback when the service is.",
+    )
     ports: list[int] = Field(
         default_factory=list,
         description="One port per engine; 0 (or an empty list) = pick a free port at launch.",
@@ -172,6 +189,11 @@ class DataConfig(_Strict):
     )
     shuffle_seed: int | None = Field(0, description="Seed of the per-epoch shuffle; null = file order every epoch.")
     num_epochs: int | None = Field(None, ge=1, description="Passes over the data before the source reports exhaustion; null = endless.")
+    # Limits (the service fills them in at registration; see service.config_checks). Null = none.
+    max_row_bytes: int | None = Field(None, ge=1, description="Skip (and count) lines longer than this many bytes, without loading them.")
+    max_prompt_tokens: int | None = Field(None, ge=1, description="Skip (and count) rows whose prompt (after the chat template) has more tokens.")
+    max_completion_tokens: int | None = Field(None, ge=1, description="SFT: skip (and count) rows whose completion (+ EOS) has more tokens.")
+    max_sample_tokens: int | None = Field(None, ge=1, description="Skip (and count) rows whose prompt + completion has more tokens.")
 
     @field_validator("path")
     @classmethod
@@ -189,7 +211,15 @@ class RewardConfig(_Strict):
         description="Built-in: math, exact_match, target_share. Custom: 'package.module:function' or "
         "'package.module.function', under one of RolloutConfig.reward_import_roots.",
     )
-    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments given to every call.")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments given to every call (JSON values; numbers finite).")
+
+    @field_validator("kwargs")
+    @classmethod
+    def _finite_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        bad = non_finite_numbers(kwargs, "kwargs")
+        if bad:
+            raise ValueError(f"numbers must be finite; {', '.join(bad)} is Infinity or NaN")
+        return kwargs
 
 
 class SamplingConfig(_Strict):
@@ -233,6 +263,10 @@ class RolloutConfig(_Strict):
         default_factory=list, description="Package prefixes custom rewards may be imported from (e.g. 'myorg.rewards')."
     )
     reward_timeout_s: float = Field(30.0, gt=0, description="A reward call running longer is a recorded failure, reward 0.")
+    max_rejections_in_a_row: int = Field(
+        8, ge=1, description="An adapter whose requests the engines refuse (HTTP 4xx, e.g. a prompt longer than the "
+        "context) this many times in a row stops generating and reports a fatal_reason (the service fails the run).",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> RolloutConfig:

@@ -10,15 +10,23 @@ from it sees exactly the rows it had not trained on, in the same order.
 Order: epoch e visits rows in the permutation drawn by
 ``random.Random(f"{shuffle_seed}:{e}")`` (file order when shuffle_seed is
 None): the same for every run with the same seed, different per epoch.
+
+Bounded reading: a JSONL file is streamed (an index of line offsets, rows read
+when taken), and a line longer than cfg.max_row_bytes is skipped and counted
+without being loaded. Rows over a token limit (prompt, completion, whole sample:
+the model's context, the service's limits) are skipped and counted when first
+taken, so one tenant's over-long rows never reach an engine or a train call.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
-from collections import deque
+from array import array
+from collections import OrderedDict, deque
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
@@ -41,6 +49,7 @@ class PromptRow(BaseModel):
     input_ids: list[int]
     label: Any = None
     metadata: dict[str, Any] | None = None
+    completion_ids: list[int] | None = None  # completion sources (SFT): the label's tokens + EOS
     # Which take() produced this row (for consume/requeue); private, not serialized.
     _serial: int = PrivateAttr(0)
 
@@ -64,70 +73,160 @@ class DataStatus(BaseModel):
     position: int
     pending: int
     consumed: int
-    exhausted: bool  # num_epochs done and nothing pending: this adapter's data is used up
+    exhausted: bool  # num_epochs done and nothing pending: this adapter's data is used up (never when unusable)
+    skipped_too_long: int = 0  # rows over a token limit (cfg.max_*_tokens): never served
+    skipped_oversized: int = 0  # lines over cfg.max_row_bytes: never loaded
+    unusable: str | None = None  # set when every row is over a limit: why nothing can be served
+
+    def skip_metrics(self) -> dict[str, float]:
+        """The skip counts under the metric keys the adapter's record and step metrics use."""
+        return {"rows_skipped_too_long": float(self.skipped_too_long), "rows_skipped_oversized": float(self.skipped_oversized)}
 
 
 def _is_messages(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
 
 
-def read_rows(cfg: DataConfig) -> list[dict[str, Any]]:
-    """Read and validate every row; refuse with a message naming the file, the row and the key."""
+def check_row(row: Any, cfg: DataConfig, where: str) -> dict[str, Any]:
+    """`row` if it can serve `cfg` (an object with the input key, and the label key when one is set); else DataError."""
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    if cfg.input_key not in row:
+        raise DataError(f"{where}: missing input key {cfg.input_key!r} (keys: {sorted(row)})")
+    value = row[cfg.input_key]
+    if not (isinstance(value, str) or _is_messages(value)):
+        raise DataError(
+            f"{where}: {cfg.input_key!r} must be a string or a list of {{'role', 'content'}} messages, got {type(value).__name__}"
+        )
+    if cfg.label_key is not None and cfg.label_key not in row:
+        raise DataError(f"{where}: missing label key {cfg.label_key!r} (keys: {sorted(row)})")
+    if cfg.metadata_key is not None and row.get(cfg.metadata_key) is not None and not isinstance(row[cfg.metadata_key], dict):
+        raise DataError(f"{where}: metadata key {cfg.metadata_key!r} must hold an object, got {type(row[cfg.metadata_key]).__name__}")
+    return row
+
+
+def read_line_bounded(f: BinaryIO, max_bytes: int | None) -> tuple[bytes | None, int]:
+    """The next line of `f` and the bytes it spans. A line longer than `max_bytes` (newline not
+    counted) is passed over in bounded chunks and returned as None: it is never held in memory.
+    Returns (b"", 0) at the end of the file."""
+    if max_bytes is None:
+        line = f.readline()
+        return line, len(line)
+    line = f.readline(max_bytes + 1)
+    if line.endswith(b"\n") or len(line) <= max_bytes:
+        return line, len(line)
+    span = len(line)
+    while True:  # over the cap: skip to the end of the line without keeping it
+        chunk = f.readline(1 << 16)
+        span += len(chunk)
+        if not chunk or chunk.endswith(b"\n"):
+            return None, span
+
+
+class _JsonlRows:
+    """A JSONL file as rows by index, streamed: one pass at open records where each usable line
+    starts (8 bytes a row) and checks it; a row is read from disk again when it is taken. Lines
+    over cfg.max_row_bytes are skipped and counted (`oversized`) without being loaded; blank
+    lines are ignored. Row indices count the kept lines, so they are stable for a given cap."""
+
+    def __init__(self, path: Path, cfg: DataConfig):
+        self.path = path
+        self.cfg = cfg
+        self._offsets = array("q")
+        self._lines = array("q")  # 1-based line numbers, for messages
+        self.oversized = 0
+        offset = 0
+        with path.open("rb") as f:
+            for lineno in itertools.count(1):
+                line, span = read_line_bounded(f, cfg.max_row_bytes)
+                if span == 0:
+                    break
+                if line is None:
+                    self.oversized += 1
+                elif line.strip():
+                    self._parse(line, lineno)  # checked once here; the row is not kept
+                    self._offsets.append(offset)
+                    self._lines.append(lineno)
+                offset += span
+        self._file: BinaryIO | None = None
+
+    def _parse(self, line: bytes, lineno: int) -> dict[str, Any]:
+        where = f"data file {self.path}, line {lineno}"
+        try:
+            row = json.loads(line)
+        except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+            raise DataError(f"{where}: not valid JSON ({getattr(e, 'msg', e)})") from None
+        return check_row(row, self.cfg, where)
+
+    def __len__(self) -> int:
+        return len(self._offsets)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if self._file is None:
+            self._file = self.path.open("rb")
+        self._file.seek(self._offsets[index])
+        line, _ = read_line_bounded(self._file, self.cfg.max_row_bytes)
+        if not line:
+            raise DataError(f"data file {self.path}, line {self._lines[index]}: changed since it was opened")
+        return self._parse(line, self._lines[index])
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def _parquet_rows(path: Path, cfg: DataConfig) -> list[dict[str, Any]]:
+    """Every row of a Parquet file, checked. (Parquet is read whole: only JSONL is streamed.)"""
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # pyarrow raises several types for a bad file
+        raise DataError(f"data file {path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
+    for key in (cfg.input_key, cfg.label_key):
+        if key is not None and key not in table.column_names:
+            raise DataError(f"data file {path}: no column {key!r}; columns: {table.column_names}")
+    rows = table.to_pylist()
+    for i, row in enumerate(rows):
+        check_row(row, cfg, f"data file {path}, row {i}")
+    return rows
+
+
+def open_rows(cfg: DataConfig) -> _JsonlRows | list[dict[str, Any]]:
+    """The rows of cfg.path by index (see _JsonlRows); DataError naming the file, row and key when it cannot serve."""
     path = Path(cfg.path)
     if not path.is_file():
         raise DataError(f"data file {path} does not exist or is not a file")
-    rows: list[dict[str, Any]] = []
     if path.suffix == ".jsonl":
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"data file {path}, line {lineno}: not valid JSON ({e.msg})") from None
-                if not isinstance(row, dict):
-                    raise DataError(f"data file {path}, line {lineno}: expected a JSON object, got {type(row).__name__}")
-                rows.append(row)
-        where = lambda i: f"data file {path}, line {i + 1}"  # noqa: E731 (blank lines aside)
+        rows: _JsonlRows | list[dict[str, Any]] = _JsonlRows(path, cfg)
+        if not len(rows) and rows.oversized:
+            raise DataError(f"data file {path}: every line ({rows.oversized}) is longer than the {cfg.max_row_bytes} bytes a row may have")
     elif path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        try:
-            table = pq.read_table(path)
-        except Exception as e:  # pyarrow raises several types for a bad file
-            raise DataError(f"data file {path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
-        for key in (cfg.input_key, cfg.label_key):
-            if key is not None and key not in table.column_names:
-                raise DataError(f"data file {path}: no column {key!r}; columns: {table.column_names}")
-        rows = table.to_pylist()
-        where = lambda i: f"data file {path}, row {i}"  # noqa: E731
+        rows = _parquet_rows(path, cfg)
     else:
         raise DataError(f"data file {path}: unknown format; use .jsonl or .parquet")
-    if not rows:
+    if not len(rows):
         raise DataError(f"data file {path} has no rows")
-    for i, row in enumerate(rows):
-        if cfg.input_key not in row:
-            raise DataError(f"{where(i)}: missing input key {cfg.input_key!r} (keys: {sorted(row)})")
-        value = row[cfg.input_key]
-        if not (isinstance(value, str) or _is_messages(value)):
-            raise DataError(
-                f"{where(i)}: {cfg.input_key!r} must be a string or a list of {{'role', 'content'}} messages, got {type(value).__name__}"
-            )
-        if cfg.label_key is not None and cfg.label_key not in row:
-            raise DataError(f"{where(i)}: missing label key {cfg.label_key!r} (keys: {sorted(row)})")
-        if cfg.metadata_key is not None and row.get(cfg.metadata_key) is not None and not isinstance(row[cfg.metadata_key], dict):
-            raise DataError(f"{where(i)}: metadata key {cfg.metadata_key!r} must hold an object, got {type(row[cfg.metadata_key]).__name__}")
     return rows
 
 
 class DataSource:
-    """The prompts of one adapter. Not thread-safe; owned by one asyncio loop."""
+    """The prompts of one adapter. Not thread-safe; owned by one asyncio loop.
 
-    def __init__(self, cfg: DataConfig, tokenizer, cursor: DataCursor | None = None):
+    Length limits (cfg.max_prompt_tokens, max_completion_tokens, max_sample_tokens): a row is
+    measured in tokens when it is first taken; a row over a limit is skipped, counted, and never
+    served again (`status().skipped_too_long`). With `completions=True` (SFT) the label is the
+    completion: it is tokenized (plus EOS) and measured too. When every row is over a limit the
+    source serves nothing and `status().unusable` says why."""
+
+    RENDER_CACHE = 4096  # rendered rows kept (requeued rows come back soon; memory stays bounded)
+
+    def __init__(self, cfg: DataConfig, tokenizer, cursor: DataCursor | None = None, *, completions: bool = False):
         self.cfg = cfg
         self.tokenizer = tokenizer
-        self._rows = read_rows(cfg)
+        self.completions = completions
+        self._rows = open_rows(cfg)
         self._epoch = 0
         self._position = 0
         self._order = self._order_for(0)
@@ -135,12 +234,17 @@ class DataSource:
         self._outstanding: dict[int, tuple[int, int]] = {}  # take serial -> (index, epoch): taken, not consumed/requeued
         self._serial = 0
         self._consumed = 0
-        self._rendered: dict[int, tuple[str, list[int]]] = {}
+        self._rendered: OrderedDict[int, tuple[str, list[int], list[int] | None]] = OrderedDict()
+        self._too_long: dict[int, str] = {}  # row index -> which limit it broke (never served)
         if cursor is not None:
             self.restore(cursor)
 
     def __len__(self) -> int:
         return len(self._rows)
+
+    def close(self) -> None:
+        if isinstance(self._rows, _JsonlRows):
+            self._rows.close()
 
     def _order_for(self, epoch: int) -> list[int]:
         order = list(range(len(self._rows)))
@@ -148,23 +252,50 @@ class DataSource:
             random.Random(f"{self.cfg.shuffle_seed}:{epoch}").shuffle(order)
         return order
 
-    def _render(self, index: int) -> tuple[str, list[int]]:
-        if index not in self._rendered:
-            value = self._rows[index][self.cfg.input_key]
-            if isinstance(value, str) and not self.cfg.apply_chat_template:
-                text = value
-                ids = self.tokenizer(text)["input_ids"]
-            else:
-                messages = value if isinstance(value, list) else [{"role": "user", "content": value}]
-                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-                # The template already holds any special tokens: add none.
-                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            self._rendered[index] = (text, list(ids))
+    def _render(self, index: int, raw: dict[str, Any]) -> tuple[str, list[int], list[int] | None]:
+        if index in self._rendered:
+            self._rendered.move_to_end(index)
+            return self._rendered[index]
+        value = raw[self.cfg.input_key]
+        if isinstance(value, str) and not self.cfg.apply_chat_template:
+            text = value
+            ids = self.tokenizer(text)["input_ids"]
+        else:
+            messages = value if isinstance(value, list) else [{"role": "user", "content": value}]
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            # The template already holds any special tokens: add none.
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        completion = None
+        if self.completions:
+            completion = list(self.tokenizer(str(raw.get(self.cfg.label_key)), add_special_tokens=False)["input_ids"])
+            if self.tokenizer.eos_token_id is not None:
+                completion.append(self.tokenizer.eos_token_id)
+        self._rendered[index] = (text, list(ids), completion)
+        if len(self._rendered) > self.RENDER_CACHE:
+            self._rendered.popitem(last=False)
         return self._rendered[index]
 
-    def _row(self, index: int, epoch: int, serial: int) -> PromptRow:
+    def _over_limit(self, prompt: list[int], completion: list[int] | None) -> str | None:
+        """Which limit the row breaks, or None."""
+        cfg = self.cfg
+        n_completion = len(completion or ())
+        if cfg.max_prompt_tokens is not None and len(prompt) > cfg.max_prompt_tokens:
+            return f"prompt of {len(prompt)} tokens > max_prompt_tokens {cfg.max_prompt_tokens}"
+        if completion is not None and cfg.max_completion_tokens is not None and n_completion > cfg.max_completion_tokens:
+            return f"completion of {n_completion} tokens > max_completion_tokens {cfg.max_completion_tokens}"
+        if cfg.max_sample_tokens is not None and len(prompt) + n_completion > cfg.max_sample_tokens:
+            return f"sample of {len(prompt) + n_completion} tokens > max_sample_tokens {cfg.max_sample_tokens}"
+        return None
+
+    def _row(self, index: int, epoch: int, serial: int) -> PromptRow | None:
+        """The row, or None when it breaks a length limit (then recorded in _too_long)."""
         raw = self._rows[index]
-        text, ids = self._render(index)
+        text, ids, completion = self._render(index, raw)
+        problem = self._over_limit(ids, completion)
+        if problem is not None:
+            self._too_long[index] = problem
+            self._rendered.pop(index, None)
+            return None
         meta = raw.get(self.cfg.metadata_key) if self.cfg.metadata_key else None
         row = PromptRow(
             index=index,
@@ -174,6 +305,7 @@ class DataSource:
             input_ids=ids,
             label=raw.get(self.cfg.label_key) if self.cfg.label_key else None,
             metadata=meta,
+            completion_ids=completion,
         )
         row._serial = serial
         return row
@@ -186,23 +318,44 @@ class DataSource:
             or self._epoch + 1 < self.cfg.num_epochs
         )
 
-    def take(self) -> PromptRow | None:
-        """The next prompt: a re-queued one first, else the next fresh one; None when the data is used up
-        (rows may still be pending: see status().exhausted)."""
-        if self._requeued:
-            index, epoch = self._requeued.popleft()
-        else:
-            if not self._fresh_left():
-                return None
+    def _next_fresh(self) -> tuple[int, int] | None:
+        """The next fresh (index, epoch) not known to be too long; None when the data is used up."""
+        while self._fresh_left() and self.unusable is None:
             if self._position >= len(self._order):
                 self._epoch += 1
                 self._position = 0
                 self._order = self._order_for(self._epoch)
-            index, epoch = self._order[self._position], self._epoch
+            index = self._order[self._position]
             self._position += 1
-        self._serial += 1
-        self._outstanding[self._serial] = (index, epoch)
-        return self._row(index, epoch, self._serial)
+            if index not in self._too_long:
+                return index, self._epoch
+        return None  # used up, or every row is too long (another epoch would find none either)
+
+    def take(self) -> PromptRow | None:
+        """The next prompt: a re-queued one first, else the next fresh one within the length limits;
+        None when the data is used up or no row fits (rows may still be pending: see status())."""
+        while True:
+            if self._requeued:
+                index, epoch = self._requeued.popleft()
+            else:
+                nxt = self._next_fresh()
+                if nxt is None:
+                    return None
+                index, epoch = nxt
+            self._serial += 1
+            row = self._row(index, epoch, self._serial)
+            if row is not None:
+                self._outstanding[self._serial] = (index, epoch)
+                return row
+
+    @property
+    def unusable(self) -> str | None:
+        """Why no row of the file can be served (every row breaks a length limit), or None."""
+        if len(self._rows) and len(self._too_long) == len(self._rows):
+            example = next(iter(self._too_long.values()))
+            return (f"no usable rows: all {len(self._rows)} rows of {Path(self.cfg.path).name} are over a length limit "
+                    f"(e.g. {example})")
+        return None
 
     def _pop_outstanding(self, row: PromptRow) -> tuple[int, int]:
         serial = row._serial
@@ -236,12 +389,16 @@ class DataSource:
 
     def status(self) -> DataStatus:
         pending = len(self._outstanding) + len(self._requeued)
-        fresh_left = self._fresh_left()
+        unusable = self.unusable
         return DataStatus(
             rows=len(self._rows),
             epoch=self._epoch,
             position=self._position,
             pending=pending,
             consumed=self._consumed,
-            exhausted=not fresh_left and pending == 0,
+            # Data that cannot be used is not used up: such a run must fail (unusable says why), not complete.
+            exhausted=unusable is None and not self._fresh_left() and pending == 0,
+            skipped_too_long=len(self._too_long),
+            skipped_oversized=self._rows.oversized if isinstance(self._rows, _JsonlRows) else 0,
+            unusable=unusable,
         )

@@ -16,6 +16,10 @@ Invariants:
   never buffered and never count as progress.
 * A group is buffered only if its adapter still has the registration id that
   started it (a removed and re-added adapter never sees the old tenant's work).
+* One adapter cannot keep the engines busy with requests they refuse: rows over
+  the length limits never leave its data source (skipped, counted), and after
+  `max_rejections_in_a_row` refused requests (HTTP 4xx) it stops generating. Either
+  way `AdapterStats.fatal_reason` says why, and the service fails the run.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict
 
-from rollout.client import EngineUnavailable
+from rollout.client import EngineError, EngineUnavailable
 from rollout.config import DataConfig, RewardConfig, RolloutConfig, SamplingConfig, check_adapter_name
 from rollout.data import DataCursor, DataSource, DataStatus, PromptRow
 from rollout.groups import AdapterBuffer, RolloutGroup, Sample, group_advantages
@@ -71,7 +75,9 @@ class AdapterStats(BaseModel):
     dropped_stale: int
     refused_foreign: int
     reward_failures: int
+    rejections_in_a_row: int  # requests the engines refused (HTTP 4xx) since the last group that completed
     last_error: str | None
+    fatal_reason: str | None  # set when the adapter can never make progress (no row fits, requests keep being refused)
     data: DataStatus
 
 
@@ -106,8 +112,10 @@ class _AdapterRun:
     groups_failed: int = 0
     reward_failures: int = 0
     consecutive_failures: int = 0
+    rejections_in_a_row: int = 0
     retry_at: float = 0.0
     last_error: str | None = None
+    fatal_reason: str | None = None
     tasks: set = field(default_factory=set)
 
     @property
@@ -265,7 +273,9 @@ class RolloutCore:
             dropped_stale=run.buffer.dropped_stale,
             refused_foreign=run.buffer.refused_foreign,
             reward_failures=run.reward_failures,
+            rejections_in_a_row=run.rejections_in_a_row,
             last_error=run.last_error,
+            fatal_reason=run.fatal_reason,
             data=run.data.status(),
         )
 
@@ -274,6 +284,7 @@ class RolloutCore:
     def _can_start(self, run: _AdapterRun, now: float) -> bool:
         return (
             not run.paused
+            and run.fatal_reason is None
             and now >= run.retry_at
             and run.inflight_requests + run.n <= self.cfg.max_inflight_per_adapter
             and self._inflight_total + run.n <= self.cfg.max_inflight_total
@@ -291,6 +302,8 @@ class RolloutCore:
                 continue
             row = run.data.take()
             if row is None:
+                if run.fatal_reason is None and run.data.unusable is not None:
+                    self._fatal(run, run.data.unusable)
                 continue
             self._launch(run, row)
             started += 1
@@ -328,10 +341,20 @@ class RolloutCore:
             run.data.requeue(row)
             run.groups_requeued += 1
 
+    def _fatal(self, run: _AdapterRun, reason: str) -> None:
+        """The adapter can never make progress: it stops generating; the reason is in its stats."""
+        run.fatal_reason = reason[:2000]
+        log.warning("adapter %s stops generating: %s", run.spec.name, run.fatal_reason)
+
     def _fail(self, run: _AdapterRun, row: PromptRow, err: BaseException) -> None:
         run.groups_failed += 1
         run.last_error = f"{type(err).__name__}: {err}"[:2000]
         run.consecutive_failures += 1
+        if isinstance(err, EngineError) and not isinstance(err, EngineUnavailable) and err.status is not None and 400 <= err.status < 500:
+            run.rejections_in_a_row += 1  # the engine refused the request itself (e.g. longer than its context)
+            if run.rejections_in_a_row >= self.cfg.max_rejections_in_a_row and run.fatal_reason is None:
+                self._fatal(run, f"the engines refused {run.rejections_in_a_row} requests in a row (HTTP {err.status}); "
+                                 f"last: {err.body[:500] or err}")
         # Back off so a persistent error (e.g. the engine refuses the adapter) does not spin.
         run.retry_at = time.monotonic() + min(0.1 * 2 ** (run.consecutive_failures - 1), 5.0)
         self._requeue(run, row)
@@ -382,6 +405,7 @@ class RolloutCore:
                 return
             run.groups_completed += 1
             run.consecutive_failures = 0
+            run.rejections_in_a_row = 0
         finally:
             run.inflight_requests -= run.n
             run.inflight_groups -= 1

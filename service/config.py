@@ -45,7 +45,8 @@ AdapterName = Annotated[
 
 class _Strict(BaseModel):
     # frozen: configs are values; a validated config cannot drift afterwards.
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan=False: Python's json reads `Infinity`/`NaN`; no setting means anything with them.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 def _rebase(path: str | None, info: ValidationInfo) -> str | None:
@@ -67,6 +68,13 @@ class DataSpec(_Strict):
     label_key: str | None = Field(None, description="Key of the label (RL: passed to the reward) or of the target completion (SFT). Default: 'label' for rl, 'completion' for sft.")
     metadata_key: str | None = Field("metadata", description="Key of an optional per-row metadata object passed to the reward; null for none.")
     apply_chat_template: bool = Field(True, description="Wrap the prompt as a user message with the base model tokenizer's chat template.")
+    # Length limits: rows over one are skipped and counted (metrics rows_skipped_*), never sent to an
+    # engine or a train call. Registration fills each with the service's limit (GET /v1/adapters/{name}
+    # shows them); a tenant may ask for lower ones.
+    max_row_bytes: int | None = Field(None, ge=1, description="Skip lines longer than this many bytes (default and maximum: the service's max_row_bytes).")
+    max_prompt_tokens: int | None = Field(None, ge=1, description="Skip rows whose prompt (after the chat template) is longer, in tokens. Default and maximum: the service's max_prompt_tokens, and for rl the model's context minus sampling.max_new_tokens.")
+    max_completion_tokens: int | None = Field(None, ge=1, description="SFT only: skip rows whose completion (+ EOS) is longer, in tokens (default and maximum: the service's max_completion_tokens). RL completions are bounded by sampling.max_new_tokens.")
+    max_sample_tokens: int | None = Field(None, ge=1, description="Skip rows whose prompt + completion is longer, in tokens (default and maximum: the model's context).")
 
     _rebase_path = field_validator("path")(_rebase)
 
@@ -120,6 +128,8 @@ class AdapterConfig(_Strict):
                 raise ValueError("objective 'rl' needs sampling.n_samples_per_prompt >= 2: group-relative advantages of a group of one are always zero")
         elif self.reward is not None:
             raise ValueError("reward applies only to objective 'rl'; remove it for 'sft'")
+        if self.objective == "rl" and self.data.max_completion_tokens is not None:
+            raise ValueError("data.max_completion_tokens applies only to objective 'sft'; rl completions are bounded by sampling.max_new_tokens")
         try:  # the rollout side's own data checks (file formats it can read), once, here
             self.data_config()
         except ValidationError as e:
@@ -183,31 +193,63 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
+MIN_TOKEN_CHARS_OFF_LOOPBACK = 16
+
+
+def api_token_problem(host: str, token: str | None) -> str | None:
+    """Why `token` cannot protect an API bound to `host`, or None. A token that is set must not be
+    blank; off loopback one is required, of at least MIN_TOKEN_CHARS_OFF_LOOPBACK characters
+    (whitespace around it does not count: it is stripped)."""
+    if token is not None and not token.strip():
+        return "api_token is blank (only whitespace); set a real token or leave it unset"
+    if is_loopback_host(host):
+        return None
+    if token is None:
+        return (f"host {host!r} is not a loopback address, so an API token is required: set LORAFLEET_API_TOKEN "
+                f"(or api_token in the settings file) to at least {MIN_TOKEN_CHARS_OFF_LOOPBACK} characters, or bind to 127.0.0.1")
+    if len(token.strip()) < MIN_TOKEN_CHARS_OFF_LOOPBACK:
+        return (f"host {host!r} is not a loopback address and the API token has only {len(token.strip())} characters; "
+                f"use at least {MIN_TOKEN_CHARS_OFF_LOOPBACK} (e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`), "
+                "or bind to 127.0.0.1")
+    return None
+
+
 class ServiceSettings(BaseSettings):
     """Settings of the running service. Sources, highest first: explicit values,
     environment (LORAFLEET_*), the settings file (LORAFLEET_SETTINGS_FILE), defaults."""
 
-    model_config = SettingsConfigDict(env_prefix="LORAFLEET_", extra="forbid", frozen=True)
+    model_config = SettingsConfigDict(env_prefix="LORAFLEET_", extra="forbid", frozen=True, allow_inf_nan=False)
 
-    api_token: SecretStr | None = Field(None, description="Bearer token clients must send; required when host is not a loopback address.")
+    api_token: SecretStr | None = Field(None, description="Bearer token clients must send (surrounding whitespace stripped); required when host is not a loopback address, and then at least 16 characters.")
     host: str = Field("127.0.0.1", description="Address the REST API binds to.")
     port: int = Field(8000, ge=0, le=65535, description="TCP port of the REST API (0 = any free port).")
     state_dir: Path = Field(Path("runs/service"), description="Folder for the registry database, checkpoints and exports.")
     data_roots: Annotated[list[Path], NoDecode] = Field(default_factory=lambda: [Path.cwd()], description="Folders that adapter data, init_from and resume_from must lie in (state_dir is also allowed for init_from/resume_from).")
     reward_import_roots: Annotated[list[str], NoDecode] = Field(default_factory=list, description="Python package prefixes custom reward functions may be imported from (e.g. 'myorg.rewards'); builtin rewards are always allowed.")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body the API accepts (bytes); larger ones get 413.")
+    # Length limits of every adapter's rows (issue 14: one tenant's long rows must not stall the fleet).
+    max_row_bytes: int = Field(1 << 20, ge=1024, description="Longest line of a data file (bytes); longer lines are skipped and counted, never loaded.")
+    max_prompt_tokens: int = Field(4096, ge=1, description="Longest prompt (tokens, after the chat template); longer rows are skipped and counted.")
+    max_completion_tokens: int = Field(8192, ge=1, description="Longest completion (tokens): SFT rows with a longer one are skipped; an rl sampling.max_new_tokens above it is refused.")
+    max_step_tokens: int = Field(1 << 21, ge=1, description="Per-step token budget of one adapter: samples per step x the longest sample it may have (prompt + completion limits, the model's context) must not exceed it, checked at registration; bounds what one tenant adds to a mixed train call.")
+    data_check_bytes: int = Field(64 << 20, ge=1024, description="Registration reads at most this many bytes of a data file to check its rows (a bounded prefix).")
+    data_check_s: float = Field(10.0, gt=0, description="Registration spends at most this many seconds checking a data file; rows beyond are counted from the file size.")
     controller_timeout_s: float = Field(30.0, gt=0, description="Timeout of one API -> controller call (seconds).")
     settings_file: Path | None = Field(None, description="YAML file with any of these settings (lower priority than the environment).")
 
     _split = field_validator("data_roots", "reward_import_roots", mode="before")(lambda cls, v: _split_list(v))
 
+    @field_validator("api_token", mode="after")
+    @classmethod
+    def _strip_token(cls, token: SecretStr | None) -> SecretStr | None:
+        # Clients send the token in a header, where surrounding whitespace does not survive.
+        return None if token is None else SecretStr(token.get_secret_value().strip())
+
     @model_validator(mode="after")
     def _token_off_loopback(self) -> ServiceSettings:
-        if not is_loopback_host(self.host) and (self.api_token is None or not self.api_token.get_secret_value()):
-            raise ValueError(
-                f"host {self.host!r} is not a loopback address, so an API token is required: "
-                "set LORAFLEET_API_TOKEN (or api_token in the settings file), or bind to 127.0.0.1"
-            )
+        problem = api_token_problem(self.host, self.api_token.get_secret_value() if self.api_token is not None else None)
+        if problem:
+            raise ValueError(problem)
         return self
 
     @property
@@ -271,6 +313,20 @@ class SlotCapacity(_Strict):
 
     num_slots: int = Field(4, ge=1, le=1024, description="Adapter slots resident on the trainer (= most live adapter runs).")
     max_rank: int = Field(16, ge=1, le=1024, description="Largest LoRA rank a slot holds.")
+    context_tokens: int | None = Field(None, ge=2, description="Longest sample (prompt + completion, tokens) engines and trainer take. Default: the base model's max_position_embeddings (config.json); set it lower when the engines run with a shorter --context-length.")
+
+
+def model_context_tokens(model_path: str | Path) -> int | None:
+    """The base model's context in tokens (config.json max_position_embeddings, also under text_config); None if unknown."""
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for section in (cfg, cfg.get("text_config") or {}):
+        value = section.get("max_position_embeddings") if isinstance(section, dict) else None
+        if isinstance(value, int) and value >= 2:
+            return value
+    return None
 
 
 # Facts the job file states once, and the trainer/engine fields derived from them:
@@ -353,11 +409,26 @@ class JobConfig(_Strict):
 
     @property
     def capacity(self) -> SlotCapacity:
-        return self.slots
+        """The slots section, with the model's context filled in from the base model when not stated."""
+        if self.slots.context_tokens is not None:
+            return self.slots
+        return self.slots.model_copy(update={"context_tokens": model_context_tokens(self.base_model.path)})
 
     def rollout_config(self, settings: ServiceSettings) -> RolloutConfig:
         """The rollout worker's config, with the reward import roots of the running service."""
         return self.rollout.model_copy(update={"reward_import_roots": list(settings.reward_import_roots)})
+
+    def engine_config(self, settings: ServiceSettings) -> EngineConfig:
+        """The engines' config for a service bound to `settings.host`. The engines' only client is the
+        rollout worker that starts them on its own node, so they bind to loopback unless the job names
+        another interface in engines.host; a service on loopback keeps them there (a job that asks for
+        another interface is refused: it would open ports the service itself does not)."""
+        if is_loopback_host(settings.host) and not is_loopback_host(self.engines.host):
+            raise ConfigError(
+                f"engines.host {self.engines.host!r} is not a loopback address but the service binds to "
+                f"{settings.host!r}: remove engines.host (engines then bind to 127.0.0.1) or bind the service elsewhere"
+            )
+        return self.engines
 
     def service_settings(self, **explicit: Any) -> ServiceSettings:
         """The job's service section under the usual precedence (explicit > env > this section)."""
@@ -378,7 +449,11 @@ def load_job(path: str | Path) -> JobConfig:
     except ValidationError as e:
         raise ConfigError(f"job file {path} is invalid:\n{format_validation_error(e)}") from None
     try:
-        job.service_settings()  # validated now, with the environment it will run under
+        settings = job.service_settings()  # validated now, with the environment it will run under
     except ConfigError as e:
         raise ConfigError(f"job file {path}: service section: {e}") from None
+    try:
+        job.engine_config(settings)
+    except ConfigError as e:
+        raise ConfigError(f"job file {path}: {e}") from None
     return job

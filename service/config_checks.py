@@ -8,7 +8,8 @@ swapped after the check.
 
 Path confinement (the security boundary for tenant-supplied paths):
   * no `..` component anywhere in the given path;
-  * relative paths are taken relative to the first allowed root;
+  * relative paths are taken relative to the first allowed root they exist under
+    (else the first root);
   * the path must lie inside an allowed root lexically AND after resolving
     every symlink (a symlink inside a root that points outside is refused);
   * the lexical check comes first, so a refused path outside the roots does not
@@ -18,13 +19,16 @@ Path confinement (the security boundary for tenant-supplied paths):
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import ValidationError
 
+from rollout.data import read_line_bounded
 from service.config import AdapterConfig, ServiceSettings, SlotCapacity
 from service.errors import BadValue
 
@@ -52,8 +56,9 @@ def check_adapter_config(config: AdapterConfig, settings: ServiceSettings, capac
     data_roots = list(settings.data_roots)
     model_roots = data_roots + [settings.state_dir]
     data_path = confine_path(config.data.path, data_roots, "config.data.path", want="file")
-    rows = _check_data_file(data_path, config)
-    update: dict = {"data": config.data.model_copy(update={"path": str(data_path)})}
+    limits = row_limits(config, settings, capacity)
+    rows = _check_data_file(data_path, config, settings, limits["max_row_bytes"])
+    update: dict = {"data": config.data.model_copy(update={"path": str(data_path), **limits})}
     if config.init_from is not None:
         init_dir = confine_path(config.init_from, model_roots, "config.init_from", want="dir")
         _check_peft_folder(init_dir, config.rank)
@@ -74,6 +79,56 @@ def check_adapter_config(config: AdapterConfig, settings: ServiceSettings, capac
     return CheckedAdapter(config=checked, data_rows=rows, total_steps=total)
 
 
+def row_limits(config: AdapterConfig, settings: ServiceSettings, capacity: SlotCapacity) -> dict[str, int | None]:
+    """The length limits the run's rows are read with (DataSpec.max_*): the tenant's where lower, else the
+    service's and the model's context. BadValue when the config cannot fit them: a tenant limit above the
+    service's, an rl completion budget that leaves no room for a prompt, or a step that could exceed the
+    per-step token budget (max_step_tokens)."""
+    data = config.data
+    context = capacity.context_tokens
+
+    def lowest(field: str, given: int | None, service: int | None, what: str) -> int | None:
+        if given is not None and service is not None and given > service:
+            raise BadValue(f"config.data.{field} {given} is above the service's limit of {service} ({what}); allowed: 1..{service}",
+                           field=f"config.data.{field}")
+        return given if given is not None else service
+
+    row_bytes = lowest("max_row_bytes", data.max_row_bytes, settings.max_row_bytes, "max_row_bytes")
+    if config.objective == "rl":
+        completion = config.sampling.max_new_tokens
+        if completion > settings.max_completion_tokens:
+            raise BadValue(f"config.sampling.max_new_tokens {completion} is above the service's limit of "
+                           f"{settings.max_completion_tokens} (max_completion_tokens); allowed: 1..{settings.max_completion_tokens}",
+                           field="config.sampling.max_new_tokens")
+        if context is not None and completion >= context:
+            raise BadValue(f"config.sampling.max_new_tokens {completion} leaves no room for a prompt in the model's context of "
+                           f"{context} tokens; allowed: 1..{context - 1}", field="config.sampling.max_new_tokens")
+        room = None if context is None else context - completion  # SGLang: prompt + max_new_tokens <= context
+        prompt = lowest("max_prompt_tokens", data.max_prompt_tokens, min(settings.max_prompt_tokens, room or settings.max_prompt_tokens),
+                        "max_prompt_tokens, and the model's context minus sampling.max_new_tokens")
+        sample = lowest("max_sample_tokens", data.max_sample_tokens, prompt + completion, "max_prompt_tokens + sampling.max_new_tokens")
+        prompt = min(prompt, sample - completion)
+        if prompt < 1:
+            raise BadValue(f"config.data.max_sample_tokens {sample} leaves no room for a prompt next to sampling.max_new_tokens {completion}",
+                           field="config.data.max_sample_tokens")
+        completion_limit = None
+    else:
+        prompt = lowest("max_prompt_tokens", data.max_prompt_tokens, settings.max_prompt_tokens, "max_prompt_tokens")
+        completion_limit = lowest("max_completion_tokens", data.max_completion_tokens, settings.max_completion_tokens, "max_completion_tokens")
+        most = prompt + completion_limit if context is None else min(context, prompt + completion_limit)
+        sample = lowest("max_sample_tokens", data.max_sample_tokens, most, "the model's context and max_prompt_tokens + max_completion_tokens")
+    step_tokens = config.samples_per_step * sample
+    if step_tokens > settings.max_step_tokens:
+        knobs = "prompts_per_step, sampling.n_samples_per_prompt, sampling.max_new_tokens" if config.objective == "rl" else "prompts_per_step"
+        raise BadValue(
+            f"a step of this adapter may hold {config.samples_per_step} samples of up to {sample} tokens = {step_tokens} tokens, "
+            f"above the service's per-step budget of {settings.max_step_tokens} tokens (max_step_tokens); lower {knobs}, "
+            "or config.data.max_sample_tokens / max_prompt_tokens",
+            field="config.prompts_per_step",
+        )
+    return {"max_row_bytes": row_bytes, "max_prompt_tokens": prompt, "max_completion_tokens": completion_limit, "max_sample_tokens": sample}
+
+
 def confine_path(raw: str, roots: list[Path], field: str, *, want: str) -> Path:
     """The real path of `raw` if it lies inside one of `roots` (see the module doc); else BadValue."""
     allowed = ", ".join(str(r) for r in roots) or "(none configured: set LORAFLEET_DATA_ROOTS)"
@@ -82,7 +137,10 @@ def confine_path(raw: str, roots: list[Path], field: str, *, want: str) -> Path:
     given = Path(raw)
     if ".." in given.parts:
         raise BadValue(f"{field}: '..' is not allowed in paths (got {raw!r}); give a path inside: {allowed}", field=field)
-    path = given if given.is_absolute() else roots[0] / given
+    # A relative path is taken against the first root it exists under (else the first root): records show
+    # paths relative to their root (api.public_paths), so a checkpoint shown as "runs/<run>/checkpoints/..."
+    # under the state dir is given back as it is shown.
+    path = given if given.is_absolute() else next((r / given for r in roots if (r / given).exists()), roots[0] / given)
     abs_roots = [r.absolute() for r in roots]
     real_roots = [r.resolve() for r in roots]
     if not any(path.is_relative_to(r) for r in abs_roots + real_roots):
@@ -105,26 +163,60 @@ def confine_path(raw: str, roots: list[Path], field: str, *, want: str) -> Path:
     return real
 
 
-def _check_data_file(path: Path, config: AdapterConfig) -> int:
-    """Number of rows; BadValue when the file cannot serve this config (keys missing, not JSON, empty)."""
+class _BoundedReader:
+    """`readline` over a file that stops (returns b"") once `max_bytes` are read or `deadline` has
+    passed; `cut` says so. Registration reads data files through it: bounded memory and time."""
+
+    def __init__(self, f, max_bytes: int, deadline: float) -> None:
+        self._f, self._left, self._deadline = f, max_bytes, deadline
+        self.read = 0
+        self.cut = False
+
+    def readline(self, limit: int = -1) -> bytes:
+        if self._left <= 0 or time.monotonic() > self._deadline:
+            self.cut = True
+            return b""
+        size = self._left if limit < 0 else min(limit, self._left)
+        line = self._f.readline(size)
+        self._left -= len(line)
+        self.read += len(line)
+        if self._left <= 0 and not line.endswith(b"\n"):
+            self.cut = True  # the budget ended inside a line
+        return line
+
+
+def _check_data_file(path: Path, config: AdapterConfig, settings: ServiceSettings, max_row_bytes: int) -> int:
+    """Number of rows (estimated from the file size beyond the checked prefix); BadValue when the file
+    cannot serve this config (keys missing, not JSON, no usable row in the prefix). Reads at most
+    settings.data_check_bytes for at most settings.data_check_s (issue 14, F4)."""
     keys = [config.data.input_key] + ([config.data.label_key] if config.data.label_key else [])
     field = "config.data.path"
+    name = path.name
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq  # only for parquet data
 
         try:
             meta = pq.ParquetFile(path)
         except Exception as e:
-            raise BadValue(f"{field}: {path} is not a readable parquet file: {e}", field=field) from None
+            raise BadValue(f"{field}: {name} is not a readable parquet file: {e}", field=field) from None
         columns = set(meta.schema_arrow.names)
         missing = [k for k in keys if k not in columns]
         if missing:
-            raise BadValue(f"{field}: {path} lacks column(s) {missing}; it has {sorted(columns)}", field=field)
+            raise BadValue(f"{field}: {name} lacks column(s) {missing}; it has {sorted(columns)}", field=field)
         rows = meta.metadata.num_rows
     else:
-        rows = 0
-        with path.open("rb") as f:
-            for line_no, line in enumerate(f, 1):
+        rows = oversized = 0
+        with path.open("rb") as raw:
+            f = _BoundedReader(raw, settings.data_check_bytes, time.monotonic() + settings.data_check_s)
+            for line_no in itertools.count(1):
+                line, span = read_line_bounded(f, max_row_bytes)
+                if span == 0:  # end of the file, or of the checked prefix
+                    break
+                if line is None:  # over max_row_bytes (its rest skipped, not kept)
+                    oversized += 1
+                    continue
+                if f.cut and not line.endswith(b"\n"):
+                    break  # a line the prefix ends inside: not judged
                 if not line.strip():
                     continue
                 rows += 1
@@ -133,18 +225,29 @@ def _check_data_file(path: Path, config: AdapterConfig) -> int:
                 try:
                     row = json.loads(line)
                 except ValueError as e:
-                    raise BadValue(f"{field}: line {line_no} of {path} is not JSON ({e})", field=field) from None
+                    raise BadValue(f"{field}: line {line_no} of {name} is not JSON ({e})", field=field) from None
                 if not isinstance(row, dict):
-                    raise BadValue(f"{field}: line {line_no} of {path} is not a JSON object", field=field)
+                    raise BadValue(f"{field}: line {line_no} of {name} is not a JSON object", field=field)
                 missing = [k for k in keys if k not in row]
                 if missing:
                     raise BadValue(
-                        f"{field}: line {line_no} of {path} lacks key(s) {missing} (has {sorted(row)}); "
+                        f"{field}: line {line_no} of {name} lacks key(s) {missing} (has {sorted(row)}); "
                         "set config.data.input_key / label_key to the keys your rows use",
                         field=field,
                     )
+            size = path.stat().st_size
+        if rows == 0 and oversized:
+            where = f"the first {f.read} bytes" if f.cut else "any of its lines"
+            raise BadValue(
+                f"{field}: no usable row in {where} of {name}: {oversized} line(s) longer than the {max_row_bytes} bytes a row may "
+                f"have (max_row_bytes; registration checks at most {settings.data_check_bytes} bytes, data_check_bytes, "
+                f"in {settings.data_check_s:g} s, data_check_s)",
+                field=field,
+            )
+        if rows and f.cut and f.read < size:  # the rest is counted from its size, not read
+            rows = math.ceil(rows * size / f.read)
     if rows == 0:
-        raise BadValue(f"{field}: {path} has no rows", field=field)
+        raise BadValue(f"{field}: {name} has no rows", field=field)
     return rows
 
 

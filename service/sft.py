@@ -15,6 +15,12 @@ the data has fewer rows left than a step needs, those rows are dropped and the
 source reports itself exhausted (the trainer never sees a partial step that
 could not complete).
 
+Length limits: rows whose prompt, completion (+ EOS) or whole sample is over the
+limits in the data config (the model's context, the service's limits, filled in
+at registration) are skipped and counted by the data source, so no step of this
+adapter exceeds samples_per_step x max_sample_tokens. When no row fits at all,
+`failure_reason` says why and no step is ever made (the runtime fails the run).
+
 Deterministic: the same cursor gives the same samples in the same order, so a
 resumed SFT run trains exactly as an uninterrupted one.
 """
@@ -31,18 +37,14 @@ class SftSource:
                  cursor: DataCursor | None = None) -> None:
         if cfg.label_key is None:
             raise ValueError("an SFT data source needs a completion key (data.label_key)")
-        self.source = DataSource(cfg, tokenizer, cursor)
-        self.tokenizer = tokenizer
+        self.source = DataSource(cfg, tokenizer, cursor, completions=True)
         self.slot = slot
         self.registration_id = registration_id
         self.samples_per_step = samples_per_step
-        self._eos = tokenizer.eos_token_id
         self._dropped_tail = False
 
     def sample(self, row: PromptRow) -> TrainSample:
-        completion = self.tokenizer(str(row.label), add_special_tokens=False)["input_ids"]
-        if self._eos is not None:
-            completion = [*completion, self._eos]
+        completion = row.completion_ids or []  # the label's tokens + EOS (DataSource, completions=True)
         tokens = [*row.input_ids, *completion]
         mask = [0] * len(row.input_ids) + [1] * len(completion)
         return TrainSample(slot=self.slot, tokens=tokens, loss_mask=mask, registration=self.registration_id)
@@ -73,6 +75,15 @@ class SftSource:
     @property
     def exhausted(self) -> bool:
         return self.source.status().exhausted
+
+    @property
+    def failure_reason(self) -> str | None:
+        """Why this run can never make a step (no row fits the length limits), or None."""
+        return self.source.unusable
+
+    def skip_metrics(self) -> dict[str, float]:
+        """Rows skipped so far (rows_skipped_too_long, rows_skipped_oversized), for the step's metrics."""
+        return self.source.status().skip_metrics()
 
     def cursor(self) -> DataCursor:
         return self.source.cursor()

@@ -5,6 +5,8 @@ status, and a substring of the error detail (or expected fields of the body)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.integration.api_world import MAX_BODY, TOKEN, client, make_world, served_world
@@ -81,11 +83,60 @@ def rows_auth(w):
     ]
 
 
+def rows_not_finite_and_framework_errors(w):
+    """Issue 14 F3, F7: Infinity/NaN (Python's json reads them) are schema errors, never a 500;
+    unknown routes, wrong methods and unreadable bodies answer ErrorOut like every other error."""
+    cfg = json.dumps(w.rl_config())[:-1]  # the config object, still open: fields are appended below
+
+    def body(extra: str) -> str:
+        return '{"name": "a", "config": ' + cfg + ", " + extra + "}}"
+
+    return [
+        ("POST", "/v1/adapters", body('"alpha": Infinity'), 422, "config.alpha: Input should be a finite number"),
+        ("POST", "/v1/adapters", body('"weight_decay": Infinity'), 422, "config.weight_decay: Input should be a finite number"),
+        ("POST", "/v1/adapters", body('"learning_rate": NaN'), 422, "config.learning_rate: Input should be a finite number"),
+        ("POST", "/v1/adapters", body('"sampling": {"temperature": -Infinity}'), 422, "config.sampling.temperature"),
+        ("POST", "/v1/adapters", body('"reward": {"name": "target_share", "kwargs": {"w": [1, NaN]}}'), 422, "kwargs.w.1 is Infinity or NaN"),
+        ("GET", "/nope", None, 404, "no route GET /nope"),
+        ("GET", "/v1/adapters/a/nope", None, 404, "no route GET /v1/adapters/a/nope"),
+        ("PUT", "/v1/adapters", None, 405, "method PUT is not allowed on /v1/adapters; allowed: GET, POST"),
+        ("PATCH", "/v1/adapters/a", None, 405, "allowed: DELETE, GET"),
+        ("POST", "/v1/adapters", "{\"name\": ", 422, "body: JSON decode error"),
+        ("GET", "/v1/adapters", None, 200, {"names": []}),  # every refusal above changed nothing
+    ]
+
+
+def rows_bounded_data_checks(w):
+    """Issue 14 F4: registration reads a bounded prefix of a data file. A 2 GiB sparse file (one
+    line of NULs) was a 503 after 30 s and 4 GB in the controller; now a 400 naming the limits."""
+    with open(w.root / "huge.jsonl", "wb") as f:
+        f.truncate(2 << 30)
+    good = '{"prompt": "say digits", "label": "0123456789"}\n'
+    (w.root / "long_line_first.jsonl").write_text('{"prompt": "' + "x" * (2 << 20) + '", "label": "1"}\n' + good * 3)
+    with open(w.root / "big_tail.jsonl", "wb") as f:  # good rows, then a sparse tail past the checked prefix
+        f.write(good.encode() * 1000)
+        f.truncate(1 << 30)
+    return [
+        ("POST", "/v1/adapters", {"name": "a", "config": w.rl_config("huge.jsonl")}, 400,
+         "no usable row in the first 67108864 bytes of huge.jsonl: 1 line(s) longer than the 1048576 bytes a row may have (max_row_bytes"),
+        ("POST", "/v1/adapters", {"name": "a", "config": w.rl_config("huge.jsonl", data={"path": "huge.jsonl", "max_row_bytes": 1 << 30})}, 400,
+         "config.data.max_row_bytes 1073741824 is above the service's limit of 1048576"),
+        # an over-long line is skipped and counted (3 rows left), not a refusal
+        ("POST", "/v1/adapters", {"name": "a", "config": w.rl_config("long_line_first.jsonl", num_epoch=1, prompts_per_step=1)}, 201,
+         {"total_steps": 3}),
+        # 1000 rows in the checked 64 MiB of 1 GiB: the rest is counted from the size (1000 * 16 rows / 4 per step)
+        ("POST", "/v1/adapters", {"name": "b", "config": w.rl_config("big_tail.jsonl")}, 201, {"total_steps": 4000}),
+        ("GET", "/v1/adapters", None, 200, {"names": ["a", "b"]}),
+    ]
+
+
 SCENARIOS = {
     "register, duplicate, no free slot": rows_register_conflicts,
     "bad values and schema: 400 / 422, nothing changes": rows_bad_values,
     "unknown name, delete twice, abort, re-register while retiring": rows_lifecycle,
     "auth missing and wrong": rows_auth,
+    "non-finite numbers, unknown route, wrong method: ErrorOut 4xx": rows_not_finite_and_framework_errors,
+    "huge data files: bounded check, 400 with the limit": rows_bounded_data_checks,
 }
 
 
@@ -203,3 +254,52 @@ def test_concurrent_requests_no_5xx_and_atomic_slots(served):
     assert sorted(r.status_code for r in distinct) == [201] + [409] * 19  # "same" already holds one of the 2 slots
     assert {r.json()["error"] for r in distinct if r.status_code == 409} == {"no_free_slot"}
     assert sorted(a["slot"] for a in final) == [0, 1]
+
+
+def test_wrong_content_type_is_415_and_errors_carry_allow(served):
+    """Issue 14 F7: a JSON route given another Content-Type answers 415 (it was 422), a wrong
+    method 405 with an Allow header naming every method of the path, both as ErrorOut."""
+    world, server = served
+    body = json.dumps({"name": "a", "config": world.rl_config()})
+    with client(server.url) as http:
+        for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+            r = http.post("/v1/adapters", content=body, headers={"content-type": content_type})
+            assert r.status_code == 415, r.text
+            assert r.json()["error"] == "unsupported_media_type" and "application/json" in r.json()["detail"]
+        r = http.post("/v1/adapters", content=body, headers={"content-type": "application/json; charset=utf-8"})
+        assert r.status_code == 201, r.text
+        r = http.request("PUT", "/v1/adapters/a")
+        assert (r.status_code, r.headers["allow"], r.json()["error"]) == (405, "DELETE, GET", "method_not_allowed")
+        assert [a["name"] for a in http.get("/v1/adapters").json()["adapters"]] == ["a"]
+
+
+def test_no_server_paths_in_errors_records_or_open_ready(served, tmp_path):
+    """Issue 14 F8: error details, records and the open /ready never show the server's absolute
+    paths: data files relative to the data root, run files relative to the state dir; /ready
+    without the token says ready or not, nothing internal."""
+    world, server = served
+    secrets = [str(tmp_path), str(tmp_path.resolve())]
+
+    def clean(r):
+        for s in secrets:
+            assert s not in r.text, f"server path {s} shown: {r.text[:400]}"
+        return r
+
+    (world.root / "sub").mkdir()
+    (world.root / "sub" / "rl.jsonl").write_text((world.root / "rl.jsonl").read_text())
+    with client(server.url) as http:
+        r = clean(http.post("/v1/adapters", json={"name": "a", "config": world.rl_config("nope.jsonl")}))
+        assert r.status_code == 400 and "'nope.jsonl' does not exist" in r.json()["detail"], r.text
+        r = clean(http.post("/v1/adapters", json={"name": "a", "config": world.rl_config(str(world.outside / "secret.jsonl"))}))
+        assert r.status_code == 400 and "allowed: <data root>" in r.json()["detail"], r.text
+        r = clean(http.post("/v1/adapters", json={"name": "a", "config": world.rl_config("escape.jsonl")}))
+        assert r.status_code == 400 and "through a symlink" in r.json()["detail"], r.text
+        r = clean(http.post("/v1/adapters", json={"name": "a", "config": world.rl_config(str(world.root / "sub" / "rl.jsonl"))}))
+        assert r.status_code == 201 and r.json()["config"]["data"]["path"] == "sub/rl.jsonl", r.text
+        assert clean(http.get("/v1/adapters/a")).json()["config"]["data"]["path"] == "sub/rl.jsonl"
+        clean(http.get("/v1/adapters"))
+        full = http.get("/ready").json()
+        assert full["components"]["runtime"]["detail"], full  # with the token: the details
+    with client(server.url, token=None) as anonymous:
+        r = anonymous.get("/ready")
+        assert r.status_code == 503 and r.json()["components"] == {"runtime": {"ok": False, "detail": None}}, r.text

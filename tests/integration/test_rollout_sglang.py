@@ -546,3 +546,70 @@ def test_killed_engine_is_detected_and_its_groups_requeued(sglang_server, adapte
     assert loaded == [lora_name("kill", 0)]  # the restarted server got the adapter's current version
     assert final.groups_completed >= 1
     print(f"\nkilled engine: its {before.inflight_groups} groups re-queued {detect_s * 1000:.0f} ms after the kill")
+
+
+# --- one tenant's over-long rows (issue 14 F1, F2) ---------------------------------------------------
+
+
+def long_rows_spec(tmp_path, tiny_world, name, registration_id, *, limits: bool) -> AdapterRollout:
+    """An RL adapter whose 16 prompts are 100,000 characters each (tens of thousands of tokens against
+    the tiny model's 512-token context), with the limits registration gives it, or none (as before)."""
+    import json
+
+    path = tmp_path / f"{name}.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{i} " + "ab 12 " * 16_666, "label": "0123456789"}) + "\n" for i in range(16)))
+    data = DataConfig(path=str(path), shuffle_seed=0)
+    if limits:
+        from service.config import AdapterConfig, ServiceSettings, SlotCapacity
+        from service.config_checks import row_limits
+
+        cfg = AdapterConfig(data={"path": str(path)}, reward={"name": "target_share"}, sampling={"max_new_tokens": 12, "n_samples_per_prompt": 4})
+        data = data.model_copy(update=row_limits(cfg, ServiceSettings(data_roots=[tmp_path]), SlotCapacity(context_tokens=512)))
+    return AdapterRollout(name=name, registration_id=registration_id, data=data, reward=RewardConfig(name="target_share"),
+                          sampling=SamplingConfig(temperature=1.0, max_new_tokens=12, n_samples_per_prompt=4))
+
+
+def test_over_long_rows_are_skipped_and_counted_while_another_tenant_generates(sglang_server, adapters, tiny_world, tmp_path):
+    """F1/F2: an adapter whose every prompt is over the model's context sends no request at all: its
+    rows are skipped and counted, its stats carry a fatal_reason (the service fails the run with it),
+    and the other tenant on the same engine keeps generating."""
+    cfg = RolloutConfig(max_inflight_per_adapter=8, max_inflight_total=16, max_buffered_groups_per_adapter=3)
+
+    async def run():
+        async with started_worker(sglang_server, cfg, tiny_world, ["digits", "long"]) as worker:
+            core = worker.core
+            await worker.add_adapter(long_rows_spec(tmp_path, tiny_world, "long", "reg-long", limits=True), AdapterWeights.from_folder(adapters["two"]))
+            await worker.add_adapter(rollout_spec(tiny_world, "digits", "digits", "reg-d"), AdapterWeights.from_folder(adapters["one"]))
+            await wait_for(lambda: core.stats("long").fatal_reason is not None, 120, "the long adapter's fatal_reason")
+            await wait_for(lambda: core.stats("digits").groups_completed >= 3, 120, "3 digits groups")
+            return core.stats("long"), core.stats("digits")
+
+    long, digits = asyncio.run(run())
+    assert long.fatal_reason.startswith("no usable rows: all 16 rows of long.jsonl are over a length limit (e.g. prompt of "), long.fatal_reason
+    assert "tokens > max_prompt_tokens 500" in long.fatal_reason  # 512-token context minus 12 new tokens
+    assert (long.data.skipped_too_long, long.data.skip_metrics()["rows_skipped_too_long"]) == (16, 16.0)
+    assert (long.groups_failed, long.rejections_in_a_row, long.inflight_requests, long.groups_completed) == (0, 0, 0, 0)  # nothing reached the engine
+    assert digits.fatal_reason is None and digits.groups_failed == 0 and digits.data.skipped_too_long == 0
+
+
+def test_requests_the_engine_keeps_refusing_stop_the_adapter_with_a_reason(sglang_server, adapters, tiny_world, tmp_path):
+    """F2: without length limits (as before issue 14) the engine answered 400 to every request of the
+    adapter, about 5 a second, and the run sat ACTIVE at step 0 with no reason. Now it stops after
+    max_rejections_in_a_row refusals and its stats say why; the other tenant is unaffected."""
+    cfg = RolloutConfig(max_inflight_per_adapter=8, max_inflight_total=16, max_buffered_groups_per_adapter=3, max_rejections_in_a_row=3)
+
+    async def run():
+        async with started_worker(sglang_server, cfg, tiny_world, ["digits", "long"]) as worker:
+            core = worker.core
+            await worker.add_adapter(long_rows_spec(tmp_path, tiny_world, "long", "reg-long", limits=False), AdapterWeights.from_folder(adapters["two"]))
+            await worker.add_adapter(rollout_spec(tiny_world, "digits", "digits", "reg-d"), AdapterWeights.from_folder(adapters["one"]))
+            await wait_for(lambda: core.stats("long").fatal_reason is not None, 120, "the long adapter's fatal_reason")
+            failed_then = core.stats("long").groups_failed
+            await wait_for(lambda: core.stats("digits").groups_completed >= 3, 120, "3 digits groups")
+            return core.stats("long"), failed_then, core.stats("digits")
+
+    long, failed_then, digits = asyncio.run(run())
+    assert long.fatal_reason.startswith("the engines refused 3 requests in a row (HTTP 400); last: "), long.fatal_reason
+    assert "longer than the model's context length (512 tokens)" in long.fatal_reason
+    assert 3 <= long.groups_failed <= failed_then + 1 and long.inflight_requests == 0  # it stopped sending (one may have been in flight)
+    assert digits.fatal_reason is None and digits.groups_completed >= 3

@@ -4,10 +4,11 @@ registration checks that need the filesystem (path confinement tables)."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
-from pydantic import ValidationError
+from pydantic import SecretStr, ValidationError
 
 from service.config import AdapterConfig, ConfigError, SlotCapacity, load_job, load_settings
 from service.config_checks import check_adapter_config, confine_path
@@ -72,8 +73,26 @@ def test_non_loopback_bind_needs_a_token(monkeypatch):
     monkeypatch.delenv("LORAFLEET_API_TOKEN", raising=False)
     with pytest.raises(ConfigError, match="host '0.0.0.0' is not a loopback address, so an API token is required"):
         load_settings(host="0.0.0.0")
-    assert load_settings(host="0.0.0.0", api_token="t").host == "0.0.0.0"
+    assert load_settings(host="0.0.0.0", api_token="x" * 16).host == "0.0.0.0"
     assert load_settings(host="::1").host == "::1"
+
+
+@pytest.mark.parametrize(
+    "host, token, error",
+    [
+        ("0.0.0.0", "t", "the API token has only 1 characters; use at least 16"),
+        ("10.1.2.3", "   ", "api_token is blank"),
+        ("0.0.0.0", "  short-token-15c  ", "the API token has only 15 characters"),  # whitespace does not count
+        ("127.0.0.1", " \t ", "api_token is blank"),  # a blank token protects nothing, on loopback either
+    ],
+)
+def test_weak_tokens_are_refused_off_loopback(monkeypatch, host, token, error):
+    """Issue 14 F10: off loopback, a whitespace-only or short token was accepted."""
+    monkeypatch.delenv("LORAFLEET_API_TOKEN", raising=False)
+    with pytest.raises(ConfigError, match=error):
+        load_settings(host=host, api_token=token)
+    assert load_settings(host="127.0.0.1", api_token=" t ").api_token.get_secret_value() == "t"  # loopback: any token, stripped
+    assert load_settings(host=host, api_token=" " + "k" * 16 + "\n").api_token.get_secret_value() == "k" * 16
 
 
 def write_job(tmp_path, body: str) -> Path:
@@ -202,3 +221,83 @@ def test_registration_checks(roots, tmp_path):
     with pytest.raises(BadValue, match="has rank 4 but config.rank is 8"):
         check(init_from="sub")
     assert check(init_from="sub", rank=4).config.init_from == str((root / "sub").resolve())
+
+
+def test_engines_bind_to_loopback_when_the_service_does(tmp_path, monkeypatch):
+    """Issue 14 F10: engines stay on loopback with a loopback service (a job asking otherwise is
+    refused at load), and bind to the interface the job names when the service is not on loopback."""
+    monkeypatch.delenv("LORAFLEET_HOST", raising=False)
+    monkeypatch.setenv("LORAFLEET_API_TOKEN", "k" * 16)
+    base = "base_model: {path: model}\n"
+    job = load_job(write_job(tmp_path, base))
+    assert job.engine_config(job.service_settings()).host == "127.0.0.1"
+    with pytest.raises(ConfigError, match="engines.host '0.0.0.0' is not a loopback address but the service binds to '127.0.0.1'"):
+        load_job(write_job(tmp_path, base + "engines: {host: 0.0.0.0}\n"))
+    job = load_job(write_job(tmp_path, base + "engines: {host: 10.1.2.3}\nservice: {host: 10.1.2.3}\n"))
+    assert job.engine_config(job.service_settings()).host == "10.1.2.3"
+    from api.app import create_app  # the API checks the token again, with the same rule
+
+    weak = job.service_settings().model_copy(update={"api_token": SecretStr("short")})
+    with pytest.raises(ValueError, match="refusing to serve on '10.1.2.3'.*only 5 characters"):
+        create_app(None, weak)
+
+
+def test_registration_fills_the_length_limits_and_bounds_a_step(roots, tmp_path):
+    """Issue 14 F1: the stored config names the limits its rows are read with (the tenant's where lower,
+    else the service's and the model's context), and a step that could exceed max_step_tokens is refused."""
+    root, _ = roots
+    settings = load_settings(data_roots=[root], state_dir=tmp_path / "state", max_prompt_tokens=300, max_completion_tokens=200,
+                             max_step_tokens=20_000, max_row_bytes=4096)
+    cap = SlotCapacity(num_slots=2, max_rank=16, context_tokens=512)
+
+    def limits(**over):
+        base = {"data": {"path": "sub/ok.jsonl", **over.pop("data", {})}, "reward": {"name": "target_share"}, **over}
+        if base.get("objective") == "sft":
+            base.pop("reward")
+            base["data"]["label_key"] = "label"
+        data = check_adapter_config(AdapterConfig.model_validate(base), settings, cap).config.data
+        return data.max_row_bytes, data.max_prompt_tokens, data.max_completion_tokens, data.max_sample_tokens
+
+    # rl: prompt <= min(300, 512 - 64 new tokens); the completion is sampling.max_new_tokens
+    assert limits() == (4096, 300, None, 364)
+    assert limits(sampling={"max_new_tokens": 200}) == (4096, 300, None, 500)
+    assert limits(sampling={"max_new_tokens": 200, "n_samples_per_prompt": 2}, data={"max_prompt_tokens": 50}) == (4096, 50, None, 250)
+    # sft: prompt 300, completion 200, sample min(512, 500)
+    assert limits(objective="sft") == (4096, 300, 200, 500)
+    assert limits(objective="sft", data={"max_sample_tokens": 100, "max_row_bytes": 2048}) == (2048, 300, 200, 100)
+    refusals = [
+        ({"data": {"max_prompt_tokens": 301}}, "config.data.max_prompt_tokens 301 is above the service's limit of 300"),
+        ({"sampling": {"max_new_tokens": 201}}, "config.sampling.max_new_tokens 201 is above the service's limit of 200"),
+        ({"data": {"max_row_bytes": 5000}}, "config.data.max_row_bytes 5000 is above the service's limit of 4096"),
+        ({"prompts_per_step": 16, "sampling": {"n_samples_per_prompt": 4}},
+         "a step of this adapter may hold 64 samples of up to 364 tokens = 23296 tokens, above the service's per-step budget of 20000 tokens (max_step_tokens)"),
+        ({"objective": "sft", "prompts_per_step": 41}, "41 samples of up to 500 tokens = 20500 tokens, above"),
+    ]
+    for over, error in refusals:
+        with pytest.raises(BadValue, match=re.escape(error)):
+            limits(**over)
+    with pytest.raises(ValidationError, match="data.max_completion_tokens applies only to objective 'sft'"):
+        AdapterConfig.model_validate({"data": {"path": "x.jsonl", "max_completion_tokens": 5}, "reward": {"name": "target_share"}})
+    small = SlotCapacity(num_slots=2, max_rank=16, context_tokens=64)
+    with pytest.raises(BadValue, match=re.escape("config.sampling.max_new_tokens 64 leaves no room for a prompt in the model's context of 64 tokens")):
+        check_adapter_config(AdapterConfig.model_validate({"data": {"path": "sub/ok.jsonl"}, "reward": {"name": "target_share"}}), settings, small)
+
+
+def test_the_job_reads_the_model_context_from_the_base_model(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text('{"max_position_embeddings": 512}')
+    job = load_job(write_job(tmp_path, "base_model: {path: model}\n"))
+    assert job.capacity.context_tokens == 512
+    assert load_job(write_job(tmp_path, "base_model: {path: model}\nslots: {context_tokens: 256}\n")).capacity.context_tokens == 256
+    assert load_job(write_job(tmp_path, "base_model: {path: nowhere}\n")).capacity.context_tokens is None
+
+
+def test_relative_paths_as_records_show_them_resolve_under_any_root(roots, tmp_path):
+    """Records show paths relative to their root (issue 14 F8); given back, they resolve: a checkpoint
+    under the state dir is found there although data roots come first."""
+    root, _ = roots
+    state = tmp_path / "state"
+    (state / "runs" / "a-1" / "ckpt").mkdir(parents=True)
+    assert confine_path("runs/a-1/ckpt", [root, state], "config.resume_from", want="dir") == (state / "runs" / "a-1" / "ckpt").resolve()
+    with pytest.raises(BadValue, match="'runs/nope' does not exist"):
+        confine_path("runs/nope", [root, state], "config.resume_from", want="dir")

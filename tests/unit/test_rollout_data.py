@@ -169,3 +169,57 @@ def test_epochs_and_exhaustion(tmp_path, tokenizer):
     src.consume(again)
     st = src.status()
     assert st.exhausted and st.consumed == 6 and st.pending == 0
+
+
+# --- length limits and bounded reading (issue 14 F1, F4) ---------------------------------------------
+
+
+def test_rows_over_a_token_limit_are_skipped_counted_and_never_served(tmp_path, tokenizer):
+    data = rows(6)
+    data[1]["prompt"] = data[4]["prompt"] = "ab 12 " * 200  # far over 40 tokens
+    path = write_jsonl(tmp_path / "d.jsonl", data)
+    limited = DataSource(DataConfig(path=path, shuffle_seed=None, num_epochs=2, max_prompt_tokens=40), tokenizer)
+    taken = take_all(limited, 20)
+    assert [(r.index, r.epoch) for r in taken] == [(i, e) for e in (0, 1) for i in (0, 2, 3, 5)]
+    assert all(len(r.input_ids) <= 40 for r in taken)
+    st = limited.status()
+    assert (st.skipped_too_long, st.unusable, st.skip_metrics()["rows_skipped_too_long"]) == (2, None, 2.0)
+    # The same order as an unlimited source, minus the two long rows; the cursor resumes it exactly.
+    unlimited = [r.index for r in take_all(DataSource(DataConfig(path=path, shuffle_seed=None), tokenizer), 6)]
+    assert [i for i in unlimited if i not in (1, 4)] == [r.index for r in taken[:4]]
+
+
+def test_a_source_whose_every_row_is_too_long_is_unusable_and_serves_nothing(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "long.jsonl", [{"prompt": "x " * 5000, "label": "y"} for _ in range(3)])
+    src = DataSource(DataConfig(path=path, num_epochs=None, max_sample_tokens=100), tokenizer)  # endless epochs: must not spin
+    assert src.take() is None and src.take() is None
+    st = src.status()
+    assert st.unusable.startswith("no usable rows: all 3 rows of long.jsonl are over a length limit (e.g. sample of ")
+    assert st.skipped_too_long == 3 and not st.exhausted  # not used up: the run must fail, not complete
+
+
+def test_completion_sources_measure_the_completion_with_eos(tmp_path, tokenizer):
+    data = [{"prompt": "ab", "completion": "cd 12"}, {"prompt": "ab", "completion": "cd 12 " * 50}]
+    path = write_jsonl(tmp_path / "sft.jsonl", data)
+    cfg = DataConfig(path=path, label_key="completion", shuffle_seed=None, num_epochs=1, max_completion_tokens=20)
+    src = DataSource(cfg, tokenizer, completions=True)
+    row = src.take()
+    assert row.completion_ids == tokenizer("cd 12", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert src.take() is None and src.status().skipped_too_long == 1
+
+
+def test_lines_over_max_row_bytes_are_skipped_without_loading_them(tmp_path, tokenizer):
+    path = tmp_path / "d.jsonl"
+    good = [json.dumps(r) + "\n" for r in rows(3)]
+    path.write_text(good[0] + json.dumps({"prompt": "x" * (4 << 20), "label": "y"}) + "\n" + good[1] + "\n" + good[2])
+    import tracemalloc
+
+    tracemalloc.start()
+    src = DataSource(DataConfig(path=str(path), shuffle_seed=None, num_epochs=1, max_row_bytes=4096), tokenizer)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < (2 << 20), f"opening held {peak} bytes: the 4 MiB line was loaded"
+    assert [(r.index, r.prompt) for r in take_all(src, 5)] == [(0, "p0 ab 12"), (1, "p1 ab 12"), (2, "p2 ab 12")]
+    assert src.status().skipped_oversized == 1 and src.status().skip_metrics()["rows_skipped_oversized"] == 1.0
+    with pytest.raises(DataError, match=r"every line \(1\) is longer than the 4096 bytes a row may have"):
+        DataSource(DataConfig(path=write_jsonl(tmp_path / "all_big.jsonl", [{"prompt": "x" * 5000, "label": "y"}]), max_row_bytes=4096), tokenizer)
