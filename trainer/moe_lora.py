@@ -1,13 +1,74 @@
 """Mixture-of-experts bases: LoRA slots on every routed expert, grouped by (expert, slot).
 
-Filled in below; ``moe_provider_overrides`` is what the frozen base needs first.
+Each Megatron ``MoELayer`` of the frozen base is replaced by a ``MoeLoraLayer`` that
+runs the same math (frozen router, top-k, SwiGLU experts, probability-weighted sum)
+with one grouped GEMM per expert linear instead of megatron-core's per-expert loop,
+and adds the LoRA delta of each routed token's own adapter slot:
+
+    y(t, e) = W2_e act(W1_e x_t + d1) + d2,    d = scale(slot(t)) * B[slot(t), e] A[slot(t), e] x
+
+Dispatch keeps the adapter id: every (token, expert) pair of the top-k gets the key
+``expert * N + slot(token)`` (N = resident slots) and the pairs are sorted by it (stable,
+so token order is kept inside a group). Then
+* the base GEMMs see one contiguous segment per expert (the union of its slot segments);
+* the LoRA GEMMs see one contiguous segment per (expert, slot) group, G = E * N groups,
+  and the slot weights in expert-major order ``[E * N, ...]`` (group g = e * N + s), so a
+  segmented GEMM over (expert, slot) is one ``grouped_mm`` (segmented_mm.py), forward
+  and backward, with no Python loop over adapters or experts.
+
+The slot weights live slot-major (``lora_A [N, E, R, in]``, ``lora_B [N, E, out, R]``)
+like every other LoRA tensor of the trainer, so a slot is one row of the slot buffers
+(slot_buffers.py: norms, AdamW, zeroing are row operations). The expert-major compute
+copy is made when the weights change (``ComputeWeights`` with a layout), not per
+micro-batch; the gradients of the (expert, slot) groups are added back into the
+slot-major fp32 gradient in place (one strided add).
+
+Group-count limit: a grouped GEMM call takes at most ``MAX_GROUPS_PER_CALL`` groups
+(1024: the limit the reference design hit with torch's CUDA grouped GEMM; miles caps
+slots at 1024 / experts-per-rank for it). We lift it by cutting the group index range
+into consecutive chunks of at most that many groups: groups are consecutive in both
+the sorted rows and the expert-major weights, so a chunk is a row range and a weight
+range, and ceil(G / 1024) calls cover any E * N (E = 128, N = 32: 4 calls per GEMM).
+
+Per adapter: ``SlotHyperParams.lora_experts`` (default true) chooses attention (and any
+dense MLP) only, or attention and experts. An attention-only slot keeps exactly zero
+expert weights (A and B start at zero and its expert scale is 0, so they never get a
+gradient) and exports without expert parameters.
+
+Router and auxiliary losses: the router is frozen; aux / z losses are off for every
+adapter (``moe_provider_overrides``). Scope: tensor parallel 1 and one expert-parallel
+rank (data parallel works: the experts are replicated); shared experts, where a model
+has them, are dense MLPs whose linears get ordinary multi-slot LoRA (multi_lora.py).
 """
 
 from __future__ import annotations
 
+import math
+import re
+from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch.nn.functional as F
+from torch import nn
+
 from trainer.cpu_compat import transformer_engine_available
+from trainer.fused_lora import ComputeWeights
+from trainer.segmented_mm import (
+    Kernel,
+    grouped_operand,
+    pick_kernel,
+    segment_mm,
+    segment_mm_nt,
+    segment_weight_grad,
+    segmented_matmul,
+)
+
+MAX_GROUPS_PER_CALL = 1024
+EXPERT_TARGETS = ("linear_fc1", "linear_fc2")
+# PEFT target_parameters of the Hugging Face (transformers >= 5) fused expert tensors, in the
+# order the trainer exports them: PEFT nests one ParamWrapper per entry (the first innermost).
+HF_EXPERT_PARAMS = {"linear_fc1": "gate_up_proj", "linear_fc2": "down_proj"}
 
 
 def moe_provider_overrides() -> dict[str, Any]:
@@ -29,9 +90,342 @@ def moe_provider_overrides() -> dict[str, Any]:
         "moe_input_jitter_eps": None,
         "moe_expert_capacity_factor": None,
         # The all-to-all dispatcher makes a CUDA stream when built; all-gather does not, and
-        # with one expert-parallel rank both are a local permutation.
+        # with one expert-parallel rank both are a local permutation (MoeLoraLayer uses neither).
         "moe_token_dispatcher_type": "allgather",
     }
     if not transformer_engine_available():
         out["moe_permute_fusion"] = False
     return out
+
+
+# -- (expert, slot) groups -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """Contiguous row segments, one per group (empty ones allowed), cut into chunks of at
+    most ``max_groups`` groups: ``chunks[i] = (g0, g1, row0, row1, offsets)`` with the
+    chunk's cumulative segment ends relative to ``row0`` (int32, on the rows' device)."""
+
+    counts: list[int]
+    chunks: tuple[tuple[int, int, int, int, torch.Tensor], ...]
+
+    @staticmethod
+    def of(counts: list[int], device: torch.device, max_groups: int = MAX_GROUPS_PER_CALL) -> "GroupLayout":
+        if max_groups < 1:
+            raise ValueError(f"max_groups must be >= 1, got {max_groups}")
+        ends = torch.tensor(counts, dtype=torch.int64).cumsum(0)
+        chunks, row0 = [], 0
+        for g0 in range(0, len(counts), max_groups):
+            g1 = min(g0 + max_groups, len(counts))
+            row1 = int(ends[g1 - 1])
+            offs = (ends[g0:g1] - row0).to(torch.int32).to(device)
+            chunks.append((g0, g1, row0, row1, offs))
+            row0 = row1
+        return GroupLayout(counts, tuple(chunks))
+
+    def mm(self, x: torch.Tensor, w: torch.Tensor, kernel: Kernel) -> torch.Tensor:
+        """y[t] = x[t] @ w[g(t)].T: x [T, K], w [G, N, K] -> [T, N]."""
+        return torch.cat([segment_mm(x[r0:r1], w[g0:g1], offs, self.counts[g0:g1], kernel)
+                          for g0, g1, r0, r1, offs in self.chunks])
+
+    def mm_nt(self, gy: torch.Tensor, w: torch.Tensor, kernel: Kernel) -> torch.Tensor:
+        """gx[t] = gy[t] @ w[g(t)]: gy [T, N], w [G, N, K] -> [T, K]."""
+        return torch.cat([segment_mm_nt(gy[r0:r1], w[g0:g1], offs, self.counts[g0:g1], kernel)
+                          for g0, g1, r0, r1, offs in self.chunks])
+
+    def weight_grad(self, gy: torch.Tensor, x: torch.Tensor, kernel: Kernel) -> torch.Tensor:
+        """dW[g] = gy[seg g].T @ x[seg g]: -> [G, N, K] (zeros for empty groups)."""
+        return torch.cat([segment_weight_grad(gy[r0:r1], x[r0:r1], offs, self.counts[g0:g1], kernel)
+                          for g0, g1, r0, r1, offs in self.chunks])
+
+
+class ExpertLoraDelta(torch.autograd.Function):
+    """d[t] = scale[t] * B_g(t) A_g(t) x[t] over (expert, slot) groups; gradients of the
+    slot weights added in place into the slot-major fp32 ``.grad`` (like FusedLoraLinear:
+    the parameters are inputs only so that autograd runs this backward)."""
+
+    @staticmethod
+    def forward(ctx, x, a_param, b_param, a_c, b_c, layout, row_scale, kernel):  # noqa: ANN001
+        h = layout.mm(x, a_c, kernel) * row_scale  # [M, R]
+        y = layout.mm(h, b_c, kernel)  # [M, out]
+        ctx.save_for_backward(x, h, a_c, b_c, row_scale)
+        ctx.layout, ctx.kernel, ctx.a_param, ctx.b_param = layout, kernel, a_param, b_param
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):  # noqa: ANN001
+        x, h, a_c, b_c, row_scale = ctx.saved_tensors
+        layout, kernel = ctx.layout, ctx.kernel
+        gy = gy.contiguous()
+        gh = layout.mm_nt(gy, b_c, kernel) * row_scale
+        gx = layout.mm_nt(gh, a_c, kernel) if ctx.needs_input_grad[0] else None
+        for param, grad in ((ctx.a_param, layout.weight_grad(gh, x, kernel)),
+                            (ctx.b_param, layout.weight_grad(gy, h, kernel))):
+            if param.grad is None:  # as autograd would; the trainer presets them (SlotBuffers)
+                param.grad = torch.zeros_like(param)
+            n, e = param.shape[:2]
+            # [E * N, ...] expert-major -> the [N, E, ...] slot-major gradient, in place
+            param.grad.transpose(0, 1).add_(grad.view(e, n, *grad.shape[1:]))
+        return gx, None, None, None, None, None, None, None
+
+
+# -- the slot weights of one expert linear -----------------------------------------------------
+
+
+class ExpertLoraWeights(nn.Module):
+    """N slots of LoRA for one linear (fc1 or fc2) of every routed expert of a layer.
+
+    ``lora_A [N, E, R, in]``, ``lora_B [N, E, out, R]``; slot i of rank r uses
+    ``A[i, :, :r]`` and ``B[i, :, :, :r]`` (the rest stays exactly zero, as in
+    multi_lora.py). Same slot-block and full-layout interface as ``MultiLoraLinear``
+    (tensor parallel 1: the local layout is the full one)."""
+
+    is_expert = True
+    a_is_tp_split = False
+    b_is_tp_split = False
+    parallel = "none"
+
+    def __init__(self, *, name: str, kind: str, num_experts: int, in_features: int, out_features: int,
+                 num_slots: int, max_rank: int, device: torch.device) -> None:
+        super().__init__()
+        self.name = name  # e.g. decoder.layers.0.mlp.experts.linear_fc1
+        self.kind = kind  # "gate_up" | "plain"
+        self.num_experts = num_experts
+        self.in_full, self.out_full = in_features, out_features
+        self.max_rank = max_rank
+        self.lora_A = nn.Parameter(torch.zeros(num_slots, num_experts, max_rank, in_features, device=device))
+        self.lora_B = nn.Parameter(torch.zeros(num_slots, num_experts, out_features, max_rank, device=device))
+        self._compute = ComputeWeights(layout=_expert_major)
+
+    def compute_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A [E*N, R, in], B [E*N, out, R]) expert-major in ``dtype`` (cached per weight version)."""
+        return self._compute.get(self.lora_A, self.lora_B, dtype)
+
+    def a_block(self, tensor: torch.Tensor, slot: int, rank: int) -> torch.Tensor:
+        return tensor[slot, :, :rank, :]
+
+    def b_block(self, tensor: torch.Tensor, slot: int, rank: int) -> torch.Tensor:
+        return tensor[slot, :, :, :rank]
+
+    def a_full_shape(self, rank: int) -> tuple[int, ...]:
+        return (self.num_experts, rank, self.in_full)
+
+    def b_full_shape(self, rank: int) -> tuple[int, ...]:
+        return (self.num_experts, self.out_full, rank)
+
+    def full_a(self, local: torch.Tensor) -> torch.Tensor:
+        return local.clone()
+
+    def full_b(self, local: torch.Tensor) -> torch.Tensor:
+        return local.clone()
+
+    def local_a(self, full: torch.Tensor) -> torch.Tensor:
+        if tuple(full.shape[:1]) + tuple(full.shape[2:]) != (self.num_experts, self.in_full):
+            raise ValueError(f"{self.name}: lora_A {tuple(full.shape)}, expected [{self.num_experts}, r, {self.in_full}]")
+        return full
+
+    def local_b(self, full: torch.Tensor) -> torch.Tensor:
+        if tuple(full.shape[:2]) != (self.num_experts, self.out_full):
+            raise ValueError(f"{self.name}: lora_B {tuple(full.shape)}, expected [{self.num_experts}, {self.out_full}, r]")
+        return full
+
+
+def _expert_major(t: torch.Tensor) -> torch.Tensor:
+    """[N, E, ...] slot-major -> [E * N, ...] expert-major (a fresh tensor)."""
+    n, e = t.shape[:2]
+    return t.transpose(0, 1).reshape(e * n, *t.shape[2:])
+
+
+def is_expert_layer(layer: nn.Module) -> bool:
+    return getattr(layer, "is_expert", False)
+
+
+# -- the MoE layer ------------------------------------------------------------------------------
+
+
+class MoeLoraLayer(nn.Module):
+    """Replaces a Megatron ``MoELayer``: frozen router, grouped expert GEMMs, expert LoRA.
+
+    Returns what MoELayer returns, ``(output [s, b, h], None)``. Megatron's own experts'
+    weights are re-pointed into one stacked tensor per linear (no copy kept), so the
+    model's parameters stay where Bridge put them."""
+
+    def __init__(self, moe: nn.Module, *, name: str, routing, targets: tuple[str, ...],  # noqa: ANN001 - SlotRouting
+                 num_slots: int, max_rank: int, device: torch.device) -> None:
+        super().__init__()
+        cfg = moe.config
+        if not cfg.gated_linear_unit or cfg.activation_func is not F.silu:
+            raise NotImplementedError(f"{name}: expert LoRA supports SwiGLU experts (gated silu) only")
+        experts = moe.experts
+        local = getattr(experts, "local_experts", None)
+        if local is None:
+            raise NotImplementedError(f"{name}: expected megatron-core's SequentialMLP experts, got {type(experts).__name__}")
+        if getattr(experts.ep_group, "size", lambda: 1)() > 1 or getattr(experts.tp_group, "size", lambda: 1)() > 1:
+            raise NotImplementedError(f"{name}: expert LoRA needs one expert-parallel and one tensor-parallel rank")
+        self.base = moe  # router (and shared experts) come from here
+        self.name = name
+        self.routing = routing
+        self.num_slots = num_slots
+        self.num_experts = len(local)
+        w1 = torch.stack([m.linear_fc1.weight.detach() for m in local])  # [E, 2I, H]: rows [gate; up]
+        w2 = torch.stack([m.linear_fc2.weight.detach() for m in local])  # [E, H, I]
+        for e, m in enumerate(local):  # keep one copy: Megatron's params become views of the stacks
+            m.linear_fc1.weight.data = w1[e]
+            m.linear_fc2.weight.data = w2[e]
+        self.register_buffer("w1", w1, persistent=False)
+        self.register_buffer("w2", w2, persistent=False)
+        self.slot_expert_scales: torch.Tensor | None = None  # [N] fp32, set by the trainer
+        hidden, ffn2 = w1.shape[2], w1.shape[1]
+        self.fc1 = self.fc2 = None
+        if "linear_fc1" in targets:
+            self.fc1 = ExpertLoraWeights(name=f"{name}.experts.linear_fc1", kind="gate_up", num_experts=self.num_experts,
+                                         in_features=hidden, out_features=ffn2, num_slots=num_slots,
+                                         max_rank=max_rank, device=device)
+        if "linear_fc2" in targets:
+            self.fc2 = ExpertLoraWeights(name=f"{name}.experts.linear_fc2", kind="plain", num_experts=self.num_experts,
+                                         in_features=ffn2 // 2, out_features=hidden, num_slots=num_slots,
+                                         max_rank=max_rank, device=device)
+
+    def lora_weights(self) -> list[ExpertLoraWeights]:
+        return [w for w in (self.fc1, self.fc2) if w is not None]
+
+    def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask=None):  # noqa: ANN001
+        if intermediate_tensors is not None:
+            raise NotImplementedError("MoeLoraLayer does not run partial (CUDA-graph) MoE forwards")
+        s, b, h = hidden_states.shape
+        x = hidden_states.reshape(s * b, h)  # token t = position * b + sample (Megatron's s-major order)
+        probs, routing_map = self.base.router(hidden_states)  # [T, E] each; probs 0 where not routed
+        tok, exp = routing_map.nonzero(as_tuple=True)
+        r = self.routing
+        lora = r.enabled and bool(self.lora_weights())
+        n_slots = self.num_slots if lora else 1
+        if lora:
+            if (s, b) != (r.seq_len, r.batch):
+                raise RuntimeError(f"{self.name}: activations [s={s}, b={b}] but routing was set for "
+                                   f"s={r.seq_len}, b={r.batch}")
+            slot_of_token = r.token_slots.view(b, s).t().reshape(-1)  # sample-major -> s-major
+            pair_slot = slot_of_token[tok]
+            key = exp * n_slots + pair_slot
+        else:
+            key = exp
+        order = torch.argsort(key, stable=True)
+        rows = tok[order]
+        group_counts = torch.bincount(key, minlength=self.num_experts * n_slots)
+        expert_counts = group_counts.view(self.num_experts, n_slots).sum(1)
+        xp = x[rows]  # [M, h] sorted by (expert, slot)
+        kernel = pick_kernel(r.kernel, xp, self.w1)
+        if kernel == "grouped_mm" and pick_kernel(r.kernel, xp, self.w2) == "loop":
+            kernel = "loop"
+        e_counts = expert_counts.tolist()
+        e_offsets = torch.cumsum(expert_counts, 0).to(torch.int32)
+        fc1 = segmented_matmul(xp, self.w1.to(xp.dtype), e_offsets, e_counts, kernel)  # frozen base
+        layout = row_scale = None
+        if lora:
+            layout = GroupLayout.of(group_counts.tolist(), xp.device)
+            row_scale = self.slot_expert_scales[pair_slot[order]].to(xp.dtype).unsqueeze(1)
+            if self.fc1 is not None:
+                fc1 = fc1 + self._delta(self.fc1, xp, layout, row_scale, r.kernel)
+        gate, up = fc1.chunk(2, dim=-1)
+        act = F.silu(gate) * up
+        y = segmented_matmul(act, self.w2.to(act.dtype), e_offsets, e_counts, kernel)
+        if lora and self.fc2 is not None:
+            y = y + self._delta(self.fc2, act, layout, row_scale, r.kernel)
+        y = y * probs[tok[order], exp[order]].to(y.dtype).unsqueeze(1)
+        out = x.new_zeros(s * b, h).index_add(0, rows, y).view(s, b, h)
+        if self.base.shared_experts is not None:
+            out = out + self.base.shared_experts(hidden_states)
+        return out, None
+
+    @staticmethod
+    def _delta(w: ExpertLoraWeights, x: torch.Tensor, layout: GroupLayout, row_scale: torch.Tensor,
+               requested: str) -> torch.Tensor:
+        a_c, b_c = w.compute_weights(x.dtype)
+        kernel = pick_kernel(requested, x, a_c)
+        if kernel == "grouped_mm" and pick_kernel(requested, x, b_c) == "loop":
+            kernel = "loop"
+        if kernel == "grouped_mm":
+            x = grouped_operand(x)
+        return ExpertLoraDelta.apply(x, w.lora_A, w.lora_B, a_c, b_c, layout, row_scale, kernel)
+
+
+def install_moe_lora(
+    base,  # noqa: ANN001 - FrozenBase
+    *,
+    target_modules: tuple[str, ...],
+    num_slots: int,
+    max_rank: int,
+    routing,  # noqa: ANN001 - SlotRouting
+    tp_size: int,
+) -> list[ExpertLoraWeights]:
+    """Replace every MoE layer of ``base.model`` by a ``MoeLoraLayer``; return the expert
+    LoRA weights (fc1 then fc2 per layer, model order). No MoE layer: nothing changes."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    moes = [(n, m) for n, m in base.model.named_modules() if isinstance(m, MoELayer)]
+    if not moes:
+        return []
+    if tp_size > 1:
+        raise NotImplementedError(
+            "MoE bases train with tensor_parallel 1 for now (expert LoRA under tensor or expert parallelism "
+            "is not implemented); use data parallelism"
+        )
+    targets = tuple(t for t in target_modules if t in EXPERT_TARGETS)
+    out: list[ExpertLoraWeights] = []
+    for name, moe in moes:
+        layer = MoeLoraLayer(moe, name=name, routing=routing, targets=targets, num_slots=num_slots,
+                             max_rank=max_rank, device=base.device)
+        parent, _, child = name.rpartition(".")
+        setattr(base.model.get_submodule(parent), child, layer)
+        out.extend(layer.lora_weights())
+    return out
+
+
+def moe_layers(model: nn.Module) -> list[MoeLoraLayer]:
+    return [m for m in model.modules() if isinstance(m, MoeLoraLayer)]
+
+
+# -- PEFT export (transformers >= 5 fused expert tensors, PEFT target_parameters) ----------------
+
+
+def expert_target_parameters(layers: list[ExpertLoraWeights]) -> list[str]:
+    """PEFT ``target_parameters`` for these expert layers, fc1 (gate_up_proj) first."""
+    kinds = {layer.name.rsplit(".", 1)[-1] for layer in layers}
+    return [f"mlp.experts.{HF_EXPERT_PARAMS[k]}" for k in EXPERT_TARGETS if k in kinds]
+
+
+def _hf_experts_module(base, layer: ExpertLoraWeights) -> str:  # noqa: ANN001 - FrozenBase
+    """HF module path of the layer's experts (``model.layers.<i>.mlp.experts``), from Bridge's
+    mapping of the same layer's router."""
+    prefix = layer.name.rsplit(".experts.", 1)[0]  # decoder.layers.<i>.mlp
+    hf = base.hf_mapping(f"{prefix}.router.weight").hf_param  # model.layers.<i>.mlp.gate.weight
+    return re.sub(r"\.gate\.weight$", ".experts", hf)
+
+
+def expert_peft_tensors(base, layers: list[ExpertLoraWeights], a_full: dict, b_full: dict) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    """Full A [E, r, in] / B [E, out, r] -> PEFT ParamWrapper tensors.
+
+    PEFT stores expert LoRA of a 3D parameter as ``lora_A [E * r, in]`` (row e*r + j = A_e[j])
+    and ``lora_B [out, r * E]`` (column j*E + e = B_e[:, j]); its delta for expert e is
+    ``scale * B_e @ A_e`` in the (experts, out, in) layout of ``gate_up_proj`` / ``down_proj``.
+    With several target_parameters PEFT nests the wrappers, the first innermost: its tensors
+    sit under ``experts.base_layer.`` once per wrapper outside it."""
+    from trainer.peft_io import PEFT_PREFIX
+
+    params = expert_target_parameters(layers)
+    out: dict[str, torch.Tensor] = {}
+    for layer in layers:
+        param = f"mlp.experts.{HF_EXPERT_PARAMS[layer.name.rsplit('.', 1)[-1]]}"
+        nesting = "base_layer." * (len(params) - 1 - params.index(param))
+        module = f"{PEFT_PREFIX}{_hf_experts_module(base, layer)}.{nesting}"
+        a, b = a_full[layer.name], b_full[layer.name]
+        e, r = a.shape[0], a.shape[1]
+        out[f"{module}lora_A.weight"] = a.reshape(e * r, a.shape[2]).contiguous()
+        out[f"{module}lora_B.weight"] = b.permute(1, 2, 0).reshape(b.shape[1], r * e).contiguous()
+    return out
+
+
+def kaiming_a(shape: tuple[int, ...], in_features: int, generator: torch.Generator) -> torch.Tensor:
+    """PEFT's default LoRA A init (kaiming-uniform with a = sqrt(5): bound 1 / sqrt(in))."""
+    bound = 1.0 / math.sqrt(in_features)
+    return (torch.rand(*shape, generator=generator, dtype=torch.float32) * 2 - 1) * bound
