@@ -94,6 +94,7 @@ class AdapterConfig(_Strict):
     resume_from: str | None = Field(None, description="Resume this run from a lorafleet checkpoint folder (weights, optimizer, step, scheduler, data cursor, RNG), inside an allowed data root or the state dir.")
     checkpoint_interval: int = Field(10, ge=0, description="Save a checkpoint every this many steps; 0 = only at retirement.")
     seed: int = Field(0, ge=0, le=2**63 - 1, description="Seed for the adapter's initial weights, data order and sampling.")
+    lora_experts: bool = Field(True, description="MoE bases: LoRA on every routed expert as well as on attention; false = attention only (servable by SGLang on CPU). No effect on a dense base.")
 
     _rebase_paths = field_validator("init_from", "resume_from")(_rebase)
 
@@ -147,6 +148,7 @@ class AdapterConfig(_Strict):
             max_grad_norm=self.max_grad_norm,
             samples_per_step=self.samples_per_step,
             objective=self.objective,
+            lora_experts=self.lora_experts,
         )
 
     def data_config(self) -> DataConfig:
