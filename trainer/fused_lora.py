@@ -30,7 +30,6 @@ Same result as the general path up to float rounding (tests/unit/test_fused_lora
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -81,19 +80,17 @@ class ComputeWeights:
     bumps it; kernels that write through raw pointers bump it explicitly
     (``torch.autograd.graph.increment_version``)."""
 
-    def __init__(self, layout: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        self._layout = layout  # e.g. slot-major -> expert-major (moe_lora.py); None = as stored
+    def __init__(self) -> None:
         self._key: tuple | None = None
         self._a: torch.Tensor | None = None
         self._b: torch.Tensor | None = None
 
     def get(self, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._layout is None and a.dtype == dtype and b.dtype == dtype:
+        if a.dtype == dtype and b.dtype == dtype:
             return a.detach(), b.detach()
         key = (dtype, a.data_ptr(), a._version, b.data_ptr(), b._version)
         if key != self._key:
-            layout = self._layout or (lambda t: t)
-            self._a, self._b = layout(a.detach()).to(dtype), layout(b.detach()).to(dtype)
+            self._a, self._b = a.detach().to(dtype), b.detach().to(dtype)
             self._key = key
         return self._a, self._b
 

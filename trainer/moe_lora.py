@@ -14,13 +14,15 @@ so token order is kept inside a group). Then
 * the LoRA GEMMs see one contiguous segment per (expert, slot) group, G = E * N groups,
   and the slot weights in expert-major order ``[E * N, ...]`` (group g = e * N + s), so a
   segmented GEMM over (expert, slot) is one ``grouped_mm`` (segmented_mm.py), forward
-  and backward, with no Python loop over adapters or experts.
+  and backward, with no Python loop over adapters or experts. Only the slots from the
+  first to the last one present in the micro-batch take part (N above is that span, as
+  in fused_lora.py): one adapter's micro-batch among 32 resident ones neither reads nor
+  writes the other 31.
 
 The slot weights live slot-major (``lora_A [N, E, R, in]``, ``lora_B [N, E, out, R]``)
 like every other LoRA tensor of the trainer, so a slot is one row of the slot buffers
 (slot_buffers.py: norms, AdamW, zeroing are row operations). The expert-major compute
-copy is made when the weights change (``ComputeWeights`` with a layout), not per
-micro-batch; the gradients of the (expert, slot) groups are added back into the
+copy is made when the weights (or the span) change, not per micro-batch; the gradients of the (expert, slot) groups are added back into the
 slot-major fp32 gradient in place (one strided add).
 
 Group-count limit: a grouped GEMM call takes at most ``MAX_GROUPS_PER_CALL`` groups
@@ -53,7 +55,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.cpu_compat import transformer_engine_available
-from trainer.fused_lora import ComputeWeights
 from trainer.segmented_mm import (
     Kernel,
     grouped_operand,
@@ -146,11 +147,12 @@ class ExpertLoraDelta(torch.autograd.Function):
     the parameters are inputs only so that autograd runs this backward)."""
 
     @staticmethod
-    def forward(ctx, x, a_param, b_param, a_c, b_c, layout, row_scale, kernel):  # noqa: ANN001
+    def forward(ctx, x, a_param, b_param, a_c, b_c, layout, row_scale, kernel, lo=0):  # noqa: ANN001
+        """a_c [E * S, R, in] / b_c [E * S, out, R]: slots lo .. lo + S - 1, expert-major."""
         h = layout.mm(x, a_c, kernel) * row_scale  # [M, R]
         y = layout.mm(h, b_c, kernel)  # [M, out]
         ctx.save_for_backward(x, h, a_c, b_c, row_scale)
-        ctx.layout, ctx.kernel, ctx.a_param, ctx.b_param = layout, kernel, a_param, b_param
+        ctx.layout, ctx.kernel, ctx.a_param, ctx.b_param, ctx.lo = layout, kernel, a_param, b_param, lo
         return y
 
     @staticmethod
@@ -164,10 +166,11 @@ class ExpertLoraDelta(torch.autograd.Function):
                             (ctx.b_param, layout.weight_grad(gy, h, kernel))):
             if param.grad is None:  # as autograd would; the trainer presets them (SlotBuffers)
                 param.grad = torch.zeros_like(param)
-            n, e = param.shape[:2]
-            # [E * N, ...] expert-major -> the [N, E, ...] slot-major gradient, in place
-            param.grad.transpose(0, 1).add_(grad.view(e, n, *grad.shape[1:]))
-        return gx, None, None, None, None, None, None, None
+            e = param.shape[1]
+            span = grad.shape[0] // e
+            # [E * S, ...] expert-major -> rows lo .. lo + S - 1 of the [N, E, ...] slot-major gradient, in place
+            param.grad[ctx.lo : ctx.lo + span].transpose(0, 1).add_(grad.view(e, span, *grad.shape[1:]))
+        return gx, None, None, None, None, None, None, None, None
 
 
 # -- the slot weights of one expert linear -----------------------------------------------------
@@ -196,11 +199,19 @@ class ExpertLoraWeights(nn.Module):
         self.max_rank = max_rank
         self.lora_A = nn.Parameter(torch.zeros(num_slots, num_experts, max_rank, in_features, device=device))
         self.lora_B = nn.Parameter(torch.zeros(num_slots, num_experts, out_features, max_rank, device=device))
-        self._compute = ComputeWeights(layout=_expert_major)
+        self._compute_key: tuple | None = None
+        self._compute: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def compute_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(A [E*N, R, in], B [E*N, out, R]) expert-major in ``dtype`` (cached per weight version)."""
-        return self._compute.get(self.lora_A, self.lora_B, dtype)
+    def compute_weights(self, dtype: torch.dtype, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A [E*S, R, in], B [E*S, out, R]) of slots lo .. hi - 1 (S = hi - lo), expert-major, in
+        ``dtype``; made again only when the weights or the span change (torch's version counter:
+        every in-place update of the slot buffers bumps it, as for fused_lora.ComputeWeights)."""
+        a, b = self.lora_A, self.lora_B
+        key = (dtype, lo, hi, a.data_ptr(), a._version, b.data_ptr(), b._version)
+        if key != self._compute_key:
+            self._compute = (_expert_major(a.detach()[lo:hi]).to(dtype), _expert_major(b.detach()[lo:hi]).to(dtype))
+            self._compute_key = key
+        return self._compute
 
     def a_block(self, tensor: torch.Tensor, slot: int, rank: int) -> torch.Tensor:
         return tensor[slot, :, :rank, :]
@@ -299,14 +310,15 @@ class MoeLoraLayer(nn.Module):
         tok, exp = routing_map.nonzero(as_tuple=True)
         r = self.routing
         lora = r.enabled and bool(self.lora_weights())
-        n_slots = self.num_slots if lora else 1
+        lo, n_slots = 0, 1  # the slots taking part: lo .. lo + n_slots - 1 (only those present)
         if lora:
             if (s, b) != (r.seq_len, r.batch):
                 raise RuntimeError(f"{self.name}: activations [s={s}, b={b}] but routing was set for "
                                    f"s={r.seq_len}, b={r.batch}")
+            lo, n_slots = r.span.lo, r.span.hi - r.span.lo
             slot_of_token = r.token_slots.view(b, s).t().reshape(-1)  # sample-major -> s-major
             pair_slot = slot_of_token[tok]
-            key = exp * n_slots + pair_slot
+            key = exp * n_slots + (pair_slot - lo)
         else:
             key = exp
         order = torch.argsort(key, stable=True)
@@ -325,12 +337,12 @@ class MoeLoraLayer(nn.Module):
             layout = GroupLayout.of(group_counts.tolist(), xp.device)
             row_scale = self.slot_expert_scales[pair_slot[order]].to(xp.dtype).unsqueeze(1)
             if self.fc1 is not None:
-                fc1 = fc1 + self._delta(self.fc1, xp, layout, row_scale, r.kernel)
+                fc1 = fc1 + self._delta(self.fc1, xp, layout, row_scale, r.kernel, lo, lo + n_slots)
         gate, up = fc1.chunk(2, dim=-1)
         act = F.silu(gate) * up
         y = segmented_matmul(act, self.w2.to(act.dtype), e_offsets, e_counts, kernel)
         if lora and self.fc2 is not None:
-            y = y + self._delta(self.fc2, act, layout, row_scale, r.kernel)
+            y = y + self._delta(self.fc2, act, layout, row_scale, r.kernel, lo, lo + n_slots)
         y = y * probs[tok[order], exp[order]].to(y.dtype).unsqueeze(1)
         out = x.new_zeros(s * b, h).index_add(0, rows, y).view(s, b, h)
         if self.base.shared_experts is not None:
@@ -339,14 +351,14 @@ class MoeLoraLayer(nn.Module):
 
     @staticmethod
     def _delta(w: ExpertLoraWeights, x: torch.Tensor, layout: GroupLayout, row_scale: torch.Tensor,
-               requested: str) -> torch.Tensor:
-        a_c, b_c = w.compute_weights(x.dtype)
+               requested: str, lo: int, hi: int) -> torch.Tensor:
+        a_c, b_c = w.compute_weights(x.dtype, lo, hi)
         kernel = pick_kernel(requested, x, a_c)
         if kernel == "grouped_mm" and pick_kernel(requested, x, b_c) == "loop":
             kernel = "loop"
         if kernel == "grouped_mm":
             x = grouped_operand(x)
-        return ExpertLoraDelta.apply(x, w.lora_A, w.lora_B, a_c, b_c, layout, row_scale, kernel)
+        return ExpertLoraDelta.apply(x, w.lora_A, w.lora_B, a_c, b_c, layout, row_scale, kernel, lo)
 
 
 def install_moe_lora(

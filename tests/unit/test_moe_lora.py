@@ -19,12 +19,11 @@ pytestmark = pytest.mark.unit
 N, E, R, K, OUT = 3, 5, 4, 12, 8  # slots, experts, rank, in, out
 
 
-def _case(seed=0, pairs=40):
+def _case(seed=0, pairs=40, present=(0, 2)):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(pairs, K, generator=g)
     expert = torch.randint(0, E, (pairs,), generator=g)
-    slot = torch.randint(0, N, (pairs,), generator=g)
-    slot[slot == 1] = 2  # slot 1 has no tokens: its groups are empty everywhere
+    slot = torch.tensor(present)[torch.randint(0, len(present), (pairs,), generator=g)]
     a = torch.randn(N, E, R, K, generator=g) * 0.3
     b = torch.randn(N, E, OUT, R, generator=g) * 0.3
     scales = torch.tensor([0.5, 2.0, 1.5])
@@ -43,14 +42,16 @@ def _reference(x, expert, slot, a, b, scales, gy):
 
 
 def _grouped(x, expert, slot, a, b, scales, gy, kernel, max_groups=MAX_GROUPS_PER_CALL):
-    key = expert * N + slot
+    """As MoeLoraLayer does it: only the slots lo .. hi - 1 present take part."""
+    lo, hi = int(slot.min()), int(slot.max()) + 1
+    key = expert * (hi - lo) + (slot - lo)
     order = torch.argsort(key, stable=True)
-    layout = GroupLayout.of(torch.bincount(key, minlength=E * N).tolist(), x.device, max_groups)
+    layout = GroupLayout.of(torch.bincount(key, minlength=E * (hi - lo)).tolist(), x.device, max_groups)
     xs = x[order].clone().requires_grad_()
     a_p = torch.nn.Parameter(a.clone())
     b_p = torch.nn.Parameter(b.clone())
-    y = ExpertLoraDelta.apply(xs, a_p, b_p, _expert_major(a_p.detach()), _expert_major(b_p.detach()), layout,
-                              scales[slot[order]].unsqueeze(1), kernel)
+    y = ExpertLoraDelta.apply(xs, a_p, b_p, _expert_major(a_p.detach()[lo:hi]), _expert_major(b_p.detach()[lo:hi]),
+                              layout, scales[slot[order]].unsqueeze(1), kernel, lo)
     (y * gy[order]).sum().backward()
     inv = torch.argsort(order)
     return y.detach()[inv], xs.grad[inv], a_p.grad, b_p.grad
@@ -58,15 +59,19 @@ def _grouped(x, expert, slot, a, b, scales, gy, kernel, max_groups=MAX_GROUPS_PE
 
 @pytest.mark.parametrize("kernel", ["grouped_mm", "loop"])
 @pytest.mark.parametrize("max_groups", [MAX_GROUPS_PER_CALL, 4, 1])
-def test_grouped_expert_delta_matches_per_token_reference(kernel, max_groups):
-    case = _case()
+@pytest.mark.parametrize("present", [(0, 2), (1, 2), (2,)])
+def test_grouped_expert_delta_matches_per_token_reference(kernel, max_groups, present):
+    """present (0, 2): slot 1 between them has no tokens (empty groups inside the span);
+    (1, 2) and (2,): the span starts after slot 0, whose weights must not be touched."""
+    case = _case(present=present)
     ref = _reference(*case)
     got = _grouped(*case, kernel=kernel, max_groups=max_groups)
     for name, g, r in zip(("y", "dx", "dA", "dB"), got, ref):
         assert max_rel_err(g, r) <= 1e-6, name
     _, _, d_a, d_b = got
-    assert torch.count_nonzero(d_a[1]) == 0 and torch.count_nonzero(d_b[1]) == 0  # the absent slot
-    assert torch.count_nonzero(d_a[0]) > 0 and torch.count_nonzero(d_b[2]) > 0
+    for slot in range(N):
+        touched = torch.count_nonzero(d_a[slot]) > 0 and torch.count_nonzero(d_b[slot]) > 0
+        assert touched == (slot in present), slot
 
 
 def test_group_chunks_cover_rows_and_groups():
