@@ -7,7 +7,7 @@ same tokenizer, corpus and datasets (built by that module's code):
 * ``model/``: a tiny Qwen3-MoE decoder in Hugging Face format (``qwen3_moe``: hidden 64,
   4 layers, 4 heads / 2 kv heads, head_dim 16, every MLP a sparse block of 8 routed
   experts, top-2 with normalized top-k weights, expert width 32, no shared expert, vocab
-  400, tied embeddings), briefly pre-trained on the dense world's corpus;
+  400, untied embeddings as Qwen3-30B-A3B), briefly pre-trained on the dense world's corpus;
 * ``data/``: the dense world's datasets (digits / vowels RL, echo_sft SFT).
 
 Seeded and single-threaded, so two builds give the same bytes; a stamp file records
@@ -23,7 +23,7 @@ from pathlib import Path
 from examples.tiny.build import MODEL_CONFIG as DENSE_CONFIG
 from examples.tiny.build import build_datasets, build_tokenizer, make_corpus, pretrain_and_save
 
-BUILD_VERSION = "tiny-moe-v1"
+BUILD_VERSION = "tiny-moe-v2"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # The dense tiny model's attention and embeddings, with every MLP a sparse MoE block.
@@ -36,6 +36,9 @@ MODEL_CONFIG = dict(
     decoder_sparse_step=1,
     mlp_only_layers=[],
     intermediate_size=128,  # unused (no dense MLP layer); set for completeness
+    # Untied, as Qwen3-30B-A3B; also needed by SGLang 0.5.23, whose Qwen3-MoE model ignores
+    # tie_word_embeddings and would serve a zero lm_head (uniform logits) for a tied checkpoint.
+    tie_word_embeddings=False,
 )
 
 
