@@ -239,3 +239,48 @@ def test_bad_requests_name_what_is_wrong(trainer, tmp_path):
         for x, y in zip(before[slot], after[slot]):
             assert torch.equal(x, y)
     shutil.rmtree(folder)
+
+
+# -- data parallel 2 (two gloo processes): the experts are replicated, each rank routes its own samples ----
+
+
+def _dp_worker(rank, port, cfg_kwargs, hypers, batches, out_path):
+    import torch.distributed as dist
+
+    from trainer.config import TrainerConfig
+    from trainer.core import MultiLoraTrainer
+
+    trainer = MultiLoraTrainer(TrainerConfig(**cfg_kwargs), rank=rank, master_port=port)
+    result = run_scenario(trainer, hypers, batches)
+    if rank == 0:
+        torch.save(result, out_path)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_data_parallel_2_equivalence(trainer, batches, mixed_run, tmp_path):
+    import torch.multiprocessing as mp
+
+    from trainer.distributed import free_loopback_port
+
+    cfg_kwargs = trainer.config.model_dump() | {"dp": 2}
+    out = tmp_path / "dp2.pt"
+    mp.spawn(_dp_worker, args=(free_loopback_port(), cfg_kwargs, moe_hypers("mixed"), batches, str(out)),
+             nprocs=2, join=True)
+    dp2 = torch.load(out, weights_only=False)
+    _assert_nontrivial(dp2, OBJECTIVES["mixed"])
+    assert_equivalent(dp2["mixed"], dp2["alone"])
+    assert_equivalent(dp2["mixed"], mixed_run["mixed"])  # and DP=2 computes what one rank computes
+
+
+def test_padded_micro_batches_route_each_sample_to_its_slot(moe_world, batches, mixed_run):
+    """Padded rows ([s, b] activations, several samples of different slots side by side):
+    the MoE layer maps Megatron's position-major tokens back to their samples' slots."""
+    from trainer.config import TrainerConfig
+    from trainer.core import MultiLoraTrainer
+
+    padded = MultiLoraTrainer(TrainerConfig(base_model_path=str(moe_world / "model"), num_slots=4, max_rank=8,
+                                            micro_batch_tokens=40, packed=False))
+    run = run_scenario(padded, moe_hypers("mixed"), batches)
+    assert_equivalent(run["mixed"], run["alone"])
+    assert_equivalent(run["mixed"], mixed_run["mixed"])  # padded computes what packed computes
