@@ -270,7 +270,10 @@ def test_data_parallel_2_equivalence(trainer, batches, mixed_run, tmp_path):
     dp2 = torch.load(out, weights_only=False)
     _assert_nontrivial(dp2, OBJECTIVES["mixed"])
     assert_equivalent(dp2["mixed"], dp2["alone"])
-    assert_equivalent(dp2["mixed"], mixed_run["mixed"])  # and DP=2 computes what one rank computes
+    # and DP=2 computes what one rank computes, up to fp32 summation order: each rank forms its own
+    # micro-batches and the slot gradients are summed over ranks (measured 1.01e-5 on the
+    # clipped token_mean slot after 4 steps; the mixed == alone bound above stays 1e-5)
+    assert_equivalent(dp2["mixed"], mixed_run["mixed"], tol=3e-5)
 
 
 def test_padded_micro_batches_route_each_sample_to_its_slot(moe_world, batches, mixed_run):
