@@ -122,7 +122,7 @@ class MultiLoraTrainer:
         # (moe_lora.py); a slot's expert scale is 0 when its adapter trains attention only.
         self.layers += install_moe_lora(
             self.base, target_modules=config.target_modules, num_slots=config.num_slots,
-            max_rank=config.max_rank, routing=self.routing, tp_size=config.tp,
+            max_rank=config.max_rank, routing=self.routing,
         )
         self.expert_scales = torch.zeros(config.num_slots, dtype=torch.float32, device=self.device)
         for moe in moe_layers(self.base.model):

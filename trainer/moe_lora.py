@@ -38,8 +38,10 @@ expert weights (A and B start at zero and its expert scale is 0, so they never g
 gradient) and exports without expert parameters.
 
 Router and auxiliary losses: the router is frozen; aux / z losses are off for every
-adapter (``moe_provider_overrides``). Scope: tensor parallel 1 and one expert-parallel
-rank (data parallel works: the experts are replicated); shared experts, where a model
+adapter (``moe_provider_overrides``). Parallelism: tensor parallel (experts split like
+Megatron's expert tensor parallelism: fc1 column-, fc2 row-parallel, their LoRA split as in
+multi_lora.py) and data parallel; one expert-parallel rank (every rank holds every
+expert). Shared experts, where a model
 has them, are dense MLPs whose linears get ordinary multi-slot LoRA (multi_lora.py).
 """
 
@@ -51,6 +53,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -144,15 +147,24 @@ class GroupLayout:
 class ExpertLoraDelta(torch.autograd.Function):
     """d[t] = scale[t] * B_g(t) A_g(t) x[t] over (expert, slot) groups; gradients of the
     slot weights added in place into the slot-major fp32 ``.grad`` (like FusedLoraLinear:
-    the parameters are inputs only so that autograd runs this backward)."""
+    the parameters are inputs only so that autograd runs this backward).
+
+    Tensor parallelism (``tp_group`` given), as multi_lora.py does it for dense linears:
+    column-parallel fc1 (B split on outputs): h = A x on every rank, dh all-reduced in
+    backward, so dA and this delta's dx are complete on every rank; row-parallel fc2 (A split
+    on inputs): the partial h all-reduced in forward, B replicated, the delta complete."""
 
     @staticmethod
-    def forward(ctx, x, a_param, b_param, a_c, b_c, layout, row_scale, kernel, lo=0):  # noqa: ANN001
+    def forward(ctx, x, a_param, b_param, a_c, b_c, layout, row_scale, kernel, lo=0, parallel=None, tp_group=None):  # noqa: ANN001
         """a_c [E * S, R, in] / b_c [E * S, out, R]: slots lo .. lo + S - 1, expert-major."""
-        h = layout.mm(x, a_c, kernel) * row_scale  # [M, R]
+        h = layout.mm(x, a_c, kernel)  # [M, R]
+        if parallel == "row" and tp_group is not None:
+            dist.all_reduce(h, group=tp_group)
+        h = h * row_scale
         y = layout.mm(h, b_c, kernel)  # [M, out]
         ctx.save_for_backward(x, h, a_c, b_c, row_scale)
         ctx.layout, ctx.kernel, ctx.a_param, ctx.b_param, ctx.lo = layout, kernel, a_param, b_param, lo
+        ctx.parallel, ctx.tp_group = parallel, tp_group
         return y
 
     @staticmethod
@@ -160,7 +172,10 @@ class ExpertLoraDelta(torch.autograd.Function):
         x, h, a_c, b_c, row_scale = ctx.saved_tensors
         layout, kernel = ctx.layout, ctx.kernel
         gy = gy.contiguous()
-        gh = layout.mm_nt(gy, b_c, kernel) * row_scale
+        gh = layout.mm_nt(gy, b_c, kernel)
+        if ctx.parallel == "column" and ctx.tp_group is not None:  # each rank holds part of B's outputs: sum their dh
+            dist.all_reduce(gh, group=ctx.tp_group)
+        gh = gh * row_scale
         gx = layout.mm_nt(gh, a_c, kernel) if ctx.needs_input_grad[0] else None
         for param, grad in ((ctx.a_param, layout.weight_grad(gh, x, kernel)),
                             (ctx.b_param, layout.weight_grad(gy, h, kernel))):
@@ -170,7 +185,7 @@ class ExpertLoraDelta(torch.autograd.Function):
             span = grad.shape[0] // e
             # [E * S, ...] expert-major -> rows lo .. lo + S - 1 of the [N, E, ...] slot-major gradient, in place
             param.grad[ctx.lo : ctx.lo + span].transpose(0, 1).add_(grad.view(e, span, *grad.shape[1:]))
-        return gx, None, None, None, None, None, None, None, None
+        return gx, None, None, None, None, None, None, None, None, None, None
 
 
 # -- the slot weights of one expert linear -----------------------------------------------------
@@ -185,20 +200,24 @@ class ExpertLoraWeights(nn.Module):
     (tensor parallel 1: the local layout is the full one)."""
 
     is_expert = True
-    a_is_tp_split = False
-    b_is_tp_split = False
-    parallel = "none"
 
-    def __init__(self, *, name: str, kind: str, num_experts: int, in_features: int, out_features: int,
-                 num_slots: int, max_rank: int, device: torch.device) -> None:
+    def __init__(self, *, name: str, kind: str, parallel: str, num_experts: int, in_local: int, out_local: int,
+                 num_slots: int, max_rank: int, device: torch.device, tp_group=None) -> None:  # noqa: ANN001
         super().__init__()
         self.name = name  # e.g. decoder.layers.0.mlp.experts.linear_fc1
         self.kind = kind  # "gate_up" | "plain"
+        self.parallel = parallel  # "column" (fc1: outputs split over TP) | "row" (fc2: inputs split)
+        self.tp_group = tp_group
+        self.tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+        self.tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
         self.num_experts = num_experts
-        self.in_full, self.out_full = in_features, out_features
+        self.in_full = in_local * self.tp_size if parallel == "row" else in_local
+        self.out_full = out_local * self.tp_size if parallel == "column" else out_local
+        self.a_is_tp_split = parallel == "row" and self.tp_size > 1
+        self.b_is_tp_split = parallel == "column" and self.tp_size > 1
         self.max_rank = max_rank
-        self.lora_A = nn.Parameter(torch.zeros(num_slots, num_experts, max_rank, in_features, device=device))
-        self.lora_B = nn.Parameter(torch.zeros(num_slots, num_experts, out_features, max_rank, device=device))
+        self.lora_A = nn.Parameter(torch.zeros(num_slots, num_experts, max_rank, in_local, device=device))
+        self.lora_B = nn.Parameter(torch.zeros(num_slots, num_experts, out_local, max_rank, device=device))
         self._compute_key: tuple | None = None
         self._compute: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -225,21 +244,40 @@ class ExpertLoraWeights(nn.Module):
     def b_full_shape(self, rank: int) -> tuple[int, ...]:
         return (self.num_experts, self.out_full, rank)
 
+    # local shard <-> full (TP=1) layout, as MultiLoraLinear: A [E, r, in], B [E, out, r]
+
+    def _gather(self, local: torch.Tensor) -> list[torch.Tensor]:
+        parts = [torch.empty_like(local) for _ in range(self.tp_size)]
+        dist.all_gather(parts, local.contiguous(), group=self.tp_group)
+        return parts
+
     def full_a(self, local: torch.Tensor) -> torch.Tensor:
-        return local.clone()
+        """Collective over TP for row-parallel fc2."""
+        if self.parallel == "column" or self.tp_size == 1:
+            return local.clone()
+        return torch.cat(self._gather(local), dim=-1)
 
     def full_b(self, local: torch.Tensor) -> torch.Tensor:
-        return local.clone()
+        """Collective over TP for column-parallel fc1 (each rank holds [gate_shard; up_shard])."""
+        if self.parallel == "row" or self.tp_size == 1:
+            return local.clone()
+        halves = [shard.chunk(2, dim=1) for shard in self._gather(local)]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=1)
 
     def local_a(self, full: torch.Tensor) -> torch.Tensor:
         if tuple(full.shape[:1]) + tuple(full.shape[2:]) != (self.num_experts, self.in_full):
             raise ValueError(f"{self.name}: lora_A {tuple(full.shape)}, expected [{self.num_experts}, r, {self.in_full}]")
-        return full
+        if self.parallel == "column" or self.tp_size == 1:
+            return full
+        return full.chunk(self.tp_size, dim=-1)[self.tp_rank]
 
     def local_b(self, full: torch.Tensor) -> torch.Tensor:
         if tuple(full.shape[:2]) != (self.num_experts, self.out_full):
             raise ValueError(f"{self.name}: lora_B {tuple(full.shape)}, expected [{self.num_experts}, {self.out_full}, r]")
-        return full
+        if self.parallel == "row" or self.tp_size == 1:
+            return full
+        gate, up = full.chunk(2, dim=1)
+        return torch.cat([gate.chunk(self.tp_size, dim=1)[self.tp_rank], up.chunk(self.tp_size, dim=1)[self.tp_rank]], dim=1)
 
 
 def _expert_major(t: torch.Tensor) -> torch.Tensor:
@@ -272,8 +310,9 @@ class MoeLoraLayer(nn.Module):
         local = getattr(experts, "local_experts", None)
         if local is None:
             raise NotImplementedError(f"{name}: expected megatron-core's SequentialMLP experts, got {type(experts).__name__}")
-        if getattr(experts.ep_group, "size", lambda: 1)() > 1 or getattr(experts.tp_group, "size", lambda: 1)() > 1:
-            raise NotImplementedError(f"{name}: expert LoRA needs one expert-parallel and one tensor-parallel rank")
+        if experts.ep_group.size() > 1:
+            raise NotImplementedError(f"{name}: expert LoRA needs one expert-parallel rank (experts replicated)")
+        self.tp_group = experts.tp_group if experts.tp_group.size() > 1 else None  # expert tensor parallelism
         self.base = moe  # router (and shared experts) come from here
         self.name = name
         self.routing = routing
@@ -287,16 +326,16 @@ class MoeLoraLayer(nn.Module):
         self.register_buffer("w1", w1, persistent=False)
         self.register_buffer("w2", w2, persistent=False)
         self.slot_expert_scales: torch.Tensor | None = None  # [N] fp32, set by the trainer
-        hidden, ffn2 = w1.shape[2], w1.shape[1]
+        hidden, ffn2_local = w1.shape[2], w1.shape[1]  # fc1 outputs on this rank: [gate_shard; up_shard]
         self.fc1 = self.fc2 = None
         if "linear_fc1" in targets:
-            self.fc1 = ExpertLoraWeights(name=f"{name}.experts.linear_fc1", kind="gate_up", num_experts=self.num_experts,
-                                         in_features=hidden, out_features=ffn2, num_slots=num_slots,
-                                         max_rank=max_rank, device=device)
+            self.fc1 = ExpertLoraWeights(name=f"{name}.experts.linear_fc1", kind="gate_up", parallel="column",
+                                         num_experts=self.num_experts, in_local=hidden, out_local=ffn2_local,
+                                         num_slots=num_slots, max_rank=max_rank, device=device, tp_group=self.tp_group)
         if "linear_fc2" in targets:
-            self.fc2 = ExpertLoraWeights(name=f"{name}.experts.linear_fc2", kind="plain", num_experts=self.num_experts,
-                                         in_features=ffn2 // 2, out_features=hidden, num_slots=num_slots,
-                                         max_rank=max_rank, device=device)
+            self.fc2 = ExpertLoraWeights(name=f"{name}.experts.linear_fc2", kind="plain", parallel="row",
+                                         num_experts=self.num_experts, in_local=w2.shape[2], out_local=hidden,
+                                         num_slots=num_slots, max_rank=max_rank, device=device, tp_group=self.tp_group)
 
     def lora_weights(self) -> list[ExpertLoraWeights]:
         return [w for w in (self.fc1, self.fc2) if w is not None]
@@ -326,12 +365,16 @@ class MoeLoraLayer(nn.Module):
         group_counts = torch.bincount(key, minlength=self.num_experts * n_slots)
         expert_counts = group_counts.view(self.num_experts, n_slots).sum(1)
         xp = x[rows]  # [M, h] sorted by (expert, slot)
+        # Expert TP: the input is replicated; the base's partial input gradients are summed over
+        # TP (Megatron's copy-to-region), the LoRA's are complete on every rank (ExpertLoraDelta).
+        xp_base = xp if self.tp_group is None else _tp_mappings().copy_to_tensor_model_parallel_region(
+            x, group=self.tp_group)[rows]
         kernel = pick_kernel(r.kernel, xp, self.w1)
         if kernel == "grouped_mm" and pick_kernel(r.kernel, xp, self.w2) == "loop":
             kernel = "loop"
         e_counts = expert_counts.tolist()
         e_offsets = torch.cumsum(expert_counts, 0).to(torch.int32)
-        fc1 = segmented_matmul(xp, self.w1.to(xp.dtype), e_offsets, e_counts, kernel)  # frozen base
+        fc1 = segmented_matmul(xp_base, self.w1.to(xp.dtype), e_offsets, e_counts, kernel)  # frozen base
         layout = row_scale = None
         if lora:
             layout = GroupLayout.of(group_counts.tolist(), xp.device)
@@ -341,6 +384,8 @@ class MoeLoraLayer(nn.Module):
         gate, up = fc1.chunk(2, dim=-1)
         act = F.silu(gate) * up
         y = segmented_matmul(act, self.w2.to(act.dtype), e_offsets, e_counts, kernel)
+        if self.tp_group is not None:  # partial sums over the split expert width, per (token, expert) pair
+            y = _tp_mappings().reduce_from_tensor_model_parallel_region(y, group=self.tp_group)
         if lora and self.fc2 is not None:
             y = y + self._delta(self.fc2, act, layout, row_scale, r.kernel, lo, lo + n_slots)
         y = y * probs[tok[order], exp[order]].to(y.dtype).unsqueeze(1)
@@ -358,7 +403,14 @@ class MoeLoraLayer(nn.Module):
             kernel = "loop"
         if kernel == "grouped_mm":
             x = grouped_operand(x)
-        return ExpertLoraDelta.apply(x, w.lora_A, w.lora_B, a_c, b_c, layout, row_scale, kernel, lo)
+        return ExpertLoraDelta.apply(x, w.lora_A, w.lora_B, a_c, b_c, layout, row_scale, kernel, lo, w.parallel,
+                                     w.tp_group)
+
+
+def _tp_mappings():
+    from megatron.core.tensor_parallel import mappings
+
+    return mappings
 
 
 def install_moe_lora(
@@ -368,7 +420,6 @@ def install_moe_lora(
     num_slots: int,
     max_rank: int,
     routing,  # noqa: ANN001 - SlotRouting
-    tp_size: int,
 ) -> list[ExpertLoraWeights]:
     """Replace every MoE layer of ``base.model`` by a ``MoeLoraLayer``; return the expert
     LoRA weights (fc1 then fc2 per layer, model order). No MoE layer: nothing changes."""
@@ -377,11 +428,6 @@ def install_moe_lora(
     moes = [(n, m) for n, m in base.model.named_modules() if isinstance(m, MoELayer)]
     if not moes:
         return []
-    if tp_size > 1:
-        raise NotImplementedError(
-            "MoE bases train with tensor_parallel 1 for now (expert LoRA under tensor or expert parallelism "
-            "is not implemented); use data parallelism"
-        )
     targets = tuple(t for t in target_modules if t in EXPERT_TARGETS)
     out: list[ExpertLoraWeights] = []
     for name, moe in moes:

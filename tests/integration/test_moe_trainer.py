@@ -239,10 +239,10 @@ def test_bad_requests_name_what_is_wrong(trainer, tmp_path):
     shutil.rmtree(folder)
 
 
-# -- data parallel 2 (two gloo processes): the experts are replicated, each rank routes its own samples ----
+# -- two gloo processes: tensor parallel 2 (experts split over TP) and data parallel 2 -------------------
 
 
-def _dp_worker(rank, port, cfg_kwargs, hypers, batches, out_path):
+def _parallel_worker(rank, port, cfg_kwargs, hypers, batches, out_path):
     import torch.distributed as dist
 
     from trainer.config import TrainerConfig
@@ -256,22 +256,25 @@ def _dp_worker(rank, port, cfg_kwargs, hypers, batches, out_path):
     dist.destroy_process_group()
 
 
-def test_data_parallel_2_equivalence(trainer, batches, mixed_run, tmp_path):
+@pytest.mark.parametrize("layout", ["tp", "dp"])
+def test_two_ranks_equivalence(trainer, batches, mixed_run, tmp_path, layout):
+    """TP=2: each rank holds half of every expert's width (fc1 column-, fc2 row-parallel) and
+    the matching half of its LoRA; DP=2: each rank routes its own micro-batches."""
     import torch.multiprocessing as mp
 
     from trainer.distributed import free_loopback_port
 
-    cfg_kwargs = trainer.config.model_dump() | {"dp": 2}
-    out = tmp_path / "dp2.pt"
-    mp.spawn(_dp_worker, args=(free_loopback_port(), cfg_kwargs, moe_hypers("mixed"), batches, str(out)),
+    cfg_kwargs = trainer.config.model_dump() | {layout: 2}
+    out = tmp_path / f"{layout}2.pt"
+    mp.spawn(_parallel_worker, args=(free_loopback_port(), cfg_kwargs, moe_hypers("mixed"), batches, str(out)),
              nprocs=2, join=True)
-    dp2 = torch.load(out, weights_only=False)
-    _assert_nontrivial(dp2, OBJECTIVES["mixed"])
-    assert_equivalent(dp2["mixed"], dp2["alone"])
-    # and DP=2 computes what one rank computes, up to fp32 summation order: each rank forms its own
-    # micro-batches and the slot gradients are summed over ranks (measured 1.01e-5 on the
+    run = torch.load(out, weights_only=False)
+    _assert_nontrivial(run, OBJECTIVES["mixed"])
+    assert_equivalent(run["mixed"], run["alone"])
+    # and two ranks compute what one computes, up to fp32 summation order (split GEMMs and their
+    # all-reduce, or the slot gradients summed over DP ranks; measured 1.01e-5 for DP on the
     # clipped token_mean slot after 4 steps; the mixed == alone bound above stays 1e-5)
-    assert_equivalent(dp2["mixed"], mixed_run["mixed"], tol=3e-5)
+    assert_equivalent(run["mixed"], mixed_run["mixed"], tol=3e-5)
 
 
 def test_padded_micro_batches_route_each_sample_to_its_slot(moe_world, batches, mixed_run):
