@@ -270,10 +270,13 @@ def test_two_ranks_equivalence(trainer, batches, mixed_run, tmp_path, layout):
              nprocs=2, join=True)
     run = torch.load(out, weights_only=False)
     _assert_nontrivial(run, OBJECTIVES["mixed"])
-    assert_equivalent(run["mixed"], run["alone"])
-    # and two ranks compute what one computes, up to fp32 summation order (split GEMMs and their
-    # all-reduce, or the slot gradients summed over DP ranks; measured 1.01e-5 for DP on the
-    # clipped token_mean slot after 4 steps; the mixed == alone bound above stays 1e-5)
+    # Under DP a slot's gradient is the all-reduced sum of each rank's part, and which samples a
+    # rank gets differs between the mixed and the alone runs (dp_shard of each phase), so the
+    # fp32 summation order differs too: measured 1.01e-5 on slot 2 (clipped, token_mean, lr
+    # 2e-2, 4 steps). TP keeps the 1e-5 bound of the one-rank proofs.
+    tol = 3e-5 if layout == "dp" else 1e-5
+    assert_equivalent(run["mixed"], run["alone"], tol=tol)
+    # and two ranks compute what one computes, up to the same fp32 summation order
     assert_equivalent(run["mixed"], mixed_run["mixed"], tol=3e-5)
 
 
