@@ -60,10 +60,11 @@ def _grouped(x, expert, slot, a, b, scales, gy, kernel, max_groups=MAX_GROUPS_PE
 @pytest.mark.parametrize("kernel", ["grouped_mm", "loop"])
 @pytest.mark.parametrize("max_groups", [MAX_GROUPS_PER_CALL, 4, 1])
 @pytest.mark.parametrize("present", [(0, 2), (1, 2), (2,)])
-def test_grouped_expert_delta_matches_per_token_reference(kernel, max_groups, present):
+def test_grouped_expert_delta_matches_per_token_reference(kernel, max_groups, present, kernel_device):
     """present (0, 2): slot 1 between them has no tokens (empty groups inside the span);
-    (1, 2) and (2,): the span starts after slot 0, whose weights must not be touched."""
-    case = _case(present=present)
+    (1, 2) and (2,): the span starts after slot 0, whose weights must not be touched.
+    fp32, on the GPU where there is one (conftest's kernel_device), else the CPU."""
+    case = tuple(t.to(kernel_device) for t in _case(present=present))
     ref = _reference(*case)
     got = _grouped(*case, kernel=kernel, max_groups=max_groups)
     for name, g, r in zip(("y", "dx", "dA", "dB"), got, ref):
