@@ -45,6 +45,7 @@ from trainer.moe_lora import (
     is_expert_layer,
     kaiming_a,
     moe_layers,
+    read_expert_peft,
 )
 from trainer.multi_lora import SlotRouting, install_multi_lora
 from trainer.packing import pack_sequences, split_by_token_budget
@@ -174,10 +175,11 @@ class MultiLoraTrainer:
             b_full[layer.name] = torch.zeros(layer.b_full_shape(hyper.rank))
         rank, scale = hyper.rank, hyper.scale
         if init_from is not None:
-            if self._expert_layers() and json_target_parameters(init_from):
-                raise ValueError(f"init_from {init_from}: starting from a PEFT adapter with expert LoRA "
-                                 "(target_parameters) is not supported yet; attention-only adapters are")
-            peft_cfg, imported = read_peft_folder(init_from, self.base, self._dense_layers())
+            if json_target_parameters(init_from) and not self._expert_layers():
+                raise ValueError(f"init_from {init_from}: the adapter has expert LoRA (target_parameters) but "
+                                 "this base has no expert layers with LoRA")
+            expert_a, expert_b, expert_modules = read_expert_peft(init_from, self.base, self._expert_layers(), hyper)
+            peft_cfg, imported = read_peft_folder(init_from, self.base, self._dense_layers(), expert_modules)
             if int(peft_cfg["r"]) != hyper.rank or not math.isclose(float(peft_cfg["lora_alpha"]), hyper.alpha):
                 raise ValueError(
                     f"init_from adapter has r={peft_cfg['r']}, lora_alpha={peft_cfg['lora_alpha']}; "
@@ -189,8 +191,8 @@ class MultiLoraTrainer:
                     f"projection are stacked), above max_rank {self.config.max_rank}"
                 )
             rank = imported.rank
-            a_full.update(imported.a_full)
-            b_full.update(imported.b_full)
+            a_full.update(imported.a_full | expert_a)
+            b_full.update(imported.b_full | expert_b)
         self._write_slot(slot, rank, a_full, b_full)
         self.slots[slot] = SlotState(hyper=hyper, rank=rank, scale=scale, seed=seed, registration=registration)
         self._set_scales(slot, scale, hyper)

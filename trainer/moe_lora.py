@@ -47,9 +47,11 @@ has them, are dense MLPs whose linears get ordinary multi-slot LoRA (multi_lora.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -481,6 +483,44 @@ def expert_peft_tensors(base, layers: list[ExpertLoraWeights], a_full: dict, b_f
         out[f"{module}lora_A.weight"] = a.reshape(e * r, a.shape[2]).contiguous()
         out[f"{module}lora_B.weight"] = b.permute(1, 2, 0).reshape(b.shape[1], r * e).contiguous()
     return out
+
+
+def read_expert_peft(folder, base, layers: list[ExpertLoraWeights], hyper) -> tuple[dict, dict, frozenset[str]]:  # noqa: ANN001
+    """The expert LoRA of a PEFT folder (the inverse of ``expert_peft_tensors``): full A
+    [E, r, in] / B [E, out, r] per expert layer, and the PEFT module names it took (so the
+    dense reader does not call them unknown). A folder without target_parameters: nothing."""
+    from safetensors.torch import load_file
+
+    from trainer.peft_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX, json_target_parameters
+
+    folder = Path(folder)
+    params = json_target_parameters(folder)
+    if not params:  # (a folder that is not a PEFT adapter is reported by read_peft_folder)
+        return {}, {}, frozenset()
+    cfg = json.loads((folder / ADAPTER_CONFIG).read_text())
+    ours = expert_target_parameters(layers)
+    if [p for p in ours if p in params] != params:
+        raise ValueError(f"{folder}: target_parameters {params} not supported here: this trainer's expert LoRA "
+                         f"covers {ours} (in that order)")
+    if not hyper.lora_experts:
+        raise ValueError(f"{folder}: the adapter has expert LoRA ({params}) but the slot's lora_experts is false")
+    r, raw = int(cfg["r"]), load_file(str(folder / ADAPTER_WEIGHTS))
+    a_full, b_full, modules = {}, {}, set()
+    for layer in layers:
+        param = f"mlp.experts.{HF_EXPERT_PARAMS[layer.name.rsplit('.', 1)[-1]]}"
+        if param not in params:
+            continue
+        module = f"{_hf_experts_module(base, layer)}{'.base_layer' * (len(params) - 1 - params.index(param))}"
+        a, b = raw.get(f"{PEFT_PREFIX}{module}.lora_A.weight"), raw.get(f"{PEFT_PREFIX}{module}.lora_B.weight")
+        e = layer.num_experts
+        if a is None or b is None or tuple(a.shape) != (e * r, layer.in_full) or tuple(b.shape) != (layer.out_full, r * e):
+            raise ValueError(f"{folder}: {module} needs lora_A [{e * r}, {layer.in_full}] and lora_B "
+                             f"[{layer.out_full}, {r * e}] for r={r}, got {None if a is None else tuple(a.shape)} / "
+                             f"{None if b is None else tuple(b.shape)}")
+        a_full[layer.name] = a.float().reshape(e, r, layer.in_full)
+        b_full[layer.name] = b.float().reshape(layer.out_full, r, e).permute(2, 0, 1).contiguous()
+        modules.add(module)
+    return a_full, b_full, frozenset(modules)
 
 
 def kaiming_a(shape: tuple[int, ...], in_features: int, generator: torch.Generator) -> torch.Tensor:

@@ -156,8 +156,10 @@ class ImportedAdapter:
     b_full: dict[str, torch.Tensor]  # per Megatron layer, [out, rank] fp32
 
 
-def read_peft_folder(folder: str | Path, base, layers: list[MultiLoraLinear]) -> tuple[dict, ImportedAdapter]:  # noqa: ANN001
-    """Read a PEFT LoRA folder and express it in full Megatron layout for these layers."""
+def read_peft_folder(folder: str | Path, base, layers: list[MultiLoraLinear],  # noqa: ANN001
+                     other_modules: frozenset[str] = frozenset()) -> tuple[dict, ImportedAdapter]:
+    """Read a PEFT LoRA folder and express it in full Megatron layout for these layers.
+    ``other_modules``: modules of the file another reader takes (MoE experts, moe_lora.py)."""
     from safetensors.torch import load_file
 
     folder = Path(folder)
@@ -220,7 +222,7 @@ def read_peft_folder(folder: str | Path, base, layers: list[MultiLoraLinear]) ->
         a_full[layer.name] = a
         b_full[layer.name] = merge_full_b(base.config, layer.kind, blocks)
         need = max(need, a.shape[0])
-    unknown = sorted({m for m, _ in tensors} - used)
+    unknown = sorted({m for m, _ in tensors} - used - other_modules)
     if unknown:
         raise ValueError(f"{folder}: adapter has modules this trainer does not target: {unknown[:5]}")
     if not a_full:

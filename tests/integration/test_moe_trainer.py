@@ -220,23 +220,31 @@ def test_checkpoint_round_trip(trainer, batches, tmp_path):
     assert trainer.expert_scales[3] == trainer.expert_scales[1] > 0
 
 
-def test_bad_requests_name_what_is_wrong(trainer, tmp_path):
-    import shutil
-
-    from trainer.config import SlotHyperParams
-
+def test_start_from_an_exported_expert_adapter(trainer, batches, tmp_path):
+    """init_from reads the expert LoRA back (target_parameters): the new slot computes what the
+    exported one computes; a slot whose lora_experts is false refuses it and nothing changes."""
     _fresh(trainer, moe_hypers("mixed"))
+    for batch in batches:
+        trainer.train(batch)
+    hyper = moe_hypers("mixed")[0]
     folder = trainer.export_peft(0, tmp_path / "experts")
-    trainer.clear_slot(0)
+    ids = torch.randint(0, 400, (2, 11), generator=torch.Generator().manual_seed(7))
+    want = trainer.forward_logits(ids, 0)
+    trainer.clear_slot(3)
+    trainer.init_slot(3, hyper, seed=0, init_from=folder)
+    assert (trainer.forward_logits(ids, 3) - want).abs().max().item() <= 1e-5
+    for name, t in trainer.slot_state_tensors(0)["weight"][0].items():
+        assert torch.equal(trainer.slot_state_tensors(3)["weight"][0][name], t), name
+
+    trainer.clear_slot(3)
     before = _snapshot(trainer)
-    with pytest.raises(ValueError, match="expert LoRA .target_parameters. is not supported yet"):
-        trainer.init_slot(0, SlotHyperParams(rank=4, alpha=8), seed=0, init_from=folder)
-    assert trainer.slot_status(0) == {"slot": 0, "active": False}
+    with pytest.raises(ValueError, match="has expert LoRA .* but the slot's lora_experts is false"):
+        trainer.init_slot(3, hyper.model_copy(update={"lora_experts": False}), seed=0, init_from=folder)
+    assert trainer.slot_status(3) == {"slot": 3, "active": False}
     after = _snapshot(trainer)
     for slot in range(4):
         for x, y in zip(before[slot], after[slot]):
             assert torch.equal(x, y)
-    shutil.rmtree(folder)
 
 
 # -- two gloo processes: tensor parallel 2 (experts split over TP) and data parallel 2 -------------------
