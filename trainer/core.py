@@ -38,15 +38,8 @@ from trainer.batch import PlannedSample, TrainBatch, TrainSample, assign_phases,
 from trainer.config import SlotHyperParams, TrainerConfig
 from trainer.distributed import dp_group, init_parallel, tp_group
 from trainer.losses import TokenLossInputs, sample_loss_numerators
-from trainer.moe_lora import (
-    expert_peft_tensors,
-    expert_target_parameters,
-    install_moe_lora,
-    is_expert_layer,
-    kaiming_a,
-    moe_layers,
-    read_expert_peft,
-)
+from trainer.moe_lora import install_moe_lora, is_expert_layer, kaiming_a, moe_layers
+from trainer.moe_peft import expert_peft_tensors, expert_target_parameters, read_expert_peft
 from trainer.multi_lora import SlotRouting, install_multi_lora
 from trainer.packing import pack_sequences, split_by_token_budget
 from trainer.peft_io import (
