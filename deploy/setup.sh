@@ -67,4 +67,5 @@ print("[setup] imports ok")
 PY
 log "building the embedded tiny world"
 "$VENV/bin/python" -m examples.tiny.build --quiet
+"$VENV/bin/python" -m examples.tiny_moe.build --quiet
 log "done: activate with 'source .venv/bin/activate' or use .venv/bin/lorafleet"

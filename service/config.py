@@ -102,6 +102,7 @@ class AdapterConfig(_Strict):
     resume_from: str | None = Field(None, description="Resume this run from a lorafleet checkpoint folder (weights, optimizer, step, scheduler, data cursor, RNG), inside an allowed data root or the state dir.")
     checkpoint_interval: int = Field(10, ge=0, description="Save a checkpoint every this many steps; 0 = only at retirement.")
     seed: int = Field(0, ge=0, le=2**63 - 1, description="Seed for the adapter's initial weights, data order and sampling.")
+    lora_experts: bool = Field(True, description="MoE bases: LoRA on every routed expert as well as on attention; false = attention only (servable by SGLang on CPU). No effect on a dense base.")
 
     _rebase_paths = field_validator("init_from", "resume_from")(_rebase)
 
@@ -157,6 +158,7 @@ class AdapterConfig(_Strict):
             max_grad_norm=self.max_grad_norm,
             samples_per_step=self.samples_per_step,
             objective=self.objective,
+            lora_experts=self.lora_experts,
         )
 
     def data_config(self) -> DataConfig:
@@ -405,6 +407,13 @@ class JobConfig(_Strict):
         too_big = [f"{a.name} (rank {a.config.rank})" for a in self.adapters if a.config.rank > self.slots.max_rank]
         if too_big:
             raise ValueError(f"adapter rank above slots.max_rank {self.slots.max_rank}: {', '.join(too_big)}")
+        served_experts = [a.name for a in self.adapters if a.config.objective == "rl" and a.config.lora_experts]
+        if served_experts and self.placement.accelerator == "cpu" and _is_moe(self.base_model.path):
+            raise ValueError(
+                f"RL adapters {', '.join(served_experts)} train expert LoRA (lora_experts: true) on an MoE base, but "
+                "SGLang 0.5.23 serves expert LoRA only on CUDA: on a cpu placement set lora_experts: false for RL "
+                "adapters (SFT adapters are not served and may keep it)"
+            )
         return self
 
     @property
@@ -433,6 +442,16 @@ class JobConfig(_Strict):
     def service_settings(self, **explicit: Any) -> ServiceSettings:
         """The job's service section under the usual precedence (explicit > env > this section)."""
         return load_settings(base=self.service, **explicit)
+
+
+def _is_moe(model_path: str) -> bool:
+    """Whether the HF checkpoint's config.json describes routed experts (num_experts /
+    num_local_experts > 0); False when the file cannot be read (the trainer reports that)."""
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(cfg.get("num_experts") or cfg.get("num_local_experts"))
 
 
 def load_job(path: str | Path) -> JobConfig:

@@ -132,6 +132,11 @@ def build_frozen_base(
             provider.apply_rope_fusion = triton_rope_enabled()
     for key, value in cpu_provider_overrides().items():
         setattr(provider, key, value)
+    if getattr(provider, "num_moe_experts", None):
+        from trainer.moe_lora import moe_provider_overrides
+
+        for key, value in moe_provider_overrides().items():
+            setattr(provider, key, value)
     from trainer.fused_attention import recompute_overrides
 
     for key, value in recompute_overrides(recompute, num_layers=1).items():

@@ -147,6 +147,13 @@ class SlotHyperParams(_Strict):
     loss_norm_tokens: int | None = Field(
         None, ge=1, description="constant normalization: tokens per sample in the denominator."
     )
+    lora_experts: bool = Field(
+        True,
+        description=(
+            "MoE bases: LoRA on every routed expert's fc1/fc2 as well as on the attention linears; "
+            "false = attention (and any dense MLP) only. No effect on a dense base."
+        ),
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "SlotHyperParams":

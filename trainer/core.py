@@ -40,9 +40,18 @@ from trainer.batch import PlannedSample, TrainBatch, TrainSample, assign_phases,
 from trainer.config import SlotHyperParams, TrainerConfig
 from trainer.distributed import dp_group, init_parallel, tp_group
 from trainer.losses import TokenLossInputs, sample_loss_numerators
+from trainer.moe_lora import install_moe_lora, is_expert_layer, kaiming_a, moe_layers
+from trainer.moe_peft import expert_peft_tensors, expert_target_parameters, read_expert_peft
 from trainer.multi_lora import SlotRouting, install_multi_lora
 from trainer.packing import pack_sequences, split_by_token_budget
-from trainer.peft_io import hf_short_names, peft_config_dict, read_peft_folder, slot_to_hf, write_peft_folder
+from trainer.peft_io import (
+    hf_short_names,
+    json_target_parameters,
+    peft_config_dict,
+    read_peft_folder,
+    slot_to_hf,
+    write_peft_folder,
+)
 from trainer.per_slot_optim import AdamwColumns, adamw_apply, clip_coefficient, lr_at
 from trainer.slot_buffers import SlotBuffers
 from trainer.slot_checkpoint import load_slot_checkpoint, save_slot_checkpoint
@@ -106,6 +115,15 @@ class MultiLoraTrainer:
             self.base, target_modules=config.target_modules, num_slots=config.num_slots,
             max_rank=config.max_rank, routing=self.routing, tp_group=tp_group() if config.tp > 1 else None,
         )
+        # MoE bases: every routed expert's fc1/fc2 gets slots too, grouped by (expert, slot)
+        # (moe_lora.py); a slot's expert scale is 0 when its adapter trains attention only.
+        self.layers += install_moe_lora(
+            self.base, target_modules=config.target_modules, num_slots=config.num_slots,
+            max_rank=config.max_rank, routing=self.routing,
+        )
+        self.expert_scales = torch.zeros(config.num_slots, dtype=torch.float32, device=self.device)
+        for moe in moe_layers(self.base.model):
+            moe.slot_expert_scales = self.expert_scales
         # Weights, gradients and Adam moments of all slots: rows of four slot-major buffers,
         # every layer's tensors views into them (slot_buffers.py). Lists in layer order.
         self.buffers = SlotBuffers(self.layers, config.num_slots, self.device)
@@ -147,12 +165,19 @@ class MultiLoraTrainer:
         g = torch.Generator().manual_seed(seed)
         a_full, b_full = {}, {}
         for layer in self.layers:  # the full (TP=1) A, so every TP layout gets the same init
-            bound = 1.0 / math.sqrt(layer.in_full)
-            a_full[layer.name] = (torch.rand(hyper.rank, layer.in_full, generator=g, dtype=torch.float32) * 2 - 1) * bound
-            b_full[layer.name] = torch.zeros(layer.out_full, hyper.rank)
+            a_shape = layer.a_full_shape(hyper.rank)
+            if is_expert_layer(layer) and not hyper.lora_experts:
+                a_full[layer.name] = torch.zeros(a_shape)  # attention-only adapter: experts stay exactly zero
+            else:
+                a_full[layer.name] = kaiming_a(a_shape, layer.in_full, g)
+            b_full[layer.name] = torch.zeros(layer.b_full_shape(hyper.rank))
         rank, scale = hyper.rank, hyper.scale
         if init_from is not None:
-            peft_cfg, imported = read_peft_folder(init_from, self.base, self.layers)
+            if json_target_parameters(init_from) and not self._expert_layers():
+                raise ValueError(f"init_from {init_from}: the adapter has expert LoRA (target_parameters) but "
+                                 "this base has no expert layers with LoRA")
+            expert_a, expert_b, expert_modules = read_expert_peft(init_from, self.base, self._expert_layers(), hyper)
+            peft_cfg, imported = read_peft_folder(init_from, self.base, self._dense_layers(), expert_modules)
             if int(peft_cfg["r"]) != hyper.rank or not math.isclose(float(peft_cfg["lora_alpha"]), hyper.alpha):
                 raise ValueError(
                     f"init_from adapter has r={peft_cfg['r']}, lora_alpha={peft_cfg['lora_alpha']}; "
@@ -164,20 +189,33 @@ class MultiLoraTrainer:
                     f"projection are stacked), above max_rank {self.config.max_rank}"
                 )
             rank = imported.rank
-            a_full.update(imported.a_full)
-            b_full.update(imported.b_full)
+            a_full.update(imported.a_full | expert_a)
+            b_full.update(imported.b_full | expert_b)
         self._write_slot(slot, rank, a_full, b_full)
         self.slots[slot] = SlotState(hyper=hyper, rank=rank, scale=scale, seed=seed, registration=registration)
-        self.scales[slot] = scale
+        self._set_scales(slot, scale, hyper)
         return self.slot_status(slot)
+
+    def _set_scales(self, slot: int, scale: float, hyper: SlotHyperParams | None) -> None:
+        self.scales[slot] = scale
+        self.expert_scales[slot] = scale if hyper is not None and hyper.lora_experts else 0.0
+
+    def _dense_layers(self) -> list:
+        return [layer for layer in self.layers if not is_expert_layer(layer)]
+
+    def _expert_layers(self) -> list:
+        return [layer for layer in self.layers if is_expert_layer(layer)]
 
     def _write_slot(self, slot: int, rank: int, a_full: dict, b_full: dict) -> None:
         """Zero the slot everywhere, then place full-layout weights (padded to ``rank``) into its blocks."""
         self._zero_slot(slot)
         for layer in self.layers:
             a, b = a_full[layer.name], b_full[layer.name]
-            a = torch.cat([a, a.new_zeros(rank - a.shape[0], a.shape[1])]) if a.shape[0] < rank else a
-            b = torch.cat([b, b.new_zeros(b.shape[0], rank - b.shape[1])], dim=1) if b.shape[1] < rank else b
+            # rank is A's second-to-last dim and B's last (dense [r, in] / [out, r], experts [E, r, in] / [E, out, r])
+            if a.shape[-2] < rank:
+                a = torch.cat([a, a.new_zeros(*a.shape[:-2], rank - a.shape[-2], a.shape[-1])], dim=-2)
+            if b.shape[-1] < rank:
+                b = torch.cat([b, b.new_zeros(*b.shape[:-1], rank - b.shape[-1])], dim=-1)
             layer.a_block(layer.lora_A.data, slot, rank).copy_(layer.local_a(a).to(self.device))
             layer.b_block(layer.lora_B.data, slot, rank).copy_(layer.local_b(b).to(self.device))
 
@@ -189,7 +227,7 @@ class MultiLoraTrainer:
         """Weights, gradients, optimizer state and pending samples of the slot, all gone."""
         self._check_slot(slot)
         self._zero_slot(slot)
-        self.scales[slot] = 0.0
+        self._set_scales(slot, 0.0, None)
         self.slots[slot] = None
 
     def slot_status(self, slot: int) -> dict:
@@ -215,11 +253,13 @@ class MultiLoraTrainer:
         """(adapter_config dict, PEFT-named tensors) of the slot, as SGLang/peft load them. Collective."""
         state = self._state(slot)
         a_full, b_full = self._full_slot_tensors(slot, [p.data for p in self.params], state.rank)
+        dense = self._dense_layers()
+        experts = self._expert_layers() if state.hyper.lora_experts else []
         cfg = peft_config_dict(
-            rank=state.rank, scale=state.scale, target_modules=hf_short_names(self.base, self.layers),
-            base_model=self.config.base_model_path,
+            rank=state.rank, scale=state.scale, target_modules=hf_short_names(self.base, dense),
+            base_model=self.config.base_model_path, target_parameters=expert_target_parameters(experts),
         )
-        return cfg, slot_to_hf(self.base, self.layers, a_full, b_full)
+        return cfg, slot_to_hf(self.base, dense, a_full, b_full) | expert_peft_tensors(self.base, experts, a_full, b_full)
 
     def export_peft(self, slot: int, out_dir: str | Path) -> str:
         """Write the slot as a PEFT adapter folder (rank 0 writes; all ranks must call)."""
@@ -287,7 +327,7 @@ class MultiLoraTrainer:
             pending=pending if self.layout.dp_rank == 0 else torch.zeros(N_STATS, dtype=torch.float64),
         )
         self.slots[slot] = state
-        self.scales[slot] = state.scale
+        self._set_scales(slot, state.scale, state.hyper)
         return self.slot_status(slot)
 
     # -- keep-warm eviction (trainer/slot_swap.py) -----------------------------------------------

@@ -66,6 +66,7 @@ class SlotRouting:
         self.offsets: torch.Tensor | None = None  # int32 [N] cumulative segment ends
         self.counts: list[int] = []  # tokens per slot (host copy, for the loop kernel)
         self.token_scale: torch.Tensor | None = None  # fp32 [b*s]
+        self.token_slots: torch.Tensor | None = None  # int64 [b*s]: each token's slot (MoE dispatch, moe_lora.py)
         self._scale_columns: dict[torch.dtype, torch.Tensor] = {}  # token_scale as [b*s, 1] per dtype
         self._span: SlotSpan | None = None
 
@@ -94,7 +95,8 @@ class SlotRouting:
         per_slot = torch.bincount(slot_of_sample.cpu(), minlength=self.num_slots) * seq_len
         self.counts = per_slot.tolist()
         self.offsets = torch.cumsum(per_slot, 0).to(torch.int32).to(slot_scales.device)
-        self.token_scale = slot_scales[slot_of_sample.to(slot_scales.device)].repeat_interleave(seq_len)
+        self.token_slots = slot_of_sample.to(slot_scales.device).repeat_interleave(seq_len)
+        self.token_scale = slot_scales[self.token_slots]
         self._scale_columns = {}
         self._span = None
         self.batch = len(slots)
@@ -115,7 +117,8 @@ class SlotRouting:
             raise ValueError(f"packed sequences must be sorted by slot, got slot order {slots}")
         self.counts = packed.slot_token_counts.tolist()
         self.offsets = packed.slot_offsets.to(slot_scales.device)
-        self.token_scale = slot_scales[packed.token_slots.to(slot_scales.device)]
+        self.token_slots = packed.token_slots.to(slot_scales.device)
+        self.token_scale = slot_scales[self.token_slots]
         self._scale_columns = {}
         self._span = None
         self.batch = 1
@@ -125,7 +128,7 @@ class SlotRouting:
     def disable(self) -> None:
         """LoRA off: every layer returns the base output (reference policy, frozen base)."""
         self.enabled = False
-        self.offsets = self.token_scale = None
+        self.offsets = self.token_scale = self.token_slots = None
         self.counts = []
         self._scale_columns = {}
         self._span = None
@@ -250,6 +253,13 @@ class MultiLoraLinear(nn.Module):
     def b_block(self, tensor: torch.Tensor, slot: int, rank: int) -> torch.Tensor:
         return tensor[slot, :, :rank]
 
+    def a_full_shape(self, rank: int) -> tuple[int, ...]:
+        """Shape of a slot's full (TP=1) A of this rank (checkpoints, init)."""
+        return (rank, self.in_full)
+
+    def b_full_shape(self, rank: int) -> tuple[int, ...]:
+        return (self.out_full, rank)
+
     # -- local shard <-> full (TP=1 Megatron layout) --------------------------------------------
 
     def _gather(self, local: torch.Tensor, dim: int) -> list[torch.Tensor]:
@@ -347,6 +357,7 @@ def install_multi_lora(
         (name, module)
         for name, module in base.model.named_modules()
         if name.rsplit(".", 1)[-1] in target_modules and not isinstance(module, MultiLoraLinear)
+        and ".experts.local_experts." not in name  # routed experts: grouped expert LoRA (moe_lora.py)
     ]
     if not targets:
         raise ValueError(f"no module of the model matches target_modules {list(target_modules)}")

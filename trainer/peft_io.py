@@ -98,8 +98,12 @@ def slot_to_hf(base, layers: list[MultiLoraLinear], a_full: dict[str, torch.Tens
     return out
 
 
-def peft_config_dict(*, rank: int, scale: float, target_modules: list[str], base_model: str) -> dict:
-    return {
+def peft_config_dict(*, rank: int, scale: float, target_modules: list[str], base_model: str,
+                     target_parameters: list[str] | None = None) -> dict:
+    """PEFT's adapter_config. ``target_parameters``: expert tensors of an MoE base (moe_lora.py),
+    kept in the given order (PEFT nests one wrapper per entry in that order)."""
+    extra = {"target_parameters": list(target_parameters)} if target_parameters else {}
+    return extra | {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model,
@@ -119,6 +123,14 @@ def peft_config_dict(*, rank: int, scale: float, target_modules: list[str], base
         "rank_pattern": {},
         "alpha_pattern": {},
     }
+
+
+def json_target_parameters(folder: str | Path) -> list[str]:
+    """The ``target_parameters`` of a PEFT folder's config ([] when absent or unreadable)."""
+    try:
+        return list(json.loads((Path(folder) / ADAPTER_CONFIG).read_text()).get("target_parameters") or [])
+    except (OSError, ValueError):
+        return []
 
 
 def hf_short_names(base, layers: list[MultiLoraLinear]) -> list[str]:  # noqa: ANN001
@@ -144,8 +156,10 @@ class ImportedAdapter:
     b_full: dict[str, torch.Tensor]  # per Megatron layer, [out, rank] fp32
 
 
-def read_peft_folder(folder: str | Path, base, layers: list[MultiLoraLinear]) -> tuple[dict, ImportedAdapter]:  # noqa: ANN001
-    """Read a PEFT LoRA folder and express it in full Megatron layout for these layers."""
+def read_peft_folder(folder: str | Path, base, layers: list[MultiLoraLinear],  # noqa: ANN001
+                     other_modules: frozenset[str] = frozenset()) -> tuple[dict, ImportedAdapter]:
+    """Read a PEFT LoRA folder and express it in full Megatron layout for these layers.
+    ``other_modules``: modules of the file another reader takes (MoE experts, moe_lora.py)."""
     from safetensors.torch import load_file
 
     folder = Path(folder)
@@ -208,7 +222,7 @@ def read_peft_folder(folder: str | Path, base, layers: list[MultiLoraLinear]) ->
         a_full[layer.name] = a
         b_full[layer.name] = merge_full_b(base.config, layer.kind, blocks)
         need = max(need, a.shape[0])
-    unknown = sorted({m for m, _ in tensors} - used)
+    unknown = sorted({m for m, _ in tensors} - used - other_modules)
     if unknown:
         raise ValueError(f"{folder}: adapter has modules this trainer does not target: {unknown[:5]}")
     if not a_full:

@@ -79,10 +79,10 @@ def load_slot_checkpoint(in_dir, layers, config) -> tuple[dict, dict, torch.Tens
             a, b = raw.get(f"{layer.name}.A.{kind}"), raw.get(f"{layer.name}.B.{kind}")
             if a is None or b is None:
                 raise ValueError(f"{folder}: missing {layer.name} {kind} tensors")
-            if tuple(a.shape) != (rank, layer.in_full) or tuple(b.shape) != (layer.out_full, rank):
+            if tuple(a.shape) != layer.a_full_shape(rank) or tuple(b.shape) != layer.b_full_shape(rank):
                 raise ValueError(
                     f"{folder}: {layer.name} {kind} has shapes {tuple(a.shape)}/{tuple(b.shape)}, "
-                    f"expected {(rank, layer.in_full)}/{(layer.out_full, rank)}"
+                    f"expected {layer.a_full_shape(rank)}/{layer.b_full_shape(rank)}"
                 )
             a_full[layer.name], b_full[layer.name] = a, b
         parts[kind] = (a_full, b_full)

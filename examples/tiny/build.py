@@ -118,9 +118,15 @@ def build_model(tokenizer, corpus: list[str], out: Path, steps: int, quiet: bool
         pad_token_id=tokenizer.pad_token_id,
         torch_dtype="float32",
     )
-    model = Qwen3ForCausalLM(cfg)
-    # Pre-train briefly on the corpus (next-token prediction). Sequences are
-    # sentences joined by EOS, cut to fixed windows.
+    return pretrain_and_save(Qwen3ForCausalLM(cfg), tokenizer, corpus, out, steps, quiet, tag="tiny")
+
+
+def pretrain_and_save(model, tokenizer, corpus: list[str], out: Path, steps: int, quiet: bool, tag: str) -> int:
+    """Pre-train ``model`` briefly on the corpus (next-token prediction), save it; return its
+    parameter count. Shared by every embedded world (examples/tiny_moe/build.py too).
+    Sequences are sentences joined by EOS, cut to fixed windows."""
+    import torch
+
     ids: list[int] = []
     for s in corpus:
         ids.extend(tokenizer.encode(s))
@@ -138,11 +144,17 @@ def build_model(tokenizer, corpus: list[str], out: Path, steps: int, quiet: bool
         loss.backward()
         opt.step()
         if not quiet and (step % 50 == 0 or step == steps - 1):
-            print(f"[tiny] pretrain step {step + 1}/{steps} loss {loss.item():.3f}", flush=True)
+            print(f"[{tag}] pretrain step {step + 1}/{steps} loss {loss.item():.3f}", flush=True)
     model.eval()
     model.generation_config.do_sample = False
     model.save_pretrained(out, safe_serialization=True)
     return sum(p.numel() for p in model.parameters())
+
+
+def make_corpus() -> list[str]:
+    """The synthetic pre-training corpus (also the tokenizer's training text)."""
+    rng = random.Random(0)
+    return [_sentence(rng) for _ in range(4000)]
 
 
 def build_datasets(out: Path) -> None:
@@ -174,8 +186,7 @@ def build(out: Path | None = None, *, steps: int = 300, quiet: bool = False) -> 
 
     out = out or tiny_dir()
     torch.set_num_threads(1)  # determinism: one thread, fixed reduction order
-    rng = random.Random(0)
-    corpus = [_sentence(rng) for _ in range(4000)]
+    corpus = make_corpus()
     model_dir = out / "model"
     model_dir.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(corpus, model_dir)

@@ -1,0 +1,99 @@
+"""The MoE example job end to end on CPU: `lorafleet run examples/tiny_moe/job.yaml`.
+
+Real everything, as the main-job test (test_service_main_job.py): the CLI process,
+Ray, one SGLang CPU server (attention-only LoRA targets: SGLang 0.5.23 has no CPU
+path for expert LoRA), the Megatron-Bridge trainer on the tiny Qwen3-MoE. Checked
+afterwards from the registry: every adapter COMPLETED with all its steps; the SFT
+adapter's export carries expert LoRA in PEFT's format (target_parameters) and the RL
+adapters' exports are attention-only; every export loads with peft onto the HF MoE
+base and changes its output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+LORAFLEET = Path(sys.executable).parent / "lorafleet"
+JOB = REPO / "examples" / "tiny_moe" / "job.yaml"
+
+
+@pytest.fixture(scope="module")
+def moe_world():
+    from examples.tiny_moe.build import ensure_tiny_moe_world
+
+    return ensure_tiny_moe_world()
+
+
+def _rows(db: Path, sql: str, *args):
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        con.row_factory = sqlite3.Row
+        return con.execute(sql, args).fetchall()
+    finally:
+        con.close()
+
+
+@pytest.fixture
+def job_dir(tmp_path):
+    from service.app_runtime import reap_engines
+
+    try:
+        yield tmp_path
+    finally:
+        reap_engines(tmp_path / "runs" / "tiny_moe")
+
+
+def test_moe_job_trains_expert_lora_to_completion(moe_world, job_dir):
+    t0 = time.monotonic()
+    env = {**os.environ, "COLUMNS": "120", "LORAFLEET_DATA_ROOTS": str(moe_world / "data")}
+    proc = subprocess.run([str(LORAFLEET), "run", str(JOB)], cwd=job_dir, capture_output=True, text=True,
+                          timeout=1200, env=env)
+    wall = time.monotonic() - t0
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    print(f"MoE job wall time {wall:.1f} s\n{proc.stdout}")
+
+    db = job_dir / "runs" / "tiny_moe" / "registry.sqlite3"
+    runs = {r["name"]: r for r in _rows(db, "SELECT * FROM runs")}
+    expected_steps = {"digits": 8, "vowels": 8, "echo_sft": 12}
+    assert set(runs) == set(expected_steps)
+    for name, run in runs.items():
+        assert run["state"] == "COMPLETED", (name, run["failure_reason"])
+        assert run["step"] == expected_steps[name]
+
+    for name, run in runs.items():
+        cfg = json.loads((Path(run["export_path"]) / "adapter_config.json").read_text())
+        assert cfg["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"], name
+        if name == "echo_sft":
+            assert cfg["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+        else:
+            assert "target_parameters" not in cfg, name
+    _check_exports_load_with_peft(moe_world / "model", {n: r["export_path"] for n, r in runs.items()})
+
+
+def _check_exports_load_with_peft(model_dir: Path, exports: dict[str, str]) -> None:
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.tensor([[1, 27, 377, 28, 23, 260, 276, 2]])
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        ref = base(ids).logits
+    for name, path in exports.items():
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), path)
+        with torch.no_grad():
+            logits = model(ids).logits
+        assert torch.isfinite(logits).all(), name
+        assert (logits - ref).abs().max() > 1e-3, f"{name}: the export does not change the base model's output"

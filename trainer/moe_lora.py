@@ -1,0 +1,445 @@
+"""Mixture-of-experts bases: LoRA slots on every routed expert, grouped by (expert, slot).
+
+Each Megatron ``MoELayer`` of the frozen base is replaced by a ``MoeLoraLayer`` that
+runs the same math (frozen router, top-k, SwiGLU experts, probability-weighted sum)
+with one grouped GEMM per expert linear instead of megatron-core's per-expert loop,
+and adds the LoRA delta of each routed token's own adapter slot:
+
+    y(t, e) = W2_e act(W1_e x_t + d1) + d2,    d = scale(slot(t)) * B[slot(t), e] A[slot(t), e] x
+
+Dispatch keeps the adapter id: every (token, expert) pair of the top-k gets the key
+``expert * N + slot(token)`` (N = resident slots) and the pairs are sorted by it (stable,
+so token order is kept inside a group). Then
+* the base GEMMs see one contiguous segment per expert (the union of its slot segments);
+* the LoRA GEMMs see one contiguous segment per (expert, slot) group, G = E * N groups,
+  and the slot weights in expert-major order ``[E * N, ...]`` (group g = e * N + s), so a
+  segmented GEMM over (expert, slot) is one ``grouped_mm`` (segmented_mm.py), forward
+  and backward, with no Python loop over adapters or experts. Only the slots from the
+  first to the last one present in the micro-batch take part (N above is that span, as
+  in fused_lora.py): one adapter's micro-batch among 32 resident ones neither reads nor
+  writes the other 31.
+
+The slot weights live slot-major (``lora_A [N, E, R, in]``, ``lora_B [N, E, out, R]``)
+like every other LoRA tensor of the trainer, so a slot is one row of the slot buffers
+(slot_buffers.py: norms, AdamW, zeroing are row operations). The expert-major compute
+copy is made when the weights (or the span) change, not per micro-batch; the gradients of the (expert, slot) groups are added back into the
+slot-major fp32 gradient in place (one strided add).
+
+Group-count limit: a grouped GEMM call takes at most ``MAX_GROUPS_PER_CALL`` groups
+(1024: the limit the reference design hit with torch's CUDA grouped GEMM; miles caps
+slots at 1024 / experts-per-rank for it). We lift it by cutting the group index range
+into consecutive chunks of at most that many groups: groups are consecutive in both
+the sorted rows and the expert-major weights, so a chunk is a row range and a weight
+range, and ceil(G / 1024) calls cover any E * N (E = 128, N = 32: 4 calls per GEMM).
+
+Per adapter: ``SlotHyperParams.lora_experts`` (default true) chooses attention (and any
+dense MLP) only, or attention and experts. An attention-only slot keeps exactly zero
+expert weights (A and B start at zero and its expert scale is 0, so they never get a
+gradient) and exports without expert parameters (PEFT format of expert LoRA: moe_peft.py).
+
+Router and auxiliary losses: the router is frozen; aux / z losses are off for every
+adapter (``moe_provider_overrides``). Parallelism: tensor parallel (experts split like
+Megatron's expert tensor parallelism: fc1 column-, fc2 row-parallel, their LoRA split as in
+multi_lora.py) and data parallel; one expert-parallel rank (every rank holds every
+expert). Shared experts, where a model
+has them, are dense MLPs whose linears get ordinary multi-slot LoRA (multi_lora.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.cpu_compat import transformer_engine_available
+from trainer.segmented_mm import (
+    Kernel,
+    grouped_operand,
+    pick_kernel,
+    segment_mm,
+    segment_mm_nt,
+    segment_weight_grad,
+    segmented_matmul,
+)
+
+MAX_GROUPS_PER_CALL = 1024
+EXPERT_TARGETS = ("linear_fc1", "linear_fc2")
+
+
+def moe_provider_overrides() -> dict[str, Any]:
+    """Provider fields for an MoE base, set before the model is built.
+
+    * No auxiliary losses (load balancing, z-loss) and no input jitter: the router is
+      frozen, so a load-balancing loss could only move the LoRA weights upstream of the
+      router, and it is a statistic over *all* tokens of a micro-batch (expert load x
+      mean router probability), which couples the adapters that share it: with it, an
+      adapter would not get the gradient it gets alone. Off for every adapter.
+    * Dropless (no capacity factor): with token dropping, whether a token is processed
+      depends on the other tokens of the micro-batch (the same coupling).
+    * No fused permutation without TransformerEngine (megatron-core refuses it).
+    """
+    out: dict[str, Any] = {
+        "moe_aux_loss_coeff": 0.0,
+        "moe_router_load_balancing_type": "none",
+        "moe_z_loss_coeff": None,
+        "moe_input_jitter_eps": None,
+        "moe_expert_capacity_factor": None,
+        # The all-to-all dispatcher makes a CUDA stream when built; all-gather does not, and
+        # with one expert-parallel rank both are a local permutation (MoeLoraLayer uses neither).
+        "moe_token_dispatcher_type": "allgather",
+    }
+    if not transformer_engine_available():
+        out["moe_permute_fusion"] = False
+    return out
+
+
+# -- (expert, slot) groups -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """Contiguous row segments, one per group (empty ones allowed), cut into chunks of at
+    most ``max_groups`` groups: ``chunks[i] = (g0, g1, row0, row1, offsets)`` with the
+    chunk's cumulative segment ends relative to ``row0`` (int32, on the rows' device)."""
+
+    counts: list[int]
+    chunks: tuple[tuple[int, int, int, int, torch.Tensor], ...]
+
+    @staticmethod
+    def of(counts: list[int], device: torch.device, max_groups: int = MAX_GROUPS_PER_CALL) -> "GroupLayout":
+        if max_groups < 1:
+            raise ValueError(f"max_groups must be >= 1, got {max_groups}")
+        ends = torch.tensor(counts, dtype=torch.int64).cumsum(0)
+        chunks, row0 = [], 0
+        for g0 in range(0, len(counts), max_groups):
+            g1 = min(g0 + max_groups, len(counts))
+            row1 = int(ends[g1 - 1])
+            offs = (ends[g0:g1] - row0).to(torch.int32).to(device)
+            chunks.append((g0, g1, row0, row1, offs))
+            row0 = row1
+        return GroupLayout(counts, tuple(chunks))
+
+    def mm(self, x: torch.Tensor, w: torch.Tensor, kernel: Kernel) -> torch.Tensor:
+        """y[t] = x[t] @ w[g(t)].T: x [T, K], w [G, N, K] -> [T, N]."""
+        return torch.cat([segment_mm(x[r0:r1], w[g0:g1], offs, self.counts[g0:g1], kernel)
+                          for g0, g1, r0, r1, offs in self.chunks])
+
+    def mm_nt(self, gy: torch.Tensor, w: torch.Tensor, kernel: Kernel) -> torch.Tensor:
+        """gx[t] = gy[t] @ w[g(t)]: gy [T, N], w [G, N, K] -> [T, K]."""
+        return torch.cat([segment_mm_nt(gy[r0:r1], w[g0:g1], offs, self.counts[g0:g1], kernel)
+                          for g0, g1, r0, r1, offs in self.chunks])
+
+    def weight_grad(self, gy: torch.Tensor, x: torch.Tensor, kernel: Kernel) -> torch.Tensor:
+        """dW[g] = gy[seg g].T @ x[seg g]: -> [G, N, K] (zeros for empty groups)."""
+        return torch.cat([segment_weight_grad(gy[r0:r1], x[r0:r1], offs, self.counts[g0:g1], kernel)
+                          for g0, g1, r0, r1, offs in self.chunks])
+
+
+class ExpertLoraDelta(torch.autograd.Function):
+    """d[t] = scale[t] * B_g(t) A_g(t) x[t] over (expert, slot) groups; gradients of the
+    slot weights added in place into the slot-major fp32 ``.grad`` (like FusedLoraLinear:
+    the parameters are inputs only so that autograd runs this backward).
+
+    Tensor parallelism (``tp_group`` given), as multi_lora.py does it for dense linears:
+    column-parallel fc1 (B split on outputs): h = A x on every rank, dh all-reduced in
+    backward, so dA and this delta's dx are complete on every rank; row-parallel fc2 (A split
+    on inputs): the partial h all-reduced in forward, B replicated, the delta complete."""
+
+    @staticmethod
+    def forward(ctx, x, a_param, b_param, a_c, b_c, layout, row_scale, kernel, lo=0, parallel=None, tp_group=None):  # noqa: ANN001
+        """a_c [E * S, R, in] / b_c [E * S, out, R]: slots lo .. lo + S - 1, expert-major."""
+        h = layout.mm(x, a_c, kernel)  # [M, R]
+        if parallel == "row" and tp_group is not None:
+            dist.all_reduce(h, group=tp_group)
+        h = h * row_scale
+        y = layout.mm(h, b_c, kernel)  # [M, out]
+        ctx.save_for_backward(x, h, a_c, b_c, row_scale)
+        ctx.layout, ctx.kernel, ctx.a_param, ctx.b_param, ctx.lo = layout, kernel, a_param, b_param, lo
+        ctx.parallel, ctx.tp_group = parallel, tp_group
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):  # noqa: ANN001
+        x, h, a_c, b_c, row_scale = ctx.saved_tensors
+        layout, kernel = ctx.layout, ctx.kernel
+        gy = gy.contiguous()
+        gh = layout.mm_nt(gy, b_c, kernel)
+        if ctx.parallel == "column" and ctx.tp_group is not None:  # each rank holds part of B's outputs: sum their dh
+            dist.all_reduce(gh, group=ctx.tp_group)
+        gh = gh * row_scale
+        gx = layout.mm_nt(gh, a_c, kernel) if ctx.needs_input_grad[0] else None
+        for param, grad in ((ctx.a_param, layout.weight_grad(gh, x, kernel)),
+                            (ctx.b_param, layout.weight_grad(gy, h, kernel))):
+            if param.grad is None:  # as autograd would; the trainer presets them (SlotBuffers)
+                param.grad = torch.zeros_like(param)
+            e = param.shape[1]
+            span = grad.shape[0] // e
+            # [E * S, ...] expert-major -> rows lo .. lo + S - 1 of the [N, E, ...] slot-major gradient, in place
+            param.grad[ctx.lo : ctx.lo + span].transpose(0, 1).add_(grad.view(e, span, *grad.shape[1:]))
+        return gx, None, None, None, None, None, None, None, None, None, None
+
+
+# -- the slot weights of one expert linear -----------------------------------------------------
+
+
+class ExpertLoraWeights(nn.Module):
+    """N slots of LoRA for one linear (fc1 or fc2) of every routed expert of a layer.
+
+    ``lora_A [N, E, R, in]``, ``lora_B [N, E, out, R]``; slot i of rank r uses
+    ``A[i, :, :r]`` and ``B[i, :, :, :r]`` (the rest stays exactly zero, as in
+    multi_lora.py). Same slot-block and full-layout interface as ``MultiLoraLinear``
+    (tensor parallel 1: the local layout is the full one)."""
+
+    is_expert = True
+
+    def __init__(self, *, name: str, kind: str, parallel: str, num_experts: int, in_local: int, out_local: int,
+                 num_slots: int, max_rank: int, device: torch.device, tp_group=None) -> None:  # noqa: ANN001
+        super().__init__()
+        self.name = name  # e.g. decoder.layers.0.mlp.experts.linear_fc1
+        self.kind = kind  # "gate_up" | "plain"
+        self.parallel = parallel  # "column" (fc1: outputs split over TP) | "row" (fc2: inputs split)
+        self.tp_group = tp_group
+        self.tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+        self.tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+        self.num_experts = num_experts
+        self.in_full = in_local * self.tp_size if parallel == "row" else in_local
+        self.out_full = out_local * self.tp_size if parallel == "column" else out_local
+        self.a_is_tp_split = parallel == "row" and self.tp_size > 1
+        self.b_is_tp_split = parallel == "column" and self.tp_size > 1
+        self.max_rank = max_rank
+        self.lora_A = nn.Parameter(torch.zeros(num_slots, num_experts, max_rank, in_local, device=device))
+        self.lora_B = nn.Parameter(torch.zeros(num_slots, num_experts, out_local, max_rank, device=device))
+        self._compute_key: tuple | None = None
+        self._compute: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def compute_weights(self, dtype: torch.dtype, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A [E*S, R, in], B [E*S, out, R]) of slots lo .. hi - 1 (S = hi - lo), expert-major, in
+        ``dtype``; made again only when the weights or the span change (torch's version counter:
+        every in-place update of the slot buffers bumps it, as for fused_lora.ComputeWeights)."""
+        a, b = self.lora_A, self.lora_B
+        key = (dtype, lo, hi, a.data_ptr(), a._version, b.data_ptr(), b._version)
+        if key != self._compute_key:
+            self._compute = (_expert_major(a.detach()[lo:hi]).to(dtype), _expert_major(b.detach()[lo:hi]).to(dtype))
+            self._compute_key = key
+        return self._compute
+
+    def a_block(self, tensor: torch.Tensor, slot: int, rank: int) -> torch.Tensor:
+        return tensor[slot, :, :rank, :]
+
+    def b_block(self, tensor: torch.Tensor, slot: int, rank: int) -> torch.Tensor:
+        return tensor[slot, :, :, :rank]
+
+    def a_full_shape(self, rank: int) -> tuple[int, ...]:
+        return (self.num_experts, rank, self.in_full)
+
+    def b_full_shape(self, rank: int) -> tuple[int, ...]:
+        return (self.num_experts, self.out_full, rank)
+
+    # local shard <-> full (TP=1) layout, as MultiLoraLinear: A [E, r, in], B [E, out, r]
+
+    def _gather(self, local: torch.Tensor) -> list[torch.Tensor]:
+        parts = [torch.empty_like(local) for _ in range(self.tp_size)]
+        dist.all_gather(parts, local.contiguous(), group=self.tp_group)
+        return parts
+
+    def full_a(self, local: torch.Tensor) -> torch.Tensor:
+        """Collective over TP for row-parallel fc2."""
+        if self.parallel == "column" or self.tp_size == 1:
+            return local.clone()
+        return torch.cat(self._gather(local), dim=-1)
+
+    def full_b(self, local: torch.Tensor) -> torch.Tensor:
+        """Collective over TP for column-parallel fc1 (each rank holds [gate_shard; up_shard])."""
+        if self.parallel == "row" or self.tp_size == 1:
+            return local.clone()
+        halves = [shard.chunk(2, dim=1) for shard in self._gather(local)]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=1)
+
+    def local_a(self, full: torch.Tensor) -> torch.Tensor:
+        if tuple(full.shape[:1]) + tuple(full.shape[2:]) != (self.num_experts, self.in_full):
+            raise ValueError(f"{self.name}: lora_A {tuple(full.shape)}, expected [{self.num_experts}, r, {self.in_full}]")
+        if self.parallel == "column" or self.tp_size == 1:
+            return full
+        return full.chunk(self.tp_size, dim=-1)[self.tp_rank]
+
+    def local_b(self, full: torch.Tensor) -> torch.Tensor:
+        if tuple(full.shape[:2]) != (self.num_experts, self.out_full):
+            raise ValueError(f"{self.name}: lora_B {tuple(full.shape)}, expected [{self.num_experts}, {self.out_full}, r]")
+        if self.parallel == "row" or self.tp_size == 1:
+            return full
+        gate, up = full.chunk(2, dim=1)
+        return torch.cat([gate.chunk(self.tp_size, dim=1)[self.tp_rank], up.chunk(self.tp_size, dim=1)[self.tp_rank]], dim=1)
+
+
+def _expert_major(t: torch.Tensor) -> torch.Tensor:
+    """[N, E, ...] slot-major -> [E * N, ...] expert-major (a fresh tensor)."""
+    n, e = t.shape[:2]
+    return t.transpose(0, 1).reshape(e * n, *t.shape[2:])
+
+
+def is_expert_layer(layer: nn.Module) -> bool:
+    return getattr(layer, "is_expert", False)
+
+
+# -- the MoE layer ------------------------------------------------------------------------------
+
+
+class MoeLoraLayer(nn.Module):
+    """Replaces a Megatron ``MoELayer``: frozen router, grouped expert GEMMs, expert LoRA.
+
+    Returns what MoELayer returns, ``(output [s, b, h], None)``. Megatron's own experts'
+    weights are re-pointed into one stacked tensor per linear (no copy kept), so the
+    model's parameters stay where Bridge put them."""
+
+    def __init__(self, moe: nn.Module, *, name: str, routing, targets: tuple[str, ...],  # noqa: ANN001 - SlotRouting
+                 num_slots: int, max_rank: int, device: torch.device) -> None:
+        super().__init__()
+        cfg = moe.config
+        if not cfg.gated_linear_unit or cfg.activation_func is not F.silu:
+            raise NotImplementedError(f"{name}: expert LoRA supports SwiGLU experts (gated silu) only")
+        experts = moe.experts
+        local = getattr(experts, "local_experts", None)
+        if local is None:
+            raise NotImplementedError(f"{name}: expected megatron-core's SequentialMLP experts, got {type(experts).__name__}")
+        if experts.ep_group.size() > 1:
+            raise NotImplementedError(f"{name}: expert LoRA needs one expert-parallel rank (experts replicated)")
+        self.tp_group = experts.tp_group if experts.tp_group.size() > 1 else None  # expert tensor parallelism
+        self.base = moe  # router (and shared experts) come from here
+        self.name = name
+        self.routing = routing
+        self.num_slots = num_slots
+        self.num_experts = len(local)
+        w1 = torch.stack([m.linear_fc1.weight.detach() for m in local])  # [E, 2I, H]: rows [gate; up]
+        w2 = torch.stack([m.linear_fc2.weight.detach() for m in local])  # [E, H, I]
+        for e, m in enumerate(local):  # keep one copy: Megatron's params become views of the stacks
+            m.linear_fc1.weight.data = w1[e]
+            m.linear_fc2.weight.data = w2[e]
+        self.register_buffer("w1", w1, persistent=False)
+        self.register_buffer("w2", w2, persistent=False)
+        self.slot_expert_scales: torch.Tensor | None = None  # [N] fp32, set by the trainer
+        hidden, ffn2_local = w1.shape[2], w1.shape[1]  # fc1 outputs on this rank: [gate_shard; up_shard]
+        self.fc1 = self.fc2 = None
+        if "linear_fc1" in targets:
+            self.fc1 = ExpertLoraWeights(name=f"{name}.experts.linear_fc1", kind="gate_up", parallel="column",
+                                         num_experts=self.num_experts, in_local=hidden, out_local=ffn2_local,
+                                         num_slots=num_slots, max_rank=max_rank, device=device, tp_group=self.tp_group)
+        if "linear_fc2" in targets:
+            self.fc2 = ExpertLoraWeights(name=f"{name}.experts.linear_fc2", kind="plain", parallel="row",
+                                         num_experts=self.num_experts, in_local=w2.shape[2], out_local=hidden,
+                                         num_slots=num_slots, max_rank=max_rank, device=device, tp_group=self.tp_group)
+
+    def lora_weights(self) -> list[ExpertLoraWeights]:
+        return [w for w in (self.fc1, self.fc2) if w is not None]
+
+    def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask=None):  # noqa: ANN001
+        if intermediate_tensors is not None:
+            raise NotImplementedError("MoeLoraLayer does not run partial (CUDA-graph) MoE forwards")
+        s, b, h = hidden_states.shape
+        x = hidden_states.reshape(s * b, h)  # token t = position * b + sample (Megatron's s-major order)
+        probs, routing_map = self.base.router(hidden_states)  # [T, E] each; probs 0 where not routed
+        tok, exp = routing_map.nonzero(as_tuple=True)
+        r = self.routing
+        lora = r.enabled and bool(self.lora_weights())
+        lo, n_slots = 0, 1  # the slots taking part: lo .. lo + n_slots - 1 (only those present)
+        if lora:
+            if (s, b) != (r.seq_len, r.batch):
+                raise RuntimeError(f"{self.name}: activations [s={s}, b={b}] but routing was set for "
+                                   f"s={r.seq_len}, b={r.batch}")
+            lo, n_slots = r.span.lo, r.span.hi - r.span.lo
+            slot_of_token = r.token_slots.view(b, s).t().reshape(-1)  # sample-major -> s-major
+            pair_slot = slot_of_token[tok]
+            key = exp * n_slots + (pair_slot - lo)
+        else:
+            key = exp
+        order = torch.argsort(key, stable=True)
+        rows = tok[order]
+        group_counts = torch.bincount(key, minlength=self.num_experts * n_slots)
+        expert_counts = group_counts.view(self.num_experts, n_slots).sum(1)
+        xp = x[rows]  # [M, h] sorted by (expert, slot)
+        # Expert TP: the input is replicated; the base's partial input gradients are summed over
+        # TP (Megatron's copy-to-region), the LoRA's are complete on every rank (ExpertLoraDelta).
+        xp_base = xp if self.tp_group is None else _tp_mappings().copy_to_tensor_model_parallel_region(
+            x, group=self.tp_group)[rows]
+        kernel = pick_kernel(r.kernel, xp, self.w1)
+        if kernel == "grouped_mm" and pick_kernel(r.kernel, xp, self.w2) == "loop":
+            kernel = "loop"
+        e_counts = expert_counts.tolist()
+        e_offsets = torch.cumsum(expert_counts, 0).to(torch.int32)
+        fc1 = segmented_matmul(xp_base, self.w1.to(xp.dtype), e_offsets, e_counts, kernel)  # frozen base
+        layout = row_scale = None
+        if lora:
+            layout = GroupLayout.of(group_counts.tolist(), xp.device)
+            row_scale = self.slot_expert_scales[pair_slot[order]].to(xp.dtype).unsqueeze(1)
+            if self.fc1 is not None:
+                fc1 = fc1 + self._delta(self.fc1, xp, layout, row_scale, r.kernel, lo, lo + n_slots)
+        gate, up = fc1.chunk(2, dim=-1)
+        act = F.silu(gate) * up
+        y = segmented_matmul(act, self.w2.to(act.dtype), e_offsets, e_counts, kernel)
+        if self.tp_group is not None:  # partial sums over the split expert width, per (token, expert) pair
+            y = _tp_mappings().reduce_from_tensor_model_parallel_region(y, group=self.tp_group)
+        if lora and self.fc2 is not None:
+            y = y + self._delta(self.fc2, act, layout, row_scale, r.kernel, lo, lo + n_slots)
+        y = y * probs[tok[order], exp[order]].to(y.dtype).unsqueeze(1)
+        out = x.new_zeros(s * b, h).index_add(0, rows, y).view(s, b, h)
+        if self.base.shared_experts is not None:
+            out = out + self.base.shared_experts(hidden_states)
+        return out, None
+
+    @staticmethod
+    def _delta(w: ExpertLoraWeights, x: torch.Tensor, layout: GroupLayout, row_scale: torch.Tensor,
+               requested: str, lo: int, hi: int) -> torch.Tensor:
+        a_c, b_c = w.compute_weights(x.dtype, lo, hi)
+        kernel = pick_kernel(requested, x, a_c)
+        if kernel == "grouped_mm" and pick_kernel(requested, x, b_c) == "loop":
+            kernel = "loop"
+        if kernel == "grouped_mm":
+            x = grouped_operand(x)
+        return ExpertLoraDelta.apply(x, w.lora_A, w.lora_B, a_c, b_c, layout, row_scale, kernel, lo, w.parallel,
+                                     w.tp_group)
+
+
+def _tp_mappings():
+    from megatron.core.tensor_parallel import mappings
+
+    return mappings
+
+
+def install_moe_lora(
+    base,  # noqa: ANN001 - FrozenBase
+    *,
+    target_modules: tuple[str, ...],
+    num_slots: int,
+    max_rank: int,
+    routing,  # noqa: ANN001 - SlotRouting
+) -> list[ExpertLoraWeights]:
+    """Replace every MoE layer of ``base.model`` by a ``MoeLoraLayer``; return the expert
+    LoRA weights (fc1 then fc2 per layer, model order). No MoE layer: nothing changes."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    moes = [(n, m) for n, m in base.model.named_modules() if isinstance(m, MoELayer)]
+    if not moes:
+        return []
+    targets = tuple(t for t in target_modules if t in EXPERT_TARGETS)
+    out: list[ExpertLoraWeights] = []
+    for name, moe in moes:
+        layer = MoeLoraLayer(moe, name=name, routing=routing, targets=targets, num_slots=num_slots,
+                             max_rank=max_rank, device=base.device)
+        parent, _, child = name.rpartition(".")
+        setattr(base.model.get_submodule(parent), child, layer)
+        out.extend(layer.lora_weights())
+    return out
+
+
+def moe_layers(model: nn.Module) -> list[MoeLoraLayer]:
+    return [m for m in model.modules() if isinstance(m, MoeLoraLayer)]
+
+
+def kaiming_a(shape: tuple[int, ...], in_features: int, generator: torch.Generator) -> torch.Tensor:
+    """PEFT's default LoRA A init (kaiming-uniform with a = sqrt(5): bound 1 / sqrt(in))."""
+    bound = 1.0 / math.sqrt(in_features)
+    return (torch.rand(*shape, generator=generator, dtype=torch.float32) * 2 - 1) * bound
