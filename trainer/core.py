@@ -374,7 +374,7 @@ class MultiLoraTrainer:
             registration=m["registration"], step=m["step"], pending_samples=m["pending_samples"],
             pending=snap.pending.clone(),
         )
-        self.scales[slot] = m["scale"]
+        self._set_scales(slot, m["scale"], self.slots[slot].hyper)
         return {"key": key, "slot": slot, "seconds": time.perf_counter() - t0, "step": m["step"],
                 "from": "disk" if snap.spill_path is not None else "host"}
 
