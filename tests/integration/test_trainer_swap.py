@@ -25,6 +25,17 @@ def trainer(tiny_world, tmp_path_factory):
                                           micro_batch_tokens=64, swap_spill_dir=str(spill)))
 
 
+@pytest.fixture(scope="module")
+def moe_trainer(tmp_path_factory):
+    from examples.tiny_moe.build import ensure_tiny_moe_world
+    from trainer.config import TrainerConfig
+    from trainer.core import MultiLoraTrainer
+
+    world = ensure_tiny_moe_world()
+    return MultiLoraTrainer(TrainerConfig(base_model_path=str(world / "model"), num_slots=NUM_SLOTS, max_rank=8,
+                                          micro_batch_tokens=64, swap_spill_dir=str(tmp_path_factory.mktemp("spill"))))
+
+
 def hyper(objective: str, **kw):
     from trainer.config import SlotHyperParams
 
@@ -107,6 +118,14 @@ def test_swapped_run_is_bit_identical_to_resident(trainer):
     x_swapped, y_swapped = run(trainer, [0, 0, 2, 3], ["host", "disk", "host"])
     assert_bit_identical(x_ref, x_swapped, "X swapped through host memory and a spill file")
     assert_bit_identical(y_ref, y_swapped, "Y beside a swapped X")
+
+
+def test_swapped_moe_run_is_bit_identical_to_resident(moe_trainer):
+    """Expert LoRA (lora_experts, the default) lives in the same slot rows and comes back with its scale."""
+    x_ref, y_ref = run(moe_trainer, [0, 0, 0, 0], [None, None, None])
+    x_swapped, y_swapped = run(moe_trainer, [0, 0, 2, 3], ["host", "disk", "host"])
+    assert_bit_identical(x_ref, x_swapped, "MoE X swapped through host memory and a spill file")
+    assert_bit_identical(y_ref, y_swapped, "MoE Y beside a swapped X")
 
 
 def test_swap_of_pending_half_step_is_exact(trainer):
