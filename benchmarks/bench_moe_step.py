@@ -21,8 +21,8 @@ rank 16, 16384 tokens per round, one optimizer step per adapter per round; media
   frozen base the same micro-batches with LoRA off, gradient to the input embeddings
 
 Cases (N x sequences x length): 1 x 16 x 1024, 8 x 2 x 1024, 32 x 1 x 512. It also
-probes the grouped GEMM group-count limit on the device (one call with 1024, 2048 and
-4096 groups) and reports it. Needs only torch, transformers, megatron-core/-bridge and
+probes the grouped GEMM group-count limit on the device (one call with 1023, 1024 and
+2048 groups) and reports it. Needs only torch, transformers, megatron-core/-bridge and
 pydantic (no ray, fastapi, sglang).
 
   python -m benchmarks.bench_moe_step --out moe.json     # GPU, bf16 (about 3 minutes on an H200)
@@ -65,13 +65,13 @@ def write_config(shape: dict, layers: int, folder: str) -> str:
 
 
 def probe_group_limit(hidden: int, rank: int) -> dict:
-    """Does one grouped_mm call take 1024 / 2048 / 4096 groups here (x [T, hidden] @ A_g.T)?"""
+    """Does one grouped_mm call take 1023 / 1024 / 2048 groups here (x [T, hidden] @ A_g.T)?"""
     import torch.nn.functional as F
 
     if not torch.cuda.is_available():
         return {"device": "cpu", "note": "CPU grouped_mm: no group limit probed"}
     out = {}
-    for groups in (1024, 2048, 4096):
+    for groups in (1023, 1024, 2048):
         x = torch.randn(groups * 4, hidden, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(groups, rank, hidden, device="cuda", dtype=torch.bfloat16)
         offs = torch.arange(4, groups * 4 + 1, 4, device="cuda", dtype=torch.int32)

@@ -26,11 +26,12 @@ copy is made when the weights (or the span) change, not per micro-batch; the gra
 slot-major fp32 gradient in place (one strided add).
 
 Group-count limit: a grouped GEMM call takes at most ``MAX_GROUPS_PER_CALL`` groups
-(1024: the limit the reference design hit with torch's CUDA grouped GEMM; miles caps
-slots at 1024 / experts-per-rank for it). We lift it by cutting the group index range
+(1023: torch's CUDA grouped GEMM checks ``group_count < 1024`` -- its preparation kernel
+runs one thread per group in one block; measured on the H200: 1024 groups raise "Can't
+process more than 1024 groups"; miles caps slots at 1024 / experts-per-rank for it). We lift it by cutting the group index range
 into consecutive chunks of at most that many groups: groups are consecutive in both
 the sorted rows and the expert-major weights, so a chunk is a row range and a weight
-range, and ceil(G / 1024) calls cover any E * N (E = 128, N = 32: 4 calls per GEMM).
+range, and ceil(G / 1023) calls cover any E * N (E = 128, N = 32: 5 calls per GEMM).
 
 Per adapter: ``SlotHyperParams.lora_experts`` (default true) chooses attention (and any
 dense MLP) only, or attention and experts. An attention-only slot keeps exactly zero
@@ -67,7 +68,7 @@ from trainer.segmented_mm import (
     segmented_matmul,
 )
 
-MAX_GROUPS_PER_CALL = 1024
+MAX_GROUPS_PER_CALL = 1023
 EXPERT_TARGETS = ("linear_fc1", "linear_fc2")
 
 
