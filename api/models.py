@@ -137,6 +137,19 @@ class ReadyOut(_Out):
     slots: SlotsOut
 
 
+class ProcessOut(_Out):
+    name: str = Field(description="coordinator, trainer-rank-<r>, rollout-worker, engine-<i>")
+    role: str = Field(description="coordinator | trainer | rollout | engine")
+    pid: int | None = Field(description="Process id on its node (None: not running, or an external engine).")
+    detail: str = ""
+
+
+class FleetOut(_Out):
+    """The service's processes, for operators (fault drills: kill one with a real signal)."""
+
+    processes: list[ProcessOut]
+
+
 class ErrorOut(_Out):
     """Body of every error response."""
 

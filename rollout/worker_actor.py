@@ -18,6 +18,7 @@ Interface for the service controller (all async):
   stats(name=None) -> AdapterStats | dict[str, AdapterStats]
   engine_health() -> list[EngineHealth]
   restart_engine(index) -> EngineHealth            managed engines only
+  processes() -> {"worker": pid, "engines": [pid]} process ids (the operator's GET /v1/fleet)
   shutdown() -> None                               abort everything, stop engines
 """
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from pathlib import Path
 
 import ray
@@ -168,6 +170,10 @@ class RolloutWorkerImpl:
         await asyncio.to_thread(e.restart)
         await self.pool.replace_engine(index, self._client(e.url))
         return (await self.engine_health())[index]
+
+    async def processes(self) -> dict:
+        """This worker's process id and each managed engine's (None: external or not running)."""
+        return {"worker": os.getpid(), "engines": [e.pid for e in self.engines] if self.engines else [None] * len(self.engine_urls or [])}
 
     async def shutdown(self) -> None:
         if self._monitor is not None:

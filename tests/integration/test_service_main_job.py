@@ -1,7 +1,8 @@
-"""The README's main-job command, end to end on CPU: `.venv/bin/lorafleet run`.
+"""The README's main-job command, end to end on CPU: `lorafleet run` (run as `python -m api.cli run`,
+the same entry point as the console script, independent of how the venv's launcher was generated).
 
 Real everything: the CLI process starts Ray, one SGLang CPU server, the
-Megatron-Bridge trainer actor, the controller and runtime actors; it trains the
+Megatron-Bridge trainer rank and the rollout worker, and coordinates them itself; it trains the
 embedded tiny job (digits + vowels RL, echo_sft SFT) to exhaustion and exits 0
 with a summary. Checked afterwards, from the registry the process left behind:
 every adapter COMPLETED with all its steps, each RL adapter's reward rose (mean of
@@ -23,7 +24,7 @@ import pytest
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
-LORAFLEET = Path(sys.executable).parent / "lorafleet"
+LORAFLEET = [sys.executable, "-m", "api.cli"]
 REWARD_MARGIN = 0.15  # last-5 mean minus first-5 mean, each RL adapter (measured: +0.45 to +0.6)
 
 
@@ -39,7 +40,7 @@ def _rows(db: Path, sql: str, *args):
 @pytest.fixture
 def job_dir(tmp_path):
     """A fresh working folder (the tiny job's state dir is runs/tiny under it); engines reaped even on failure."""
-    from service.app_runtime import reap_engines
+    from service.engine_pids import reap_engines
 
     try:
         yield tmp_path
@@ -49,7 +50,7 @@ def job_dir(tmp_path):
 
 def test_main_job_trains_two_rl_and_one_sft_adapter_to_exhaustion(tiny_world, job_dir):
     t0 = time.monotonic()
-    proc = subprocess.run([str(LORAFLEET), "run"], cwd=job_dir, capture_output=True, text=True, timeout=1200,
+    proc = subprocess.run([*LORAFLEET, "run"], cwd=job_dir, capture_output=True, text=True, timeout=1200,
                           env={**os.environ, "COLUMNS": "120"})
     wall = time.monotonic() - t0
     out = proc.stdout + proc.stderr

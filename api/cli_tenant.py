@@ -188,7 +188,7 @@ def smoke(
     as_json: AsJson = False,
 ) -> None:
     """End-to-end check of a running service (test adapter: register, train, metrics, retire, export)."""
-    from service.smoke import SmokeOptions, run_smoke
+    from api.smoke import SmokeOptions, run_smoke
 
     cfg = None
     if config is not None:
