@@ -75,7 +75,6 @@ class _Run:
     weight_version: int
     sft: SftSource | None = None
     staged: list[RolloutGroup] = field(default_factory=list)  # RL: popped, waiting for a whole step
-    publish_history: list[int] = field(default_factory=list)  # versions published, oldest first
     bad_steps: int = 0
     foreign_groups: int = 0  # groups of another registration seen at collection (must stay 0)
     last_metrics: dict[str, float] = field(default_factory=dict)
@@ -170,7 +169,6 @@ class FleetRuntime:
             self.trainer.clear_slot(ref.slot)
             raise
         run.weight_version = version
-        run.publish_history.append(version)
         with self._lock:
             self._runs[ref.registration_id] = run
         log.info("prepared %s in slot %d at step %d (version %d, from %s)", ref.name, ref.slot, step, version, source or cfg.init_from or "seed")
@@ -325,7 +323,7 @@ class FleetRuntime:
         plans: list[StepPlan] = []
         for run in ready:
             if run.is_rl:
-                step_samples, plan = rl_step(run.slot, run.registration_id, run.staged[: run.groups_per_step], run.publish_history)
+                step_samples, plan = rl_step(run.slot, run.registration_id, run.staged[: run.groups_per_step])
                 samples.extend(step_samples)
                 plans.append(plan)
             else:
@@ -440,19 +438,17 @@ class FleetRuntime:
             ref = self._need_rollout().publish_version(run.name, version, self._weights(run.slot))
             self._publishing.append((run.name, version, ref))
         run.weight_version = version
-        run.publish_history.append(version)
-        del run.publish_history[:-64]
 
     def _publish_failures(self) -> list[str]:
         """Finished publishes that failed (their engines are checked next); drops finished ones."""
         if not self._publishing:
             return []
-        finished = RolloutClient.finished([ref for _, _, ref in self._publishing])
+        finished = self.rollout.finished([ref for _, _, ref in self._publishing])
         failures = []
         for name, version, ref in self._publishing:
             if ref in finished:
                 try:
-                    RolloutClient.outcome(ref)
+                    self.rollout.outcome(ref)
                 except Exception as e:
                     failures.append(f"publish of {name} v{version} failed: {type(e).__name__}: {e}"[:500])
         self._publishing = [p for p in self._publishing if p[2] not in finished]
