@@ -13,7 +13,8 @@ guarded by a lock for them.
 Versions flow one way: the controller (prepare) and the loop (publish) assign each
 weight version and pass it in; the runtime never asks for one.
 
-State per prepared run (`_Run`, keyed by registration id):
+State per prepared run: `_Run`, keyed by registration id, the one object that holds a live run's
+coordinator-side state (the registry holds what outlives the process):
   * RL runs generate through the rollout worker, which owns their data source;
     groups popped from it wait in `staged` until a whole step (prompts_per_step
     groups) is there, so the trainer only ever gets whole steps.
@@ -75,6 +76,7 @@ class _Run:
     weight_version: int
     sft: SftSource | None = None
     staged: list[RolloutGroup] = field(default_factory=list)  # RL: popped, waiting for a whole step
+    sft_in_flight: list | None = None  # SFT: rows of the train call in progress (committed or given back after it)
     bad_steps: int = 0
     foreign_groups: int = 0  # groups of another registration seen at collection (must stay 0)
     last_metrics: dict[str, float] = field(default_factory=dict)
@@ -104,7 +106,6 @@ class FleetRuntime:
         self._last_train_s: float | None = None
         self._trainer_note = "running"
         self._rr_start = 0  # round-robin start of batch collection
-        self._sft_rows: dict[str, list] = {}  # SFT rows of the batch being trained, by registration id
         self._publishing: list[tuple[str, int, Any]] = []  # (adapter, version, ObjectRef) of publishes in flight
         self._unroutable: dict[int, int] = {}  # engine index -> checks in a row that found it alive but not routed to
 
@@ -328,7 +329,7 @@ class FleetRuntime:
                 plans.append(plan)
             else:
                 rows, sft_samples = sft_steps.pop(run.registration_id)
-                self._sft_rows[run.registration_id] = rows  # committed after the train call (I3)
+                run.sft_in_flight = rows  # committed after the train call (I3)
                 samples.extend(sft_samples)
                 plans.append(StepPlan(run.registration_id, len(sft_samples), None, None, 0))
         return CollectedBatch(samples, plans)
@@ -390,14 +391,16 @@ class FleetRuntime:
         if run.is_rl:
             del run.staged[: run.groups_per_step]
         # SFT rows: committed here (I3)
-        elif run.sft is not None and run.registration_id in self._sft_rows:
-            run.sft.commit(self._sft_rows.pop(run.registration_id))
+        elif run.sft is not None and run.sft_in_flight is not None:
+            run.sft.commit(run.sft_in_flight)
+            run.sft_in_flight = None
 
     def _return_batch(self, batch: CollectedBatch) -> None:
         for plan in batch.plans:
             run = self._runs.get(plan.registration_id)
-            if run is not None and run.sft is not None and plan.registration_id in self._sft_rows:
-                run.sft.give_back(self._sft_rows.pop(plan.registration_id))
+            if run is not None and run.sft is not None and run.sft_in_flight is not None:
+                run.sft.give_back(run.sft_in_flight)
+                run.sft_in_flight = None
 
     def _exhausted(self, run: _Run) -> bool:
         if run.config.num_step is not None and run.step >= run.config.num_step:
@@ -509,11 +512,11 @@ class FleetRuntime:
         return done
 
     def trainer_lost(self) -> bool:
-        """Whether the trainer should run but a rank does not answer (died while nothing trained;
-        a rank busy in a call still counts as alive), or a restart failed halfway."""
+        """Whether the trainer should run but a rank's process is gone (it died while nothing trained),
+        or a restart failed halfway."""
         if not self.trainer.running:
             return self.trainer.stopped_reason == "restarting"
-        return not self.trainer.health().ok
+        return self.trainer.lost()
 
     def restart_trainer(self) -> list[str]:
         """Replace the dead trainer; every run is forgotten here and must be prepared again

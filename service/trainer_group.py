@@ -13,6 +13,7 @@ TrainerLost and the loop restarts the group).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -42,6 +43,8 @@ class TrainerGroup:
         self.placement: list[dict] = []  # per rank: rank, tp_rank, dp_rank, device (from setup)
         self.starts = 0
         self.stopped_reason: str | None = "not started"
+        self._in_flight = 0  # collective calls under way (a rank busy in one does not answer probes)
+        self._in_flight_lock = threading.Lock()
 
     @property
     def world_size(self) -> int:
@@ -90,18 +93,39 @@ class TrainerGroup:
     def is_lost(error: BaseException) -> bool:
         return is_actor_lost(error)
 
+    def _probe(self) -> str:
+        """"ok", "busy" (no answer while a call is under way), "silent" (no answer while idle: a rank
+        stopped or hung), or "lost" (a rank's process is gone). Any actor method is a probe; a rank
+        answers between calls only."""
+        try:
+            ray.get([w.pid.remote() for w in self.workers], timeout=PROBE_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            return "busy" if self._in_flight else "silent"
+        except Exception as e:
+            if is_actor_lost(e):
+                return "lost"
+            raise
+        return "ok"
+
     def health(self, note: str = "running") -> ComponentHealth:
-        workers = self.workers
-        if not workers:
+        if not self.workers:
             return ComponentHealth(False, f"trainer not running ({self.stopped_reason or note})")
         try:
-            # Any actor method is a probe; a rank answers between calls only.
-            ray.get([w.pid.remote() for w in workers], timeout=PROBE_TIMEOUT_S)
-        except ray.exceptions.GetTimeoutError:
-            return ComponentHealth(True, f"{self.world_size} rank(s), busy training")
+            probe = self._probe()
         except Exception as e:
-            return ComponentHealth(False, f"trainer rank unreachable: {type(e).__name__}")
+            return ComponentHealth(False, f"trainer probe failed: {type(e).__name__}: {e}")
+        if probe == "busy":
+            return ComponentHealth(True, f"{self.world_size} rank(s), busy training")
+        if probe == "silent":
+            return ComponentHealth(False, f"trainer rank not answering for {PROBE_TIMEOUT_S:g} s while idle (stopped or hung)")
+        if probe == "lost":
+            return ComponentHealth(False, "trainer rank unreachable: its process is gone")
         return ComponentHealth(True, f"{self.world_size} rank(s), {note}, starts={self.starts}")
+
+    def lost(self) -> bool:
+        """Whether a rank's process is gone (the group must be restarted). A silent rank is not lost:
+        it is reported not ready and left to the operator (it may be paused on purpose)."""
+        return bool(self.workers) and self._probe() == "lost"
 
     def pids(self) -> list[int]:
         """Process id of every rank, rank order (GET /v1/fleet)."""
@@ -113,7 +137,13 @@ class TrainerGroup:
         """`remote(worker)` -> ObjectRef, on every rank at once; rank 0's answer. `what` names it in errors."""
         if not self.workers:
             raise RuntimeError(f"the trainer is not running ({self.stopped_reason or 'not started'})")
-        return call([remote(w) for w in self.workers], self.call_timeout_s, f"trainer {what}")[0]
+        with self._in_flight_lock:
+            self._in_flight += 1
+        try:
+            return call([remote(w) for w in self.workers], self.call_timeout_s, f"trainer {what}")[0]
+        finally:
+            with self._in_flight_lock:
+                self._in_flight -= 1
 
     def init_slot(self, slot: int, hyper: SlotHyperParams, seed: int, init_from: str | None = None,
                   registration: str | None = None) -> dict:

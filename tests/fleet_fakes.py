@@ -84,6 +84,9 @@ class FakeTrainer:
     def pids(self) -> list[int]:
         return [4242]
 
+    def lost(self) -> bool:
+        return self.running and self.dead
+
     # --- the trainer's interface
     def init_slot(self, slot, hyper, seed, init_from=None, registration=None) -> dict:
         self._check("init_slot", slot, registration)

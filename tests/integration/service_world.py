@@ -129,13 +129,13 @@ def fleet_pids(client: LorafleetClient, role: str) -> list[int]:
     return pids
 
 
-def kill_processes(pids: list[int], *, group: bool = False) -> None:
-    """SIGKILL each pid (its whole process group with `group`: an SGLang server's children too)."""
+def signal_processes(pids: list[int], sig: int = signal.SIGKILL, *, group: bool = False) -> None:
+    """Send `sig` to each pid (to its whole process group with `group`: an SGLang server's children too)."""
     for pid in pids:
         if group:
-            os.killpg(os.getpgid(pid), signal.SIGKILL)
+            os.killpg(os.getpgid(pid), sig)
         else:
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, sig)
 
 
 @contextlib.contextmanager
