@@ -1,12 +1,13 @@
 """The RolloutWorker Ray actor: owns the SGLang engines, the engine pool and the rollout loop.
 
 Create it with ``RolloutWorker.options(...).remote(engine_cfg, rollout_cfg, model_path)``
-(placement and resources are decided by service.placement), then ``await
-worker.start.remote()``. It is an async actor: all methods run on one asyncio
+(the service does that in service/actors.py, with the placement of service/placement.py),
+then ``await worker.start.remote()``; the service calls it through the typed
+service/rollout_client.py. It is an async actor: all methods run on one asyncio
 loop, so the rollout loop keeps going between calls and no call waits for
 training.
 
-Interface for the service controller (all async):
+Interface for the service (all async):
   start() -> list[EngineHealth]                    launch engines (or connect to engine_urls), start the loop
   add_adapter(spec: AdapterRollout, weights: AdapterWeights) -> AdapterStats
   remove_adapter(name) -> int                      requests aborted
