@@ -4,8 +4,8 @@ Rules (DESIGN.md "Processes", issue 12):
   * no import circles among the four packages (function-level imports count: a lazy import
     still ties two modules together);
   * `service` never imports `api` (the `lorafleet` entry point, api/cli.py, sits above both);
-  * the trainer's core (every trainer module but the Ray wrapper trainer/actor.py) imports
-    neither ray, fastapi nor sglang at module level, so the GPU tier runs it without them;
+  * no trainer module (the rank's actor body trainer/actor.py included) imports ray, fastapi
+    or sglang at module level, so the GPU tier imports the trainer without them;
   * no call is dispatched by a method-name string in service/ or api/ (`x.call("train")`,
     `getattr(handle, method)`): every remote call goes through a typed method.
 
@@ -188,11 +188,9 @@ def test_service_never_imports_api():
     assert bad == [], "service/ must not import api/ (api/cli.py assembles the entry point above both)"
 
 
-def test_trainer_core_imports_no_service_frameworks_at_module_level():
+def test_trainer_imports_no_service_frameworks_at_module_level():
     bad = {}
     for mod, path in module_files(packages=("trainer",)).items():
-        if mod == "trainer.actor":  # the Ray wrapper, on purpose in a module of its own
-            continue
         hit = external_imports_at_module_level(path) & set(CORE_FORBIDDEN)
         if hit:
             bad[mod] = sorted(hit)
