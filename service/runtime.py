@@ -22,12 +22,6 @@ from typing import Protocol, runtime_checkable
 from service.registry import AdapterRef
 
 
-# Keys the loop should use in record_step(metrics=...): the API shows them by
-# name (last reward / loss, the metrics series) and /metrics exports them.
-# Any other float-valued keys are stored and shown too.
-STEP_METRIC_KEYS = ("reward_mean", "loss", "learning_rate", "staleness_mean", "grad_norm")
-
-
 @dataclass(frozen=True)
 class Prepared:
     """Result of `prepare_adapter`: the step / samples a resumed run continues from

@@ -370,6 +370,8 @@ class FleetRuntime:
             report = reports[-1]
             run.step = report.step
             run.samples_trained += plan.samples
+            # The API shows these keys by name (last reward / loss, the metrics series) and /metrics
+            # exports them; any other float-valued key is stored and shown too.
             m = {"loss": report.loss, "learning_rate": report.lr, "grad_norm": report.grad_norm, "train_seconds": seconds}
             if plan.reward_mean is not None:
                 m["reward_mean"] = plan.reward_mean

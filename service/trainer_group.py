@@ -152,9 +152,6 @@ class TrainerGroup:
     def clear_slot(self, slot: int) -> None:
         self._all(lambda w: w.clear_slot.remote(slot), what="clear_slot")
 
-    def slot_status(self, slot: int) -> dict:
-        return self._all(lambda w: w.slot_status.remote(slot), what="slot_status")
-
     def train(self, batch: TrainBatch):
         return self._all(lambda w: w.train.remote(batch), what="train")
 

@@ -62,9 +62,6 @@ class TrainWorker:
     def clear_slot(self, slot: int) -> None:
         self._core().clear_slot(slot)
 
-    def slot_status(self, slot: int) -> dict:
-        return self._core().slot_status(slot)
-
     def train(self, batch: TrainBatch):
         return self._core().train(batch)
 
