@@ -69,6 +69,18 @@ def test_adapters_commands(service, tmp_path):
         assert message in " ".join(err.split()), (args, err)
 
 
+def test_fleet_lists_the_processes(service):
+    _, url = service
+    code, out, err = cli("fleet", "--json", url=url)
+    assert code == 0, err
+    # no runtime attached in this world: the coordinator (this process, serving the app) alone
+    assert json.loads(out) == [{"name": "coordinator", "role": "coordinator", "pid": os.getpid(), "detail": "no runtime attached"}]
+    code, out, _ = cli("fleet", url=url)
+    assert code == 0 and "coordinator" in out and str(os.getpid()) in out
+    code, _, err = cli("fleet", url=url, token="wrong")
+    assert code == 1 and "error 401 unauthorized" in " ".join(err.split())
+
+
 def test_cli_unreachable_service_fails_cleanly():
     code, _, err = cli("adapters", "ls", "--timeout", "2", url="http://127.0.0.1:9")
     assert code == 1 and "cannot reach http://127.0.0.1:9" in err
