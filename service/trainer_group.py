@@ -41,6 +41,7 @@ class TrainerGroup:
         self.call_timeout_s = call_timeout_s
         self.workers: list[Any] = []  # TrainWorker actor handles, rank order, while running
         self.placement: list[dict] = []  # per rank: rank, tp_rank, dp_rank, device (from setup)
+        self._pids: list[int] = []  # per rank, read once at start (a rank busy training answers nothing)
         self.starts = 0
         self.stopped_reason: str | None = "not started"
         self._in_flight = 0  # collective calls under way (a rank busy in one does not answer probes)
@@ -66,6 +67,7 @@ class TrainerGroup:
             config = self.config.model_dump()
             self.placement = call([w.setup.remote(config, r, addr, port) for r, w in enumerate(self.workers)],
                                   self.setup_timeout_s, "trainer setup")
+            self._pids = call([w.pid.remote() for w in self.workers], self.setup_timeout_s, "trainer pids")
         except BaseException:
             self._kill_workers()
             raise
@@ -128,8 +130,8 @@ class TrainerGroup:
         return bool(self.workers) and self._probe() == "lost"
 
     def pids(self) -> list[int]:
-        """Process id of every rank, rank order (GET /v1/fleet)."""
-        return call([w.pid.remote() for w in self.workers], PROBE_TIMEOUT_S * 5, "trainer pids")
+        """Process id of every rank, rank order (GET /v1/fleet); empty while not running."""
+        return list(self._pids) if self.workers else []
 
     # --- the trainer's interface (trainer/actor.py TrainWorker), rank 0 answers ----------------------
 
