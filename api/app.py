@@ -1,4 +1,4 @@
-"""The FastAPI control plane: `create_app(controller_handle, settings)`.
+"""The FastAPI control plane: `create_app(controller, settings)` over the in-process Controller.
 
 Routes are thin: authenticate, validate (pydantic), call the controller; its
 typed errors map to a status in api/errors.py (the one place), and every error
@@ -34,23 +34,26 @@ from api.models import (
     AdapterCreate,
     AdapterList,
     AdapterOut,
+    FleetOut,
     HealthOut,
     MetricsOut,
+    ProcessOut,
     ReadyOut,
     StepOut,
 )
 from service.config import ServiceSettings, api_token_problem
+from service.controller import Controller
 from service.registry import AdapterState
 
 log = logging.getLogger(__name__)
 
 
-def create_app(controller_handle: Any, settings: ServiceSettings) -> FastAPI:
+def create_app(controller_obj: Controller, settings: ServiceSettings) -> FastAPI:
     token = settings.api_token.get_secret_value().strip() if settings.api_token is not None else ""
     problem = api_token_problem(settings.host, token or None)
     if problem:
         raise ValueError(f"refusing to serve on {settings.host!r} without an API token that can protect it: {problem}")
-    controller = ControllerClient(controller_handle, settings.controller_timeout_s)
+    controller = ControllerClient(controller_obj, settings.controller_timeout_s)
 
     app = FastAPI(
         title="lorafleet",
@@ -81,46 +84,51 @@ def create_app(controller_handle: Any, settings: ServiceSettings) -> FastAPI:
 
     @v1.post("/adapters", status_code=201, response_model=AdapterOut, summary="Register an adapter run (PENDING)")
     async def register(body: AdapterCreate) -> AdapterOut:
-        return AdapterOut.from_ref(await controller.call("register", body.name, body.config))
+        return AdapterOut.from_ref(await controller.register(body.name, body.config))
 
     @v1.get("/adapters", response_model=AdapterList, summary="List adapters (newest run per name)")
     async def list_adapters(state: AdapterState | None = Query(None, description="Only adapters in this state.")) -> AdapterList:
-        refs = await controller.call("list", state)
+        refs = await controller.list(state)
         return AdapterList(adapters=[AdapterOut.from_ref(r) for r in refs])
 
     @v1.get("/adapters/{name}", response_model=AdapterOut, summary="One adapter")
     async def get_adapter(name: str) -> AdapterOut:
-        return AdapterOut.from_ref(await controller.call("get", name))
+        return AdapterOut.from_ref(await controller.get(name))
 
     @v1.get("/adapters/{name}/metrics", response_model=MetricsOut, summary="Per-step metrics series")
     async def adapter_metrics(name: str) -> MetricsOut:
-        run = await controller.call("metrics", name)
+        run = await controller.metrics(name)
         return MetricsOut(name=run.name, registration_id=run.registration_id, steps=[StepOut.from_record(s) for s in run.steps])
 
     @v1.delete("/adapters/{name}", status_code=202, response_model=AdapterOut, summary="Retire gracefully (RETIRING, then COMPLETED with export)")
     async def retire(name: str) -> AdapterOut:
-        return AdapterOut.from_ref(await controller.call("retire", name))
+        return AdapterOut.from_ref(await controller.retire(name))
 
     @v1.post("/adapters/{name}/abort", response_model=AbortOut, summary="Abort in-flight generation without retiring")
     async def abort(name: str) -> AbortOut:
-        return AbortOut(name=name, aborted=await controller.call("abort", name))
+        return AbortOut(name=name, aborted=await controller.abort(name))
+
+    @v1.get("/fleet", response_model=FleetOut, summary="The service's processes and their ids (operators)")
+    async def fleet() -> FleetOut:
+        procs = await controller.processes()
+        return FleetOut(processes=[ProcessOut(name=p.name, role=p.role, pid=p.pid, detail=p.detail) for p in procs])
 
     app.include_router(v1)
 
     @app.get("/health", response_model=HealthOut, summary="Process alive")
     async def health() -> HealthOut:
-        return HealthOut(**await controller.call("health"))
+        return HealthOut(**await controller.health())
 
     @app.get("/ready", response_model=ReadyOut, responses={503: {"model": ReadyOut}}, summary="Trainer and engines up")
     async def ready(request: Request) -> Any:
-        body = ReadyOut(**await controller.call("ready"))
+        body = ReadyOut(**await controller.ready())
         if not has_token(request):
             body = body.public()
         return body if body.ready else JSONResponse(body.model_dump(), status_code=503)
 
     @app.get("/metrics", dependencies=[Depends(require_token)], response_class=Response, summary="Prometheus metrics")
     async def metrics() -> Response:
-        body, content_type = render_prometheus(await controller.call("snapshot"))
+        body, content_type = render_prometheus(await controller.snapshot())
         return Response(body, media_type=content_type)
 
     install_error_handlers(app, settings)

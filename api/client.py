@@ -89,6 +89,10 @@ class LorafleetClient:
         """The /ready body, whether ready (200) or not (503)."""
         return self.request("GET", "/ready", ok=(200, 503))
 
+    def fleet(self) -> list[dict[str, Any]]:
+        """The service's processes: name, role, pid (GET /v1/fleet)."""
+        return self.request("GET", "/v1/fleet")["processes"]
+
     def prometheus(self) -> str:
         response = self._http.get("/metrics")
         if response.status_code != 200:

@@ -1,51 +1,65 @@
-"""How the API calls the controller: in-process object or Ray actor handle, one interface.
+"""How the API calls the controller: `ControllerClient`, one async method per controller operation.
 
-`create_app` takes either a `service.controller.Controller` (tests, single
-process) or the handle of the `lorafleet-controller` actor. Both are called
-with a timeout (settings.controller_timeout_s); a plain controller's blocking
-SQLite work runs in a worker thread so the event loop keeps serving. Typed
-errors come back as themselves (a Ray-wrapped error is unwrapped to its cause).
+The controller (service/controller.py) is a plain object in the same process; its
+blocking work (SQLite, runtime calls such as abort / ready) runs in a worker thread
+so the event loop keeps serving, with a deadline (settings.controller_timeout_s).
+Typed errors (NotFound, Conflict, ...) come back as themselves.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
+from collections.abc import Callable
 from typing import Any
 
 import anyio.to_thread
 
-from service.errors import LorafleetError
+from service.controller import Controller, MetricsSnapshot, RunMetrics
+from service.registry import AdapterRef
+from service.runtime import ProcessInfo
 
 
 class ControllerUnavailable(Exception):
-    """The controller did not answer in time or is gone (HTTP 503)."""
+    """The controller did not answer in time (HTTP 503)."""
 
 
 class ControllerClient:
-    def __init__(self, handle: Any, timeout_s: float) -> None:
-        self._handle = handle
+    def __init__(self, controller: Controller, timeout_s: float) -> None:
+        self._controller = controller
         self._timeout_s = timeout_s
-        # A Ray actor handle's methods have .remote(); a plain object's do not.
-        self._is_actor = hasattr(getattr(handle, "health", None), "remote")
 
-    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         try:
-            if self._is_actor:
-                ref = getattr(self._handle, method).remote(*args, **kwargs)
-                return await asyncio.wait_for(_await_ref(ref), self._timeout_s)
-            fn = functools.partial(getattr(self._handle, method), *args, **kwargs)
-            return await asyncio.wait_for(anyio.to_thread.run_sync(fn), self._timeout_s)
+            return await asyncio.wait_for(anyio.to_thread.run_sync(fn, *args), self._timeout_s)
         except TimeoutError:
-            raise ControllerUnavailable(f"the controller did not answer {method} within {self._timeout_s:g} s") from None
-        except LorafleetError as e:
-            cause = getattr(e, "cause", None)  # Ray's dual RayTaskError: re-raise the original
-            raise (cause if isinstance(cause, LorafleetError) else e) from None
-        except Exception as e:
-            if type(e).__module__.startswith("ray.") and type(e).__name__ in ("RayActorError", "ActorDiedError", "ActorUnavailableError"):
-                raise ControllerUnavailable(f"the controller actor is unavailable: {type(e).__name__}") from None
-            raise
+            raise ControllerUnavailable(f"the controller did not answer {fn.__name__} within {self._timeout_s:g} s") from None
 
+    async def register(self, name: str, config: Any) -> AdapterRef:
+        return await self._run(self._controller.register, name, config)
 
-async def _await_ref(ref: Any) -> Any:
-    return await ref
+    async def list(self, state: Any = None) -> list[AdapterRef]:
+        return await self._run(self._controller.list, state)
+
+    async def get(self, name: str) -> AdapterRef:
+        return await self._run(self._controller.get, name)
+
+    async def metrics(self, name: str) -> RunMetrics:
+        return await self._run(self._controller.metrics, name)
+
+    async def retire(self, name: str) -> AdapterRef:
+        return await self._run(self._controller.retire, name)
+
+    async def abort(self, name: str) -> int:
+        return await self._run(self._controller.abort, name)
+
+    async def health(self) -> dict[str, Any]:
+        return await self._run(self._controller.health)
+
+    async def ready(self) -> dict[str, Any]:
+        return await self._run(self._controller.ready)
+
+    async def snapshot(self) -> MetricsSnapshot:
+        return await self._run(self._controller.snapshot)
+
+    async def processes(self) -> list[ProcessInfo]:
+        return await self._run(self._controller.processes)

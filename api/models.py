@@ -147,6 +147,19 @@ class ReadyOut(_Out):
         return self.model_copy(update={"components": {k: ComponentOut(ok=c.ok) for k, c in self.components.items()}})
 
 
+class ProcessOut(_Out):
+    name: str = Field(description="coordinator, trainer-rank-<r>, rollout-worker, engine-<i>")
+    role: str = Field(description="coordinator | trainer | rollout | engine")
+    pid: int | None = Field(description="Process id on its node (None: not running, or an external engine).")
+    detail: str = ""
+
+
+class FleetOut(_Out):
+    """The service's processes, for operators (fault drills: kill one with a real signal)."""
+
+    processes: list[ProcessOut]
+
+
 class ErrorOut(_Out):
     """Body of every error response."""
 

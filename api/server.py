@@ -14,7 +14,7 @@ from typing import Any
 
 import uvicorn
 
-from service.config import is_loopback_host
+from service.config import ServiceSettings, is_loopback_host
 
 
 class ApiServer:
@@ -61,3 +61,12 @@ class ApiServer:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def start_api_server(controller: Any, settings: ServiceSettings) -> ApiServer:
+    """The REST API over `controller` on settings.host:port, started (what `lorafleet serve` runs)."""
+    from api.app import create_app
+
+    server = ApiServer(create_app(controller, settings), settings.host, settings.port,
+                       token_configured=settings.api_token is not None)
+    return server.start()

@@ -17,7 +17,9 @@ import math
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from trainer.config import StrictModel
 
 # Adapter names become SGLang LoRA names ("<name>@v<k>") and request-id
 # prefixes ("<name>::<uuid4hex>"); the pattern excludes ':' and '@', which keeps
@@ -46,11 +48,6 @@ MANAGED_SERVER_FLAGS = frozenset(
 )
 
 
-class _Strict(BaseModel):
-    # allow_inf_nan=False: Python's json reads `Infinity`/`NaN`; no field here means anything with them.
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-
 def non_finite_numbers(value: Any, where: str) -> list[str]:
     """Dotted places in a JSON-like value that hold an infinite or NaN float (strict JSON has neither)."""
     if isinstance(value, float):
@@ -72,7 +69,7 @@ def check_adapter_name(name: str) -> str:
     return name
 
 
-class EngineConfig(_Strict):
+class EngineConfig(StrictModel):
     """The SGLang engines the rollout worker generates with."""
 
     num_engines: int = Field(1, ge=1, le=64, description="SGLang servers to start.")
@@ -175,7 +172,7 @@ class EngineConfig(_Strict):
         return self.ports[index] if self.ports else 0
 
 
-class DataConfig(_Strict):
+class DataConfig(StrictModel):
     """An adapter's prompt dataset (RL)."""
 
     path: str = Field(description="A .jsonl file (one JSON object per line) or a .parquet file.")
@@ -203,7 +200,7 @@ class DataConfig(_Strict):
         return path
 
 
-class RewardConfig(_Strict):
+class RewardConfig(StrictModel):
     """An adapter's reward: a built-in name or a custom function by dotted path."""
 
     name: str = Field(
@@ -222,7 +219,7 @@ class RewardConfig(_Strict):
         return kwargs
 
 
-class SamplingConfig(_Strict):
+class SamplingConfig(StrictModel):
     """How an adapter's rollouts are sampled."""
 
     temperature: float = Field(1.0, ge=0.0, le=10.0, description="0 = greedy.")
@@ -248,7 +245,7 @@ class SamplingConfig(_Strict):
         return params
 
 
-class RolloutConfig(_Strict):
+class RolloutConfig(StrictModel):
     """Bounds of the rollout worker."""
 
     max_inflight_per_adapter: int = Field(64, ge=1, description="Requests (samples) in flight for one adapter.")

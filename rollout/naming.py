@@ -15,10 +15,13 @@ from __future__ import annotations
 import re
 import uuid
 
+from rollout.config import ADAPTER_NAME_PATTERN
+
 RID_SEPARATOR = "::"
 VERSION_SEPARATOR = "@v"
-_RID_RE = re.compile(r"^(?P<adapter>[A-Za-z0-9][A-Za-z0-9._-]{0,63})::(?P<uid>[0-9a-f]{32})$")
-_LORA_RE = re.compile(r"^(?P<adapter>[A-Za-z0-9][A-Za-z0-9._-]{0,63})@v(?P<version>\d+)$")
+_NAME = ADAPTER_NAME_PATTERN.removeprefix("^").removesuffix("$")  # the one adapter-name rule (rollout/config.py)
+_RID_RE = re.compile(rf"^(?P<adapter>{_NAME})::(?P<uid>[0-9a-f]{{32}})$")
+_LORA_RE = re.compile(rf"^(?P<adapter>{_NAME})@v(?P<version>\d+)$")
 
 
 def new_rid(adapter: str) -> str:

@@ -1,12 +1,13 @@
 """The RolloutWorker Ray actor: owns the SGLang engines, the engine pool and the rollout loop.
 
 Create it with ``RolloutWorker.options(...).remote(engine_cfg, rollout_cfg, model_path)``
-(placement and resources are decided by service.placement), then ``await
-worker.start.remote()``. It is an async actor: all methods run on one asyncio
+(the service does that in service/actors.py, with the placement of service/placement.py),
+then ``await worker.start.remote()``; the service calls it through the typed
+service/rollout_client.py. It is an async actor: all methods run on one asyncio
 loop, so the rollout loop keeps going between calls and no call waits for
 training.
 
-Interface for the service controller (all async):
+Interface for the service (all async):
   start() -> list[EngineHealth]                    launch engines (or connect to engine_urls), start the loop
   add_adapter(spec: AdapterRollout, weights: AdapterWeights) -> AdapterStats
   remove_adapter(name) -> int                      requests aborted
@@ -18,6 +19,7 @@ Interface for the service controller (all async):
   stats(name=None) -> AdapterStats | dict[str, AdapterStats]
   engine_health() -> list[EngineHealth]
   restart_engine(index) -> EngineHealth            managed engines only
+  processes() -> {"worker": pid, "engines": [pid]} process ids (the operator's GET /v1/fleet)
   shutdown() -> None                               abort everything, stop engines
 """
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from pathlib import Path
 
 import ray
@@ -168,6 +171,10 @@ class RolloutWorkerImpl:
         await asyncio.to_thread(e.restart)
         await self.pool.replace_engine(index, self._client(e.url))
         return (await self.engine_health())[index]
+
+    async def processes(self) -> dict:
+        """This worker's process id and each managed engine's (None: external or not running)."""
+        return {"worker": os.getpid(), "engines": [e.pid for e in self.engines] if self.engines else [None] * len(self.engine_urls or [])}
 
     async def shutdown(self) -> None:
         if self._monitor is not None:

@@ -192,6 +192,24 @@ def _read(folder: Path) -> Checkpoint:
     return Checkpoint(folder, state)
 
 
+def link_folder(src: Path, dst: Path) -> Path:
+    """`dst` becomes a folder holding the files of `src` as hard links (a copy where the two are on
+    different filesystems), so a final export is the final checkpoint's PEFT folder, not a second
+    write of the same weights. Replaces whatever `dst` held."""
+    src, dst = Path(src), Path(dst)
+    tmp = dst.with_name(f".{dst.name}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in src.iterdir():
+        try:
+            os.link(f, tmp / f.name)
+        except OSError:
+            shutil.copy2(f, tmp / f.name)
+    shutil.rmtree(dst, ignore_errors=True)
+    os.replace(tmp, dst)
+    return dst
+
+
 def _write_json_durably(path: Path, data: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:

@@ -1,7 +1,9 @@
-"""The `lorafleet` command line (typer).
+"""The service's commands of the `lorafleet` command line (typer): `run JOB.yaml` (batch mode),
+`serve` (service mode), `version`.
 
-Sub-commands: `run JOB.yaml` (batch mode), `serve` (service mode), `version`;
-the control-plane commands (`adapters ...`, `smoke`) are added beside them.
+`add_service_commands(app, start_api=...)` puts them on the `lorafleet` app, which api/cli.py
+assembles together with the tenant commands (`adapters ...`, `smoke`, over REST) and to which it
+passes the API starter: service/ never imports api/.
 """
 
 from __future__ import annotations
@@ -9,18 +11,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from service.cli_tenant import adapters_app, smoke
-
-app = typer.Typer(name="lorafleet", help="Train many LoRA adapters at once against one frozen base model.", no_args_is_help=True)
-app.add_typer(adapters_app, name="adapters")
-app.command("smoke")(smoke)
+if TYPE_CHECKING:  # the command modules import the heavy parts (Ray, torch) only when they run
+    from service.app_runtime import ApiStarter
 
 
-@app.command()
 def version() -> None:
     """Print the lorafleet version."""
     from importlib.metadata import version as _v
@@ -82,49 +80,48 @@ def _logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-@app.command()
-def run(
-    job: JobArg = None,
-    state_dir: StateDir = None,
-    resume: Annotated[bool, typer.Option("--resume", help="Skip adapters that already COMPLETED in this state dir (finish a killed job).")] = False,
-    verbose: Verbose = False,
-) -> None:
-    """Batch mode: register the job's adapters, train until every adapter is exhausted, print a summary, exit.
+def add_service_commands(app: typer.Typer, *, start_api: ApiStarter) -> None:
+    """Register `version`, `run` and `serve` on `app`; `serve` starts the REST API with `start_api`."""
+    app.command()(version)
 
-    Exit status: 0 every adapter COMPLETED; 1 one FAILED; 130 stopped by Ctrl-C / SIGTERM (checkpointed: --resume continues)."""
-    from rich.console import Console
+    @app.command()
+    def run(
+        job: JobArg = None,
+        state_dir: StateDir = None,
+        resume: Annotated[bool, typer.Option("--resume", help="Skip adapters that already COMPLETED in this state dir (finish a killed job).")] = False,
+        verbose: Verbose = False,
+    ) -> None:
+        """Batch mode: register the job's adapters, train until every adapter is exhausted, print a summary, exit.
 
-    from service.modes import print_summary, run_batch
+        Exit status: 0 every adapter COMPLETED; 1 one FAILED; 130 stopped by Ctrl-C / SIGTERM (checkpointed: --resume continues)."""
+        from rich.console import Console
 
-    _logging(verbose)
-    job_cfg, settings = _load(job, state_dir)
-    with _clear_errors():
-        result = run_batch(job_cfg, settings, resume=resume)
-    print_summary(Console(), result)
-    raise typer.Exit(result.exit_code)
+        from service.modes import print_summary, run_batch
 
+        _logging(verbose)
+        job_cfg, settings = _load(job, state_dir)
+        with _clear_errors():
+            result = run_batch(job_cfg, settings, resume=resume)
+        print_summary(Console(), result)
+        raise typer.Exit(result.exit_code)
 
-@app.command()
-def serve(
-    job: JobArg = None,
-    state_dir: StateDir = None,
-    host: Annotated[str | None, typer.Option("--host", help="Bind address of the REST API (default 127.0.0.1; others need a token).", show_default=False)] = None,
-    port: Annotated[int | None, typer.Option("--port", help="REST API port (default 8000; 0 = any free port).", show_default=False)] = None,
-    verbose: Verbose = False,
-) -> None:
-    """Service mode: start engines, trainer, controller and the REST API; train what tenants register until stopped.
+    @app.command()
+    def serve(
+        job: JobArg = None,
+        state_dir: StateDir = None,
+        host: Annotated[str | None, typer.Option("--host", help="Bind address of the REST API (default 127.0.0.1; others need a token).", show_default=False)] = None,
+        port: Annotated[int | None, typer.Option("--port", help="REST API port (default 8000; 0 = any free port).", show_default=False)] = None,
+        verbose: Verbose = False,
+    ) -> None:
+        """Service mode: start engines, trainer, controller and the REST API; train what tenants register until stopped.
 
-    The job file's adapters (if any) are registered at start; Ctrl-C or SIGTERM drains (every live adapter is
-    checkpointed) and exits 0. A restart over the same state dir continues every live adapter."""
-    from service.modes import run_service
+        The job file's adapters (if any) are registered at start; Ctrl-C or SIGTERM drains (every live adapter is
+        checkpointed) and exits 0. A restart over the same state dir continues every live adapter."""
+        from service.modes import run_service
 
-    _logging(verbose)
-    explicit = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
-    job_cfg, settings = _load(job, state_dir, **explicit)
-    with _clear_errors():
-        report = run_service(job_cfg, settings)
-    typer.echo(f"stopped ({report.stopped_by or 'done'}); {report.steps} adapter steps trained", err=True)
-
-
-if __name__ == "__main__":
-    app()
+        _logging(verbose)
+        explicit = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
+        job_cfg, settings = _load(job, state_dir, **explicit)
+        with _clear_errors():
+            report = run_service(job_cfg, settings, start_api=start_api)
+        typer.echo(f"stopped ({report.stopped_by or 'done'}); {report.steps} adapter steps trained", err=True)

@@ -26,12 +26,12 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict
 
 from rollout.config import ADAPTER_NAME_PATTERN, DataConfig, EngineConfig, RewardConfig, RolloutConfig, SamplingConfig
 from service.placement import PlacementConfig
-from trainer.config import SlotHyperParams, TrainerConfig
+from trainer.config import SlotHyperParams, StrictModel, TrainerConfig
 
 AdapterName = Annotated[
     str,
@@ -41,12 +41,6 @@ AdapterName = Annotated[
         examples=["digits"],
     ),
 ]
-
-
-class _Strict(BaseModel):
-    # frozen: configs are values; a validated config cannot drift afterwards.
-    # allow_inf_nan=False: Python's json reads `Infinity`/`NaN`; no setting means anything with them.
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 def _rebase(path: str | None, info: ValidationInfo) -> str | None:
@@ -60,7 +54,7 @@ def _rebase(path: str | None, info: ValidationInfo) -> str | None:
     return os.path.normpath(Path(base) / path)
 
 
-class DataSpec(_Strict):
+class DataSpec(StrictModel):
     """Where an adapter's prompts (RL) or prompt/completion pairs (SFT) come from."""
 
     path: str = Field(description="Data file on the service host (.jsonl, one JSON object per line, or .parquet), inside an allowed data root. Relative paths: against the first data root (REST) or the job file's folder (job file).")
@@ -79,7 +73,7 @@ class DataSpec(_Strict):
     _rebase_path = field_validator("path")(_rebase)
 
 
-class AdapterConfig(_Strict):
+class AdapterConfig(StrictModel):
     """A tenant's adapter run: what to train, on what, and for how long."""
 
     rank: int = Field(8, ge=1, le=1024, description="LoRA rank r; must not exceed the service's max rank (GET /ready shows it).")
@@ -169,7 +163,7 @@ class AdapterConfig(_Strict):
         return DataConfig(**self.data.model_dump(), shuffle_seed=self.seed, num_epochs=epochs)
 
 
-class AdapterSpec(_Strict):
+class AdapterSpec(StrictModel):
     """One adapter run to register: its name and its config (REST body and job-file entry)."""
 
     name: AdapterName
@@ -300,7 +294,7 @@ def load_settings(settings_file: Path | None = None, *, base: dict[str, Any] | N
 # --- the job file --------------------------------------------------------------------------------
 
 
-class BaseModelSpec(_Strict):
+class BaseModelSpec(StrictModel):
     """The frozen base model every adapter trains against."""
 
     path: str = Field(description="Hugging Face model folder (config.json, weights, tokenizer).")
@@ -308,7 +302,7 @@ class BaseModelSpec(_Strict):
     _rebase_path = field_validator("path")(_rebase)
 
 
-class SlotCapacity(_Strict):
+class SlotCapacity(StrictModel):
     """What the trainer holds resident; the controller enforces it at registration.
     In a job file this is the `slots:` section, and the trainer's num_slots/max_rank
     are taken from it."""
@@ -344,7 +338,7 @@ _DERIVED_FIELDS = (
 )
 
 
-class JobConfig(_Strict):
+class JobConfig(StrictModel):
     """A lorafleet job file: base model, placement, slots, trainer, engines, rollout, service and the adapters to run."""
 
     base_model: BaseModelSpec

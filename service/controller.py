@@ -11,16 +11,21 @@ side effect succeeded:
     any live --(runtime call raised)--> FAILED (reason = the error), others unaffected
 
 With no runtime attached, reconcile does nothing: runs stay where they are.
-The training loop reports progress through record_step / record_publish /
-record_checkpoint / fail and asks retire(name, registration_id) when a run's
-data or step budget is used up.
+The training loop reports progress through record_step / record_checkpoint /
+fail and asks retire(name, registration_id) when a run's data or step budget is
+used up. Weight versions come from the registry's one counter (`next_version`):
+reconcile assigns the first one of a run and passes it into prepare_adapter; the
+loop assigns one per publish.
 
-A thin named Ray actor wrapper lives in service/controller_actor.py.
+The controller is a plain object in the coordinator process. It is thread-safe:
+the API's threads call tenant operations while the loop reconciles; the registry
+serializes its transactions, and reconcile passes are serialized by their own lock.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import Counter
@@ -34,7 +39,7 @@ from service.config import AdapterConfig, ServiceSettings, SlotCapacity, format_
 from service.config_checks import PEFT_FILES, check_adapter_config
 from service.errors import BadValue, Conflict
 from service.registry import AdapterRef, AdapterState, Registry, StepRecord
-from service.runtime import Runtime, RuntimeStats
+from service.runtime import ProcessInfo, Runtime, RuntimeStats
 from rollout.config import check_adapter_name
 
 log = logging.getLogger(__name__)
@@ -177,6 +182,13 @@ class Controller:
             "slots": {"total": self.capacity.num_slots, "free": free, "max_rank": self.capacity.max_rank},
         }
 
+    def processes(self) -> list[ProcessInfo]:
+        """The fleet's processes (GET /v1/fleet); only the coordinator while no runtime is attached."""
+        runtime = self._runtime
+        if runtime is None:
+            return [ProcessInfo("coordinator", "coordinator", os.getpid(), "no runtime attached")]
+        return runtime.processes()
+
     def snapshot(self) -> MetricsSnapshot:
         stats = None
         if self._runtime is not None:
@@ -198,9 +210,6 @@ class Controller:
 
     def record_step(self, registration_id: str, *, step: int, samples: int, metrics: dict[str, float], weight_version: int | None = None) -> AdapterRef:
         return self.registry.record_step(registration_id, step=step, samples=samples, metrics=metrics, weight_version=weight_version)
-
-    def record_publish(self, registration_id: str, weight_version: int) -> AdapterRef:
-        return self.registry.record_publish(registration_id, weight_version)
 
     def record_checkpoint(self, registration_id: str, path: str, step: int) -> AdapterRef:
         return self.registry.record_checkpoint(registration_id, path, step)
@@ -246,11 +255,12 @@ class Controller:
             )
             if needs_prepare:
                 stage = "prepare_adapter"
-                prepared = runtime.prepare_adapter(ref)
+                version = self.registry.next_version()
+                prepared = runtime.prepare_adapter(ref, version)
                 self._prepared.add(ref.registration_id)
                 ref = self.registry.mark_prepared(
                     ref.registration_id,
-                    weight_version=prepared.weight_version,
+                    weight_version=version,
                     step=prepared.step,
                     samples_trained=prepared.samples_trained,
                 )

@@ -16,14 +16,17 @@
 Rollout never waits for this loop (the rollout worker keeps generating with the
 newest published weights); the loop never waits for a slow adapter for longer
 than the bound. Faults handled here: a dead SGLang engine is restarted and its
-adapters republished (runtime.check_engines); a dead trainer is restarted and
-every live run is prepared again from its last checkpoint (re-attaching the
-runtime makes the controller do that); an adapter whose steps keep failing
-(non-finite loss, every reward failing) is marked FAILED and the others go on.
+adapters republished (runtime.check_engines); a dead trainer (found by a train
+call, or by the periodic check while nothing trains) is restarted and every live
+run is prepared again from its last checkpoint (re-attaching the runtime makes
+the controller do that); an adapter whose steps keep failing (non-finite loss,
+every reward failing) is marked FAILED and the others go on.
 
-`controller` and `runtime` are blocking proxies of the two actors
-(service.runtime_actor.RemoteCalls); `runtime_proxy` is what the controller
-calls back (re-attached after a trainer restart).
+The role objects, all in this (the coordinator) process:
+  controller  service/controller.py    registry and lifecycle (1, 5, 6, 7; weight versions)
+  runtime     service/runtime_impl.py  FleetRuntime: trainer slots, rollout, checkpoints (2, 3, 4, 6, drain)
+     trainer  service/trainer_group.py the trainer ranks (Ray actors, trainer/actor.py)
+     rollout  service/rollout_client.py the rollout worker (Ray actor, rollout/worker_actor.py) and its engines
 """
 
 from __future__ import annotations
@@ -67,8 +70,10 @@ class LoopReport:
     events: list[str] = field(default_factory=list)
 
 
-def run_training_loop(controller: Any, runtime: Any, runtime_proxy: Any, opts: LoopOptions, stop: StopSignal,
+def run_training_loop(controller: Any, runtime: Any, opts: LoopOptions, stop: StopSignal,
                       on_round: Callable[[], None] | None = None) -> LoopReport:
+    """`controller`: service.controller.Controller; `runtime`: service.runtime_impl.FleetRuntime
+    (or objects with their methods: the unit tests' fakes)."""
     report = LoopReport()
     t_start = time.monotonic()
     next_engine_check = 0.0
@@ -82,6 +87,9 @@ def run_training_loop(controller: Any, runtime: Any, runtime_proxy: Any, opts: L
                 break
             if time.monotonic() >= next_engine_check:
                 report.events += _logged(runtime.check_engines())                               # fault: dead engine, failed publish
+                if runtime.trainer_lost():                                                      # fault: trainer died while idle
+                    _restart_trainer(controller, runtime, report, "a trainer rank is gone")
+                    continue
                 next_engine_check = time.monotonic() + opts.engine_check_s
             active = [r.registration_id for r in live if r.state == AdapterState.ACTIVE]
             t_collect = time.monotonic()
@@ -97,9 +105,7 @@ def run_training_loop(controller: Any, runtime: Any, runtime_proxy: Any, opts: L
             try:
                 outcome = runtime.train(batch)                                                  # 3
             except TrainerLost as e:                                                            # fault: dead trainer
-                report.events += _logged([f"{e}; restarting the trainer"])
-                runtime.restart_trainer()
-                controller.attach_runtime(runtime_proxy)  # the controller re-prepares every live run from its checkpoint
+                _restart_trainer(controller, runtime, report, str(e))
                 continue
             report.train_calls += 1
             report.train_seconds += outcome.seconds
@@ -143,6 +149,12 @@ def run_training_loop(controller: Any, runtime: Any, runtime_proxy: Any, opts: L
                 log.info("drain checkpoint of %s not recorded: %s", registration_id, e)
     report.wall_seconds = time.monotonic() - t_start
     return report
+
+
+def _restart_trainer(controller: Any, runtime: Any, report: LoopReport, why: str) -> None:
+    report.events += _logged([f"{why}; restarting the trainer"])
+    runtime.restart_trainer()
+    controller.attach_runtime(runtime)  # the controller re-prepares every live run from its checkpoint
 
 
 def _retire(controller: Any, run: tuple[str, str]) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 
 from rich.console import Console
 
-from service.app_runtime import Fleet, start_fleet
+from service.app_runtime import ApiStarter, Fleet, start_fleet
 from service.config import JobConfig, ServiceSettings
 from service.errors import LorafleetError, NotFound
 from service.loop import LoopOptions, LoopReport, run_training_loop
@@ -111,11 +111,11 @@ class _ProgressPoller:
 
 
 @contextmanager
-def _running(job: JobConfig, settings: ServiceSettings, *, serve_api: bool, resume: bool) -> Iterator[tuple[Fleet, StopSignal]]:
+def _running(job: JobConfig, settings: ServiceSettings, *, start_api: ApiStarter | None, resume: bool) -> Iterator[tuple[Fleet, StopSignal]]:
     """The fleet started with the job's adapters registered, under a StopSignal; closed on exit."""
     precheck_job_adapters(job, settings)
     with StopSignal() as stop:
-        fleet = start_fleet(job, settings, serve_api=serve_api)
+        fleet = start_fleet(job, settings, start_api=start_api)
         stop.install()  # Ray replaced the SIGTERM handler
         try:
             for line in register_job_adapters(fleet.controller, job, resume=resume):
@@ -126,15 +126,16 @@ def _running(job: JobConfig, settings: ServiceSettings, *, serve_api: bool, resu
 
 
 def run_batch(job: JobConfig, settings: ServiceSettings, *, resume: bool = False, console: Console | None = None,
-              loop_options: LoopOptions | None = None, serve_api: bool = False) -> BatchResult:
+              loop_options: LoopOptions | None = None, start_api: ApiStarter | None = None) -> BatchResult:
+    """Batch mode; with `start_api` (api.server.start_api_server) the REST API serves beside it."""
     console = console or Console(stderr=True)
     opts = loop_options or LoopOptions(batch_mode=True)
-    with _running(job, settings, serve_api=serve_api, resume=resume) as (fleet, stop):
+    with _running(job, settings, start_api=start_api, resume=resume) as (fleet, stop):
         console.print(f"lorafleet: started in {fleet.startup_seconds.get('total', 0.0):.0f} s; training "
                       f"{len(job.adapters)} adapter(s), state in {settings.state_dir}", highlight=False, soft_wrap=True)
         with ProgressView(console, title=f"lorafleet run ({len(job.adapters)} adapters)") as view, \
                 _ProgressPoller(fleet.controller, view):
-            report = run_training_loop(fleet.controller, fleet.runtime, fleet.runtime_proxy, opts, stop)
+            report = run_training_loop(fleet.controller, fleet.runtime, opts, stop)
         summaries = job_summaries(fleet, job)
     if report.stopped_by is not None:
         code = EXIT_INTERRUPTED
@@ -177,19 +178,19 @@ def print_summary(console: Console, result: BatchResult) -> None:
                       highlight=False)
 
 
-def run_service(job: JobConfig, settings: ServiceSettings, *, console: Console | None = None,
+def run_service(job: JobConfig, settings: ServiceSettings, *, start_api: ApiStarter, console: Console | None = None,
                 loop_options: LoopOptions | None = None) -> LoopReport:
-    """Service mode: the fleet plus the REST API, training whatever is registered, until stopped.
-    The job's adapters are registered unless they already COMPLETED (a restart does not redo them)."""
+    """Service mode: the fleet plus the REST API (started by `start_api`: api.server.start_api_server),
+    training whatever is registered, until stopped. The job's adapters are registered unless they
+    already COMPLETED (a restart does not redo them)."""
     console = console or Console(stderr=True)
     opts = loop_options or LoopOptions(batch_mode=False)
-    with _running(job, settings, serve_api=True, resume=True) as (fleet, stop):
+    with _running(job, settings, start_api=start_api, resume=True) as (fleet, stop):
         console.print(f"lorafleet serving on {fleet.api_url} (state {settings.state_dir}, Ray {fleet.ray_address}); "
                       "Ctrl-C drains and stops", highlight=False, soft_wrap=True)
         info = settings.state_dir / SERVICE_INFO_FILE
-        info.write_text(json.dumps({"api_url": fleet.api_url, "ray_address": fleet.ray_address, "pid": os.getpid(),
-                                    "namespace": fleet.namespace}))
+        info.write_text(json.dumps({"api_url": fleet.api_url, "ray_address": fleet.ray_address, "pid": os.getpid()}))
         try:
-            return run_training_loop(fleet.controller, fleet.runtime, fleet.runtime_proxy, opts, stop)
+            return run_training_loop(fleet.controller, fleet.runtime, opts, stop)
         finally:
             info.unlink(missing_ok=True)

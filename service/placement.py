@@ -22,8 +22,8 @@ Invariants the planner guarantees (and tests check):
     (TP varies fastest, so ranks of one TP group are consecutive).
 
 Embedding: the job-file model embeds `placement: PlacementConfig = PlacementConfig()`.
-This module imports only pydantic at module level; Ray is imported inside the
-functions that need it, so the planner runs anywhere.
+This module imports only pydantic (and the strict base of trainer/config.py) at
+module level; Ray is imported inside the functions that need it, so the planner runs anywhere.
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from trainer.config import StrictModel
+
 _MAX_PARALLEL = 1024  # sanity bound: a typo such as 80 instead of 8 still plans; 10**6 does not
 
 
-class EnginePlacement(BaseModel):
+class EnginePlacement(StrictModel):
     """SGLang rollout engines: `count` servers, each spanning `tensor_parallel` GPUs of one node."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     count: int = Field(1, ge=1, le=_MAX_PARALLEL, description="number of SGLang engines (servers)")
     tensor_parallel: int = Field(
@@ -47,10 +47,8 @@ class EnginePlacement(BaseModel):
     cpus: float = Field(1.0, gt=0, description="CPUs reserved for each engine (Ray bundle)")
 
 
-class TrainerPlacement(BaseModel):
+class TrainerPlacement(StrictModel):
     """Megatron trainer: tensor_parallel x data_parallel ranks, one GPU each."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     tensor_parallel: int = Field(
         1, ge=1, le=_MAX_PARALLEL, description="Megatron tensor parallel size; a TP group sits on one node"
@@ -63,10 +61,8 @@ class TrainerPlacement(BaseModel):
         return self.tensor_parallel * self.data_parallel
 
 
-class PlacementConfig(BaseModel):
+class PlacementConfig(StrictModel):
     """The job file's `placement:` section. The default is the embedded tiny CPU plan."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     accelerator: Literal["cpu", "gpu"] = Field(
         "cpu",
@@ -89,14 +85,12 @@ class PlacementConfig(BaseModel):
         return self.engine_gpus + self.trainer_gpus
 
 
-class ClusterShape(BaseModel):
+class ClusterShape(StrictModel):
     """GPUs per node of the cluster a plan must fit, in node order.
 
     `node_addresses` (optional, same length) are the Ray node IPs; when present,
     the placement groups are pinned to the planned nodes.
     """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     node_gpus: tuple[int, ...] = Field(..., min_length=1)
     node_addresses: tuple[str, ...] | None = None

@@ -395,13 +395,6 @@ class Registry:
             self._update(registration_id, sets)
             return _ref(self._run_row(registration_id))
 
-    def record_publish(self, registration_id: str, weight_version: int) -> AdapterRef:
-        """The engines now serve `weight_version` of this run."""
-        with self._tx():
-            self._progress_row(registration_id)
-            self._update(registration_id, {"weight_version": weight_version, "updated_at": time.time()})
-            return _ref(self._run_row(registration_id))
-
     def record_checkpoint(self, registration_id: str, path: str, step: int) -> AdapterRef:
         """A checkpoint of this run at `step` is complete on disk at `path`."""
         with self._tx():

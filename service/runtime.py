@@ -10,7 +10,7 @@ Every method receives the run's `AdapterRef` (frozen snapshot) and must act
 on that registration only: `ref.registration_id` and `ref.slot_version` tell a
 new tenant of a slot from the previous one. Methods are called from the
 controller's reconcile pass, one at a time (never concurrently with each other,
-except `abort`, `ready` and `stats`, which tenants trigger at any time).
+except `abort`, `ready`, `stats` and `processes`, which the API's threads call at any time).
 """
 
 from __future__ import annotations
@@ -22,18 +22,11 @@ from typing import Protocol, runtime_checkable
 from service.registry import AdapterRef
 
 
-# Keys the loop should use in record_step(metrics=...): the API shows them by
-# name (last reward / loss, the metrics series) and /metrics exports them.
-# Any other float-valued keys are stored and shown too.
-STEP_METRIC_KEYS = ("reward_mean", "loss", "learning_rate", "staleness_mean", "grad_norm")
-
-
 @dataclass(frozen=True)
 class Prepared:
-    """Result of `prepare_adapter`: the version now served by the engines, and the
-    step / samples a resumed run continues from (0 for a fresh start)."""
+    """Result of `prepare_adapter`: the step / samples a resumed run continues from
+    (0 for a fresh start)."""
 
-    weight_version: int
     step: int = 0
     samples_trained: int = 0
 
@@ -55,6 +48,16 @@ class ComponentHealth:
 
 
 @dataclass(frozen=True)
+class ProcessInfo:
+    """One process of the fleet (GET /v1/fleet): what it is and its id on its node."""
+
+    name: str  # "coordinator", "trainer-rank-0", "rollout-worker", "engine-0", ...
+    role: str  # coordinator | trainer | rollout | engine
+    pid: int | None  # None: not running, or not known (an external engine)
+    detail: str = ""
+
+
+@dataclass(frozen=True)
 class RuntimeStats:
     """Gauges for GET /metrics; the runtime fills what it knows."""
 
@@ -65,16 +68,15 @@ class RuntimeStats:
 
 @runtime_checkable
 class Runtime(Protocol):
-    def prepare_adapter(self, ref: AdapterRef) -> Prepared:
+    def prepare_adapter(self, ref: AdapterRef, weight_version: int) -> Prepared:
         """Initialize slot `ref.slot` for this run and publish its first weights to
-        the engines; start generating for it. Source of the weights, first match:
+        the engines as `weight_version` (the controller assigns it); start generating for it. Source of the weights, first match:
         `ref.checkpoint_path` (the run's own last checkpoint: restart recovery),
         `ref.config.resume_from`, `ref.config.init_from` (PEFT folder), else fresh
         (seeded by `ref.config.seed`). Must overwrite everything the slot held
         before (weights, optimizer moments, scheduler, data cursor): the previous
         tenant may not have been released cleanly. Called for PENDING runs, and
-        again after a controller restart for live runs trained before.
-        Weight versions for publishes: use `Controller.next_version()`."""
+        again after a restart (of the service or the trainer) for live runs trained before."""
         ...
 
     def finish_adapter(self, ref: AdapterRef) -> Finished:
@@ -100,6 +102,10 @@ class Runtime(Protocol):
 
     def stats(self) -> RuntimeStats:
         """Current gauges (cheap; called on every /metrics scrape)."""
+        ...
+
+    def processes(self) -> list[ProcessInfo]:
+        """The fleet's processes and their ids (GET /v1/fleet, for operators and fault drills)."""
         ...
 
 

@@ -1,14 +1,20 @@
-"""FleetRuntime: the `Runtime` over the real parts (trainer actors, rollout worker, SGLang engines),
+"""FleetRuntime: the `Runtime` over the real parts (trainer ranks, rollout worker, SGLang engines),
 plus the operations the training loop (service/loop.py) calls.
 
-It lives in its own named Ray actor (service/runtime_actor.py) so that both the
-controller actor (reconcile: prepare / finish / release / abort / ready / stats)
-and the loop in the driver (collect / train / publish / checkpoint) reach the one
-object that holds the run state below. The loop calls reconcile and its own
-operations one after the other, so those never overlap; tenant calls (abort,
-ready, stats) may come at any time and only read or forward.
+It is a plain object in the coordinator process, shared by the controller
+(reconcile: prepare / finish / release; tenant calls: abort / ready / stats / fleet)
+and the loop (collect / train / publish / checkpoint). It reaches the trainer through
+service/trainer_group.py `TrainerGroup` and the rollout worker through
+service/rollout_client.py `RolloutClient`, both typed. The loop calls reconcile and
+its own operations one after the other, so those never overlap; tenant calls come
+from the API's threads at any time and only read or forward: the run table is
+guarded by a lock for them.
 
-State per prepared run (`_Run`, keyed by registration id):
+Versions flow one way: the controller (prepare) and the loop (publish) assign each
+weight version and pass it in; the runtime never asks for one.
+
+State per prepared run: `_Run`, keyed by registration id, the one object that holds a live run's
+coordinator-side state (the registry holds what outlives the process):
   * RL runs generate through the rollout worker, which owns their data source;
     groups popped from it wait in `staged` until a whole step (prompts_per_step
     groups) is there, so the trainer only ever gets whole steps.
@@ -30,22 +36,26 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-import ray
-
 from rollout.data import DataCursor
+from rollout.groups import RolloutGroup
 from rollout.weights import AdapterWeights
 from rollout.worker import AdapterRollout
 from service.batches import CollectedBatch, StepPlan, SteppedRun, TrainerLost, TrainOutcome, rl_step
-from service.checkpoints import PendingCheckpoint, RunState, load_checkpoint, prune_checkpoints
+from service.checkpoints import ADAPTER_SUBDIR, PendingCheckpoint, link_folder, RunState, load_checkpoint, prune_checkpoints
 from service.config import AdapterConfig, JobConfig, ServiceSettings
+from service.engine_pids import record_engines
 from service.registry import AdapterRef
-from service.runtime import ComponentHealth, Finished, Prepared, RuntimeStats, run_dir
+from service.rollout_client import RolloutClient
+from service.runtime import ComponentHealth, Finished, Prepared, ProcessInfo, RuntimeStats, run_dir
 from service.sft import SftSource
+from service.trainer_group import TrainerGroup
 from trainer.batch import TrainBatch, TrainSample
 
 log = logging.getLogger(__name__)
@@ -66,7 +76,7 @@ class _Run:
     weight_version: int
     sft: SftSource | None = None
     staged: list[RolloutGroup] = field(default_factory=list)  # RL: popped, waiting for a whole step
-    publish_history: list[int] = field(default_factory=list)  # versions published, oldest first
+    sft_in_flight: list | None = None  # SFT: rows of the train call in progress (committed or given back after it)
     bad_steps: int = 0
     foreign_groups: int = 0  # groups of another registration seen at collection (must stay 0)
     last_metrics: dict[str, float] = field(default_factory=dict)
@@ -81,39 +91,28 @@ class _Run:
 
 
 class FleetRuntime:
-    def __init__(self, job: JobConfig, settings: ServiceSettings, *, trainer: Any, rollout: Any, controller: Any,
+    def __init__(self, job: JobConfig, settings: ServiceSettings, *, trainer: TrainerGroup, rollout: RolloutClient | None,
                  tokenizer_path: str | None = None) -> None:
-        """`trainer` may be None while it is still starting: set it with `set_trainer`."""
+        """`rollout` None: an SFT-only runtime (nothing generates; tests)."""
         from transformers import AutoTokenizer
 
         self.job = job
         self.settings = settings
-        self.trainer = trainer  # service.trainer_group.TrainerGroup
-        self.rollout = rollout  # rollout.worker_actor.RolloutWorker handle
-        self.controller = controller  # the controller (object, or RemoteCalls of its actor): next_version()
+        self.trainer = trainer
+        self.rollout = rollout
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or job.base_model.path)
         self._runs: dict[str, _Run] = {}
         self._lock = threading.RLock()
         self._last_train_s: float | None = None
         self._trainer_note = "running"
         self._rr_start = 0  # round-robin start of batch collection
-        self._sft_rows: dict[str, list] = {}  # SFT rows of the batch being trained, by registration id
         self._publishing: list[tuple[str, int, Any]] = []  # (adapter, version, ObjectRef) of publishes in flight
         self._unroutable: dict[int, int] = {}  # engine index -> checks in a row that found it alive but not routed to
 
-    def set_trainer(self, trainer: Any) -> None:
-        self.trainer = trainer
-
     # --- helpers -------------------------------------------------------------------------------
 
-    def _rollout(self, method: str, *args: Any, timeout: float = 120.0) -> Any:
-        return ray.get(getattr(self.rollout, method).remote(*args), timeout=timeout)
-
-    def _next_version(self) -> int:
-        return int(self.controller.next_version())
-
     def _weights(self, slot: int) -> AdapterWeights:
-        cfg, tensors = self.trainer.call("peft_tensors", slot)
+        cfg, tensors = self.trainer.peft_tensors(slot)
         return AdapterWeights(cfg, tensors=tensors)
 
     def runs(self) -> list[str]:
@@ -129,15 +128,15 @@ class FleetRuntime:
 
     # --- Runtime protocol: lifecycle -----------------------------------------------------------
 
-    def prepare_adapter(self, ref: AdapterRef) -> Prepared:
+    def prepare_adapter(self, ref: AdapterRef, weight_version: int) -> Prepared:
         """See Runtime.prepare_adapter. A run resumed from a checkpoint keeps the checkpoint's
         optimizer hyper-parameters (exact continuation); its shape must match this config."""
         cfg = ref.config
         assert ref.slot is not None, f"{ref.name}: a live run always holds a slot"
         self._evict_slot(ref.slot)  # whatever this runtime still had there, and this registration's own stale entry
-        self.trainer.call("clear_slot", ref.slot)  # the slot may hold a tenant that was never released cleanly
+        self.trainer.clear_slot(ref.slot)  # the slot may hold a tenant that was never released cleanly
         if cfg.objective == "rl":
-            self._rollout("remove_adapter", ref.name)  # a leftover of this name (e.g. after a trainer restart)
+            self._need_rollout().remove_adapter(ref.name)  # a leftover of this name (e.g. after a trainer restart)
         hyper = cfg.slot_hyper_params(ref.total_steps)
         source = ref.checkpoint_path or cfg.resume_from
         cursor: DataCursor | None = None
@@ -150,32 +149,31 @@ class FleetRuntime:
                     f"checkpoint {ckpt.folder} is of a {saved[0]} run of rank {saved[1]} with {saved[2]} samples per step; "
                     f"this run is {cfg.objective}, rank {cfg.rank}, {cfg.samples_per_step} samples per step: make them equal"
                 )
-            self.trainer.call("load_slot_state", ref.slot, str(ckpt.trainer_dir), registration=ref.registration_id)  # the new tenant's id
+            self.trainer.load_slot_state(ref.slot, ckpt.trainer_dir, registration=ref.registration_id)  # the new tenant's id
             step, samples = ckpt.state.step, ckpt.state.samples_trained
             cursor = DataCursor.model_validate(ckpt.state.data_cursor) if ckpt.state.data_cursor else None
         else:
-            self.trainer.call("init_slot", ref.slot, hyper, cfg.seed, init_from=cfg.init_from, registration=ref.registration_id)
+            self.trainer.init_slot(ref.slot, hyper, cfg.seed, init_from=cfg.init_from, registration=ref.registration_id)
         run = _Run(ref.name, ref.registration_id, ref.slot, cfg, ref.total_steps, step, samples, weight_version=0)
+        version = weight_version
         try:
-            version = self._next_version()
             if run.is_rl:
                 spec = AdapterRollout(
                     name=ref.name, registration_id=ref.registration_id, data=cfg.data_config(), reward=cfg.reward,
                     sampling=cfg.sampling, initial_version=version, cursor=cursor, max_staleness=cfg.max_staleness,
                 )
-                self._rollout("add_adapter", spec, self._weights(ref.slot), timeout=300)
+                self._need_rollout().add_adapter(spec, self._weights(ref.slot))
             else:
                 run.sft = SftSource(cfg.data_config(), self.tokenizer, slot=ref.slot, registration_id=ref.registration_id,
                                     samples_per_step=cfg.samples_per_step, cursor=cursor)
         except BaseException:
-            self.trainer.call("clear_slot", ref.slot)
+            self.trainer.clear_slot(ref.slot)
             raise
         run.weight_version = version
-        run.publish_history.append(version)
         with self._lock:
             self._runs[ref.registration_id] = run
         log.info("prepared %s in slot %d at step %d (version %d, from %s)", ref.name, ref.slot, step, version, source or cfg.init_from or "seed")
-        return Prepared(weight_version=version, step=step, samples_trained=samples)
+        return Prepared(step=step, samples_trained=samples)
 
     def _evict_slot(self, slot: int) -> None:
         """Forget whatever registration this runtime still has in `slot` (a lost release)."""
@@ -188,21 +186,23 @@ class FleetRuntime:
         with self._lock:
             self._runs.pop(run.registration_id, None)
         if run.is_rl:
-            self._rollout("remove_adapter", run.name)
-        if self.trainer.group is not None:
-            self.trainer.call("clear_slot", run.slot)
+            self._need_rollout().remove_adapter(run.name)
+        if self.trainer.running:
+            self.trainer.clear_slot(run.slot)
 
     def finish_adapter(self, ref: AdapterRef) -> Finished:
+        """The final checkpoint, and the export: the checkpoint's PEFT folder, linked (not written
+        again) as <run dir>/export."""
         run = self._run(ref.registration_id)
         if run.is_rl:
             # Stop generating and abort its requests (their prompts go back to the data source,
             # so the final checkpoint's cursor still lists them).
-            self._rollout("abort_adapter", run.name, True)
+            self._need_rollout().abort_adapter(run.name, pause=True)
         checkpoint = self.checkpoint(ref.registration_id)
         export = run_dir(self.settings.state_dir, ref) / "export"
-        self.trainer.call("export_peft", run.slot, str(export))
+        link_folder(Path(checkpoint) / ADAPTER_SUBDIR, export)
         if run.is_rl:
-            self._rollout("remove_adapter", run.name)
+            self._need_rollout().remove_adapter(run.name)
         return Finished(export_path=str(export), checkpoint_path=checkpoint)
 
     def release_adapter(self, ref: AdapterRef) -> None:
@@ -216,17 +216,14 @@ class FleetRuntime:
             run = self._runs.get(ref.registration_id)
         if run is None or not run.is_rl:
             return 0
-        return int(self._rollout("abort_adapter", run.name, False, timeout=30))
+        return self._need_rollout().abort_adapter(run.name, pause=False, timeout_s=30)
 
     def ready(self) -> dict[str, ComponentHealth]:
-        if self.trainer is None:
-            out = {"trainer": ComponentHealth(False, "trainer starting")}
-        else:
-            out = {"trainer": self.trainer.health(note=self._trainer_note)}
+        out = {"trainer": self.trainer.health(note=self._trainer_note)}
         if self.rollout is None:  # SFT-only runtime (tests): nothing generates
             return out
         try:
-            engines = self._rollout("engine_health", timeout=10)
+            engines = self.rollout.engine_health(timeout_s=10)
             out["rollout"] = ComponentHealth(True, f"{len(self.runs())} adapter(s) prepared")
             for e in engines:
                 out[f"engine-{e.index}"] = ComponentHealth(
@@ -242,9 +239,9 @@ class FleetRuntime:
         try:
             if self.rollout is None:
                 raise RuntimeError("no rollout worker")
-            for name, s in self._rollout("stats", None, timeout=5).items():
+            for name, s in self.rollout.all_stats(timeout_s=5).items():
                 queue[name] = s.buffered_groups
-            for e in self._rollout("engine_health", timeout=5):
+            for e in self.rollout.engine_health(timeout_s=5):
                 inflight[str(e.index)] = e.inflight
         except Exception:
             log.debug("stats: rollout worker unreachable", exc_info=True)
@@ -253,6 +250,25 @@ class FleetRuntime:
                 if r.is_rl:
                     queue[r.name] = queue.get(r.name, 0) + len(r.staged)
         return RuntimeStats(queue_depth=queue, engine_inflight=inflight, train_step_seconds=self._last_train_s)
+
+    def processes(self) -> list[ProcessInfo]:
+        """Every process of the fleet with its id (the operator's GET /v1/fleet): the coordinator,
+        each trainer rank, the rollout worker and each engine. pid None: not running / unknown."""
+        out = [ProcessInfo("coordinator", "coordinator", os.getpid())]
+        try:
+            pids = self.trainer.pids() if self.trainer.running else []
+        except Exception as e:
+            log.info("trainer pids: %s: %s", type(e).__name__, e)
+            pids = []
+        out += [ProcessInfo(f"trainer-rank-{r}", "trainer", pid) for r, pid in enumerate(pids)]
+        if self.rollout is not None:
+            try:
+                procs = self.rollout.processes()
+                out.append(ProcessInfo("rollout-worker", "rollout", procs["worker"]))
+                out += [ProcessInfo(f"engine-{i}", "engine", pid) for i, pid in enumerate(procs["engines"])]
+            except Exception as e:
+                out.append(ProcessInfo("rollout-worker", "rollout", None, f"unreachable: {type(e).__name__}"))
+        return out
 
     # --- the loop's operations -------------------------------------------------------------------
 
@@ -265,7 +281,7 @@ class FleetRuntime:
         `max_wait_s` (the loop then reconciles and calls again)."""
         with self._lock:
             runs = [self._runs[r] for r in active if r in self._runs]
-        if self.trainer is None or self.trainer.group is None:  # not started, or stopped: nothing can train
+        if not self.trainer.running:  # stopped or restarting: nothing can train
             time.sleep(max_wait_s)
             return CollectedBatch([], [])
         if not runs:
@@ -282,7 +298,7 @@ class FleetRuntime:
                 if run.is_rl:
                     need = run.groups_per_step - len(run.staged)
                     if need > 0:
-                        for g in self._rollout("pop_groups", run.name, need):
+                        for g in self._need_rollout().pop_groups(run.name, need):
                             if g.registration_id == run.registration_id:
                                 run.staged.append(g)
                             else:  # the rollout buffer refuses these already; a second line of defence
@@ -308,12 +324,12 @@ class FleetRuntime:
         plans: list[StepPlan] = []
         for run in ready:
             if run.is_rl:
-                step_samples, plan = rl_step(run.slot, run.registration_id, run.staged[: run.groups_per_step], run.publish_history)
+                step_samples, plan = rl_step(run.slot, run.registration_id, run.staged[: run.groups_per_step])
                 samples.extend(step_samples)
                 plans.append(plan)
             else:
                 rows, sft_samples = sft_steps.pop(run.registration_id)
-                self._sft_rows[run.registration_id] = rows  # committed after the train call (I3)
+                run.sft_in_flight = rows  # committed after the train call (I3)
                 samples.extend(sft_samples)
                 plans.append(StepPlan(run.registration_id, len(sft_samples), None, None, 0))
         return CollectedBatch(samples, plans)
@@ -322,7 +338,7 @@ class FleetRuntime:
         """One mixed train call over the batch; accounting per I3. Raises TrainerLost if the trainer died."""
         t0 = time.monotonic()
         try:
-            result = self.trainer.call("train", TrainBatch(samples=batch.samples))
+            result = self.trainer.train(TrainBatch(samples=batch.samples))
         except Exception as e:
             self._return_batch(batch)
             if self.trainer.is_lost(e):
@@ -354,6 +370,8 @@ class FleetRuntime:
             report = reports[-1]
             run.step = report.step
             run.samples_trained += plan.samples
+            # The API shows these keys by name (last reward / loss, the metrics series) and /metrics
+            # exports them; any other float-valued key is stored and shown too.
             m = {"loss": report.loss, "learning_rate": report.lr, "grad_norm": report.grad_norm, "train_seconds": seconds}
             if plan.reward_mean is not None:
                 m["reward_mean"] = plan.reward_mean
@@ -375,14 +393,16 @@ class FleetRuntime:
         if run.is_rl:
             del run.staged[: run.groups_per_step]
         # SFT rows: committed here (I3)
-        elif run.sft is not None and run.registration_id in self._sft_rows:
-            run.sft.commit(self._sft_rows.pop(run.registration_id))
+        elif run.sft is not None and run.sft_in_flight is not None:
+            run.sft.commit(run.sft_in_flight)
+            run.sft_in_flight = None
 
     def _return_batch(self, batch: CollectedBatch) -> None:
         for plan in batch.plans:
             run = self._runs.get(plan.registration_id)
-            if run is not None and run.sft is not None and plan.registration_id in self._sft_rows:
-                run.sft.give_back(self._sft_rows.pop(plan.registration_id))
+            if run is not None and run.sft is not None and run.sft_in_flight is not None:
+                run.sft.give_back(run.sft_in_flight)
+                run.sft_in_flight = None
 
     def _exhausted(self, run: _Run) -> bool:
         if run.config.num_step is not None and run.step >= run.config.num_step:
@@ -390,7 +410,7 @@ class FleetRuntime:
         if run.is_rl:
             if run.staged:
                 return False
-            s = self._rollout("stats", run.name)
+            s = self._need_rollout().stats(run.name)
             return s.data.exhausted and s.buffered_groups == 0 and s.inflight_groups == 0
         return run.sft.exhausted
 
@@ -404,7 +424,7 @@ class FleetRuntime:
             if run is None:
                 continue
             if run.is_rl and run.staged and (run.config.num_step is None or run.step < run.config.num_step):
-                s = self._rollout("stats", run.name)
+                s = self._need_rollout().stats(run.name)
                 if s.data.exhausted and s.buffered_groups == 0 and s.inflight_groups == 0:
                     log.info("%s: data used up; dropping a tail of %d group(s), less than a step", run.name, len(run.staged))
                     run.staged.clear()
@@ -420,23 +440,20 @@ class FleetRuntime:
         remove/abort of the adapter after them). Failures surface in `check_engines`."""
         run = self._run(registration_id)
         if run.is_rl:
-            ref = self.rollout.publish_version.remote(run.name, version, self._weights(run.slot))
+            ref = self._need_rollout().publish_version(run.name, version, self._weights(run.slot))
             self._publishing.append((run.name, version, ref))
         run.weight_version = version
-        run.publish_history.append(version)
-        del run.publish_history[:-64]
 
     def _publish_failures(self) -> list[str]:
         """Finished publishes that failed (their engines are checked next); drops finished ones."""
         if not self._publishing:
             return []
-        done, _ = ray.wait([ref for _, _, ref in self._publishing], num_returns=len(self._publishing), timeout=0)
-        finished = set(done)
+        finished = self.rollout.finished([ref for _, _, ref in self._publishing])
         failures = []
         for name, version, ref in self._publishing:
             if ref in finished:
                 try:
-                    ray.get(ref)
+                    self.rollout.outcome(ref)
                 except Exception as e:
                     failures.append(f"publish of {name} v{version} failed: {type(e).__name__}: {e}"[:500])
         self._publishing = [p for p in self._publishing if p[2] not in finished]
@@ -448,8 +465,8 @@ class FleetRuntime:
         folder = run_dir(self.settings.state_dir, _RefLike(run.name, registration_id))
         cursor = self._cursor(run)
         with PendingCheckpoint(folder, run.step) as pending:
-            self.trainer.call("save_slot_state", run.slot, str(pending.trainer_dir))
-            self.trainer.call("export_peft", run.slot, str(pending.adapter_dir))
+            self.trainer.save_slot_state(run.slot, pending.trainer_dir)
+            self.trainer.export_peft(run.slot, pending.adapter_dir)
             state = RunState(
                 name=run.name, registration_id=registration_id, objective=run.config.objective, rank=run.config.rank,
                 samples_per_step=run.config.samples_per_step,
@@ -465,7 +482,7 @@ class FleetRuntime:
     def _cursor(self, run: _Run) -> DataCursor | None:
         if run.sft is not None:
             return run.sft.cursor()
-        cursor: DataCursor = self._rollout("data_cursor", run.name)
+        cursor: DataCursor = self._need_rollout().data_cursor(run.name)
         staged = [(g.prompt_index, g.epoch) for g in run.staged]  # popped (consumed) but not trained: I4
         return cursor.model_copy(update={"pending": staged + list(cursor.pending), "consumed": cursor.consumed - len(staged)})
 
@@ -481,7 +498,7 @@ class FleetRuntime:
         if self.rollout is None:
             return []
         done = self._publish_failures()
-        for e in self._rollout("engine_health", timeout=30):
+        for e in self.rollout.engine_health():
             unroutable = e.alive and not e.routable
             if unroutable and self._unroutable.get(e.index, 0) == 0:
                 self._unroutable[e.index] = 1  # once may be a restart in progress: look again next time
@@ -490,13 +507,18 @@ class FleetRuntime:
             if not e.alive or unroutable:
                 why = "was dead" if not e.alive else "stayed out of routing after a connection error"
                 t0 = time.monotonic()
-                health = self._rollout("restart_engine", e.index, timeout=self.job.engines.startup_deadline_s + 60)
+                health = self.rollout.restart_engine(e.index)
                 done.append(f"engine {e.index} {why}: restarted ({health.url}) and republished in {time.monotonic() - t0:.1f} s")
         if any("restarted" in d for d in done):  # the new processes replace the dead ones in the record of what to reap
-            from service.app_runtime import record_engines
-
-            record_engines(self.settings.state_dir, [e.url for e in self._rollout("engine_health", timeout=30)])
+            record_engines(self.settings.state_dir, [e.url for e in self.rollout.engine_health()])
         return done
+
+    def trainer_lost(self) -> bool:
+        """Whether the trainer should run but a rank's process is gone (it died while nothing trained),
+        or a restart failed halfway."""
+        if not self.trainer.running:
+            return self.trainer.stopped_reason == "restarting"
+        return self.trainer.lost()
 
     def restart_trainer(self) -> list[str]:
         """Replace the dead trainer; every run is forgotten here and must be prepared again
@@ -507,23 +529,13 @@ class FleetRuntime:
         for run in lost:
             if run.is_rl:
                 try:
-                    self._rollout("remove_adapter", run.name)
+                    self._need_rollout().remove_adapter(run.name)
                 except Exception:
                     log.exception("removing %s from the rollout worker", run.name)
         self._trainer_note = "restarting"
         self.trainer.restart()
         self._trainer_note = "running"
         return [r.registration_id for r in lost]
-
-    def kill_trainer_rank(self, rank: int = 0) -> None:
-        """Kill one trainer rank's process (a fault drill: the loop then restarts the trainer
-        and every live run continues from its last checkpoint)."""
-        self.trainer.kill_rank(rank)
-
-    def stop_trainer(self) -> None:
-        """Stop the trainer for good (operations and tests: the service then reports not ready)."""
-        self._trainer_note = "stopped by the operator"
-        self.trainer.stop("stopped by the operator")
 
     def drain(self) -> dict[str, tuple[str, int]]:
         """Stop generating for every run and checkpoint each; registration id -> (checkpoint folder, step)."""
@@ -534,7 +546,7 @@ class FleetRuntime:
                 continue
             if run.is_rl:
                 try:
-                    self._rollout("abort_adapter", run.name, True)
+                    self._need_rollout().abort_adapter(run.name, pause=True)
                 except Exception:
                     log.exception("draining %s: abort", run.name)
             try:
@@ -546,11 +558,15 @@ class FleetRuntime:
     def shutdown(self) -> None:
         if self.rollout is not None:
             try:
-                self._rollout("shutdown", timeout=120)
+                self.rollout.shutdown()
             except Exception:
                 log.exception("rollout worker shutdown")
-        if self.trainer is not None:
-            self.trainer.stop("service stopped")
+        self.trainer.stop("service stopped")
+
+    def _need_rollout(self) -> RolloutClient:
+        if self.rollout is None:
+            raise RuntimeError("this runtime has no rollout worker: RL runs cannot be served (SFT only)")
+        return self.rollout
 
 
 @dataclass(frozen=True)

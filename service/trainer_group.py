@@ -1,98 +1,174 @@
-"""The trainer as the runtime uses it: `TrainerGroup`, a restartable handle on trainer/actor.py's
-`TrainActorGroup` (one TrainWorker actor per rank, every call collective, rank 0 answers).
+"""The trainer as the coordinator uses it: `TrainerGroup`, tp * dp TrainWorker actors acting as one.
 
-What this adds for the service: placement (rank r goes into bundle tp_rank of the
-trainer placement group of its dp_rank, service/placement.py), a liveness probe,
-restart after a rank died (a dead rank takes the whole group: slot state is spread
-over all ranks), and a deliberate stop.
+Every trainer method is collective: the group calls it on every rank with the same
+arguments (one typed lambda per rank, `_all`) and returns rank 0's answer. On top it
+adds what the service needs: start (ranks placed by service/actors.py, model built on
+each), a liveness probe, restart after a rank died (a dead rank takes the whole group:
+slot state is spread over all ranks), the ranks' process ids, and a deliberate stop.
+
+Errors: a rank's exception comes back as itself (service/remote.py); a dead rank
+raises Ray's actor error, which `is_lost` recognizes (the runtime turns it into
+TrainerLost and the loop restarts the group).
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import ray
-from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from service.actors import start_train_workers
+from service.remote import call, is_actor_lost
 from service.runtime import ComponentHealth
-from trainer.config import TrainerConfig
+from trainer.batch import TrainBatch
+from trainer.config import SlotHyperParams, TrainerConfig
 
 PROBE_TIMEOUT_S = 2.0
 
 
 class TrainerGroup:
     def __init__(self, config: TrainerConfig, placement_groups: list[Any] | None = None, *, cpus_per_rank: float = 1.0,
-                 gpus_per_rank: float = 0.0) -> None:
+                 gpus_per_rank: float = 0.0, setup_timeout_s: float = 900.0, call_timeout_s: float = 3600.0) -> None:
         self.config = config
         self.placement_groups = placement_groups
         self.cpus_per_rank = cpus_per_rank
         self.gpus_per_rank = gpus_per_rank
-        self.group: Any = None  # trainer.actor.TrainActorGroup while running
+        self.setup_timeout_s = setup_timeout_s
+        self.call_timeout_s = call_timeout_s
+        self.workers: list[Any] = []  # TrainWorker actor handles, rank order, while running
+        self.placement: list[dict] = []  # per rank: rank, tp_rank, dp_rank, device (from setup)
+        self._pids: list[int] = []  # per rank, read once at start (a rank busy training answers nothing)
         self.starts = 0
-        self.stopped_reason: str | None = None
+        self.stopped_reason: str | None = "not started"
+        self._in_flight = 0  # collective calls under way (a rank busy in one does not answer probes)
+        self._in_flight_lock = threading.Lock()
 
     @property
     def world_size(self) -> int:
         return self.config.tp * self.config.dp
 
-    def _actor_options(self) -> list[dict]:
-        out = []
-        for r in range(self.world_size):
-            options: dict[str, Any] = {"num_cpus": self.cpus_per_rank, "num_gpus": self.gpus_per_rank, "max_restarts": 0}
-            if self.placement_groups:
-                dp_rank, tp_rank = divmod(r, self.config.tp)
-                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    placement_group=self.placement_groups[dp_rank], placement_group_bundle_index=tp_rank
-                )
-            out.append(options)
-        return out
+    @property
+    def running(self) -> bool:
+        return bool(self.workers)
+
+    # --- life ----------------------------------------------------------------------------------------
 
     def start(self) -> float:
         """Create every rank and build the model on each (blocks); returns the seconds taken."""
-        from trainer.actor import TrainActorGroup
-
         t0 = time.monotonic()
-        self.group = TrainActorGroup(self.config, actor_options=self._actor_options(), use_gpus=self.gpus_per_rank > 0)
+        self.workers = start_train_workers(self.world_size, self.config.tp, self.placement_groups,
+                                           cpus=self.cpus_per_rank, gpus=self.gpus_per_rank)
+        try:
+            addr, port = call(self.workers[0].master_address.remote(), self.setup_timeout_s, "trainer rank 0 address")
+            config = self.config.model_dump()
+            self.placement = call([w.setup.remote(config, r, addr, port) for r, w in enumerate(self.workers)],
+                                  self.setup_timeout_s, "trainer setup")
+            self._pids = call([w.pid.remote() for w in self.workers], self.setup_timeout_s, "trainer pids")
+        except BaseException:
+            self._kill_workers()
+            raise
         self.starts += 1
         self.stopped_reason = None
         return time.monotonic() - t0
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        if self.group is None:
-            raise RuntimeError(f"the trainer is not running ({self.stopped_reason or 'not started'})")
-        return getattr(self.group, method)(*args, **kwargs)
-
-    @staticmethod
-    def is_lost(error: BaseException) -> bool:
-        return isinstance(error, (RayActorError, ActorDiedError, ActorUnavailableError))
-
-    def health(self, note: str = "running") -> ComponentHealth:
-        if self.group is None:
-            return ComponentHealth(False, f"trainer not running ({self.stopped_reason or note})")
-        try:
-            # Any actor method is a probe; a rank answers between calls only.
-            ray.get([w.master_address.remote() for w in self.group.workers], timeout=PROBE_TIMEOUT_S)
-        except GetTimeoutError:
-            return ComponentHealth(True, f"{self.world_size} rank(s), busy training")
-        except Exception as e:
-            return ComponentHealth(False, f"trainer rank unreachable: {type(e).__name__}")
-        return ComponentHealth(True, f"{self.world_size} rank(s), {note}, starts={self.starts}")
-
     def stop(self, reason: str = "stopped") -> None:
-        group, self.group = self.group, None
         self.stopped_reason = reason
-        if group is not None:
-            try:
-                group.shutdown()
-            except Exception:
-                pass
+        self._kill_workers()
 
     def restart(self) -> float:
         self.stop("restarting")
         return self.start()
 
-    def kill_rank(self, rank: int = 0) -> None:
-        """Kill one rank's process without telling the group (fault injection for tests)."""
-        ray.kill(self.group.workers[rank], no_restart=True)
+    def _kill_workers(self) -> None:
+        workers, self.workers = self.workers, []
+        for w in workers:
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception:
+                pass
+
+    @staticmethod
+    def is_lost(error: BaseException) -> bool:
+        return is_actor_lost(error)
+
+    def _probe(self) -> str:
+        """"ok", "busy" (no answer while a call is under way), "silent" (no answer while idle: a rank
+        stopped or hung), or "lost" (a rank's process is gone). Any actor method is a probe; a rank
+        answers between calls only."""
+        try:
+            ray.get([w.pid.remote() for w in self.workers], timeout=PROBE_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            return "busy" if self._in_flight else "silent"
+        except Exception as e:
+            if is_actor_lost(e):
+                return "lost"
+            raise
+        return "ok"
+
+    def health(self, note: str = "running") -> ComponentHealth:
+        if not self.workers:
+            return ComponentHealth(False, f"trainer not running ({self.stopped_reason or note})")
+        try:
+            probe = self._probe()
+        except Exception as e:
+            return ComponentHealth(False, f"trainer probe failed: {type(e).__name__}: {e}")
+        if probe == "busy":
+            return ComponentHealth(True, f"{self.world_size} rank(s), busy training")
+        if probe == "silent":
+            return ComponentHealth(False, f"trainer rank not answering for {PROBE_TIMEOUT_S:g} s while idle (stopped or hung)")
+        if probe == "lost":
+            return ComponentHealth(False, "trainer rank unreachable: its process is gone")
+        return ComponentHealth(True, f"{self.world_size} rank(s), {note}, starts={self.starts}")
+
+    def lost(self) -> bool:
+        """Whether a rank's process is gone (the group must be restarted). A silent rank is not lost:
+        it is reported not ready and left to the operator (it may be paused on purpose)."""
+        return bool(self.workers) and self._probe() == "lost"
+
+    def pids(self) -> list[int]:
+        """Process id of every rank, rank order (GET /v1/fleet); empty while not running."""
+        return list(self._pids) if self.workers else []
+
+    # --- the trainer's interface (trainer/actor.py TrainWorker), rank 0 answers ----------------------
+
+    def _all(self, remote: Callable[[Any], Any], *, what: str) -> Any:
+        """`remote(worker)` -> ObjectRef, on every rank at once; rank 0's answer. `what` names it in errors."""
+        if not self.workers:
+            raise RuntimeError(f"the trainer is not running ({self.stopped_reason or 'not started'})")
+        with self._in_flight_lock:
+            self._in_flight += 1
+        try:
+            return call([remote(w) for w in self.workers], self.call_timeout_s, f"trainer {what}")[0]
+        finally:
+            with self._in_flight_lock:
+                self._in_flight -= 1
+
+    def init_slot(self, slot: int, hyper: SlotHyperParams, seed: int, init_from: str | None = None,
+                  registration: str | None = None) -> dict:
+        return self._all(lambda w: w.init_slot.remote(slot, hyper, seed, init_from=init_from, registration=registration), what="init_slot")
+
+    def clear_slot(self, slot: int) -> None:
+        self._all(lambda w: w.clear_slot.remote(slot), what="clear_slot")
+
+    def train(self, batch: TrainBatch):
+        return self._all(lambda w: w.train.remote(batch), what="train")
+
+    def peft_tensors(self, slot: int):
+        return self._all(lambda w: w.peft_tensors.remote(slot), what="peft_tensors")
+
+    def export_peft(self, slot: int, out_dir: str | Path) -> str:
+        return self._all(lambda w: w.export_peft.remote(slot, str(out_dir)), what="export_peft")
+
+    def save_slot_state(self, slot: int, out_dir: str | Path) -> str:
+        return self._all(lambda w: w.save_slot_state.remote(slot, str(out_dir)), what="save_slot_state")
+
+    def load_slot_state(self, slot: int, in_dir: str | Path, registration: str | None = None) -> dict:
+        return self._all(lambda w: w.load_slot_state.remote(slot, str(in_dir), registration=registration), what="load_slot_state")
+
+    def slot_state_tensors_all_ranks(self, slot: int) -> list:
+        """Every rank's optimizer and weight tensors of `slot` (tests compare DP ranks)."""
+        return call([w.slot_state_tensors.remote(slot) for w in self.workers], self.call_timeout_s, "trainer slot_state_tensors")

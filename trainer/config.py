@@ -26,11 +26,17 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class StrictModel(BaseModel):
+    """The one strict base of every config model (trainer, rollout, service): unknown keys are refused
+    (a typo fails loudly) and a validated config is a frozen value that cannot drift afterwards.
+    It lives here because trainer/ is the one package the other two may import (trainer/ imports
+    neither rollout/ nor service/). allow_inf_nan=False: Python's json reads `Infinity`/`NaN`, and
+    no setting means anything with them (a tenant's `"lr": Infinity` is a 422, not a 500)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
-class TrainerConfig(_Strict):
+class TrainerConfig(StrictModel):
     base_model_path: str = Field(description="Hugging Face checkpoint folder of the frozen base model.")
     random_init: bool = Field(
         False, description="Use only the folder's config.json and random weights (benchmarks)."
@@ -124,7 +130,7 @@ class TrainerConfig(_Strict):
         return self
 
 
-class SlotHyperParams(_Strict):
+class SlotHyperParams(StrictModel):
     rank: int = Field(8, ge=1, description="LoRA rank r (<= the trainer's max_rank).")
     alpha: float = Field(16.0, gt=0, description="LoRA alpha; the delta is scaled by alpha / r.")
     lr: float = Field(1e-4, gt=0, le=1.0, description="Peak learning rate (AdamW).")

@@ -45,9 +45,9 @@ def make_world(tmp: Path, **settings: Any) -> World:
 
 
 @contextlib.contextmanager
-def serve(controller_handle: Any, settings: ServiceSettings) -> Iterator[ApiServer]:
+def serve(controller: Any, settings: ServiceSettings) -> Iterator[ApiServer]:
     """The real app on a free loopback port; stopped even when the test fails."""
-    server = ApiServer(create_app(controller_handle, settings), "127.0.0.1", 0, token_configured=settings.api_token is not None)
+    server = ApiServer(create_app(controller, settings), "127.0.0.1", 0, token_configured=settings.api_token is not None)
     server.start()
     try:
         yield server

@@ -20,7 +20,9 @@ import yaml
 from api.client import LorafleetClient
 
 REPO = Path(__file__).resolve().parents[2]
-LORAFLEET = Path(sys.executable).parent / "lorafleet"
+# The `lorafleet` entry point (api/cli.py), run by this interpreter: independent of how the
+# venv's console script was generated.
+LORAFLEET = [sys.executable, "-m", "api.cli"]
 TOKEN = "fleet-test-token-31d7"
 START_TIMEOUT_S = 480
 
@@ -39,7 +41,7 @@ class Service:
         info.unlink(missing_ok=True)
         log = open(self.log_path, "a")
         # cwd: the repository, so the test rewards (tests.integration.rewards_for_tests) import in Ray's workers
-        self.proc = subprocess.Popen([str(LORAFLEET), "serve", str(self.job_path), "-v"], stdout=log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen([*LORAFLEET, "serve", str(self.job_path), "-v"], stdout=log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "LORAFLEET_API_TOKEN": TOKEN, "COLUMNS": "200"}, cwd=REPO)
         deadline = time.monotonic() + START_TIMEOUT_S
         while not info.is_file():
@@ -119,25 +121,27 @@ def serve_job(tmp: Path, tiny_world: Path) -> Path:
     return path
 
 
-def call_runtime_actor(service: Service, method: str, *args) -> str:
-    """Call a method of the service's runtime actor from another process, as an operator
-    attached to its Ray cluster would. Returns the repr of the result."""
-    code = (
-        "import ray, sys, json; ray.init(address=sys.argv[1], log_to_driver=False); "
-        "h = ray.get_actor('lorafleet-runtime', namespace='lorafleet'); "
-        f"print(repr(ray.get(h.{method}.remote(*json.loads(sys.argv[2])))))"
-    )
-    proc = subprocess.run([sys.executable, "-c", code, service.ray_address, json.dumps(list(args))], capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "RAY_AUTH_MODE": "token"})
-    if proc.returncode != 0:
-        raise RuntimeError(f"runtime actor call {method} failed:\n{proc.stderr[-3000:]}")
-    return proc.stdout.strip().splitlines()[-1]
+def fleet_pids(client: LorafleetClient, role: str) -> list[int]:
+    """Process ids of the service's processes of `role` (trainer, rollout, engine), as an operator
+    reads them: GET /v1/fleet (docs/operations.md, fault drills)."""
+    pids = [p["pid"] for p in client.fleet() if p["role"] == role]
+    assert pids and all(isinstance(p, int) for p in pids), client.fleet()
+    return pids
+
+
+def signal_processes(pids: list[int], sig: int = signal.SIGKILL, *, group: bool = False) -> None:
+    """Send `sig` to each pid (to its whole process group with `group`: an SGLang server's children too)."""
+    for pid in pids:
+        if group:
+            os.killpg(os.getpgid(pid), sig)
+        else:
+            os.kill(pid, sig)
 
 
 @contextlib.contextmanager
 def running_service(tmp: Path, tiny_world: Path) -> Iterator[Service]:
     """A started `lorafleet serve`; killed (and its engines reaped) however the tests end."""
-    from service.app_runtime import reap_engines
+    from service.engine_pids import reap_engines
 
     svc = Service(serve_job(tmp, tiny_world), tmp / "state", tmp / "serve.log")
     try:

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from service.cli import app
-from service.smoke import SmokeFailure, check_metrics
+from api.cli import app
+from api.smoke import SmokeFailure, check_metrics
 from tests.integration.api_world import TOKEN, served_world
 
 pytestmark = pytest.mark.integration
@@ -67,6 +67,18 @@ def test_adapters_commands(service, tmp_path):
         code, out, err = cli(*args, url=url, token=token)
         assert code == 1, (args, out, err)
         assert message in " ".join(err.split()), (args, err)
+
+
+def test_fleet_lists_the_processes(service):
+    _, url = service
+    code, out, err = cli("fleet", "--json", url=url)
+    assert code == 0, err
+    # no runtime attached in this world: the coordinator (this process, serving the app) alone
+    assert json.loads(out) == [{"name": "coordinator", "role": "coordinator", "pid": os.getpid(), "detail": "no runtime attached"}]
+    code, out, _ = cli("fleet", url=url)
+    assert code == 0 and "coordinator" in out and str(os.getpid()) in out
+    code, _, err = cli("fleet", url=url, token="wrong")
+    assert code == 1 and "error 401 unauthorized" in " ".join(err.split())
 
 
 def test_cli_unreachable_service_fails_cleanly():

@@ -1,7 +1,8 @@
-"""The README's main-job command, end to end on CPU: `.venv/bin/lorafleet run`.
+"""The README's main-job command, end to end on CPU: `lorafleet run` (run as `python -m api.cli run`,
+the same entry point as the console script, independent of how the venv's launcher was generated).
 
 Real everything: the CLI process starts Ray, one SGLang CPU server, the
-Megatron-Bridge trainer actor, the controller and runtime actors; it trains the
+Megatron-Bridge trainer rank and the rollout worker, and coordinates them itself; it trains the
 embedded tiny job (digits + vowels RL, echo_sft SFT) to exhaustion and exits 0
 with a summary. Checked afterwards, from the registry the process left behind:
 every adapter COMPLETED with all its steps, each RL adapter's reward rose (mean of
@@ -23,7 +24,7 @@ import pytest
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
-LORAFLEET = Path(sys.executable).parent / "lorafleet"
+LORAFLEET = [sys.executable, "-m", "api.cli"]
 # Under pytest's own 900 s timeout (pyproject), so a hung job fails here with its output rather
 # than being cut off by pytest-timeout; measured 142 s on the 2-core machine (FINDINGS).
 JOB_TIMEOUT_S = 720
@@ -42,7 +43,7 @@ def _rows(db: Path, sql: str, *args):
 @pytest.fixture
 def job_dir(tmp_path):
     """A fresh working folder (the tiny job's state dir is runs/tiny under it); engines reaped even on failure."""
-    from service.app_runtime import reap_engines
+    from service.engine_pids import reap_engines
 
     try:
         yield tmp_path
@@ -53,7 +54,7 @@ def job_dir(tmp_path):
 def test_main_job_trains_two_rl_and_one_sft_adapter_to_exhaustion(tiny_world, job_dir):
     t0 = time.monotonic()
     try:
-        proc = subprocess.run([str(LORAFLEET), "run"], cwd=job_dir, capture_output=True, text=True,
+        proc = subprocess.run([*LORAFLEET, "run"], cwd=job_dir, capture_output=True, text=True,
                               timeout=JOB_TIMEOUT_S, env={**os.environ, "COLUMNS": "120"})
     except subprocess.TimeoutExpired as err:  # the job is killed; its engines are reaped by job_dir
         out = "".join(x.decode(errors="replace") if isinstance(x, bytes) else x for x in (err.stdout or "", err.stderr or ""))

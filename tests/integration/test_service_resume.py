@@ -39,7 +39,7 @@ def sft_world(tiny_world, tmp_path_factory):
     controller = Controller(settings, job.capacity)
     try:
         trainer.start()
-        runtime = FleetRuntime(job, settings, trainer=trainer, rollout=None, controller=controller)
+        runtime = FleetRuntime(job, settings, trainer=trainer, rollout=None)
         controller.attach_runtime(runtime)
         yield controller, runtime, tiny_world
     finally:
@@ -52,7 +52,7 @@ def _train(controller, runtime):
     from service.loop import LoopOptions, run_training_loop
     from service.shutdown import StopSignal
 
-    report = run_training_loop(controller, runtime, runtime, LoopOptions(batch_mode=True, max_wait_s=0.1), StopSignal())
+    report = run_training_loop(controller, runtime, LoopOptions(batch_mode=True, max_wait_s=0.1), StopSignal())
     assert report.stopped_by is None
     return report
 

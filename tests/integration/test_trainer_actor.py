@@ -1,4 +1,5 @@
-"""The Ray train actor group with real Ray: two data-parallel workers train a mixed
+"""The trainer group (service/trainer_group.py over trainer/actor.py TrainWorker) with real Ray:
+two data-parallel ranks train a mixed
 batch; only slot gradients are all-reduced, both ranks end bit-identical, and the
 result matches one process training the whole batch."""
 
@@ -40,22 +41,23 @@ def _batch():
 
 
 def test_dp2_actor_group_matches_one_process(ray_cluster, tiny_world):
-    ray = ray_cluster
-    from trainer.actor import TrainActorGroup
+    from service.trainer_group import TrainerGroup
     from trainer.config import TrainerConfig
     from trainer.core import MultiLoraTrainer
 
     cfg = TrainerConfig(base_model_path=str(tiny_world / "model"), num_slots=2, max_rank=4, dp=2, micro_batch_tokens=64)
-    group = TrainActorGroup(cfg, use_gpus=False, setup_timeout_s=300, call_timeout_s=120)
+    group = TrainerGroup(cfg, setup_timeout_s=300, call_timeout_s=120)
     try:
+        group.start()
         assert sorted(p["dp_rank"] for p in group.placement) == [0, 1]
+        assert len(set(group.pids())) == 2  # one process per rank
         for slot in (0, 1):
             group.init_slot(slot, _hyper(slot), seed=slot)
         res = group.train(_batch())
         assert res.stepped == [0, 1] and res.slots[0].samples == 3
-        per_rank = ray.get([w.slot_state_tensors.remote(0) for w in group.workers], timeout=60)
+        per_rank = group.slot_state_tensors_all_ranks(0)
     finally:
-        group.shutdown()
+        group.stop()
 
     # both DP ranks applied the same (all-reduced) update
     for kind in ("weight", "exp_avg", "exp_avg_sq"):

@@ -30,17 +30,17 @@ class ScriptedRuntime:
         self.calls: list[tuple[str, str]] = []
         self.fail_on: dict[tuple[str, str], str] = {}
         self.bad_export: set[str] = set()
-        self.version = 100
+        self.versions: dict[str, int] = {}  # name -> the weight version the controller passed to prepare
 
     def _call(self, method: str, ref) -> None:
         self.calls.append((method, ref.name))
         if (method, ref.name) in self.fail_on:
             raise RuntimeError(self.fail_on[(method, ref.name)])
 
-    def prepare_adapter(self, ref):
+    def prepare_adapter(self, ref, weight_version):
         self._call("prepare", ref)
-        self.version += 1
-        return Prepared(weight_version=self.version, step=ref.checkpoint_step or 0)
+        self.versions[ref.name] = weight_version
+        return Prepared(step=ref.checkpoint_step or 0)
 
     def finish_adapter(self, ref):
         self._call("finish", ref)
@@ -115,7 +115,8 @@ def test_reconcile_lifecycle_and_slot_reuse(world, tmp_path):
     b = controller.register("b", cfg(data))
     changes = controller.reconcile()
     assert [(c.name, c.from_state, c.to_state) for c in changes] == [("a", S.PENDING, S.ACTIVE), ("b", S.PENDING, S.ACTIVE)]
-    assert controller.get("a").weight_version == 101
+    # the controller assigned each run's first version, passed it in and recorded it (never reused)
+    assert controller.get("a").weight_version == rt.versions["a"] != rt.versions["b"] == controller.get("b").weight_version
     assert controller.abort("a") == 3
     with pytest.raises(NoFreeSlot):
         controller.register("c", cfg(data))

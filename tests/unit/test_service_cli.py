@@ -7,7 +7,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from service.cli import TINY_JOB, app
+from api.cli import app
+from service.cli import TINY_JOB
 
 pytestmark = pytest.mark.unit
 

@@ -1,5 +1,5 @@
-"""The tenant commands, over the REST API: `lorafleet adapters add|ls|show|rm|abort`
-and `lorafleet smoke`.
+"""The commands over the REST API: `lorafleet adapters add|ls|show|rm|abort`, `lorafleet fleet`
+(the operator's process list) and `lorafleet smoke`.
 
 Output is a table (rich) or, with --json, the API's JSON as it is. Errors print
 the server's message (what was wrong, what is allowed) and exit 1.
@@ -172,6 +172,16 @@ def abort(name: str, api_url: ApiUrl = DEFAULT_API_URL, token: Token = None, tim
         typer.echo(f"{name}: aborted {n} in-flight request(s)")
 
 
+def fleet(api_url: ApiUrl = DEFAULT_API_URL, token: Token = None, timeout: Timeout = 30.0, as_json: AsJson = False) -> None:
+    """The service's processes and their ids: coordinator, trainer ranks, rollout worker, engines (GET /v1/fleet)."""
+    with api_client(api_url, token, timeout) as client:
+        procs = client.fleet()
+    table = Table("NAME", "ROLE", "PID", "DETAIL")
+    for p in procs:
+        table.add_row(p["name"], p["role"], _fmt(p["pid"]), p.get("detail") or "")
+    _print(procs, as_json, table)
+
+
 def smoke(
     api_url: ApiUrl = DEFAULT_API_URL,
     token: Token = None,
@@ -188,7 +198,7 @@ def smoke(
     as_json: AsJson = False,
 ) -> None:
     """End-to-end check of a running service (test adapter: register, train, metrics, retire, export)."""
-    from service.smoke import SmokeOptions, run_smoke
+    from api.smoke import SmokeOptions, run_smoke
 
     cfg = None
     if config is not None:

@@ -1,0 +1,64 @@
+"""Every Ray actor of the service, with its options, in one place.
+
+Two actor roles exist (DESIGN.md "Processes"); everything else runs in the
+coordinator process (API, controller, runtime, loop) or is an SGLang process:
+  * trainer ranks: `trainer.actor.TrainWorker`, one per device, tp * dp of them;
+    rank r sits in bundle tp_rank of the trainer placement group of its dp_rank
+    (service/placement.py plans and reserves the groups);
+  * the rollout worker: `rollout.worker_actor.RolloutWorker` (async), in engine 0's
+    placement group; it launches the SGLang engines.
+No actor restarts by itself (max_restarts=0): a lost trainer or rollout worker is
+replaced deliberately by the coordinator (service/trainer_group.py restarts the
+trainer; the loop re-prepares every live run from its checkpoint).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from service.config import JobConfig, ServiceSettings
+
+
+def _cpu_env() -> dict[str, Any]:
+    # On CPU megatron-core's torch.compile'd helpers are slow to compile and not needed.
+    return {"env_vars": {"TORCHDYNAMO_DISABLE": os.environ.get("TORCHDYNAMO_DISABLE", "1")}}
+
+
+def trainer_rank_options(rank: int, tp: int, placement_groups: list[Any] | None, *, cpus: float, gpus: float) -> dict[str, Any]:
+    """Ray options of trainer rank `rank` (global rank = dp_rank * tp + tp_rank)."""
+    options: dict[str, Any] = {"num_cpus": cpus, "num_gpus": gpus, "max_restarts": 0}
+    if gpus == 0:
+        options["runtime_env"] = _cpu_env()
+    if placement_groups:
+        dp_rank, tp_rank = divmod(rank, tp)
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            placement_group=placement_groups[dp_rank], placement_group_bundle_index=tp_rank
+        )
+    return options
+
+
+def start_train_workers(world_size: int, tp: int, placement_groups: list[Any] | None, *, cpus: float, gpus: float) -> list[Any]:
+    """Create the (empty) TrainWorker actors of every rank; `TrainerGroup.start` sets them up."""
+    from trainer.actor import TrainWorker
+
+    remote_cls = ray.remote(TrainWorker)
+    return [remote_cls.options(**trainer_rank_options(r, tp, placement_groups, cpus=cpus, gpus=gpus)).remote()
+            for r in range(world_size)]
+
+
+def start_rollout_worker(job: JobConfig, settings: ServiceSettings, engine_group: Any) -> Any:
+    """The rollout worker actor (it launches the engines when its `start` is called). One worker
+    launches every engine; on GPU with several engines each engine's devices must be visible to it."""
+    from rollout.worker_actor import RolloutWorker
+
+    gpu = job.placement.accelerator == "gpu"
+    return RolloutWorker.options(
+        num_cpus=job.placement.engines.cpus,
+        num_gpus=job.placement.engines.tensor_parallel if gpu else 0,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=engine_group, placement_group_bundle_index=0),
+        max_restarts=0,
+    ).remote(job.engines, job.rollout_config(settings), job.base_model.path, log_dir=str(settings.state_dir / "engines"))

@@ -1,0 +1,84 @@
+"""The rollout worker as the coordinator uses it: `RolloutClient`, one typed method per remote method
+of rollout/worker_actor.py's RolloutWorker (an async actor: each call is one coroutine on its loop).
+
+Blocking methods wait through service/remote.py `call` with a timeout chosen per method
+(tenant-facing reads are short); `start_engines` and `publish_version` return the ObjectRef
+so the caller can go on while the engines start or load weights (`wait_published` collects
+publish outcomes later).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+from rollout.data import DataCursor
+from rollout.groups import RolloutGroup
+from rollout.weights import AdapterWeights
+from rollout.worker import AdapterRollout, AdapterStats, EngineHealth
+from service.remote import call
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+class RolloutClient:
+    def __init__(self, handle: Any, *, engine_restart_timeout_s: float = 600.0) -> None:
+        self.handle = handle
+        self.engine_restart_timeout_s = engine_restart_timeout_s
+
+    def start_engines(self) -> Any:
+        """Launch the engines and start generating; an ObjectRef of list[EngineHealth]."""
+        return self.handle.start.remote()
+
+    def add_adapter(self, spec: AdapterRollout, weights: AdapterWeights) -> AdapterStats:
+        return call(self.handle.add_adapter.remote(spec, weights), 300.0, f"rollout add_adapter({spec.name})")
+
+    def remove_adapter(self, name: str) -> int:
+        return call(self.handle.remove_adapter.remote(name), DEFAULT_TIMEOUT_S, f"rollout remove_adapter({name})")
+
+    def publish_version(self, name: str, version: int, weights: AdapterWeights) -> Any:
+        """Hand new weights to the worker; an ObjectRef that resolves once every engine loaded them
+        (the worker applies one adapter's publishes, and any later remove/abort of it, in order)."""
+        return self.handle.publish_version.remote(name, version, weights)
+
+    def abort_adapter(self, name: str, *, pause: bool, timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
+        return int(call(self.handle.abort_adapter.remote(name, pause), timeout_s, f"rollout abort_adapter({name})"))
+
+    def pop_groups(self, name: str, max_groups: int) -> list[RolloutGroup]:
+        return call(self.handle.pop_groups.remote(name, max_groups), DEFAULT_TIMEOUT_S, f"rollout pop_groups({name})")
+
+    def data_cursor(self, name: str) -> DataCursor:
+        return call(self.handle.data_cursor.remote(name), DEFAULT_TIMEOUT_S, f"rollout data_cursor({name})")
+
+    def stats(self, name: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> AdapterStats:
+        return call(self.handle.stats.remote(name), timeout_s, f"rollout stats({name})")
+
+    def all_stats(self, timeout_s: float = 5.0) -> dict[str, AdapterStats]:
+        return call(self.handle.stats.remote(None), timeout_s, "rollout stats")
+
+    def engine_health(self, timeout_s: float = 30.0) -> list[EngineHealth]:
+        return call(self.handle.engine_health.remote(), timeout_s, "rollout engine_health")
+
+    def restart_engine(self, index: int) -> EngineHealth:
+        return call(self.handle.restart_engine.remote(index), self.engine_restart_timeout_s, f"rollout restart_engine({index})")
+
+    def processes(self, timeout_s: float = 10.0) -> dict[str, Any]:
+        """{"worker": pid, "engines": [pid or None per engine]} (GET /v1/fleet)."""
+        return call(self.handle.processes.remote(), timeout_s, "rollout processes")
+
+    def shutdown(self, timeout_s: float = 120.0) -> None:
+        call(self.handle.shutdown.remote(), timeout_s, "rollout shutdown")
+
+    @staticmethod
+    def finished(refs: list[Any]) -> set[Any]:
+        """Which of `refs` (publishes) have finished, without waiting."""
+        if not refs:
+            return set()
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        return set(done)
+
+    @staticmethod
+    def outcome(ref: Any) -> None:
+        """Raise the error of a finished publish (nothing when it succeeded)."""
+        call(ref, 0.0, "rollout publish_version")

@@ -1,0 +1,263 @@
+"""FAKES of the two actor interfaces the coordinator drives, for the unit tests of FleetRuntime and the loop
+(tests/unit/test_runtime.py, test_loop.py). Everything else in those tests is real: the Controller and its
+SQLite registry, FleetRuntime, the loop, SftSource over the tiny world's data, checkpoint files, and the
+rollout side's AdapterBuffer (staleness filter and stamps).
+
+  FakeTrainer  the surface of service/trainer_group.py TrainerGroup. A slot's "weights" are its step
+               count; a train call steps every slot that got samples of its own registration. Faults:
+               `fail_next` (the call raises that error), `nonfinite` (slots whose steps are skipped).
+               `kill()` makes every call raise FakeRankDied, which `is_lost` recognizes (a dead rank).
+  FakeRollout  the surface of service/rollout_client.py RolloutClient. Each adapter has `prompts`
+               prompts; groups are "generated" with the adapter's newest version until `ahead` of them
+               are buffered, and handed out through a real AdapterBuffer. A publish returns a FakeRef that
+               has finished (failing with `fail_publish` when set).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rollout.data import DataCursor, DataStatus
+from rollout.groups import AdapterBuffer, RolloutGroup, Sample
+from rollout.worker import AdapterStats, EngineHealth
+from service.runtime import ComponentHealth
+from trainer.core import SlotMetrics, StepReport, TrainResult
+
+
+class FakeRankDied(RuntimeError):
+    """Stands in for Ray's actor error of a killed trainer rank."""
+
+
+class FakeTrainer:
+    def __init__(self) -> None:
+        self.slots: dict[int, dict[str, Any]] = {}  # slot -> {"registration", "step"}
+        self.calls: list[tuple] = []
+        self.starts = 1
+        self.workers = [object()]
+        self.stopped_reason: str | None = None
+        self.dead = False
+        self.fail_next: BaseException | None = None
+        self.nonfinite: set[int] = set()
+
+    # --- life
+    @property
+    def running(self) -> bool:
+        return bool(self.workers)
+
+    def kill(self) -> None:
+        self.dead = True
+
+    def _check(self, what: str, *args: Any) -> None:
+        self.calls.append((what, *args))
+        if self.dead:
+            raise FakeRankDied(f"trainer rank 0 died (during {what})")
+        if not self.workers:
+            raise RuntimeError(f"the trainer is not running ({self.stopped_reason})")
+
+    @staticmethod
+    def is_lost(error: BaseException) -> bool:
+        return isinstance(error, FakeRankDied)
+
+    def health(self, note: str = "running") -> ComponentHealth:
+        if not self.workers:
+            return ComponentHealth(False, f"trainer not running ({self.stopped_reason})")
+        if self.dead:
+            return ComponentHealth(False, "trainer rank unreachable: FakeRankDied")
+        return ComponentHealth(True, f"1 rank(s), {note}, starts={self.starts}")
+
+    def restart(self) -> float:
+        self.calls.append(("restart",))
+        self.slots.clear()
+        self.dead = False
+        self.workers = [object()]
+        self.starts += 1
+        self.stopped_reason = None
+        return 0.0
+
+    def stop(self, reason: str = "stopped") -> None:
+        self.workers = []
+        self.stopped_reason = reason
+
+    def pids(self) -> list[int]:
+        return [4242]
+
+    def lost(self) -> bool:
+        return self.running and self.dead
+
+    # --- the trainer's interface
+    def init_slot(self, slot, hyper, seed, init_from=None, registration=None) -> dict:
+        self._check("init_slot", slot, registration)
+        self.slots[slot] = {"registration": registration, "step": 0}
+        return {}
+
+    def clear_slot(self, slot) -> None:
+        self._check("clear_slot", slot)
+        self.slots.pop(slot, None)
+
+    def load_slot_state(self, slot, in_dir, registration=None) -> dict:
+        self._check("load_slot_state", slot, registration)
+        saved = json.loads((Path(in_dir) / "slot.json").read_text())
+        self.slots[slot] = {"registration": registration, "step": saved["step"]}
+        return {}
+
+    def save_slot_state(self, slot, out_dir) -> str:
+        self._check("save_slot_state", slot)
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / "slot.json").write_text(json.dumps({"step": self.slots[slot]["step"]}))
+        return str(out_dir)
+
+    def export_peft(self, slot, out_dir) -> str:
+        self._check("export_peft", slot)
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "adapter_config.json").write_text(json.dumps({"r": 4, "step": self.slots[slot]["step"]}))
+        (out / "adapter_model.safetensors").write_bytes(b"fake weights of step %d" % self.slots[slot]["step"])
+        return str(out)
+
+    def peft_tensors(self, slot):
+        self._check("peft_tensors", slot)
+        return {"r": 4}, {}
+
+    def train(self, batch) -> TrainResult:
+        self._check("train", len(batch.samples))
+        if self.fail_next is not None:
+            error, self.fail_next = self.fail_next, None
+            raise error
+        per_slot: dict[int, int] = {}
+        foreign: dict[int, int] = {}
+        for s in batch.samples:
+            if self.slots.get(s.slot, {}).get("registration") != s.registration:
+                foreign[s.slot] = foreign.get(s.slot, 0) + 1
+                continue
+            per_slot[s.slot] = per_slot.get(s.slot, 0) + 1
+        slots = {}
+        for slot, n in per_slot.items():
+            if slot in self.nonfinite:
+                slots[slot] = SlotMetrics(samples=n, steps=[StepReport(step=self.slots[slot]["step"] + 1, lr=0.1,
+                                                                       grad_norm=float("nan"), loss=float("nan"),
+                                                                       skipped_nonfinite=True)])
+                continue
+            self.slots[slot]["step"] += 1
+            slots[slot] = SlotMetrics(samples=n, loss=1.0 / self.slots[slot]["step"],
+                                      steps=[StepReport(step=self.slots[slot]["step"], lr=0.1, grad_norm=1.0,
+                                                        loss=1.0 / self.slots[slot]["step"])])
+        return TrainResult(slots=slots, stepped=[s for s in slots if s not in self.nonfinite],
+                           skipped_nonfinite=sorted(self.nonfinite & set(slots)), dropped_foreign=foreign)
+
+
+@dataclass(eq=False)  # hashed by identity, like an ObjectRef
+class FakeRef:
+    error: BaseException | None = None
+
+
+@dataclass
+class _FakeAdapter:
+    spec: Any
+    buffer: AdapterBuffer
+    version: int
+    next_prompt: int
+    consumed: int = 0
+    paused: bool = False
+
+
+class FakeRollout:
+    def __init__(self, prompts: int = 6, samples_per_group: int = 2, ahead: int = 2) -> None:
+        self.prompts = prompts
+        self.ahead = ahead
+        self.samples_per_group = samples_per_group
+        self.adapters: dict[str, _FakeAdapter] = {}
+        self.calls: list[tuple] = []
+        self.fail_publish: BaseException | None = None
+        self.engine_alive = True
+        self.engine_starts = 1
+
+    def _generate(self, a: _FakeAdapter) -> None:
+        """Prompts not taken yet become groups of the adapter's newest version, `ahead` buffered at most."""
+        while not a.paused and a.next_prompt < self.prompts and len(a.buffer) < self.ahead:
+            samples = [Sample(response_ids=[5, 6], response_text="ab", logprobs=[-0.5, -0.5], finish_reason="stop",
+                              reward=float(i), advantage=float(i) - 0.5) for i in range(self.samples_per_group)]
+            a.buffer.put(RolloutGroup(adapter=a.spec.name, registration_id=a.spec.registration_id, version=a.version,
+                                      prompt_index=a.next_prompt, epoch=0, prompt_text="p", prompt_ids=[1, 2, 3],
+                                      samples=samples))
+            a.next_prompt += 1
+
+    def add_adapter(self, spec, weights) -> None:
+        self.calls.append(("add_adapter", spec.name, spec.initial_version))
+        buffer = AdapterBuffer(spec.name, spec.registration_id, spec.max_staleness or 0)
+        buffer.note_published(spec.initial_version)
+        start = spec.cursor.consumed if spec.cursor is not None else 0
+        self.adapters[spec.name] = _FakeAdapter(spec, buffer, spec.initial_version, start, consumed=start)
+
+    def remove_adapter(self, name) -> int:
+        self.calls.append(("remove_adapter", name))
+        self.adapters.pop(name, None)
+        return 0
+
+    def publish_version(self, name, version, weights) -> FakeRef:
+        self.calls.append(("publish_version", name, version))
+        if self.fail_publish is not None:
+            return FakeRef(self.fail_publish)
+        a = self.adapters[name]
+        a.version = version
+        a.buffer.note_published(version)
+        return FakeRef()
+
+    def abort_adapter(self, name, *, pause, timeout_s=120.0) -> int:
+        self.calls.append(("abort_adapter", name, pause))
+        if name in self.adapters:
+            self.adapters[name].paused = self.adapters[name].paused or pause
+        return 0
+
+    def pop_groups(self, name, max_groups) -> list[RolloutGroup]:
+        a = self.adapters[name]
+        self._generate(a)
+        ready, _stale = a.buffer.pop(max_groups, a.version)
+        a.consumed += len(ready)
+        return ready
+
+    def data_cursor(self, name) -> DataCursor:
+        a = self.adapters[name]
+        return DataCursor(epoch=0, position=a.consumed, consumed=a.consumed)
+
+    def stats(self, name, timeout_s=120.0) -> AdapterStats:
+        a = self.adapters[name]
+        exhausted = a.next_prompt >= self.prompts
+        return AdapterStats(
+            name=name, registration_id=a.spec.registration_id, version=a.version, paused=a.paused, inflight_requests=0,
+            inflight_groups=0, buffered_groups=len(a.buffer), groups_completed=a.next_prompt, groups_consumed=a.consumed,
+            groups_aborted=0, groups_requeued=0, groups_failed=0, dropped_stale=a.buffer.dropped_stale,
+            refused_foreign=a.buffer.refused_foreign, reward_failures=0, last_error=None,
+            data=DataStatus(rows=self.prompts, epoch=0, position=a.next_prompt, pending=0, consumed=a.consumed,
+                            exhausted=exhausted and len(a.buffer) == 0),
+        )
+
+    def all_stats(self, timeout_s=5.0) -> dict[str, AdapterStats]:
+        return {n: self.stats(n) for n in self.adapters}
+
+    def engine_health(self, timeout_s=30.0) -> list[EngineHealth]:
+        return [EngineHealth(index=0, url="http://127.0.0.1:1", alive=self.engine_alive, routable=self.engine_alive,
+                             inflight=0, starts=self.engine_starts)]
+
+    def restart_engine(self, index) -> EngineHealth:
+        self.calls.append(("restart_engine", index))
+        self.engine_alive = True
+        self.engine_starts += 1
+        return self.engine_health()[index]
+
+    def processes(self, timeout_s=10.0) -> dict[str, Any]:
+        return {"worker": 4343, "engines": [4444]}
+
+    def shutdown(self, timeout_s=120.0) -> None:
+        self.calls.append(("shutdown",))
+
+    @staticmethod
+    def finished(refs: list[FakeRef]) -> set:
+        return set(refs)  # every fake publish has finished
+
+    @staticmethod
+    def outcome(ref: FakeRef) -> None:
+        if ref.error is not None:
+            raise ref.error

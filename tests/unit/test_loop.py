@@ -1,0 +1,151 @@
+"""The training loop (service/loop.py) end to end in one process: the real Controller and registry, the real
+FleetRuntime, and FAKES of the trainer and the rollout worker (tests/fleet_fakes.py). Batch mode runs every
+run to COMPLETED; the faults are planted through the fakes: a failed train call, a trainer lost in a train
+call and one lost while idle, a failed publish, an adapter whose steps are all non-finite; and a stop drains.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from service.loop import LoopOptions, run_training_loop
+from service.registry import AdapterState as S
+from service.shutdown import StopSignal
+from tests.fleet_fakes import FakeRankDied
+from tests.unit.test_runtime import fleet, job, rl, sft  # noqa: F401 (fixtures)
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]  # a broken loop hangs in batch mode: fail instead
+
+FAST = LoopOptions(batch_mode=True, max_wait_s=0.01, engine_check_s=1e-6, max_round_errors=3)  # checks every round
+
+
+def run(controller, runtime, opts=FAST, stop=None, on_round=None):
+    report = run_training_loop(controller, runtime, opts, stop or StopSignal(), on_round=on_round)
+    return report
+
+
+def steps_of(controller, name):
+    return [s.step for s in controller.metrics(name).steps]
+
+
+def test_batch_mode_trains_every_run_to_completed(fleet):
+    controller, runtime, trainer, rollout, data = fleet
+    controller.register("a", sft(data, num_step=3, checkpoint_interval=2))
+    controller.register("b", rl(data))  # 6 prompts, 2 per step: 3 steps, then its data is used up
+    report = run(controller, runtime)
+    assert report.stopped_by is None and report.steps == 6 and report.train_calls == 3  # mixed calls
+    for name in ("a", "b"):
+        ref = controller.get(name)
+        assert ref.state == S.COMPLETED and ref.step == 3 and steps_of(controller, name) == [1, 2, 3]
+        assert ref.export_path and ref.export_path.endswith("export")
+    assert controller.get("a").checkpoint_path.endswith("step-000003")  # the final one (2 was the interval's)
+    assert [c for c in rollout.calls if c[0] == "publish_version"] == [
+        ("publish_version", "b", v) for v in sorted(s.weight_version for s in controller.metrics("b").steps)]
+    assert trainer.slots == {}  # every slot released
+
+
+def test_a_failed_train_call_is_retried_and_counts_nothing(fleet):
+    controller, runtime, trainer, _, data = fleet
+    controller.register("a", sft(data, num_step=2))
+    trainer.fail_next = RuntimeError("planted: one train call fails")
+    report = run(controller, runtime)
+    assert any("round failed (1 in a row): RuntimeError: planted" in e for e in report.events)
+    assert controller.get("a").state == S.COMPLETED and steps_of(controller, "a") == [1, 2]
+
+
+def test_rounds_failing_in_a_row_end_the_loop(fleet):
+    controller, runtime, trainer, _, data = fleet
+    controller.register("a", sft(data, num_step=2))
+
+    class Always(RuntimeError):
+        pass
+
+    def fail_every_call(*_):
+        raise Always("planted: the trainer refuses every batch")
+
+    trainer.train = fail_every_call
+    with pytest.raises(Always):
+        run(controller, runtime, FAST.model_copy(update={"max_round_errors": 2}))
+    assert controller.get("a").step == 0
+
+
+def test_a_trainer_lost_in_a_train_call_is_restarted_and_runs_resume_from_checkpoints(fleet):
+    controller, runtime, trainer, _, data = fleet
+    controller.register("a", sft(data, num_step=5, checkpoint_interval=2))
+
+    def kill_after_step_3():
+        if controller.get("a").step == 3 and trainer.starts == 1:
+            trainer.kill()
+
+    # no periodic check after the first round: the dead rank is found by the next train call
+    report = run(controller, runtime, FAST.model_copy(update={"engine_check_s": 3600.0}), on_round=kill_after_step_3)
+    assert any("trainer died during a train call" in e and "restarting the trainer" in e for e in report.events)
+    assert trainer.starts == 2
+    ref = controller.get("a")
+    assert ref.state == S.COMPLETED and ref.step == 5 and steps_of(controller, "a") == [1, 2, 3, 4, 5]
+    recorded = controller.metrics("a").steps
+    # step 3 (after the checkpoint at 2) was dropped and trained again after the restart
+    assert recorded[2].recorded_at > recorded[1].recorded_at
+
+
+def test_a_trainer_lost_while_idle_is_restarted(fleet):
+    controller, runtime, trainer, _, _ = fleet
+    stop = StopSignal()
+    trainer.kill()  # no run is live: no train call will notice
+    reports = []
+    opts = LoopOptions(batch_mode=False, max_wait_s=0.01, engine_check_s=0.01)
+    loop = threading.Thread(target=lambda: reports.append(run(controller, runtime, opts, stop)))
+    loop.start()
+    try:
+        deadline = time.monotonic() + 60
+        while trainer.starts < 2 and loop.is_alive():
+            assert time.monotonic() < deadline, "the idle loop did not restart the dead trainer in 60 s"
+            stop.wait(0.01)
+    finally:
+        stop.request("test over")
+        loop.join(60)
+    [report] = reports
+    assert any("a trainer rank is gone; restarting the trainer" in e for e in report.events)
+    assert runtime.ready()["trainer"].ok
+
+
+def test_a_failed_publish_is_logged_and_training_goes_on(fleet):
+    controller, runtime, _, rollout, data = fleet
+    controller.register("b", rl(data))
+    rollout.fail_publish = RuntimeError("planted: engine refused the LoRA")
+    report = run(controller, runtime)
+    assert any(e.startswith("publish of b v") and "planted" in e for e in report.events)
+    assert controller.get("b").state == S.COMPLETED and steps_of(controller, "b") == [1, 2, 3]
+
+
+def test_an_adapter_whose_steps_are_all_non_finite_fails_and_the_others_go_on(fleet):
+    controller, runtime, trainer, _, data = fleet
+    bad = controller.register("bad", sft(data, num_step=5))
+    controller.register("good", sft(data, num_step=4))
+    trainer.nonfinite = {bad.slot}
+    run(controller, runtime)
+    ref = controller.get("bad")
+    assert ref.state == S.FAILED and "3 consecutive steps with a non-finite loss" in ref.failure_reason
+    assert controller.get("good").state == S.COMPLETED and steps_of(controller, "good") == [1, 2, 3, 4]
+
+
+def test_stop_drains_every_live_run_into_a_checkpoint(fleet):
+    controller, runtime, _, rollout, data = fleet
+    controller.register("a", sft(data, num_step=100))
+    controller.register("b", rl(data))
+    stop = StopSignal()
+
+    def stop_at_step_2():
+        if controller.get("a").step >= 2:
+            stop.request("test: SIGTERM")
+
+    report = run(controller, runtime, LoopOptions(batch_mode=False, max_wait_s=0.01, engine_check_s=0.01), stop,
+                 on_round=stop_at_step_2)
+    assert report.stopped_by == "test: SIGTERM"
+    for name in ("a", "b"):
+        ref = controller.get(name)
+        assert ref.state == S.ACTIVE and ref.checkpoint_step == ref.step and ref.checkpoint_path, ref
+    assert ("abort_adapter", "b", True) in rollout.calls

@@ -1,0 +1,220 @@
+"""FleetRuntime (service/runtime_impl.py) step by step, driven by the real Controller over its SQLite
+registry, against FAKES of the trainer and the rollout worker (tests/fleet_fakes.py says what they do).
+
+Covered: a run's lifecycle (prepare with the controller's version, collect, train, publish, checkpoint,
+finish with ONE export write, release), a failed train call (nothing counted, SFT rows served again),
+a lost trainer (TrainerLost, every run re-prepared from its checkpoint), a failed publish (reported by
+check_engines), a dead engine (restarted), staleness from the rollout buffer's stamps, drain, and
+GET /v1/fleet's process list.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from service.batches import TrainerLost
+from service.registry import AdapterState as S
+from tests.fleet_fakes import FakeRankDied, FakeRollout, FakeTrainer
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module")
+def job(tiny_world):
+    from service.cli import TINY_JOB
+    from service.config import load_job
+
+    job = load_job(TINY_JOB)
+    return job.model_copy(update={"adapters": [], "base_model": job.base_model.model_copy(update={"path": str(tiny_world / "model")})})
+
+
+@pytest.fixture
+def fleet(job, tiny_world, tmp_path):
+    """(controller, runtime, trainer, rollout, data dir): real Controller and FleetRuntime over the fakes."""
+    from service.config import load_settings
+    from service.controller import Controller
+    from service.runtime_impl import FleetRuntime
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("echo_sft", "digits"):
+        rows = (tiny_world / "data" / f"{name}.jsonl").read_text().splitlines()[:24]
+        (data / f"{name}.jsonl").write_text("\n".join(rows) + "\n")
+    settings = load_settings(state_dir=tmp_path / "state", data_roots=[data])
+    trainer, rollout = FakeTrainer(), FakeRollout(prompts=6)
+    controller = Controller(settings, job.capacity)
+    runtime = FleetRuntime(job, settings, trainer=trainer, rollout=rollout)
+    controller.attach_runtime(runtime)
+    try:
+        yield controller, runtime, trainer, rollout, data
+    finally:
+        controller.close()
+
+
+def sft(data: Path, **over) -> dict:
+    return {"objective": "sft", "rank": 4, "alpha": 8, "data": {"path": str(data / "echo_sft.jsonl")},
+            "prompts_per_step": 4, "checkpoint_interval": 0, **over}
+
+
+def rl(data: Path, **over) -> dict:
+    return {"objective": "rl", "rank": 4, "alpha": 8, "data": {"path": str(data / "digits.jsonl")},
+            "reward": {"name": "target_share"}, "prompts_per_step": 2, "max_staleness": 1,
+            "sampling": {"n_samples_per_prompt": 2, "max_new_tokens": 4}, "checkpoint_interval": 0, **over}
+
+
+def one_step(controller, runtime, registration_id: str):
+    """Collect, train, publish and record one step of one run, as the loop does."""
+    batch = runtime.collect_batch([registration_id], max_wait_s=0.01, poll_s=0.001)
+    assert not batch.empty
+    outcome = runtime.train(batch)
+    (stepped,) = outcome.stepped
+    version = controller.next_version()
+    runtime.publish(registration_id, version)
+    controller.record_step(registration_id, step=stepped.step, samples=stepped.samples, metrics=stepped.metrics,
+                           weight_version=version)
+    return stepped
+
+
+def test_lifecycle_of_one_sft_run(fleet):
+    controller, runtime, trainer, _, data = fleet
+    ref = controller.register("a", sft(data))
+    [change] = controller.reconcile()
+    assert (change.from_state, change.to_state) == (S.PENDING, S.ACTIVE)
+    ref = controller.get("a")
+    assert runtime.runs() == [ref.registration_id]
+    assert trainer.slots[ref.slot] == {"registration": ref.registration_id, "step": 0}
+    assert ref.weight_version is not None and runtime._run(ref.registration_id).weight_version == ref.weight_version
+
+    batch = runtime.collect_batch([ref.registration_id], max_wait_s=0.01)
+    assert len(batch.samples) == 4 and {s.registration for s in batch.samples} == {ref.registration_id}
+    outcome = runtime.train(batch)
+    assert [(s.step, s.samples) for s in outcome.stepped] == [(1, 4)] and outcome.failed == {}
+    assert outcome.stepped[0].metrics["loss"] == 1.0
+
+    folder = runtime.checkpoint(ref.registration_id)
+    assert Path(folder, "run_state.json").is_file() and Path(folder, "trainer", "slot.json").is_file()
+
+    controller.retire("a")
+    exports_before = sum(c[0] == "export_peft" for c in trainer.calls)
+    changes = controller.reconcile()
+    assert [(c.from_state, c.to_state) for c in changes] == [(S.RETIRING, S.CLEANUP), (S.CLEANUP, S.COMPLETED)]
+    done = controller.get("a")
+    # retirement wrote the PEFT export once (the final checkpoint's), linked as the run's export folder
+    assert sum(c[0] == "export_peft" for c in trainer.calls) == exports_before + 1
+    export, final = Path(done.export_path), Path(done.checkpoint_path) / "adapter"
+    assert export.name == "export" and os.path.samefile(export / "adapter_model.safetensors", final / "adapter_model.safetensors")
+    assert runtime.runs() == [] and ref.slot not in trainer.slots  # released
+
+
+def test_a_failed_train_call_counts_nothing_and_serves_the_same_rows_again(fleet):
+    controller, runtime, trainer, _, data = fleet
+    ref = controller.register("a", sft(data))
+    controller.reconcile()
+    first = runtime.collect_batch([ref.registration_id], max_wait_s=0.01)
+    trainer.fail_next = RuntimeError("CUDA out of memory (planted)")
+    with pytest.raises(RuntimeError, match="planted"):
+        runtime.train(first)
+    assert trainer.slots[ref.slot]["step"] == 0
+    again = runtime.collect_batch([ref.registration_id], max_wait_s=0.01)
+    assert [s.tokens for s in again.samples] == [s.tokens for s in first.samples]  # given back, served first
+    assert [s.step for s in runtime.train(again).stepped] == [1]
+
+
+def test_a_lost_trainer_raises_trainer_lost_and_runs_resume_from_their_checkpoints(fleet):
+    controller, runtime, trainer, rollout, data = fleet
+    a = controller.register("a", sft(data))
+    b = controller.register("b", rl(data))
+    controller.reconcile()
+    for _ in range(2):
+        for reg in (a.registration_id, b.registration_id):
+            s = one_step(controller, runtime, reg)
+            controller.record_checkpoint(reg, runtime.checkpoint(reg), s.step)
+    one_step(controller, runtime, a.registration_id)  # step 3 of a: not checkpointed
+
+    trainer.kill()
+    batch = runtime.collect_batch([a.registration_id], max_wait_s=0.01)
+    with pytest.raises(TrainerLost, match="FakeRankDied"):
+        runtime.train(batch)
+    assert runtime.trainer_lost()
+    lost = runtime.restart_trainer()
+    assert sorted(lost) == sorted([a.registration_id, b.registration_id]) and runtime.runs() == []
+    assert ("remove_adapter", "b") in rollout.calls
+    controller.attach_runtime(runtime)  # what the loop does: the controller re-prepares every live run
+    controller.reconcile()
+    assert sorted(runtime.runs()) == sorted([a.registration_id, b.registration_id])
+    assert [c for c in trainer.calls if c[0] == "load_slot_state"] == [
+        ("load_slot_state", a.slot, a.registration_id), ("load_slot_state", b.slot, b.registration_id)]
+    assert trainer.slots[a.slot]["step"] == 2 and controller.get("a").step == 2  # back at the checkpoint
+    assert [r.step for r in controller.metrics("a").steps] == [1, 2]  # step 3 dropped, to be redone
+    assert one_step(controller, runtime, a.registration_id).step == 3
+
+
+def test_a_failed_publish_is_reported_by_the_engine_check(fleet):
+    controller, runtime, _, rollout, data = fleet
+    b = controller.register("b", rl(data))
+    controller.reconcile()
+    assert runtime.check_engines() == []
+    rollout.fail_publish = RuntimeError("engine refused the LoRA (planted)")
+    one_step(controller, runtime, b.registration_id)
+    [event] = runtime.check_engines()
+    assert event.startswith("publish of b v") and "planted" in event
+    assert runtime.check_engines() == []  # reported once
+
+
+def test_a_dead_engine_is_restarted(fleet):
+    _, runtime, _, rollout, _ = fleet
+    rollout.engine_alive = False
+    assert not runtime.ready()["engine-0"].ok
+    [event] = runtime.check_engines()
+    assert event.startswith("engine 0 was dead: restarted") and rollout.engine_starts == 2
+    assert runtime.ready()["engine-0"].ok
+
+
+def test_rl_staleness_is_the_rollout_buffers_stamp(fleet):
+    controller, runtime, _, rollout, data = fleet
+    rollout.ahead = 6  # every prompt generated at once, by the weights the run was prepared with
+    b = controller.register("b", rl(data))
+    controller.reconcile()
+    first = one_step(controller, runtime, b.registration_id)
+    assert first.metrics["staleness_mean"] == 0.0  # generated by the weights it was prepared with
+    # groups already generated (v_prepare) are one publish behind now: usable (max_staleness 1), stamped 1
+    second = one_step(controller, runtime, b.registration_id)
+    assert second.metrics["staleness_mean"] == 1.0
+    # and two publishes behind: dropped by the buffer, never trained
+    third_batch = runtime.collect_batch([b.registration_id], max_wait_s=0.01)
+    assert third_batch.empty and rollout.adapters["b"].buffer.dropped_stale == 2
+
+
+def test_drain_pauses_generation_and_checkpoints_every_live_run(fleet):
+    controller, runtime, _, rollout, data = fleet
+    a = controller.register("a", sft(data))
+    b = controller.register("b", rl(data))
+    controller.reconcile()
+    one_step(controller, runtime, a.registration_id)
+    drained = runtime.drain()
+    assert sorted(drained) == sorted([a.registration_id, b.registration_id])
+    assert drained[a.registration_id][1] == 1 and drained[b.registration_id][1] == 0
+    assert all(Path(folder, "run_state.json").is_file() for folder, _ in drained.values())
+    assert ("abort_adapter", "b", True) in rollout.calls and rollout.adapters["b"].paused
+
+
+def test_processes_lists_every_component_with_its_pid(fleet):
+    controller, runtime, trainer, _, _ = fleet
+    procs = {p.name: (p.role, p.pid) for p in controller.processes()}
+    assert procs == {"coordinator": ("coordinator", os.getpid()), "trainer-rank-0": ("trainer", 4242),
+                     "rollout-worker": ("rollout", 4343), "engine-0": ("engine", 4444)}
+    trainer.stop("stopped (test)")
+    assert [p.name for p in controller.processes()] == ["coordinator", "rollout-worker", "engine-0"]
+
+
+def test_prepare_uses_the_version_the_controller_assigns(fleet):
+    controller, runtime, _, rollout, data = fleet
+    before = controller.next_version()
+    b = controller.register("b", rl(data))
+    controller.reconcile()
+    ref = controller.get("b")
+    assert ref.weight_version > before
+    assert ("add_adapter", "b", ref.weight_version) in rollout.calls  # the rollout starts at that version
