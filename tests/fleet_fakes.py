@@ -229,7 +229,7 @@ class FakeRollout:
             name=name, registration_id=a.spec.registration_id, version=a.version, paused=a.paused, inflight_requests=0,
             inflight_groups=0, buffered_groups=len(a.buffer), groups_completed=a.next_prompt, groups_consumed=a.consumed,
             groups_aborted=0, groups_requeued=0, groups_failed=0, dropped_stale=a.buffer.dropped_stale,
-            refused_foreign=a.buffer.refused_foreign, reward_failures=0, last_error=None,
+            refused_foreign=a.buffer.refused_foreign, reward_failures=0, last_error=None, rejections_in_a_row=0, fatal_reason=None,
             data=DataStatus(rows=self.prompts, epoch=0, position=a.next_prompt, pending=0, consumed=a.consumed,
                             exhausted=exhausted and len(a.buffer) == 0),
         )

@@ -24,7 +24,7 @@ import pytest
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
-LORAFLEET = Path(sys.executable).parent / "lorafleet"
+LORAFLEET = [sys.executable, "-m", "api.cli"]
 JOB = REPO / "examples" / "tiny_moe" / "job.yaml"
 
 
@@ -57,7 +57,7 @@ def job_dir(tmp_path):
 def test_moe_job_trains_expert_lora_to_completion(moe_world, job_dir):
     t0 = time.monotonic()
     env = {**os.environ, "COLUMNS": "120", "LORAFLEET_DATA_ROOTS": str(moe_world / "data")}
-    proc = subprocess.run([str(LORAFLEET), "run", str(JOB)], cwd=job_dir, capture_output=True, text=True,
+    proc = subprocess.run([*LORAFLEET, "run", str(JOB)], cwd=job_dir, capture_output=True, text=True,
                           timeout=1200, env=env)
     wall = time.monotonic() - t0
     out = proc.stdout + proc.stderr
