@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, Response
 from api.body_limit import BodySizeLimit
 from api.controller_client import ControllerClient, ControllerUnavailable
 from api.metrics import render_prometheus
+from api.ui import mount_ui
 from api.models import (
     ERROR_RESPONSES,
     AbortOut,
@@ -43,6 +44,7 @@ from api.models import (
     StepOut,
 )
 from service.config import ServiceSettings, is_loopback_host
+from service.fleet_stats import FleetStats
 from service.errors import BadValue, Conflict, LorafleetError, NoFreeSlot, NotFound
 from service.registry import AdapterState
 
@@ -55,7 +57,7 @@ class Unauthorized(Exception):
     pass
 
 
-def create_app(controller_handle: Any, settings: ServiceSettings) -> FastAPI:
+def create_app(controller_handle: Any, settings: ServiceSettings, fleet_stats: FleetStats | None = None) -> FastAPI:
     token = settings.api_token.get_secret_value() if settings.api_token is not None else ""
     if not token and not is_loopback_host(settings.host):
         raise ValueError(f"refusing to serve on {settings.host!r} without an API token (set LORAFLEET_API_TOKEN)")
@@ -108,6 +110,7 @@ def create_app(controller_handle: Any, settings: ServiceSettings) -> FastAPI:
         return AbortOut(name=name, aborted=await controller.call("abort", name))
 
     app.include_router(v1)
+    mount_ui(app, require_token, fleet_stats)  # the dashboard (/ui) and GET /v1/fleet/stats, behind the same token
 
     @app.get("/health", response_model=HealthOut, summary="Process alive")
     async def health() -> HealthOut:
