@@ -110,10 +110,15 @@
     const old = charts[key];
     if (old && old.names.join(",") === names.join(",")) {
       old.plot.setData(data);
+      old.note.hidden = points > 0;
       return;
     }
     if (old) old.plot.destroy();
     el.replaceChildren();
+    const note = document.createElement("div");
+    note.className = "empty";
+    note.textContent = key === "round_time" ? "no training round recorded yet" : "no step has reported this metric yet";
+    note.hidden = points > 0;
     const opts = {
       title, width: chartWidth(el), height: 220,
       scales: { x: { time: false } },
@@ -122,7 +127,8 @@
       axes: [{}, { size: 60, values: (u, vals) => vals.map((v) => fmt(v, 3)) }],
       legend: { live: true },
     };
-    charts[key] = { plot: new uPlot(opts, data, el), names: names.slice() };
+    charts[key] = { plot: new uPlot(opts, data, el), names: names.slice(), note };
+    el.appendChild(note);
   }
 
   function renderCurves(series) {
