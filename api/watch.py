@@ -54,6 +54,11 @@ def _fmt(x: Any, digits: int = 3) -> str:
     return f"{x:.{digits}g}" if 0 < abs(x) < 1e-3 else f"{x:.{digits}f}"
 
 
+def _fmt_sig(x: Any, digits: int = 2) -> str:
+    """Significant digits (a learning rate: 0.003, 3e-05)."""
+    return f"{x:.{digits}g}" if isinstance(x, (int, float)) and math.isfinite(x) else "-"
+
+
 def render(adapters: Sequence[Mapping[str, Any]], series: Mapping[str, Sequence[Mapping[str, Any]]],
            *, width: int = SPARK_WIDTH, title: str = "lorafleet adapters") -> Table:
     """One row per adapter: the API's adapter fields and sparklines of its metrics series."""
@@ -71,7 +76,7 @@ def render(adapters: Sequence[Mapping[str, Any]], series: Mapping[str, Sequence[
             a["name"], Text(a["state"], style=style), f"{a['step']}{total}", str(a.get("samples_trained", 0)),
             _fmt(a.get("last_reward")), Text(sparkline([s.get("reward_mean") for s in steps], width), style="cyan"),
             _fmt(a.get("last_loss"), 4), Text(sparkline([s.get("loss") for s in steps], width), style="magenta"),
-            _fmt(metrics.get("learning_rate"), 2), _fmt(metrics.get("staleness_mean"), 2), slot,
+            _fmt_sig(metrics.get("learning_rate")), _fmt(metrics.get("staleness_mean"), 2), slot,
         )
     return table
 

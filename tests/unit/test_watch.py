@@ -52,6 +52,7 @@ def test_render_shows_every_adapter_with_its_fields_and_curves():
     assert BLOCKS[0] + BLOCKS[1] in lines["digits"] and BLOCKS[-1] in lines["digits"]  # rising reward
     assert sparkline([s["loss"] for s in sft_steps]) in lines["kinds"] and "q2" in lines["kinds"]
     assert "3/30" in lines["digits"] and "24" in lines["digits"] and "0.500" in lines["digits"] and "1.2500" in lines["digits"]
+    assert "0.003" in lines["digits"]  # the learning rate, in significant digits
     assert "FAILED" in lines["old"] and lines["old"].count("-") >= 3
 
 
