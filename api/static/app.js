@@ -52,6 +52,9 @@
 
   const fmt = (x, digits = 3) => (x == null || !isFinite(x) ? "-" : Math.abs(x) > 0 && Math.abs(x) < 1e-3 ? x.toExponential(2) : x.toFixed(digits));
 
+  // Axis ticks: fewer decimals as numbers grow, so labels fit the axis.
+  const tick = (v) => (v == null ? "" : Math.abs(v) >= 100 ? v.toFixed(0) : Math.abs(v) >= 10 ? v.toFixed(1) : fmt(v, 3));
+
   function color(name) {
     if (!(name in colorOf)) colorOf[name] = COLORS[Object.keys(colorOf).length % COLORS.length];
     return colorOf[name];
@@ -124,7 +127,7 @@
       scales: { x: { time: false } },
       series: [{ label: key === "round_time" ? "round" : "step" },
         ...names.map((n, i) => ({ label: n, stroke: seriesColors[i], width: 2, spanGaps: true, points: { size: 4 } }))],
-      axes: [{}, { size: 60, values: (u, vals) => vals.map((v) => fmt(v, 3)) }],
+      axes: [{}, { size: 70, values: (u, vals) => vals.map(tick) }],
       legend: { live: true },
     };
     charts[key] = { plot: new uPlot(opts, data, el), names: names.slice(), note };
