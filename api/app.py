@@ -28,6 +28,7 @@ from api.body_limit import BodySizeLimit
 from api.controller_client import ControllerClient
 from api.errors import Unauthorized, install_error_handlers
 from api.metrics import render_prometheus
+from api.ui import mount_ui
 from api.models import (
     ERROR_RESPONSES,
     AbortOut,
@@ -43,12 +44,13 @@ from api.models import (
 )
 from service.config import ServiceSettings, api_token_problem
 from service.controller import Controller
+from service.fleet_stats import FleetStats
 from service.registry import AdapterState
 
 log = logging.getLogger(__name__)
 
 
-def create_app(controller_obj: Controller, settings: ServiceSettings) -> FastAPI:
+def create_app(controller_obj: Controller, settings: ServiceSettings, fleet_stats: FleetStats | None = None) -> FastAPI:
     token = settings.api_token.get_secret_value().strip() if settings.api_token is not None else ""
     problem = api_token_problem(settings.host, token or None)
     if problem:
@@ -114,6 +116,7 @@ def create_app(controller_obj: Controller, settings: ServiceSettings) -> FastAPI
         return FleetOut(processes=[ProcessOut(name=p.name, role=p.role, pid=p.pid, detail=p.detail) for p in procs])
 
     app.include_router(v1)
+    mount_ui(app, require_token, fleet_stats)  # the dashboard (/ui) and GET /v1/fleet/stats, behind the same token
 
     @app.get("/health", response_model=HealthOut, summary="Process alive")
     async def health() -> HealthOut:

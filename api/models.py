@@ -183,3 +183,34 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         503: "The controller did not answer in time",
     }.items()
 }
+
+
+class FleetRoundOut(_Out):
+    """One round of the training loop (service.fleet_stats.RoundRecord)."""
+
+    ended_at: float = Field(description="Wall-clock time (Unix seconds) the round ended.")
+    collect_s: float = Field(description="Waiting for whole steps (rollouts generating).")
+    train_s: float = Field(description="The mixed train call.")
+    publish_s: float = Field(description="Handing the stepped adapters' weights to the engines.")
+    checkpoint_s: float
+    steps: int
+    samples: int
+    rollout_tokens: int = Field(description="Response tokens of the RL samples trained.")
+    trained_tokens: int = Field(description="Loss tokens of every sample trained (RL and SFT).")
+
+
+class FleetStatsOut(_Out):
+    """Fleet-wide training statistics (GET /v1/fleet/stats): totals since start, rates over the last window_s seconds, and how round time splits."""
+
+    rounds: int
+    steps: int
+    samples: int
+    rollout_tokens: int
+    trained_tokens: int
+    window_s: float
+    steps_per_min: float = Field(description="Adapter steps per minute over the window.")
+    rollout_tokens_per_s: float
+    trained_tokens_per_s: float
+    seconds: dict[str, float] = Field(description="Seconds spent in each part of the rounds since start: collect, train, publish, checkpoint.")
+    fractions: dict[str, float] = Field(description="The same as fractions of their sum.")
+    recent: list[FleetRoundOut] = Field(description="The newest rounds, oldest first.")

@@ -44,6 +44,20 @@ PY=$(find_python312) || {
 }
 log "python: $PY ($("$PY" --version 2>&1))"
 
+# Debian's chromium drives the dashboard's browser test (tests/integration/test_dashboard_browser.py,
+# headless). Installed here when missing and this runs as root with apt-get; otherwise a note says
+# how. A failed install does not stop the set-up (only that test needs it).
+if ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    log "installing chromium (headless browser for the dashboard test)"
+    { DEBIAN_FRONTEND=noninteractive apt-get update -qq &&
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } ||
+      log "warning: 'apt-get install chromium' failed; the dashboard browser test will fail until it is installed"
+  else
+    log "note: chromium is missing; as root, 'apt-get install -y chromium' (needed by the dashboard browser test)"
+  fi
+fi
+
 inputs_hash=$(cat "$0" "$LOCK" pyproject.toml | sha256sum | cut -d' ' -f1)
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$inputs_hash" ]; then
   log "venv up to date ($VENV); nothing to install"

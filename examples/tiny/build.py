@@ -12,8 +12,14 @@ says otherwise):
 * ``data/``: prompt datasets (JSONL) for three adapters:
     - ``digits.jsonl`` (RL): reward = share of the response's characters that are digits;
     - ``vowels.jsonl`` (RL): reward = share of the response's characters that are vowels;
-    - ``echo_sft.jsonl`` (SFT): prompt/completion pairs, completion = the
-      prompt's words in reverse order.
+    - ``kinds_sft.jsonl`` (SFT, the main job's SFT adapter): prompt/completion
+      pairs, completion = the kind of each of the prompt's words (``digits``,
+      ``vowels``, ``consonants`` or ``mixed``), e.g. "42 ae xk" -> " digits vowels
+      consonants". The tiny model learns this within the main job (loss about
+      4.3 -> 2.4 over 42 steps of 6 examples); it cannot learn to copy or
+      reverse words in that time (its loss stays near 4, measured);
+    - ``echo_sft.jsonl`` (SFT, used by tests): completion = the prompt's words in
+      reverse order, a task the tiny model barely moves on.
   The RL label is the target character set; the built-in reward
   ``target_share`` (rollout/rewards.py) scores it.
 
@@ -30,7 +36,7 @@ import os
 import random
 from pathlib import Path
 
-BUILD_VERSION = "tiny-v1"
+BUILD_VERSION = "tiny-v2"  # v2: kinds_sft.jsonl added
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 DIGITS = "0123456789"
@@ -72,6 +78,14 @@ def _word(rng: random.Random) -> str:
     if kind < 0.85:
         return "".join(rng.choice(CONSONANTS) for _ in range(n))
     return "".join(rng.choice(DIGITS + VOWELS + CONSONANTS) for _ in range(n))
+
+
+def word_kind(word: str) -> str:
+    """The kind of a corpus word (see _word): digits, vowels, consonants, or mixed."""
+    for kind, chars in (("digits", DIGITS), ("vowels", VOWELS), ("consonants", CONSONANTS)):
+        if all(c in chars for c in word):
+            return kind
+    return "mixed"
 
 
 def _sentence(rng: random.Random, lo: int = 4, hi: int = 12) -> str:
@@ -179,6 +193,13 @@ def build_datasets(out: Path) -> None:
         words = _sentence(rng, 2, 5).split()
         sft.append({"prompt": " ".join(words), "completion": " " + " ".join(reversed(words)), "metadata": {"i": i}})
     write("echo_sft.jsonl", sft)
+    # A generator of its own, so adding this file left the three above byte-identical.
+    krng = random.Random(4321)
+    kinds = []
+    for i in range(256):
+        words = _sentence(krng, 2, 5).split()
+        kinds.append({"prompt": " ".join(words), "completion": " " + " ".join(word_kind(w) for w in words), "metadata": {"i": i}})
+    write("kinds_sft.jsonl", kinds)
 
 
 def build(out: Path | None = None, *, steps: int = 300, quiet: bool = False) -> Path:

@@ -3,7 +3,7 @@ the same entry point as the console script, independent of how the venv's launch
 
 Real everything: the CLI process starts Ray, one SGLang CPU server, the
 Megatron-Bridge trainer rank and the rollout worker, and coordinates them itself; it trains the
-embedded tiny job (digits + vowels RL, echo_sft SFT) to exhaustion and exits 0
+embedded tiny job (digits + vowels RL, kinds_sft SFT) to exhaustion and exits 0
 with a summary. Checked afterwards, from the registry the process left behind:
 every adapter COMPLETED with all its steps, each RL adapter's reward rose (mean of
 its last 5 steps above its first 5 by a clear margin), and every export loads
@@ -67,8 +67,8 @@ def test_main_job_trains_two_rl_and_one_sft_adapter_to_exhaustion(tiny_world, jo
 
     db = job_dir / "runs" / "tiny" / "registry.sqlite3"
     runs = {r["name"]: r for r in _rows(db, "SELECT * FROM runs")}
-    assert set(runs) == {"digits", "vowels", "echo_sft"}
-    expected_steps = {"digits": 30, "vowels": 30, "echo_sft": 32}  # num_step 30; 256 rows / 8 per step
+    assert set(runs) == {"digits", "vowels", "kinds_sft"}
+    expected_steps = {"digits": 30, "vowels": 30, "kinds_sft": 42}  # num_step 30; 256 rows // 6 per step
     for name, run in runs.items():
         assert run["state"] == "COMPLETED", (name, run["failure_reason"])
         assert run["step"] == expected_steps[name]
@@ -84,6 +84,14 @@ def test_main_job_trains_two_rl_and_one_sft_adapter_to_exhaustion(tiny_world, jo
         start, end = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
         print(f"{name}: reward {start:.3f} -> {end:.3f}")
         assert end - start >= REWARD_MARGIN, f"{name}: reward {start:.3f} -> {end:.3f} (rewards {rewards})"
+
+    import json
+
+    losses = [json.loads(s["metrics_json"])["loss"] for s in _rows(
+        db, "SELECT metrics_json FROM steps WHERE registration_id = ? ORDER BY step", runs["kinds_sft"]["registration_id"])]
+    start, end = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    print(f"kinds_sft: loss {start:.3f} -> {end:.3f}")
+    assert end <= 0.75 * start, f"kinds_sft: loss {start:.3f} -> {end:.3f} (the SFT demo should visibly learn; losses {losses})"
 
     _check_exports_load_with_peft(tiny_world / "model", {n: r["export_path"] for n, r in runs.items()})
 

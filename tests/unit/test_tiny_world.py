@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from examples.tiny.build import MODEL_CONFIG, build_datasets, ensure_tiny_world
+from examples.tiny.build import MODEL_CONFIG, build_datasets, ensure_tiny_world, word_kind
 
 pytestmark = pytest.mark.unit
 
@@ -35,12 +35,20 @@ def test_model_and_tokenizer_load(tiny_world):
 
 def test_datasets_have_the_keys(tiny_world):
     for name, keys in {"digits.jsonl": {"prompt", "label", "metadata"}, "vowels.jsonl": {"prompt", "label", "metadata"},
-                       "echo_sft.jsonl": {"prompt", "completion"}}.items():
+                       "echo_sft.jsonl": {"prompt", "completion"}, "kinds_sft.jsonl": {"prompt", "completion"}}.items():
         rows = [json.loads(line) for line in (tiny_world / "data" / name).read_text().splitlines()]
         assert len(rows) == 256
         assert all(keys <= set(r) for r in rows), name
     digits = json.loads((tiny_world / "data" / "digits.jsonl").read_text().splitlines()[0])
     assert digits["label"] == "0123456789"
+
+
+def test_kinds_sft_completions_name_each_word_kind(tiny_world):
+    rows = [json.loads(line) for line in (tiny_world / "data" / "kinds_sft.jsonl").read_text().splitlines()]
+    for r in rows:
+        assert r["completion"] == " " + " ".join(word_kind(w) for w in r["prompt"].split())
+    assert [word_kind(w) for w in ("042", "aeu", "xkt", "a1k")] == ["digits", "vowels", "consonants", "mixed"]
+    assert {k for r in rows for k in r["completion"].split()} == {"digits", "vowels", "consonants", "mixed"}
 
 
 def test_datasets_are_deterministic(tmp_path, tiny_world):

@@ -1,0 +1,54 @@
+"""The web dashboard: `mount_ui(app, require_token, fleet_stats)`.
+
+Serves, on the REST API's own app:
+
+    GET /ui                  the page (api/static/index.html)
+    GET /ui/static/...       its script, style sheet and the vendored charting library (uPlot)
+    GET /v1/fleet/stats      fleet-wide statistics (service.fleet_stats.FleetStats.snapshot)
+
+The page and its static files are open: they hold no tenant data, and a browser
+cannot send a bearer header when it navigates. Every piece of data the page shows
+comes from /v1 routes behind the same token check as the rest of the REST API
+(`require_token`, the app's own dependency): the page asks for the token once,
+keeps it in the tab's sessionStorage, also takes it from `#token=...` in the URL
+(for scripted use; the fragment never reaches the server), and sends
+`Authorization: Bearer <token>` with every request.
+
+No network at run time: the charting library is a file of the package
+(api/static/vendor, with its licence).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI
+from fastapi.responses import FileResponse
+from fastapi.staticfiles import StaticFiles
+
+from api.models import FleetStatsOut
+from service.fleet_stats import FleetStats
+
+STATIC_DIR = Path(__file__).resolve().parent / "static"
+UI_PATH = "/ui"
+
+
+def mount_ui(app: FastAPI, require_token: Callable[..., Any], fleet_stats: FleetStats | None = None) -> None:
+    """Add the dashboard page and the fleet statistics route to `app`. `fleet_stats` is the
+    recorder the training loop feeds; None (an API without a loop) serves empty statistics."""
+    stats = fleet_stats if fleet_stats is not None else FleetStats()
+    router = APIRouter(prefix="/v1", dependencies=[Depends(require_token)])
+
+    @router.get("/fleet/stats", response_model=FleetStatsOut, summary="Fleet-wide training statistics (dashboard)")
+    async def fleet_stats_route() -> FleetStatsOut:
+        return FleetStatsOut(**stats.snapshot())
+
+    app.include_router(router)
+
+    @app.get(UI_PATH, include_in_schema=False)
+    async def ui_page() -> FileResponse:
+        return FileResponse(STATIC_DIR / "index.html", media_type="text/html", headers={"Cache-Control": "no-cache"})
+
+    app.mount(f"{UI_PATH}/static", StaticFiles(directory=STATIC_DIR), name="ui-static")
