@@ -106,16 +106,16 @@ class FleetStats:
         in_window = [r for r in rounds if r.ended_at >= now - self.window_s]
         span = (now - min(r.ended_at - r.seconds for r in in_window)) if in_window else 0.0
 
-        def rate(field: str, per: float) -> float:
-            return per * sum(getattr(r, field) for r in in_window) / span if span > 0 else 0.0
+        def rate(count: Callable[[RoundRecord], int], per: float) -> float:
+            return per * sum(count(r) for r in in_window) / span if span > 0 else 0.0
 
         total_s = sum(seconds.values())
         return {
             **totals,
             "window_s": self.window_s,
-            "steps_per_min": rate("steps", 60.0),
-            "rollout_tokens_per_s": rate("rollout_tokens", 1.0),
-            "trained_tokens_per_s": rate("trained_tokens", 1.0),
+            "steps_per_min": rate(lambda r: r.steps, 60.0),
+            "rollout_tokens_per_s": rate(lambda r: r.rollout_tokens, 1.0),
+            "trained_tokens_per_s": rate(lambda r: r.trained_tokens, 1.0),
             "seconds": seconds,
             "fractions": {k: (v / total_s if total_s > 0 else 0.0) for k, v in seconds.items()},
             "recent": [asdict(r) for r in rounds[-recent:]] if recent > 0 else [],

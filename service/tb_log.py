@@ -34,6 +34,7 @@ import math
 import os
 import threading
 from collections.abc import Mapping
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -98,10 +99,10 @@ class TrainingLog:
                 if self._fleet is None:
                     self._fleet = self._writer(self.root / FLEET_RUN)
                 self._rounds += 1
-                for part in ("collect_s", "train_s", "publish_s", "checkpoint_s"):
-                    self._fleet.add_scalar(f"round/{part}", getattr(record, part), self._rounds, wall_time=record.ended_at)
-                for count in ("steps", "samples", "rollout_tokens", "trained_tokens"):
-                    self._fleet.add_scalar(f"round/{count}", getattr(record, count), self._rounds, wall_time=record.ended_at)
+                values = asdict(record)
+                for key in ("collect_s", "train_s", "publish_s", "checkpoint_s", "steps", "samples", "rollout_tokens",
+                            "trained_tokens"):
+                    self._fleet.add_scalar(f"round/{key}", values[key], self._rounds, wall_time=record.ended_at)
                 self._fleet.flush()
             except Exception:
                 log.warning("could not log a fleet round to %s", self.root, exc_info=True)
