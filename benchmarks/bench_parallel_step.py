@@ -1,0 +1,454 @@
+"""The trainer at real size on two GPUs: the mixed step under TP=2 and DP=2 (and the slot limit on one).
+
+A Qwen3-8B-shaped decoder with its real layer count (36 layers, hidden 4096, 32 / 8 heads,
+head_dim 128, ffn 12288, vocab 151936, untied embeddings as in Qwen3-8B; random weights
+from a config.json written to a temp folder and TrainerConfig.random_init), built by
+lorafleet's trainer through Megatron-Bridge, 64 resident LoRA slots of rank 16 on every
+linear (qkv, proj, fc1, fc2), 16384 tokens per round (packed), bf16, one optimizer step
+per adapter per round. For each layout (--layout tp2,dp2: two processes over NCCL with
+NCCL_NVLS_ENABLE=0, spawned like tests/gpu/test_fp32_gpu.py), medians over --iters
+rounds after --warmup:
+
+  mixed       one train call with every adapter's samples, N = 1, 16, 64
+  frozen base the same micro-batches along the same path with LoRA off
+              (MultiLoraTrainer.frozen_base_pass; gradient to the input embeddings only)
+  serialized  N train calls, one per adapter, at N = 1 and 16 (--serialized-n; 64 takes
+              64 calls a round: add it with --serialized-n 1,16,64)
+
+A round's time is the slowest rank's: each timed round ends with a device sync and a
+barrier. Reported per GPU: tokens/s (round tokens / round time / GPUs), TFLOP/s and MFU
+counting 4 x base parameters x tokens (the frozen pass's forward + backward to the
+activations, no weight gradients: the convention of docs/BENCHMARKS.md's frozen-base
+rows; attention's score FLOPs and the LoRA FLOPs are not counted, so the mixed step's
+MFU is the base's work per second), MFU against --peak-tflops (989.4: H100/H200 SXM
+dense bf16) and against the bf16 matmul rate measured in the same run; peak memory per
+GPU (torch.cuda.max_memory_allocated, the largest over ranks, and each rank's).
+The LoRA path each layout took is printed: the fused LoRA node is used only at TP 1
+(trainer/multi_lora.py), so TP=2 runs the general path (base linear + LoRA delta).
+
+--layout single: one GPU, the largest slot count that fits beside the 8B base at 16k
+tokens per round: tries --single-slots in ascending order (a fresh process each: a clean
+allocator and an OOM that cannot leak) until one fails to build or to train a mixed round
+in which every resident slot steps (the 16384 tokens split evenly over the slots); if the
+first fails it halves downward. Reports the largest that trained.
+
+  python -m benchmarks.bench_parallel_step --out parallel.json                 # 2 GPUs: tp2 then dp2
+  python -m benchmarks.bench_parallel_step --layout single --out single.json   # 1 GPU: slot limit
+  python -m benchmarks.bench_parallel_step --tiny                               # CPU smoke test, gloo
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (the device machines need it)
+
+import torch  # noqa: E402
+
+from benchmarks.bench_mixed_step import GIB, PhaseTimer, TINY, cases, init_slots, make_samples, write_config  # noqa: E402
+
+QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1e6)
+H200_BF16_DENSE_TFLOPS = 989.4  # NVIDIA's dense bf16 figure for H100/H200 SXM
+LAYOUTS = {"tp2": {"tp": 2, "dp": 1}, "dp2": {"tp": 1, "dp": 2}, "single": {"tp": 1, "dp": 1}}
+
+
+def write_untied_config(shape: dict, folder: str, tied: bool) -> str:
+    """bench_mixed_step's config-only HF folder, with Qwen3-8B's untied output layer unless ``tied``."""
+    write_config(shape, folder)
+    if not tied:
+        path = os.path.join(folder, "config.json")
+        with open(path) as f:
+            cfg = json.load(f)
+        cfg["tie_word_embeddings"] = False
+        with open(path, "w") as f:
+            json.dump(cfg, f, indent=2)
+    return folder
+
+
+def trainer_config(opts: dict, layout: str, num_slots: int):
+    from trainer.config import TrainerConfig
+
+    return TrainerConfig(base_model_path=opts["folder"], random_init=True, num_slots=num_slots, max_rank=opts["rank"],
+                         micro_batch_tokens=opts["micro_batch_tokens"], recompute=opts["recompute"],
+                         **LAYOUTS[layout])
+
+
+def base_params(trainer) -> int:
+    """Parameters of the whole base model (not of this rank's shard), LoRA slots excluded:
+    tensor-parallel shards summed over the TP group, replicated tensors (norms) counted once."""
+    import torch.distributed as dist
+
+    from trainer.distributed import tp_group
+
+    seen, sharded, replicated = set(), 0, 0
+    for name, p in trainer.base.model.named_parameters():
+        if "lora_" in name or id(p) in seen:
+            continue
+        seen.add(id(p))
+        if getattr(p, "tensor_model_parallel", False):
+            sharded += p.numel()
+        else:
+            replicated += p.numel()
+    if trainer.config.tp > 1:
+        t = torch.tensor([sharded], dtype=torch.float64, device=trainer.device)
+        dist.all_reduce(t, group=tp_group())
+        sharded = int(t.item())
+    return sharded + replicated
+
+
+def lora_path(trainer) -> str:
+    """Which LoRA path the trainer's layers take in train() (see MultiLoraLinear.forward)."""
+    cfg = trainer.config
+    fused = trainer.routing.fused and cfg.packed and all(layer.fusable for layer in trainer.layers)
+    if fused:
+        return f"fused LoRA node (rank kernels {cfg.lora_rank_kernels}: triton on CUDA for >1 slot per micro-batch)"
+    why = "tp > 1" if cfg.tp > 1 else "not fusable"
+    return f"general path: base linear + LoRA delta ({cfg.lora_kernel} kernel; fused node off: {why})"
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed_round(fn, iters: int, warmup: int, phases: PhaseTimer | None) -> dict:
+    """Median ms of fn() over ranks' slowest (sync + barrier end each round), this rank's peak
+    GiB, and the phase split (this rank's) of the median round."""
+    import torch.distributed as dist
+
+    for _ in range(warmup):
+        fn()
+    _sync()
+    dist.barrier()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    times, fb, st = [], [], []
+    for _ in range(iters):
+        if phases:
+            phases.reset()
+        t0 = time.perf_counter()
+        fn()
+        _sync()
+        dist.barrier()
+        times.append((time.perf_counter() - t0) * 1e3)
+        if phases:
+            fb.append(phases.fwd_bwd * 1e3)
+            st.append(phases.step * 1e3)
+    mid = sorted(range(iters), key=lambda i: times[i])[(iters - 1) // 2]
+    out = {"ms": times[mid], "all_ms": [round(t, 1) for t in times],
+           "peak_gib": torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else None}
+    if phases:
+        out.update(fwd_bwd_ms=fb[mid], step_ms=st[mid], other_ms=times[mid] - fb[mid] - st[mid])
+    return out
+
+
+def _gather(obj) -> list:
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _is_oom(err: BaseException) -> bool:
+    return isinstance(err, torch.cuda.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
+def layout_worker(rank: int, port: int, opts: dict, layout: str, out_path: str) -> None:
+    """One rank of a layout: build, time every case and mode, rank 0 writes the JSON."""
+    import torch.distributed as dist
+
+    from trainer.batch import TrainBatch
+    from trainer.core import MultiLoraTrainer
+
+    from benchmarks.bench_frozen_base import matmul_tflops
+
+    t0 = time.perf_counter()
+    trainer = MultiLoraTrainer(trainer_config(opts, layout, opts["slots"]), rank=rank, master_port=port)
+    build_s = time.perf_counter() - t0
+    world = dist.get_world_size()
+    params = base_params(trainer)
+    matmul = matmul_tflops() if torch.cuda.is_available() else None
+    phases = PhaseTimer(trainer)
+    head = {"layout": layout, **LAYOUTS[layout], "gpus": world, "build_s": build_s, "base_params": params,
+            "lora_params_per_rank": sum(p.numel() for p in trainer.params), "lora_path": lora_path(trainer),
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "dtype": str(trainer.base.dtype), "matmul_bf16_tflops": matmul,
+            "config": trainer.config.model_dump(mode="json")}
+    if rank == 0:
+        print(f"# {layout}: {world} x {head['device']}, {head['dtype']}, {params / 1e9:.3f} B base params, built in "
+              f"{build_s:.1f} s, {opts['slots']} slots x rank {opts['rank']} ({head['lora_params_per_rank'] / 1e6:.1f} M "
+              f"LoRA params per rank); LoRA path: {head['lora_path']}", flush=True)
+    rows = []
+    shape = opts["shape"]
+    for n, seqs, length in opts["plan"]:
+        samples = make_samples(n, seqs, length, shape["vocab_size"], "sft")
+        per_adapter = [TrainBatch(samples=[s for s in samples if s.slot == k]) for k in range(n)]
+        mixed = TrainBatch(samples=samples)
+        init_slots(trainer, n, seqs, opts["rank"], "sft")
+        row = {"n": n, "seqs": seqs, "len": length, "tokens": n * seqs * length}
+
+        def run_serialized():
+            for b in per_adapter:
+                assert len(trainer.train(b).stepped) == 1
+
+        def run_mixed():
+            assert len(trainer.train(mixed).stepped) == n
+
+        runners = {"serialized": run_serialized, "mixed": run_mixed, "base": lambda: trainer.frozen_base_pass(mixed)}
+        for mode in opts["modes"]:
+            if mode == "serialized" and n not in opts["serialized_n"]:
+                continue
+            iters = opts["serialized_iters"] if mode == "serialized" else opts["iters"]
+            warmup = opts["serialized_warmup"] if mode == "serialized" else opts["warmup"]
+            try:
+                res = timed_round(runners[mode], iters, warmup, phases if mode != "base" else None)
+            except Exception as err:  # an OOM on one rank: report it, keep the rest of the run
+                if not _is_oom(err):
+                    raise
+                res = {"error": f"OOM: {err}".splitlines()[0]}
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+            peaks = _gather(res.get("peak_gib"))
+            if "ms" in res:
+                res["peak_gib_per_rank"] = peaks
+                res["peak_gib"] = max(peaks) if peaks[0] is not None else None
+                res["tokens_per_s_per_gpu"] = row["tokens"] / (res["ms"] / 1e3) / world
+                res["tflops_per_gpu"] = 4 * params * row["tokens"] / (res["ms"] / 1e3) / world / 1e12
+                res["mfu"] = res["tflops_per_gpu"] / opts["peak_tflops"]
+                res["share_of_matmul"] = res["tflops_per_gpu"] / matmul if matmul else None
+            row[mode] = res
+            if rank == 0:
+                print(f"{layout} N={n:3d} x {seqs:2d} x {length:5d}  {mode:10s} {_short(res)}", flush=True)
+        rows.append(row)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(head | {"results": rows}, f, indent=2)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _short(res: dict) -> str:
+    if "error" in res:
+        return res["error"]
+    keys = ("ms", "fwd_bwd_ms", "step_ms", "other_ms", "tokens_per_s_per_gpu", "mfu", "peak_gib")
+    return " ".join(f"{k}={res[k]:.3g}" for k in keys if res.get(k) is not None) + f" rounds={res['all_ms']}"
+
+
+def single_worker(rank: int, port: int, opts: dict, num_slots: int, out_path: str) -> None:
+    """One GPU, ``num_slots`` resident slots: can it build and train a mixed round where every
+    slot steps? Writes {"ok": ...} with the round's time and peak memory, or the error."""
+    import torch.distributed as dist
+
+    from trainer.batch import TrainBatch
+    from trainer.core import MultiLoraTrainer
+
+    result: dict = {"slots": num_slots}
+    try:
+        t0 = time.perf_counter()
+        trainer = MultiLoraTrainer(trainer_config(opts, "single", num_slots), rank=rank, master_port=port)
+        result["build_s"] = time.perf_counter() - t0
+        result["lora_params"] = sum(p.numel() for p in trainer.params)
+        result["lora_path"] = lora_path(trainer)
+        if torch.cuda.is_available():
+            result["after_build_gib"] = torch.cuda.memory_allocated() / GIB
+        length = opts["tokens"] // num_slots
+        samples = make_samples(num_slots, 1, length, opts["shape"]["vocab_size"], "sft")
+        init_slots(trainer, num_slots, 1, opts["rank"], "sft")
+        batch = TrainBatch(samples=samples)
+
+        def run_mixed():
+            assert len(trainer.train(batch).stepped) == num_slots
+
+        result |= {"len": length, "tokens": num_slots * length}
+        result |= timed_round(run_mixed, opts["single_iters"], 1, None)
+        result["ok"] = True
+    except Exception as err:
+        result |= {"ok": False, "oom": _is_oom(err), "error": f"{type(err).__name__}: {err}".splitlines()[0][:300]}
+        if not result["oom"]:
+            result["trace"] = traceback.format_exc()[-1500:]
+    with open(out_path, "w") as f:
+        json.dump(result, f, indent=2)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def spawn(fn, nprocs: int, *args) -> None:
+    import torch.multiprocessing as mp
+
+    from trainer.distributed import free_loopback_port
+
+    mp.spawn(fn, args=(free_loopback_port(), *args), nprocs=nprocs, join=True)
+
+
+def run_single(opts: dict, counts: list[int], tmp: str) -> dict:
+    """Ascending until the first failure; if the first count fails, halve downward."""
+    tried: dict[int, dict] = {}
+
+    def attempt(n: int) -> bool:
+        out = os.path.join(tmp, f"single_{n}.json")
+        try:
+            spawn(single_worker, 1, opts, n, out)
+            with open(out) as f:
+                tried[n] = json.load(f)
+        except Exception as err:  # the process died (e.g. killed for host memory)
+            tried[n] = {"slots": n, "ok": False, "error": f"process failed: {err}".splitlines()[0][:300]}
+        r = tried[n]
+        status = (f"trained {r['tokens']} tokens in {r['ms']:.0f} ms, peak {r['peak_gib'] or 0:.1f} GiB, "
+                  f"{r.get('after_build_gib') or 0:.1f} GiB after build" if r["ok"] else r["error"])
+        print(f"single: {n} slots: {status}", flush=True)
+        return r["ok"]
+
+    counts = sorted(counts)
+    if attempt(counts[0]):
+        for n in counts[1:]:
+            if not attempt(n):
+                break
+    else:
+        n = counts[0] // 2
+        while n >= 1 and not attempt(n):
+            n //= 2
+    fits = [n for n, r in tried.items() if r["ok"]]
+    return {"largest_fitting": max(fits) if fits else None, "tried": [tried[n] for n in sorted(tried)]}
+
+
+def table(layouts: list[dict]) -> str:
+    def fmt(x, spec=".0f"):
+        return "-" if x is None else format(x, spec)
+
+    lines = [
+        "| layout | N adapters x seqs x len | serialized ms | mixed ms (fwd+bwd / step / rest) | frozen base ms "
+        "| mixed / base | serialized / mixed | tokens/s per GPU mixed / base | MFU mixed / base "
+        "| peak GiB per GPU serialized / mixed / base |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for lay in layouts:
+        for r in lay["results"]:
+            s, m, b = (r.get(k, {}) for k in ("serialized", "mixed", "base"))
+            sm, mm, bm = s.get("ms"), m.get("ms"), b.get("ms")
+            split = " / ".join(fmt(m.get(k)) for k in ("fwd_bwd_ms", "step_ms", "other_ms"))
+            tps = " / ".join(fmt(x.get("tokens_per_s_per_gpu")) for x in (m, b))
+            mfu = " / ".join(fmt(None if x.get("mfu") is None else 100 * x["mfu"], ".1f") + "%" for x in (m, b))
+            peaks = " / ".join(fmt(x.get("peak_gib"), ".1f") for x in (s, m, b))
+            lines.append(
+                f"| {lay['layout']} | {r['n']} x {r['seqs']} x {r['len']} | {fmt(sm) if sm else s.get('error', '-')} | "
+                f"{fmt(mm) if mm else m.get('error', '-')} ({split}) | {fmt(bm) if bm else b.get('error', '-')} | "
+                f"{fmt(mm / bm if mm and bm else None, '.2f')} | {fmt(sm / mm if sm and mm else None, '.1f')} | "
+                f"{tps} | {mfu} | {peaks} |"
+            )
+    return "\n".join(lines)
+
+
+def single_table(single: dict) -> str:
+    lines = ["| slots x rank 16 | trained a mixed round | tokens (slots x len) | round ms | GiB after build | peak GiB |",
+             "|---|---|---|---|---|---|"]
+    for r in single["tried"]:
+        ok = "yes" if r["ok"] else f"no ({r['error'][:80]})"
+        ms = f"{r['ms']:.0f}" if r.get("ms") else "-"
+        build = f"{r['after_build_gib']:.1f}" if r.get("after_build_gib") is not None else "-"
+        peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else "-"
+        tokens = f"{r['tokens']} ({r['slots']} x {r['len']})" if r.get("tokens") else "-"
+        lines.append(f"| {r['slots']} | {ok} | {tokens} | {ms} | {build} | {peak} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layout", default="tp2,dp2", help="comma list of tp2, dp2 (two processes each), single (one GPU)")
+    ap.add_argument("--tiny", action="store_true", help="tiny shape over gloo on the CPU: a smoke test (numbers meaningless)")
+    ap.add_argument("--tied", action="store_true", help="tie the output layer to the embeddings (Qwen3-8B's are untied)")
+    ap.add_argument("--tokens", type=int, default=None, help="tokens per round (default 16384; tiny 512)")
+    ap.add_argument("--max-len", type=int, default=None, help="longest sequence (default 1024; tiny 64)")
+    ap.add_argument("--slots", type=int, default=64, help="resident slots for tp2 / dp2")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--micro-batch-tokens", type=int, default=16384)
+    ap.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
+    ap.add_argument("--n", default="1,16,64", help="comma list of N adapters per mixed round")
+    ap.add_argument("--only", default="mixed,base,serialized", help="comma list of modes: mixed,base,serialized")
+    ap.add_argument("--serialized-n", default="1,16", help="N whose serialized rounds are timed (64: 64 calls a round)")
+    ap.add_argument("--iters", type=int, default=None, help="timed rounds of mixed / base (default 3; tiny 2)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--serialized-iters", type=int, default=None, help="timed serialized rounds (default 2; tiny 1)")
+    ap.add_argument("--serialized-warmup", type=int, default=1)
+    ap.add_argument("--single-slots", default=None, help="slot counts to try with --layout single (default 64,128,256,512; tiny 4,8)")
+    ap.add_argument("--single-iters", type=int, default=2)
+    ap.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS, help="per-GPU bf16 peak for MFU")
+    ap.add_argument("--out", default=None, help="write results JSON here")
+    args = ap.parse_args(argv)
+
+    layouts = args.layout.split(",")
+    bad = [x for x in layouts if x not in LAYOUTS]
+    if bad:
+        ap.error(f"unknown layout {bad}; allowed: {', '.join(LAYOUTS)}")
+    two = [x for x in layouts if x != "single"]
+    if two and torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        ap.error(f"layouts {two} need 2 GPUs; {torch.cuda.device_count()} visible")
+    if not torch.cuda.is_available() and not args.tiny:
+        ap.error("without CUDA only --tiny runs (the 8B shape is for GPUs)")
+    modes = args.only.split(",")
+    if any(m not in ("mixed", "base", "serialized") for m in modes):
+        ap.error(f"--only takes mixed, base, serialized; got {args.only}")
+    shape = TINY if args.tiny else QWEN3_8B
+    tokens = args.tokens or (512 if args.tiny else 16384)
+    max_len = args.max_len or (64 if args.tiny else 1024)
+    wanted = {int(x) for x in args.n.split(",")}
+    plan = sorted({c for c in cases(tokens, max_len) if c[0] in wanted})
+    if not plan or max(n for n, _, _ in plan) > args.slots:
+        ap.error(f"--n {args.n}: each N must be one of 1, 4, 16, 32, 64 and at most --slots {args.slots}")
+    result: dict = {"shape": shape, "tied": args.tied, "tokens_per_round": tokens, "layouts": [], "single": None,
+                    "flops_convention": "4 x base params x round tokens (forward + backward to activations; "
+                                        "no attention-score or LoRA FLOPs)", "peak_tflops": args.peak_tflops}
+    with tempfile.TemporaryDirectory() as tmp:
+        opts = {"folder": write_untied_config(shape, os.path.join(tmp, "model"), args.tied), "shape": shape,
+                "tokens": tokens, "plan": plan, "modes": modes, "slots": args.slots, "rank": args.rank,
+                "micro_batch_tokens": args.micro_batch_tokens if not args.tiny else min(args.micro_batch_tokens, tokens),
+                "recompute": args.recompute, "serialized_n": {int(x) for x in args.serialized_n.split(",")},
+                "iters": args.iters or (2 if args.tiny else 3), "warmup": args.warmup,
+                "serialized_iters": args.serialized_iters or (1 if args.tiny else 2),
+                "serialized_warmup": args.serialized_warmup, "single_iters": args.single_iters,
+                "peak_tflops": args.peak_tflops}
+        for layout in two:
+            out = os.path.join(tmp, f"{layout}.json")
+            t0 = time.perf_counter()
+            spawn(layout_worker, 2, opts, layout, out)
+            with open(out) as f:
+                lay = json.load(f)
+            lay["wall_s"] = time.perf_counter() - t0
+            result["layouts"].append(lay)
+            print(f"# {layout}: {lay['wall_s']:.0f} s in all (build {lay['build_s']:.0f} s)", flush=True)
+        if "single" in layouts:
+            counts = [int(x) for x in (args.single_slots or ("4,8" if args.tiny else "64,128,256,512")).split(",")]
+            result["single"] = run_single(opts, counts, tmp)
+    print()
+    if result["layouts"]:
+        lay0 = result["layouts"][0]
+        print(f"{lay0['device']}, {lay0['dtype']}, {lay0['base_params'] / 1e9:.2f} B base params, "
+              f"{args.slots} slots x rank {args.rank}, {tokens} tokens per round; MFU = 4 x params x tokens "
+              f"against {args.peak_tflops:.0f} TFLOP/s (bf16 matmul measured: "
+              f"{lay0['matmul_bf16_tflops'] or float('nan'):.0f})")
+        for lay in result["layouts"]:
+            print(f"LoRA path {lay['layout']}: {lay['lora_path']}")
+        print(table(result["layouts"]))
+    if result["single"]:
+        print(f"\none GPU: largest slot count that trains a mixed round at {tokens} tokens: "
+              f"{result['single']['largest_fitting']}")
+        print(single_table(result["single"]))
+    print(f"\nreproduce: python -m benchmarks.bench_parallel_step {' '.join(argv if argv is not None else sys.argv[1:])}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
