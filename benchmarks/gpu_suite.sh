@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The trainer's GPU tier and benchmarks in one go, on the device machine (docs/BENCHMARKS.md).
 # Usage (repo root, megatron wheels installed on PYTHONPATH): bash benchmarks/gpu_suite.sh OUTDIR [PARTS]
-# PARTS: comma list of tests,fp32dev,lora,mixed16k,mixed8k,frozen,packed (default: all).
+# PARTS: comma list of tests,fp32dev,lora,mixed16k,mixed8k,frozen,packed,parallel (default: all).
+# parallel is benchmarks/bench_parallel_step.py (Qwen3-8B shape, TP=2 then DP=2; needs 2 GPUs, ~8 min).
 # tests includes tests/gpu/test_fp32_gpu.py (fp32 mixed == alone on CUDA; TP=2 and DP=2 over
 # NCCL when 2 GPUs are present); fp32dev is benchmarks/fp32_deviation.py (which kernel makes
 # fp32 deviate; with 2 GPUs also TP=2 / DP=2).
 set -uo pipefail
 out=${1:?output folder}
-parts=${2:-tests,fp32dev,lora,mixed16k,mixed8k,frozen,packed}
+parts=${2:-tests,fp32dev,lora,mixed16k,mixed8k,frozen,packed,parallel}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TORCHDYNAMO_DISABLE=1 NCCL_NVLS_ENABLE=0
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
@@ -38,4 +39,15 @@ if has frozen; then
 fi
 if has packed; then
   python3 -m benchmarks.bench_packed_step --iters 2 --out "$out/packed_step.json" 2>&1 | quiet | tail -12
+fi
+if has parallel; then
+  if [ "$ngpu" -ge 2 ]; then
+    if python3 -m benchmarks.bench_parallel_step --layout tp2,dp2 --out "$out/parallel_step.json" > "$out/parallel_step.log" 2>&1; then
+      sed -n '/tokens per round; MFU/,$p' "$out/parallel_step.log"
+    else
+      echo "parallel: FAILED"; tail -20 "$out/parallel_step.log"
+    fi
+  else
+    echo "parallel: skipped ($ngpu GPU; needs 2)"
+  fi
 fi
