@@ -74,12 +74,23 @@ def write_untied_config(shape: dict, folder: str, tied: bool) -> str:
     return folder
 
 
-def trainer_config(opts: dict, layout: str, num_slots: int):
+def trainer_config(opts: dict, layout: str, num_slots: int, recompute: str):
     from trainer.config import TrainerConfig
 
     return TrainerConfig(base_model_path=opts["folder"], random_init=True, num_slots=num_slots, max_rank=opts["rank"],
-                         micro_batch_tokens=opts["micro_batch_tokens"], recompute=opts["recompute"],
-                         **LAYOUTS[layout])
+                         micro_batch_tokens=opts["micro_batch_tokens"], recompute=recompute, **LAYOUTS[layout])
+
+
+def build_trainer(opts: dict, layout: str, num_slots: int, recompute: str, rank: int, port: int):
+    """The process group first, with a collective timeout of --collective-timeout-s (the trainer's
+    init_parallel reuses it): a rank left waiting in a collective by a peer that failed (an OOM on
+    one rank only) is ended by the NCCL watchdog instead of hanging the run."""
+    from trainer.core import MultiLoraTrainer
+    from trainer.distributed import init_parallel
+
+    cfg = trainer_config(opts, layout, num_slots, recompute)
+    init_parallel(tp=cfg.tp, dp=cfg.dp, rank=rank, master_port=port, seed=cfg.seed, timeout_s=opts["collective_timeout_s"])
+    return MultiLoraTrainer(cfg, rank=rank, master_port=port)
 
 
 def base_params(trainer) -> int:
@@ -164,34 +175,37 @@ def _is_oom(err: BaseException) -> bool:
     return isinstance(err, torch.cuda.OutOfMemoryError) or "out of memory" in str(err).lower()
 
 
-def layout_worker(rank: int, port: int, opts: dict, layout: str, out_path: str) -> None:
-    """One rank of a layout: build, time every case and mode, rank 0 writes the JSON."""
+def layout_worker(rank: int, port: int, opts: dict, layout: str, recompute: str, out_path: str) -> None:
+    """One rank of a layout: build, time every case and mode, rank 0 writes the JSON. The first
+    OOM (on any rank) ends the layout's cases: the JSON then says oom, and the parent retries
+    with the next --recompute setting."""
     import torch.distributed as dist
 
     from trainer.batch import TrainBatch
-    from trainer.core import MultiLoraTrainer
 
     from benchmarks.bench_frozen_base import matmul_tflops
 
     t0 = time.perf_counter()
-    trainer = MultiLoraTrainer(trainer_config(opts, layout, opts["slots"]), rank=rank, master_port=port)
+    trainer = build_trainer(opts, layout, opts["slots"], recompute, rank, port)
     build_s = time.perf_counter() - t0
     world = dist.get_world_size()
     params = base_params(trainer)
     matmul = matmul_tflops() if torch.cuda.is_available() else None
     phases = PhaseTimer(trainer)
-    head = {"layout": layout, **LAYOUTS[layout], "gpus": world, "build_s": build_s, "base_params": params,
+    head = {"layout": layout, "recompute": recompute, **LAYOUTS[layout], "gpus": world, "build_s": build_s, "base_params": params,
             "lora_params_per_rank": sum(p.numel() for p in trainer.params), "lora_path": lora_path(trainer),
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "dtype": str(trainer.base.dtype), "matmul_bf16_tflops": matmul,
             "config": trainer.config.model_dump(mode="json")}
     if rank == 0:
-        print(f"# {layout}: {world} x {head['device']}, {head['dtype']}, {params / 1e9:.3f} B base params, built in "
+        print(f"# {layout}, recompute {recompute}: {world} x {head['device']}, {head['dtype']}, {params / 1e9:.3f} B base params, built in "
               f"{build_s:.1f} s, {opts['slots']} slots x rank {opts['rank']} ({head['lora_params_per_rank'] / 1e6:.1f} M "
               f"LoRA params per rank); LoRA path: {head['lora_path']}", flush=True)
-    rows = []
+    rows, oom = [], False
     shape = opts["shape"]
     for n, seqs, length in opts["plan"]:
+        if oom:
+            break
         samples = make_samples(n, seqs, length, shape["vocab_size"], "sft")
         per_adapter = [TrainBatch(samples=[s for s in samples if s.slot == k]) for k in range(n)]
         mixed = TrainBatch(samples=samples)
@@ -207,7 +221,7 @@ def layout_worker(rank: int, port: int, opts: dict, layout: str, out_path: str) 
 
         runners = {"serialized": run_serialized, "mixed": run_mixed, "base": lambda: trainer.frozen_base_pass(mixed)}
         for mode in opts["modes"]:
-            if mode == "serialized" and n not in opts["serialized_n"]:
+            if oom or (mode == "serialized" and n not in opts["serialized_n"]):
                 continue
             iters = opts["serialized_iters"] if mode == "serialized" else opts["iters"]
             warmup = opts["serialized_warmup"] if mode == "serialized" else opts["warmup"]
@@ -219,7 +233,11 @@ def layout_worker(rank: int, port: int, opts: dict, layout: str, out_path: str) 
                 res = {"error": f"OOM: {err}".splitlines()[0]}
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
-            peaks = _gather(res.get("peak_gib"))
+            statuses = _gather((res.get("peak_gib"), res.get("error")))
+            peaks = [p for p, _ in statuses]
+            errors = [e for _, e in statuses if e]
+            if errors:  # every rank stops together
+                res, oom = {"error": errors[0]}, True
             if "ms" in res:
                 res["peak_gib_per_rank"] = peaks
                 res["peak_gib"] = max(peaks) if peaks[0] is not None else None
@@ -233,7 +251,7 @@ def layout_worker(rank: int, port: int, opts: dict, layout: str, out_path: str) 
         rows.append(row)
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump(head | {"results": rows}, f, indent=2)
+            json.dump(head | {"oom": oom, "results": rows}, f, indent=2)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -245,18 +263,17 @@ def _short(res: dict) -> str:
     return " ".join(f"{k}={res[k]:.3g}" for k in keys if res.get(k) is not None) + f" rounds={res['all_ms']}"
 
 
-def single_worker(rank: int, port: int, opts: dict, num_slots: int, out_path: str) -> None:
+def single_worker(rank: int, port: int, opts: dict, num_slots: int, recompute: str, out_path: str) -> None:
     """One GPU, ``num_slots`` resident slots: can it build and train a mixed round where every
     slot steps? Writes {"ok": ...} with the round's time and peak memory, or the error."""
     import torch.distributed as dist
 
     from trainer.batch import TrainBatch
-    from trainer.core import MultiLoraTrainer
 
-    result: dict = {"slots": num_slots}
+    result: dict = {"slots": num_slots, "recompute": recompute}
     try:
         t0 = time.perf_counter()
-        trainer = MultiLoraTrainer(trainer_config(opts, "single", num_slots), rank=rank, master_port=port)
+        trainer = build_trainer(opts, "single", num_slots, recompute, rank, port)
         result["build_s"] = time.perf_counter() - t0
         result["lora_params"] = sum(p.numel() for p in trainer.params)
         result["lora_path"] = lora_path(trainer)
@@ -291,22 +308,22 @@ def spawn(fn, nprocs: int, *args) -> None:
     mp.spawn(fn, args=(free_loopback_port(), *args), nprocs=nprocs, join=True)
 
 
-def run_single(opts: dict, counts: list[int], tmp: str) -> dict:
+def run_single(opts: dict, counts: list[int], recompute: str, tmp: str) -> dict:
     """Ascending until the first failure; if the first count fails, halve downward."""
     tried: dict[int, dict] = {}
 
     def attempt(n: int) -> bool:
-        out = os.path.join(tmp, f"single_{n}.json")
+        out = os.path.join(tmp, f"single_{recompute}_{n}.json")
         try:
-            spawn(single_worker, 1, opts, n, out)
+            spawn(single_worker, 1, opts, n, recompute, out)
             with open(out) as f:
                 tried[n] = json.load(f)
         except Exception as err:  # the process died (e.g. killed for host memory)
-            tried[n] = {"slots": n, "ok": False, "error": f"process failed: {err}".splitlines()[0][:300]}
+            tried[n] = {"slots": n, "recompute": recompute, "ok": False, "error": f"process failed: {err}".splitlines()[0][:300]}
         r = tried[n]
         status = (f"trained {r['tokens']} tokens in {r['ms']:.0f} ms, peak {r['peak_gib'] or 0:.1f} GiB, "
                   f"{r.get('after_build_gib') or 0:.1f} GiB after build" if r["ok"] else r["error"])
-        print(f"single: {n} slots: {status}", flush=True)
+        print(f"single, recompute {recompute}: {n} slots: {status}", flush=True)
         return r["ok"]
 
     counts = sorted(counts)
@@ -319,7 +336,30 @@ def run_single(opts: dict, counts: list[int], tmp: str) -> dict:
         while n >= 1 and not attempt(n):
             n //= 2
     fits = [n for n, r in tried.items() if r["ok"]]
-    return {"largest_fitting": max(fits) if fits else None, "tried": [tried[n] for n in sorted(tried)]}
+    return {"recompute": recompute, "largest_fitting": max(fits) if fits else None,
+            "tried": [tried[n] for n in sorted(tried)]}
+
+
+def run_layout(opts: dict, layout: str, recomputes: list[str], tmp: str) -> list[dict]:
+    """The layout with the first recompute setting; after an OOM (or a failed run) again with the next."""
+    attempts = []
+    for recompute in recomputes:
+        out = os.path.join(tmp, f"{layout}_{recompute}.json")
+        t0 = time.perf_counter()
+        try:
+            spawn(layout_worker, 2, opts, layout, recompute, out)
+            with open(out) as f:
+                lay = json.load(f)
+        except Exception as err:  # a rank died: build OOM, or ended by the NCCL watchdog
+            lay = {"layout": layout, "recompute": recompute, "oom": None, "results": [],
+                   "error": f"process failed: {err}".splitlines()[0][:300]}
+        lay["wall_s"] = time.perf_counter() - t0
+        attempts.append(lay)
+        print(f"# {layout}, recompute {recompute}: {lay['wall_s']:.0f} s in all"
+              + (f" (build {lay['build_s']:.0f} s)" if "build_s" in lay else f": {lay['error']}"), flush=True)
+        if not (lay["oom"] or "error" in lay):
+            break
+    return attempts
 
 
 def table(layouts: list[dict]) -> str:
@@ -341,7 +381,7 @@ def table(layouts: list[dict]) -> str:
             mfu = " / ".join(fmt(None if x.get("mfu") is None else 100 * x["mfu"], ".1f") + "%" for x in (m, b))
             peaks = " / ".join(fmt(x.get("peak_gib"), ".1f") for x in (s, m, b))
             lines.append(
-                f"| {lay['layout']} | {r['n']} x {r['seqs']} x {r['len']} | {fmt(sm) if sm else s.get('error', '-')} | "
+                f"| {lay['layout']} ({lay['recompute']}) | {r['n']} x {r['seqs']} x {r['len']} | {fmt(sm) if sm else s.get('error', '-')} | "
                 f"{fmt(mm) if mm else m.get('error', '-')} ({split}) | {fmt(bm) if bm else b.get('error', '-')} | "
                 f"{fmt(mm / bm if mm and bm else None, '.2f')} | {fmt(sm / mm if sm and mm else None, '.1f')} | "
                 f"{tps} | {mfu} | {peaks} |"
@@ -350,15 +390,15 @@ def table(layouts: list[dict]) -> str:
 
 
 def single_table(single: dict) -> str:
-    lines = ["| slots x rank 16 | trained a mixed round | tokens (slots x len) | round ms | GiB after build | peak GiB |",
-             "|---|---|---|---|---|---|"]
-    for r in single["tried"]:
+    lines = ["| recompute | slots x rank 16 | trained a mixed round | tokens (slots x len) | round ms | GiB after build | peak GiB |",
+             "|---|---|---|---|---|---|---|"]
+    for r in (r for s in single for r in s["tried"]):
         ok = "yes" if r["ok"] else f"no ({r['error'][:80]})"
         ms = f"{r['ms']:.0f}" if r.get("ms") else "-"
         build = f"{r['after_build_gib']:.1f}" if r.get("after_build_gib") is not None else "-"
         peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") is not None else "-"
         tokens = f"{r['tokens']} ({r['slots']} x {r['len']})" if r.get("tokens") else "-"
-        lines.append(f"| {r['slots']} | {ok} | {tokens} | {ms} | {build} | {peak} |")
+        lines.append(f"| {r['recompute']} | {r['slots']} | {ok} | {tokens} | {ms} | {build} | {peak} |")
     return "\n".join(lines)
 
 
@@ -372,7 +412,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slots", type=int, default=64, help="resident slots for tp2 / dp2")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--micro-batch-tokens", type=int, default=16384)
-    ap.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
+    ap.add_argument("--recompute", default="none,full",
+                    help="comma list of recompute settings (none, selective, full) for tp2 / dp2: a layout runs with the "
+                         "first; after an OOM it runs again with the next (default none,full: the trainer's default, "
+                         "then full recomputation)")
+    ap.add_argument("--collective-timeout-s", type=float, default=300.0,
+                    help="collective timeout: a rank whose peer failed is ended after this long instead of hanging")
     ap.add_argument("--n", default="1,16,64", help="comma list of N adapters per mixed round")
     ap.add_argument("--only", default="mixed,base,serialized", help="comma list of modes: mixed,base,serialized")
     ap.add_argument("--serialized-n", default="1,16", help="N whose serialized rounds are timed (64: 64 calls a round)")
@@ -382,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--serialized-warmup", type=int, default=1)
     ap.add_argument("--single-slots", default=None, help="slot counts to try with --layout single (default 64,128,256,512; tiny 4,8)")
     ap.add_argument("--single-iters", type=int, default=2)
+    ap.add_argument("--single-recompute", default="none,full",
+                    help="comma list of recompute settings: the slot search runs for each (default none,full)")
     ap.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS, help="per-GPU bf16 peak for MFU")
     ap.add_argument("--out", default=None, help="write results JSON here")
     args = ap.parse_args(argv)
@@ -398,6 +445,10 @@ def main(argv: list[str] | None = None) -> int:
     modes = args.only.split(",")
     if any(m not in ("mixed", "base", "serialized") for m in modes):
         ap.error(f"--only takes mixed, base, serialized; got {args.only}")
+    recomputes, single_recomputes = args.recompute.split(","), args.single_recompute.split(",")
+    if any(r not in ("none", "selective", "full") for r in recomputes + single_recomputes):
+        ap.error(f"--recompute / --single-recompute take none, selective, full; got {args.recompute!r} / "
+                 f"{args.single_recompute!r}")
     shape = TINY if args.tiny else QWEN3_8B
     tokens = args.tokens or (512 if args.tiny else 16384)
     max_len = args.max_len or (64 if args.tiny else 1024)
@@ -412,36 +463,34 @@ def main(argv: list[str] | None = None) -> int:
         opts = {"folder": write_untied_config(shape, os.path.join(tmp, "model"), args.tied), "shape": shape,
                 "tokens": tokens, "plan": plan, "modes": modes, "slots": args.slots, "rank": args.rank,
                 "micro_batch_tokens": args.micro_batch_tokens if not args.tiny else min(args.micro_batch_tokens, tokens),
-                "recompute": args.recompute, "serialized_n": {int(x) for x in args.serialized_n.split(",")},
+                "collective_timeout_s": args.collective_timeout_s, "serialized_n": {int(x) for x in args.serialized_n.split(",")},
                 "iters": args.iters or (2 if args.tiny else 3), "warmup": args.warmup,
                 "serialized_iters": args.serialized_iters or (1 if args.tiny else 2),
                 "serialized_warmup": args.serialized_warmup, "single_iters": args.single_iters,
                 "peak_tflops": args.peak_tflops}
         for layout in two:
-            out = os.path.join(tmp, f"{layout}.json")
-            t0 = time.perf_counter()
-            spawn(layout_worker, 2, opts, layout, out)
-            with open(out) as f:
-                lay = json.load(f)
-            lay["wall_s"] = time.perf_counter() - t0
-            result["layouts"].append(lay)
-            print(f"# {layout}: {lay['wall_s']:.0f} s in all (build {lay['build_s']:.0f} s)", flush=True)
+            result["layouts"] += run_layout(opts, layout, recomputes, tmp)
         if "single" in layouts:
             counts = [int(x) for x in (args.single_slots or ("4,8" if args.tiny else "64,128,256,512")).split(",")]
-            result["single"] = run_single(opts, counts, tmp)
+            result["single"] = [run_single(opts, counts, r, tmp) for r in single_recomputes]
     print()
-    if result["layouts"]:
-        lay0 = result["layouts"][0]
+    built = [lay for lay in result["layouts"] if "build_s" in lay]
+    for lay in result["layouts"]:
+        if "error" in lay:
+            print(f"{lay['layout']}, recompute {lay['recompute']}: FAILED {lay['error']}")
+    if built:
+        lay0 = built[0]
         print(f"{lay0['device']}, {lay0['dtype']}, {lay0['base_params'] / 1e9:.2f} B base params, "
               f"{args.slots} slots x rank {args.rank}, {tokens} tokens per round; MFU = 4 x params x tokens "
               f"against {args.peak_tflops:.0f} TFLOP/s (bf16 matmul measured: "
               f"{lay0['matmul_bf16_tflops'] or float('nan'):.0f})")
-        for lay in result["layouts"]:
+        for lay in built:
             print(f"LoRA path {lay['layout']}: {lay['lora_path']}")
-        print(table(result["layouts"]))
+        print(table(built))
     if result["single"]:
-        print(f"\none GPU: largest slot count that trains a mixed round at {tokens} tokens: "
-              f"{result['single']['largest_fitting']}")
+        for s in result["single"]:
+            print(f"\none GPU, recompute {s['recompute']}: largest slot count that trains a mixed round at {tokens} "
+                  f"tokens: {s['largest_fitting']}")
         print(single_table(result["single"]))
     print(f"\nreproduce: python -m benchmarks.bench_parallel_step {' '.join(argv if argv is not None else sys.argv[1:])}")
     if args.out:
