@@ -26,15 +26,30 @@ GPU (torch.cuda.max_memory_allocated, the largest over ranks, and each rank's).
 The LoRA path each layout took is printed: the fused LoRA node is used only at TP 1
 (trainer/multi_lora.py), so TP=2 runs the general path (base linear + LoRA delta).
 
+Memory (arithmetic from docs/BENCHMARKS.md's 1.7B per-token figures scaled by hidden x
+layers, so an estimate): 64 slots of rank 16 at 8B are 43.6 M LoRA parameters each, x 16
+bytes (fp32 weight, grad, Adam m, v) = 41.6 GiB per GPU at DP=2 (about half at TP=2);
+activations without recomputation about 6.8 MiB per token at TP 1 (108 GiB for 16k
+tokens). So --recompute is a list: a layout runs with the first setting (default none,
+the trainer's default) and, after an OOM on any rank (every rank stops at the first),
+again with the next (full); each attempt is a row group of the table.
+
 --layout single: one GPU, the largest slot count that fits beside the 8B base at 16k
 tokens per round: tries --single-slots in ascending order (a fresh process each: a clean
 allocator and an OOM that cannot leak) until one fails to build or to train a mixed round
 in which every resident slot steps (the 16384 tokens split evenly over the slots); if the
-first fails it halves downward. Reports the largest that trained.
+first fails it halves downward. Reports the largest that trained, for each
+--single-recompute setting (default none,full: about 1 min per attempt, so run them as
+separate commands where a command has a time limit).
 
   python -m benchmarks.bench_parallel_step --out parallel.json                 # 2 GPUs: tp2 then dp2
   python -m benchmarks.bench_parallel_step --layout single --out single.json   # 1 GPU: slot limit
   python -m benchmarks.bench_parallel_step --tiny                               # CPU smoke test, gloo
+
+Run time on 2 H200s (estimate: about 1 min to build each layout plus 1-2 min of rounds):
+about 5 min for the default tp2,dp2, up to about 9 min if both OOM without recomputation
+and run again with it; --layout tp2 and --layout dp2 in separate commands stay well inside
+a 10-minute limit. Cut cases with --n, --only, --serialized-n, --iters.
 """
 
 from __future__ import annotations
@@ -378,7 +393,7 @@ def table(layouts: list[dict]) -> str:
             sm, mm, bm = s.get("ms"), m.get("ms"), b.get("ms")
             split = " / ".join(fmt(m.get(k)) for k in ("fwd_bwd_ms", "step_ms", "other_ms"))
             tps = " / ".join(fmt(x.get("tokens_per_s_per_gpu")) for x in (m, b))
-            mfu = " / ".join(fmt(None if x.get("mfu") is None else 100 * x["mfu"], ".1f") + "%" for x in (m, b))
+            mfu = " / ".join("-" if x.get("mfu") is None else f"{100 * x['mfu']:.1f}%" for x in (m, b))
             peaks = " / ".join(fmt(x.get("peak_gib"), ".1f") for x in (s, m, b))
             lines.append(
                 f"| {lay['layout']} ({lay['recompute']}) | {r['n']} x {r['seqs']} x {r['len']} | {fmt(sm) if sm else s.get('error', '-')} | "
@@ -485,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
               f"against {args.peak_tflops:.0f} TFLOP/s (bf16 matmul measured: "
               f"{lay0['matmul_bf16_tflops'] or float('nan'):.0f})")
         for lay in built:
-            print(f"LoRA path {lay['layout']}: {lay['lora_path']}")
+            print(f"LoRA path {lay['layout']} (recompute {lay['recompute']}): {lay['lora_path']}")
         print(table(built))
     if result["single"]:
         for s in result["single"]:
