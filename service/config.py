@@ -237,6 +237,7 @@ class ServiceSettings(BaseSettings):
     tinker_window_ms: float = Field(20.0, ge=0, le=10_000, description="Tinker: pending forward_backward calls of different models arriving within this window run as one mixed pass (milliseconds).")
     tinker_session_timeout_s: float = Field(300.0, gt=0, description="Tinker: a session without a heartbeat for this long has its models saved and their trainer slots freed (seconds).")
     tinker_max_seq_len: int = Field(4096, ge=1, description="Tinker: longest model_input of one datum (tokens); longer ones are refused in the future's result.")
+    tinker_tokenizer_id: str | None = Field(None, description="Tinker: the tokenizer id get_info tells clients (the SDK's get_tokenizer loads it with AutoTokenizer), e.g. the base model's Hugging Face hub id. Default: the base model's folder, which responses show cut to its last part (server paths are never shown), so clients off this machine need this set.")
     tinker_max_body_bytes: int = Field(64 << 20, ge=8 << 20, description="Largest request body of the Tinker API's data-carrying routes (forward, forward_backward); at least 8 MiB.")
 
     _split = field_validator("data_roots", "reward_import_roots", mode="before")(lambda cls, v: _split_list(v))

@@ -107,7 +107,8 @@ def fleet_tinker_service(controller: Controller, settings: ServiceSettings) -> T
         raise ValueError("the Tinker API needs the running fleet (a FleetRuntime attached to the controller)")
     job = runtime.job
     backend = FleetBackend(runtime.trainer, controller, base_model=Path(job.base_model.path).name,
-                           tokenizer_id=job.base_model.path, max_seq_len=settings.tinker_max_seq_len)
+                           tokenizer_id=settings.tinker_tokenizer_id or job.base_model.path,
+                           max_seq_len=settings.tinker_max_seq_len)
     url = _engine_url(runtime)
     sampler = SglangSampler(url, max_loaded=SAMPLER_MAX_LOADED) if url else None
     return TinkerService(backend, keys, settings.tinker_dir, window_s=settings.tinker_window_ms / 1000.0,
