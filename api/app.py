@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hmac
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
@@ -47,6 +47,9 @@ from service.controller import Controller
 from service.fleet_stats import FleetStats
 from service.registry import AdapterState
 
+if TYPE_CHECKING:  # the Tinker modules (and torch) load only when the Tinker API is served
+    from api.tinker.service import TinkerService
+
 log = logging.getLogger(__name__)
 
 
@@ -63,7 +66,11 @@ def create_app(controller_obj: Controller, settings: ServiceSettings, fleet_stat
         version=_version(),
         responses=ERROR_RESPONSES,
     )
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    tinker = _tinker_service(controller_obj, settings)
+    app.state.on_stop = [tinker.stop] if tinker is not None else []  # api/server.py awaits these on stop
+    tinker_paths = {"/api/v1/forward_backward": settings.tinker_max_body_bytes,
+                    "/api/v1/forward": settings.tinker_max_body_bytes} if tinker is not None else {}
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes, path_limits=tinker_paths)
 
     def require_token(request: Request) -> None:
         if not token:
@@ -131,11 +138,26 @@ def create_app(controller_obj: Controller, settings: ServiceSettings, fleet_stat
 
     @app.get("/metrics", dependencies=[Depends(require_token)], response_class=Response, summary="Prometheus metrics")
     async def metrics() -> Response:
-        body, content_type = render_prometheus(await controller.snapshot())
+        body, content_type = render_prometheus(await controller.snapshot(),
+                                               tinker.metrics() if tinker is not None else None)
         return Response(body, media_type=content_type)
+
+    if tinker is not None:  # the Tinker wire protocol under /api/v1, its own key auth (docs/tinker.md)
+        from api.tinker.routes import tinker_router
+
+        app.include_router(tinker_router(tinker))
 
     install_error_handlers(app, settings)
     return app
+
+
+def _tinker_service(controller: Controller, settings: ServiceSettings) -> "TinkerService | None":
+    """The Tinker API's state over the running fleet, when ``settings.tinker_keys_file`` is set."""
+    if settings.tinker_keys_file is None:
+        return None
+    from api.tinker.fleet_backend import fleet_tinker_service
+
+    return fleet_tinker_service(controller, settings)
 
 
 def _version() -> str:

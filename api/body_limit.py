@@ -13,13 +13,22 @@ from typing import Any
 
 
 class BodySizeLimit:
-    def __init__(self, app: Any, max_bytes: int) -> None:
+    def __init__(self, app: Any, max_bytes: int, path_limits: dict[str, int] | None = None, *,
+                 setting: str = "LORAFLEET_MAX_BODY_BYTES", path_setting: str = "LORAFLEET_TINKER_MAX_BODY_BYTES") -> None:
+        """``path_limits``: exact request paths with a limit of their own (the Tinker API's
+        forward_backward carries token arrays: LORAFLEET_TINKER_MAX_BODY_BYTES)."""
         self.app = app
         self.max_bytes = max_bytes
+        self.path_limits = dict(path_limits or {})
+        self.setting, self.path_setting = setting, path_setting  # named in the 413 body
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        limit = self.path_limits.get(scope.get("path", ""), self.max_bytes)
+        if limit != self.max_bytes:
+            await BodySizeLimit(self.app, limit, setting=self.path_setting)(scope, receive, send)
             return
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
@@ -59,7 +68,7 @@ class BodySizeLimit:
         body = json.dumps(
             {
                 "error": "too_large",
-                "detail": f"{what} is larger than the {self.max_bytes} bytes allowed (LORAFLEET_MAX_BODY_BYTES)",
+                "detail": f"{what} is larger than the {self.max_bytes} bytes allowed ({self.setting})",
             }
         ).encode()
         await send(

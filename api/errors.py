@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import email.message
 import logging
+from http import HTTPStatus
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -113,7 +114,9 @@ def install_error_handlers(app: FastAPI, settings: Any) -> None:
         code = CODE_OF_STATUS.get(e.status_code, "bad_request" if e.status_code < 500 else "internal")
         detail = str(e.detail)
         headers = dict(e.headers or {})
-        if e.status_code == 404:
+        if request.url.path.startswith("/api/v1/") and e.detail != HTTPStatus(e.status_code).phrase:
+            pass  # a Tinker route's own refusal (api/tinker/routes.py): its detail says what was wrong
+        elif e.status_code == 404:
             detail = f"no route {request.method} {request.url.path}; the API lives under /v1 (see /docs)"
         elif e.status_code == 405:
             allowed = allowed_methods(request)

@@ -13,8 +13,13 @@ from service.controller import MetricsSnapshot
 from service.registry import AdapterState
 
 
-def render_prometheus(snap: MetricsSnapshot) -> tuple[bytes, str]:
+def render_prometheus(snap: MetricsSnapshot, tinker: dict[str, float] | None = None) -> tuple[bytes, str]:
+    """``tinker``: TinkerService.metrics() when the Tinker API is served (its gauges are added)."""
     reg = CollectorRegistry(auto_describe=False)
+    if tinker is not None:
+        from api.tinker.metrics import add_tinker_gauges
+
+        add_tinker_gauges(reg, tinker)
 
     def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
         return Gauge(name, doc, labels, registry=reg)

@@ -8,17 +8,26 @@ server stops even when the caller fails.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import uvicorn
 
 from service.config import ServiceSettings, is_loopback_host
 
+log = logging.getLogger(__name__)
+
 
 class ApiServer:
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, *, token_configured: bool = False, log_level: str = "warning") -> None:
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, *, token_configured: bool = False, log_level: str = "warning",
+                 on_stop: list[Callable[[], Awaitable[Any]]] | None = None) -> None:
+        """``on_stop``: coroutines awaited on the serving loop when ``stop()`` is called, before the
+        server exits (uvicorn runs with lifespan off, so the app's own shutdown events never fire)."""
+        self.on_stop = list(on_stop or [])
         if not is_loopback_host(host) and not token_configured:
             raise ValueError(f"refusing to bind {host!r} without an API token (set LORAFLEET_API_TOKEN)")
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off", timeout_graceful_shutdown=5)
@@ -49,6 +58,14 @@ class ApiServer:
         return f"http://{host}:{self.port}"
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        if self.on_stop and self._server.started and self._thread is not None and self._thread.is_alive():
+            loop = self._server.servers[0].get_loop()
+            for hook in self.on_stop:
+                try:
+                    asyncio.run_coroutine_threadsafe(hook(), loop).result(timeout_s)
+                except Exception as err:  # noqa: BLE001 - stopping goes on
+                    log.warning("API stop hook failed: %s: %s", type(err).__name__, err)
+            self.on_stop = []
         self._server.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout_s)
@@ -67,6 +84,7 @@ def start_api_server(controller: Any, settings: ServiceSettings) -> ApiServer:
     """The REST API over `controller` on settings.host:port, started (what `lorafleet serve` runs)."""
     from api.app import create_app
 
-    server = ApiServer(create_app(controller, settings), settings.host, settings.port,
-                       token_configured=settings.api_token is not None)
+    app = create_app(controller, settings)
+    server = ApiServer(app, settings.host, settings.port, token_configured=settings.api_token is not None,
+                       on_stop=app.state.on_stop)
     return server.start()

@@ -232,6 +232,13 @@ class ServiceSettings(BaseSettings):
     data_check_s: float = Field(10.0, gt=0, description="Registration spends at most this many seconds checking a data file; rows beyond are counted from the file size.")
     controller_timeout_s: float = Field(30.0, gt=0, description="Timeout of one API -> controller call (seconds).")
     settings_file: Path | None = Field(None, description="YAML file with any of these settings (lower priority than the environment).")
+    # The Tinker API (docs/tinker.md): served under /api/v1 only when a keys file is given.
+    tinker_keys_file: Path | None = Field(None, description="YAML file of 'tenant: key' lines (keys start with 'tml-'); when set, the service also serves the Tinker API under /api/v1.")
+    tinker_window_ms: float = Field(20.0, ge=0, le=10_000, description="Tinker: pending forward_backward calls of different models arriving within this window run as one mixed pass (milliseconds).")
+    tinker_session_timeout_s: float = Field(300.0, gt=0, description="Tinker: a session without a heartbeat for this long has its models saved and their trainer slots freed (seconds).")
+    tinker_max_seq_len: int = Field(4096, ge=1, description="Tinker: longest model_input of one datum (tokens); longer ones are refused in the future's result.")
+    tinker_tokenizer_id: str | None = Field(None, description="Tinker: the tokenizer id get_info tells clients (the SDK's get_tokenizer loads it with AutoTokenizer), e.g. the base model's Hugging Face hub id. Default: the base model's folder, which responses show cut to its last part (server paths are never shown), so clients off this machine need this set.")
+    tinker_max_body_bytes: int = Field(64 << 20, ge=8 << 20, description="Largest request body of the Tinker API's data-carrying routes (forward, forward_backward); at least 8 MiB.")
 
     _split = field_validator("data_roots", "reward_import_roots", mode="before")(lambda cls, v: _split_list(v))
 
@@ -251,6 +258,11 @@ class ServiceSettings(BaseSettings):
     @property
     def db_path(self) -> Path:
         return self.state_dir / "registry.sqlite3"
+
+    @property
+    def tinker_dir(self) -> Path:
+        """Tinker checkpoints (save_state, save_weights_for_sampler), one folder per tenant below."""
+        return self.state_dir / "tinker"
 
 
 class ConfigError(ValueError):

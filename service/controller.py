@@ -107,6 +107,24 @@ class Controller:
             self._runtime = None
             self._prepared.clear()
 
+    @property
+    def runtime(self) -> Runtime | None:
+        """The attached runtime (None before attach / after detach)."""
+        return self._runtime
+
+    # --- slot leases (registry I7): trainer slots held by Tinker models -------------------
+
+    def lease_slot(self, holder: str, tenant: str) -> int:
+        """A free trainer slot for `holder` (NoFreeSlot when none): counted like a run's slot."""
+        return self.registry.lease_slot(holder, tenant)
+
+    def release_slot_lease(self, holder: str) -> int | None:
+        return self.registry.release_lease(holder)
+
+    def slot_leases(self) -> dict[str, tuple[int, str]]:
+        """holder -> (slot, tenant)."""
+        return self.registry.leases()
+
     # --- tenant operations --------------------------------------------------------------
 
     def register(self, name: str, config: AdapterConfig | dict[str, Any]) -> AdapterRef:

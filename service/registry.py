@@ -28,7 +28,10 @@ Invariants (enforced here, partly by SQLite unique indexes as a second line):
      progress is committed only for live ACTIVE/RETIRING runs with the caller's
      registration id (a late report about an old tenant is refused, not applied
      to the new one);
-  I6 one writer: the file is locked (flock) by the process that opened it.
+  I6 one writer: the file is locked (flock) by the process that opened it;
+  I7 a slot lease (a Tinker model's slot, `lease_slot`) holds its slot like a live run:
+     register and lease_slot pick only slots held by neither; leases live as long as
+     the process that took them (the models are in its memory), so opening drops them.
 """
 
 from __future__ import annotations
@@ -149,6 +152,15 @@ CREATE TABLE IF NOT EXISTS steps (
     recorded_at REAL NOT NULL,
     PRIMARY KEY (registration_id, step)
 );
+-- I7 slot leases: a slot held by something that is not a dataset-driven run (a Tinker model,
+-- api/tinker/fleet_backend.py). A leased slot is held exactly like a live run's slot (I2 counts
+-- both); a lease lives only as long as the process that took it (opening the registry drops them).
+CREATE TABLE IF NOT EXISTS slot_leases (
+    slot INTEGER PRIMARY KEY,
+    holder TEXT NOT NULL UNIQUE,
+    tenant TEXT NOT NULL,
+    created_at REAL NOT NULL
+);
 """
 
 
@@ -177,6 +189,7 @@ class Registry:
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute("PRAGMA foreign_keys=ON")
         self._db.executescript(_SCHEMA)
+        self._db.execute("DELETE FROM slot_leases")  # I7: the previous process's leases died with it
 
     def close(self) -> None:
         with self._lock:
@@ -229,7 +242,7 @@ class Registry:
                     f"adapter name {name!r} is in use by a live run (state {state}); pick another name, "
                     f"or retire it first (DELETE /v1/adapters/{name}) and register again once it is COMPLETED"
                 )
-            held = {r["slot"]: r["name"] for r in self._db.execute("SELECT slot, name FROM runs WHERE slot IS NOT NULL")}
+            held = self._held_slots()
             free = [s for s in range(self.num_slots) if s not in held]
             if not free:
                 holders = ", ".join(f"{held[s]} (slot {s})" for s in sorted(held))
@@ -275,8 +288,49 @@ class Registry:
 
     def free_slots(self) -> list[int]:
         with self._lock:
-            held = {r[0] for r in self._db.execute("SELECT slot FROM runs WHERE slot IS NOT NULL")}
+            held = self._held_slots()
         return [s for s in range(self.num_slots) if s not in held]
+
+    def _held_slots(self) -> dict[int, str]:
+        """slot -> who holds it: live runs (by name) and slot leases (I2, I7). Caller holds the lock."""
+        held = {r["slot"]: r["name"] for r in self._db.execute("SELECT slot, name FROM runs WHERE slot IS NOT NULL")}
+        for r in self._db.execute("SELECT slot, holder, tenant FROM slot_leases"):
+            held[r["slot"]] = f"tinker model {r['holder']} of tenant {r['tenant']}"
+        return held
+
+    # --- slot leases (I7) ----------------------------------------------------------------------
+
+    def lease_slot(self, holder: str, tenant: str) -> int:
+        """The lowest free slot, now held by `holder` (a Tinker model id) until `release_lease`.
+        NoFreeSlot when every slot is held; Conflict when `holder` already holds one."""
+        with self._tx():
+            if self._db.execute("SELECT 1 FROM slot_leases WHERE holder = ?", (holder,)).fetchone():
+                raise Conflict(f"{holder!r} already holds a trainer slot")
+            held = self._held_slots()
+            free = [s for s in range(self.num_slots) if s not in held]
+            if not free:
+                holders = ", ".join(f"{held[s]} (slot {s})" for s in sorted(held))
+                raise NoFreeSlot(
+                    f"no free trainer slot: all {self.num_slots} slots are held: {holders}; retry after an adapter "
+                    "is retired or a Tinker model is unloaded"
+                )
+            self._db.execute("INSERT INTO slot_leases (slot, holder, tenant, created_at) VALUES (?, ?, ?, ?)",
+                             (free[0], holder, tenant, time.time()))
+            return free[0]
+
+    def release_lease(self, holder: str) -> int | None:
+        """Free the slot `holder` leased; its number, or None when it held none."""
+        with self._tx():
+            row = self._db.execute("SELECT slot FROM slot_leases WHERE holder = ?", (holder,)).fetchone()
+            if row is None:
+                return None
+            self._db.execute("DELETE FROM slot_leases WHERE holder = ?", (holder,))
+            return row["slot"]
+
+    def leases(self) -> dict[str, tuple[int, str]]:
+        """holder -> (slot, tenant) of every slot lease."""
+        with self._lock:
+            return {r["holder"]: (r["slot"], r["tenant"]) for r in self._db.execute("SELECT slot, holder, tenant FROM slot_leases")}
 
     def metrics(self, name: str) -> tuple[str, list[StepRecord]]:
         """(registration id, per-step series by step) of the newest run of `name`."""

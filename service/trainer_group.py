@@ -46,6 +46,10 @@ class TrainerGroup:
         self.stopped_reason: str | None = "not started"
         self._in_flight = 0  # collective calls under way (a rank busy in one does not answer probes)
         self._in_flight_lock = threading.Lock()
+        # One collective call at a time, whichever thread calls (the loop's train, the Tinker
+        # worker's forward_backward): every rank must run the calls in the same order, so a
+        # call's per-rank submissions never interleave with another's.
+        self._collective_lock = threading.Lock()
 
     @property
     def world_size(self) -> int:
@@ -139,13 +143,14 @@ class TrainerGroup:
         """`remote(worker)` -> ObjectRef, on every rank at once; rank 0's answer. `what` names it in errors."""
         if not self.workers:
             raise RuntimeError(f"the trainer is not running ({self.stopped_reason or 'not started'})")
-        with self._in_flight_lock:
-            self._in_flight += 1
-        try:
-            return call([remote(w) for w in self.workers], self.call_timeout_s, f"trainer {what}")[0]
-        finally:
+        with self._collective_lock:
             with self._in_flight_lock:
-                self._in_flight -= 1
+                self._in_flight += 1
+            try:
+                return call([remote(w) for w in self.workers], self.call_timeout_s, f"trainer {what}")[0]
+            finally:
+                with self._in_flight_lock:
+                    self._in_flight -= 1
 
     def init_slot(self, slot: int, hyper: SlotHyperParams, seed: int, init_from: str | None = None,
                   registration: str | None = None) -> dict:
@@ -168,6 +173,19 @@ class TrainerGroup:
 
     def load_slot_state(self, slot: int, in_dir: str | Path, registration: str | None = None) -> dict:
         return self._all(lambda w: w.load_slot_state.remote(slot, str(in_dir), registration=registration), what="load_slot_state")
+
+    def reset_optimizer(self, slot: int) -> None:
+        self._all(lambda w: w.reset_optimizer.remote(slot), what="reset_optimizer")
+
+    # Tinker primitives (trainer/tinker_ops.py): Call / CallResult / AdamStep travel as is.
+    def tinker_forward_backward(self, calls: list, max_seq_len: int) -> list:
+        return self._all(lambda w: w.tinker_forward_backward.remote(calls, max_seq_len), what="tinker forward_backward")
+
+    def tinker_forward(self, calls: list, max_seq_len: int) -> list:
+        return self._all(lambda w: w.tinker_forward.remote(calls, max_seq_len), what="tinker forward")
+
+    def tinker_optim_step(self, slot: int, adam: Any) -> dict:
+        return self._all(lambda w: w.tinker_optim_step.remote(slot, adam), what="tinker optim_step")
 
     def slot_state_tensors_all_ranks(self, slot: int) -> list:
         """Every rank's optimizer and weight tensors of `slot` (tests compare DP ranks)."""

@@ -79,3 +79,22 @@ class TrainWorker:
 
     def slot_state_tensors(self, slot: int):
         return self._core().slot_state_tensors(slot)
+
+    def reset_optimizer(self, slot: int) -> None:
+        self._core().reset_optimizer(slot)
+
+    # The Tinker primitives (trainer/tinker_ops.py), collective like the rest.
+    def tinker_forward_backward(self, calls: list, max_seq_len: int) -> list:
+        from trainer.tinker_ops import TinkerOps
+
+        return TinkerOps(self._core(), max_seq_len=max_seq_len).forward_backward(calls)
+
+    def tinker_forward(self, calls: list, max_seq_len: int) -> list:
+        from trainer.tinker_ops import TinkerOps
+
+        return TinkerOps(self._core(), max_seq_len=max_seq_len).forward(calls)
+
+    def tinker_optim_step(self, slot: int, adam: Any) -> dict:
+        from trainer.tinker_ops import TinkerOps
+
+        return TinkerOps(self._core()).optim_step(slot, adam)

@@ -4,7 +4,8 @@
 are synchronous and run on the coalescer's single worker thread (never two at once).
 ``InProcessBackend`` drives a MultiLoraTrainer in this process (tests, benchmarks,
 single-process use); the service's implementation over its trainer group and slot
-allocation plugs in the same way.
+allocation (api/tinker/fleet_backend.py) reuses it with the trainer group in place of
+the trainer and registry slot leases in place of the in-process free-slot search.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class TinkerBackend(Protocol):
     max_seq_len: int
     max_rank: int
 
-    def create(self, model_id: str, lora: LoraSpec) -> None: ...
+    def create(self, model_id: str, lora: LoraSpec, tenant: str = "") -> None: ...
     def release(self, model_id: str) -> None: ...
     def forward_backward(self, calls: list[ModelCall]) -> list[CallResult]: ...
     def forward(self, calls: list[ModelCall]) -> list[CallResult]: ...
@@ -67,6 +68,7 @@ class InProcessBackend:
         self.max_seq_len = max_seq_len
         self.max_rank = trainer.config.max_rank
         self._slots: dict[str, int] = {}
+        self._ranks: dict[str, int] = {}  # model -> LoRA rank (load_state checks the checkpoint's)
         self._lock = threading.Lock()  # create/release may come from the worker and from tests
 
     def _slot(self, model_id: str) -> int:
@@ -75,26 +77,42 @@ class InProcessBackend:
             raise ValueError(f"model {model_id} has no trainer slot (released?)")
         return slot
 
-    def create(self, model_id: str, lora: LoraSpec) -> None:
+    def create(self, model_id: str, lora: LoraSpec, tenant: str = "") -> None:
         if not 1 <= lora.rank <= self.max_rank:
             raise ValueError(f"LoRA rank {lora.rank} not supported: 1..{self.max_rank} on this server")
         with self._lock:
             if model_id in self._slots:
                 raise ValueError(f"model {model_id} exists")
-            used = set(self._slots.values())
-            free = [s for s in range(self.trainer.config.num_slots) if s not in used and self.trainer.slots[s] is None]
-            if not free:
-                raise ValueError(f"no free trainer slot: all {self.trainer.config.num_slots} are in use; unload a model first")
-            slot = free[0]
-            self.trainer.init_slot(slot, SlotHyperParams(rank=lora.rank, alpha=self.lora_alpha), seed=lora.seed,
-                                   registration=model_id)
+            slot = self._take_slot(model_id, tenant)
+            try:
+                self.trainer.init_slot(slot, SlotHyperParams(rank=lora.rank, alpha=self.lora_alpha), seed=lora.seed,
+                                       registration=model_id)
+            except BaseException:
+                self._give_slot(model_id)
+                raise
             self._slots[model_id] = slot
+            self._ranks[model_id] = lora.rank
 
     def release(self, model_id: str) -> None:
         with self._lock:
             slot = self._slots.pop(model_id, None)
+            self._ranks.pop(model_id, None)
             if slot is not None:
                 self.trainer.clear_slot(slot)
+                self._give_slot(model_id)
+
+    # Slot ownership: which trainer slot a new model may take. Here: any slot this trainer
+    # leaves empty; the service's backend (api/tinker/fleet_backend.py) leases it from the
+    # registry instead, so Tinker models and dataset-driven runs share one count.
+    def _take_slot(self, model_id: str, tenant: str) -> int:
+        used = set(self._slots.values())
+        free = [s for s in range(self.trainer.config.num_slots) if s not in used and self.trainer.slots[s] is None]
+        if not free:
+            raise ValueError(f"no free trainer slot: all {self.trainer.config.num_slots} are in use; unload a model first")
+        return free[0]
+
+    def _give_slot(self, model_id: str) -> None:
+        """The slot taken for ``model_id`` is free again (nothing to record in process)."""
 
     def _calls(self, calls: list[ModelCall]) -> tuple[list[Call], list[str | None]]:
         out, errors = [], []
@@ -136,9 +154,9 @@ class InProcessBackend:
     def load_state(self, model_id: str, folder: Path, optimizer: bool) -> None:
         slot = self._slot(model_id)
         lora = self.checkpoint_lora(folder)
-        have = self.trainer.slots[slot]
-        if have is not None and have.hyper.rank != lora.rank:
-            raise ValueError(f"checkpoint has LoRA rank {lora.rank}, the model has rank {have.hyper.rank}")
+        have = self._ranks.get(model_id)
+        if have is not None and have != lora.rank:
+            raise ValueError(f"checkpoint has LoRA rank {lora.rank}, the model has rank {have}")
         backup = Path(tempfile.mkdtemp(prefix="tinker-restore-"))  # keep the slot if the load fails
         self.trainer.save_slot_state(slot, backup)
         try:
@@ -146,8 +164,7 @@ class InProcessBackend:
             try:
                 self.trainer.load_slot_state(slot, folder, registration=model_id)
             except Exception:
-                if self.trainer.slots[slot] is not None:
-                    self.trainer.clear_slot(slot)
+                self.trainer.clear_slot(slot)  # whatever the failed load left (clearing an empty slot is fine)
                 self.trainer.load_slot_state(slot, backup, registration=model_id)
                 raise
             if not optimizer:

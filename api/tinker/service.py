@@ -161,7 +161,7 @@ class TinkerService:
         if model_id in self.models:
             return user_error(f"model {model_id} exists (model_seq_id reused in this session)")
         try:
-            await self.coalescer.run_now(lambda: self.backend.create(model_id, lora))
+            await self.coalescer.run_now(lambda: self.backend.create(model_id, lora, tenant))
         except ValueError as err:
             return user_error(str(err))
         self.models[model_id] = ModelRecord(tenant, session_id, model_id, lora.rank)

@@ -197,3 +197,27 @@ def test_one_writer_per_file(tmp_path):
     finally:
         first.close()
     Registry(tmp_path / "r.sqlite3", 1).close()  # free again once closed
+
+
+def test_slot_leases_share_the_slot_count_with_runs(tmp_path):
+    """I7: a Tinker model's lease holds a slot like a live run; release frees it; a restart drops leases."""
+    sc = Scenario(tmp_path, 3)
+    assert sc.do("register", "a").slot == 0
+    assert sc.reg.lease_slot("s-1:train:0", "alice") == 1
+    with pytest.raises(Conflict, match="already holds a trainer slot"):
+        sc.reg.lease_slot("s-1:train:0", "alice")
+    assert sc.do("register", "b").slot == 2
+    assert sc.reg.free_slots() == []
+    with pytest.raises(NoFreeSlot, match=r"tinker model s-1:train:0 of tenant alice \(slot 1\)"):
+        sc.do("register", "c")
+    with pytest.raises(NoFreeSlot, match=r"a \(slot 0\).*b \(slot 2\)"):
+        sc.reg.lease_slot("s-2:train:0", "bob")
+    assert sc.reg.leases() == {"s-1:train:0": (1, "alice")}
+    assert sc.reg.release_lease("s-1:train:0") == 1
+    assert sc.reg.release_lease("s-1:train:0") is None  # twice: nothing more to free
+    assert sc.do("register", "c").slot == 1
+    sc.do("to", "a", S.FAILED, "x")
+    assert sc.reg.lease_slot("s-2:train:0", "bob") == 0
+    sc.do("restart")  # the models lived in the old process's memory: their leases go with it
+    assert sc.reg.leases() == {} and sc.reg.free_slots() == [0]
+    sc.reg.close()
