@@ -82,7 +82,7 @@ class Controller:
         self.settings = settings
         self.capacity = capacity
         settings.state_dir.mkdir(parents=True, exist_ok=True)
-        self.registry = Registry(settings.db_path, capacity.num_slots)
+        self.registry = Registry(settings.db_path, capacity.num_slots, capacity.live_run_bound)
         self._runtime = runtime
         # Registration ids whose trainer slot the attached runtime holds in THIS
         # process. After a restart it is empty, so live runs trained before are
@@ -238,6 +238,9 @@ class Controller:
                 ref = self.registry.get_run(registration_id)
                 if not ref.live:
                     self._release_quietly(runtime, ref)
+            # Slots freed by those releases (or by a failure) go to the queue's head, in order.
+            for bound in self.registry.bind_queued():
+                log.info("%s leaves the queue for slot %d", bound.name, bound.slot)
             changes: list[Change] = []
             for ref in self.registry.live():
                 changes.extend(self._advance(runtime, ref))
@@ -248,6 +251,9 @@ class Controller:
         start = ref.state
         stage = "reconcile"
         try:
+            if ref.slot is None:
+                if ref.state == AdapterState.PENDING:
+                    return changes  # queued: waits for a slot (bind_queued, in queue order)
             needs_prepare = ref.state == AdapterState.PENDING or (
                 ref.registration_id not in self._prepared
                 and ref.activated_at is not None

@@ -118,8 +118,9 @@ def test_reconcile_lifecycle_and_slot_reuse(world, tmp_path):
     # the controller assigned each run's first version, passed it in and recorded it (never reused)
     assert controller.get("a").weight_version == rt.versions["a"] != rt.versions["b"] == controller.get("b").weight_version
     assert controller.abort("a") == 3
-    with pytest.raises(NoFreeSlot):
-        controller.register("c", cfg(data))
+    queued = controller.register("c", cfg(data))  # beyond the slots: accepted, waits in the queue
+    assert (queued.state, queued.slot, queued.queue_position) == (S.PENDING, None, 1)
+    assert controller.reconcile() == [] and controller.get("c").queue_position == 1  # nothing freed: it waits
     controller.record_step(a.registration_id, step=1, samples=16, metrics={"loss": 0.5, "reward_mean": 0.2})
     controller.retire("a")
     with pytest.raises(Conflict, match="already retiring"):
@@ -128,9 +129,10 @@ def test_reconcile_lifecycle_and_slot_reuse(world, tmp_path):
     assert [(c.name, c.to_state) for c in changes] == [("a", S.CLEANUP), ("a", S.COMPLETED)]
     done = controller.get("a")
     assert done.slot is None and done.step == 1 and Path(done.export_path, "adapter_config.json").is_file()
-    c = controller.register("c", cfg(data))  # a's slot, a new version
-    assert c.slot == a.slot and c.slot_version > b.slot_version
-    controller.reconcile()
+    assert controller.get("c").queue_position == 1  # a's slot is released first; the next pass binds it
+    assert [(ch.name, ch.to_state) for ch in controller.reconcile()] == [("c", S.ACTIVE)]
+    c = controller.get("c")  # a's slot, its own version
+    assert c.slot == a.slot and c.queue_position is None and c.slot_version > b.slot_version
     assert rt.calls == [("prepare", "a"), ("prepare", "b"), ("abort", "a"), ("finish", "a"), ("release", "a"), ("prepare", "c")]
     with pytest.raises(Conflict, match="already ended"):
         controller.retire("a")
@@ -194,3 +196,33 @@ def test_fail_from_the_loop_releases_on_next_pass(world, tmp_path):
     assert rt.calls == [("prepare", "a"), ("release", "a")]
     snap = controller.snapshot()
     assert snap.free_slots == 2 and snap.runtime.queue_depth == {"a": 2}
+
+
+def test_queue_bound_and_retiring_a_queued_run(world, tmp_path):
+    """Registrations beyond the slots queue FIFO up to max_live_runs (409 beyond, with the bound);
+    a queued run retired before it trained completes without touching the runtime and leaves the queue."""
+    _, data = world
+    settings = load_settings(state_dir=tmp_path / "state2", data_roots=[data])
+    controller = Controller(settings, SlotCapacity(num_slots=1, max_rank=16, max_live_runs=3))
+    try:
+        rt = ScriptedRuntime(tmp_path / "state2")
+        controller.attach_runtime(rt)
+        for name in ("a", "b", "c"):
+            controller.register(name, cfg(data))
+        with pytest.raises(NoFreeSlot, match="max_live_runs is 3"):
+            controller.register("d", cfg(data))
+        controller.reconcile()
+        assert [(r.name, r.state, r.slot, r.queue_position) for r in controller.list()] == [
+            ("a", S.ACTIVE, 0, None), ("b", S.PENDING, None, 1), ("c", S.PENDING, None, 2)]
+        controller.retire("b")
+        controller.reconcile()
+        assert controller.get("b").state == S.COMPLETED and controller.get("b").export_path is None
+        assert controller.get("c").queue_position == 1
+        controller.register("d", cfg(data))  # b's place in the bound is free again
+        controller.fail(controller.get("a").registration_id, "planted failure")
+        controller.reconcile()
+        assert [(r.name, r.state, r.slot, r.queue_position) for r in controller.list()] == [
+            ("a", S.FAILED, None, None), ("b", S.COMPLETED, None, None), ("c", S.ACTIVE, 0, None), ("d", S.PENDING, None, 1)]
+        assert rt.calls == [("prepare", "a"), ("release", "b"), ("release", "a"), ("prepare", "c")]  # b: a no-op release
+    finally:
+        controller.close()
