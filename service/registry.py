@@ -114,6 +114,17 @@ class AdapterRef:
         return self.queue_position is not None
 
     @property
+    def residency(self) -> str | None:
+        """Where its trainer state is: "resident" (holds a slot), "queued" (waits for its first
+        slot), "evicted" (trained, swapped out, waits for a slot to come back to); None once ended
+        or retired before it trained."""
+        if self.slot is not None:
+            return "resident"
+        if self.queue_position is None:
+            return None
+        return "evicted" if self.activated_at is not None else "queued"
+
+    @property
     def live(self) -> bool:
         return self.state in LIVE_STATES
 
