@@ -314,6 +314,8 @@ class SlotCapacity(StrictModel):
     num_slots: int = Field(4, ge=1, le=1024, description="Adapter slots resident on the trainer; live runs beyond them wait in a queue (see max_live_runs).")
     max_rank: int = Field(16, ge=1, le=1024, description="Largest LoRA rank a slot holds.")
     max_live_runs: int | None = Field(None, ge=1, description="Most adapter runs live at once (resident, queued for a slot, or evicted); registrations beyond get 409. Default: 4 x num_slots; at least num_slots.")
+    evict_idle_s: float = Field(30.0, gt=0, description="While runs wait for a slot, a resident run with no ready step that has not stepped for this many seconds is swapped out (keep-warm eviction, least recently active first).")
+    turn_steps: int = Field(4, ge=1, description="While runs wait for a slot, a resident run that has taken this many steps since it came in gives its slot up at the next round boundary (turns: none waits forever).")
 
     @model_validator(mode="after")
     def _live_runs_cover_slots(self) -> SlotCapacity:

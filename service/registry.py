@@ -461,13 +461,14 @@ class Registry:
             queue = self._queue()
             return [self._ref(self._run_row(rid), queue) for rid in queue]
 
-    def bind_queued(self) -> list[AdapterRef]:
+    def bind_queued(self, skip: set[str] | frozenset[str] = frozenset()) -> list[AdapterRef]:
         """Give the free slots (lowest first) to the runs at the head of the queue, in order;
         the runs that got one. A bound PENDING run is prepared by the next reconcile, a bound
-        evicted run is restored into it."""
+        evicted run is restored into it. Runs in `skip` (evicted runs with no step ready) keep
+        their place but are passed over this time."""
         bound: list[AdapterRef] = []
         with self._tx():
-            queue = self._queue()
+            queue = [rid for rid in self._queue() if rid not in skip]
             held = {r[0] for r in self._db.execute("SELECT slot FROM runs WHERE slot IS NOT NULL")}
             free = [s for s in range(self.num_slots) if s not in held]
             now = time.time()

@@ -17,6 +17,7 @@ from service.config import SlotCapacity, load_settings
 from service.controller import Controller
 from service.errors import BadValue, Conflict, NoFreeSlot, NotFound
 from service.registry import AdapterState as S
+from service.residency import Resident
 from service.runtime import ComponentHealth, Finished, Prepared, RuntimeStats, run_dir
 
 pytestmark = pytest.mark.unit
@@ -31,6 +32,9 @@ class ScriptedRuntime:
         self.fail_on: dict[tuple[str, str], str] = {}
         self.bad_export: set[str] = set()
         self.versions: dict[str, int] = {}  # name -> the weight version the controller passed to prepare
+        self.steps_in: dict[str, int] = {}  # name -> steps since it came in (what the policy reads); resident runs only
+        self.ready_step: dict[str, bool] = {}  # name -> a whole step is ready (default True)
+        self.names: dict[str, str] = {}  # registration id -> name
 
     def _call(self, method: str, ref) -> None:
         self.calls.append((method, ref.name))
@@ -40,6 +44,8 @@ class ScriptedRuntime:
     def prepare_adapter(self, ref, weight_version):
         self._call("prepare", ref)
         self.versions[ref.name] = weight_version
+        self.steps_in[ref.name] = 0
+        self.names[ref.registration_id] = ref.name
         return Prepared(step=ref.checkpoint_step or 0)
 
     def finish_adapter(self, ref):
@@ -53,6 +59,22 @@ class ScriptedRuntime:
 
     def release_adapter(self, ref):
         self._call("release", ref)
+        self.steps_in.pop(ref.name, None)
+
+    def residents(self):
+        return [Resident(rid, 0.0, self.ready_step.get(n, True), self.steps_in[n], float(i))
+                for i, (rid, n) in enumerate(self.names.items()) if n in self.steps_in]
+
+    def wants_slot(self, ref):
+        return self.ready_step.get(ref.name, True)
+
+    def evict(self, ref):
+        self._call("evict", ref)
+        del self.steps_in[ref.name]
+
+    def restore(self, ref):
+        self._call("restore", ref)
+        self.steps_in[ref.name] = 0
 
     def abort(self, ref):
         self._call("abort", ref)
@@ -224,5 +246,56 @@ def test_queue_bound_and_retiring_a_queued_run(world, tmp_path):
         assert [(r.name, r.state, r.slot, r.queue_position) for r in controller.list()] == [
             ("a", S.FAILED, None, None), ("b", S.COMPLETED, None, None), ("c", S.ACTIVE, 0, None), ("d", S.PENDING, None, 1)]
         assert rt.calls == [("prepare", "a"), ("release", "b"), ("release", "a"), ("prepare", "c")]  # b: a no-op release
+    finally:
+        controller.close()
+
+
+def test_turns_evict_and_restore_through_one_slot(world, tmp_path):
+    """One slot, two runs: the resident gives its slot up after turn_steps (swapped out, still
+    ACTIVE, residency evicted, queued); the waiter is prepared; then the first is restored (not
+    prepared again). A failing swap-out fails that run only. Retiring an evicted run restores it
+    to finish it."""
+    _, data = world
+    settings = load_settings(state_dir=tmp_path / "state3", data_roots=[data])
+    controller = Controller(settings, SlotCapacity(num_slots=1, max_rank=16, turn_steps=2))
+    try:
+        rt = ScriptedRuntime(tmp_path / "state3")
+        controller.attach_runtime(rt)
+        controller.register("a", cfg(data))
+        controller.register("b", cfg(data))
+        controller.reconcile()
+        assert [(r.name, r.residency, r.queue_position) for r in controller.list()] == [("a", "resident", None), ("b", "queued", 1)]
+        rt.steps_in["a"] = 1
+        controller.reconcile()  # a's turn is not used up
+        assert controller.get("a").slot == 0 and rt.calls == [("prepare", "a")]
+        rt.steps_in["a"] = 2
+        controller.reconcile()
+        a, b = controller.get("a"), controller.get("b")
+        assert (a.state, a.residency, a.slot, a.queue_position) == (S.ACTIVE, "evicted", None, 1)
+        assert (b.state, b.residency, b.slot) == (S.ACTIVE, "resident", 0)
+        rt.ready_step["a"] = False  # evicted with no step ready: it does not push b out
+        rt.steps_in["b"] = 5
+        controller.reconcile()
+        assert controller.get("b").slot == 0
+        rt.ready_step["a"] = True
+        controller.reconcile()
+        assert controller.get("a").slot == 0 and controller.get("b").residency == "evicted"
+        assert rt.calls == [("prepare", "a"), ("evict", "a"), ("prepare", "b"), ("evict", "b"), ("restore", "a")]
+        # retiring the evicted b: it comes back for its final checkpoint once a's turn is over
+        controller.retire("b")
+        rt.steps_in["a"] = 2
+        controller.reconcile()
+        assert controller.get("b").state == S.COMPLETED and controller.get("a").residency == "evicted"
+        assert rt.calls[-4:] == [("evict", "a"), ("restore", "b"), ("finish", "b"), ("release", "b")]
+        # a swap-out that fails (disk full while spilling) fails that run only
+        controller.register("c", cfg(data))
+        controller.reconcile()  # a restored (head of the queue)
+        rt.fail_on[("evict", "a")] = "SwapError: no space left on device"
+        rt.steps_in["a"] = 2
+        controller.reconcile()
+        a = controller.get("a")
+        assert a.state == S.FAILED and a.failure_reason == "evict failed: RuntimeError: SwapError: no space left on device"
+        controller.reconcile()
+        assert controller.get("c").state == S.ACTIVE and controller.get("c").slot == 0
     finally:
         controller.close()
