@@ -372,6 +372,7 @@ class Registry:
                 sets["activated_at"] = now
             if to in TERMINAL_STATES:
                 sets["slot"] = None
+                sets["queued_at"] = None
                 sets["finished_at"] = now
             self._update(registration_id, sets)
             return self._ref(self._run_row(registration_id))

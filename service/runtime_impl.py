@@ -93,8 +93,6 @@ class _Run:
     evicted: bool = False  # I5
     steps_in: int = 0  # steps since it last came into a slot (turns)
     last_active: float = field(default_factory=time.monotonic)  # its last step or arrival in a slot (LRU)
-    swap_out_s: float | None = None  # the trainer's time of its last swap-out / swap-in
-    swap_in_s: float | None = None
 
     @property
     def is_rl(self) -> bool:
@@ -123,6 +121,9 @@ class FleetRuntime:
         self._rr_start = 0  # round-robin start of batch collection
         self._publishing: list[tuple[str, int, Any]] = []  # (adapter, version, ObjectRef) of publishes in flight
         self._unroutable: dict[int, int] = {}  # engine index -> checks in a row that found it alive but not routed to
+        # adapter name -> the trainer's time of its last swap-out / swap-in (kept after the run ends, like its step gauge)
+        self._swap_out_s: dict[str, float] = {}
+        self._swap_in_s: dict[str, float] = {}
 
     # --- helpers -------------------------------------------------------------------------------
 
@@ -263,16 +264,11 @@ class FleetRuntime:
                 inflight[str(e.index)] = e.inflight
         except Exception:
             log.debug("stats: rollout worker unreachable", exc_info=True)
-        swap_out: dict[str, float] = {}
-        swap_in: dict[str, float] = {}
         with self._lock:
             for r in self._runs.values():
                 if r.is_rl:
                     queue[r.name] = queue.get(r.name, 0) + len(r.staged)
-                if r.swap_out_s is not None:
-                    swap_out[r.name] = r.swap_out_s
-                if r.swap_in_s is not None:
-                    swap_in[r.name] = r.swap_in_s
+            swap_out, swap_in = dict(self._swap_out_s), dict(self._swap_in_s)
         return RuntimeStats(queue_depth=queue, engine_inflight=inflight, train_step_seconds=self._last_train_s,
                             swap_out_seconds=swap_out, swap_in_seconds=swap_in)
 
@@ -324,7 +320,8 @@ class FleetRuntime:
             raise RuntimeError(f"{run.name} is not resident in slot {ref.slot}")
         out = self.trainer.swap_out(run.slot, run.registration_id)  # SwapError: the slot is as it was
         with self._lock:
-            run.evicted, run.slot, run.swap_out_s = True, None, float(out["seconds"])
+            run.evicted, run.slot = True, None
+            self._swap_out_s[run.name] = float(out["seconds"])
             if run.sft is not None:
                 run.sft.slot = -1  # never used while evicted: restore sets the new slot
         log.info("evicted %s from slot %d at step %d (%s, %.1f MB, %.4f s)", run.name, out["slot"], run.step,
@@ -336,7 +333,8 @@ class FleetRuntime:
             raise RuntimeError(f"{run.name} is not evicted, or has no slot to come back to")
         back = self.trainer.swap_in(ref.slot, run.registration_id)
         with self._lock:
-            run.evicted, run.slot, run.swap_in_s = False, ref.slot, float(back["seconds"])
+            run.evicted, run.slot = False, ref.slot
+            self._swap_in_s[run.name] = float(back["seconds"])
             run.steps_in, run.last_active = 0, time.monotonic()
             if run.sft is not None:
                 run.sft.slot = ref.slot  # its samples are routed to the new slot
