@@ -64,3 +64,33 @@ def test_rotation_gives_everyone_turns():
             queue.append(rid)
     assert max(longest_wait.values()) <= 6, longest_wait
     assert min(stepped.values()) >= 12, stepped  # 80 steps over 5 runs; none starves
+
+
+def test_queue_place_is_shown_in_the_cli_and_the_progress_view():
+    import io
+
+    from rich.console import Console
+
+    from api.cli_tenant import adapters_table
+    from service.config import AdapterConfig
+    from service.progress import ProgressView
+    from service.registry import AdapterRef, AdapterState
+
+    cfg = AdapterConfig(data={"path": "/d/x.jsonl"}, reward={"name": "target_share"})
+    queued = AdapterRef("waits", "r1", AdapterState.PENDING, None, 3, cfg, 30, 0, 0, None, {}, None, None, None, None,
+                        0.0, 0.0, None, None, queue_position=2)
+    evicted = AdapterRef("out", "r2", AdapterState.ACTIVE, None, 4, cfg, 30, 5, 40, 9, {}, None, None, None, None,
+                         0.0, 0.0, 1.0, None, queue_position=1)
+    assert (queued.residency, evicted.residency) == ("queued", "evicted")
+
+    def text(table) -> str:
+        out = io.StringIO()
+        Console(file=out, width=200).print(table)
+        return out.getvalue()
+
+    view = text(ProgressView(Console(file=io.StringIO())).render([queued, evicted], now=1.0))
+    assert "PENDING (queued #2)" in view and "ACTIVE (evicted #1)" in view
+    rows = [{"name": r.name, "state": r.state.value, "slot": None, "queue_position": r.queue_position,
+             "residency": r.residency, "step": r.step, "total_steps": 30} for r in (queued, evicted)]
+    cli = text(adapters_table(rows))
+    assert "queued #2" in cli and "evicted #1" in cli
