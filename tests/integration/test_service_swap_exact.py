@@ -9,15 +9,15 @@ data cursor, so runs are deterministic (as in test_service_resume.py).
    (spilled) and the other swapped in. Each must end bit-identical (every step's loss and
    gradient norm, the final export) to the same run trained alone, resident the whole time; and
    nothing is left in the trainer's swap store.
-2. The spill folder is made unwritable (a file where the folder should be: a real OSError, as a
-   full disk gives): the first eviction fails that run (FAILED, with the SwapError as its reason)
-   and the other run trains on to COMPLETED.
+2. A full disk while spilling (a real ENOSPC: run p's spill file is a link to /dev/full, as in
+   test_trainer_swap.py): p's first eviction fails p (FAILED, the SwapError as its reason; its
+   slot as it was) and the other run trains on to COMPLETED.
 """
 
 from __future__ import annotations
 
 import logging
-import shutil
+import os
 
 import pytest
 
@@ -113,22 +113,25 @@ def test_turns_through_one_slot_are_bit_exact(world, caplog):
     assert any(not (got["x"][2][k] == got["y"][2][k]).all() for k in got["x"][2])  # two different runs
 
 
-def test_a_failed_spill_fails_that_run_only(world):
+def test_disk_full_while_spilling_fails_that_run_only(world):
     from service.registry import AdapterState
 
     _, trainer, tmp, data = world
     spill = tmp / "swap"
-    shutil.rmtree(spill, ignore_errors=True)
-    spill.write_text("not a folder")  # mkdir of the spill folder now fails: an OSError, as a full disk gives
+    spill.mkdir(exist_ok=True)
     controller, rt = _controller(world, "fault", turn_steps=1)
+    full = spill / "not-made-yet"
     try:
-        controller.register("p", _sft(data, seed=1))
+        p = controller.register("p", _sft(data, seed=1))
+        full = spill / f"{p.registration_id}.rank0.tmp"
+        os.symlink("/dev/full", full)
         controller.register("q", _sft(data, seed=2))
         _train(controller, rt)
         p, q = controller.get("p"), controller.get("q")
-        assert p.state == AdapterState.FAILED and p.failure_reason.startswith("evict failed: SwapError: spilling slot snapshot"), p
+        assert p.state == AdapterState.FAILED and p.step == 1, p
+        assert p.failure_reason.startswith("evict failed: SwapError: spilling slot snapshot") and "No space left on device" in p.failure_reason, p
         assert q.state == AdapterState.COMPLETED and q.step == STEPS, q
         assert trainer.swapped()["keys"] == []
     finally:
         controller.close()
-        spill.unlink()
+        full.unlink(missing_ok=True)
