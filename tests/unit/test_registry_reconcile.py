@@ -299,3 +299,35 @@ def test_turns_evict_and_restore_through_one_slot(world, tmp_path):
         assert controller.get("c").state == S.ACTIVE and controller.get("c").slot == 0
     finally:
         controller.close()
+
+
+def test_restart_while_evicted_prepares_from_the_checkpoint(world, tmp_path):
+    """The swap store does not outlive the process: after a restart an evicted run waits in the
+    queue like any other and, once bound, is prepared again from its last checkpoint (not restored)."""
+    _, data = world
+    settings = load_settings(state_dir=tmp_path / "state4", data_roots=[data])
+    capacity = SlotCapacity(num_slots=1, max_rank=16, turn_steps=1)
+    controller = Controller(settings, capacity)
+    rt = ScriptedRuntime(tmp_path / "state4")
+    controller.attach_runtime(rt)
+    a = controller.register("a", cfg(data))
+    controller.register("b", cfg(data))
+    controller.reconcile()
+    controller.record_checkpoint(a.registration_id, "/ckpt/a", step=3)
+    rt.steps_in["a"] = 1
+    controller.reconcile()
+    assert controller.get("a").residency == "evicted" and controller.get("b").residency == "resident"
+    controller.close()
+
+    again = Controller(settings, capacity)
+    try:
+        rt2 = ScriptedRuntime(tmp_path / "state4")
+        again.attach_runtime(rt2)
+        again.reconcile()  # b holds the slot (prepared again); a waits, evicted, first in the queue
+        assert rt2.calls == [("prepare", "b")] and again.get("a").queue_position == 1
+        rt2.steps_in["b"] = 1
+        again.reconcile()
+        assert rt2.calls == [("prepare", "b"), ("evict", "b"), ("prepare", "a")]  # a: prepared, not restored
+        assert again.get("a").step == 3 and again.get("a").slot == 0
+    finally:
+        again.close()
