@@ -79,6 +79,13 @@ def _fmt(value: Any, digits: int = 4) -> str:
     return str(value)
 
 
+def _slot_cell(a: dict[str, Any]) -> str:
+    """The slot, or where the run waits for one: "queued #2" / "evicted #1" (its queue position)."""
+    if a.get("queue_position") is not None:
+        return f"{a.get('residency') or 'queued'} #{a['queue_position']}"
+    return _fmt(a.get("slot"))
+
+
 def adapters_table(rows: list[dict[str, Any]]) -> Table:
     table = Table("NAME", "STATE", "SLOT", "VERSION", "STEP", "SAMPLES", "REWARD", "LOSS", "EXPORT / REASON")
     for a in rows:
@@ -86,7 +93,7 @@ def adapters_table(rows: list[dict[str, Any]]) -> Table:
         step = f"{a['step']}/{total}" if total is not None else str(a["step"])
         tail = a.get("failure_reason") or a.get("export_path") or ""
         table.add_row(
-            a["name"], a["state"], _fmt(a.get("slot")), _fmt(a.get("weight_version")), step,
+            a["name"], a["state"], _slot_cell(a), _fmt(a.get("weight_version")), step,
             _fmt(a.get("samples_trained")), _fmt(a.get("last_reward")), _fmt(a.get("last_loss")), tail,
         )
     return table

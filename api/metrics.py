@@ -46,6 +46,9 @@ def render_prometheus(snap: MetricsSnapshot, tinker: dict[str, float] | None = N
             reward.labels(r.name).set(r.last_metrics["reward_mean"])
         if "loss" in r.last_metrics:
             loss.labels(r.name).set(r.last_metrics["loss"])
+    residency = gauge("lorafleet_adapters_residency", "Live adapter runs by residency: resident (holds a slot), queued (waits for its first slot), evicted (swapped out, waits to come back)", ("residency",))
+    for where in ("resident", "queued", "evicted"):
+        residency.labels(where).set(sum(1 for r in snap.adapters if r.live and r.residency == where))
     gauge("lorafleet_slots_total", "Trainer adapter slots").set(snap.num_slots)
     gauge("lorafleet_slots_free", "Trainer adapter slots not held by a live run").set(snap.free_slots)
     queue = gauge("lorafleet_rollout_queue_depth", "Rollout groups buffered for training", ("adapter",))
@@ -55,6 +58,12 @@ def render_prometheus(snap: MetricsSnapshot, tinker: dict[str, float] | None = N
             queue.labels(name).set(depth)
         for engine, n in snap.runtime.engine_inflight.items():
             inflight.labels(engine).set(n)
+        swap_out = gauge("lorafleet_adapter_swap_out_seconds", "Trainer time of the adapter's last swap-out (eviction)", ("adapter",))
+        swap_in = gauge("lorafleet_adapter_swap_in_seconds", "Trainer time of the adapter's last swap-in (restore)", ("adapter",))
+        for name, seconds in snap.runtime.swap_out_seconds.items():
+            swap_out.labels(name).set(seconds)
+        for name, seconds in snap.runtime.swap_in_seconds.items():
+            swap_in.labels(name).set(seconds)
         if snap.runtime.train_step_seconds is not None:
             gauge("lorafleet_train_step_seconds", "Wall time of the last mixed train call").set(snap.runtime.train_step_seconds)
     return generate_latest(reg), CONTENT_TYPE_LATEST

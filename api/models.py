@@ -34,7 +34,9 @@ class AdapterOut(_Out):
     name: str
     registration_id: str = Field(description="uuid4 hex of this registration; a re-registered name gets a new one.")
     state: AdapterState
-    slot: int | None = Field(description="Trainer slot held; null once COMPLETED or FAILED.")
+    slot: int | None = Field(description="Trainer slot held; null while queued or evicted, and once COMPLETED or FAILED.")
+    queue_position: int | None = Field(None, description="1-based place in the queue for a slot (registered beyond the free slots, or evicted); null while it holds a slot or once ended.")
+    residency: str | None = Field(None, description="resident (holds a slot), queued (waits for its first slot), evicted (trained, swapped out of its slot, waits to come back); null once ended.")
     slot_version: int = Field(description="Globally unique version given at registration; never repeats.")
     weight_version: int | None = Field(description="Version of the weights the engines serve for it; null before the first publish.")
     step: int = Field(description="Optimizer steps committed.")
@@ -59,6 +61,8 @@ class AdapterOut(_Out):
             registration_id=ref.registration_id,
             state=ref.state,
             slot=ref.slot,
+            queue_position=ref.queue_position,
+            residency=ref.residency,
             slot_version=ref.slot_version,
             weight_version=ref.weight_version,
             step=ref.step,

@@ -38,7 +38,7 @@ from service.engine_pids import reap_engines, record_engines
 from service.placement import cluster_shape_from_ray, plan_placement, release_placement_groups, reserve_placement_groups
 from service.rollout_client import RolloutClient
 from service.runtime_impl import FleetRuntime
-from service.trainer_group import TrainerGroup
+from service.trainer_group import TrainerGroup, with_swap_dir
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ def start_fleet(job: JobConfig, settings: ServiceSettings, *, start_api: ApiStar
         rollout = RolloutClient(rollout_handle, engine_restart_timeout_s=job.engines.startup_deadline_s + 60)
         t1 = time.monotonic()
         engines_started = rollout.start_engines()
-        trainer = TrainerGroup(job.trainer, trainer_groups, cpus_per_rank=job.placement.trainer.cpus_per_rank,
+        trainer = TrainerGroup(with_swap_dir(job.trainer, settings.state_dir), trainer_groups, cpus_per_rank=job.placement.trainer.cpus_per_rank,
                                gpus_per_rank=1.0 if gpu else 0.0)
         times["trainer"] = trainer.start()  # builds the model while the engines start
         engines = ray.get(engines_started, timeout=job.engines.startup_deadline_s + 120)

@@ -314,13 +314,31 @@ class BaseModelSpec(StrictModel):
     _rebase_path = field_validator("path")(_rebase)
 
 
+# Default bound on live runs (queued and evicted included) per trainer slot.
+DEFAULT_LIVE_RUNS_PER_SLOT = 4
+
+
 class SlotCapacity(StrictModel):
     """What the trainer holds resident; the controller enforces it at registration.
     In a job file this is the `slots:` section, and the trainer's num_slots/max_rank
     are taken from it."""
 
-    num_slots: int = Field(4, ge=1, le=1024, description="Adapter slots resident on the trainer (= most live adapter runs).")
+    num_slots: int = Field(4, ge=1, le=1024, description="Adapter slots resident on the trainer; live runs beyond them wait in a queue (see max_live_runs).")
     max_rank: int = Field(16, ge=1, le=1024, description="Largest LoRA rank a slot holds.")
+    max_live_runs: int | None = Field(None, ge=1, description="Most adapter runs live at once (resident, queued for a slot, or evicted); registrations beyond get 409. Default: 4 x num_slots; at least num_slots.")
+    evict_idle_s: float = Field(30.0, gt=0, description="While runs wait for a slot, a resident run with no ready step that has not stepped for this many seconds is swapped out (keep-warm eviction, least recently active first).")
+    turn_steps: int = Field(4, ge=1, description="While runs wait for a slot, a resident run that has taken this many steps since it came in gives its slot up at the next round boundary (turns: none waits forever).")
+
+    @model_validator(mode="after")
+    def _live_runs_cover_slots(self) -> SlotCapacity:
+        if self.max_live_runs is not None and self.max_live_runs < self.num_slots:
+            raise ValueError(f"max_live_runs ({self.max_live_runs}) must be >= num_slots ({self.num_slots}): every slot may hold a live run")
+        return self
+
+    @property
+    def live_run_bound(self) -> int:
+        """The bound in force: max_live_runs, or its default of DEFAULT_LIVE_RUNS_PER_SLOT x num_slots."""
+        return self.max_live_runs if self.max_live_runs is not None else DEFAULT_LIVE_RUNS_PER_SLOT * self.num_slots
     context_tokens: int | None = Field(None, ge=2, description="Longest sample (prompt + completion, tokens) engines and trainer take. Default: the base model's max_position_embeddings (config.json); set it lower when the engines run with a shorter --context-length.")
 
 
@@ -398,8 +416,9 @@ class JobConfig(StrictModel):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"adapter names must be unique; repeated: {', '.join(dupes)}")
-        if len(self.adapters) > self.slots.num_slots:
-            raise ValueError(f"{len(self.adapters)} adapters but only {self.slots.num_slots} slots (slots.num_slots)")
+        if len(self.adapters) > self.slots.live_run_bound:
+            raise ValueError(f"{len(self.adapters)} adapters but at most {self.slots.live_run_bound} live runs "
+                             f"(slots.max_live_runs; {self.slots.num_slots} slots, the rest wait in the queue)")
         if self.engines.max_lora_rank < self.slots.max_rank:
             raise ValueError(
                 f"engines.max_lora_rank ({self.engines.max_lora_rank}) must be >= slots.max_rank ({self.slots.max_rank}): "

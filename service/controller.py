@@ -10,6 +10,14 @@ side effect succeeded:
     RETIRING --finish_adapter-->   CLEANUP --release_adapter--> COMPLETED
     any live --(runtime call raised)--> FAILED (reason = the error), others unaffected
 
+More tenants than slots (docs/concepts.md): a registration beyond the free slots waits in the
+registry's queue (PENDING, no slot). Each pass, while runs wait that want a slot, the policy of
+service/residency.py picks residents to evict (runtime.evict: the trainer's bit-exact swap-out;
+then the registry releases the slot and the run joins the queue, still ACTIVE, residency
+"evicted"); then free slots go to the queue's head in order (registry.bind_queued), and a bound
+run is prepared (first time) or restored (runtime.restore: swap-in). A swap that fails fails
+that run only. An evicted run that retires is restored to write its final checkpoint and export.
+
 With no runtime attached, reconcile does nothing: runs stay where they are.
 The training loop reports progress through record_step / record_checkpoint /
 fail and asks retire(name, registration_id) when a run's data or step budget is
@@ -39,6 +47,7 @@ from service.config import AdapterConfig, ServiceSettings, SlotCapacity, format_
 from service.config_checks import PEFT_FILES, check_adapter_config
 from service.errors import BadValue, Conflict
 from service.registry import AdapterRef, AdapterState, Registry, StepRecord
+from service.residency import ResidencyKnobs, choose_evictions
 from service.runtime import ProcessInfo, Runtime, RuntimeStats
 from rollout.config import check_adapter_name
 
@@ -82,12 +91,16 @@ class Controller:
         self.settings = settings
         self.capacity = capacity
         settings.state_dir.mkdir(parents=True, exist_ok=True)
-        self.registry = Registry(settings.db_path, capacity.num_slots)
+        self.registry = Registry(settings.db_path, capacity.num_slots, capacity.live_run_bound)
         self._runtime = runtime
         # Registration ids whose trainer slot the attached runtime holds in THIS
         # process. After a restart it is empty, so live runs trained before are
         # prepared again (from their last checkpoint) before anything else.
         self._prepared: set[str] = set()
+        # Prepared runs swapped out of their slot in this process (a subset of _prepared): a bound
+        # one is restored, not prepared. Cleared with _prepared: a new runtime holds no swap store.
+        self._evicted: set[str] = set()
+        self._knobs = ResidencyKnobs(idle_evict_s=capacity.evict_idle_s, turn_steps=capacity.turn_steps)
         self._reconcile_lock = threading.Lock()  # one reconcile pass at a time
         self._started_at = time.time()
 
@@ -101,11 +114,13 @@ class Controller:
         with self._reconcile_lock:
             self._runtime = runtime
             self._prepared.clear()
+            self._evicted.clear()
 
     def detach_runtime(self) -> None:
         with self._reconcile_lock:
             self._runtime = None
             self._prepared.clear()
+            self._evicted.clear()
 
     @property
     def runtime(self) -> Runtime | None:
@@ -256,7 +271,10 @@ class Controller:
                 ref = self.registry.get_run(registration_id)
                 if not ref.live:
                     self._release_quietly(runtime, ref)
-            changes: list[Change] = []
+            changes: list[Change] = self._evict_for_waiters(runtime)
+            # Slots freed by releases, failures or evictions go to the queue's head, in order.
+            for bound in self.registry.bind_queued(skip=self._not_wanting(runtime)):
+                log.info("%s leaves the queue for slot %d", bound.name, bound.slot)
             for ref in self.registry.live():
                 changes.extend(self._advance(runtime, ref))
             return changes
@@ -266,6 +284,12 @@ class Controller:
         start = ref.state
         stage = "reconcile"
         try:
+            if ref.queued:
+                return changes  # queued or evicted: waits for a slot (bind_queued, in queue order)
+            if ref.registration_id in self._evicted:
+                stage = "restore"
+                runtime.restore(ref)
+                self._evicted.discard(ref.registration_id)
             needs_prepare = ref.state == AdapterState.PENDING or (
                 ref.registration_id not in self._prepared
                 and ref.activated_at is not None
@@ -324,6 +348,46 @@ class Controller:
         except Exception:
             log.exception("release_adapter(%s) failed; the slot's next prepare_adapter overwrites it", ref.name)
         self._prepared.discard(ref.registration_id)
+        self._evicted.discard(ref.registration_id)
+
+    def _not_wanting(self, runtime: Runtime) -> set[str]:
+        """Evicted ACTIVE runs with no whole step ready: they keep their queue place but let the
+        runs behind them take a free slot first (a retiring one always wants its slot back)."""
+        out = set()
+        for ref in self.registry.queued():
+            if ref.registration_id in self._evicted and ref.state == AdapterState.ACTIVE and not runtime.wants_slot(ref):
+                out.add(ref.registration_id)
+        return out
+
+    def _evict_for_waiters(self, runtime: Runtime) -> list[Change]:
+        """Keep-warm eviction and turns (service/residency.py) while runs wait for a slot."""
+        queued = self.registry.queued()
+        if not queued:
+            return []
+        skip = self._not_wanting(runtime)
+        wanting = sum(1 for r in queued if r.registration_id not in skip)
+        refs = {r.registration_id: r for r in self.registry.live() if r.slot is not None}
+        residents = [r for r in runtime.residents()
+                     if r.registration_id in refs and refs[r.registration_id].state == AdapterState.ACTIVE]
+        changes: list[Change] = []
+        for registration_id in choose_evictions(residents, wanting, len(self.registry.free_slots()), self._knobs):
+            ref = refs[registration_id]
+            try:
+                runtime.evict(ref)
+            except Exception as e:  # e.g. SwapError (disk full while spilling): that run fails, the others go on
+                reason = f"evict failed: {type(e).__name__}: {e}"[:MAX_REASON_CHARS]
+                log.exception("adapter %s: %s", ref.name, reason)
+                failed = self.registry.transition(registration_id, AdapterState.FAILED, reason=reason)
+                changes.append(Change(ref.name, registration_id, ref.state, failed.state, reason))
+                self._release_quietly(runtime, failed)
+                continue
+            self._evicted.add(registration_id)
+            try:
+                out = self.registry.release_slot(registration_id, expect_slot=ref.slot)
+                log.info("evicted %s from slot %d (queue #%s)", ref.name, ref.slot, out.queue_position)
+            except Conflict as e:  # failed or retired meanwhile: the next pass acts on its new state
+                log.info("evict %s: %s", ref.name, e)
+        return changes
 
 
 def _parse_state(state: str | AdapterState) -> AdapterState:

@@ -76,7 +76,8 @@ def register_job_adapters(controller: Any, job: JobConfig, *, resume: bool) -> l
             done.append(f"{spec.name}: already COMPLETED (resume)")
             continue
         new = controller.register(spec.name, spec.config)
-        done.append(f"{spec.name}: registered in slot {new.slot} (registration {new.registration_id[:8]})")
+        where = f"slot {new.slot}" if new.slot is not None else f"the queue at #{new.queue_position}"
+        done.append(f"{spec.name}: registered in {where} (registration {new.registration_id[:8]})")
     return done
 
 

@@ -70,7 +70,7 @@ class ProgressView:
             rate = self.samples_per_second(ref, now)
             table.add_row(
                 ref.name,
-                ref.state.value,
+                ref.state.value + (f" ({ref.residency} #{ref.queue_position})" if ref.queue_position is not None else ""),
                 f"{ref.step}{total}",
                 _fmt(ref.last_metrics.get("reward_mean")),
                 _fmt(ref.last_metrics.get("loss"), 4),

@@ -14,8 +14,12 @@ Terms
 
 Invariants (enforced here, partly by SQLite unique indexes as a second line):
   I1 at most one live run per name;
-  I2 a live run holds exactly one slot in [0, num_slots); a terminal run holds none;
-     no two live runs hold the same slot;
+  I2 a live run holds at most one slot in [0, num_slots); a terminal run holds none;
+     no two live runs hold the same slot; a run holds no slot only while it is queued
+     (PENDING, waiting for a slot: `queue_position` 1, 2, ... in registration order)
+     or, once trained, evicted (ACTIVE/RETIRING, its slot state swapped out to the
+     trainer's host memory; it waits in the same queue for a slot to come back to);
+     at most `max_live_runs` runs are live;
   I3 versions come from one global counter that only grows and survives restart:
      every `slot_version` (given at registration) and every number handed out by
      `next_version()` (weight publishes) is unique forever, so "<name>@v<k>"
@@ -47,12 +51,12 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from service.config import AdapterConfig
+from service.config import DEFAULT_LIVE_RUNS_PER_SLOT, AdapterConfig
 from service.errors import Conflict, NoFreeSlot, NotFound
 
 
 class AdapterState(StrEnum):
-    PENDING = "PENDING"  # registered, slot reserved, trainer slot not yet initialized
+    PENDING = "PENDING"  # registered; slot reserved (or queued for one), trainer slot not yet initialized
     ACTIVE = "ACTIVE"  # slot initialized, weights published, training
     RETIRING = "RETIRING"  # retire requested: stop rollout, abort requests, final checkpoint + export
     CLEANUP = "CLEANUP"  # export done; clearing the trainer slot and engine versions
@@ -73,6 +77,13 @@ LEGAL_TRANSITIONS: dict[AdapterState, frozenset[AdapterState]] = {
 # Progress (steps, publishes, checkpoints) may still arrive while retiring: the
 # train call in flight when the tenant asked to retire did consume its samples.
 PROGRESS_STATES = frozenset({AdapterState.ACTIVE, AdapterState.RETIRING})
+# The queue: live runs without a slot, first come first served. CLEANUP never waits
+# (it has nothing left to train), so it is not in the queue.
+# A never-trained run retired while queued is not in it either: it ends without a slot.
+_QUEUED_SQL = (
+    "SELECT registration_id FROM runs WHERE slot IS NULL AND (state = 'PENDING'"
+    " OR (state IN ('ACTIVE','RETIRING') AND activated_at IS NOT NULL)) ORDER BY queued_at, run_id"
+)
 
 
 @dataclass(frozen=True)
@@ -98,6 +109,23 @@ class AdapterRef:
     updated_at: float
     activated_at: float | None  # first time its trainer slot was initialized; None = never trained
     finished_at: float | None
+    queue_position: int | None = None  # 1-based place among the live runs waiting for a slot; None = holds one or ended
+
+    @property
+    def queued(self) -> bool:
+        """Live and waiting for a slot (never trained: PENDING; trained: evicted)."""
+        return self.queue_position is not None
+
+    @property
+    def residency(self) -> str | None:
+        """Where its trainer state is: "resident" (holds a slot), "queued" (waits for its first
+        slot), "evicted" (trained, swapped out, waits for a slot to come back to); None once ended
+        or retired before it trained."""
+        if self.slot is not None:
+            return "resident"
+        if self.queue_position is None:
+            return None
+        return "evicted" if self.activated_at is not None else "queued"
 
     @property
     def live(self) -> bool:
@@ -136,7 +164,8 @@ CREATE TABLE IF NOT EXISTS runs (
     created_at REAL NOT NULL,
     updated_at REAL NOT NULL,
     activated_at REAL,
-    finished_at REAL
+    finished_at REAL,
+    queued_at REAL  -- when it last began waiting for a slot (registration or eviction); orders the queue
 );
 -- I1 and I2 as indexes: a bug that slips past the checks fails the commit instead of corrupting.
 CREATE UNIQUE INDEX IF NOT EXISTS one_live_run_per_name ON runs(name)
@@ -167,11 +196,14 @@ CREATE TABLE IF NOT EXISTS slot_leases (
 class Registry:
     """SQLite-backed registry. Thread-safe (one lock around one connection)."""
 
-    def __init__(self, db_path: str | Path, num_slots: int) -> None:
+    def __init__(self, db_path: str | Path, num_slots: int, max_live_runs: int | None = None) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        if max_live_runs is not None and max_live_runs < num_slots:
+            raise ValueError(f"max_live_runs must be >= num_slots ({num_slots}), got {max_live_runs}")
         self.db_path = Path(db_path)
         self.num_slots = num_slots
+        self.max_live_runs = max_live_runs if max_live_runs is not None else DEFAULT_LIVE_RUNS_PER_SLOT * num_slots
         self.db_path.parent.mkdir(parents=True, exist_ok=True)
         self._lock_file = open(self.db_path.with_name(self.db_path.name + ".lock"), "a+")
         try:
@@ -190,6 +222,9 @@ class Registry:
         self._db.execute("PRAGMA foreign_keys=ON")
         self._db.executescript(_SCHEMA)
         self._db.execute("DELETE FROM slot_leases")  # I7: the previous process's leases died with it
+        columns = {r["name"] for r in self._db.execute("PRAGMA table_info(runs)")}
+        if "queued_at" not in columns:  # a registry file written before the queue existed
+            self._db.execute("ALTER TABLE runs ADD COLUMN queued_at REAL")
 
     def close(self) -> None:
         with self._lock:
@@ -222,10 +257,11 @@ class Registry:
     # --- tenant operations ------------------------------------------------------------------
 
     def register(self, name: str, config: AdapterConfig, *, total_steps: int | None) -> AdapterRef:
-        """New PENDING run holding the lowest free slot and a fresh version.
+        """New PENDING run with a fresh version, holding the lowest free slot, or queued
+        (no slot, a queue position) when every slot is held or others wait already.
 
         Conflict when the name has a live run (a retiring one gets a retry hint);
-        NoFreeSlot when every slot is held. A COMPLETED/FAILED name registers again."""
+        NoFreeSlot when `max_live_runs` runs are live. A COMPLETED/FAILED name registers again."""
         now = time.time()
         with self._tx():
             live = self._db.execute(
@@ -242,31 +278,37 @@ class Registry:
                     f"adapter name {name!r} is in use by a live run (state {state}); pick another name, "
                     f"or retire it first (DELETE /v1/adapters/{name}) and register again once it is COMPLETED"
                 )
-            held = self._held_slots()
-            free = [s for s in range(self.num_slots) if s not in held]
-            if not free:
-                holders = ", ".join(f"{held[s]} (slot {s})" for s in sorted(held))
+            live_count = self._db.execute(
+                "SELECT COUNT(*) FROM runs WHERE state IN ('PENDING','ACTIVE','RETIRING','CLEANUP')"
+            ).fetchone()[0]
+            if live_count >= self.max_live_runs:
                 raise NoFreeSlot(
-                    f"no free slot: all {self.num_slots} slots are held by live adapters: {holders}; "
+                    f"too many live adapters: {live_count} registered runs are live and max_live_runs is "
+                    f"{self.max_live_runs} ({self.num_slots} trainer slots, the rest queued or evicted); "
                     "retry after one of them is retired (DELETE /v1/adapters/<name>) and COMPLETED"
                 )
+            held = self._held_slots()  # runs' slots and Tinker models' leases (I7)
+            free = [s for s in range(self.num_slots) if s not in held]
+            # A free slot goes to the queue first (FIFO): a newcomer never overtakes a waiting run.
+            waiting = self._db.execute(_QUEUED_SQL).fetchone() is not None
+            slot = free[0] if free and not waiting else None
             registration_id = uuid.uuid4().hex
             self._db.execute(
                 "INSERT INTO runs (name, registration_id, state, slot, slot_version, config_json, total_steps,"
-                " created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (name, registration_id, AdapterState.PENDING, free[0], self._bump_version(),
-                 config.model_dump_json(), total_steps, now, now),
+                " created_at, updated_at, queued_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (name, registration_id, AdapterState.PENDING, slot, self._bump_version(),
+                 config.model_dump_json(), total_steps, now, now, None if slot is not None else now),
             )
-            return _ref(self._run_row(registration_id))
+            return self._ref(self._run_row(registration_id))
 
     def get(self, name: str) -> AdapterRef:
         """The newest run of `name` (its live run if it has one)."""
         with self._lock:
-            return _ref(self._latest_row(name))
+            return self._ref(self._latest_row(name))
 
     def get_run(self, registration_id: str) -> AdapterRef:
         with self._lock:
-            return _ref(self._run_row(registration_id))
+            return self._ref(self._run_row(registration_id))
 
     def list(self, state: AdapterState | None = None) -> list[AdapterRef]:
         """The newest run of every name, oldest name first; optionally only those in `state`."""
@@ -276,15 +318,17 @@ class Registry:
             sql += " AND state = ?"
             args = (AdapterState(state),)
         with self._lock:
-            return [_ref(r) for r in self._db.execute(sql + " ORDER BY run_id", args)]
+            queue = self._queue()
+            return [self._ref(r, queue) for r in self._db.execute(sql + " ORDER BY run_id", args)]
 
     def live(self) -> list[AdapterRef]:
         """Every live run, in registration order."""
         with self._lock:
+            queue = self._queue()
             rows = self._db.execute(
                 "SELECT * FROM runs WHERE state IN ('PENDING','ACTIVE','RETIRING','CLEANUP') ORDER BY run_id"
             )
-            return [_ref(r) for r in rows]
+            return [self._ref(r, queue) for r in rows]
 
     def free_slots(self) -> list[int]:
         with self._lock:
@@ -382,9 +426,10 @@ class Registry:
                 sets["activated_at"] = now
             if to in TERMINAL_STATES:
                 sets["slot"] = None
+                sets["queued_at"] = None
                 sets["finished_at"] = now
             self._update(registration_id, sets)
-            return _ref(self._run_row(registration_id))
+            return self._ref(self._run_row(registration_id))
 
     def mark_prepared(self, registration_id: str, *, weight_version: int, step: int = 0, samples_trained: int = 0) -> AdapterRef:
         """Record that the run's trainer slot is initialized and `weight_version` is
@@ -398,6 +443,8 @@ class Registry:
             state = AdapterState(row["state"])
             if state in TERMINAL_STATES:
                 raise Conflict(f"adapter {row['name']!r} is {state}; a finished run cannot be prepared")
+            if row["slot"] is None:
+                raise Conflict(f"adapter {row['name']!r} holds no slot (queued); it is prepared once bound to one")
             sets: dict[str, Any] = {"weight_version": weight_version, "updated_at": now}
             if row["activated_at"] is None:
                 sets["activated_at"] = now
@@ -411,7 +458,7 @@ class Registry:
             if state == AdapterState.PENDING:
                 sets["state"] = AdapterState.ACTIVE
             self._update(registration_id, sets)
-            return _ref(self._run_row(registration_id))
+            return self._ref(self._run_row(registration_id))
 
     # --- progress from the training loop ----------------------------------------------------
 
@@ -447,21 +494,71 @@ class Registry:
             if weight_version is not None:
                 sets["weight_version"] = weight_version
             self._update(registration_id, sets)
-            return _ref(self._run_row(registration_id))
+            return self._ref(self._run_row(registration_id))
 
     def record_checkpoint(self, registration_id: str, path: str, step: int) -> AdapterRef:
         """A checkpoint of this run at `step` is complete on disk at `path`."""
         with self._tx():
             self._progress_row(registration_id)
             self._update(registration_id, {"checkpoint_path": path, "checkpoint_step": step, "updated_at": time.time()})
-            return _ref(self._run_row(registration_id))
+            return self._ref(self._run_row(registration_id))
 
     def next_version(self) -> int:
         """A number never handed out before (I3), for naming a weight publish."""
         with self._tx():
             return self._bump_version()
 
+    # --- the queue: runs without a slot ------------------------------------------------------
+
+    def queued(self) -> list[AdapterRef]:
+        """Live runs waiting for a slot, first in line first."""
+        with self._lock:
+            queue = self._queue()
+            return [self._ref(self._run_row(rid), queue) for rid in queue]
+
+    def bind_queued(self, skip: set[str] | frozenset[str] = frozenset()) -> list[AdapterRef]:
+        """Give the free slots (lowest first) to the runs at the head of the queue, in order;
+        the runs that got one. A bound PENDING run is prepared by the next reconcile, a bound
+        evicted run is restored into it. Runs in `skip` (evicted runs with no step ready) keep
+        their place but are passed over this time."""
+        bound: list[AdapterRef] = []
+        with self._tx():
+            queue = [rid for rid in self._queue() if rid not in skip]
+            held = self._held_slots()  # a Tinker model's leased slot is not free (I7)
+            free = [s for s in range(self.num_slots) if s not in held]
+            now = time.time()
+            for registration_id, slot in zip(queue, free):
+                self._update(registration_id, {"slot": slot, "queued_at": None, "updated_at": now})
+            for registration_id in queue[: len(free)]:
+                bound.append(self._ref(self._run_row(registration_id), []))
+        return bound
+
+    def release_slot(self, registration_id: str, *, expect_slot: int) -> AdapterRef:
+        """An evicted run gives its slot back and joins the end of the queue (I2). Only a trained
+        (ACTIVE/RETIRING) run holding `expect_slot` can be evicted: a PENDING run has nothing
+        to swap out, a CLEANUP run is about to end."""
+        now = time.time()
+        with self._tx():
+            row = self._run_row(registration_id)
+            if row["state"] not in PROGRESS_STATES or row["activated_at"] is None:
+                raise Conflict(f"adapter {row['name']!r} is {row['state']}; only a trained ACTIVE or RETIRING run can be evicted")
+            if row["slot"] != expect_slot:
+                raise Conflict(f"adapter {row['name']!r} holds slot {row['slot']}, not {expect_slot}; its slot changed meanwhile")
+            self._update(registration_id, {"slot": None, "queued_at": now, "updated_at": now})
+            return self._ref(self._run_row(registration_id), self._queue())
+
     # --- helpers ----------------------------------------------------------------------------
+
+    def _queue(self) -> list[str]:
+        """Registration ids of the queued runs, in queue order (caller holds the lock)."""
+        return [r[0] for r in self._db.execute(_QUEUED_SQL)]
+
+    def _ref(self, row: sqlite3.Row, queue: list[str] | None = None) -> AdapterRef:
+        """The ref of `row`; its queue position from `queue` (read now when not given)."""
+        if queue is None:
+            queue = self._queue() if row["slot"] is None and row["state"] in LIVE_STATES else []
+        position = queue.index(row["registration_id"]) + 1 if row["registration_id"] in queue else None
+        return _ref(row, position)
 
     def _progress_row(self, registration_id: str) -> sqlite3.Row:
         row = self._run_row(registration_id)
@@ -499,8 +596,9 @@ class _Transaction:
             self._lock.release()
 
 
-def _ref(row: sqlite3.Row) -> AdapterRef:
+def _ref(row: sqlite3.Row, queue_position: int | None) -> AdapterRef:
     return AdapterRef(
+        queue_position=queue_position,
         name=row["name"],
         registration_id=row["registration_id"],
         state=AdapterState(row["state"]),

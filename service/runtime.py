@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from service.registry import AdapterRef
+from service.residency import Resident
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,8 @@ class RuntimeStats:
     queue_depth: dict[str, int] = field(default_factory=dict)  # adapter name -> groups buffered for training
     engine_inflight: dict[str, int] = field(default_factory=dict)  # engine id -> requests in flight
     train_step_seconds: float | None = None  # wall time of the last mixed train call
+    swap_out_seconds: dict[str, float] = field(default_factory=dict)  # adapter name -> its last swap-out (trainer side)
+    swap_in_seconds: dict[str, float] = field(default_factory=dict)  # adapter name -> its last swap-in
 
 
 @runtime_checkable
@@ -106,6 +109,27 @@ class Runtime(Protocol):
 
     def processes(self) -> list[ProcessInfo]:
         """The fleet's processes and their ids (GET /v1/fleet, for operators and fault drills)."""
+        ...
+
+    # --- more tenants than slots (service/residency.py; docs/concepts.md) ----------------------------
+
+    def residents(self) -> list[Resident]:
+        """What the eviction policy needs of every prepared run that holds its slot now."""
+        ...
+
+    def wants_slot(self, ref: AdapterRef) -> bool:
+        """Whether this evicted run has a whole step ready (it wants a turn). A queued run that
+        never trained always wants one; the controller asks only about evicted runs."""
+        ...
+
+    def evict(self, ref: AdapterRef) -> None:
+        """Swap the run out of `ref.slot` (the trainer's bit-exact swap-out under its registration
+        id) and keep its coordinator-side state; the slot is free afterwards. Raises (SwapError)
+        with the run still resident when its state cannot be stored."""
+        ...
+
+    def restore(self, ref: AdapterRef) -> None:
+        """Swap the evicted run back into `ref.slot` (any free slot) and route its samples there."""
         ...
 
 

@@ -30,6 +30,15 @@ Invariants:
   I4 a checkpoint's data cursor lists every row not yet trained on (the rollout's
      pending rows plus the staged groups' rows), so a resume redoes nothing and
      skips nothing.
+  I5 an evicted run (more tenants than slots: `evict` / `restore`, docs/concepts.md) stays in
+     `_runs` with `evicted` set and no slot: its trainer state is in the trainer's swap store
+     under its registration id (host memory, or <state_dir>/swap beyond the budget), its SFT
+     cursor and staged RL groups stay here. It never takes part in a train call, a publish or
+     a checkpoint until `restore` put it back in a slot (any free one). An evicted RL run keeps
+     generating (its weights do not change while out, so its groups stay fresh) until the
+     rollout worker's per-adapter buffer is full; a whole step staged is its signal that it
+     wants a turn. A trainer restart loses the swap store: evicted runs, like resident ones,
+     are prepared again from their last checkpoint.
 """
 
 from __future__ import annotations
@@ -52,6 +61,7 @@ from service.checkpoints import ADAPTER_SUBDIR, PendingCheckpoint, link_folder, 
 from service.config import AdapterConfig, JobConfig, ServiceSettings
 from service.engine_pids import record_engines
 from service.registry import AdapterRef
+from service.residency import Resident
 from service.rollout_client import RolloutClient
 from service.runtime import ComponentHealth, Finished, Prepared, ProcessInfo, RuntimeStats, run_dir
 from service.sft import SftSource
@@ -68,7 +78,7 @@ FAIL_AFTER_BAD_STEPS = 3  # consecutive non-finite steps, or steps whose every r
 class _Run:
     name: str
     registration_id: str
-    slot: int
+    slot: int | None  # None while evicted (I5)
     config: AdapterConfig
     total_steps: int | None
     step: int  # optimizer steps the trainer slot has taken
@@ -80,6 +90,9 @@ class _Run:
     bad_steps: int = 0
     foreign_groups: int = 0  # groups of another registration seen at collection (must stay 0)
     last_metrics: dict[str, float] = field(default_factory=dict)
+    evicted: bool = False  # I5
+    steps_in: int = 0  # steps since it last came into a slot (turns)
+    last_active: float = field(default_factory=time.monotonic)  # its last step or arrival in a slot (LRU)
 
     @property
     def is_rl(self) -> bool:
@@ -108,6 +121,9 @@ class FleetRuntime:
         self._rr_start = 0  # round-robin start of batch collection
         self._publishing: list[tuple[str, int, Any]] = []  # (adapter, version, ObjectRef) of publishes in flight
         self._unroutable: dict[int, int] = {}  # engine index -> checks in a row that found it alive but not routed to
+        # adapter name -> the trainer's time of its last swap-out / swap-in (kept after the run ends, like its step gauge)
+        self._swap_out_s: dict[str, float] = {}
+        self._swap_in_s: dict[str, float] = {}
 
     # --- helpers -------------------------------------------------------------------------------
 
@@ -178,7 +194,7 @@ class FleetRuntime:
     def _evict_slot(self, slot: int) -> None:
         """Forget whatever registration this runtime still has in `slot` (a lost release)."""
         with self._lock:
-            stale = [r for r in self._runs.values() if r.slot == slot]
+            stale = [r for r in self._runs.values() if r.slot == slot and not r.evicted]
         for r in stale:
             self._forget(r)
 
@@ -188,7 +204,10 @@ class FleetRuntime:
         if run.is_rl:
             self._need_rollout().remove_adapter(run.name)
         if self.trainer.running:
-            self.trainer.clear_slot(run.slot)
+            if run.evicted:  # its place in the swap store (host memory or spill file) is freed
+                self.trainer.drop_swapped(run.registration_id)
+            else:
+                self.trainer.clear_slot(run.slot)
 
     def finish_adapter(self, ref: AdapterRef) -> Finished:
         """The final checkpoint, and the export: the checkpoint's PEFT folder, linked (not written
@@ -249,7 +268,9 @@ class FleetRuntime:
             for r in self._runs.values():
                 if r.is_rl:
                     queue[r.name] = queue.get(r.name, 0) + len(r.staged)
-        return RuntimeStats(queue_depth=queue, engine_inflight=inflight, train_step_seconds=self._last_train_s)
+            swap_out, swap_in = dict(self._swap_out_s), dict(self._swap_in_s)
+        return RuntimeStats(queue_depth=queue, engine_inflight=inflight, train_step_seconds=self._last_train_s,
+                            swap_out_seconds=swap_out, swap_in_seconds=swap_in)
 
     def processes(self) -> list[ProcessInfo]:
         """Every process of the fleet with its id (the operator's GET /v1/fleet): the coordinator,
@@ -270,6 +291,55 @@ class FleetRuntime:
                 out.append(ProcessInfo("rollout-worker", "rollout", None, f"unreachable: {type(e).__name__}"))
         return out
 
+    # --- more tenants than slots (I5) --------------------------------------------------------------
+
+    def residents(self) -> list[Resident]:
+        now = time.monotonic()
+        with self._lock:
+            runs = [r for r in self._runs.values() if not r.evicted]
+        return [Resident(r.registration_id, now - r.last_active, self._has_step(r), r.steps_in, r.last_active) for r in runs]
+
+    def _has_step(self, run: _Run) -> bool:
+        """A whole step is ready for the run (RL: pops groups into `staged` up to a step; SFT: rows left)."""
+        if run.is_rl:
+            need = run.groups_per_step - len(run.staged)
+            if need > 0:
+                run.staged.extend(g for g in self._need_rollout().pop_groups(run.name, need)
+                                  if g.registration_id == run.registration_id)
+            return len(run.staged) >= run.groups_per_step
+        return run.sft is not None and not run.sft.exhausted
+
+    def wants_slot(self, ref: AdapterRef) -> bool:
+        with self._lock:
+            run = self._runs.get(ref.registration_id)
+        return run is None or not run.evicted or self._has_step(run)
+
+    def evict(self, ref: AdapterRef) -> None:
+        run = self._run(ref.registration_id)
+        if run.evicted or run.slot != ref.slot:
+            raise RuntimeError(f"{run.name} is not resident in slot {ref.slot}")
+        out = self.trainer.swap_out(run.slot, run.registration_id)  # SwapError: the slot is as it was
+        with self._lock:
+            run.evicted, run.slot = True, None
+            self._swap_out_s[run.name] = float(out["seconds"])
+            if run.sft is not None:
+                run.sft.slot = -1  # never used while evicted: restore sets the new slot
+        log.info("evicted %s from slot %d at step %d (%s, %.1f MB, %.4f s)", run.name, out["slot"], run.step,
+                 out["where"], out["bytes"] / 1e6, out["seconds"])
+
+    def restore(self, ref: AdapterRef) -> None:
+        run = self._run(ref.registration_id)
+        if not run.evicted or ref.slot is None:
+            raise RuntimeError(f"{run.name} is not evicted, or has no slot to come back to")
+        back = self.trainer.swap_in(ref.slot, run.registration_id)
+        with self._lock:
+            run.evicted, run.slot = False, ref.slot
+            self._swap_in_s[run.name] = float(back["seconds"])
+            run.steps_in, run.last_active = 0, time.monotonic()
+            if run.sft is not None:
+                run.sft.slot = ref.slot  # its samples are routed to the new slot
+        log.info("restored %s into slot %d at step %d (%.4f s)", run.name, ref.slot, run.step, back["seconds"])
+
     # --- the loop's operations -------------------------------------------------------------------
 
     def collect_batch(self, active: list[str], max_wait_s: float, poll_s: float = 0.05) -> CollectedBatch:
@@ -280,7 +350,7 @@ class FleetRuntime:
         for longer than that); returns an empty batch when nothing got ready in
         `max_wait_s` (the loop then reconciles and calls again)."""
         with self._lock:
-            runs = [self._runs[r] for r in active if r in self._runs]
+            runs = [self._runs[r] for r in active if r in self._runs and not self._runs[r].evicted]
         if not self.trainer.running:  # stopped or restarting: nothing can train
             time.sleep(max_wait_s)
             return CollectedBatch([], [])
@@ -369,6 +439,8 @@ class FleetRuntime:
                 run.bad_steps = 0
             report = reports[-1]
             run.step = report.step
+            run.steps_in += 1
+            run.last_active = time.monotonic()
             run.samples_trained += plan.samples
             # The API shows these keys by name (last reward / loss, the metrics series) and /metrics
             # exports them; any other float-valued key is stored and shown too.
@@ -462,6 +534,8 @@ class FleetRuntime:
     def checkpoint(self, registration_id: str) -> str:
         """Write a complete checkpoint of the run at its current step; returns its folder."""
         run = self._run(registration_id)
+        if run.evicted:
+            raise RuntimeError(f"{run.name} is evicted (swapped out of its slot); it is checkpointed once restored")
         folder = run_dir(self.settings.state_dir, _RefLike(run.name, registration_id))
         cursor = self._cursor(run)
         with PendingCheckpoint(folder, run.step) as pending:
@@ -542,7 +616,7 @@ class FleetRuntime:
         out = {}
         for reg in self.runs():
             run = self._runs.get(reg)
-            if run is None:
+            if run is None or run.evicted:  # evicted: resumes from its last checkpoint (I5)
                 continue
             if run.is_rl:
                 try:

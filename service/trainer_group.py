@@ -28,6 +28,15 @@ from trainer.batch import TrainBatch
 from trainer.config import SlotHyperParams, TrainerConfig
 
 PROBE_TIMEOUT_S = 2.0
+SWAP_DIR_NAME = "swap"  # under the service's state dir: evicted slots beyond the host-memory budget
+
+
+def with_swap_dir(config: TrainerConfig, state_dir: str | Path) -> TrainerConfig:
+    """The trainer config the service runs: evicted slots spill to `<state_dir>/swap` unless the
+    job names another folder (trainer.swap_spill_dir); trainer.swap_host_budget_mb bounds host memory."""
+    if config.swap_spill_dir is not None:
+        return config
+    return config.model_copy(update={"swap_spill_dir": str(Path(state_dir) / SWAP_DIR_NAME)})
 
 
 class TrainerGroup:
@@ -186,6 +195,20 @@ class TrainerGroup:
 
     def tinker_optim_step(self, slot: int, adam: Any) -> dict:
         return self._all(lambda w: w.tinker_optim_step.remote(slot, adam), what="tinker optim_step")
+
+    def swap_out(self, slot: int, key: str) -> dict:
+        """Evict `slot` under `key` (the run's registration id); SwapError leaves the slot as it was."""
+        return self._all(lambda w: w.swap_out.remote(slot, key), what="swap_out")
+
+    def swap_in(self, slot: int, key: str) -> dict:
+        return self._all(lambda w: w.swap_in.remote(slot, key), what="swap_in")
+
+    def drop_swapped(self, key: str) -> bool:
+        return self._all(lambda w: w.drop_swapped.remote(key), what="drop_swapped")
+
+    def swapped(self) -> dict:
+        """Rank 0's swap store: keys, host bytes, spilled keys."""
+        return self._all(lambda w: w.swapped.remote(), what="swapped")
 
     def slot_state_tensors_all_ranks(self, slot: int) -> list:
         """Every rank's optimizer and weight tensors of `slot` (tests compare DP ranks)."""

@@ -98,3 +98,17 @@ class TrainWorker:
         from trainer.tinker_ops import TinkerOps
 
         return TinkerOps(self._core()).optim_step(slot, adam)
+
+    # Keep-warm eviction (trainer/slot_swap.py): a slot's whole state to this rank's host
+    # memory (spilling to swap_spill_dir beyond swap_host_budget_mb) under a key, and back.
+    def swap_out(self, slot: int, key: str) -> dict:
+        return self._core().swap_out(slot, key)
+
+    def swap_in(self, slot: int, key: str) -> dict:
+        return self._core().swap_in(slot, key)
+
+    def drop_swapped(self, key: str) -> bool:
+        return self._core().drop_swapped(key)
+
+    def swapped(self) -> dict:
+        return self._core().swapped()

@@ -108,7 +108,10 @@ class SwapStore:
                 os.fsync(f.fileno())
             os.replace(tmp, path)
         except OSError as e:
-            tmp.unlink(missing_ok=True)
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:  # the folder itself is unusable (e.g. a file in its place): nothing was written
+                pass
             raise SwapError(f"spilling slot snapshot {key!r} to {self.spill_dir} failed: {type(e).__name__}: {e}") from e
         snap.rows, snap.spill_path = None, path
 

@@ -17,7 +17,7 @@ from service.config import ServiceSettings, SlotCapacity, load_settings
 
 TOKEN = "test-token-5f1c"
 MAX_BODY = 8192
-CAPACITY = SlotCapacity(num_slots=2, max_rank=16)
+CAPACITY = SlotCapacity(num_slots=2, max_rank=16, max_live_runs=3)  # 2 slots, then 1 queued, then 409
 
 
 @dataclass

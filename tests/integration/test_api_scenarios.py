@@ -22,9 +22,12 @@ def rows_register_conflicts(w):
         ("POST", "/v1/adapters", {"name": "a", "config": cfg}, 201, {"name": "a", "state": "PENDING", "slot": 0}),
         ("POST", "/v1/adapters", {"name": "a", "config": cfg}, 409, "adapter name 'a' is in use by a live run (state PENDING)"),
         ("POST", "/v1/adapters", {"name": "b", "config": cfg}, 201, {"state": "PENDING", "slot": 1}),
-        ("POST", "/v1/adapters", {"name": "c", "config": cfg}, 409, "no free slot: all 2 slots are held by live adapters: a (slot 0), b (slot 1)"),
-        ("GET", "/v1/adapters", None, 200, {"names": ["a", "b"]}),
-        ("GET", "/v1/adapters?state=PENDING", None, 200, {"names": ["a", "b"]}),
+        ("POST", "/v1/adapters", {"name": "c", "config": cfg}, 201, {"state": "PENDING", "slot": None, "queue_position": 1, "residency": "queued"}),
+        ("POST", "/v1/adapters", {"name": "d", "config": cfg}, 409, "too many live adapters: 3 registered runs are live and max_live_runs is 3"),
+        ("GET", "/v1/adapters/c", None, 200, {"slot": None, "queue_position": 1}),
+        ("GET", "/v1/adapters/a", None, 200, {"slot": 0, "queue_position": None, "residency": "resident"}),
+        ("GET", "/v1/adapters", None, 200, {"names": ["a", "b", "c"]}),
+        ("GET", "/v1/adapters?state=PENDING", None, 200, {"names": ["a", "b", "c"]}),
         ("GET", "/v1/adapters?state=ACTIVE", None, 200, {"names": []}),
         ("GET", "/v1/adapters?state=BUSY", None, 422, "query.state: Input should be 'PENDING'"),
         ("GET", "/v1/adapters/a", None, 200, {"state": "PENDING", "step": 0, "total_steps": 3, "export_path": None}),
@@ -251,9 +254,10 @@ def test_concurrent_requests_no_5xx_and_atomic_slots(served):
     latencies = sorted(t for _, t in gets)
     print(f"\n200 concurrent GET /v1/adapters: p50 {latencies[99] * 1e3:.1f} ms, p99 {latencies[197] * 1e3:.1f} ms")
     assert sorted(r.status_code for r in same) == [201] + [409] * 19
-    assert sorted(r.status_code for r in distinct) == [201] + [409] * 19  # "same" already holds one of the 2 slots
+    # "same" holds one of the 3 live places (max_live_runs): 2 slots, then 1 queued
+    assert sorted(r.status_code for r in distinct) == [201] * 2 + [409] * 18
     assert {r.json()["error"] for r in distinct if r.status_code == 409} == {"no_free_slot"}
-    assert sorted(a["slot"] for a in final) == [0, 1]
+    assert sorted((a["slot"] is None, a["slot"], a["queue_position"]) for a in final) == [(False, 0, None), (False, 1, None), (True, None, 1)]
 
 
 def test_wrong_content_type_is_415_and_errors_carry_allow(served):

@@ -19,10 +19,11 @@ CONFIG = AdapterConfig(data={"path": "x.jsonl"}, reward={"name": "target_share"}
 class Scenario:
     """Runs rows against one registry; remembers every registration id per name."""
 
-    def __init__(self, tmp_path, num_slots: int) -> None:
+    def __init__(self, tmp_path, num_slots: int, max_live_runs: int | None = None) -> None:
         self.path = tmp_path / "registry.sqlite3"
         self.num_slots = num_slots
-        self.reg = Registry(self.path, num_slots)
+        self.max_live_runs = max_live_runs
+        self.reg = Registry(self.path, num_slots, max_live_runs)
         self.ids: dict[str, list[str]] = {}
 
     def rid(self, name: str, which: int = -1) -> str:
@@ -48,8 +49,12 @@ class Scenario:
             return r.get(args[0])
         if op == "restart":
             r.close()
-            self.reg = Registry(self.path, self.num_slots)
+            self.reg = Registry(self.path, self.num_slots, self.max_live_runs)
             return None
+        if op == "bind":  # bind() -> the names bound, in order, with their slots
+            return [(b.name, b.slot) for b in r.bind_queued()]
+        if op == "evict":  # evict(name, slot)
+            return r.release_slot(self.rid(args[0]), expect_slot=args[1])
         raise AssertionError(op)
 
 
@@ -80,14 +85,48 @@ SCENARIOS = {
         ("to", ("a", S.COMPLETED), {"state": S.COMPLETED}),
         ("register", ("a",), {"state": S.PENDING}),
     ]),
-    "slots run out, a freed slot is reused with a new version": (2, [
-        ("register", ("a",), {"slot": 0, "slot_version": 1}),
+    "slots run out: registrations queue FIFO, a freed slot goes to the head of the queue": (2, [
+        ("register", ("a",), {"slot": 0, "slot_version": 1, "queue_position": None}),
         ("register", ("b",), {"slot": 1, "slot_version": 2}),
-        ("register", ("c",), (NoFreeSlot, "all 2 slots are held by live adapters: a (slot 0), b (slot 1)")),
-        ("to", ("a", S.FAILED, "NaN loss"), {"state": S.FAILED, "slot": None, "failure_reason": "NaN loss"}),
+        ("register", ("c",), {"state": S.PENDING, "slot": None, "queue_position": 1, "slot_version": 3}),
+        ("register", ("d",), {"slot": None, "queue_position": 2}),
+        ("prepared", ("c",), (Conflict, "holds no slot (queued)")),
+        ("to", ("a", S.FAILED, "NaN loss"), {"state": S.FAILED, "slot": None, "failure_reason": "NaN loss", "queue_position": None}),
+        # a newcomer never overtakes the queue, even with a slot free
+        ("register", ("e",), {"slot": None, "queue_position": 3}),
+        ("bind", (), [("c", 0)]),
+        ("get", ("c",), {"slot": 0, "queue_position": None, "state": S.PENDING}),
+        ("get", ("d",), {"slot": None, "queue_position": 1}),
+        ("get", ("e",), {"slot": None, "queue_position": 2}),
+        ("bind", (), []),
+        ("to", ("d", S.RETIRING), {"state": S.RETIRING, "queue_position": None}),  # never trained: leaves the queue
+        ("get", ("e",), {"queue_position": 1}),
+        ("to", ("b", S.FAILED, "x"), {"slot": None}),
+        ("bind", (), [("e", 1)]),
+    ]),
+    "the live-run bound refuses with the bound in the message and consumes nothing": (1, [
+        ("register", ("a",), {"slot": 0, "slot_version": 1}),
+        ("register", ("b",), {"slot": None, "queue_position": 1}),
+        ("register", ("c",), (NoFreeSlot, "2 registered runs are live and max_live_runs is 2")),
+        ("to", ("b", S.FAILED, "gone"), {"state": S.FAILED}),
         # the refused registration above did not consume a version (the transaction rolled back)
-        ("register", ("c",), {"slot": 0, "slot_version": 3}),
-        ("register", ("a",), (NoFreeSlot, "no free slot")),
+        ("register", ("c",), {"slot": None, "queue_position": 1, "slot_version": 3}),
+    ]),
+    "an evicted run gives its slot back and waits at the end of the queue": (1, [
+        ("register", ("a",), {"slot": 0}),
+        ("evict", ("a", 0), (Conflict, "only a trained ACTIVE or RETIRING run can be evicted")),
+        ("prepared", ("a",), {"state": S.ACTIVE}),
+        ("register", ("b",), {"queue_position": 1}),
+        ("evict", ("a", 1), (Conflict, "holds slot 0, not 1")),
+        ("evict", ("a", 0), {"state": S.ACTIVE, "slot": None, "queue_position": 2}),
+        ("step", ("a", 1, 1), {"step": 1}),  # a train call in flight when it was evicted still commits
+        ("bind", (), [("b", 0)]),
+        ("get", ("a",), {"queue_position": 1}),
+        ("restart", (), None),
+        ("get", ("a",), {"state": S.ACTIVE, "slot": None, "queue_position": 1}),
+        ("to", ("b", S.FAILED, "x"), {}),
+        ("bind", (), [("a", 0)]),
+        ("get", ("a",), {"state": S.ACTIVE, "slot": 0, "queue_position": None}),
     ]),
     "illegal transitions are refused and change nothing": (1, [
         ("register", ("a",), {"state": S.PENDING}),
@@ -115,14 +154,15 @@ SCENARIOS = {
         ("restart", (), None),
         ("get", ("a",), {"state": S.ACTIVE, "slot": 0, "step": 1, "samples_trained": 8, "weight_version": 2}),
         ("get", ("b",), {"state": S.PENDING, "slot": 1}),
-        ("register", ("c",), (NoFreeSlot, "no free slot")),
+        ("register", ("c",), {"slot": None, "queue_position": 1, "slot_version": 4}),
+        ("to", ("c", S.FAILED, "x"), {}),
         ("to", ("b", S.RETIRING), {"state": S.RETIRING}),
         ("restart", (), None),
         ("register", ("b",), (Conflict, "still retiring")),
         ("to", ("b", S.CLEANUP), {}),
         ("to", ("b", S.COMPLETED), {"slot": None}),
         ("restart", (), None),
-        ("register", ("c",), {"slot": 1, "slot_version": 4}),
+        ("register", ("c",), {"slot": 1, "slot_version": 5}),
     ]),
 }
 
@@ -130,7 +170,7 @@ SCENARIOS = {
 @pytest.mark.parametrize("title", list(SCENARIOS))
 def test_registry_scenario(tmp_path, title):
     num_slots, rows = SCENARIOS[title]
-    sc = Scenario(tmp_path, num_slots)
+    sc = Scenario(tmp_path, num_slots, max_live_runs=2 if "bound" in title else None)
     try:
         for i, (op, args, expect) in enumerate(rows):
             where = f"row {i}: {op}{args}"
@@ -141,6 +181,9 @@ def test_registry_scenario(tmp_path, title):
                 assert text in str(err.value), f"{where}: {err.value}"
                 continue
             ref = sc.do(op, *args)
+            if isinstance(expect, list):
+                assert ref == expect, f"{where}: {ref!r}, want {expect!r}"
+                continue
             for key, want in (expect or {}).items():
                 assert getattr(ref, key) == want, f"{where}: {key} = {getattr(ref, key)!r}, want {want!r}"
     finally:

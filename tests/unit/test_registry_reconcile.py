@@ -17,6 +17,7 @@ from service.config import SlotCapacity, load_settings
 from service.controller import Controller
 from service.errors import BadValue, Conflict, NoFreeSlot, NotFound
 from service.registry import AdapterState as S
+from service.residency import Resident
 from service.runtime import ComponentHealth, Finished, Prepared, RuntimeStats, run_dir
 
 pytestmark = pytest.mark.unit
@@ -31,6 +32,9 @@ class ScriptedRuntime:
         self.fail_on: dict[tuple[str, str], str] = {}
         self.bad_export: set[str] = set()
         self.versions: dict[str, int] = {}  # name -> the weight version the controller passed to prepare
+        self.steps_in: dict[str, int] = {}  # name -> steps since it came in (what the policy reads); resident runs only
+        self.ready_step: dict[str, bool] = {}  # name -> a whole step is ready (default True)
+        self.names: dict[str, str] = {}  # registration id -> name
 
     def _call(self, method: str, ref) -> None:
         self.calls.append((method, ref.name))
@@ -40,6 +44,8 @@ class ScriptedRuntime:
     def prepare_adapter(self, ref, weight_version):
         self._call("prepare", ref)
         self.versions[ref.name] = weight_version
+        self.steps_in[ref.name] = 0
+        self.names[ref.registration_id] = ref.name
         return Prepared(step=ref.checkpoint_step or 0)
 
     def finish_adapter(self, ref):
@@ -53,6 +59,22 @@ class ScriptedRuntime:
 
     def release_adapter(self, ref):
         self._call("release", ref)
+        self.steps_in.pop(ref.name, None)
+
+    def residents(self):
+        return [Resident(rid, 0.0, self.ready_step.get(n, True), self.steps_in[n], float(i))
+                for i, (rid, n) in enumerate(self.names.items()) if n in self.steps_in]
+
+    def wants_slot(self, ref):
+        return self.ready_step.get(ref.name, True)
+
+    def evict(self, ref):
+        self._call("evict", ref)
+        del self.steps_in[ref.name]
+
+    def restore(self, ref):
+        self._call("restore", ref)
+        self.steps_in[ref.name] = 0
 
     def abort(self, ref):
         self._call("abort", ref)
@@ -118,8 +140,9 @@ def test_reconcile_lifecycle_and_slot_reuse(world, tmp_path):
     # the controller assigned each run's first version, passed it in and recorded it (never reused)
     assert controller.get("a").weight_version == rt.versions["a"] != rt.versions["b"] == controller.get("b").weight_version
     assert controller.abort("a") == 3
-    with pytest.raises(NoFreeSlot):
-        controller.register("c", cfg(data))
+    queued = controller.register("c", cfg(data))  # beyond the slots: accepted, waits in the queue
+    assert (queued.state, queued.slot, queued.queue_position) == (S.PENDING, None, 1)
+    assert controller.reconcile() == [] and controller.get("c").queue_position == 1  # nothing freed: it waits
     controller.record_step(a.registration_id, step=1, samples=16, metrics={"loss": 0.5, "reward_mean": 0.2})
     controller.retire("a")
     with pytest.raises(Conflict, match="already retiring"):
@@ -128,9 +151,10 @@ def test_reconcile_lifecycle_and_slot_reuse(world, tmp_path):
     assert [(c.name, c.to_state) for c in changes] == [("a", S.CLEANUP), ("a", S.COMPLETED)]
     done = controller.get("a")
     assert done.slot is None and done.step == 1 and Path(done.export_path, "adapter_config.json").is_file()
-    c = controller.register("c", cfg(data))  # a's slot, a new version
-    assert c.slot == a.slot and c.slot_version > b.slot_version
-    controller.reconcile()
+    assert controller.get("c").queue_position == 1  # a's slot is released first; the next pass binds it
+    assert [(ch.name, ch.to_state) for ch in controller.reconcile()] == [("c", S.ACTIVE)]
+    c = controller.get("c")  # a's slot, its own version
+    assert c.slot == a.slot and c.queue_position is None and c.slot_version > b.slot_version
     assert rt.calls == [("prepare", "a"), ("prepare", "b"), ("abort", "a"), ("finish", "a"), ("release", "a"), ("prepare", "c")]
     with pytest.raises(Conflict, match="already ended"):
         controller.retire("a")
@@ -194,3 +218,116 @@ def test_fail_from_the_loop_releases_on_next_pass(world, tmp_path):
     assert rt.calls == [("prepare", "a"), ("release", "a")]
     snap = controller.snapshot()
     assert snap.free_slots == 2 and snap.runtime.queue_depth == {"a": 2}
+
+
+def test_queue_bound_and_retiring_a_queued_run(world, tmp_path):
+    """Registrations beyond the slots queue FIFO up to max_live_runs (409 beyond, with the bound);
+    a queued run retired before it trained completes without touching the runtime and leaves the queue."""
+    _, data = world
+    settings = load_settings(state_dir=tmp_path / "state2", data_roots=[data])
+    controller = Controller(settings, SlotCapacity(num_slots=1, max_rank=16, max_live_runs=3))
+    try:
+        rt = ScriptedRuntime(tmp_path / "state2")
+        controller.attach_runtime(rt)
+        for name in ("a", "b", "c"):
+            controller.register(name, cfg(data))
+        with pytest.raises(NoFreeSlot, match="max_live_runs is 3"):
+            controller.register("d", cfg(data))
+        controller.reconcile()
+        assert [(r.name, r.state, r.slot, r.queue_position) for r in controller.list()] == [
+            ("a", S.ACTIVE, 0, None), ("b", S.PENDING, None, 1), ("c", S.PENDING, None, 2)]
+        controller.retire("b")
+        controller.reconcile()
+        assert controller.get("b").state == S.COMPLETED and controller.get("b").export_path is None
+        assert controller.get("c").queue_position == 1
+        controller.register("d", cfg(data))  # b's place in the bound is free again
+        controller.fail(controller.get("a").registration_id, "planted failure")
+        controller.reconcile()
+        assert [(r.name, r.state, r.slot, r.queue_position) for r in controller.list()] == [
+            ("a", S.FAILED, None, None), ("b", S.COMPLETED, None, None), ("c", S.ACTIVE, 0, None), ("d", S.PENDING, None, 1)]
+        assert rt.calls == [("prepare", "a"), ("release", "b"), ("release", "a"), ("prepare", "c")]  # b: a no-op release
+    finally:
+        controller.close()
+
+
+def test_turns_evict_and_restore_through_one_slot(world, tmp_path):
+    """One slot, two runs: the resident gives its slot up after turn_steps (swapped out, still
+    ACTIVE, residency evicted, queued); the waiter is prepared; then the first is restored (not
+    prepared again). A failing swap-out fails that run only. Retiring an evicted run restores it
+    to finish it."""
+    _, data = world
+    settings = load_settings(state_dir=tmp_path / "state3", data_roots=[data])
+    controller = Controller(settings, SlotCapacity(num_slots=1, max_rank=16, turn_steps=2))
+    try:
+        rt = ScriptedRuntime(tmp_path / "state3")
+        controller.attach_runtime(rt)
+        controller.register("a", cfg(data))
+        controller.register("b", cfg(data))
+        controller.reconcile()
+        assert [(r.name, r.residency, r.queue_position) for r in controller.list()] == [("a", "resident", None), ("b", "queued", 1)]
+        rt.steps_in["a"] = 1
+        controller.reconcile()  # a's turn is not used up
+        assert controller.get("a").slot == 0 and rt.calls == [("prepare", "a")]
+        rt.steps_in["a"] = 2
+        controller.reconcile()
+        a, b = controller.get("a"), controller.get("b")
+        assert (a.state, a.residency, a.slot, a.queue_position) == (S.ACTIVE, "evicted", None, 1)
+        assert (b.state, b.residency, b.slot) == (S.ACTIVE, "resident", 0)
+        rt.ready_step["a"] = False  # evicted with no step ready: it does not push b out
+        rt.steps_in["b"] = 5
+        controller.reconcile()
+        assert controller.get("b").slot == 0
+        rt.ready_step["a"] = True
+        controller.reconcile()
+        assert controller.get("a").slot == 0 and controller.get("b").residency == "evicted"
+        assert rt.calls == [("prepare", "a"), ("evict", "a"), ("prepare", "b"), ("evict", "b"), ("restore", "a")]
+        # retiring the evicted b: it comes back for its final checkpoint once a's turn is over
+        controller.retire("b")
+        rt.steps_in["a"] = 2
+        controller.reconcile()
+        assert controller.get("b").state == S.COMPLETED and controller.get("a").residency == "evicted"
+        assert rt.calls[-4:] == [("evict", "a"), ("restore", "b"), ("finish", "b"), ("release", "b")]
+        # a swap-out that fails (disk full while spilling) fails that run only
+        controller.register("c", cfg(data))
+        controller.reconcile()  # a restored (head of the queue)
+        rt.fail_on[("evict", "a")] = "SwapError: no space left on device"
+        rt.steps_in["a"] = 2
+        controller.reconcile()
+        a = controller.get("a")
+        assert a.state == S.FAILED and a.failure_reason == "evict failed: RuntimeError: SwapError: no space left on device"
+        controller.reconcile()
+        assert controller.get("c").state == S.ACTIVE and controller.get("c").slot == 0
+    finally:
+        controller.close()
+
+
+def test_restart_while_evicted_prepares_from_the_checkpoint(world, tmp_path):
+    """The swap store does not outlive the process: after a restart an evicted run waits in the
+    queue like any other and, once bound, is prepared again from its last checkpoint (not restored)."""
+    _, data = world
+    settings = load_settings(state_dir=tmp_path / "state4", data_roots=[data])
+    capacity = SlotCapacity(num_slots=1, max_rank=16, turn_steps=1)
+    controller = Controller(settings, capacity)
+    rt = ScriptedRuntime(tmp_path / "state4")
+    controller.attach_runtime(rt)
+    a = controller.register("a", cfg(data))
+    controller.register("b", cfg(data))
+    controller.reconcile()
+    controller.record_checkpoint(a.registration_id, "/ckpt/a", step=3)
+    rt.steps_in["a"] = 1
+    controller.reconcile()
+    assert controller.get("a").residency == "evicted" and controller.get("b").residency == "resident"
+    controller.close()
+
+    again = Controller(settings, capacity)
+    try:
+        rt2 = ScriptedRuntime(tmp_path / "state4")
+        again.attach_runtime(rt2)
+        again.reconcile()  # b holds the slot (prepared again); a waits, evicted, first in the queue
+        assert rt2.calls == [("prepare", "b")] and again.get("a").queue_position == 1
+        rt2.steps_in["b"] = 1
+        again.reconcile()
+        assert rt2.calls == [("prepare", "b"), ("evict", "b"), ("prepare", "a")]  # a: prepared, not restored
+        assert again.get("a").step == 3 and again.get("a").slot == 0
+    finally:
+        again.close()
