@@ -251,14 +251,15 @@ def test_slot_leases_share_the_slot_count_with_runs(tmp_path):
         sc.reg.lease_slot("s-1:train:0", "alice")
     assert sc.do("register", "b").slot == 2
     assert sc.reg.free_slots() == []
-    with pytest.raises(NoFreeSlot, match=r"tinker model s-1:train:0 of tenant alice \(slot 1\)"):
-        sc.do("register", "c")
+    queued = sc.do("register", "c")  # every slot held, one by a lease: c waits in the queue
+    assert queued.slot is None and queued.queue_position == 1
     with pytest.raises(NoFreeSlot, match=r"a \(slot 0\).*b \(slot 2\)"):
         sc.reg.lease_slot("s-2:train:0", "bob")
+    assert sc.reg.bind_queued() == []  # the leased slot is not free for the queue
     assert sc.reg.leases() == {"s-1:train:0": (1, "alice")}
     assert sc.reg.release_lease("s-1:train:0") == 1
     assert sc.reg.release_lease("s-1:train:0") is None  # twice: nothing more to free
-    assert sc.do("register", "c").slot == 1
+    assert [r.name for r in sc.reg.bind_queued()] == ["c"] and sc.reg.get("c").slot == 1
     sc.do("to", "a", S.FAILED, "x")
     assert sc.reg.lease_slot("s-2:train:0", "bob") == 0
     sc.do("restart")  # the models lived in the old process's memory: their leases go with it
