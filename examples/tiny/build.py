@@ -202,45 +202,59 @@ def build_datasets(out: Path) -> None:
     write("kinds_sft.jsonl", kinds)
 
 
-def build(out: Path | None = None, *, steps: int = 300, quiet: bool = False) -> Path:
+def build_world(out: Path, build_model_fn, version: str, tag: str, *, steps: int, quiet: bool) -> Path:  # noqa: ANN001
+    """Build a tiny world into `out`: the shared corpus and tokenizer, the model made by
+    `build_model_fn(tokenizer, corpus, model_dir, steps, quiet) -> parameter count`, the
+    datasets, and a STAMP naming `version`. Deterministic (one thread, fixed seeds)."""
     import torch
 
-    out = out or tiny_dir()
     torch.set_num_threads(1)  # determinism: one thread, fixed reduction order
     corpus = make_corpus()
     model_dir = out / "model"
     model_dir.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(corpus, model_dir)
-    n_params = build_model(tok, corpus, model_dir, steps, quiet)
+    n_params = build_model_fn(tok, corpus, model_dir, steps, quiet)
     build_datasets(out / "data")
-    (out / "STAMP").write_text(BUILD_VERSION + "\n")
+    (out / "STAMP").write_text(version + "\n")
     if not quiet:
-        print(f"[tiny] built {out} ({n_params} parameters)")
+        print(f"[{tag}] built {out} ({n_params} parameters)")
     return out
+
+
+def is_current(out: Path, version: str) -> bool:
+    stamp = out / "STAMP"
+    return stamp.exists() and stamp.read_text().strip() == version
+
+
+def world_cli(description: str, default_dir, version: str, build_fn, tag: str) -> None:  # noqa: ANN001
+    """The `python -m examples.<world>.build` command of a tiny world."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--out", type=Path, default=None, help=f"output folder (default {default_dir()})")
+    ap.add_argument("--force", action="store_true", help="rebuild even when up to date")
+    ap.add_argument("--quiet", action="store_true")
+    a = ap.parse_args()
+    out = a.out or default_dir()
+    if not a.force and is_current(out, version):
+        print(f"[{tag}] up to date: {out}")
+        return
+    build_fn(out, quiet=a.quiet)
+    print(f"[{tag}] ready: {out}")
+
+
+def build(out: Path | None = None, *, steps: int = 300, quiet: bool = False) -> Path:
+    return build_world(out or tiny_dir(), build_model, BUILD_VERSION, "tiny", steps=steps, quiet=quiet)
 
 
 def ensure_tiny_world(out: Path | None = None) -> Path:
     """Return the tiny world folder, building it first if missing or stale."""
     out = out or tiny_dir()
-    stamp = out / "STAMP"
-    if not (stamp.exists() and stamp.read_text().strip() == BUILD_VERSION):
+    if not is_current(out, BUILD_VERSION):
         build(out, quiet=True)
     return out
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=None, help="output folder (default .cache/tiny)")
-    ap.add_argument("--force", action="store_true", help="rebuild even when up to date")
-    ap.add_argument("--quiet", action="store_true")
-    a = ap.parse_args()
-    out = a.out or tiny_dir()
-    stamp = out / "STAMP"
-    if not a.force and stamp.exists() and stamp.read_text().strip() == BUILD_VERSION:
-        print(f"[tiny] up to date: {out}")
-        return
-    build(out, quiet=a.quiet)
-    print(f"[tiny] ready: {out}")
+    world_cli(__doc__.splitlines()[0], tiny_dir, BUILD_VERSION, build, "tiny")
 
 
 if __name__ == "__main__":

@@ -16,14 +16,13 @@ the build version and ``ensure_tiny_moe_world()`` builds only when it is missing
 
 from __future__ import annotations
 
-import argparse
 import os
 from pathlib import Path
 
 from examples.tiny.build import MODEL_CONFIG as DENSE_CONFIG
-from examples.tiny.build import build_datasets, build_tokenizer, make_corpus, pretrain_and_save
+from examples.tiny.build import build_world, is_current, pretrain_and_save, world_cli
 
-BUILD_VERSION = "tiny-moe-v2"
+BUILD_VERSION = "tiny-moe-v3"  # v3: the shared datasets gained kinds_sft.jsonl
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # The dense tiny model's attention and embeddings, with every MLP a sparse MoE block.
@@ -63,44 +62,19 @@ def build_model(tokenizer, corpus: list[str], out: Path, steps: int, quiet: bool
 
 
 def build(out: Path | None = None, *, steps: int = 300, quiet: bool = False) -> Path:
-    import torch
-
-    out = out or tiny_moe_dir()
-    torch.set_num_threads(1)  # determinism: one thread, fixed reduction order
-    corpus = make_corpus()
-    model_dir = out / "model"
-    model_dir.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(corpus, model_dir)
-    n_params = build_model(tok, corpus, model_dir, steps, quiet)
-    build_datasets(out / "data")
-    (out / "STAMP").write_text(BUILD_VERSION + "\n")
-    if not quiet:
-        print(f"[tiny-moe] built {out} ({n_params} parameters)")
-    return out
+    return build_world(out or tiny_moe_dir(), build_model, BUILD_VERSION, "tiny-moe", steps=steps, quiet=quiet)
 
 
 def ensure_tiny_moe_world(out: Path | None = None) -> Path:
     """Return the tiny MoE world folder, building it first if missing or stale."""
     out = out or tiny_moe_dir()
-    stamp = out / "STAMP"
-    if not (stamp.exists() and stamp.read_text().strip() == BUILD_VERSION):
+    if not is_current(out, BUILD_VERSION):
         build(out, quiet=True)
     return out
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=None, help="output folder (default .cache/tiny_moe)")
-    ap.add_argument("--force", action="store_true", help="rebuild even when up to date")
-    ap.add_argument("--quiet", action="store_true")
-    a = ap.parse_args()
-    out = a.out or tiny_moe_dir()
-    stamp = out / "STAMP"
-    if not a.force and stamp.exists() and stamp.read_text().strip() == BUILD_VERSION:
-        print(f"[tiny-moe] up to date: {out}")
-        return
-    build(out, quiet=a.quiet)
-    print(f"[tiny-moe] ready: {out}")
+    world_cli(__doc__.splitlines()[0], tiny_moe_dir, BUILD_VERSION, build, "tiny-moe")
 
 
 if __name__ == "__main__":
