@@ -20,7 +20,9 @@ adapters republished (runtime.check_engines); a dead trainer (found by a train
 call, or by the periodic check while nothing trains) is restarted and every live
 run is prepared again from its last checkpoint (re-attaching the runtime makes
 the controller do that); an adapter whose steps keep failing (non-finite loss,
-every reward failing) is marked FAILED and the others go on.
+every reward failing), or that can never make a step (every row over a length
+limit, the engines refusing its requests: runtime.fatal_runs), is marked FAILED
+and the others go on.
 
 The role objects, all in this (the coordinator) process:
   controller  service/controller.py    registry and lifecycle (1, 5, 6, 7; weight versions)
@@ -82,6 +84,11 @@ def run_training_loop(controller: Any, runtime: Any, opts: LoopOptions, stop: St
         try:
             for change in controller.reconcile():                                               # 1
                 log.info("%s: %s -> %s%s", change.name, change.from_state, change.to_state, f" ({change.reason})" if change.reason else "")
+            for registration_id, reason in runtime.fatal_runs().items():                         # fault: a run that can never step
+                try:
+                    controller.fail(registration_id, reason)
+                except Conflict as e:  # no longer live (retired or deleted meanwhile)
+                    log.info("fail %s: %s", registration_id, e)
             live = controller.live_runs()
             if opts.batch_mode and not live:
                 break
