@@ -63,10 +63,11 @@ class ApiServer:
         self.stop()
 
 
-def start_api_server(controller: Any, settings: ServiceSettings) -> ApiServer:
-    """The REST API over `controller` on settings.host:port, started (what `lorafleet serve` runs)."""
+def start_api_server(controller: Any, settings: ServiceSettings, fleet_stats: Any = None) -> ApiServer:
+    """The REST API over `controller` on settings.host:port, started (what `lorafleet serve` runs);
+    `fleet_stats` (service.fleet_stats.FleetStats, fed by the training loop) backs GET /v1/fleet/stats."""
     from api.app import create_app
 
-    server = ApiServer(create_app(controller, settings), settings.host, settings.port,
+    server = ApiServer(create_app(controller, settings, fleet_stats), settings.host, settings.port,
                        token_configured=settings.api_token is not None)
     return server.start()

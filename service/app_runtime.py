@@ -35,6 +35,7 @@ from service.actors import start_rollout_worker
 from service.config import JobConfig, ServiceSettings
 from service.controller import Controller
 from service.engine_pids import reap_engines, record_engines
+from service.fleet_stats import FleetStats
 from service.placement import cluster_shape_from_ray, plan_placement, release_placement_groups, reserve_placement_groups
 from service.rollout_client import RolloutClient
 from service.runtime_impl import FleetRuntime
@@ -42,8 +43,8 @@ from service.trainer_group import TrainerGroup
 
 log = logging.getLogger(__name__)
 
-# (controller, settings) -> a started server with .url and .stop(); api.server.start_api_server
-ApiStarter = Callable[[Controller, ServiceSettings], Any]
+# (controller, settings, fleet_stats) -> a started server with .url and .stop(); api.server.start_api_server
+ApiStarter = Callable[[Controller, ServiceSettings, FleetStats], Any]
 
 
 @dataclass
@@ -56,6 +57,7 @@ class Fleet:
     trainer: TrainerGroup
     placement_groups: list[Any]
     api: Any = None
+    fleet_stats: FleetStats = field(default_factory=FleetStats)  # fed by the training loop, served by GET /v1/fleet/stats
     started_ray: bool = False
     startup_seconds: dict[str, float] = field(default_factory=dict)
     _closed: bool = False
@@ -161,7 +163,7 @@ def start_fleet(job: JobConfig, settings: ServiceSettings, *, start_api: ApiStar
         raise
     if start_api is not None:
         try:
-            fleet.api = start_api(controller, settings)
+            fleet.api = start_api(controller, settings, fleet.fleet_stats)
         except BaseException:
             fleet.close()
             raise
