@@ -310,6 +310,7 @@ class SlotCapacity(StrictModel):
     num_slots: int = Field(4, ge=1, le=1024, description="Adapter slots resident on the trainer (= most live adapter runs).")
     max_rank: int = Field(16, ge=1, le=1024, description="Largest LoRA rank a slot holds.")
     context_tokens: int | None = Field(None, ge=2, description="Longest sample (prompt + completion, tokens) engines and trainer take. Default: the base model's max_position_embeddings (config.json); set it lower when the engines run with a shorter --context-length.")
+    rl_expert_lora: bool = Field(True, description="Whether RL adapters may train expert LoRA (lora_experts: true). The service sets it false on an MoE base on a cpu placement (SGLang serves expert LoRA only on CUDA); a job file may only turn it off.")
 
 
 def model_context_tokens(model_path: str | Path) -> int | None:
@@ -412,10 +413,14 @@ class JobConfig(StrictModel):
 
     @property
     def capacity(self) -> SlotCapacity:
-        """The slots section, with the model's context filled in from the base model when not stated."""
-        if self.slots.context_tokens is not None:
-            return self.slots
-        return self.slots.model_copy(update={"context_tokens": model_context_tokens(self.base_model.path)})
+        """The slots section, with the model's context filled in from the base model when not stated, and
+        rl_expert_lora off where the engines cannot serve expert LoRA (what registration checks)."""
+        update: dict[str, Any] = {}
+        if self.slots.context_tokens is None:
+            update["context_tokens"] = model_context_tokens(self.base_model.path)
+        if self.slots.rl_expert_lora and self.placement.accelerator == "cpu" and _is_moe(self.base_model.path):
+            update["rl_expert_lora"] = False
+        return self.slots.model_copy(update=update) if update else self.slots
 
     def rollout_config(self, settings: ServiceSettings) -> RolloutConfig:
         """The rollout worker's config, with the reward import roots of the running service."""
