@@ -54,9 +54,18 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def service(tiny_world, tmp_path_factory):
+def fleet_service(tiny_world, tmp_path_factory):
     with running_service(tmp_path_factory.mktemp("fleet"), tiny_world) as svc:
         yield svc
+
+
+@pytest.fixture
+def service(fleet_service):
+    """The shared service, running: a test that stopped it (8: SIGTERM) or killed it and failed before
+    starting it again (5) does not leave the next test without one (tests pass in any order)."""
+    if fleet_service.proc is None or fleet_service.proc.poll() is not None:
+        fleet_service.start()
+    return fleet_service
 
 
 # --- 1 -------------------------------------------------------------------------------------------
