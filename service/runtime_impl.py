@@ -349,9 +349,15 @@ class FleetRuntime:
         self._last_train_s = seconds
         stepped: list[SteppedRun] = []
         failed: dict[str, str] = {}
-        # One rollout call for every RL run of the batch (skip counts, exhaustion), not one per run.
-        rl_stats = self._need_rollout().all_stats() if any(
-            (r := self._runs.get(p.registration_id)) is not None and r.is_rl for p in batch.plans) else {}
+        # One rollout call for every RL run of the batch (skip counts, exhaustion), not one per run. The
+        # train call has succeeded: a slow answer must not lose its accounting (I3), so on failure the
+        # skip counts are left out and _exhausted asks per run, as it would without them.
+        rl_stats: dict[str, AdapterStats] = {}
+        if any((r := self._runs.get(p.registration_id)) is not None and r.is_rl for p in batch.plans):
+            try:
+                rl_stats = self._need_rollout().all_stats(timeout_s=30)
+            except Exception as e:
+                log.info("rollout stats after a train call: %s: %s", type(e).__name__, e)
         for plan in batch.plans:
             run = self._runs.get(plan.registration_id)
             if run is None:
@@ -436,7 +442,12 @@ class FleetRuntime:
                if run.sft is not None and run.sft.failure_reason is not None}
         rl = {run.name: run.registration_id for run in runs if run.is_rl}
         if rl:
-            for name, s in self._need_rollout().all_stats().items():  # one call for every RL run
+            try:
+                stats = self._need_rollout().all_stats()  # one call for every RL run
+            except Exception as e:  # a busy rollout worker: look again next round (never fail the round for it)
+                log.info("rollout stats for fatal runs: %s: %s", type(e).__name__, e)
+                stats = {}
+            for name, s in stats.items():
                 if s.fatal_reason and rl.get(name) == s.registration_id:
                     out[s.registration_id] = s.fatal_reason
         return out
