@@ -160,6 +160,19 @@ def show(
         console.print(table)
 
 
+@adapters_app.command("watch")
+def watch_cmd(
+    interval: Annotated[float, typer.Option("--interval", min=0.1, help="Seconds between polls.")] = 2.0,
+    once: Annotated[bool, typer.Option("--once", help="Print the table once and exit (scripts, pipes).")] = False,
+    api_url: ApiUrl = DEFAULT_API_URL, token: Token = None, timeout: Timeout = 10.0,
+) -> None:
+    """A live table of the adapters with reward and loss sparklines (Ctrl-C ends it)."""
+    from api.watch import watch
+
+    with api_client(api_url, token, timeout) as client:
+        watch(client, interval_s=interval, once=once)
+
+
 @adapters_app.command("rm")
 def rm(name: str, api_url: ApiUrl = DEFAULT_API_URL, token: Token = None, timeout: Timeout = 10.0, as_json: AsJson = False) -> None:
     """Retire gracefully: RETIRING now, COMPLETED with its final export later."""

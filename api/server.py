@@ -80,11 +80,12 @@ class ApiServer:
         self.stop()
 
 
-def start_api_server(controller: Any, settings: ServiceSettings) -> ApiServer:
-    """The REST API over `controller` on settings.host:port, started (what `lorafleet serve` runs)."""
+def start_api_server(controller: Any, settings: ServiceSettings, fleet_stats: Any = None) -> ApiServer:
+    """The REST API over `controller` on settings.host:port, started (what `lorafleet serve` runs);
+    `fleet_stats` (service.fleet_stats.FleetStats, fed by the training loop) backs GET /v1/fleet/stats."""
     from api.app import create_app
 
-    app = create_app(controller, settings)
+    app = create_app(controller, settings, fleet_stats)
     server = ApiServer(app, settings.host, settings.port, token_configured=settings.api_token is not None,
                        on_stop=app.state.on_stop)
     return server.start()

@@ -61,4 +61,4 @@ def start_rollout_worker(job: JobConfig, settings: ServiceSettings, engine_group
         num_gpus=job.placement.engines.tensor_parallel if gpu else 0,
         scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=engine_group, placement_group_bundle_index=0),
         max_restarts=0,
-    ).remote(job.engines, job.rollout_config(settings), job.base_model.path, log_dir=str(settings.state_dir / "engines"))
+    ).remote(job.engine_config(settings), job.rollout_config(settings), job.base_model.path, log_dir=str(settings.state_dir / "engines"))

@@ -32,9 +32,10 @@ from typing import Any
 import ray
 
 from service.actors import start_rollout_worker
-from service.config import JobConfig, ServiceSettings
+from service.config import JobConfig, ServiceSettings, is_loopback_host
 from service.controller import Controller
 from service.engine_pids import reap_engines, record_engines
+from service.fleet_stats import FleetStats
 from service.placement import cluster_shape_from_ray, plan_placement, release_placement_groups, reserve_placement_groups
 from service.rollout_client import RolloutClient
 from service.runtime_impl import FleetRuntime
@@ -42,8 +43,8 @@ from service.trainer_group import TrainerGroup, with_swap_dir
 
 log = logging.getLogger(__name__)
 
-# (controller, settings) -> a started server with .url and .stop(); api.server.start_api_server
-ApiStarter = Callable[[Controller, ServiceSettings], Any]
+# (controller, settings, fleet_stats) -> a started server with .url and .stop(); api.server.start_api_server
+ApiStarter = Callable[[Controller, ServiceSettings, FleetStats], Any]
 
 
 @dataclass
@@ -56,6 +57,7 @@ class Fleet:
     trainer: TrainerGroup
     placement_groups: list[Any]
     api: Any = None
+    fleet_stats: FleetStats = field(default_factory=FleetStats)  # fed by the training loop, served by GET /v1/fleet/stats
     started_ray: bool = False
     startup_seconds: dict[str, float] = field(default_factory=dict)
     _closed: bool = False
@@ -109,7 +111,7 @@ def start_fleet(job: JobConfig, settings: ServiceSettings, *, start_api: ApiStar
     t0 = time.monotonic()
     settings.state_dir.mkdir(parents=True, exist_ok=True)
     check_state_dir_free(settings)  # before anything starts: a second service would only fail later
-    started_ray = _init_ray(job)
+    started_ray = _init_ray(job, settings)
     times["ray"] = time.monotonic() - t0
     reap_engines(settings.state_dir)
     groups: list[Any] = []
@@ -161,7 +163,7 @@ def start_fleet(job: JobConfig, settings: ServiceSettings, *, start_api: ApiStar
         raise
     if start_api is not None:
         try:
-            fleet.api = start_api(controller, settings)
+            fleet.api = start_api(controller, settings, fleet.fleet_stats)
         except BaseException:
             fleet.close()
             raise
@@ -201,17 +203,32 @@ def check_state_dir_free(settings: ServiceSettings) -> None:
         fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _init_ray(job: JobConfig) -> bool:
-    """Join RAY_ADDRESS if set (a cluster started by `ray start`), else start a local Ray. True if started here."""
+def _init_ray(job: JobConfig, settings: ServiceSettings) -> bool:
+    """Join RAY_ADDRESS if set (a cluster started by `ray start`), else start a local Ray. True if started here.
+    A local Ray under a service bound to loopback listens on 127.0.0.1 only (docs/operations.md, Ports)."""
     if ray.is_initialized():
         return False
     env = {"env_vars": {"TORCHDYNAMO_DISABLE": os.environ.get("TORCHDYNAMO_DISABLE", "1")}}
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=env, log_to_driver=False)
         return True
+    if is_loopback_host(settings.host):
+        _ray_on_loopback()
     p = job.placement
     # Logical CPUs: what the placement groups reserve (the processes share the real cores).
     need = p.engines.count * p.engines.cpus + p.trainer.world_size * p.trainer.cpus_per_rank
     ray.init(num_cpus=max(int(need + 0.999), os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
              runtime_env=env)
     return True
+
+
+def _ray_on_loopback() -> None:
+    """Make the Ray started next a single-node Ray whose node IP is 127.0.0.1, so GCS, raylet, agents and
+    workers all listen on loopback (measured on Ray 2.60; without it they bind every interface).
+    Only for a Ray started here: never when joining a cluster (RAY_ADDRESS)."""
+    import ray._private.ray_constants as ray_constants
+
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # read by Ray's processes started after this
+    # ray_constants read the variable when first imported (already, by `import ray`): set the module's
+    # copy too. A private attribute of Ray: re-check on a Ray upgrade (docs/operations.md, Ports).
+    ray_constants.ENABLE_RAY_CLUSTER = False

@@ -7,7 +7,7 @@ One checkpoint = one folder, everything needed to continue the run exactly:
                           loadable by peft / SGLang as is, and the weights a resume starts from
         trainer/          the trainer's own slot state (trainer.save_slot_state): LoRA weights,
                           AdamW moments, step counter, schedule position, accumulated-gradient state
-        run_state.json    `RunState`: step, samples, data cursor, RNG, the run's identity
+        run_state.json    `RunState`: step, samples, data cursor, seeds, the run's identity
 
 Invariants:
   * A folder named step-NNNNNN is complete: it is written as `.step-NNNNNN.partial`
@@ -59,7 +59,7 @@ class RunState(BaseModel):
     samples_trained: int = Field(ge=0)
     weight_version: int | None = Field(None, description="Version the engines served when it was written (informational).")
     data_cursor: dict[str, Any] | None = Field(None, description="The data source's cursor (rollout data source / SFT source state).")
-    rng: dict[str, Any] = Field(default_factory=dict, description="RNG state of the run's own generators (JSON-able).")
+    rng: dict[str, Any] = Field(default_factory=dict, description="Seeds of the run's generators (data_shuffle_seed, slot_init_seed). No generator state is needed: the data order is a function of seed and epoch, the trainer draws no random numbers after init (tests/integration/test_trainer_resume.py), engine sampling is not seeded.")
     metrics: dict[str, float] = Field(default_factory=dict, description="The last committed step's metrics.")
     created_at: float = Field(default_factory=time.time)
 

@@ -89,6 +89,7 @@ def add_service_commands(app: typer.Typer, *, start_api: ApiStarter) -> None:
         job: JobArg = None,
         state_dir: StateDir = None,
         resume: Annotated[bool, typer.Option("--resume", help="Skip adapters that already COMPLETED in this state dir (finish a killed job).")] = False,
+        serve_ui: Annotated[bool, typer.Option("--serve-ui", help="Also serve the REST API and the dashboard (/ui) while the job runs (the service's host and port); prints the address.")] = False,
         verbose: Verbose = False,
     ) -> None:
         """Batch mode: register the job's adapters, train until every adapter is exhausted, print a summary, exit.
@@ -101,7 +102,7 @@ def add_service_commands(app: typer.Typer, *, start_api: ApiStarter) -> None:
         _logging(verbose)
         job_cfg, settings = _load(job, state_dir)
         with _clear_errors():
-            result = run_batch(job_cfg, settings, resume=resume)
+            result = run_batch(job_cfg, settings, resume=resume, start_api=start_api if serve_ui else None)
         print_summary(Console(), result)
         raise typer.Exit(result.exit_code)
 

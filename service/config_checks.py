@@ -53,6 +53,13 @@ def check_adapter_config(config: AdapterConfig, settings: ServiceSettings, capac
             f"rank {config.rank} is above the service's max rank {capacity.max_rank}; allowed: 1..{capacity.max_rank}",
             field="config.rank",
         )
+    if config.objective == "rl" and config.lora_experts and not capacity.rl_expert_lora:
+        raise BadValue(
+            "lora_experts: true on an rl adapter trains expert LoRA, which this service's engines cannot serve "
+            "(an MoE base on a cpu placement: SGLang serves expert LoRA only on CUDA); allowed: lora_experts: false "
+            "(LoRA on attention only) for rl, or objective sft",
+            field="config.lora_experts",
+        )
     data_roots = list(settings.data_roots)
     model_roots = data_roots + [settings.state_dir]
     data_path = confine_path(config.data.path, data_roots, "config.data.path", want="file")

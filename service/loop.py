@@ -20,7 +20,9 @@ adapters republished (runtime.check_engines); a dead trainer (found by a train
 call, or by the periodic check while nothing trains) is restarted and every live
 run is prepared again from its last checkpoint (re-attaching the runtime makes
 the controller do that); an adapter whose steps keep failing (non-finite loss,
-every reward failing) is marked FAILED and the others go on.
+every reward failing), or that can never make a step (every row over a length
+limit, the engines refusing its requests: runtime.fatal_runs), is marked FAILED
+and the others go on.
 
 The role objects, all in this (the coordinator) process:
   controller  service/controller.py    registry and lifecycle (1, 5, 6, 7; weight versions)
@@ -42,7 +44,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from service.errors import Conflict
 from service.registry import AdapterState
 from service.batches import TrainerLost
+from service.fleet_stats import FleetStats, batch_token_counts
 from service.shutdown import StopSignal
+from service.tb_log import TrainingLog
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +75,12 @@ class LoopReport:
 
 
 def run_training_loop(controller: Any, runtime: Any, opts: LoopOptions, stop: StopSignal,
-                      on_round: Callable[[], None] | None = None) -> LoopReport:
+                      on_round: Callable[[], None] | None = None, *, fleet_stats: FleetStats | None = None,
+                      training_log: TrainingLog | None = None) -> LoopReport:
     """`controller`: service.controller.Controller; `runtime`: service.runtime_impl.FleetRuntime
-    (or objects with their methods: the unit tests' fakes)."""
+    (or objects with their methods: the unit tests' fakes). `fleet_stats` gets one record per
+    trained round (the dashboard's throughput); `training_log` every committed step and round
+    (TensorBoard)."""
     report = LoopReport()
     t_start = time.monotonic()
     next_engine_check = 0.0
@@ -82,6 +89,11 @@ def run_training_loop(controller: Any, runtime: Any, opts: LoopOptions, stop: St
         try:
             for change in controller.reconcile():                                               # 1
                 log.info("%s: %s -> %s%s", change.name, change.from_state, change.to_state, f" ({change.reason})" if change.reason else "")
+            for registration_id, reason in runtime.fatal_runs().items():                         # fault: a run that can never step
+                try:
+                    controller.fail(registration_id, reason)
+                except Conflict as e:  # no longer live (retired or deleted meanwhile)
+                    log.info("fail %s: %s", registration_id, e)
             live = controller.live_runs()
             if opts.batch_mode and not live:
                 break
@@ -94,7 +106,8 @@ def run_training_loop(controller: Any, runtime: Any, opts: LoopOptions, stop: St
             active = [r.registration_id for r in live if r.state == AdapterState.ACTIVE]
             t_collect = time.monotonic()
             batch = runtime.collect_batch(active, opts.max_wait_s)                              # 2
-            report.collect_seconds += time.monotonic() - t_collect
+            collect_s = time.monotonic() - t_collect
+            report.collect_seconds += collect_s
             if batch.empty:
                 for ref in runtime.exhausted_runs(active):                                      # 7 (a tail shorter than a step)
                     _retire(controller, ref)
@@ -109,27 +122,44 @@ def run_training_loop(controller: Any, runtime: Any, opts: LoopOptions, stop: St
                 continue
             report.train_calls += 1
             report.train_seconds += outcome.seconds
+            round_publish_s = round_checkpoint_s = 0.0
+            round_steps = round_samples = 0
             for s in outcome.stepped:
                 version = controller.next_version()
                 t_publish = time.monotonic()
                 runtime.publish(s.registration_id, version)                                     # 4
-                report.publish_seconds += time.monotonic() - t_publish
+                dt = time.monotonic() - t_publish
+                report.publish_seconds += dt
+                round_publish_s += dt
                 try:
                     controller.record_step(s.registration_id, step=s.step, samples=s.samples, metrics=s.metrics,
                                            weight_version=version)                              # 5
                 except Conflict as e:  # failed meanwhile: its progress no longer counts
                     log.info("step of %s not recorded: %s", s.name, e)
                     continue
+                if training_log is not None:
+                    training_log.log_step(s.name, s.registration_id, s.step, s.metrics, samples=s.samples)
                 report.steps += 1
                 report.samples += s.samples
+                round_steps += 1
+                round_samples += s.samples
                 if s.due_checkpoint:
                     t_ckpt = time.monotonic()
                     controller.record_checkpoint(s.registration_id, runtime.checkpoint(s.registration_id), s.step)  # 6
-                    report.checkpoint_seconds += time.monotonic() - t_ckpt
+                    dt = time.monotonic() - t_ckpt
+                    report.checkpoint_seconds += dt
+                    round_checkpoint_s += dt
                 if s.exhausted:
                     _retire(controller, (s.name, s.registration_id))                            # 7
             for registration_id, reason in outcome.failed.items():
                 controller.fail(registration_id, reason)
+            if fleet_stats is not None:
+                rollout_tokens, trained_tokens = batch_token_counts(batch.samples)
+                record = fleet_stats.record_round(collect_s=collect_s, train_s=outcome.seconds, publish_s=round_publish_s,
+                                                  checkpoint_s=round_checkpoint_s, steps=round_steps, samples=round_samples,
+                                                  rollout_tokens=rollout_tokens, trained_tokens=trained_tokens)
+                if training_log is not None:
+                    training_log.log_round(record)
             if on_round is not None:
                 on_round()
             errors = 0

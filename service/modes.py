@@ -32,6 +32,7 @@ from service.loop import LoopOptions, LoopReport, run_training_loop
 from service.progress import AdapterSummary, ProgressView, summarize, summary_lines, summary_table
 from service.registry import AdapterState
 from service.shutdown import StopSignal
+from service.tb_log import TrainingLog, tensorboard_dir
 
 log = logging.getLogger(__name__)
 
@@ -134,9 +135,13 @@ def run_batch(job: JobConfig, settings: ServiceSettings, *, resume: bool = False
     with _running(job, settings, start_api=start_api, resume=resume) as (fleet, stop):
         console.print(f"lorafleet: started in {fleet.startup_seconds.get('total', 0.0):.0f} s; training "
                       f"{len(job.adapters)} adapter(s), state in {settings.state_dir}", highlight=False, soft_wrap=True)
+        if fleet.api_url:
+            console.print(f"dashboard: {fleet.api_url}/ui (REST API {fleet.api_url})", highlight=False, soft_wrap=True)
         with ProgressView(console, title=f"lorafleet run ({len(job.adapters)} adapters)") as view, \
-                _ProgressPoller(fleet.controller, view):
-            report = run_training_loop(fleet.controller, fleet.runtime, opts, stop)
+                _ProgressPoller(fleet.controller, view), TrainingLog(settings.state_dir) as training_log:
+            report = run_training_loop(fleet.controller, fleet.runtime, opts, stop,
+                                       fleet_stats=fleet.fleet_stats, training_log=training_log)
+        console.print(f"TensorBoard logs: {tensorboard_dir(settings.state_dir)}", highlight=False, soft_wrap=True)
         summaries = job_summaries(fleet, job)
     if report.stopped_by is not None:
         code = EXIT_INTERRUPTED
@@ -191,7 +196,11 @@ def run_service(job: JobConfig, settings: ServiceSettings, *, start_api: ApiStar
                       "Ctrl-C drains and stops", highlight=False, soft_wrap=True)
         info = settings.state_dir / SERVICE_INFO_FILE
         info.write_text(json.dumps({"api_url": fleet.api_url, "ray_address": fleet.ray_address, "pid": os.getpid()}))
+        console.print(f"dashboard: {fleet.api_url}/ui · TensorBoard logs: {tensorboard_dir(settings.state_dir)}",
+                      highlight=False, soft_wrap=True)
         try:
-            return run_training_loop(fleet.controller, fleet.runtime, opts, stop)
+            with TrainingLog(settings.state_dir) as training_log:
+                return run_training_loop(fleet.controller, fleet.runtime, opts, stop,
+                                         fleet_stats=fleet.fleet_stats, training_log=training_log)
         finally:
             info.unlink(missing_ok=True)

@@ -55,7 +55,7 @@ from typing import Any
 from rollout.data import DataCursor
 from rollout.groups import RolloutGroup
 from rollout.weights import AdapterWeights
-from rollout.worker import AdapterRollout
+from rollout.worker import AdapterRollout, AdapterStats
 from service.batches import CollectedBatch, StepPlan, SteppedRun, TrainerLost, TrainOutcome, rl_step
 from service.checkpoints import ADAPTER_SUBDIR, PendingCheckpoint, link_folder, RunState, load_checkpoint, prune_checkpoints
 from service.config import AdapterConfig, JobConfig, ServiceSettings
@@ -419,6 +419,15 @@ class FleetRuntime:
         self._last_train_s = seconds
         stepped: list[SteppedRun] = []
         failed: dict[str, str] = {}
+        # One rollout call for every RL run of the batch (skip counts, exhaustion), not one per run. The
+        # train call has succeeded: a slow answer must not lose its accounting (I3), so on failure the
+        # skip counts are left out and _exhausted asks per run, as it would without them.
+        rl_stats: dict[str, AdapterStats] = {}
+        if any((r := self._runs.get(p.registration_id)) is not None and r.is_rl for p in batch.plans):
+            try:
+                rl_stats = self._need_rollout().all_stats(timeout_s=30)
+            except Exception as e:
+                log.info("rollout stats after a train call: %s: %s", type(e).__name__, e)
         for plan in batch.plans:
             run = self._runs.get(plan.registration_id)
             if run is None:
@@ -444,7 +453,15 @@ class FleetRuntime:
             run.samples_trained += plan.samples
             # The API shows these keys by name (last reward / loss, the metrics series) and /metrics
             # exports them; any other float-valued key is stored and shown too.
-            m = {"loss": report.loss, "learning_rate": report.lr, "grad_norm": report.grad_norm, "train_seconds": seconds}
+            m = {"loss": report.loss, "learning_rate": report.lr, "grad_norm": report.grad_norm, "train_seconds": seconds,
+                 "tokens": float(metrics.loss_tokens)}  # this call's loss tokens of the slot (dashboard: tokens / s)
+            if run.is_rl:
+                m["kl_mean"] = metrics.kl_mean
+            stats = rl_stats.get(run.name) if run.is_rl else None
+            if stats is not None and stats.registration_id == run.registration_id:
+                m.update(stats.data.skip_metrics())
+            elif run.sft is not None:
+                m.update(run.sft.skip_metrics())
             if plan.reward_mean is not None:
                 m["reward_mean"] = plan.reward_mean
             if plan.staleness_mean is not None:
@@ -457,7 +474,7 @@ class FleetRuntime:
             interval = run.config.checkpoint_interval
             stepped.append(SteppedRun(
                 run.registration_id, run.name, run.step, plan.samples, m,
-                exhausted=self._exhausted(run), due_checkpoint=interval > 0 and run.step % interval == 0,
+                exhausted=self._exhausted(run, stats), due_checkpoint=interval > 0 and run.step % interval == 0,
             ))
         return TrainOutcome(stepped, failed, seconds)
 
@@ -476,15 +493,36 @@ class FleetRuntime:
                 run.sft.give_back(run.sft_in_flight)
                 run.sft_in_flight = None
 
-    def _exhausted(self, run: _Run) -> bool:
+    def _exhausted(self, run: _Run, stats: AdapterStats | None = None) -> bool:
+        """`stats`: the RL run's rollout stats when already fetched (else asked for here)."""
         if run.config.num_step is not None and run.step >= run.config.num_step:
             return True
         if run.is_rl:
             if run.staged:
                 return False
-            s = self._need_rollout().stats(run.name)
+            s = stats if stats is not None else self._need_rollout().stats(run.name)
             return s.data.exhausted and s.buffered_groups == 0 and s.inflight_groups == 0
         return run.sft.exhausted
+
+    def fatal_runs(self) -> dict[str, str]:
+        """Registration id -> why, for every prepared run that can never make another step: an SFT
+        run whose every row is over a length limit, an RL run whose rollout reports a fatal_reason
+        (no row fits, the engines keep refusing its requests). The loop fails these runs."""
+        with self._lock:
+            runs = list(self._runs.values())
+        out = {run.registration_id: run.sft.failure_reason for run in runs
+               if run.sft is not None and run.sft.failure_reason is not None}
+        rl = {run.name: run.registration_id for run in runs if run.is_rl}
+        if rl:
+            try:
+                stats = self._need_rollout().all_stats()  # one call for every RL run
+            except Exception as e:  # a busy rollout worker: look again next round (never fail the round for it)
+                log.info("rollout stats for fatal runs: %s: %s", type(e).__name__, e)
+                stats = {}
+            for name, s in stats.items():
+                if s.fatal_reason and rl.get(name) == s.registration_id:
+                    out[s.registration_id] = s.fatal_reason
+        return out
 
     def exhausted_runs(self, active: list[str]) -> list[tuple[str, str]]:
         """(name, registration id) of active runs that can never make another whole step: their

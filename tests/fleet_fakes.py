@@ -127,12 +127,14 @@ class FakeTrainer:
             error, self.fail_next = self.fail_next, None
             raise error
         per_slot: dict[int, int] = {}
+        tokens: dict[int, int] = {}  # learned tokens per slot, as the real trainer's loss_tokens
         foreign: dict[int, int] = {}
         for s in batch.samples:
             if self.slots.get(s.slot, {}).get("registration") != s.registration:
                 foreign[s.slot] = foreign.get(s.slot, 0) + 1
                 continue
             per_slot[s.slot] = per_slot.get(s.slot, 0) + 1
+            tokens[s.slot] = tokens.get(s.slot, 0) + sum(s.loss_mask)
         slots = {}
         for slot, n in per_slot.items():
             if slot in self.nonfinite:
@@ -141,7 +143,7 @@ class FakeTrainer:
                                                                        skipped_nonfinite=True)])
                 continue
             self.slots[slot]["step"] += 1
-            slots[slot] = SlotMetrics(samples=n, loss=1.0 / self.slots[slot]["step"],
+            slots[slot] = SlotMetrics(samples=n, loss=1.0 / self.slots[slot]["step"], loss_tokens=tokens[slot],
                                       steps=[StepReport(step=self.slots[slot]["step"], lr=0.1, grad_norm=1.0,
                                                         loss=1.0 / self.slots[slot]["step"])])
         return TrainResult(slots=slots, stepped=[s for s in slots if s not in self.nonfinite],
@@ -173,6 +175,7 @@ class FakeRollout:
         self.fail_publish: BaseException | None = None
         self.engine_alive = True
         self.engine_starts = 1
+        self.fatal: dict[str, str] = {}  # adapter name -> the fatal_reason its stats report (planted)
 
     def _generate(self, a: _FakeAdapter) -> None:
         """Prompts not taken yet become groups of the adapter's newest version, `ahead` buffered at most."""
@@ -229,7 +232,7 @@ class FakeRollout:
             name=name, registration_id=a.spec.registration_id, version=a.version, paused=a.paused, inflight_requests=0,
             inflight_groups=0, buffered_groups=len(a.buffer), groups_completed=a.next_prompt, groups_consumed=a.consumed,
             groups_aborted=0, groups_requeued=0, groups_failed=0, dropped_stale=a.buffer.dropped_stale,
-            refused_foreign=a.buffer.refused_foreign, reward_failures=0, last_error=None, rejections_in_a_row=0, fatal_reason=None,
+            refused_foreign=a.buffer.refused_foreign, reward_failures=0, last_error=None, rejections_in_a_row=0, fatal_reason=self.fatal.get(name),
             data=DataStatus(rows=self.prompts, epoch=0, position=a.next_prompt, pending=0, consumed=a.consumed,
                             exhausted=exhausted and len(a.buffer) == 0),
         )

@@ -99,12 +99,18 @@ def wait_for(client: LorafleetClient, name: str, pred, what: str, timeout_s: flo
         time.sleep(0.3)
 
 
-def retire_and_wait(client: LorafleetClient, *names: str) -> None:
+def export_dir(state_dir: Path, ref: dict) -> Path:
+    """The folder of a record's `export_path`, which the API shows relative to the state dir (api/public_paths.py)."""
+    assert ref["export_path"] and not Path(ref["export_path"]).is_absolute(), ref["export_path"]
+    return state_dir / ref["export_path"]
+
+
+def retire_and_wait(client: LorafleetClient, state_dir: Path, *names: str) -> None:
     for n in names:
         client.retire(n)
     for n in names:
         ref = wait_for(client, n, lambda r: r["state"] == "COMPLETED", "COMPLETED")
-        assert ref["export_path"] and Path(ref["export_path"], "adapter_model.safetensors").is_file()
+        assert (export_dir(state_dir, ref) / "adapter_model.safetensors").is_file()
 
 
 

@@ -69,6 +69,18 @@ def test_adapters_commands(service, tmp_path):
         assert message in " ".join(err.split()), (args, err)
 
 
+def test_adapters_watch_once_prints_the_table_and_a_bad_token_fails_cleanly(service, tmp_path):
+    world, url = service
+    cfg = tmp_path / "w.yaml"
+    cfg.write_text(f"data: {{path: {world.root / 'rl.jsonl'}}}\nreward: {{name: target_share}}\nrank: 4\n")
+    assert cli("adapters", "add", "watched", "--config", str(cfg), url=url)[0] == 0
+    code, out, err = cli("adapters", "watch", "--once", url=url)
+    assert code == 0, err
+    assert "watched" in out and "PENDING" in out
+    code, _, err = cli("adapters", "watch", "--once", url=url, token="wrong-token-of-16-chars")
+    assert code == 1 and "error 401" in err, err
+
+
 def test_fleet_lists_the_processes(service):
     _, url = service
     code, out, err = cli("fleet", "--json", url=url)

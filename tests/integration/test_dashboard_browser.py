@@ -155,8 +155,6 @@ def test_wrong_token_gets_the_login_form_and_no_data(service):
     assert "the API token was refused" in html
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="the training loop does not feed service.fleet_stats yet: the lead wires "
-                   "record_round into service/loop.py (see the observe report); then remove this mark")
 def test_fleet_view_counts_the_loops_rounds(service):
     wait_steps(service, dict.fromkeys(NAMES, 1))
     dom = load(f"{service.url}/ui#token={TOKEN}")
@@ -164,8 +162,6 @@ def test_fleet_view_counts_the_loops_rounds(service):
     assert dom.points("round_time") > 0
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="steps do not report kl_mean and tokens yet: the lead adds them to the step "
-                   "metrics in service/runtime_impl.py (see the observe report); then remove this mark")
 def test_kl_and_tokens_per_second_curves_have_points(service):
     wait_steps(service, dict.fromkeys(NAMES, 3))
     dom = load(f"{service.url}/ui#token={TOKEN}")

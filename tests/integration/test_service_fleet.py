@@ -5,6 +5,8 @@ worker; one SGLang CPU engine), shared by every test here, in this order:
   1. tenants come and go during training (register mid-run, retire, re-register the name:
      the new tenant gets the retired slot with a new version and never an old sample)
   1b. an adapter whose reward crashes on every sample is FAILED after 3 steps; the others go on
+  1c. tenants whose every row is over a length limit end FAILED with a reason and free their slots;
+      one with some over-long rows trains on the others (skips counted)          (issue 14 F1/F2)
   2. `lorafleet smoke` passes against it                                    (issue 6 proof)
   3. load: 200 concurrent GETs + 50 register/retire cycles during training:
      no 5xx, no leaked slot, p99 of GET /v1/adapters printed                  (issue 6 proof)
@@ -23,6 +25,7 @@ worker; one SGLang CPU engine), shared by every test here, in this order:
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import os
 import re
 import signal
@@ -39,6 +42,7 @@ from tests.integration.service_world import (
     TOKEN,
     fleet_pids,
     signal_processes,
+    export_dir,
     retire_and_wait,
     rl,
     running_service,
@@ -50,9 +54,18 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def service(tiny_world, tmp_path_factory):
+def fleet_service(tiny_world, tmp_path_factory):
     with running_service(tmp_path_factory.mktemp("fleet"), tiny_world) as svc:
         yield svc
+
+
+@pytest.fixture
+def service(fleet_service):
+    """The shared service, running: a test that stopped it (8: SIGTERM) or killed it and failed before
+    starting it again (5) does not leave the next test without one (tests pass in any order)."""
+    if fleet_service.proc is None or fleet_service.proc.poll() is not None:
+        fleet_service.start()
+    return fleet_service
 
 
 # --- 1 -------------------------------------------------------------------------------------------
@@ -71,7 +84,7 @@ def test_tenants_come_and_go_without_disturbing_the_others(service, tiny_world):
         retired = c.retire("t-rl")
         assert retired["state"] == "RETIRING"
         done = wait_for(c, "t-rl", lambda r: r["state"] == "COMPLETED", "COMPLETED")
-        assert Path(done["export_path"], "adapter_config.json").is_file()
+        assert (export_dir(service.state_dir, done) / "adapter_config.json").is_file()
         # the others kept training through the retirement
         for n, step in before.items():
             wait_for(c, n, lambda r, s=step: r["step"] >= s + 2, f"2 more steps than {step}")
@@ -90,7 +103,7 @@ def test_tenants_come_and_go_without_disturbing_the_others(service, tiny_world):
             assert s["metrics"]["foreign_samples_dropped"] == 0, s
             assert s["samples"] == 8
         assert all(r["state"] != "FAILED" for r in c.list())
-        retire_and_wait(c, "t-rl", "t-sft", "t-new")
+        retire_and_wait(c, service.state_dir, "t-rl", "t-sft", "t-new")
         assert c.ready()["slots"]["free"] == 4
 
 
@@ -110,8 +123,60 @@ def test_an_adapter_whose_reward_keeps_crashing_fails_alone(service, tiny_world)
         assert bad["slot"] is None and bad["step"] == 3
         ok = c.get("ok-sft")["step"]
         wait_for(c, "ok-sft", lambda r: r["step"] >= ok + 2, "2 more steps after the other adapter failed")
-        retire_and_wait(c, "ok-sft")
+        retire_and_wait(c, service.state_dir, "ok-sft")
         assert c.ready()["slots"]["free"] == 4
+
+
+# --- 1c ------------------------------------------------------------------------------------------
+
+LONG = "ab 12 " * 16_666  # 100,000 characters: tens of thousands of tokens against the tiny model's 512-token context
+
+
+def test_over_long_tenants_fail_with_a_reason_and_the_others_train(service, tiny_world):
+    """Issue 14 F1/F2: an SFT tenant of only over-long rows once made one train call take 1,051 s; an RL
+    one sat ACTIVE at step 0 holding its slot while the engine refused its requests. Both now end FAILED
+    with a reason (FleetRuntime.fatal_runs) and free their slots; a tenant with some over-long rows trains
+    on the others (the skipped rows counted in its step metrics); a normal tenant steps throughout."""
+    data = service.job_path.parent  # a data root of the served job (service_world.serve_job)
+    (data / "long_sft.jsonl").write_text("".join(json.dumps({"prompt": f"{i} {LONG}", "completion": " ok"}) + "\n" for i in range(16)))
+    (data / "long_rl.jsonl").write_text("".join(json.dumps({"prompt": f"{i} {LONG}", "label": "0123456789"}) + "\n" for i in range(16)))
+    echo = [json.loads(line) for line in (tiny_world / "data" / "echo_sft.jsonl").read_text().splitlines()[:12]]
+    mixed = [dict(r, prompt=LONG) if i % 3 == 0 else r for i, r in enumerate(echo)]  # 4 of 12 rows too long
+    (data / "mixed_sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in mixed))
+    with service.client() as c:
+        free_before = c.ready()["slots"]["free"]
+        c.register("ok-long", sft(tiny_world))
+        c.register("long-sft", {**sft(tiny_world), "data": {"path": str(data / "long_sft.jsonl")}})
+        c.register("long-rl", {**rl(tiny_world), "data": {"path": str(data / "long_rl.jsonl")}})
+        c.register("mixed-sft", {**sft(tiny_world), "data": {"path": str(data / "mixed_sft.jsonl")}, "prompts_per_step": 2,
+                                 "num_step": 3})
+        failed_sft = wait_until(c, "long-sft", lambda r: r["state"] == "FAILED", "FAILED")
+        failed_rl = wait_until(c, "long-rl", lambda r: r["state"] == "FAILED", "FAILED")
+        mixed = wait_until(c, "mixed-sft", lambda r: r["step"] >= 3, "3 steps")
+        ok = wait_until(c, "ok-long", lambda r: r["step"] >= 3, "3 steps")
+        retire_and_wait(c, service.state_dir, "ok-long")
+        wait_until(c, "mixed-sft", lambda r: r["state"] == "COMPLETED", "COMPLETED (num_step 3)")
+        free = c.ready()["slots"]["free"]
+
+    for ref, file in ((failed_sft, "long_sft.jsonl"), (failed_rl, "long_rl.jsonl")):
+        assert ref["failure_reason"].startswith(f"no usable rows: all 16 rows of {file} are over a length limit"), ref["failure_reason"]
+        assert ref["step"] == 0 and ref["slot"] is None
+    assert "> max_prompt_tokens 4096" in failed_sft["failure_reason"] and "> max_prompt_tokens 500" in failed_rl["failure_reason"]
+    assert free == free_before  # the two failed tenants gave their slots back (and the others theirs)
+    assert mixed["last_metrics"]["rows_skipped_too_long"] >= 1
+    assert ok["last_metrics"]["rows_skipped_too_long"] == 0 and ok["state"] == "ACTIVE"
+
+
+def wait_until(client, name, pred, what, timeout_s=300.0):
+    """wait_for without its FAILED check (here runs are meant to fail)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ref = client.get(name)
+        if pred(ref):
+            return ref
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{name}: {what} not reached in {timeout_s} s; now {ref['state']} step {ref['step']}: {ref['failure_reason']}")
+        time.sleep(0.3)
 
 
 # --- 2 -------------------------------------------------------------------------------------------
@@ -189,7 +254,7 @@ def test_load_concurrent_gets_and_register_retire_cycles(service, tiny_world):
             for i in range(25):
                 wait_for(c, f"cyc-{w}-{i}", lambda r: r["state"] == "COMPLETED", "COMPLETED", timeout_s=120)
         assert c.get("load-bg")["step"] > step0  # training went on
-        retire_and_wait(c, "load-bg")
+        retire_and_wait(c, service.state_dir, "load-bg")
         assert c.ready()["slots"]["free"] == 4  # no leaked slot
         text = c.prometheus()
         assert "lorafleet_slots_free 4.0" in text and "lorafleet_train_step_seconds" in text
@@ -241,7 +306,7 @@ def test_restart_resumes_runs_from_their_checkpoints(service, tiny_world):
     with service.client() as c:
         for n in ("r-rl", "r-sft"):
             ref = wait_for(c, n, lambda r: r["state"] == "COMPLETED", "COMPLETED")
-            assert ref["step"] == total and Path(ref["export_path"], "adapter_model.safetensors").is_file()
+            assert ref["step"] == total and (export_dir(service.state_dir, ref) / "adapter_model.safetensors").is_file()
             steps = c.metrics(n)["steps"]
             assert [s["step"] for s in steps] == list(range(1, total + 1))
             assert ref["samples_trained"] == sum(s["samples"] for s in steps)
@@ -281,34 +346,47 @@ def test_dead_engine_is_restarted_and_adapters_republished(service, tiny_world):
         assert later and all(s["metrics"]["foreign_samples_dropped"] == 0 for s in later)
         assert "engine 0 was dead: restarted" in service.log_path.read_text()
         wait_for(c, "e-late", lambda r: r["step"] >= 2, "2 steps of the tenant that joined while the engine was dead")
-        retire_and_wait(c, "e-rl", "e-late")
+        retire_and_wait(c, service.state_dir, "e-rl", "e-late")
 
 
 # --- 7 -------------------------------------------------------------------------------------------
 
 
 def test_dead_trainer_is_restarted_and_runs_continue_from_checkpoints(service, tiny_world):
+    """The resume is proved, not just a step count that carries on: the SFT run's step k+1 (k: its
+    checkpoint when the trainer died) is trained again after the restart from the checkpoint's
+    weights, optimizer state and data cursor, so its loss equals the one recorded before the kill
+    (same rows, same weights; fresh weights, or a cursor that skipped or repeated rows, would not).
+    The registry drops the steps above k at the re-prepare and records them again."""
     interval = 2
     with service.client() as c:
         c.register("f-sft", sft(tiny_world, checkpoint_interval=interval))
         c.register("f-rl", rl(tiny_world, checkpoint_interval=interval))
         for n in ("f-sft", "f-rl"):
-            wait_for(c, n, lambda r: (r["checkpoint_step"] or 0) >= interval, "a checkpoint")
+            wait_for(c, n, lambda r: (r["checkpoint_step"] or 0) >= interval and r["step"] > r["checkpoint_step"],
+                     "a step past a checkpoint")
         signal_processes(fleet_pids(c, "trainer"))
         killed_at = time.time()
+        # Read at once: the steps above the checkpoint are dropped only when the restarted trainer
+        # prepares the run again (seconds: the model is built first).
+        before = {n: ({s["step"]: s for s in c.metrics(n)["steps"]}, c.get(n)["checkpoint_step"]) for n in ("f-sft", "f-rl")}
         for n in ("f-sft", "f-rl"):
-            ckpt = c.get(n)["checkpoint_step"]
+            steps_before, ckpt = before[n]
+            assert ckpt + 1 in steps_before, (n, ckpt, sorted(steps_before))  # the step to compare was made before the kill
             ref = wait_for(c, n, lambda r, k=ckpt: r["step"] >= k + 3 and r["updated_at"] > killed_at + 1,
                            "3 steps past its checkpoint after the trainer died", timeout_s=300)
             steps = c.metrics(n)["steps"]
             assert [s["step"] for s in steps] == list(range(1, ref["step"] + 1))
-            after = [s["step"] for s in steps if s["recorded_at"] > killed_at]
-            assert after and after[0] % interval == 1 and after[0] > 1, (n, after)  # from a checkpoint, not from scratch
+            assert all((s["recorded_at"] > killed_at) == (s["step"] > ckpt) for s in steps), (n, ckpt, steps)  # re-recorded above k
+            if n == "f-sft":  # RL samples come from unseeded engine sampling: only SFT repeats its step exactly
+                redone = steps[ckpt]  # step k+1
+                assert redone["metrics"]["loss"] == pytest.approx(steps_before[ckpt + 1]["metrics"]["loss"], rel=1e-4), (
+                    ckpt, redone, steps_before[ckpt + 1])
         trainer = c.ready()["components"]["trainer"]
         started = re.search(r"starts=(\d+)", trainer["detail"])
         assert trainer["ok"] and (int(started[1]) >= 2 if started else "busy" in trainer["detail"]), trainer
         assert "restarting the trainer" in service.log_path.read_text()
-        retire_and_wait(c, "f-sft", "f-rl")
+        retire_and_wait(c, service.state_dir, "f-sft", "f-rl")
 
 
 # --- 8 -------------------------------------------------------------------------------------------

@@ -149,3 +149,57 @@ def test_stop_drains_every_live_run_into_a_checkpoint(fleet):
         ref = controller.get(name)
         assert ref.state == S.ACTIVE and ref.checkpoint_step == ref.step and ref.checkpoint_path, ref
     assert ("abort_adapter", "b", True) in rollout.calls
+
+
+def test_runs_that_can_never_step_fail_and_the_others_go_on(fleet):
+    """runtime.fatal_runs -> controller.fail: an SFT run whose every row is over its length limit, and an RL
+    run whose rollout reports a fatal_reason (planted in the fake: the engines kept refusing its requests)."""
+    controller, runtime, _, rollout, data = fleet
+    controller.register("too_long", {**sft(data, num_step=3), "data": {"path": str(data / "echo_sft.jsonl"), "max_sample_tokens": 1}})  # no echo row fits in 1 token
+    bad = controller.register("refused", rl(data))
+    controller.register("good", sft(data, num_step=2))
+    rollout.fatal["refused"] = "planted: the engines refused 20 requests in a row (HTTP 400)"
+    run(controller, runtime)
+    ref = controller.get("too_long")
+    assert ref.state == S.FAILED and "max_sample_tokens" in ref.failure_reason and ref.step == 0
+    ref = controller.get("refused")
+    assert ref.state == S.FAILED and ref.failure_reason.startswith("planted: the engines refused")
+    assert ref.registration_id == bad.registration_id
+    assert controller.get("good").state == S.COMPLETED and steps_of(controller, "good") == [1, 2]
+
+
+def test_step_metrics_carry_tokens_and_the_data_sources_skip_counts(fleet):
+    controller, runtime, _, _, data = fleet
+    rows = (data / "echo_sft.jsonl").read_text().splitlines()
+    (data / "mixed.jsonl").write_text("\n".join(['{"prompt": "' + "word " * 400 + '", "completion": "x"}'] + rows[:8]) + "\n")
+    controller.register("a", {**sft(data, num_step=2), "data": {"path": str(data / "mixed.jsonl"), "max_sample_tokens": 256}})
+    controller.register("b", rl(data))
+    run(controller, runtime)
+    a, b = controller.metrics("a").steps, controller.metrics("b").steps
+    assert [s.metrics["rows_skipped_too_long"] for s in a] == [1.0, 1.0] and a[0].metrics["rows_skipped_oversized"] == 0.0
+    assert all(s.metrics["tokens"] > 0 for s in a + b) and "kl_mean" not in a[0].metrics
+    assert all("kl_mean" in s.metrics and s.metrics["rows_skipped_too_long"] == 0.0 for s in b)
+
+
+def test_the_loop_feeds_fleet_stats_and_the_training_log(fleet, tmp_path):
+    """Every committed step goes to TensorBoard with the registry's values; every trained round to FleetStats
+    (the dashboard) and the `_fleet` run; the totals agree with the loop's report and the step records."""
+    from service.fleet_stats import FleetStats
+    from service.tb_log import FLEET_RUN, TrainingLog, run_dir, tensorboard_dir
+    from tests.unit.test_tb_log import read_scalars
+
+    controller, runtime, _, _, data = fleet
+    a = controller.register("a", sft(data, num_step=3))
+    controller.register("b", rl(data))
+    stats = FleetStats()
+    with TrainingLog(tmp_path / "tb_state", use_wandb=False) as training_log:
+        report = run_training_loop(controller, runtime, FAST, StopSignal(), fleet_stats=stats, training_log=training_log)
+    snap = stats.snapshot()
+    steps = controller.metrics("a").steps + controller.metrics("b").steps
+    assert snap["rounds"] == report.train_calls == 3 and snap["steps"] == report.steps == len(steps) == 6
+    assert snap["samples"] == report.samples and snap["trained_tokens"] == sum(s.metrics["tokens"] for s in steps)
+    assert 0 < snap["rollout_tokens"] < snap["trained_tokens"]  # only the RL run's samples carry rollout log-probs
+    scalars = read_scalars(run_dir(tmp_path / "tb_state", "a", a.registration_id))
+    assert scalars["loss"] == [(s.step, pytest.approx(s.metrics["loss"])) for s in controller.metrics("a").steps]
+    fleet_scalars = read_scalars(tensorboard_dir(tmp_path / "tb_state") / FLEET_RUN)
+    assert [v for _, v in fleet_scalars["round/steps"]] == [2.0, 2.0, 2.0]

@@ -36,3 +36,39 @@ def test_rl_expert_lora_on_a_cpu_placement_is_refused(moe_world, tmp_path):
     (tmp_path / "job.yaml").write_text(text)
     with pytest.raises((ConfigError, ValueError), match="RL adapters digits train expert LoRA .* set lora_experts: false"):
         load_job(tmp_path / "job.yaml")
+
+
+def test_rest_registration_refuses_rl_expert_lora_on_a_cpu_placement_and_changes_nothing(moe_world, tmp_path):
+    """The REST path (POST /v1/adapters -> Controller.register -> check_adapter_config) holds the job file's
+    rule: an RL adapter with lora_experts: true on an MoE base on cpu is refused, naming the field, and no
+    run is recorded; lora_experts: false, or an SFT adapter with expert LoRA, registers."""
+    from service.config import load_job, load_settings
+    from service.controller import Controller
+    from service.errors import BadValue
+
+    (tmp_path / "job.yaml").write_text(_job_text(moe_world))
+    job = load_job(tmp_path / "job.yaml")
+    assert job.capacity.rl_expert_lora is False  # derived: MoE base, cpu placement
+    digits = next(a for a in job.adapters if a.name == "digits").config
+    sft_cfg = next(a for a in job.adapters if a.name == "echo_sft").config
+    settings = load_settings(state_dir=tmp_path / "state", data_roots=[moe_world / "data", tmp_path])
+    controller = Controller(settings, job.capacity)
+    try:
+        with pytest.raises(BadValue, match="lora_experts: true on an rl adapter .* allowed: lora_experts: false") as err:
+            controller.register("rl-experts", digits.model_copy(update={"lora_experts": True}).model_dump(mode="json"))
+        assert err.value.field == "config.lora_experts"
+        assert controller.list() == []  # nothing recorded
+        assert controller.register("rl-attention", digits.model_dump(mode="json")).state == "PENDING"
+        assert controller.register("sft-experts", sft_cfg.model_dump(mode="json")).state == "PENDING"
+    finally:
+        controller.close()
+
+
+def test_a_dense_base_or_a_gpu_placement_keeps_rl_expert_lora_allowed(moe_world, tmp_path):
+    from service.cli import TINY_JOB
+    from service.config import load_job
+
+    (tmp_path / "job.yaml").write_text(_job_text(moe_world))
+    moe = load_job(tmp_path / "job.yaml")
+    assert moe.model_copy(update={"placement": moe.placement.model_copy(update={"accelerator": "gpu"})}).capacity.rl_expert_lora
+    assert load_job(TINY_JOB).capacity.rl_expert_lora  # dense tiny base
