@@ -93,7 +93,34 @@ def test_main_job_trains_two_rl_and_one_sft_adapter_to_exhaustion(tiny_world, jo
     print(f"kinds_sft: loss {start:.3f} -> {end:.3f}")
     assert end <= 0.75 * start, f"kinds_sft: loss {start:.3f} -> {end:.3f} (the SFT demo should visibly learn; losses {losses})"
 
+    _check_tensorboard_matches_registry(job_dir / "runs" / "tiny", db, runs, out)
     _check_exports_load_with_peft(tiny_world / "model", {n: r["export_path"] for n, r in runs.items()})
+
+
+def _check_tensorboard_matches_registry(state_dir: Path, db: Path, runs: dict, output: str) -> None:
+    """TensorBoard's own EventAccumulator reads each adapter's event files, and their loss series is
+    the registry's (the series GET /v1/adapters/{name}/metrics serves); the job printed where they are."""
+    import json
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util import tensor_util
+
+    from service.tb_log import FLEET_RUN, run_dir, tensorboard_dir
+
+    printed = [line.split("TensorBoard logs: ", 1)[1].strip() for line in output.splitlines() if "TensorBoard logs: " in line]
+    assert printed, output[-3000:]
+    assert (state_dir.parent.parent / printed[0]).resolve() == tensorboard_dir(state_dir).resolve(), printed  # relative to the job's folder
+    for name, run in runs.items():
+        acc = EventAccumulator(str(run_dir(state_dir, name, run["registration_id"])), size_guidance={"tensors": 0})
+        acc.Reload()
+        logged = [(e.step, float(tensor_util.make_ndarray(e.tensor_proto))) for e in acc.Tensors("loss")]
+        recorded = [(s["step"], json.loads(s["metrics_json"])["loss"]) for s in _rows(
+            db, "SELECT step, metrics_json FROM steps WHERE registration_id = ? ORDER BY step", run["registration_id"])]
+        assert [st for st, _ in logged] == [st for st, _ in recorded], name
+        assert [v for _, v in logged] == pytest.approx([v for _, v in recorded], rel=1e-6), name
+    fleet = EventAccumulator(str(tensorboard_dir(state_dir) / FLEET_RUN), size_guidance={"tensors": 0})
+    fleet.Reload()
+    assert "round/train_s" in fleet.Tags()["tensors"]
 
 
 def _check_exports_load_with_peft(model_dir: Path, exports: dict[str, str]) -> None:
