@@ -13,18 +13,17 @@ from __future__ import annotations
 
 import json
 import os
-import sqlite3
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.integration.cli_jobs import LORAFLEET, reaped_job_dir, rows
+
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
-LORAFLEET = [sys.executable, "-m", "api.cli"]
 JOB = REPO / "examples" / "tiny_moe" / "job.yaml"
 
 
@@ -35,23 +34,11 @@ def moe_world():
     return ensure_tiny_moe_world()
 
 
-def _rows(db: Path, sql: str, *args):
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        con.row_factory = sqlite3.Row
-        return con.execute(sql, args).fetchall()
-    finally:
-        con.close()
-
 
 @pytest.fixture
 def job_dir(tmp_path):
-    from service.app_runtime import reap_engines
-
-    try:
-        yield tmp_path
-    finally:
-        reap_engines(tmp_path / "runs" / "tiny_moe")
+    with reaped_job_dir(tmp_path, "tiny_moe") as folder:
+        yield folder
 
 
 def test_moe_job_trains_expert_lora_to_completion(moe_world, job_dir):
@@ -65,7 +52,7 @@ def test_moe_job_trains_expert_lora_to_completion(moe_world, job_dir):
     print(f"MoE job wall time {wall:.1f} s\n{proc.stdout}")
 
     db = job_dir / "runs" / "tiny_moe" / "registry.sqlite3"
-    runs = {r["name"]: r for r in _rows(db, "SELECT * FROM runs")}
+    runs = {r["name"]: r for r in rows(db, "SELECT * FROM runs")}
     expected_steps = {"digits": 8, "vowels": 8, "echo_sft": 12}
     assert set(runs) == set(expected_steps)
     for name, run in runs.items():

@@ -13,42 +13,29 @@ with peft onto the HF base model and changes its output.
 from __future__ import annotations
 
 import os
-import sqlite3
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.integration.cli_jobs import LORAFLEET, reaped_job_dir, rows
+
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
-LORAFLEET = [sys.executable, "-m", "api.cli"]
 # Under pytest's own 900 s timeout (pyproject), so a hung job fails here with its output rather
 # than being cut off by pytest-timeout; measured 142 s on the 2-core machine (FINDINGS).
 JOB_TIMEOUT_S = 720
 REWARD_MARGIN = 0.15  # last-5 mean minus first-5 mean, each RL adapter (measured: +0.45 to +0.6)
 
 
-def _rows(db: Path, sql: str, *args):
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        con.row_factory = sqlite3.Row
-        return con.execute(sql, args).fetchall()
-    finally:
-        con.close()
-
 
 @pytest.fixture
 def job_dir(tmp_path):
     """A fresh working folder (the tiny job's state dir is runs/tiny under it); engines reaped even on failure."""
-    from service.engine_pids import reap_engines
-
-    try:
-        yield tmp_path
-    finally:
-        reap_engines(tmp_path / "runs" / "tiny")
+    with reaped_job_dir(tmp_path, "tiny") as folder:
+        yield folder
 
 
 def test_main_job_trains_two_rl_and_one_sft_adapter_to_exhaustion(tiny_world, job_dir):
@@ -66,20 +53,20 @@ def test_main_job_trains_two_rl_and_one_sft_adapter_to_exhaustion(tiny_world, jo
     print(f"main job wall time {wall:.1f} s\n{proc.stdout}")
 
     db = job_dir / "runs" / "tiny" / "registry.sqlite3"
-    runs = {r["name"]: r for r in _rows(db, "SELECT * FROM runs")}
+    runs = {r["name"]: r for r in rows(db, "SELECT * FROM runs")}
     assert set(runs) == {"digits", "vowels", "kinds_sft"}
     expected_steps = {"digits": 30, "vowels": 30, "kinds_sft": 42}  # num_step 30; 256 rows // 6 per step
     for name, run in runs.items():
         assert run["state"] == "COMPLETED", (name, run["failure_reason"])
         assert run["step"] == expected_steps[name]
-        steps = _rows(db, "SELECT step, samples, metrics_json FROM steps WHERE registration_id = ? ORDER BY step", run["registration_id"])
+        steps = rows(db, "SELECT step, samples, metrics_json FROM steps WHERE registration_id = ? ORDER BY step", run["registration_id"])
         assert [s["step"] for s in steps] == list(range(1, expected_steps[name] + 1))
         assert run["samples_trained"] == sum(s["samples"] for s in steps)
         assert f"{name}: export {run['export_path']}" in proc.stdout
     for name in ("digits", "vowels"):
         import json
 
-        rewards = [json.loads(s["metrics_json"])["reward_mean"] for s in _rows(
+        rewards = [json.loads(s["metrics_json"])["reward_mean"] for s in rows(
             db, "SELECT metrics_json FROM steps WHERE registration_id = ? ORDER BY step", runs[name]["registration_id"])]
         start, end = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
         print(f"{name}: reward {start:.3f} -> {end:.3f}")
@@ -87,7 +74,7 @@ def test_main_job_trains_two_rl_and_one_sft_adapter_to_exhaustion(tiny_world, jo
 
     import json
 
-    losses = [json.loads(s["metrics_json"])["loss"] for s in _rows(
+    losses = [json.loads(s["metrics_json"])["loss"] for s in rows(
         db, "SELECT metrics_json FROM steps WHERE registration_id = ? ORDER BY step", runs["kinds_sft"]["registration_id"])]
     start, end = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     print(f"kinds_sft: loss {start:.3f} -> {end:.3f}")
@@ -114,7 +101,7 @@ def _check_tensorboard_matches_registry(state_dir: Path, db: Path, runs: dict, o
         acc = EventAccumulator(str(run_dir(state_dir, name, run["registration_id"])), size_guidance={"tensors": 0})
         acc.Reload()
         logged = [(e.step, float(tensor_util.make_ndarray(e.tensor_proto))) for e in acc.Tensors("loss")]
-        recorded = [(s["step"], json.loads(s["metrics_json"])["loss"]) for s in _rows(
+        recorded = [(s["step"], json.loads(s["metrics_json"])["loss"]) for s in rows(
             db, "SELECT step, metrics_json FROM steps WHERE registration_id = ? ORDER BY step", run["registration_id"])]
         assert [st for st, _ in logged] == [st for st, _ in recorded], name
         assert [v for _, v in logged] == pytest.approx([v for _, v in recorded], rel=1e-6), name

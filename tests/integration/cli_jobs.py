@@ -1,0 +1,35 @@
+"""Shared pieces of the tests that run `lorafleet run` as a subprocess (the main job, the MoE job):
+how the CLI is started, a working folder whose engines are reaped even on failure, and read-only
+queries of the registry the job leaves behind."""
+
+from __future__ import annotations
+
+import sqlite3
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+# The same entry point as the console script, independent of how the venv's launcher was generated.
+LORAFLEET = [sys.executable, "-m", "api.cli"]
+
+
+def rows(db: Path, sql: str, *args) -> list[sqlite3.Row]:
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        con.row_factory = sqlite3.Row
+        return con.execute(sql, args).fetchall()
+    finally:
+        con.close()
+
+
+@contextmanager
+def reaped_job_dir(folder: Path, state_subdir: str) -> Iterator[Path]:
+    """`folder` as the job's working folder; the SGLang engines of its state dir
+    (`runs/<state_subdir>`) are reaped when the test ends, even on failure."""
+    from service.engine_pids import reap_engines
+
+    try:
+        yield folder
+    finally:
+        reap_engines(folder / "runs" / state_subdir)
