@@ -128,8 +128,9 @@ def test_sdk_trains_beside_a_dataset_run_and_holds_a_slot(service, tiny_world):
         fb_calls = float(re.search(r"^lorafleet_tinker_forward_backward_calls (\S+)$", metrics, re.M).group(1))
         assert fb_calls >= 12
 
-        # Tinker models take the remaining slots; one more is refused with the holders named,
-        # and so is a REST registration; unloading gives the slots back.
+        # Tinker models take the remaining slots; one more is refused with the holders named; a
+        # REST registration queues behind them (it never takes a model's slot); unloading gives
+        # the slots back and the queued run gets one.
         bob = sdk(service.url, "bob")
         extra = [bob.create_lora_training_client(base_model=BASE, rank=4, seed=2 + i, train_unembed=False).result()
                  for i in range(NUM_SLOTS - 2)]
@@ -138,13 +139,15 @@ def test_sdk_trains_beside_a_dataset_run_and_holds_a_slot(service, tiny_world):
             bob.create_lora_training_client(base_model=BASE, rank=4, seed=9, train_unembed=False).result()
         with httpx.Client(base_url=service.url, timeout=30, headers={"Authorization": f"Bearer {TOKEN}"}) as http:
             resp = http.post("/v1/adapters", json={"name": "late", "config": sft(tiny_world)})
-        assert resp.status_code == 409 and "tinker model" in resp.text, resp.text
+        assert resp.status_code == 201 and resp.json()["queue_position"] == 1, resp.text
         for m in extra:
             unload(service.url, "bob", m.model_id)
-        assert free_slots(service.url) == NUM_SLOTS - 2
+        wait_for(rest, "late", lambda r: r["slot"] is not None, "a slot once the Tinker models are unloaded", timeout_s=120)
         unload(service.url, "alice", tc.model_id)
-        rest.retire("rest-sft")
-        wait_for(rest, "rest-sft", lambda r: r["state"] == "COMPLETED", "COMPLETED")
+        for name in ("late", "rest-sft"):
+            rest.retire(name)
+        for name in ("late", "rest-sft"):
+            wait_for(rest, name, lambda r: r["state"] == "COMPLETED", "COMPLETED", timeout_s=180)
         assert free_slots(service.url) == NUM_SLOTS
 
 
