@@ -33,3 +33,21 @@ def reaped_job_dir(folder: Path, state_subdir: str) -> Iterator[Path]:
         yield folder
     finally:
         reap_engines(folder / "runs" / state_subdir)
+
+
+def check_exports_load_with_peft(model_dir: Path, exports: dict[str, str]) -> None:
+    """Every export loads in peft over the base, gives finite logits and changes the base's output."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.tensor([[1, 27, 377, 28, 23, 260, 276, 2]])
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        ref = base(ids).logits
+    for name, path in exports.items():
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), path)
+        with torch.no_grad():
+            logits = model(ids).logits
+        assert torch.isfinite(logits).all(), name
+        assert (logits - ref).abs().max() > 1e-3, f"{name}: the export does not change the base model's output"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.cli_jobs import LORAFLEET, reaped_job_dir, rows
+from tests.integration.cli_jobs import LORAFLEET, check_exports_load_with_peft, reaped_job_dir, rows
 
 pytestmark = pytest.mark.integration
 
@@ -66,21 +66,4 @@ def test_moe_job_trains_expert_lora_to_completion(moe_world, job_dir):
             assert cfg["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
         else:
             assert "target_parameters" not in cfg, name
-    _check_exports_load_with_peft(moe_world / "model", {n: r["export_path"] for n, r in runs.items()})
-
-
-def _check_exports_load_with_peft(model_dir: Path, exports: dict[str, str]) -> None:
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    ids = torch.tensor([[1, 27, 377, 28, 23, 260, 276, 2]])
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    with torch.no_grad():
-        ref = base(ids).logits
-    for name, path in exports.items():
-        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), path)
-        with torch.no_grad():
-            logits = model(ids).logits
-        assert torch.isfinite(logits).all(), name
-        assert (logits - ref).abs().max() > 1e-3, f"{name}: the export does not change the base model's output"
+    check_exports_load_with_peft(moe_world / "model", {n: r["export_path"] for n, r in runs.items()})

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.cli_jobs import LORAFLEET, reaped_job_dir, rows
+from tests.integration.cli_jobs import LORAFLEET, check_exports_load_with_peft, reaped_job_dir, rows
 
 pytestmark = pytest.mark.integration
 
@@ -81,7 +81,7 @@ def test_main_job_trains_two_rl_and_one_sft_adapter_to_exhaustion(tiny_world, jo
     assert end <= 0.75 * start, f"kinds_sft: loss {start:.3f} -> {end:.3f} (the SFT demo should visibly learn; losses {losses})"
 
     _check_tensorboard_matches_registry(job_dir / "runs" / "tiny", db, runs, out)
-    _check_exports_load_with_peft(tiny_world / "model", {n: r["export_path"] for n, r in runs.items()})
+    check_exports_load_with_peft(tiny_world / "model", {n: r["export_path"] for n, r in runs.items()})
 
 
 def _check_tensorboard_matches_registry(state_dir: Path, db: Path, runs: dict, output: str) -> None:
@@ -108,20 +108,3 @@ def _check_tensorboard_matches_registry(state_dir: Path, db: Path, runs: dict, o
     fleet = EventAccumulator(str(tensorboard_dir(state_dir) / FLEET_RUN), size_guidance={"tensors": 0})
     fleet.Reload()
     assert "round/train_s" in fleet.Tags()["tensors"]
-
-
-def _check_exports_load_with_peft(model_dir: Path, exports: dict[str, str]) -> None:
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    ids = torch.tensor([[1, 27, 377, 28, 23, 260, 276, 2]])
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    with torch.no_grad():
-        ref = base(ids).logits
-    for name, path in exports.items():
-        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), path)
-        with torch.no_grad():
-            logits = model(ids).logits
-        assert torch.isfinite(logits).all(), name
-        assert (logits - ref).abs().max() > 1e-3, f"{name}: the export does not change the base model's output"

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.integration.test_service_main_job import _check_exports_load_with_peft
+from tests.integration.cli_jobs import check_exports_load_with_peft
 
 pytestmark = pytest.mark.integration
 
@@ -95,4 +95,4 @@ def test_six_adapters_take_turns_through_two_slots(tiny_world, tmp_path):
     for i, a in enumerate(names):
         for b in names[i + 1:]:
             assert any(not (tensors[a][k] == tensors[b][k]).all() for k in tensors[a]), f"{a} and {b} exported the same weights"
-    _check_exports_load_with_peft(tiny_world / "model", exports)
+    check_exports_load_with_peft(tiny_world / "model", exports)
