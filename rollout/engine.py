@@ -41,6 +41,13 @@ def pick_free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+# uvicorn's line when the server's port was taken between pick_free_port and the server's bind
+# (seen in CI: another process took the port in the ~15 s SGLang spends loading first). The
+# server does not exit after it: it waits in "application shutdown" until killed.
+PORT_IN_USE_MARK = "error while attempting to bind on address"
+PORT_RETRIES = 3  # fresh ports tried when a picked port is taken before the server binds it
+
+
 def tail(path: Path, lines: int = 40) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -63,6 +70,7 @@ class EngineProcess:
         self.starts = 0  # how many times this engine was started (1 + restarts)
         self._proc: subprocess.Popen | None = None
         self._log_file = None
+        self._log_offset = 0  # where this start's lines begin in log_path
 
     @property
     def url(self) -> str:
@@ -83,6 +91,7 @@ class EngineProcess:
         self._log_file = open(self.log_path, "ab")
         self._log_file.write(f"\n=== lorafleet: start {self.starts + 1}: {' '.join(self.launch.argv)}\n".encode())
         self._log_file.flush()
+        self._log_offset = self._log_file.tell()
         self._proc = subprocess.Popen(
             self.launch.argv,
             env=self.launch.env,
@@ -94,9 +103,13 @@ class EngineProcess:
         self.starts += 1
 
     def wait_ready(self, deadline_s: float | None = None) -> float:
-        """Block until the server generates (GET /health_generate is 200); return the seconds waited."""
+        """Block until the server generates (GET /health_generate is 200); return the seconds waited.
+
+        A port this engine picked itself that was taken before the server bound it is replaced by
+        a fresh one (PORT_RETRIES times); a configured port that is in use is an EngineStartError."""
         deadline_s = deadline_s or self.cfg.startup_deadline_s
         t0 = time.monotonic()
+        port_retries = PORT_RETRIES
         while True:
             if self._proc is None or self._proc.poll() is not None:
                 code = None if self._proc is None else self._proc.returncode
@@ -104,6 +117,21 @@ class EngineProcess:
                 raise EngineStartError(
                     f"engine {self.index} exited with code {code} before it was ready; log {self.log_path}:\n{tail(self.log_path)}"
                 )
+            if self._port_taken():
+                configured = self.cfg.port_for(self.index)
+                if configured or port_retries == 0:
+                    taken = self.port
+                    self.stop()
+                    why = ("it is configured in engines.ports" if configured
+                           else f"{PORT_RETRIES + 1} picked ports were all taken before the server bound them")
+                    raise EngineStartError(
+                        f"engine {self.index} could not bind {self.cfg.host}:{taken} ({why}); "
+                        f"free the port or leave engines.ports empty to pick free ports; log {self.log_path}"
+                    )
+                port_retries -= 1
+                self.stop()
+                self.start()  # a fresh pick_free_port
+                continue
             try:
                 if httpx.get(self.url + "/health_generate", timeout=10.0).status_code == 200:
                     return time.monotonic() - t0
@@ -116,6 +144,15 @@ class EngineProcess:
                     f"log {self.log_path}:\n{tail(self.log_path)}"
                 )
             time.sleep(0.5)
+
+    def _port_taken(self) -> bool:
+        """This start's log says the server could not bind its port."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_offset)
+                return PORT_IN_USE_MARK.encode() in f.read()
+        except OSError:
+            return False
 
     def is_alive(self) -> bool:
         """The process is running (cheap; see EngineClient.health for whether it answers)."""

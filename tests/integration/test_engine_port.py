@@ -1,0 +1,60 @@
+"""An SGLang server whose port is taken before it binds it (real server, CPU, tiny model).
+
+CI saw it: the engine picked a free port, another process took it during the ~15 s SGLang spends
+loading, uvicorn logged "address already in use" and the server then hung in "application
+shutdown" until the 300 s startup deadline. A picked port is now replaced by a fresh one; a
+configured port in use is refused at once with a message naming engines.ports.
+
+The race itself cannot be caused on demand, so the second test makes `pick_free_port` return a
+port this test holds (a named fault injection); the server, the bind failure and the retry are real.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+
+import pytest
+
+import rollout.engine as engine_mod
+from rollout.config import EngineConfig
+from rollout.engine import EngineProcess, EngineStartError
+from tests.integration.sglang_fixtures import DEFAULT_ENGINE
+
+
+@pytest.fixture
+def held_port() -> Iterator[int]:
+    """A loopback port this test listens on for its whole life."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def test_configured_port_in_use_is_refused_with_the_setting_named(tiny_world, tmp_path, held_port):
+    cfg = EngineConfig(**{**DEFAULT_ENGINE, "ports": [held_port]})
+    engine = EngineProcess(0, cfg, tiny_world / "model", log_dir=tmp_path)
+    try:
+        engine.start()
+        with pytest.raises(EngineStartError, match=rf"could not bind 127\.0\.0\.1:{held_port}.*engines\.ports"):
+            engine.wait_ready()
+        assert not engine.is_alive()
+    finally:
+        engine.stop()
+
+
+def test_picked_port_taken_before_bind_is_replaced(tiny_world, tmp_path, held_port, monkeypatch):
+    picks = iter([held_port])
+    real_pick = engine_mod.pick_free_port
+    # Fault injection: the first pick returns a port that is already taken; later picks are real.
+    monkeypatch.setattr(engine_mod, "pick_free_port", lambda host="127.0.0.1": next(picks, None) or real_pick(host))
+    engine = EngineProcess(0, EngineConfig(**DEFAULT_ENGINE), tiny_world / "model", log_dir=tmp_path)
+    try:
+        engine.start()
+        assert engine.port == held_port
+        engine.wait_ready()
+        assert engine.port != held_port
+        assert engine.starts == 2
+        assert engine_mod.PORT_IN_USE_MARK in engine.log_path.read_text(errors="replace")
+    finally:
+        engine.stop()
