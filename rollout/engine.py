@@ -103,7 +103,8 @@ class EngineProcess:
         self.starts += 1
 
     def wait_ready(self, deadline_s: float | None = None) -> float:
-        """Block until the server generates (GET /health_generate is 200); return the seconds waited.
+        """Block until the server generates (GET /health_generate is 200); return the seconds waited
+        (since the last start).
 
         A port this engine picked itself that was taken before the server bound it is replaced by
         a fresh one (PORT_RETRIES times); a configured port that is in use is an EngineStartError."""
@@ -131,6 +132,7 @@ class EngineProcess:
                 port_retries -= 1
                 self.stop()
                 self.start()  # a fresh pick_free_port
+                t0 = time.monotonic()  # the new server gets the whole startup deadline
                 continue
             try:
                 if httpx.get(self.url + "/health_generate", timeout=10.0).status_code == 200:
