@@ -58,7 +58,11 @@ if TYPE_CHECKING:  # the Tinker modules (and torch) load only when the Tinker AP
 log = logging.getLogger(__name__)
 
 
-def create_app(controller_obj: Controller, settings: ServiceSettings, fleet_stats: FleetStats | None = None) -> FastAPI:
+def create_app(controller_obj: Controller, settings: ServiceSettings, fleet_stats: FleetStats | None = None,
+               tenant_keys: TenantKeys | None = None) -> FastAPI:
+    """The app over `controller_obj`. `tenant_keys`: the tenants of the REST API; default: the keys
+    file `settings.tinker_keys_file` names (which also turns the Tinker API on); given without that
+    setting (an API without the fleet), the REST API has tenants and no Tinker routes."""
     token = settings.api_token.get_secret_value().strip() if settings.api_token is not None else ""
     problem = api_token_problem(settings.host, token or None)
     if problem:
@@ -77,7 +81,9 @@ def create_app(controller_obj: Controller, settings: ServiceSettings, fleet_stat
                     "/api/v1/forward": settings.tinker_max_body_bytes} if tinker is not None else {}
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes, path_limits=tinker_paths)
 
-    keys = TenantKeys.from_file(settings.tinker_keys_file) if settings.tinker_keys_file is not None else None
+    keys = tenant_keys
+    if keys is None and settings.tinker_keys_file is not None:
+        keys = TenantKeys.from_file(settings.tinker_keys_file)
     auth = RestAuth(token, keys)
     if keys is not None and not token:
         log.warning("tenant keys without an API token: every REST request needs a tenant key, and no one sees all runs")
