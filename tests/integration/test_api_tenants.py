@@ -216,3 +216,30 @@ def test_the_admin_token_may_not_be_a_tenant_key(tmp_path):
     settings = world.settings.model_copy(update={"api_token": SecretStr(KEYS["alice"])})
     with pytest.raises(ValueError, match="also the key of tenant 'alice'"):
         create_app(None, settings, tenant_keys=TenantKeys(KEYS))
+
+
+def test_cli_with_a_tenant_key(t):
+    from typer.testing import CliRunner
+
+    from api.cli import app
+
+    first = register(t, "alice", "al-cli")
+    t("alice", "DELETE", "/v1/adapters/al-cli", status=202)
+    t.ended(first["registration_id"])
+    second = register(t, "alice", "al-cli")
+
+    def cli(*args: str, env: dict[str, str]):
+        result = CliRunner().invoke(app, list(args), env={"LORAFLEET_API_URL": t.url, "LORAFLEET_API_TOKEN": None, "COLUMNS": "200", **env})
+        return result.exit_code, result.stdout, result.stderr
+
+    code, out, err = cli("adapters", "runs", "al-cli", "--json", "--api-key", KEYS["alice"], env={})
+    assert code == 0, err
+    assert [r["registration_id"] for r in json.loads(out)] == [first["registration_id"], second["registration_id"]]
+    code, out, err = cli("adapters", "runs", "al-cli", env={"TINKER_API_KEY": KEYS["alice"]})
+    assert code == 0 and first["registration_id"] in out and "COMPLETED" in out, err
+    code, out, err = cli("adapters", "ls", "--json", env={"TINKER_API_KEY": KEYS["bob"]})
+    assert code == 0 and "al-cli" not in [a["name"] for a in json.loads(out)], err
+    code, out, err = cli("adapters", "runs", "al-cli", env={"TINKER_API_KEY": KEYS["bob"]})
+    assert code == 1 and "error 404 not_found" in err and "no adapter named 'al-cli'" in err
+    code, out, err = cli("fleet", env={"TINKER_API_KEY": KEYS["bob"]})
+    assert code == 1 and "error 403 forbidden" in err
