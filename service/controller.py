@@ -29,7 +29,7 @@ Tenants (issue 14, F5): every tenant operation takes `tenant` — the tenant who
 request, or None for the admin (the API token, the job file, the loop). The registry filters by
 it (its I8: a tenant sees and touches only the runs it registered; another's is NotFound, like a
 name that does not exist), and a tenant's init_from / resume_from may name only the shared data
-roots or its own runs' folders (service/ownership.py).
+roots or its own folders: its runs' and its Tinker folder (service/ownership.py).
 
 The controller is a plain object in the coordinator process. It is thread-safe:
 the API's threads call tenant operations while the loop reconciles; the registry
@@ -164,8 +164,9 @@ class Controller:
         checked = check_adapter_config(config, self.settings, self.capacity)
         if tenant is not None:
             own = [run_dir(self.settings.state_dir, r) for r in self.registry.owned_runs(tenant)]
+            own.append(self.settings.tinker_dir / tenant)  # its Tinker checkpoints (docs/tinker.md)
             check_tenant_start_paths(checked.config, state_dir=self.settings.state_dir,
-                                     data_roots=self.settings.data_roots, own_run_dirs=own)
+                                     data_roots=self.settings.data_roots, own_dirs=own)
         ref = self.registry.register(name, checked.config, total_steps=checked.total_steps, owner=tenant)
         log.info("registered %s (registration %s, slot %s, version %s, owner %s)", name, ref.registration_id, ref.slot,
                  ref.slot_version, tenant or "admin")

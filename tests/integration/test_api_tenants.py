@@ -147,6 +147,16 @@ def test_start_paths_only_from_data_roots_and_own_runs(t):
     (shared / "adapter_config.json").write_text(json.dumps({"r": 8}))
     (shared / "adapter_model.safetensors").write_bytes(b"\0")
     assert register(t, "alice", "al-shared", init_from="shared-peft")["config"]["init_from"] == "shared-peft"
+    # a tenant's own Tinker sampler weights (PEFT folders under <state_dir>/tinker/<tenant>/) are its own too
+    for who in ("alice", "bob"):
+        sampler = t.world.settings.tinker_dir / who / "model_1" / "sampler_weights" / "w"
+        sampler.mkdir(parents=True)
+        (sampler / "adapter_config.json").write_text(json.dumps({"r": 8}))
+        (sampler / "adapter_model.safetensors").write_bytes(b"\0")
+    mine = register(t, "alice", "al-tinker", init_from="tinker/alice/model_1/sampler_weights/w")
+    assert mine["config"]["init_from"] == "tinker/alice/model_1/sampler_weights/w"
+    err = register(t, "alice", "al-tinker2", status=400, init_from="tinker/bob/model_1/sampler_weights/w")
+    assert "is not yours to start from" in err["detail"], err
     t("bob", "DELETE", "/v1/adapters/bo-ck", status=202)
     t.ended(b["registration_id"])
     assert register(t, "bob", "bo-ck2", resume_from=shown)["config"]["resume_from"] == shown

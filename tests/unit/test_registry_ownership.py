@@ -142,7 +142,7 @@ def test_a_tenant_starts_only_from_data_roots_and_its_own_runs(tmp_path):
     (data / "to_other").symlink_to(other / "checkpoints" / "step_2")
 
     def ok(path, roots=(data,)):
-        return may_start_from(path, state_dir=state, data_roots=list(roots), own_run_dirs=[own])
+        return may_start_from(path, state_dir=state, data_roots=list(roots), own_dirs=[own])
 
     assert ok(data / "peft")
     assert ok(own / "checkpoints" / "step_2")
@@ -157,8 +157,8 @@ def test_a_tenant_starts_only_from_data_roots_and_its_own_runs(tmp_path):
 
     cfg = CONFIG.model_copy(update={"resume_from": str(other / "checkpoints" / "step_2")})
     with pytest.raises(BadValue) as e:
-        check_tenant_start_paths(cfg, state_dir=state, data_roots=[data], own_run_dirs=[own])
+        check_tenant_start_paths(cfg, state_dir=state, data_roots=[data], own_dirs=[own])
     assert e.value.field == "config.resume_from" and "is not yours to start from" in e.value.message
     assert "shared data roots or one of its own runs' checkpoints" in e.value.message
     check_tenant_start_paths(cfg.model_copy(update={"resume_from": str(own / "checkpoints" / "step_2")}),
-                             state_dir=state, data_roots=[data], own_run_dirs=[own])
+                             state_dir=state, data_roots=[data], own_dirs=[own])
