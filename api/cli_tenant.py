@@ -176,7 +176,7 @@ def runs_table(rows: list[dict[str, Any]]) -> Table:
         total = a.get("total_steps")
         step = f"{a['step']}/{total}" if total is not None else str(a["step"])
         table.add_row(a["registration_id"], a["state"], step, _fmt(a.get("samples_trained")), a.get("checkpoint_path") or "-",
-                      a.get("failure_reason") or a.get("export_path") or "", a.get("owner") or "admin")
+                      a.get("failure_reason") or a.get("export_path") or "", a.get("owner") or "(admin)")
     return table
 
 
