@@ -7,17 +7,19 @@ shows the server's absolute paths (api/public_paths.py).
 A refused request changes nothing (the controller checks before it writes and
 the registry writes in one transaction).
 
-Auth: when settings.api_token is set, every /v1 route and /metrics need
-`Authorization: Bearer <token>` (constant-time compare). /health, /ready and
-the OpenAPI docs stay open (they reveal no tenant data; /ready without the token
-says ready or not per component, no details such as engine URLs). A token is mandatory
-when the bind host is not loopback (ServiceSettings refuses otherwise, and
+Auth (api/rest_auth.py): the API token (settings.api_token) is the admin; with a keys file
+(settings.tinker_keys_file) each tenant key is that tenant, on these routes as on the Tinker
+ones. Every /v1 route and /metrics need a credential unless neither is configured. A tenant
+sees and manages only its own runs (the controller filters; another tenant's name or run id is
+404 like one that does not exist); /v1/fleet and /metrics are the admin's (403 for a tenant).
+/health, /ready and the OpenAPI docs stay open (they reveal no tenant data; /ready without the
+admin token says ready or not per component, no details such as engine URLs). A token is
+mandatory when the bind host is not loopback (ServiceSettings refuses otherwise, and
 create_app checks again).
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -26,8 +28,10 @@ from fastapi.responses import JSONResponse, Response
 
 from api.body_limit import BodySizeLimit
 from api.controller_client import ControllerClient
-from api.errors import Unauthorized, install_error_handlers
+from api.errors import install_error_handlers
 from api.metrics import render_prometheus
+from api.rest_auth import Caller, RestAuth
+from api.tenant_keys import TenantKeys
 from api.ui import mount_ui
 from api.models import (
     ERROR_RESPONSES,
@@ -40,6 +44,7 @@ from api.models import (
     MetricsOut,
     ProcessOut,
     ReadyOut,
+    RunList,
     StepOut,
 )
 from service.config import ServiceSettings, api_token_problem
@@ -53,7 +58,11 @@ if TYPE_CHECKING:  # the Tinker modules (and torch) load only when the Tinker AP
 log = logging.getLogger(__name__)
 
 
-def create_app(controller_obj: Controller, settings: ServiceSettings, fleet_stats: FleetStats | None = None) -> FastAPI:
+def create_app(controller_obj: Controller, settings: ServiceSettings, fleet_stats: FleetStats | None = None,
+               tenant_keys: TenantKeys | None = None) -> FastAPI:
+    """The app over `controller_obj`. `tenant_keys`: the tenants of the REST API; default: the keys
+    file `settings.tinker_keys_file` names (which also turns the Tinker API on); given without that
+    setting (an API without the fleet), the REST API has tenants and no Tinker routes."""
     token = settings.api_token.get_secret_value().strip() if settings.api_token is not None else ""
     problem = api_token_problem(settings.host, token or None)
     if problem:
@@ -72,58 +81,64 @@ def create_app(controller_obj: Controller, settings: ServiceSettings, fleet_stat
                     "/api/v1/forward": settings.tinker_max_body_bytes} if tinker is not None else {}
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes, path_limits=tinker_paths)
 
-    def require_token(request: Request) -> None:
-        if not token:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not given:
-            raise Unauthorized("missing bearer token: send the header 'Authorization: Bearer <token>'")
-        if not hmac.compare_digest(given.strip().encode(), token.encode()):
-            raise Unauthorized("invalid bearer token")
+    keys = tenant_keys
+    if keys is None and settings.tinker_keys_file is not None:
+        keys = TenantKeys.from_file(settings.tinker_keys_file)
+    auth = RestAuth(token, keys)
+    if keys is not None and not token:
+        log.warning("tenant keys without an API token: every REST request needs a tenant key, and no one sees all runs")
+    who = Depends(auth.caller)
 
-    def has_token(request: Request) -> bool:
-        try:
-            require_token(request)
-        except Unauthorized:
-            return False
-        return True
-
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_token)])
+    v1 = APIRouter(prefix="/v1", dependencies=[who])
 
     @v1.post("/adapters", status_code=201, response_model=AdapterOut, summary="Register an adapter run (PENDING)")
-    async def register(body: AdapterCreate) -> AdapterOut:
-        return AdapterOut.from_ref(await controller.register(body.name, body.config))
+    async def register(body: AdapterCreate, caller: Caller = who) -> AdapterOut:
+        return AdapterOut.from_ref(await controller.register(body.name, body.config, caller.tenant))
 
-    @v1.get("/adapters", response_model=AdapterList, summary="List adapters (newest run per name)")
-    async def list_adapters(state: AdapterState | None = Query(None, description="Only adapters in this state.")) -> AdapterList:
-        refs = await controller.list(state)
+    @v1.get("/adapters", response_model=AdapterList, summary="List adapters (newest run per name; a tenant: its own)")
+    async def list_adapters(state: AdapterState | None = Query(None, description="Only adapters in this state."),
+                            caller: Caller = who) -> AdapterList:
+        refs = await controller.list(state, caller.tenant)
         return AdapterList(adapters=[AdapterOut.from_ref(r) for r in refs])
 
-    @v1.get("/adapters/{name}", response_model=AdapterOut, summary="One adapter")
-    async def get_adapter(name: str) -> AdapterOut:
-        return AdapterOut.from_ref(await controller.get(name))
+    @v1.get("/adapters/{name}", response_model=AdapterOut, summary="One adapter (its newest run)")
+    async def get_adapter(name: str, caller: Caller = who) -> AdapterOut:
+        return AdapterOut.from_ref(await controller.get(name, caller.tenant))
 
-    @v1.get("/adapters/{name}/metrics", response_model=MetricsOut, summary="Per-step metrics series")
-    async def adapter_metrics(name: str) -> MetricsOut:
-        run = await controller.metrics(name)
+    @v1.get("/adapters/{name}/runs", response_model=RunList, summary="Every run of an adapter name, oldest first")
+    async def adapter_runs(name: str, caller: Caller = who) -> RunList:
+        return RunList(name=name, runs=[AdapterOut.from_ref(r) for r in await controller.runs(name, caller.tenant)])
+
+    @v1.get("/adapters/{name}/metrics", response_model=MetricsOut, summary="Per-step metrics series (newest run)")
+    async def adapter_metrics(name: str, caller: Caller = who) -> MetricsOut:
+        run = await controller.metrics(name, caller.tenant)
         return MetricsOut(name=run.name, registration_id=run.registration_id, steps=[StepOut.from_record(s) for s in run.steps])
 
     @v1.delete("/adapters/{name}", status_code=202, response_model=AdapterOut, summary="Retire gracefully (RETIRING, then COMPLETED with export)")
-    async def retire(name: str) -> AdapterOut:
-        return AdapterOut.from_ref(await controller.retire(name))
+    async def retire(name: str, caller: Caller = who) -> AdapterOut:
+        return AdapterOut.from_ref(await controller.retire(name, caller.tenant))
 
     @v1.post("/adapters/{name}/abort", response_model=AbortOut, summary="Abort in-flight generation without retiring")
-    async def abort(name: str) -> AbortOut:
-        return AbortOut(name=name, aborted=await controller.abort(name))
+    async def abort(name: str, caller: Caller = who) -> AbortOut:
+        return AbortOut(name=name, aborted=await controller.abort(name, caller.tenant))
 
-    @v1.get("/fleet", response_model=FleetOut, summary="The service's processes and their ids (operators)")
+    @v1.get("/runs/{registration_id}", response_model=AdapterOut, summary="One run by its registration id (any state)")
+    async def get_run(registration_id: str, caller: Caller = who) -> AdapterOut:
+        return AdapterOut.from_ref(await controller.get_run(registration_id, caller.tenant))
+
+    @v1.get("/runs/{registration_id}/metrics", response_model=MetricsOut, summary="Per-step metrics series of one run")
+    async def run_metrics(registration_id: str, caller: Caller = who) -> MetricsOut:
+        run = await controller.run_metrics(registration_id, caller.tenant)
+        return MetricsOut(name=run.name, registration_id=run.registration_id, steps=[StepOut.from_record(s) for s in run.steps])
+
+    @v1.get("/fleet", response_model=FleetOut, dependencies=[Depends(auth.admin_only)],
+            summary="The service's processes and their ids (operators; the admin token)")
     async def fleet() -> FleetOut:
         procs = await controller.processes()
         return FleetOut(processes=[ProcessOut(name=p.name, role=p.role, pid=p.pid, detail=p.detail) for p in procs])
 
     app.include_router(v1)
-    mount_ui(app, require_token, fleet_stats)  # the dashboard (/ui) and GET /v1/fleet/stats, behind the same token
+    mount_ui(app, auth.caller, fleet_stats)  # the dashboard (/ui) and GET /v1/fleet/stats (no names): any caller
 
     @app.get("/health", response_model=HealthOut, summary="Process alive")
     async def health() -> HealthOut:
@@ -132,11 +147,12 @@ def create_app(controller_obj: Controller, settings: ServiceSettings, fleet_stat
     @app.get("/ready", response_model=ReadyOut, responses={503: {"model": ReadyOut}}, summary="Trainer and engines up")
     async def ready(request: Request) -> Any:
         body = ReadyOut(**await controller.ready())
-        if not has_token(request):
+        if not auth.is_admin(request):
             body = body.public()
         return body if body.ready else JSONResponse(body.model_dump(), status_code=503)
 
-    @app.get("/metrics", dependencies=[Depends(require_token)], response_class=Response, summary="Prometheus metrics")
+    @app.get("/metrics", dependencies=[Depends(auth.admin_only)], response_class=Response,
+             summary="Prometheus metrics (operators; the admin token)")
     async def metrics() -> Response:
         body, content_type = render_prometheus(await controller.snapshot(),
                                                tinker.metrics() if tinker is not None else None)

@@ -1,5 +1,9 @@
-"""The commands over the REST API: `lorafleet adapters add|ls|show|rm|abort`, `lorafleet fleet`
+"""The commands over the REST API: `lorafleet adapters add|ls|show|runs|rm|abort`, `lorafleet fleet`
 (the operator's process list) and `lorafleet smoke`.
+
+Credentials: `--token` (LORAFLEET_API_TOKEN) is the admin token; `--api-key` (TINKER_API_KEY)
+is the same option for a tenant's key, which sees only that tenant's runs. Both are sent as a
+bearer token.
 
 Output is a table (rich) or, with --json, the API's JSON as it is. Errors print
 the server's message (what was wrong, what is allowed) and exit 1.
@@ -23,7 +27,10 @@ from api.client import ApiError, ApiUnreachable, LorafleetClient
 DEFAULT_API_URL = "http://127.0.0.1:8000"
 
 ApiUrl = Annotated[str, typer.Option("--api-url", envvar="LORAFLEET_API_URL", help="Base URL of the lorafleet service.")]
-Token = Annotated[str | None, typer.Option("--token", envvar="LORAFLEET_API_TOKEN", help="Bearer token (default: $LORAFLEET_API_TOKEN).", show_default=False)]
+Token = Annotated[str | None, typer.Option(
+    "--token", "--api-key", envvar=["LORAFLEET_API_TOKEN", "TINKER_API_KEY"], show_default=False,
+    help="The admin token, or a tenant's key (tml-..., sees only that tenant's runs); default: $LORAFLEET_API_TOKEN, "
+         "else $TINKER_API_KEY.")]
 Timeout = Annotated[float, typer.Option("--timeout", min=0.1, help="Timeout of each request, seconds.")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print the API's JSON instead of a table.")]
 
@@ -158,6 +165,27 @@ def show(
         for s in series["steps"]:
             table.add_row(str(s["step"]), str(s["samples"]), _fmt(s["reward_mean"]), _fmt(s["loss"]), _fmt(s["learning_rate"]), _fmt(s["staleness_mean"]))
         console.print(table)
+
+
+def runs_table(rows: list[dict[str, Any]]) -> Table:
+    table = Table()
+    table.add_column("REGISTRATION", no_wrap=True, min_width=32)  # whole: it is what GET /v1/runs/{id} takes
+    for title in ("STATE", "STEP", "SAMPLES", "CHECKPOINT", "EXPORT / REASON", "OWNER"):
+        table.add_column(title)
+    for a in rows:
+        total = a.get("total_steps")
+        step = f"{a['step']}/{total}" if total is not None else str(a["step"])
+        table.add_row(a["registration_id"], a["state"], step, _fmt(a.get("samples_trained")), a.get("checkpoint_path") or "-",
+                      a.get("failure_reason") or a.get("export_path") or "", a.get("owner") or "(admin)")
+    return table
+
+
+@adapters_app.command("runs")
+def runs(name: str, api_url: ApiUrl = DEFAULT_API_URL, token: Token = None, timeout: Timeout = 10.0, as_json: AsJson = False) -> None:
+    """Every run of an adapter name, oldest first (earlier registrations stay reachable)."""
+    with api_client(api_url, token, timeout) as client:
+        rows = client.runs(name)
+    _print(rows, as_json, runs_table(rows))
 
 
 @adapters_app.command("watch")

@@ -33,6 +33,7 @@ class ApiUnreachable(Exception):
 
 class LorafleetClient:
     def __init__(self, base_url: str, token: str | None = None, timeout_s: float = 10.0) -> None:
+        # `token`: the admin token or a tenant key (docs/concepts.md "Tenants"); both go as a bearer token.
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.base_url = base_url.rstrip("/")
         self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_s)
@@ -75,6 +76,16 @@ class LorafleetClient:
 
     def metrics(self, name: str) -> dict[str, Any]:
         return self.request("GET", f"/v1/adapters/{name}/metrics")
+
+    def runs(self, name: str) -> list[dict[str, Any]]:
+        """Every run of `name` the caller may see, oldest first (GET /v1/adapters/{name}/runs)."""
+        return self.request("GET", f"/v1/adapters/{name}/runs")["runs"]
+
+    def run(self, registration_id: str) -> dict[str, Any]:
+        return self.request("GET", f"/v1/runs/{registration_id}")
+
+    def run_metrics(self, registration_id: str) -> dict[str, Any]:
+        return self.request("GET", f"/v1/runs/{registration_id}/metrics")
 
     def retire(self, name: str) -> dict[str, Any]:
         return self.request("DELETE", f"/v1/adapters/{name}", ok=(202,))

@@ -34,23 +34,34 @@ class ControllerClient:
         except TimeoutError:
             raise ControllerUnavailable(f"the controller did not answer {fn.__name__} within {self._timeout_s:g} s") from None
 
-    async def register(self, name: str, config: Any) -> AdapterRef:
-        return await self._run(self._controller.register, name, config)
+    # `tenant`: the caller's tenant, None for the admin (api/rest_auth.py); the controller filters by it.
 
-    async def list(self, state: Any = None) -> list[AdapterRef]:
-        return await self._run(self._controller.list, state)
+    async def register(self, name: str, config: Any, tenant: str | None = None) -> AdapterRef:
+        return await self._run(self._controller.register, name, config, tenant)
 
-    async def get(self, name: str) -> AdapterRef:
-        return await self._run(self._controller.get, name)
+    async def list(self, state: Any = None, tenant: str | None = None) -> list[AdapterRef]:
+        return await self._run(self._controller.list, state, tenant)
 
-    async def metrics(self, name: str) -> RunMetrics:
-        return await self._run(self._controller.metrics, name)
+    async def get(self, name: str, tenant: str | None = None) -> AdapterRef:
+        return await self._run(self._controller.get, name, tenant)
 
-    async def retire(self, name: str) -> AdapterRef:
-        return await self._run(self._controller.retire, name)
+    async def runs(self, name: str, tenant: str | None = None) -> list[AdapterRef]:
+        return await self._run(self._controller.runs, name, tenant)
 
-    async def abort(self, name: str) -> int:
-        return await self._run(self._controller.abort, name)
+    async def get_run(self, registration_id: str, tenant: str | None = None) -> AdapterRef:
+        return await self._run(self._controller.get_run, registration_id, tenant)
+
+    async def metrics(self, name: str, tenant: str | None = None) -> RunMetrics:
+        return await self._run(self._controller.metrics, name, tenant)
+
+    async def run_metrics(self, registration_id: str, tenant: str | None = None) -> RunMetrics:
+        return await self._run(self._controller.run_metrics, registration_id, tenant)
+
+    async def retire(self, name: str, tenant: str | None = None) -> AdapterRef:
+        return await self._run(self._controller.retire, name, None, tenant)
+
+    async def abort(self, name: str, tenant: str | None = None) -> int:
+        return await self._run(self._controller.abort, name, tenant)
 
     async def health(self) -> dict[str, Any]:
         return await self._run(self._controller.health)

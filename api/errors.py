@@ -3,6 +3,7 @@
 The mapping lives here only:
 
     bad_value 400 (BadValue) · bad_request 400 (a body that cannot be read) · unauthorized 401
+    · forbidden 403 (a tenant key on an operator route, api/rest_auth.py)
     · not_found 404 (NotFound, unknown route) · method_not_allowed 405 · conflict / no_free_slot 409
     · too_large 413 (api.body_limit) · unsupported_media_type 415 · schema 422 · internal 500
     · unavailable 503 (the controller did not answer)
@@ -46,6 +47,10 @@ class Unauthorized(Exception):
     """Missing or wrong bearer token (401)."""
 
 
+class Forbidden(Exception):
+    """A valid credential that may not use this route: a tenant key on an operator route (403)."""
+
+
 def error_response(status: int, code: str, detail: str, field: str | None = None, headers: dict[str, str] | None = None,
                    **extra: Any) -> JSONResponse:
     if status == 401:
@@ -84,6 +89,10 @@ def install_error_handlers(app: FastAPI, settings: Any) -> None:
     @app.exception_handler(Unauthorized)
     async def _unauthorized(_: Request, e: Unauthorized) -> JSONResponse:
         return error_response(401, "unauthorized", str(e))
+
+    @app.exception_handler(Forbidden)
+    async def _forbidden(_: Request, e: Forbidden) -> JSONResponse:
+        return error_response(403, "forbidden", str(e))
 
     @app.exception_handler(ControllerUnavailable)
     async def _unavailable(_: Request, e: ControllerUnavailable) -> JSONResponse:

@@ -29,10 +29,11 @@ class _Out(BaseModel):
 
 
 class AdapterOut(_Out):
-    """One adapter run (the newest run of its name)."""
+    """One adapter run (the newest run of its name, or one run by its registration id)."""
 
     name: str
-    registration_id: str = Field(description="uuid4 hex of this registration; a re-registered name gets a new one.")
+    registration_id: str = Field(description="uuid4 hex of this registration (the run's id, GET /v1/runs/{registration_id}); a re-registered name gets a new one.")
+    owner: str | None = Field(None, description="The tenant whose key registered the run; null = the admin (the API token or the job file).")
     state: AdapterState
     slot: int | None = Field(description="Trainer slot held; null while queued or evicted, and once COMPLETED or FAILED.")
     queue_position: int | None = Field(None, description="1-based place in the queue for a slot (registered beyond the free slots, or evicted); null while it holds a slot or once ended.")
@@ -59,6 +60,7 @@ class AdapterOut(_Out):
         return cls(
             name=ref.name,
             registration_id=ref.registration_id,
+            owner=ref.owner,
             state=ref.state,
             slot=ref.slot,
             queue_position=ref.queue_position,
@@ -84,6 +86,13 @@ class AdapterOut(_Out):
 
 class AdapterList(_Out):
     adapters: list[AdapterOut]
+
+
+class RunList(_Out):
+    """Every run of one adapter name the caller may see, oldest first (a re-registered name keeps its earlier runs)."""
+
+    name: str
+    runs: list[AdapterOut]
 
 
 class StepOut(_Out):
@@ -167,7 +176,7 @@ class FleetOut(_Out):
 class ErrorOut(_Out):
     """Body of every error response."""
 
-    error: str = Field(description="Machine-readable code: bad_value, bad_request, unauthorized, not_found, method_not_allowed, conflict, no_free_slot, too_large, unsupported_media_type, schema, unavailable, internal.")
+    error: str = Field(description="Machine-readable code: bad_value, bad_request, unauthorized, forbidden, not_found, method_not_allowed, conflict, no_free_slot, too_large, unsupported_media_type, schema, unavailable, internal.")
     detail: str = Field(description="What was wrong and what is allowed.")
     field: str | None = Field(None, description="The offending field, when there is one.")
     errors: list[dict[str, Any]] | None = Field(None, description="422 only: every schema error.")
@@ -177,8 +186,9 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorOut, "description": text}
     for code, text in {
         400: "A value that cannot work (missing data file, rank above max, path outside the roots), or a body that cannot be read",
-        401: "Missing or wrong bearer token",
-        404: "Unknown adapter or route",
+        401: "Missing or wrong bearer token (the API token, or a tenant key when the service has a keys file)",
+        403: "A tenant key on an operator route (/v1/fleet, /metrics)",
+        404: "Unknown adapter, run or route, or one of another tenant (the same answer)",
         405: "Method not allowed on this route (the Allow header lists the allowed ones)",
         409: "Name in use, still retiring, already retiring, or no free slot",
         413: "Body larger than the service allows",

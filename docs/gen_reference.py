@@ -203,25 +203,38 @@ def render_job_file() -> str:
     return "\n".join(lines) + "\n"
 
 
+PROBE_TENANT_KEY = "tml-docs-probe-tenant"
+
+
 def _docs_app(token: str | None):
-    """The real app, as `lorafleet serve` builds it, without a controller behind it
-    (rendering the OpenAPI document and probing auth never reach the controller)."""
+    """The real app, as `lorafleet serve` builds it, with one tenant key and without a controller
+    behind it (rendering the OpenAPI document and probing auth never reach the controller)."""
     from api.app import create_app
+    from api.tenant_keys import TenantKeys
     from service.config import ServiceSettings
 
-    return create_app(None, ServiceSettings(host="127.0.0.1", api_token=token, data_roots=["/"]))
+    return create_app(None, ServiceSettings(host="127.0.0.1", api_token=token, data_roots=["/"]),
+                      tenant_keys=TenantKeys({"docs-probe": PROBE_TENANT_KEY}))
 
 
-def auth_required(app: Any, method: str, path: str) -> bool:
-    """Ask the real app: does this route answer 401 without a token? (So the page
-    says what the code does, not what someone remembered.)"""
+def auth_required(app: Any, method: str, path: str) -> str:
+    """Ask the real app: "open" (answers without a credential), "token" (401 without one; a tenant
+    key will do) or "admin token" (403 with a tenant key)? (So the page says what the code does,
+    not what someone remembered.)"""
     import re
 
     from fastapi.testclient import TestClient
 
     url = re.sub(r"\{[^}]+\}", "example", path)
     with TestClient(app, raise_server_exceptions=False) as client:
-        return client.request(method, url).status_code == 401
+        if client.request(method, url).status_code != 401:
+            return "open"
+        as_tenant = client.request(method, url, headers={"Authorization": f"Bearer {PROBE_TENANT_KEY}"})
+        return "admin token" if as_tenant.status_code == 403 else "token"
+
+
+_AUTH_LINE = {"open": "none", "token": "bearer token (the admin token, or a tenant key: that tenant's runs only)",
+              "admin token": "the admin bearer token (a tenant key: 403)"}
 
 
 def render_rest() -> str:
@@ -240,7 +253,10 @@ def render_rest() -> str:
         "",
         "The control plane listens on `LORAFLEET_HOST:LORAFLEET_PORT` (default `127.0.0.1:8000`).",
         "Bodies are JSON. Routes marked *token* need `Authorization: Bearer <token>` whenever a",
-        "token is configured (`LORAFLEET_API_TOKEN`; mandatory when binding beyond loopback).",
+        "token is configured (`LORAFLEET_API_TOKEN`; mandatory when binding beyond loopback): the",
+        "admin token, or a tenant's key from the keys file (`tinker_keys_file`; also as `X-API-Key`),",
+        "which sees and manages only that tenant's runs (another tenant's is 404). Routes marked",
+        "*admin token* are the operator's: a tenant key gets 403. See docs/concepts.md, Tenants.",
         "Every error body is an [ErrorOut](#errorout): what was wrong and what is allowed; a",
         "refused request changes nothing. The live OpenAPI document is served at `/openapi.json`",
         "and browsable at `/docs`.",
@@ -253,7 +269,7 @@ def render_rest() -> str:
     for path, method, op in ops:
         link = _anchor(f"{method} {path}".replace("/", "").replace("{", "").replace("}", "").replace(" ", "-"))
         lines.append(
-            f"| {method} | [`{path}`](#{link}) | {_cell(op.get('summary', ''))} | {'token' if auth[(path, method)] else 'open'} |"
+            f"| {method} | [`{path}`](#{link}) | {_cell(op.get('summary', ''))} | {auth[(path, method)]} |"
         )
     for path, method, op in ops:
         lines += ["", f"### {method} {path}", ""]
@@ -261,7 +277,7 @@ def render_rest() -> str:
             lines += [f"{op['summary']}.", ""]
         if op.get("description"):
             lines += [" ".join(op["description"].split()), ""]
-        lines += [f"Auth: {'bearer token' if auth[(path, method)] else 'none'}.", ""]
+        lines += [f"Auth: {_AUTH_LINE[auth[(path, method)]]}.", ""]
         params = op.get("parameters", [])
         if params:
             lines += ["| parameter | in | type | required | description |", "|---|---|---|---|---|"]

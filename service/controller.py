@@ -25,6 +25,12 @@ used up. Weight versions come from the registry's one counter (`next_version`):
 reconcile assigns the first one of a run and passes it into prepare_adapter; the
 loop assigns one per publish.
 
+Tenants (issue 14, F5): every tenant operation takes `tenant` — the tenant whose key made the
+request, or None for the admin (the API token, the job file, the loop). The registry filters by
+it (its I8: a tenant sees and touches only the runs it registered; another's is NotFound, like a
+name that does not exist), and a tenant's init_from / resume_from may name only the shared data
+roots or its own folders: its runs' and its Tinker folder (service/ownership.py).
+
 The controller is a plain object in the coordinator process. It is thread-safe:
 the API's threads call tenant operations while the loop reconciles; the registry
 serializes its transactions, and reconcile passes are serialized by their own lock.
@@ -46,9 +52,10 @@ from pydantic import ValidationError
 from service.config import AdapterConfig, ServiceSettings, SlotCapacity, format_validation_error
 from service.config_checks import PEFT_FILES, check_adapter_config
 from service.errors import BadValue, Conflict
+from service.ownership import check_tenant_start_paths
 from service.registry import AdapterRef, AdapterState, Registry, StepRecord
 from service.residency import ResidencyKnobs, choose_evictions
-from service.runtime import ProcessInfo, Runtime, RuntimeStats
+from service.runtime import ProcessInfo, Runtime, RuntimeStats, run_dir
 from rollout.config import check_adapter_name
 
 log = logging.getLogger(__name__)
@@ -79,7 +86,7 @@ class MetricsSnapshot:
 
 @dataclass(frozen=True)
 class RunMetrics:
-    """The per-step series of one run (the newest run of its name)."""
+    """The per-step series of one run (the newest run of its name, or one run by id)."""
 
     name: str
     registration_id: str
@@ -142,8 +149,9 @@ class Controller:
 
     # --- tenant operations --------------------------------------------------------------
 
-    def register(self, name: str, config: AdapterConfig | dict[str, Any]) -> AdapterRef:
-        """Validate (shape, filesystem, limits), reserve a slot, record a PENDING run."""
+    def register(self, name: str, config: AdapterConfig | dict[str, Any], tenant: str | None = None) -> AdapterRef:
+        """Validate (shape, filesystem, limits, what `tenant` may start from), reserve a slot,
+        record a PENDING run owned by `tenant` (None = the admin)."""
         try:
             check_adapter_name(name)
         except ValueError as e:
@@ -154,24 +162,41 @@ class Controller:
             except ValidationError as e:
                 raise BadValue(f"invalid adapter config:\n{format_validation_error(e, 'config')}", field="config") from None
         checked = check_adapter_config(config, self.settings, self.capacity)
-        ref = self.registry.register(name, checked.config, total_steps=checked.total_steps)
-        log.info("registered %s (registration %s, slot %s, version %s)", name, ref.registration_id, ref.slot, ref.slot_version)
+        if tenant is not None:
+            own = [run_dir(self.settings.state_dir, r) for r in self.registry.owned_runs(tenant)]
+            own.append(self.settings.tinker_dir / tenant)  # its Tinker checkpoints (docs/tinker.md)
+            check_tenant_start_paths(checked.config, state_dir=self.settings.state_dir,
+                                     data_roots=self.settings.data_roots, own_dirs=own)
+        ref = self.registry.register(name, checked.config, total_steps=checked.total_steps, owner=tenant)
+        log.info("registered %s (registration %s, slot %s, version %s, owner %s)", name, ref.registration_id, ref.slot,
+                 ref.slot_version, tenant or "admin")
         return ref
 
-    def list(self, state: str | AdapterState | None = None) -> list[AdapterRef]:
-        return self.registry.list(_parse_state(state) if state is not None else None)
+    def list(self, state: str | AdapterState | None = None, tenant: str | None = None) -> list[AdapterRef]:
+        return self.registry.list(_parse_state(state) if state is not None else None, tenant)
 
-    def get(self, name: str) -> AdapterRef:
-        return self.registry.get(name)
+    def get(self, name: str, tenant: str | None = None) -> AdapterRef:
+        return self.registry.get(name, tenant)
 
-    def metrics(self, name: str) -> RunMetrics:
-        registration_id, steps = self.registry.metrics(name)
+    def runs(self, name: str, tenant: str | None = None) -> list[AdapterRef]:
+        """Every run of `name` the caller may see (re-registrations included), oldest first."""
+        return self.registry.runs(name, tenant)
+
+    def get_run(self, registration_id: str, tenant: str | None = None) -> AdapterRef:
+        return self.registry.get_run(registration_id, tenant)
+
+    def metrics(self, name: str, tenant: str | None = None) -> RunMetrics:
+        registration_id, steps = self.registry.metrics(name, tenant)
         return RunMetrics(name, registration_id, steps)
 
-    def retire(self, name: str, registration_id: str | None = None) -> AdapterRef:
+    def run_metrics(self, registration_id: str, tenant: str | None = None) -> RunMetrics:
+        name, steps = self.registry.run_metrics(registration_id, tenant)
+        return RunMetrics(name, registration_id, steps)
+
+    def retire(self, name: str, registration_id: str | None = None, tenant: str | None = None) -> AdapterRef:
         """Ask a live run to retire (-> RETIRING); reconcile finishes it. With
         `registration_id` (the loop's call on exhaustion), only that run is retired."""
-        ref = self.registry.get(name)
+        ref = self.registry.get(name, tenant)
         if registration_id is not None and ref.registration_id != registration_id:
             raise Conflict(f"adapter {name!r}: registration {registration_id} is not its current run")
         if ref.state in (AdapterState.RETIRING, AdapterState.CLEANUP):
@@ -182,9 +207,9 @@ class Controller:
         log.info("retiring %s (registration %s)", name, ref.registration_id)
         return new
 
-    def abort(self, name: str) -> int:
+    def abort(self, name: str, tenant: str | None = None) -> int:
         """Abort the run's in-flight generation without retiring it; the number aborted."""
-        ref = self.registry.get(name)
+        ref = self.registry.get(name, tenant)
         if not ref.live:
             raise Conflict(f"adapter {name!r} already ended ({ref.state}); abort applies to live adapters only")
         runtime = self._runtime

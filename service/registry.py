@@ -35,7 +35,13 @@ Invariants (enforced here, partly by SQLite unique indexes as a second line):
   I6 one writer: the file is locked (flock) by the process that opened it;
   I7 a slot lease (a Tinker model's slot, `lease_slot`) holds its slot like a live run:
      register and lease_slot pick only slots held by neither; leases live as long as
-     the process that took them (the models are in its memory), so opening drops them.
+     the process that took them (the models are in its memory), so opening drops them;
+  I8 every run has an owner, fixed at registration: the tenant whose key registered it, or
+     NULL for the admin (the API token, a job file; runs of a registry file written before
+     owners existed are the admin's). Every read a tenant makes is filtered by owner here,
+     in SQL (`tenant=` arguments; None = the admin, who sees every run), and a run of
+     another owner is NotFound with the same message as a run that does not exist.
+     Names are global (engines serve "<name>@v<k>"): I1 holds across owners.
 """
 
 from __future__ import annotations
@@ -110,6 +116,7 @@ class AdapterRef:
     activated_at: float | None  # first time its trainer slot was initialized; None = never trained
     finished_at: float | None
     queue_position: int | None = None  # 1-based place among the live runs waiting for a slot; None = holds one or ended
+    owner: str | None = None  # the tenant that registered it; None = the admin (I8)
 
     @property
     def queued(self) -> bool:
@@ -165,7 +172,8 @@ CREATE TABLE IF NOT EXISTS runs (
     updated_at REAL NOT NULL,
     activated_at REAL,
     finished_at REAL,
-    queued_at REAL  -- when it last began waiting for a slot (registration or eviction); orders the queue
+    queued_at REAL,  -- when it last began waiting for a slot (registration or eviction); orders the queue
+    owner TEXT  -- I8: the registering tenant; NULL = the admin
 );
 -- I1 and I2 as indexes: a bug that slips past the checks fails the commit instead of corrupting.
 CREATE UNIQUE INDEX IF NOT EXISTS one_live_run_per_name ON runs(name)
@@ -225,6 +233,9 @@ class Registry:
         columns = {r["name"] for r in self._db.execute("PRAGMA table_info(runs)")}
         if "queued_at" not in columns:  # a registry file written before the queue existed
             self._db.execute("ALTER TABLE runs ADD COLUMN queued_at REAL")
+        if "owner" not in columns:  # a registry file written before owners (I8): its runs are the admin's
+            self._db.execute("ALTER TABLE runs ADD COLUMN owner TEXT")
+        self._db.execute("CREATE INDEX IF NOT EXISTS runs_by_owner ON runs(owner, name, run_id)")
 
     def close(self) -> None:
         with self._lock:
@@ -240,33 +251,45 @@ class Registry:
         self._db.execute("UPDATE counters SET value = value + 1 WHERE name = 'version'")
         return self._db.execute("SELECT value FROM counters WHERE name = 'version'").fetchone()[0]
 
-    def _latest_row(self, name: str) -> sqlite3.Row:
+    def _latest_row(self, name: str, tenant: str | None = None) -> sqlite3.Row:
         # The newest run of a name is its live run when it has one (I1: a new run
-        # can only be registered when no live run exists).
-        row = self._db.execute("SELECT * FROM runs WHERE name = ? ORDER BY run_id DESC LIMIT 1", (name,)).fetchone()
+        # can only be registered when no live run exists). For a tenant: its own newest run
+        # of the name (I8; another owner's run is not there at all).
+        where, args = _visible(tenant)
+        row = self._db.execute(f"SELECT * FROM runs WHERE name = ? AND {where} ORDER BY run_id DESC LIMIT 1",
+                               (name, *args)).fetchone()
         if row is None:
             raise NotFound(f"no adapter named {name!r}; list adapters with GET /v1/adapters")
         return row
 
-    def _run_row(self, registration_id: str) -> sqlite3.Row:
-        row = self._db.execute("SELECT * FROM runs WHERE registration_id = ?", (registration_id,)).fetchone()
+    def _run_row(self, registration_id: str, tenant: str | None = None) -> sqlite3.Row:
+        where, args = _visible(tenant)
+        row = self._db.execute(f"SELECT * FROM runs WHERE registration_id = ? AND {where}",
+                               (registration_id, *args)).fetchone()
         if row is None:
-            raise NotFound(f"no adapter run with registration id {registration_id!r}")
+            raise NotFound(f"no adapter run with registration id {registration_id!r}; list a name's runs with "
+                           "GET /v1/adapters/{name}/runs")
         return row
 
     # --- tenant operations ------------------------------------------------------------------
 
-    def register(self, name: str, config: AdapterConfig, *, total_steps: int | None) -> AdapterRef:
-        """New PENDING run with a fresh version, holding the lowest free slot, or queued
-        (no slot, a queue position) when every slot is held or others wait already.
+    def register(self, name: str, config: AdapterConfig, *, total_steps: int | None, owner: str | None = None) -> AdapterRef:
+        """New PENDING run of `owner` (a tenant; None = the admin) with a fresh version, holding
+        the lowest free slot, or queued (no slot, a queue position) when every slot is held or
+        others wait already.
 
-        Conflict when the name has a live run (a retiring one gets a retry hint);
-        NoFreeSlot when `max_live_runs` runs are live. A COMPLETED/FAILED name registers again."""
+        Conflict when the name has a live run (a retiring one gets a retry hint; a live run of
+        another owner is named only as taken, I8); NoFreeSlot when `max_live_runs` runs are live.
+        A COMPLETED/FAILED name registers again, by any owner: a new run, the old ones stay."""
         now = time.time()
         with self._tx():
             live = self._db.execute(
-                "SELECT state FROM runs WHERE name = ? AND state IN ('PENDING','ACTIVE','RETIRING','CLEANUP')", (name,)
+                "SELECT state, owner FROM runs WHERE name = ? AND state IN ('PENDING','ACTIVE','RETIRING','CLEANUP')", (name,)
             ).fetchone()
+            if live is not None and owner is not None and live["owner"] != owner:
+                # Names are global; whose run holds it, and its state, are not this tenant's business.
+                raise Conflict(f"adapter name {name!r} is taken by a live run; pick another name "
+                               "(names are unique across the service while a run of them is live)")
             if live is not None:
                 state = live["state"]
                 if state in (AdapterState.RETIRING, AdapterState.CLEANUP):
@@ -295,28 +318,46 @@ class Registry:
             registration_id = uuid.uuid4().hex
             self._db.execute(
                 "INSERT INTO runs (name, registration_id, state, slot, slot_version, config_json, total_steps,"
-                " created_at, updated_at, queued_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " created_at, updated_at, queued_at, owner) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (name, registration_id, AdapterState.PENDING, slot, self._bump_version(),
-                 config.model_dump_json(), total_steps, now, now, None if slot is not None else now),
+                 config.model_dump_json(), total_steps, now, now, None if slot is not None else now, owner),
             )
             return self._ref(self._run_row(registration_id))
 
-    def get(self, name: str) -> AdapterRef:
-        """The newest run of `name` (its live run if it has one)."""
+    def get(self, name: str, tenant: str | None = None) -> AdapterRef:
+        """The newest run of `name` (its live run if it has one); for a tenant, its own newest (I8)."""
         with self._lock:
-            return self._ref(self._latest_row(name))
+            return self._ref(self._latest_row(name, tenant))
 
-    def get_run(self, registration_id: str) -> AdapterRef:
+    def get_run(self, registration_id: str, tenant: str | None = None) -> AdapterRef:
         with self._lock:
-            return self._ref(self._run_row(registration_id))
+            return self._ref(self._run_row(registration_id, tenant))
 
-    def list(self, state: AdapterState | None = None) -> list[AdapterRef]:
-        """The newest run of every name, oldest name first; optionally only those in `state`."""
-        sql = "SELECT * FROM runs r WHERE run_id = (SELECT MAX(run_id) FROM runs WHERE name = r.name)"
-        args: tuple = ()
+    def runs(self, name: str, tenant: str | None = None) -> list[AdapterRef]:
+        """Every run of `name` the caller may see, oldest first; NotFound when there is none (I8)."""
+        where, args = _visible(tenant)
+        with self._lock:
+            queue = self._queue()
+            rows = self._db.execute(f"SELECT * FROM runs WHERE name = ? AND {where} ORDER BY run_id", (name, *args)).fetchall()
+            if not rows:
+                self._latest_row(name, tenant)  # raises the one NotFound message of a name
+            return [self._ref(r, queue) for r in rows]
+
+    def owned_runs(self, tenant: str) -> list[AdapterRef]:
+        """Every run `tenant` registered, any state, oldest first (whose folders it may start from)."""
+        with self._lock:
+            return [self._ref(r, []) for r in self._db.execute("SELECT * FROM runs WHERE owner = ? ORDER BY run_id", (tenant,))]
+
+    def list(self, state: AdapterState | None = None, tenant: str | None = None) -> list[AdapterRef]:
+        """The newest run of every name, oldest name first; optionally only those in `state`.
+        For a tenant: the newest of its own runs of every name it used (I8)."""
+        where, args = _visible(tenant)
+        sql = (f"SELECT * FROM runs r WHERE {where} AND run_id = (SELECT MAX(run_id) FROM runs WHERE name = r.name"
+               f" AND {where})")
+        args = (*args, *args)
         if state is not None:
             sql += " AND state = ?"
-            args = (AdapterState(state),)
+            args = (*args, AdapterState(state))
         with self._lock:
             queue = self._queue()
             return [self._ref(r, queue) for r in self._db.execute(sql + " ORDER BY run_id", args)]
@@ -376,17 +417,22 @@ class Registry:
         with self._lock:
             return {r["holder"]: (r["slot"], r["tenant"]) for r in self._db.execute("SELECT slot, holder, tenant FROM slot_leases")}
 
-    def metrics(self, name: str) -> tuple[str, list[StepRecord]]:
-        """(registration id, per-step series by step) of the newest run of `name`."""
+    def metrics(self, name: str, tenant: str | None = None) -> tuple[str, list[StepRecord]]:
+        """(registration id, per-step series by step) of the newest run of `name` (the tenant's own, I8)."""
         with self._lock:
-            registration_id = self._latest_row(name)["registration_id"]
-            rows = self._db.execute(
-                "SELECT * FROM steps WHERE registration_id = ? ORDER BY step", (registration_id,)
-            ).fetchall()
-        return registration_id, [
-            StepRecord(r["step"], r["samples"], r["weight_version"], json.loads(r["metrics_json"]), r["recorded_at"])
-            for r in rows
-        ]
+            registration_id = self._latest_row(name, tenant)["registration_id"]
+            return registration_id, self._steps(registration_id)
+
+    def run_metrics(self, registration_id: str, tenant: str | None = None) -> tuple[str, list[StepRecord]]:
+        """(name, per-step series by step) of one run, any state (a tenant's own only, I8)."""
+        with self._lock:
+            name = self._run_row(registration_id, tenant)["name"]
+            return name, self._steps(registration_id)
+
+    def _steps(self, registration_id: str) -> list[StepRecord]:
+        rows = self._db.execute("SELECT * FROM steps WHERE registration_id = ? ORDER BY step", (registration_id,)).fetchall()
+        return [StepRecord(r["step"], r["samples"], r["weight_version"], json.loads(r["metrics_json"]), r["recorded_at"])
+                for r in rows]
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -596,9 +642,18 @@ class _Transaction:
             self._lock.release()
 
 
+def _visible(tenant: str | None) -> tuple[str, tuple]:
+    """The SQL condition (and its arguments) on `runs` rows the caller may see (I8): every row
+    for the admin (None), the tenant's own rows otherwise."""
+    if tenant is None:
+        return "1", ()
+    return "owner = ?", (tenant,)
+
+
 def _ref(row: sqlite3.Row, queue_position: int | None) -> AdapterRef:
     return AdapterRef(
         queue_position=queue_position,
+        owner=row["owner"],
         name=row["name"],
         registration_id=row["registration_id"],
         state=AdapterState(row["state"]),

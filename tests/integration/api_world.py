@@ -45,9 +45,11 @@ def make_world(tmp: Path, **settings: Any) -> World:
 
 
 @contextlib.contextmanager
-def serve(controller: Any, settings: ServiceSettings) -> Iterator[ApiServer]:
-    """The real app on a free loopback port; stopped even when the test fails."""
-    server = ApiServer(create_app(controller, settings), "127.0.0.1", 0, token_configured=settings.api_token is not None)
+def serve(controller: Any, settings: ServiceSettings, tenant_keys: Any = None) -> Iterator[ApiServer]:
+    """The real app on a free loopback port (with `tenant_keys`: tenants on the REST API); stopped even
+    when the test fails."""
+    app = create_app(controller, settings, tenant_keys=tenant_keys)
+    server = ApiServer(app, "127.0.0.1", 0, token_configured=settings.api_token is not None)
     server.start()
     try:
         yield server

@@ -228,3 +228,27 @@ def test_sampler_weights_reach_the_service_engine(service, tiny_world):
         # sampling stops at EOS (token 0 in the tiny world); HF's reference does not: compare the prefix
         assert got == ref[: len(got)] and (len(got) == len(ref) or got[-1] == 0), (got, ref)
     unload(service.url, "alice", tc.model_id)
+
+
+def test_the_keys_are_the_rest_apis_tenants_too(service, tiny_world):
+    """Issue 14 F5 on the live service: a key of the keys file is its tenant on the REST API as well
+    (X-API-Key or bearer); another tenant's run is 404 exactly like a missing one and stays untouched;
+    the operator routes are the admin token's. Ends with every slot free again."""
+    headers = {"bob": {"X-API-Key": KEYS["bob"]}, "alice": {"Authorization": f"Bearer {KEYS['alice']}"}}
+    with httpx.Client(base_url=service.url, timeout=30, headers=headers["bob"]) as bob, \
+            httpx.Client(base_url=service.url, timeout=30, headers=headers["alice"]) as alice, service.client() as admin:
+        r = bob.post("/v1/adapters", json={"name": "bob-rest", "config": sft(tiny_world)})
+        assert r.status_code == 201 and r.json()["owner"] == "bob", r.text
+        for method, path in [("GET", ""), ("GET", "/metrics"), ("GET", "/runs"), ("DELETE", ""), ("POST", "/abort")]:
+            theirs, nothing = (alice.request(method, f"/v1/adapters/{n}{path}") for n in ("bob-rest", "no-such-run"))
+            assert theirs.status_code == nothing.status_code == 404, (method, path, theirs.text)
+            assert theirs.json() == json.loads(nothing.text.replace("no-such-run", "bob-rest")), (method, path)
+        assert "bob-rest" not in [a["name"] for a in alice.get("/v1/adapters").json()["adapters"]]
+        assert [a["name"] for a in bob.get("/v1/adapters").json()["adapters"]] == ["bob-rest"]
+        assert admin.get("bob-rest")["owner"] == "bob" and admin.get("bob-rest")["state"] in ("PENDING", "ACTIVE")
+        assert bob.get("/v1/fleet").status_code == 403 and bob.get("/metrics").status_code == 403
+        assert alice.get("/v1/adapters", headers={"Authorization": "Bearer tml-not-a-tenant-key"}).status_code == 401
+        assert bob.delete("/v1/adapters/bob-rest").status_code == 202
+        done = wait_for(admin, "bob-rest", lambda a: a["state"] == "COMPLETED", "COMPLETED", timeout_s=180)
+        assert done["owner"] == "bob"
+    assert free_slots(service.url) == NUM_SLOTS
