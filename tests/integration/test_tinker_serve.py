@@ -131,6 +131,8 @@ def test_sdk_trains_beside_a_dataset_run_and_holds_a_slot(service, tiny_world):
         # ONE mixed step of both kinds: the loop trained throughout, so forward_backward calls
         # rode in its train calls (the coalescer leaves them to a training loop for up to 2 s)
         assert gauge("joined_steps") > 0 and gauge("joined_calls") >= gauge("joined_steps"), metrics
+        print(f"joined steps {gauge('joined_steps'):g}, joined calls {gauge('joined_calls'):g} of "
+              f"{gauge('forward_backward_calls'):g} forward_backward calls; Tinker losses {losses[0]:.2f} -> {losses[-1]:.2f}")
 
         # Tinker models take the remaining slots; one more is refused with the holders named; a
         # REST registration queues behind them (it never takes a model's slot); unloading gives
