@@ -58,6 +58,44 @@ def _train(backend, models):
     return losses
 
 
+def _riders_on_the_group(group, lease_slot: int, free_slot: int) -> None:
+    """The loop's train call on the group (Ray) carries the attached source's Tinker calls and
+    hands their results back; a failing train call fails them and still raises for the loop."""
+    from service.trainer_group import RiderCalls
+    from trainer.batch import TrainBatch, TrainSample
+    from trainer.config import SlotHyperParams
+    from trainer.tinker_ops import Call
+
+    delivered: list = []
+
+    class Source:  # what api/tinker/fleet_backend.py's _LoopRiders gives the group, recorded
+        def __init__(self, calls):
+            self.calls = calls
+
+        def take(self):
+            calls, self.calls = self.calls, []
+            return RiderCalls(calls, 64, delivered.append, delivered.append) if calls else None
+
+    group.init_slot(free_slot, SlotHyperParams(objective="sft", rank=4, alpha=8, samples_per_step=1), seed=3)
+    batch = TrainBatch(samples=[TrainSample(slot=free_slot, tokens=list(range(5, 17)), loss_mask=[0] * 3 + [1] * 9)])
+    grad_before = group.slot_state_tensors_all_ranks(lease_slot)[0]["grad"]
+    group.attach_riders(Source([Call(lease_slot, _data(7, 2), "cross_entropy")]))
+    try:
+        result = group.train(batch)
+        assert result.stepped == [free_slot]  # the loop's slot stepped ...
+        (results,) = delivered
+        assert results[0].error is None and len(results[0].outputs) == 2 and results[0].metrics["loss:sum"] > 0
+        grad_after = group.slot_state_tensors_all_ranks(lease_slot)[0]["grad"]
+        assert any(not torch.equal(grad_after[1][k], grad_before[1][k]) for k in grad_before[1])  # ... the rider accumulated
+        group.clear_slot(free_slot)
+        group.attach_riders(Source([Call(lease_slot, _data(8, 1), "cross_entropy")]))
+        with pytest.raises(ValueError, match=f"slot {free_slot} is not initialized"):
+            group.train(batch)
+        assert isinstance(delivered[-1], str) and f"slot {free_slot} is not initialized" in delivered[-1]
+    finally:
+        group.attach_riders(None)
+
+
 def test_fleet_backend_equals_in_process_and_leases_registry_slots(ray_cluster, tiny_world, tmp_path):
     from api.tinker.backend import InProcessBackend, LoraSpec
     from api.tinker.fleet_backend import FleetBackend
@@ -91,6 +129,7 @@ def test_fleet_backend_equals_in_process_and_leases_registry_slots(ray_cluster, 
         fleet.release(models[0])
         assert controller.registry.free_slots() == [0]
         assert "s-3:train:1" not in fleet._slots  # noqa: SLF001 - the refused model holds nothing
+        _riders_on_the_group(group, lease_slot=leases[models[1]][0], free_slot=0)
     finally:
         group.stop()
         controller.close()
