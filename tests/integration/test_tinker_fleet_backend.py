@@ -2,7 +2,8 @@
 actor, service/trainer_group.py) and a real Controller/registry, against the in-process
 backend on an in-process trainer (the reference): the same calls give the same weights and
 Adam moments, and the models' slots are registry leases (counted, refused when none is
-free, freed on release). ~40 s (Ray start and one trainer rank)."""
+free, freed on release). The group's train call carries attached Tinker calls (one mixed
+step over Ray) and fails them when it fails. ~45 s (Ray start and one trainer rank)."""
 
 from __future__ import annotations
 
