@@ -57,7 +57,7 @@ class RiderCalls:
     calls: list  # trainer.tinker_ops.Call, valid slots not trained by the loop
     max_seq_len: int  # the longest datum the calls' service allows
     deliver: Callable[[list], None]  # the calls' CallResults, one per call, in order
-    fail: Callable[[str], None]  # the train call failed: every call gets this error
+    fail: Callable[[str], None]  # the train call failed midway: every call gets this error
 
 
 class TrainRiders(Protocol):
@@ -239,6 +239,8 @@ class TrainerGroup:
                     ride.fail(f"{type(err).__name__}: {err}")
                     raise
                 ride.deliver(call_results)
+                if isinstance(result, Exception):  # the batch was refused before anything ran; the calls ran alone
+                    raise result
                 return result
         finally:
             with self._in_flight_lock:

@@ -428,13 +428,7 @@ class MultiLoraTrainer:
         only (the Tinker forward_backward alone). Everything is validated before anything changes."""
         samples = batch.samples if batch is not None else []
         riders = riders or []
-        for i, s in enumerate(samples):  # validate everything before changing anything
-            try:
-                self._state(s.slot)
-            except ValueError as err:
-                raise ValueError(f"sample {i}: {err}") from None
-            if max(s.tokens) >= self.vocab_size:
-                raise ValueError(f"sample {i}: token id {max(s.tokens)} >= vocab size {self.vocab_size}")
+        self.check_batch(batch)  # validate everything before changing anything
         self._check_riders(riders, {s.slot for s in samples})
         dropped: dict[int, int] = {}
         kept: list[int] = []
@@ -477,6 +471,17 @@ class MultiLoraTrainer:
         stepped = sorted(s for s, rs in reports.items() if any(not r.skipped_nonfinite for r in rs))
         skipped = sorted(s for s, rs in reports.items() if any(r.skipped_nonfinite for r in rs))
         return TrainResult(slots=metrics, stepped=stepped, skipped_nonfinite=skipped, dropped_foreign=dropped)
+
+    def check_batch(self, batch: TrainBatch | None) -> None:
+        """ValueError naming the first sample ``train`` would refuse (its slot is not initialized,
+        or a token id is outside the vocabulary); nothing changes either way."""
+        for i, s in enumerate(batch.samples if batch is not None else []):
+            try:
+                self._state(s.slot)
+            except ValueError as err:
+                raise ValueError(f"sample {i}: {err}") from None
+            if max(s.tokens) >= self.vocab_size:
+                raise ValueError(f"sample {i}: token id {max(s.tokens)} >= vocab size {self.vocab_size}")
 
     def _check_riders(self, riders: list[RiderSequence], batch_slots: set[int]) -> None:
         """Riders need the packed path and dp == 1 (they are not sharded), initialized slots that

@@ -116,13 +116,20 @@ class TinkerOps:
         """The calls alone: the combined call with no loop batch."""
         return self.train_with(None, calls)[1]
 
-    def train_with(self, batch: TrainBatch | None, calls: list[Call]) -> tuple[TrainResult | None, list[CallResult]]:
+    def train_with(self, batch: TrainBatch | None,
+                   calls: list[Call]) -> tuple[TrainResult | ValueError | None, list[CallResult]]:
         """ONE mixed step: the loop's ``batch`` (stepped as ``MultiLoraTrainer.train`` steps it) and
         the calls' datums (gradients accumulating, no step) in the same packed micro-batches.
 
         A call with bad input, or aimed at a slot the batch trains (a loop slot never accumulates
         a Tinker gradient), gets its error and changes nothing; the batch and the other calls
-        run as if it were absent. The TrainResult is None when ``batch`` is None."""
+        run as if it were absent. Conversely a batch that ``train`` refuses changes nothing and
+        is answered by its ValueError in place of the TrainResult (the caller raises it), while
+        the calls run alone. The TrainResult is None when ``batch`` is None."""
+        try:
+            self.trainer.check_batch(batch)
+        except ValueError as err:
+            return err, self.forward_backward(calls)
         batch_slots = {s.slot for s in batch.samples} if batch is not None else set()
         results, riders, finish = self._riders(calls, batch_slots, backward=True)
         if batch is None and not riders:

@@ -61,7 +61,8 @@ def _train(backend, models):
 
 def _riders_on_the_group(group, lease_slot: int, free_slot: int) -> None:
     """The loop's train call on the group (Ray) carries the attached source's Tinker calls and
-    hands their results back; a failing train call fails them and still raises for the loop."""
+    hands their results back; a refused batch raises for the loop while the calls run alone; a
+    train call that fails otherwise fails them and raises for the loop. Stops the group."""
     from service.trainer_group import RiderCalls
     from trainer.batch import TrainBatch, TrainSample
     from trainer.config import SlotHyperParams
@@ -88,11 +89,16 @@ def _riders_on_the_group(group, lease_slot: int, free_slot: int) -> None:
         assert results[0].error is None and len(results[0].outputs) == 2 and results[0].metrics["loss:sum"] > 0
         grad_after = group.slot_state_tensors_all_ranks(lease_slot)[0]["grad"]
         assert any(not torch.equal(grad_after[1][k], grad_before[1][k]) for k in grad_before[1])  # ... the rider accumulated
-        group.clear_slot(free_slot)
+        group.clear_slot(free_slot)  # the loop's next batch is refused: it raises for the loop, the calls run alone
         group.attach_riders(Source([Call(lease_slot, _data(8, 1), "cross_entropy")]))
         with pytest.raises(ValueError, match=f"slot {free_slot} is not initialized"):
             group.train(batch)
-        assert isinstance(delivered[-1], str) and f"slot {free_slot} is not initialized" in delivered[-1]
+        assert len(delivered) == 2 and delivered[-1][0].error is None and delivered[-1][0].metrics["loss:sum"] > 0
+        group.attach_riders(Source([Call(lease_slot, _data(9, 1), "cross_entropy")]))
+        group.stop("a rank died")  # a train call that fails midway (no trainer): its calls get the failure
+        with pytest.raises(RuntimeError, match="trainer is not running"):
+            group.train(batch)
+        assert isinstance(delivered[-1], str) and "trainer is not running" in delivered[-1]
     finally:
         group.attach_riders(None)
 

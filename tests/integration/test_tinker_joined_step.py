@@ -297,3 +297,23 @@ def test_bad_tinker_call_in_a_joined_step_fails_only_itself(ops, work):
     assert max_rel_err(grad_rows(ops, 0), expected_grad) <= JOINED_VS_APART
     assert torch.count_nonzero(grad_rows(ops, 2)) == 0  # the refused call accumulated nothing
     assert ops.trainer.slots[0].step == 0 and ops.trainer.slots[2].step == 0  # no Tinker slot stepped
+
+
+def test_refused_loop_batch_leaves_the_tinker_calls_running_alone(ops, work):
+    batches, calls = work
+    fresh(ops)
+    alone = ops.forward_backward(tinker_calls(calls[0]))
+    grads = {slot: grad_rows(ops, slot) for slot in TINKER}
+
+    fresh(ops)
+    ops.trainer.clear_slot(3)  # the loop's batch has samples of slot 3: train refuses it
+    before = slot_tensors(ops, 1)
+    result, results = ops.train_with(batches[0], tinker_calls(calls[0]))
+    assert isinstance(result, ValueError) and "slot 3 is not initialized" in str(result)
+    assert all(r.error is None for r in results)
+    for got, want in zip(results, alone, strict=True):
+        assert got.metrics == pytest.approx(want.metrics, rel=JOINED_VS_APART)
+    for slot in TINKER:
+        assert max_rel_err(grad_rows(ops, slot), grads[slot]) <= JOINED_VS_APART
+    assert all(torch.equal(t, before[k]) for k, t in slot_tensors(ops, 1).items())  # the loop's slot: untouched
+    assert torch.count_nonzero(grad_rows(ops, 1)) == 0 and ops.trainer.slots[1].pending_samples == 0
