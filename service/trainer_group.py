@@ -6,6 +6,13 @@ adds what the service needs: start (ranks placed by service/actors.py, model bui
 each), a liveness probe, restart after a rank died (a dead rank takes the whole group:
 slot state is spread over all ranks), the ranks' process ids, and a deliberate stop.
 
+Tenant-driven calls ride in the loop's train calls: a `TrainRiders` source attached with
+`attach_riders` (the Tinker API's coalescer, api/tinker/fleet_backend.py: service/ never
+imports api/) is asked, under the collective lock at the start of every `train`, for its
+pending forward_backward calls; they go to the ranks with the batch as ONE mixed step
+(trainer/tinker_ops.py `train_with`) and their results go back to the source.
+`loop_active` tells the source whether the loop is training, so it can leave calls for it.
+
 Errors: a rank's exception comes back as itself (service/remote.py); a dead rank
 raises Ray's actor error, which `is_lost` recognizes (the runtime turns it into
 TrainerLost and the loop restarts the group).
@@ -13,11 +20,13 @@ TrainerLost and the loop restarts the group).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import ray
 
@@ -26,6 +35,8 @@ from service.remote import call, is_actor_lost
 from service.runtime import ComponentHealth
 from trainer.batch import TrainBatch
 from trainer.config import SlotHyperParams, TrainerConfig
+
+log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 2.0
 SWAP_DIR_NAME = "swap"  # under the service's state dir: evicted slots beyond the host-memory budget
@@ -37,6 +48,21 @@ def with_swap_dir(config: TrainerConfig, state_dir: str | Path) -> TrainerConfig
     if config.swap_spill_dir is not None:
         return config
     return config.model_copy(update={"swap_spill_dir": str(Path(state_dir) / SWAP_DIR_NAME)})
+
+
+@dataclass
+class RiderCalls:
+    """Pending tenant calls taken for one train call, and where their results go."""
+
+    calls: list  # trainer.tinker_ops.Call, valid slots not trained by the loop
+    max_seq_len: int  # the longest datum the calls' service allows
+    deliver: Callable[[list], None]  # the calls' CallResults, one per call, in order
+    fail: Callable[[str], None]  # the train call failed midway: every call gets this error
+
+
+class TrainRiders(Protocol):
+    def take(self) -> RiderCalls | None:
+        """The calls that ride in the train call about to run (None: none pending)."""
 
 
 class TrainerGroup:
@@ -59,6 +85,9 @@ class TrainerGroup:
         # worker's forward_backward): every rank must run the calls in the same order, so a
         # call's per-rank submissions never interleave with another's.
         self._collective_lock = threading.Lock()
+        self.riders: TrainRiders | None = None
+        self._loop_trains = 0  # loop train calls waiting or running (guarded by _in_flight_lock)
+        self._last_loop_train_end = float("-inf")
 
     @property
     def world_size(self) -> int:
@@ -150,16 +179,41 @@ class TrainerGroup:
 
     def _all(self, remote: Callable[[Any], Any], *, what: str) -> Any:
         """`remote(worker)` -> ObjectRef, on every rank at once; rank 0's answer. `what` names it in errors."""
+        with self._collective_lock:
+            return self._all_locked(remote, what=what)
+
+    def _all_locked(self, remote: Callable[[Any], Any], *, what: str) -> Any:
+        """`_all` for a caller that holds the collective lock."""
         if not self.workers:
             raise RuntimeError(f"the trainer is not running ({self.stopped_reason or 'not started'})")
-        with self._collective_lock:
+        with self._in_flight_lock:
+            self._in_flight += 1
+        try:
+            return call([remote(w) for w in self.workers], self.call_timeout_s, f"trainer {what}")[0]
+        finally:
             with self._in_flight_lock:
-                self._in_flight += 1
-            try:
-                return call([remote(w) for w in self.workers], self.call_timeout_s, f"trainer {what}")[0]
-            finally:
-                with self._in_flight_lock:
-                    self._in_flight -= 1
+                self._in_flight -= 1
+
+    # --- riders: tenant calls in the loop's train calls ----------------------------------------------
+
+    def attach_riders(self, riders: TrainRiders | None) -> None:
+        self.riders = riders
+
+    def loop_active(self, grace_s: float) -> bool:
+        """Whether the loop is training: a train call waiting or running, or one ended less than
+        `grace_s` ago (the loop's gap between two calls)."""
+        with self._in_flight_lock:
+            return self._loop_trains > 0 or time.monotonic() - self._last_loop_train_end < grace_s
+
+    def _take_riders(self) -> RiderCalls | None:
+        if self.riders is None:
+            return None
+        try:
+            ride = self.riders.take()
+        except Exception:  # noqa: BLE001 - the loop's step must not fail for the riders' source
+            log.exception("taking Tinker calls for a train call failed; the step runs without them")
+            return None
+        return ride if ride is not None and ride.calls else None
 
     def init_slot(self, slot: int, hyper: SlotHyperParams, seed: int, init_from: str | None = None,
                   registration: str | None = None) -> dict:
@@ -169,7 +223,29 @@ class TrainerGroup:
         self._all(lambda w: w.clear_slot.remote(slot), what="clear_slot")
 
     def train(self, batch: TrainBatch):
-        return self._all(lambda w: w.train.remote(batch), what="train")
+        """The loop's train call; pending rider calls (if a source is attached) join it as ONE
+        mixed step. Their results (or the call's failure) go to the source before this returns."""
+        with self._in_flight_lock:
+            self._loop_trains += 1
+        try:
+            with self._collective_lock:
+                ride = self._take_riders()
+                if ride is None:
+                    return self._all_locked(lambda w: w.train.remote(batch), what="train")
+                try:
+                    result, call_results = self._all_locked(
+                        lambda w: w.train_mixed.remote(batch, ride.calls, ride.max_seq_len), what="train with Tinker calls")
+                except BaseException as err:
+                    ride.fail(f"{type(err).__name__}: {err}")
+                    raise
+                ride.deliver(call_results)
+                if isinstance(result, Exception):  # the batch was refused before anything ran; the calls ran alone
+                    raise result
+                return result
+        finally:
+            with self._in_flight_lock:
+                self._loop_trains -= 1
+                self._last_loop_train_end = time.monotonic()
 
     def peft_tensors(self, slot: int):
         return self._all(lambda w: w.peft_tensors.remote(slot), what="peft_tensors")

@@ -89,6 +89,12 @@ class TrainWorker:
 
         return TinkerOps(self._core(), max_seq_len=max_seq_len).forward_backward(calls)
 
+    def train_mixed(self, batch: TrainBatch, calls: list, max_seq_len: int) -> tuple:
+        """The loop's batch and Tinker forward_backward calls in ONE mixed step: (TrainResult, CallResults)."""
+        from trainer.tinker_ops import TinkerOps
+
+        return TinkerOps(self._core(), max_seq_len=max_seq_len).train_with(batch, calls)
+
     def tinker_forward(self, calls: list, max_seq_len: int) -> list:
         from trainer.tinker_ops import TinkerOps
 

@@ -100,6 +100,21 @@ class TrainResult(BaseModel):
     dropped_foreign: dict[int, int]  # slot -> samples dropped for a registration mismatch
 
 
+@dataclass
+class RiderSequence:
+    """A tenant-driven sequence that rides in a train call beside the loop's samples (the
+    Tinker API's datums, trainer/tinker_ops.py), in the same packed micro-batches.
+
+    It brings its own per-position targets and loss; its gradient ACCUMULATES in its slot's
+    gradient rows. Its slot must not be trained by the call's batch, and it never steps in
+    the call: no statistics, no normalization, no optimizer (the tenant's optim_step does)."""
+
+    slot: int
+    tokens: list[int]
+    targets: list[int]  # targets[t]: the token position t predicts (one per token)
+    loss: Callable[[torch.Tensor], torch.Tensor]  # its [len(tokens)] log-probs (differentiable) -> scalar
+
+
 class MultiLoraTrainer:
     def __init__(self, config: TrainerConfig, *, rank: int = 0, master_addr: str = "127.0.0.1", master_port: int | None = None):
         self.config = config
@@ -403,17 +418,18 @@ class MultiLoraTrainer:
 
     # -- training --------------------------------------------------------------------------------
 
-    def train(self, batch: TrainBatch) -> TrainResult:
+    def train(self, batch: TrainBatch | None, riders: list[RiderSequence] | None = None) -> TrainResult:
         """Forward/backward the batch (one mixed pass per micro-batch); step every slot whose
-        samples_per_step is reached. Collective: all ranks pass the same batch."""
-        samples = batch.samples
-        for i, s in enumerate(samples):  # validate everything before changing anything
-            try:
-                self._state(s.slot)
-            except ValueError as err:
-                raise ValueError(f"sample {i}: {err}") from None
-            if max(s.tokens) >= self.vocab_size:
-                raise ValueError(f"sample {i}: token id {max(s.tokens)} >= vocab size {self.vocab_size}")
+        samples_per_step is reached. Collective: all ranks pass the same batch.
+
+        ``riders`` (tenant-driven sequences, see RiderSequence) join the FIRST phase's packed
+        micro-batches under the same token budget: one forward/backward over the union, their
+        gradients accumulating in their own slots, which never step here. ``batch`` None: riders
+        only (the Tinker forward_backward alone). Everything is validated before anything changes."""
+        samples = batch.samples if batch is not None else []
+        riders = riders or []
+        self.check_batch(batch)  # validate everything before changing anything
+        self._check_riders(riders, {s.slot for s in samples})
         dropped: dict[int, int] = {}
         kept: list[int] = []
         for i, s in enumerate(samples):
@@ -431,13 +447,13 @@ class MultiLoraTrainer:
         planned = [type(p)(kept[p.index], p.slot, p.phase) for p in planned]  # index into samples
         call_stats = torch.zeros(self.config.num_slots, N_STATS, dtype=torch.float64)
         reports: dict[int, list[StepReport]] = {}
-        n_phases = 1 + max((p.phase for p in planned), default=-1)
+        n_phases = max(1 + max((p.phase for p in planned), default=-1), 1 if riders else 0)
         lengths = [len(s.tokens) for s in samples]
         for phase in range(n_phases):
             in_phase = [p for p in planned if p.phase == phase]
             local = dp_shard(in_phase, self.layout.dp_rank, self.layout.dp_size)
-            for mb in self._micro_batches(local, lengths):
-                self._forward_backward([samples[p.index] for p in mb], call_stats)
+            for mb, mb_riders in self._micro_batches(local, lengths, riders if phase == 0 else []):
+                self._forward_backward([samples[p.index] for p in mb], call_stats, mb_riders)
             due = []
             for slot in sorted({p.slot for p in in_phase}):
                 state = self.slots[slot]
@@ -456,42 +472,74 @@ class MultiLoraTrainer:
         skipped = sorted(s for s, rs in reports.items() if any(r.skipped_nonfinite for r in rs))
         return TrainResult(slots=metrics, stepped=stepped, skipped_nonfinite=skipped, dropped_foreign=dropped)
 
-    def packed_lora_pass(
-        self, sequences: list[list[int]], slot_ids: list[int], targets: list[list[int]],
-        loss_of: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        """One packed stream with each sequence's slot LoRA on: log p(targets[i][t] | sequences[i][:t+1])
-        for every position, returned detached as one fp32 [T] tensor in the given order.
+    def check_batch(self, batch: TrainBatch | None) -> None:
+        """ValueError naming the first sample ``train`` would refuse (its slot is not initialized,
+        or a token id is outside the vocabulary); nothing changes either way."""
+        for i, s in enumerate(batch.samples if batch is not None else []):
+            try:
+                self._state(s.slot)
+            except ValueError as err:
+                raise ValueError(f"sample {i}: {err}") from None
+            if max(s.tokens) >= self.vocab_size:
+                raise ValueError(f"sample {i}: token id {max(s.tokens)} >= vocab size {self.vocab_size}")
 
-        For tenant-driven calls (the Tinker API, trainer/tinker_ops.py), whose targets are given
-        per position rather than taken from the next token. ``slot_ids`` must be non-decreasing
-        (each slot one contiguous segment). With ``loss_of`` (differentiable [T] log-probs ->
-        scalar) the scalar is back-propagated: gradients ACCUMULATE into the slots' gradient
-        rows, nothing steps. Without it, no graph is built. Collective over TP (same arguments
-        on every rank); needs the packed path (``TrainerConfig.packed``)."""
+    def _check_riders(self, riders: list[RiderSequence], batch_slots: set[int]) -> None:
+        """Riders need the packed path and dp == 1 (they are not sharded), initialized slots that
+        the batch does not train (a loop slot never accumulates a rider's gradient), and one
+        target per token."""
+        if not riders:
+            return
+        if not self.config.packed:
+            raise ValueError("riders need TrainerConfig.packed (fused or TransformerEngine layer spec)")
+        if self.layout.dp_size > 1:
+            raise ValueError("riders support dp == 1 only")
+        for k, r in enumerate(riders):
+            self._state(r.slot)
+            if r.slot in batch_slots:
+                raise ValueError(f"rider {k}: slot {r.slot} is trained by the batch; a rider's slot must not be")
+            if not r.tokens or len(r.targets) != len(r.tokens):
+                raise ValueError(f"rider {k}: needs tokens and one target per token, got {len(r.tokens)} and {len(r.targets)}")
+
+    def _micro_batches(self, local: list[PlannedSample], lengths: list[int],
+                       riders: list[RiderSequence] | None = None) -> list[tuple[list[PlannedSample], list[RiderSequence]]]:
+        """This rank's samples of a phase (and the riders joining it) cut into micro-batches:
+        (samples sorted by slot, riders in their order) each.
+
+        Packed: at most ``micro_batch_tokens`` real tokens each, loop samples and riders filled
+        together in slot order, so a slot's sequences share as few micro-batches as possible.
+        Padded (no riders there): at most that many (samples x longest) tokens each, longest
+        first (less padding)."""
+        budget = self.config.micro_batch_tokens
+        riders = riders or []
+        if not self.config.packed:
+            return [(mb, []) for mb in pack_micro_batches(local, lengths, budget)]
+        n = len(local)
+        groups = split_by_token_budget([lengths[p.index] for p in local] + [len(r.tokens) for r in riders],
+                                       [p.slot for p in local] + [r.slot for r in riders], budget)
+        return [(sorted((local[i] for i in g if i < n), key=lambda p: (p.slot, p.index)),
+                 [riders[i - n] for i in sorted(g) if i >= n]) for g in groups]
+
+    @torch.no_grad()
+    def packed_lora_pass(self, sequences: list[list[int]], slot_ids: list[int], targets: list[list[int]]) -> torch.Tensor:
+        """One packed stream with each sequence's slot LoRA on, no gradient: log p(targets[i][t] |
+        sequences[i][:t+1]) for every position, as one fp32 [T] tensor in the given order.
+
+        For tenant-driven forward calls (the Tinker API's ``forward``, trainer/tinker_ops.py),
+        whose targets are given per position; their forward_backward rides in ``train`` as
+        RiderSequences. ``slot_ids`` must be non-decreasing (each slot one contiguous segment).
+        Collective over TP (same arguments on every rank); needs ``TrainerConfig.packed``."""
         if not self.config.packed:
             raise ValueError("packed_lora_pass needs TrainerConfig.packed (fused or TransformerEngine layer spec)")
         if any(a > b for a, b in zip(slot_ids, slot_ids[1:])):
             raise ValueError(f"slot_ids must be non-decreasing, got {slot_ids}")
         for s in set(slot_ids):
             self._state(s)
-        cfg = self.config
-        chunk = cfg.logprob_chunk_tokens if cfg.chunked_logprobs else None
-        tpg = tp_group() if cfg.tp > 1 else None
-        packed = pack_sequences(sequences, slot_ids, cfg.num_slots, device=self.device)
         flat_targets = torch.tensor([t for seq in targets for t in seq], dtype=torch.long, device=self.device)
         self.routing.disable()
         try:
-            self.routing.set_packed(packed, self.scales)
-            if loss_of is None:
-                with torch.no_grad():
-                    return packed_token_logprobs(self.base, packed, flat_targets, chunk_tokens=chunk, tp_group=tpg).float()
-            lp = packed_token_logprobs(self.base, packed, flat_targets, chunk_tokens=chunk, tp_group=tpg)
-            loss_of(lp).backward()
-            self.buffers.check_grads_in_place()
-            return lp.detach().float()
+            return self._stream_logprobs(sequences, slot_ids, flat_targets, lora=True)[0].float()
         finally:
-            self.routing.disable()  # kept set through backward: recomputation runs the LoRA layers again
+            self.routing.disable()
 
     @torch.no_grad()
     def adam_step_slot(self, slot: int, *, lr: float, beta1: float, beta2: float, eps: float,
@@ -560,7 +608,7 @@ class MultiLoraTrainer:
         planned = [PlannedSample(i, s.slot, 0) for i, s in enumerate(samples)]
         local = dp_shard(planned, self.layout.dp_rank, self.layout.dp_size)
         total = 0.0
-        for mb in self._micro_batches(local, [len(s.tokens) for s in samples]):
+        for mb, _ in self._micro_batches(local, [len(s.tokens) for s in samples]):
             mbs = [samples[p.index] for p in mb]
             t = _MicroBatchTensors.build(mbs, [SlotHyperParams(objective="sft")] * len(mbs), self.device)
             lp = self._logprobs(mbs, t.ids, t.labels, lora=False, input_grad=True)
@@ -568,18 +616,6 @@ class MultiLoraTrainer:
             loss.backward()
             total -= float(loss)
         return total
-
-    def _micro_batches(self, local: list[PlannedSample], lengths: list[int]) -> list[list[PlannedSample]]:
-        """This rank's samples of a phase cut into micro-batches, each sorted by slot.
-
-        Packed: at most ``micro_batch_tokens`` real tokens each, filled in slot order, so a
-        slot's samples share as few micro-batches as possible. Padded: at most that many
-        (samples x longest) tokens each, longest first (less padding)."""
-        budget = self.config.micro_batch_tokens
-        if not self.config.packed:
-            return pack_micro_batches(local, lengths, budget)
-        groups = split_by_token_budget([lengths[p.index] for p in local], [p.slot for p in local], budget)
-        return [sorted((local[i] for i in g), key=lambda p: (p.slot, p.index)) for g in groups]
 
     def _logprobs(
         self, mb: list[TrainSample], ids: torch.Tensor, labels: torch.Tensor, lora: bool, input_grad: bool = False
@@ -603,46 +639,106 @@ class MultiLoraTrainer:
                 if lora:
                     self.routing.set(torch.tensor(slot_ids), ids.shape[1], self.scales)
                 return token_logprobs(self.base, ids, labels, chunk_tokens=chunk, tp_group=tpg, input_grad=input_grad)
-            packed = pack_sequences([x.tokens for x in mb], slot_ids, cfg.num_slots, device=self.device)
-            if packed.sample_order != tuple(range(len(mb))):  # the scatter below relies on it
-                raise RuntimeError(f"micro-batch not sorted by slot: slots {slot_ids}")
-            targets, _ = packed.next_token_targets()
-            if lora:
-                self.routing.set_packed(packed, self.scales)
-            lp = packed_token_logprobs(self.base, packed, targets, chunk_tokens=chunk, tp_group=tpg, input_grad=input_grad)
+            lp, packed = self._stream_logprobs([x.tokens for x in mb], slot_ids, None, lora=lora, input_grad=input_grad)
             layout = packed.layout
             return lp.new_zeros(ids.shape).index_put((layout.document_ids.long(), layout.position_ids), lp)
         except BaseException:
             self.routing.disable()
             raise
 
-    def _forward_backward(self, mb: list[TrainSample], call_stats: torch.Tensor) -> None:
-        """One micro-batch (sorted by slot): KL reference pass if any, policy forward, the
-        summed per-sample loss numerators backward, statistics into the slots' pending sums."""
+    def _stream_logprobs(self, sequences: list[list[int]], slot_ids: list[int], targets: torch.Tensor | None,
+                         *, lora: bool, input_grad: bool = False):
+        """(log-probs [T] fp32, PackedBatch) of ONE packed stream of ``sequences`` (already in slot
+        order: the stream keeps the given order). ``targets`` [T]: what each position predicts;
+        None = the next token (IGNORE_TARGET, log-prob 0, at each sequence's last token). With
+        ``lora`` the routing is set for the stream and left set (the caller's backward recomputes
+        the LoRA layers; the caller disables it). The one home of the packed LoRA pass: the
+        loop's micro-batches, the mixed micro-batches with riders, and the Tinker forward."""
+        cfg = self.config
+        chunk = cfg.logprob_chunk_tokens if cfg.chunked_logprobs else None
+        tpg = tp_group() if cfg.tp > 1 else None
+        packed = pack_sequences(sequences, slot_ids, cfg.num_slots, device=self.device)
+        if packed.sample_order != tuple(range(len(sequences))):  # callers' scatters rely on it
+            raise RuntimeError(f"packed stream not sorted by slot: slots {slot_ids}")
+        if targets is None:
+            targets, _ = packed.next_token_targets()
+        if lora:
+            self.routing.set_packed(packed, self.scales)
+        lp = packed_token_logprobs(self.base, packed, targets, chunk_tokens=chunk, tp_group=tpg, input_grad=input_grad)
+        return lp, packed
+
+    def _mixed_logprobs(self, mb: list[TrainSample], shape: torch.Size, riders: list[RiderSequence]):
+        """The loop samples ``mb`` and the ``riders`` of one micro-batch in ONE packed stream with
+        every sequence's own slot LoRA on: (the loop samples' log-probs laid out like ``_logprobs``
+        [b, s], one [len(tokens)] log-prob segment per rider). Routing left set (see above)."""
+        from trainer.chunked_logprobs import IGNORE_TARGET
+
+        items = [(x.slot, x.tokens, None, j) for j, x in enumerate(mb)]
+        items += [(r.slot, r.tokens, r.targets, -1 - k) for k, r in enumerate(riders)]
+        items.sort(key=lambda it: it[0])  # stable: the loop's (slot, index) order and the riders' order kept
+        flat: list[int] = []
+        for _, tokens, targets, _ in items:
+            flat += list(tokens[1:]) + [IGNORE_TARGET] if targets is None else list(targets)
+        lp, _ = self._stream_logprobs([it[1] for it in items], [it[0] for it in items],
+                                      torch.tensor(flat, dtype=torch.long, device=self.device), lora=True)
+        rows, cols, where, rider_lp = [], [], [], [None] * len(riders)
+        start = 0
+        for _, tokens, _, who in items:
+            n = len(tokens)
+            if who >= 0:
+                rows.append(torch.full((n,), who, dtype=torch.long))
+                cols.append(torch.arange(n))
+                where.append(torch.arange(start, start + n))
+            else:
+                rider_lp[-1 - who] = lp[start : start + n]
+            start += n
+        loop_lp = lp.new_zeros(shape)
+        if rows:
+            idx = torch.cat(where).to(lp.device)
+            loop_lp = loop_lp.index_put((torch.cat(rows).to(lp.device), torch.cat(cols).to(lp.device)), lp[idx])
+        return loop_lp, rider_lp
+
+    def _forward_backward(self, mb: list[TrainSample], call_stats: torch.Tensor,
+                          riders: list[RiderSequence] | None = None) -> None:
+        """One micro-batch (loop samples sorted by slot, plus riders): KL reference pass if any,
+        ONE policy forward over all of it, the summed per-sample loss numerators and riders'
+        losses backward, the loop samples' statistics into their slots' pending sums."""
         dev = self.device
-        t = _MicroBatchTensors.build(mb, [self.slots[x.slot].hyper for x in mb], dev)
+        riders = riders or []
+        t = _MicroBatchTensors.build(mb, [self.slots[x.slot].hyper for x in mb], dev) if mb else None
         ref_sub = None
-        if t.kl_rows:  # reference policy = the base with LoRA off, for the KL term only
+        if t is not None and t.kl_rows:  # reference policy = the base with LoRA off, for the KL term only
             with torch.no_grad():
                 ref_sub = self._logprobs([mb[j] for j in t.kl_rows], t.ids[t.kl_rows], t.labels[t.kl_rows], lora=False)
         try:
-            logp = self._logprobs(mb, t.ids, t.labels, lora=True)
-            ref = None
-            if ref_sub is not None:
-                ref = logp.detach().clone()
-                ref[t.kl_rows] = ref_sub
-            # Unknown rollout logprobs (or masked positions): on-policy, ratio exactly 1.
-            rollout_lp = torch.where(t.has_rollout & t.mask, t.rollout, logp.detach())
-            inputs = TokenLossInputs(
-                logprobs=logp, mask=t.mask, is_rl=t.is_rl, advantage=t.advantage, rollout_logprobs=rollout_lp,
-                clip_low=t.clip_low, clip_high=t.clip_high, kl_coef=t.kl_coef, ref_logprobs=ref,
-                per_token_weight=t.weight,
-            )
-            numerators, st = sample_loss_numerators(inputs)
-            numerators.sum().backward()
+            rider_lp: list[torch.Tensor] = []
+            if riders:
+                logp, rider_lp = self._mixed_logprobs(mb, t.ids.shape if t is not None else (0, 0), riders)
+            else:
+                logp = self._logprobs(mb, t.ids, t.labels, lora=True)
+            total = logp.new_zeros(())
+            if t is not None:
+                ref = None
+                if ref_sub is not None:
+                    ref = logp.detach().clone()
+                    ref[t.kl_rows] = ref_sub
+                # Unknown rollout logprobs (or masked positions): on-policy, ratio exactly 1.
+                rollout_lp = torch.where(t.has_rollout & t.mask, t.rollout, logp.detach())
+                inputs = TokenLossInputs(
+                    logprobs=logp, mask=t.mask, is_rl=t.is_rl, advantage=t.advantage, rollout_logprobs=rollout_lp,
+                    clip_low=t.clip_low, clip_high=t.clip_high, kl_coef=t.kl_coef, ref_logprobs=ref,
+                    per_token_weight=t.weight,
+                )
+                numerators, st = sample_loss_numerators(inputs)
+                total = total + numerators.sum()
+            for r, lp in zip(riders, rider_lp):
+                total = total + r.loss(lp)
+            total.backward()
             self.buffers.check_grads_in_place()
         finally:
             self.routing.disable()  # kept set through backward: recomputation runs the LoRA layers again
+        if t is None:
+            return
         b = len(mb)
         rows = torch.stack(
             [st.numerator, torch.ones(b, device=dev), st.tokens, st.clipped, st.ratio_sum, st.kl_sum,

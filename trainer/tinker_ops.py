@@ -7,6 +7,11 @@ per-call AdamW step of one slot.
   (trainer/tinker_losses.py) and its gradient ACCUMULATES in its slot's gradient rows.
   Nothing steps. The base is frozen and sequences never interact, so a slot's gradient
   is exactly what its calls would give alone.
+* ``train_with(batch, calls)``: the same calls riding in the service loop's train call
+  (``MultiLoraTrainer.train`` with RiderSequences): one packed forward/backward over the
+  union of the loop's samples and the calls' datums; the loop's slots step as ``train``
+  steps them, the calls' slots only accumulate. ``forward_backward`` is this call with
+  no batch, so both share every line of the pass.
 * ``forward(calls)``: the same outputs and losses, no gradient.
 * ``optim_step(slot, adam)``: the slot's accumulated gradient as is (Tinker scales by
   nothing: losses are sums), clipped to ``grad_clip_norm`` (0 = off) and applied with
@@ -21,10 +26,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
-from trainer.core import MultiLoraTrainer
+from trainer.batch import TrainBatch
+from trainer.core import MultiLoraTrainer, RiderSequence, TrainResult
 from trainer.packing import split_by_token_budget
 from trainer.tinker_losses import LossSpec, check_inputs, resolve_loss
 
@@ -71,15 +78,6 @@ class AdamStep:
             raise ValueError(f"adam_params betas must be in [0, 1), got {self.beta1}, {self.beta2}")
 
 
-@dataclass
-class _Planned:
-    call: int
-    datum: int
-    slot: int
-    tokens: list[int]
-    targets: list[int]
-
-
 class TinkerOps:
     def __init__(self, trainer: MultiLoraTrainer, *, max_seq_len: int = 4096):
         self.trainer = trainer
@@ -115,56 +113,84 @@ class TinkerOps:
     # -- the mixed pass ---------------------------------------------------------------------
 
     def forward_backward(self, calls: list[Call]) -> list[CallResult]:
-        return self._run(calls, backward=True)
+        """The calls alone: the combined call with no loop batch."""
+        return self.train_with(None, calls)[1]
+
+    def train_with(self, batch: TrainBatch | None,
+                   calls: list[Call]) -> tuple[TrainResult | ValueError | None, list[CallResult]]:
+        """ONE mixed step: the loop's ``batch`` (stepped as ``MultiLoraTrainer.train`` steps it) and
+        the calls' datums (gradients accumulating, no step) in the same packed micro-batches.
+
+        A call with bad input, or aimed at a slot the batch trains (a loop slot never accumulates
+        a Tinker gradient), gets its error and changes nothing; the batch and the other calls
+        run as if it were absent. Conversely a batch that ``train`` refuses changes nothing and
+        is answered by its ValueError in place of the TrainResult (the caller raises it), while
+        the calls run alone. The TrainResult is None when ``batch`` is None."""
+        try:
+            self.trainer.check_batch(batch)
+        except ValueError as err:
+            return err, self.forward_backward(calls)
+        batch_slots = {s.slot for s in batch.samples} if batch is not None else set()
+        results, riders, finish = self._riders(calls, batch_slots, backward=True)
+        if batch is None and not riders:
+            return None, results
+        train_result = self.trainer.train(batch, riders)
+        finish()
+        return (train_result if batch is not None else None), results
 
     def forward(self, calls: list[Call]) -> list[CallResult]:
-        return self._run(calls, backward=False)
+        """The same outputs and losses as forward_backward, no gradient (same micro-batches)."""
+        results, riders, finish = self._riders(calls, set(), backward=False)
+        slots = [r.slot for r in riders]
+        budget = self.trainer.config.micro_batch_tokens
+        for group in split_by_token_budget([len(r.tokens) for r in riders], slots, budget):
+            mb = [riders[i] for i in group]  # slot order (stable): each slot one contiguous segment
+            lp = self.trainer.packed_lora_pass([r.tokens for r in mb], [r.slot for r in mb], [r.targets for r in mb])
+            start = 0
+            for r in mb:
+                r.loss(lp[start : start + len(r.tokens)])
+                start += len(r.tokens)
+        finish()
+        return results
 
-    def _run(self, calls: list[Call], backward: bool) -> list[CallResult]:
+    def _riders(self, calls: list[Call], batch_slots: set[int], backward: bool):
+        """(results, RiderSequences of the valid calls' datums, finish) — each rider's loss is its
+        datum's per-token loss summed (trainer/tinker_losses.py) and records the datum's outputs;
+        ``finish()`` fills the valid calls' outputs and ``loss:sum`` once the pass has run."""
         results = [CallResult() for _ in calls]
         losses: dict[int, tuple[LossSpec, dict[str, float]]] = {}
         for c, call in enumerate(calls):
             try:
+                if call.slot in batch_slots:
+                    raise ValueError(f"slot {call.slot} is being trained by the service's loop; it cannot take Tinker calls")
                 losses[c] = self._validate(call)
             except ValueError as err:
                 results[c].error = str(err)
-        planned = [
-            _Planned(c, i, calls[c].slot, d.tokens, d.inputs["target_tokens"].tolist())
-            for c in losses for i, d in enumerate(calls[c].data)
-        ]
         outputs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         loss_sum = dict.fromkeys(losses, 0.0)
-        budget = self.trainer.config.micro_batch_tokens
-        for group in split_by_token_budget([len(p.tokens) for p in planned], [p.slot for p in planned], budget):
-            mb = [planned[i] for i in group]  # slot order (stable): each slot one contiguous segment
 
-            def loss_of(lp: torch.Tensor, mb: list[_Planned] = mb) -> torch.Tensor:
-                total, start = lp.new_zeros(()), 0
-                for p in mb:
-                    n = len(p.tokens)
-                    seg = lp[start : start + n]
-                    start += n
-                    spec, cfg = losses[p.call]
-                    inputs = {k: v.to(lp.device) for k, v in calls[p.call].data[p.datum].inputs.items()}
-                    elementwise = spec.fn(seg, inputs, cfg)
-                    total = total + elementwise.sum()
-                    out = {"logprobs": seg.detach().float().cpu()}
-                    if calls[p.call].loss_fn == "cross_entropy":
-                        out["elementwise_loss"] = elementwise.detach().float().cpu()
-                    outputs[(p.call, p.datum)] = out
-                    loss_sum[p.call] += float(elementwise.detach().sum())
-                return total
+        def loss_fn(c: int, i: int) -> Callable[[torch.Tensor], torch.Tensor]:
+            def loss(seg: torch.Tensor) -> torch.Tensor:
+                spec, cfg = losses[c]
+                inputs = {k: v.to(seg.device) for k, v in calls[c].data[i].inputs.items()}
+                elementwise = spec.fn(seg, inputs, cfg)
+                out = {"logprobs": seg.detach().float().cpu()}
+                if calls[c].loss_fn == "cross_entropy":
+                    out["elementwise_loss"] = elementwise.detach().float().cpu()
+                outputs[(c, i)] = out
+                loss_sum[c] += float(elementwise.detach().sum())
+                return elementwise.sum()
+            return loss
 
-            if backward:
-                self.trainer.packed_lora_pass([p.tokens for p in mb], [p.slot for p in mb], [p.targets for p in mb], loss_of)
-            else:
-                lp = self.trainer.packed_lora_pass([p.tokens for p in mb], [p.slot for p in mb], [p.targets for p in mb])
-                with torch.no_grad():
-                    loss_of(lp)
-        for c in losses:
-            results[c].outputs = [outputs[(c, i)] for i in range(len(calls[c].data))]
-            results[c].metrics = {"loss:sum": loss_sum[c]}
-        return results
+        riders = [RiderSequence(calls[c].slot, d.tokens, d.inputs["target_tokens"].tolist(), loss_fn(c, i))
+                  for c in losses for i, d in enumerate(calls[c].data)]
+
+        def finish() -> None:
+            for c in losses:
+                results[c].outputs = [outputs[(c, i)] for i in range(len(calls[c].data))]
+                results[c].metrics = {"loss:sum": loss_sum[c]}
+
+        return results, riders, finish
 
     # -- optimizer ----------------------------------------------------------------------------
 

@@ -11,17 +11,35 @@ earlier one), and calls of different models that are pending together share one
 mixed pass. Before a round with forward_backward calls the loop waits ``window_s``
 so that calls arriving close together join it.
 
-All trainer work runs on ONE worker thread (the trainer is not thread-safe and its
-collective calls must keep one order); the event loop stays free for HTTP.
+Joining the service loop's train calls (``join_loop``): the service's training loop
+takes the pending forward_backward runs at the heads of the queues
+(``take_forward_backward``, from its own thread) into its next train call, ONE mixed
+step with the dataset-driven runs' samples, and hands the results back
+(``deliver`` / ``fail``). While the loop is training (``loop_active()``), a model's
+forward_backward head is left for it for up to ``join_wait_s`` (its other operations
+and other models' run as usual); after that, or when the loop is idle, the
+coalescer's own rounds run it, so a Tinker call never waits on an idle loop.
+
+Order across both takers: a model whose taken operations are not finished yet is
+BUSY; neither taker touches its queue until they are, so its later operations
+(an optim_step after the forward_backward that rides in a loop step) wait for them.
+
+All the coalescer's own trainer work runs on ONE worker thread (the trainer is not
+thread-safe and its collective calls must keep one order; the trainer group's lock
+orders them with the loop's train calls); the event loop stays free for HTTP. The
+queues are shared with the loop's thread under ``_mu``; futures are resolved on the
+event loop only.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from api.tinker.futures import FutureStore, Outcome, server_error
@@ -37,6 +55,7 @@ class Op:
     call: Call | None = None  # a forward_backward call (coalesced) ...
     to_outcome: Callable[[CallResult], Outcome] | None = None
     run: Callable[[], Outcome] | None = None  # ... or any other operation, run alone on the worker
+    queued_at: float = field(default_factory=time.monotonic)
 
 
 class Coalescer:
@@ -45,18 +64,26 @@ class Coalescer:
         self._store = store
         self.window_s = window_s
         self._queues: dict[str, deque[Op]] = {}
+        self._busy: set[str] = set()  # models whose taken operations are not finished (either taker)
+        self._mu = threading.Lock()  # _queues and _busy: the loop's thread takes from them too
         self._wake = asyncio.Event()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-trainer")
         self._task: asyncio.Task | None = None
+        self._event_loop: asyncio.AbstractEventLoop | None = None
+        self._loop_active: Callable[[], bool] | None = None
+        self.join_wait_s = 0.0
         self.mixed_steps = 0
         self.forward_backward_calls = 0
         self.largest_step = 0
+        self.joined_steps = 0  # loop train calls that carried Tinker calls
+        self.joined_calls = 0  # Tinker forward_backward calls that rode in them
 
     # -- lifecycle ----------------------------------------------------------------------------
 
     def start(self) -> None:
         if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._loop(), name="tinker-coalescer")
+            self._event_loop = asyncio.get_running_loop()
+            self._task = self._event_loop.create_task(self._loop(), name="tinker-coalescer")
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -66,6 +93,7 @@ class Coalescer:
             except asyncio.CancelledError:
                 pass
             self._task = None
+        self._event_loop = None
         self._worker.shutdown(wait=True)
 
     async def run_now(self, fn: Callable[[], object]) -> object:
@@ -73,11 +101,20 @@ class Coalescer:
         self.start()
         return await asyncio.get_running_loop().run_in_executor(self._worker, fn)
 
+    def join_loop(self, loop_active: Callable[[], bool], join_wait_s: float) -> None:
+        """Let the service loop's train calls take pending forward_backward calls: while
+        ``loop_active()``, a model's forward_backward head waits up to ``join_wait_s`` for it."""
+        if join_wait_s < 0:
+            raise ValueError(f"join_wait_s must be >= 0, got {join_wait_s}")
+        self._loop_active = loop_active
+        self.join_wait_s = join_wait_s
+
     # -- submission ----------------------------------------------------------------------------
 
     def submit(self, op: Op) -> None:
         self.start()  # lazily, on the serving loop (the app may run without lifespan events)
-        self._queues.setdefault(op.model_id, deque()).append(op)
+        with self._mu:
+            self._queues.setdefault(op.model_id, deque()).append(op)
         self._wake.set()
 
     def stats(self) -> dict[str, float]:
@@ -86,36 +123,135 @@ class Coalescer:
             "forward_backward_calls": self.forward_backward_calls,
             "coalescing_factor": self.forward_backward_calls / self.mixed_steps if self.mixed_steps else 0.0,
             "largest_step": self.largest_step,
+            "joined_steps": self.joined_steps,
+            "joined_calls": self.joined_calls,
         }
 
-    # -- the loop ---------------------------------------------------------------------------------
+    # -- the service loop's side (any thread) -------------------------------------------------------
+
+    def take_forward_backward(self) -> list[Op]:
+        """The run of forward_backward calls at the head of every idle model's queue (never past
+        another operation), taken for the loop's next train call; their models are busy until
+        ``deliver`` / ``fail``. Thread-safe; empty before the coalescer has started."""
+        if self._event_loop is None:
+            return []
+        taken: list[Op] = []
+        with self._mu:
+            for model_id in list(self._queues):
+                if model_id in self._busy:
+                    continue
+                q = self._queues[model_id]
+                run = []
+                while q and q[0].call is not None:
+                    run.append(q.popleft())
+                if not q:
+                    del self._queues[model_id]
+                run = [op for op in run if not self._cancelled(op)]
+                if run:
+                    self._busy.add(model_id)
+                    taken += run
+        return taken
+
+    def deliver(self, ops: list[Op], results: list[CallResult]) -> None:
+        """Results of taken calls (one per op, in order). Thread-safe."""
+        self._on_event_loop(self._finish_joined, ops, results, None)
+
+    def fail(self, ops: list[Op], message: str) -> None:
+        """The train call that carried the taken calls failed: each gets a server error. Thread-safe."""
+        self._on_event_loop(self._finish_joined, ops, None, message)
+
+    def _on_event_loop(self, fn: Callable, *args: object) -> None:
+        loop = self._event_loop
+        try:
+            if loop is None:
+                raise RuntimeError("the coalescer has stopped")
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError as err:  # event loop closed: the service is stopping, nobody waits for them
+            log.warning("Tinker results of a loop train call dropped: %s", err)
+
+    def _finish_joined(self, ops: list[Op], results: list[CallResult] | None, error: str | None) -> None:
+        if results is None:
+            for op in ops:
+                self._store.resolve(op.request_id, server_error(f"forward_backward failed: {error}"))
+        else:
+            for op, res in zip(ops, results):
+                self._store.resolve(op.request_id, op.to_outcome(res))
+            ran = sum(1 for r in results if r.error is None)
+            if ran:
+                self.joined_steps += 1
+                self.joined_calls += ran
+                self._count_step(ran)
+        self._unbusy(ops)
+
+    # -- the coalescer's own rounds ------------------------------------------------------------------
+
+    def _count_step(self, ran: int) -> None:
+        self.mixed_steps += 1
+        self.forward_backward_calls += ran
+        self.largest_step = max(self.largest_step, ran)
+
+    def _unbusy(self, ops: list[Op]) -> None:
+        with self._mu:
+            self._busy.difference_update(op.model_id for op in ops)
+        self._wake.set()  # their models' next operations may run now
 
     def _cancelled(self, op: Op) -> bool:
         entry = self._store._entries.get(op.request_id)  # noqa: SLF001 - same package
         return entry is None or entry.done.done()
 
+    def _left_for_loop(self, head: Op, now: float) -> bool:
+        """Whether a forward_backward head is left for the loop's next train call (bounded wait)."""
+        return (self._loop_active is not None and now - head.queued_at < self.join_wait_s
+                and self._loop_active())
+
+    def _ready_fb(self) -> bool:
+        """A forward_backward head this coalescer would take now (the window is waited for it)."""
+        now = time.monotonic()
+        with self._mu:
+            heads = [q[0] for m, q in self._queues.items() if q and m not in self._busy and q[0].call is not None]
+        return any(not self._left_for_loop(h, now) for h in heads)
+
     def _take_round(self) -> tuple[list[Op], list[Op]]:
         fbs, singles = [], []
-        for model_id in list(self._queues):
-            q = self._queues[model_id]
-            if q and q[0].call is not None:
-                while q and q[0].call is not None:
-                    fbs.append(q.popleft())
-            elif q:
-                singles.append(q.popleft())
-            if not q:
-                del self._queues[model_id]
-        return [op for op in fbs if not self._cancelled(op)], [op for op in singles if not self._cancelled(op)]
+        now = time.monotonic()
+        with self._mu:
+            for model_id in list(self._queues):
+                if model_id in self._busy:
+                    continue
+                q = self._queues[model_id]
+                if q and q[0].call is not None:
+                    if self._left_for_loop(q[0], now):
+                        continue
+                    while q and q[0].call is not None:
+                        fbs.append(q.popleft())
+                elif q:
+                    singles.append(q.popleft())
+                if not q:
+                    del self._queues[model_id]
+            fbs = [op for op in fbs if not self._cancelled(op)]
+            singles = [op for op in singles if not self._cancelled(op)]
+            self._busy.update(op.model_id for op in fbs + singles)
+        return fbs, singles
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while self._queues:
-                if self.window_s > 0 and any(q and q[0].call is not None for q in self._queues.values()):
-                    await asyncio.sleep(self.window_s)  # the coalescing window (not a synchronization)
-                fbs, singles = self._take_round()
+            if self.window_s > 0 and self._ready_fb():
+                await asyncio.sleep(self.window_s)  # the coalescing window (not a synchronization)
+            fbs, singles = self._take_round()
+            if not fbs and not singles:
+                self._wake.clear()
+                with self._mu:
+                    waiting = bool(self._queues)
+                # Something queued but left for the loop (or busy): look again after a window, since
+                # a left-for-the-loop head falls back to this coalescer once join_wait_s has passed.
+                timeout = max(self.window_s, 0.01) if waiting else None
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout)
+                except TimeoutError:
+                    pass
+                continue
+            try:
                 if fbs:
                     try:
                         results = await loop.run_in_executor(self._worker, self._fb, [op.call for op in fbs])
@@ -123,9 +259,7 @@ class Coalescer:
                             self._store.resolve(op.request_id, op.to_outcome(res))
                         ran = sum(1 for r in results if r.error is None)
                         if ran:
-                            self.mixed_steps += 1
-                            self.forward_backward_calls += ran
-                            self.largest_step = max(self.largest_step, ran)
+                            self._count_step(ran)
                     except Exception as err:  # noqa: BLE001 - every caller gets the failure
                         log.exception("mixed forward_backward failed")
                         for op in fbs:
@@ -137,3 +271,5 @@ class Coalescer:
                         log.exception("tinker operation failed")
                         outcome = server_error(f"{type(err).__name__}: {err}")
                     self._store.resolve(op.request_id, outcome)
+            finally:
+                self._unbusy(fbs + singles)

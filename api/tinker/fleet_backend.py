@@ -12,11 +12,15 @@
   against ``slots.num_slots`` exactly like a dataset-driven run, ``POST /v1/adapters``
   refuses when Tinker models hold the last slots, and a Tinker model beyond the free
   slots gets a clear error in its future;
-* serialization with the training loop: ``TrainerGroup`` runs one collective call at a
-  time (its lock), so a Tinker call never interleaves inside the loop's train call. The
-  two are SEPARATE passes on the same trainer (the loop's ``train`` and the Tinker
-  mixed pass of the coalescer), not one mixed step: Tinker calls of several models
-  coalesce with each other, not with the loop's batch (docs/tinker.md says so);
+* ONE mixed step with the training loop: the trainer group asks ``_LoopRiders`` at the
+  start of every loop train call for the pending forward_backward runs at the heads of
+  the models' queues (the coalescer's ``take_forward_backward``, never past another
+  operation of a model); they ride in that call (one packed forward/backward over the
+  loop's samples and their datums, trainer/tinker_ops.py ``train_with``) and their
+  results go back through the coalescer. While the loop trains, the coalescer leaves a
+  forward_backward for it up to ``JOIN_WAIT_S``; when the loop is idle its own rounds run
+  them (alone, or coalesced with each other) as before. ``TrainerGroup`` runs one
+  collective call at a time (its lock), so nothing interleaves inside a train call;
 * sampling goes to the fleet's first SGLang engine (api/tinker/sampling.py).
 
 Only what differs from ``InProcessBackend`` lives here: slot taking/giving and the
@@ -30,13 +34,14 @@ from pathlib import Path
 
 from api.tinker.auth import TenantKeys
 from api.tinker.backend import InProcessBackend
+from api.tinker.coalescer import Coalescer
 from api.tinker.sampling import SglangSampler
 from api.tinker.service import TinkerService
 from service.config import ServiceSettings
 from service.controller import Controller
 from service.errors import Conflict
 from service.runtime_impl import FleetRuntime
-from service.trainer_group import TrainerGroup
+from service.trainer_group import RiderCalls, TrainerGroup
 from trainer.tinker_ops import AdamStep, Call, CallResult
 
 log = logging.getLogger(__name__)
@@ -44,6 +49,11 @@ log = logging.getLogger(__name__)
 # Adapters the sampler keeps loaded in the engine at once: the rollout worker's adapters
 # (two versions each during a live update) need the rest of its max_loaded_loras.
 SAMPLER_MAX_LOADED = 2
+# Joining the loop's train calls: the loop counts as training for LOOP_GAP_S after a train call
+# ends (its gap to the next call: collecting the batch, publishing), and while it trains a
+# forward_backward waits up to JOIN_WAIT_S for its next call before the coalescer runs it alone.
+LOOP_GAP_S = 1.0
+JOIN_WAIT_S = 2.0
 
 
 class _GroupOps:
@@ -86,6 +96,31 @@ class FleetBackend(InProcessBackend):
         self.controller.release_slot_lease(model_id)
 
 
+class _LoopRiders:
+    """``service.trainer_group.TrainRiders`` over the coalescer: the Tinker calls that ride in
+    the loop's next train call, with their model ids turned into slots."""
+
+    def __init__(self, coalescer: Coalescer, backend: FleetBackend) -> None:
+        self.coalescer = coalescer
+        self.backend = backend
+
+    def take(self) -> RiderCalls | None:
+        ops = self.coalescer.take_forward_backward()
+        if not ops:
+            return None
+        calls, errors = self.backend._calls([op.call for op in ops])  # noqa: SLF001 - model ids -> slots
+        gone = [i for i, e in enumerate(errors) if e is not None]  # a model without a slot (released)
+        if gone:
+            self.coalescer.deliver([ops[i] for i in gone], [CallResult(error=errors[i]) for i in gone])
+        keep = [i for i, e in enumerate(errors) if e is None]
+        if not keep:
+            return None
+        riding = [ops[i] for i in keep]
+        return RiderCalls(calls=[calls[i] for i in keep], max_seq_len=self.backend.max_seq_len,
+                          deliver=lambda results: self.coalescer.deliver(riding, results),
+                          fail=lambda message: self.coalescer.fail(riding, message))
+
+
 def _engine_url(runtime: FleetRuntime) -> str | None:
     if runtime.rollout is None:
         return None
@@ -111,5 +146,14 @@ def fleet_tinker_service(controller: Controller, settings: ServiceSettings) -> T
                            max_seq_len=settings.tinker_max_seq_len)
     url = _engine_url(runtime)
     sampler = SglangSampler(url, max_loaded=SAMPLER_MAX_LOADED) if url else None
-    return TinkerService(backend, keys, settings.tinker_dir, window_s=settings.tinker_window_ms / 1000.0,
-                         sampler=sampler, session_timeout_s=settings.tinker_session_timeout_s)
+    service = TinkerService(backend, keys, settings.tinker_dir, window_s=settings.tinker_window_ms / 1000.0,
+                            sampler=sampler, session_timeout_s=settings.tinker_session_timeout_s)
+    join_loop(service.coalescer, backend, runtime.trainer)
+    return service
+
+
+def join_loop(coalescer: Coalescer, backend: FleetBackend, group: TrainerGroup,
+              join_wait_s: float = JOIN_WAIT_S, loop_gap_s: float = LOOP_GAP_S) -> None:
+    """Tinker forward_backward calls ride in the loop's train calls on ``group`` from now on."""
+    coalescer.join_loop(lambda: group.loop_active(loop_gap_s), join_wait_s)
+    group.attach_riders(_LoopRiders(coalescer, backend))

@@ -11,6 +11,8 @@ GAUGES = {
     "mixed_steps": ("lorafleet_tinker_mixed_steps", "Mixed forward_backward steps run for Tinker calls"),
     "forward_backward_calls": ("lorafleet_tinker_forward_backward_calls", "Tinker forward_backward calls run"),
     "coalescing_factor": ("lorafleet_tinker_coalescing_factor", "Tinker forward_backward calls per mixed step"),
+    "joined_steps": ("lorafleet_tinker_joined_steps", "Training-loop train calls that carried Tinker forward_backward calls"),
+    "joined_calls": ("lorafleet_tinker_joined_calls", "Tinker forward_backward calls that rode in training-loop train calls"),
     "models": ("lorafleet_tinker_models", "Tinker models holding a trainer slot"),
     "sessions": ("lorafleet_tinker_sessions", "Live Tinker sessions"),
 }

@@ -2,7 +2,8 @@
 actor, service/trainer_group.py) and a real Controller/registry, against the in-process
 backend on an in-process trainer (the reference): the same calls give the same weights and
 Adam moments, and the models' slots are registry leases (counted, refused when none is
-free, freed on release). ~40 s (Ray start and one trainer rank)."""
+free, freed on release). The group's train call carries attached Tinker calls (one mixed
+step over Ray) and fails them when it fails. ~45 s (Ray start and one trainer rank)."""
 
 from __future__ import annotations
 
@@ -58,6 +59,50 @@ def _train(backend, models):
     return losses
 
 
+def _riders_on_the_group(group, lease_slot: int, free_slot: int) -> None:
+    """The loop's train call on the group (Ray) carries the attached source's Tinker calls and
+    hands their results back; a refused batch raises for the loop while the calls run alone; a
+    train call that fails otherwise fails them and raises for the loop. Stops the group."""
+    from service.trainer_group import RiderCalls
+    from trainer.batch import TrainBatch, TrainSample
+    from trainer.config import SlotHyperParams
+    from trainer.tinker_ops import Call
+
+    delivered: list = []
+
+    class Source:  # what api/tinker/fleet_backend.py's _LoopRiders gives the group, recorded
+        def __init__(self, calls):
+            self.calls = calls
+
+        def take(self):
+            calls, self.calls = self.calls, []
+            return RiderCalls(calls, 64, delivered.append, delivered.append) if calls else None
+
+    group.init_slot(free_slot, SlotHyperParams(objective="sft", rank=4, alpha=8, samples_per_step=1), seed=3)
+    batch = TrainBatch(samples=[TrainSample(slot=free_slot, tokens=list(range(5, 17)), loss_mask=[0] * 3 + [1] * 9)])
+    grad_before = group.slot_state_tensors_all_ranks(lease_slot)[0]["grad"]
+    group.attach_riders(Source([Call(lease_slot, _data(7, 2), "cross_entropy")]))
+    try:
+        result = group.train(batch)
+        assert result.stepped == [free_slot]  # the loop's slot stepped ...
+        (results,) = delivered
+        assert results[0].error is None and len(results[0].outputs) == 2 and results[0].metrics["loss:sum"] > 0
+        grad_after = group.slot_state_tensors_all_ranks(lease_slot)[0]["grad"]
+        assert any(not torch.equal(grad_after[1][k], grad_before[1][k]) for k in grad_before[1])  # ... the rider accumulated
+        group.clear_slot(free_slot)  # the loop's next batch is refused: it raises for the loop, the calls run alone
+        group.attach_riders(Source([Call(lease_slot, _data(8, 1), "cross_entropy")]))
+        with pytest.raises(ValueError, match=f"slot {free_slot} is not initialized"):
+            group.train(batch)
+        assert len(delivered) == 2 and delivered[-1][0].error is None and delivered[-1][0].metrics["loss:sum"] > 0
+        group.attach_riders(Source([Call(lease_slot, _data(9, 1), "cross_entropy")]))
+        group.stop("a rank died")  # a train call that fails midway (no trainer): its calls get the failure
+        with pytest.raises(RuntimeError, match="trainer is not running"):
+            group.train(batch)
+        assert isinstance(delivered[-1], str) and "trainer is not running" in delivered[-1]
+    finally:
+        group.attach_riders(None)
+
+
 def test_fleet_backend_equals_in_process_and_leases_registry_slots(ray_cluster, tiny_world, tmp_path):
     from api.tinker.backend import InProcessBackend, LoraSpec
     from api.tinker.fleet_backend import FleetBackend
@@ -91,6 +136,7 @@ def test_fleet_backend_equals_in_process_and_leases_registry_slots(ray_cluster, 
         fleet.release(models[0])
         assert controller.registry.free_slots() == [0]
         assert "s-3:train:1" not in fleet._slots  # noqa: SLF001 - the refused model holds nothing
+        _riders_on_the_group(group, lease_slot=leases[models[1]][0], free_slot=0)
     finally:
         group.stop()
         controller.close()

@@ -3,7 +3,8 @@ one SGLang CPU engine, REST with a token) on the tiny world, with a keys file: o
 for the module.
 
 * An SDK client trains (cross_entropy, SL) while a dataset-driven SFT adapter registered
-  over REST trains too: the Tinker loss falls and the adapter keeps stepping.
+  over REST trains too: the Tinker loss falls, the adapter keeps stepping, and the SDK's
+  forward_backward calls ride in the loop's train calls (lorafleet_tinker_joined_steps > 0).
 * A Tinker model holds a trainer slot in the registry's count: /ready's free slots drop,
   a model beyond the free slots gets a clear error in its future, and REST registration
   is refused (409) while Tinker models hold the last slots; unloading frees them.
@@ -125,8 +126,13 @@ def test_sdk_trains_beside_a_dataset_run_and_holds_a_slot(service, tiny_world):
         with httpx.Client(base_url=service.url, timeout=30, headers={"Authorization": f"Bearer {TOKEN}"}) as http:
             metrics = http.get("/metrics").text
         assert re.search(r"^lorafleet_tinker_models 1\.0$", metrics, re.M), metrics
-        fb_calls = float(re.search(r"^lorafleet_tinker_forward_backward_calls (\S+)$", metrics, re.M).group(1))
-        assert fb_calls >= 12
+        gauge = lambda name: float(re.search(rf"^lorafleet_tinker_{name} (\S+)$", metrics, re.M).group(1))  # noqa: E731
+        assert gauge("forward_backward_calls") >= 12
+        # ONE mixed step of both kinds: the loop trained throughout, so forward_backward calls
+        # rode in its train calls (the coalescer leaves them to a training loop for up to 2 s)
+        assert gauge("joined_steps") > 0 and gauge("joined_calls") >= gauge("joined_steps"), metrics
+        print(f"joined steps {gauge('joined_steps'):g}, joined calls {gauge('joined_calls'):g} of "
+              f"{gauge('forward_backward_calls'):g} forward_backward calls; Tinker losses {losses[0]:.2f} -> {losses[-1]:.2f}")
 
         # Tinker models take the remaining slots; one more is refused with the holders named; a
         # REST registration queues behind them (it never takes a model's slot); unloading gives
