@@ -12,6 +12,7 @@ The replicated half of each layer's LoRA (A of a column-parallel layer, B of a r
 one) gets the same gradient on both ranks, bit for bit, as the optimizer assumes.
 
 All cases run in one spawn of two processes (module fixture); each test checks one case.
+tests/gpu/test_parallel_bf16_gpu.py runs the same worker over NCCL in bf16.
 """
 
 from __future__ import annotations
@@ -90,11 +91,12 @@ class _FrozenLinear(torch.nn.Module):
         return x @ self.weight.t(), None
 
 
-def _megatron_linear(parallel: str):
+def _megatron_linear(parallel: str, dtype: torch.dtype, device: torch.device):
     from megatron.core import ModelParallelConfig
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-    config = ModelParallelConfig(tensor_model_parallel_size=TP, params_dtype=torch.float32, use_cpu_initialization=True)
+    config = ModelParallelConfig(tensor_model_parallel_size=TP, params_dtype=dtype,
+                                 use_cpu_initialization=device.type == "cpu")
     init = torch.nn.init.zeros_  # the case's weights are copied in below
     if parallel == "column":  # as Megatron's GPT layer builds linear_qkv / linear_fc1
         return ColumnParallelLinear(IN, OUT, config=config, init_method=init, bias=False, gather_output=False)
@@ -102,19 +104,22 @@ def _megatron_linear(parallel: str):
                              skip_bias_add=True)
 
 
-def _run_layer(case, *, tp_group, fused):
-    """(whole-layout results, the layer) of one case on this rank: TP=2 over ``tp_group``,
-    or the whole layer when ``tp_group`` is None."""
+def _run_layer(case, *, tp_group, fused, dtype=torch.float32, device=torch.device("cpu")):
+    """(whole-layout results, the layer, whether the fused node ran) of one case on this rank:
+    TP=2 over ``tp_group``, or the whole layer when ``tp_group`` is None. Activations and the
+    frozen base in ``dtype``, LoRA masters in fp32 (as the trainer keeps them)."""
     from trainer.multi_lora import MultiLoraLinear, SlotRouting
     from trainer.packing import pack_sequences
 
     parallel, kind = LAYOUTS[case.split("/")[0]]
     kernel, rank_kernels, _, x_grad = VARIANTS[case.split("/")[1]]
-    w, a, b, x, gy, tokens, slots = (v.float() if isinstance(v, torch.Tensor) else v for v in _full_tensors(case))
+    w, a, b, x, gy, tokens, slots = (v.to(device, torch.float32) if isinstance(v, torch.Tensor) else v
+                                     for v in _full_tensors(case))
+    w, x, gy = w.to(dtype), x.to(dtype), gy.to(dtype)
     routing = SlotRouting(N, kernel=kernel, fused=fused, rank_kernels=rank_kernels)
-    base = _megatron_linear(parallel) if tp_group is not None else _FrozenLinear(w.clone())
+    base = _megatron_linear(parallel, dtype, device) if tp_group is not None else _FrozenLinear(w.clone())
     layer = MultiLoraLinear(base, name=case, kind=kind, parallel=parallel, num_slots=N, max_rank=R,
-                            routing=routing, tp_group=tp_group, device=torch.device("cpu"))
+                            routing=routing, tp_group=tp_group, device=device)
     # Megatron's W is split like B (column: output rows) or like A (row: input columns).
     w_local = layer.local_b(w) if parallel == "column" else layer.local_a(w)
     with torch.no_grad():
@@ -129,7 +134,7 @@ def _run_layer(case, *, tp_group, fused):
         raise AssertionError(f"{case}: the layer did not take the fused node")
 
     packed = pack_sequences(tokens, slots, N)
-    routing.set_packed(packed, torch.tensor(SLOT_SCALES))
+    routing.set_packed(packed, torch.tensor(SLOT_SCALES, device=device))
     x_local = (x if parallel == "column" else layer.local_a(x)).clone().requires_grad_(x_grad)
     gy_local = layer.local_b(gy.t()).t() if parallel == "column" else gy
     y, bias = layer(x_local.view(x_local.shape[0], 1, -1))
@@ -144,7 +149,7 @@ def _run_layer(case, *, tp_group, fused):
         "dA": torch.stack([layer.full_a(layer.lora_A.grad[i]) for i in range(N)]),
         "dB": torch.stack([layer.full_b(layer.lora_B.grad[i]) for i in range(N)]),
     }
-    return out, layer, took_fused
+    return {k: None if v is None else v.double().cpu() for k, v in out.items()}, layer, took_fused
 
 
 def _replicated_grad_spread(layer) -> float:
@@ -157,32 +162,39 @@ def _replicated_grad_spread(layer) -> float:
     return max((p - parts[0]).abs().max().item() for p in parts)
 
 
-def _worker(rank, port, out_path):
+def _worker(rank, port, out_path, dtype_name="float32", cases=None):
+    """Every case on this rank (TP=2 over gloo on the CPU, NCCL on GPUs); rank 0 saves
+    {case: errors and checks}."""
     import torch.distributed as dist
 
     from tests.numerics import max_rel_err
     from trainer.distributed import init_parallel, tp_group
 
     torch.set_num_threads(1)
-    init_parallel(tp=TP, dp=1, rank=rank, master_port=port)
+    layout = init_parallel(tp=TP, dp=1, rank=rank, master_port=port)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    assert layout.tp_size == TP
+    dtype = getattr(torch, dtype_name)
     results = {}
-    for case in CASES:
+    for case in cases or CASES:
         w, a, b, x, gy, tokens, slots = _full_tensors(case)
         lengths = [len(t) for t in tokens]
         token_slots = torch.tensor(slots).repeat_interleave(torch.tensor(lengths))
         ref = _definition(w, a, b, x, gy, token_slots)
-        fused, fused_layer, fused_took = _run_layer(case, tp_group=tp_group(), fused=True)
-        general, general_layer, general_took = _run_layer(case, tp_group=tp_group(), fused=False)
-        tp1, _, _ = _run_layer(case, tp_group=None, fused=False)
+        run = dict(dtype=dtype, device=device)
+        fused, fused_layer, fused_took = _run_layer(case, tp_group=tp_group(), fused=True, **run)
+        general, general_layer, general_took = _run_layer(case, tp_group=tp_group(), fused=False, **run)
+        tp1, _, _ = _run_layer(case, tp_group=None, fused=False, **run)
         errs = {}
         for name in ("y", "dx", "dA", "dB"):
             if fused[name] is None:
                 assert general[name] is None
                 continue
-            errs[f"fused_tp2_vs_definition/{name}"] = max_rel_err(fused[name].double(), ref[name])
+            errs[f"fused_tp2_vs_definition/{name}"] = max_rel_err(fused[name], ref[name])
             errs[f"fused_tp2_vs_general_tp2/{name}"] = max_rel_err(fused[name], general[name])
             errs[f"fused_tp2_vs_general_tp1/{name}"] = max_rel_err(fused[name], tp1[name])
-            errs[f"general_tp2_vs_definition/{name}"] = max_rel_err(general[name].double(), ref[name])
+            errs[f"general_tp2_vs_definition/{name}"] = max_rel_err(general[name], ref[name])
+            errs[f"general_tp1_vs_definition/{name}"] = max_rel_err(tp1[name], ref[name])
         results[case] = {
             "errs": errs,
             "took_fused": (fused_took, general_took),
