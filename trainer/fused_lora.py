@@ -161,25 +161,34 @@ class FusedLoraLinear(torch.autograd.Function):
         else:
             gh = segment_mm_nt(gy, b, span.offsets, span.counts, kernel) * scale_col
         # Column-parallel: gh is this rank's partial sum over its output rows (module docstring).
-        gx = pending = None
+        # Its all-reduce ([T, R]: small) runs on a copy while gx is computed from the partial
+        # gh, and gx's all-reduce (Megatron's input-gradient one, the partial gh A included)
+        # while the slot gradients are computed.
+        gx = gh_whole = gh_pending = gx_pending = None
+        if column_tp is not None:
+            gh_whole = gh.clone()
+            gh_pending = dist.all_reduce(gh_whole, group=column_tp, async_op=True)
         if ctx.needs_input_grad[0]:
             gx = segment_mm_nt(gh, a, span.offsets, span.counts, kernel).addmm_(gy, weight)
-            if column_tp is not None:  # Megatron's input-gradient all-reduce, of the partial gh A included
-                pending = dist.all_reduce(gx, group=column_tp, async_op=True)
-        if column_tp is not None:
-            dist.all_reduce(gh, group=column_tp)  # after gx read the partial gh; dA needs the whole one
+            if column_tp is not None:
+                gx_pending = dist.all_reduce(gx, group=column_tp, async_op=True)
         for param in (ctx.a_param, ctx.b_param):
             if param.grad is None:  # as autograd would; the trainer presets them (SlotBuffers)
                 param.grad = torch.zeros_like(param)
         grad_a, grad_b = ctx.a_param.grad[span.lo : span.hi], ctx.b_param.grad[span.lo : span.hi]
         if tiles is not None:
             triton_lora.weight_grad_into(grad_b, gy, h, tiles, wide_dim=1)
-            triton_lora.weight_grad_into(grad_a, x, gh, tiles, wide_dim=2)
         else:
             grad_b.add_(segment_weight_grad(gy, h, span.offsets, span.counts, kernel))
+        if gh_pending is not None:
+            gh_pending.wait()
+            gh = gh_whole  # dA = gh^T x needs the whole gh
+        if tiles is not None:
+            triton_lora.weight_grad_into(grad_a, x, gh, tiles, wide_dim=2)
+        else:
             grad_a.add_(segment_weight_grad(gh, x, span.offsets, span.counts, kernel))
-        if pending is not None:
-            pending.wait()
+        if gx_pending is not None:
+            gx_pending.wait()
         return gx, None, None, None, None, None, None, None, None, None, None
 
 
