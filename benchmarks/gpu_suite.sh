@@ -9,7 +9,8 @@
 #   tp2        TP=2 on the fused node: mixed, frozen base, serialized (N=1,16, SERIALIZED_N to change)
 #   dp2        DP=2 (fused node): the same
 #   tp2general TP=2 on the general path (fused_lora off): mixed and frozen base, the comparison
-#   single     one GPU: the largest slot count beside the 8B base at 16k tokens (recompute none, then full)
+#   single     one GPU: the largest slot count beside the 8B base at 16k tokens (about 1 min per slot count
+#              tried; recompute none, or SINGLE_RECOMPUTE=full)
 # tests includes tests/gpu/test_fp32_gpu.py (fp32 mixed == alone on CUDA; TP=2 and DP=2 over
 # NCCL when 2 GPUs are present); fp32dev is benchmarks/fp32_deviation.py (which kernel makes
 # fp32 deviate; with 2 GPUs also TP=2 / DP=2).
@@ -78,5 +79,9 @@ for part in tp2 dp2 tp2general; do
   fi
 done
 if has single; then
-  if [ "$ngpu" -ge 1 ]; then bench_parallel parallel_single --layout single; else echo "single: skipped (no GPU)"; fi
+  if [ "$ngpu" -ge 1 ]; then
+    bench_parallel "parallel_single_${SINGLE_RECOMPUTE:-none}" --layout single --single-recompute "${SINGLE_RECOMPUTE:-none}"
+  else
+    echo "single: skipped (no GPU)"
+  fi
 fi
