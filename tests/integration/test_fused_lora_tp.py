@@ -201,10 +201,43 @@ def _worker(rank, port, out_path, dtype_name="float32", cases=None):
             "replicated_spread": (_replicated_grad_spread(fused_layer), _replicated_grad_spread(general_layer)),
             "has_dx": fused["dx"] is not None,
         }
+    results["refusals"] = _refusals(dtype, device)
     if rank == 0:
         torch.save(results, out_path)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _refusals(dtype, device) -> dict:
+    """What the fused node says of Megatron linears whose TP communication it does not do
+    (those keep the general path), built for real at TP=2."""
+    from megatron.core import ModelParallelConfig
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    from trainer.distributed import tp_group
+    from trainer.multi_lora import MultiLoraLinear, SlotRouting, fused_tp_refusal
+
+    def config(**kw):
+        return ModelParallelConfig(tensor_model_parallel_size=TP, params_dtype=dtype,
+                                   use_cpu_initialization=device.type == "cpu", **kw)
+
+    init = torch.nn.init.zeros_
+    bases = {
+        "gathered": ("column", ColumnParallelLinear(IN, OUT, config=config(), init_method=init, bias=False,
+                                                    gather_output=True)),
+        "sequence_parallel": ("column", ColumnParallelLinear(IN, OUT, config=config(sequence_parallel=True),
+                                                             init_method=init, bias=False)),
+        "row_input_whole": ("row", RowParallelLinear(IN, OUT, config=config(), init_method=init, bias=False,
+                                                     input_is_parallel=False, skip_bias_add=True)),
+        "column_plain": ("column", _megatron_linear("column", dtype, device)),
+        "row_plain": ("row", _megatron_linear("row", dtype, device)),
+    }
+    out = {}
+    for name, (parallel, base) in bases.items():
+        layer = MultiLoraLinear(base, name=name, kind="plain", parallel=parallel, num_slots=N, max_rank=R,
+                                routing=SlotRouting(N), tp_group=tp_group(), device=device)
+        out[name] = (fused_tp_refusal(base, parallel, TP), layer.fusable)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -233,3 +266,11 @@ def test_replicated_lora_half_gets_the_same_gradient_on_every_rank(tp2_results, 
     fused_spread, general_spread = tp2_results[case]["replicated_spread"]
     assert fused_spread == 0.0, f"{case}: the replicated LoRA half's gradient differs across ranks by {fused_spread:.2e}"
     assert general_spread == 0.0
+
+
+def test_linears_whose_tp_communication_differs_keep_the_general_path(tp2_results):
+    refusals = tp2_results["refusals"]
+    assert refusals["gathered"] == ("gathered output", False)
+    assert refusals["sequence_parallel"] == ("sequence parallelism", False)
+    assert refusals["row_input_whole"] == ("row-parallel input not split", False)
+    assert refusals["column_plain"] == (None, True) and refusals["row_plain"] == (None, True)
