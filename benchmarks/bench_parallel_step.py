@@ -23,8 +23,11 @@ rows; attention's score FLOPs and the LoRA FLOPs are not counted, so the mixed s
 MFU is the base's work per second), MFU against --peak-tflops (989.4: H100/H200 SXM
 dense bf16) and against the bf16 matmul rate measured in the same run; peak memory per
 GPU (torch.cuda.max_memory_allocated, the largest over ranks, and each rank's).
-The LoRA path each layout took is printed: the fused LoRA node is used only at TP 1
-(trainer/multi_lora.py), so TP=2 runs the general path (base linear + LoRA delta).
+The LoRA path each layout took is printed. --lora-path fused,general runs each layout on
+both (a fresh build each): the fused LoRA node (base GEMM + delta in one autograd node; at
+TP=2 with the TP communication inside it, trainer/fused_lora.py) and the general path
+(Megatron's linear, then the delta: what the first TP=2 rows of docs/BENCHMARKS.md
+measured, when the fused node was TP=1 only). Default: fused, the trainer's default.
 
 Memory (arithmetic from docs/BENCHMARKS.md's 1.7B per-token figures scaled by hidden x
 layers, so an estimate): 64 slots of rank 16 at 8B are 43.6 M LoRA parameters each, x 16
@@ -45,6 +48,7 @@ separate commands where a command has a time limit).
   python -m benchmarks.bench_parallel_step --out parallel.json                 # 2 GPUs: tp2 then dp2
   python -m benchmarks.bench_parallel_step --layout single --out single.json   # 1 GPU: slot limit
   python -m benchmarks.bench_parallel_step --tiny                               # CPU smoke test, gloo
+  python -m benchmarks.bench_parallel_step --layout tp2 --lora-path fused,general --only mixed,base
 
 Run time on 2 H200s (estimate: about 1 min to build each layout plus 1-2 min of rounds):
 about 5 min for the default tp2,dp2, up to about 9 min if both OOM without recomputation
@@ -89,21 +93,22 @@ def write_untied_config(shape: dict, folder: str, tied: bool) -> str:
     return folder
 
 
-def trainer_config(opts: dict, layout: str, num_slots: int, recompute: str):
+def trainer_config(opts: dict, layout: str, num_slots: int, recompute: str, path: str = "fused"):
     from trainer.config import TrainerConfig
 
     return TrainerConfig(base_model_path=opts["folder"], random_init=True, num_slots=num_slots, max_rank=opts["rank"],
-                         micro_batch_tokens=opts["micro_batch_tokens"], recompute=recompute, **LAYOUTS[layout])
+                         micro_batch_tokens=opts["micro_batch_tokens"], recompute=recompute, fused_lora=path == "fused",
+                         **LAYOUTS[layout])
 
 
-def build_trainer(opts: dict, layout: str, num_slots: int, recompute: str, rank: int, port: int):
+def build_trainer(opts: dict, layout: str, num_slots: int, recompute: str, rank: int, port: int, path: str = "fused"):
     """The process group first, with a collective timeout of --collective-timeout-s (the trainer's
     init_parallel reuses it): a rank left waiting in a collective by a peer that failed (an OOM on
     one rank only) is ended by the NCCL watchdog instead of hanging the run."""
     from trainer.core import MultiLoraTrainer
     from trainer.distributed import init_parallel
 
-    cfg = trainer_config(opts, layout, num_slots, recompute)
+    cfg = trainer_config(opts, layout, num_slots, recompute, path)
     init_parallel(tp=cfg.tp, dp=cfg.dp, rank=rank, master_port=port, seed=cfg.seed, timeout_s=opts["collective_timeout_s"])
     return MultiLoraTrainer(cfg, rank=rank, master_port=port)
 
@@ -133,11 +138,20 @@ def base_params(trainer) -> int:
 
 def lora_path(trainer) -> str:
     """Which LoRA path the trainer's layers take in train() (see MultiLoraLinear.forward)."""
+    from trainer.multi_lora import fused_tp_refusal
+
     cfg = trainer.config
     fused = trainer.routing.fused and cfg.packed and all(layer.fusable for layer in trainer.layers)
     if fused:
-        return f"fused LoRA node (rank kernels {cfg.lora_rank_kernels}: triton on CUDA for >1 slot per micro-batch)"
-    why = "tp > 1" if cfg.tp > 1 else "not fusable"
+        return (f"fused LoRA node at TP={cfg.tp} (rank kernels {cfg.lora_rank_kernels}: triton on CUDA for >1 slot "
+                "per micro-batch)")
+    if not trainer.routing.fused:
+        why = "fused_lora false"
+    elif not cfg.packed:
+        why = "padded micro-batches"
+    else:
+        why = "; ".join(sorted({f"{layer.name}: {fused_tp_refusal(layer.base, layer.parallel, layer.tp_size) or 'not fusable'}"
+                                for layer in trainer.layers if not layer.fusable}))[:300]
     return f"general path: base linear + LoRA delta ({cfg.lora_kernel} kernel; fused node off: {why})"
 
 
@@ -190,7 +204,7 @@ def _is_oom(err: BaseException) -> bool:
     return isinstance(err, torch.cuda.OutOfMemoryError) or "out of memory" in str(err).lower()
 
 
-def layout_worker(rank: int, port: int, opts: dict, layout: str, recompute: str, out_path: str) -> None:
+def layout_worker(rank: int, port: int, opts: dict, layout: str, recompute: str, out_path: str, path: str = "fused") -> None:
     """One rank of a layout: build, time every case and mode, rank 0 writes the JSON. The first
     OOM (on any rank) ends the layout's cases: the JSON then says oom, and the parent retries
     with the next --recompute setting."""
@@ -201,19 +215,19 @@ def layout_worker(rank: int, port: int, opts: dict, layout: str, recompute: str,
     from benchmarks.bench_frozen_base import matmul_tflops
 
     t0 = time.perf_counter()
-    trainer = build_trainer(opts, layout, opts["slots"], recompute, rank, port)
+    trainer = build_trainer(opts, layout, opts["slots"], recompute, rank, port, path)
     build_s = time.perf_counter() - t0
     world = dist.get_world_size()
     params = base_params(trainer)
     matmul = matmul_tflops() if torch.cuda.is_available() else None
     phases = PhaseTimer(trainer)
-    head = {"layout": layout, "recompute": recompute, **LAYOUTS[layout], "gpus": world, "build_s": build_s, "base_params": params,
+    head = {"layout": layout, "recompute": recompute, "path": path, **LAYOUTS[layout], "gpus": world, "build_s": build_s, "base_params": params,
             "lora_params_per_rank": sum(p.numel() for p in trainer.params), "lora_path": lora_path(trainer),
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "dtype": str(trainer.base.dtype), "matmul_bf16_tflops": matmul,
             "config": trainer.config.model_dump(mode="json")}
     if rank == 0:
-        print(f"# {layout}, recompute {recompute}: {world} x {head['device']}, {head['dtype']}, {params / 1e9:.3f} B base params, built in "
+        print(f"# {layout} {path}, recompute {recompute}: {world} x {head['device']}, {head['dtype']}, {params / 1e9:.3f} B base params, built in "
               f"{build_s:.1f} s, {opts['slots']} slots x rank {opts['rank']} ({head['lora_params_per_rank'] / 1e6:.1f} M "
               f"LoRA params per rank); LoRA path: {head['lora_path']}", flush=True)
     rows, oom = [], False
@@ -262,7 +276,7 @@ def layout_worker(rank: int, port: int, opts: dict, layout: str, recompute: str,
                 res["share_of_matmul"] = res["tflops_per_gpu"] / matmul if matmul else None
             row[mode] = res
             if rank == 0:
-                print(f"{layout} N={n:3d} x {seqs:2d} x {length:5d}  {mode:10s} {_short(res)}", flush=True)
+                print(f"{layout} {path} N={n:3d} x {seqs:2d} x {length:5d}  {mode:10s} {_short(res)}", flush=True)
         rows.append(row)
     if rank == 0:
         with open(out_path, "w") as f:
@@ -355,22 +369,23 @@ def run_single(opts: dict, counts: list[int], recompute: str, tmp: str) -> dict:
             "tried": [tried[n] for n in sorted(tried)]}
 
 
-def run_layout(opts: dict, layout: str, recomputes: list[str], tmp: str) -> list[dict]:
-    """The layout with the first recompute setting; after an OOM (or a failed run) again with the next."""
+def run_layout(opts: dict, layout: str, recomputes: list[str], tmp: str, path: str = "fused") -> list[dict]:
+    """The layout on LoRA path ``path`` with the first recompute setting; after an OOM (or a
+    failed run) again with the next."""
     attempts = []
     for recompute in recomputes:
-        out = os.path.join(tmp, f"{layout}_{recompute}.json")
+        out = os.path.join(tmp, f"{layout}_{path}_{recompute}.json")
         t0 = time.perf_counter()
         try:
-            spawn(layout_worker, 2, opts, layout, recompute, out)
+            spawn(layout_worker, 2, opts, layout, recompute, out, path)
             with open(out) as f:
                 lay = json.load(f)
         except Exception as err:  # a rank died: build OOM, or ended by the NCCL watchdog
-            lay = {"layout": layout, "recompute": recompute, "oom": None, "results": [],
+            lay = {"layout": layout, "recompute": recompute, "path": path, "oom": None, "results": [],
                    "error": f"process failed: {err}".splitlines()[0][:300]}
         lay["wall_s"] = time.perf_counter() - t0
         attempts.append(lay)
-        print(f"# {layout}, recompute {recompute}: {lay['wall_s']:.0f} s in all"
+        print(f"# {layout} {path}, recompute {recompute}: {lay['wall_s']:.0f} s in all"
               + (f" (build {lay['build_s']:.0f} s)" if "build_s" in lay else f": {lay['error']}"), flush=True)
         if not (lay["oom"] or "error" in lay):
             break
@@ -396,7 +411,7 @@ def table(layouts: list[dict]) -> str:
             mfu = " / ".join("-" if x.get("mfu") is None else f"{100 * x['mfu']:.1f}%" for x in (m, b))
             peaks = " / ".join(fmt(x.get("peak_gib"), ".1f") for x in (s, m, b))
             lines.append(
-                f"| {lay['layout']} ({lay['recompute']}) | {r['n']} x {r['seqs']} x {r['len']} | {fmt(sm) if sm else s.get('error', '-')} | "
+                f"| {lay['layout']} {lay.get('path', 'fused')} ({lay['recompute']}) | {r['n']} x {r['seqs']} x {r['len']} | {fmt(sm) if sm else s.get('error', '-')} | "
                 f"{fmt(mm) if mm else m.get('error', '-')} ({split}) | {fmt(bm) if bm else b.get('error', '-')} | "
                 f"{fmt(mm / bm if mm and bm else None, '.2f')} | {fmt(sm / mm if sm and mm else None, '.1f')} | "
                 f"{tps} | {mfu} | {peaks} |"
@@ -426,6 +441,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-len", type=int, default=None, help="longest sequence (default 1024; tiny 64)")
     ap.add_argument("--slots", type=int, default=64, help="resident slots for tp2 / dp2")
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--lora-path", default="fused",
+                    help="comma list of fused, general for tp2 / dp2: each layout runs on each (fused = the fused "
+                         "LoRA node, the trainer's default; general = fused_lora off)")
     ap.add_argument("--micro-batch-tokens", type=int, default=16384)
     ap.add_argument("--recompute", default="none,full",
                     help="comma list of recompute settings (none, selective, full) for tp2 / dp2: a layout runs with the "
@@ -457,6 +475,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"layouts {two} need 2 GPUs; {torch.cuda.device_count()} visible")
     if not torch.cuda.is_available() and not args.tiny:
         ap.error("without CUDA only --tiny runs (the 8B shape is for GPUs)")
+    paths = args.lora_path.split(",")
+    if not paths or any(p not in ("fused", "general") for p in paths) or len(set(paths)) != len(paths):
+        ap.error(f"--lora-path takes a comma list of fused, general (each once); got {args.lora_path!r}")
     modes = args.only.split(",")
     if any(m not in ("mixed", "base", "serialized") for m in modes):
         ap.error(f"--only takes mixed, base, serialized; got {args.only}")
@@ -484,7 +505,8 @@ def main(argv: list[str] | None = None) -> int:
                 "serialized_warmup": args.serialized_warmup, "single_iters": args.single_iters,
                 "peak_tflops": args.peak_tflops}
         for layout in two:
-            result["layouts"] += run_layout(opts, layout, recomputes, tmp)
+            for path in paths:
+                result["layouts"] += run_layout(opts, layout, recomputes, tmp, path)
         if "single" in layouts:
             counts = [int(x) for x in (args.single_slots or ("4,8" if args.tiny else "64,128,256,512")).split(",")]
             result["single"] = [run_single(opts, counts, r, tmp) for r in single_recomputes]
@@ -492,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
     built = [lay for lay in result["layouts"] if "build_s" in lay]
     for lay in result["layouts"]:
         if "error" in lay:
-            print(f"{lay['layout']}, recompute {lay['recompute']}: FAILED {lay['error']}")
+            print(f"{lay['layout']} {lay.get('path', 'fused')}, recompute {lay['recompute']}: FAILED {lay['error']}")
     if built:
         lay0 = built[0]
         print(f"{lay0['device']}, {lay0['dtype']}, {lay0['base_params'] / 1e9:.2f} B base params, "
@@ -500,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
               f"against {args.peak_tflops:.0f} TFLOP/s (bf16 matmul measured: "
               f"{lay0['matmul_bf16_tflops'] or float('nan'):.0f})")
         for lay in built:
-            print(f"LoRA path {lay['layout']} (recompute {lay['recompute']}): {lay['lora_path']}")
+            print(f"LoRA path {lay['layout']} {lay['path']} (recompute {lay['recompute']}): {lay['lora_path']}")
         print(table(built))
     if result["single"]:
         for s in result["single"]:

@@ -1,8 +1,16 @@
 #!/usr/bin/env bash
 # The trainer's GPU tier and benchmarks in one go, on the device machine (docs/BENCHMARKS.md).
 # Usage (repo root, megatron wheels installed on PYTHONPATH): bash benchmarks/gpu_suite.sh OUTDIR [PARTS]
-# PARTS: comma list of tests,fp32dev,lora,mixed16k,mixed8k,frozen,packed,parallel (default: all).
-# parallel is benchmarks/bench_parallel_step.py (Qwen3-8B shape, TP=2 then DP=2; needs 2 GPUs, ~8 min).
+# PARTS: comma list of tests,fp32dev,lora,mixed16k,mixed8k,frozen,packed,parallel (default: all),
+# or tp2,dp2,tp2general,single (not in the default).
+# parallel is benchmarks/bench_parallel_step.py (Qwen3-8B shape, TP=2 then DP=2, fused LoRA node; needs 2 GPUs, ~8 min).
+# The issue-18 rows one part at a time (each its own command, to stay inside a 10-minute limit;
+# N=1,16,64 unless N=... is set, e.g. N=64 bash benchmarks/gpu_suite.sh OUT tp2):
+#   tp2        TP=2 on the fused node: mixed, frozen base, serialized (N=1,16, SERIALIZED_N to change)
+#   dp2        DP=2 (fused node): the same
+#   tp2general TP=2 on the general path (fused_lora off): mixed and frozen base, the comparison
+#   single     one GPU: the largest slot count beside the 8B base at 16k tokens (about 1 min per slot count
+#              tried; recompute none, or SINGLE_RECOMPUTE=full)
 # tests includes tests/gpu/test_fp32_gpu.py (fp32 mixed == alone on CUDA; TP=2 and DP=2 over
 # NCCL when 2 GPUs are present); fp32dev is benchmarks/fp32_deviation.py (which kernel makes
 # fp32 deviate; with 2 GPUs also TP=2 / DP=2).
@@ -49,5 +57,31 @@ if has parallel; then
     fi
   else
     echo "parallel: skipped ($ngpu GPU; needs 2)"
+  fi
+fi
+# one bench_parallel_step run: NAME then its arguments; the table and the reproducing line are printed
+bench_parallel() {
+  local name=$1; shift
+  if python3 -m benchmarks.bench_parallel_step "$@" --out "$out/$name.json" > "$out/$name.log" 2>&1; then
+    awk '/tokens per round; MFU|^one GPU, recompute/{p=1} p' "$out/$name.log"
+  else
+    echo "$name: FAILED"; tail -20 "$out/$name.log"
+  fi
+}
+for part in tp2 dp2 tp2general; do
+  if has $part; then
+    if [ "$ngpu" -lt 2 ]; then echo "$part: skipped ($ngpu GPU; needs 2)"; continue; fi
+    case $part in
+      tp2) bench_parallel parallel_tp2_fused --layout tp2 --lora-path fused --n "${N:-1,16,64}" --serialized-n "${SERIALIZED_N:-1,16}" ;;
+      dp2) bench_parallel parallel_dp2_fused --layout dp2 --lora-path fused --n "${N:-1,16,64}" --serialized-n "${SERIALIZED_N:-1,16}" ;;
+      tp2general) bench_parallel parallel_tp2_general --layout tp2 --lora-path general --n "${N:-1,16,64}" --only mixed,base ;;
+    esac
+  fi
+done
+if has single; then
+  if [ "$ngpu" -ge 1 ]; then
+    bench_parallel "parallel_single_${SINGLE_RECOMPUTE:-none}" --layout single --single-recompute "${SINGLE_RECOMPUTE:-none}"
+  else
+    echo "single: skipped (no GPU)"
   fi
 fi

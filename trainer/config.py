@@ -90,7 +90,7 @@ class TrainerConfig(StrictModel):
     fused_lora: bool = Field(
         True,
         description=(
-            "Base GEMM and LoRA delta in one autograd node (tensor parallel 1, packed micro-batches): "
+            "Base GEMM and LoRA delta in one autograd node (packed micro-batches, any tensor-parallel size): "
             "fewer passes over memory, same result; false keeps them separate."
         ),
     )

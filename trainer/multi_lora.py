@@ -27,7 +27,11 @@ Tensor parallelism (A and B are split like the base weight they adapt):
 * row-parallel base (proj, fc2: input split): A split on its input columns, B
   replicated. Partial h = A_local x_local is all-reduced over TP in forward
   (``reduce_from_tensor_model_parallel_region``).
-Sequence parallelism is not supported (the trainer turns it off).
+Sequence parallelism is not supported (the trainer turns it off: base_model.py).
+
+The fused node (fused_lora.py) takes a frozen Megatron linear at any TP size: at TP > 1 it
+does the same communication itself, with the row-parallel base output and partial h summed
+in ONE all-reduce (the module docstring there states the invariants).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer import triton_lora
-from trainer.fused_lora import ComputeWeights, FusedLoraLinear, SlotSpan
+from trainer.fused_lora import ComputeWeights, FusedLoraLinear, SlotSpan, TensorParallel
 from trainer.segmented_mm import grouped_operand, pick_kernel, segmented_matmul
 
 FusedKind = Literal["qkv", "gate_up", "plain"]
@@ -170,14 +174,16 @@ class MultiLoraLinear(nn.Module):
         self.a_is_tp_split = parallel == "row"
         self.b_is_tp_split = parallel == "column"
         self._compute = ComputeWeights()
-        # FusedLoraLinear computes x @ W.T itself, so only for a plain Megatron linear on one
-        # TP rank without bias (TE's fused layernorm-linear and TP > 1 keep the general path).
+        # FusedLoraLinear computes x @ W.T and the linear's TP communication itself, so only for
+        # a plain Megatron linear without bias whose communication it knows (fused_tp_refusal;
+        # TE's fused layernorm-linear keeps the general path).
         self.fusable = (
             type(base).__name__ in ("ColumnParallelLinear", "RowParallelLinear")
-            and self.tp_size == 1
             and getattr(base, "bias", None) is None
             and not hasattr(base, "return_layernorm_output")
+            and fused_tp_refusal(base, parallel, self.tp_size) is None
         )
+        self._fused_tp = TensorParallel(parallel, tp_group) if self.tp_size > 1 else None
         if hasattr(base, "return_layernorm_output"):
             # TransformerEngine's fused LayerNorm+linear: LoRA must see the normed input.
             base.return_layernorm_output = True
@@ -212,7 +218,7 @@ class MultiLoraLinear(nn.Module):
             x_tok = grouped_operand(x_tok)
         y = FusedLoraLinear.apply(x_tok, self.base.weight, self.lora_A, self.lora_B, a_c, b_c, r.span,
                                   r.scale_column(x.dtype), kernel,
-                                  triton_lora.pick(r.rank_kernels, x_tok, r.span.segments))
+                                  triton_lora.pick(r.rank_kernels, x_tok, r.span.segments), self._fused_tp)
         return y.view(x.shape[0], 1, -1)
 
     def _delta(self, x: torch.Tensor) -> torch.Tensor:
@@ -302,6 +308,29 @@ class MultiLoraLinear(nn.Module):
             gate, up = full.chunk(2, dim=0)
             return torch.cat([gate.chunk(self.tp_size)[self.tp_rank], up.chunk(self.tp_size)[self.tp_rank]], dim=0)
         return full.chunk(self.tp_size, dim=0)[self.tp_rank]
+
+
+def fused_tp_refusal(base: nn.Module, parallel: ParallelMode, tp_size: int) -> str | None:
+    """Why the fused node cannot stand in for Megatron linear ``base`` under tensor parallelism
+    (None where it can). The node does the communication of a column-parallel linear with
+    replicated input and split output (the input-gradient all-reduce) and of a row-parallel
+    one with split input and all-reduced output (fused_lora.py); any other arrangement
+    (sequence parallelism, gathered output, expert or disabled communication) keeps the
+    general path, which runs Megatron's own linear."""
+    if tp_size == 1:
+        return None
+    if getattr(base, "sequence_parallel", False):
+        return "sequence parallelism"
+    if getattr(base, "explicit_expert_comm", False):
+        return "explicit expert communication"
+    if parallel == "column":
+        if getattr(base, "gather_output", False):
+            return "gathered output"
+        if getattr(base, "disable_grad_reduce", False):
+            return "input-gradient reduce disabled"
+    elif not getattr(base, "input_is_parallel", False):
+        return "row-parallel input not split"
+    return None
 
 
 def _split_base_output(out, x):

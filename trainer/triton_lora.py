@@ -166,18 +166,23 @@ def _rank_block(r: int) -> int:
 
 
 def shrink(x: torch.Tensor, w: torch.Tensor, tiles: SlotTiles, scale: torch.Tensor | None,
-           *, wide_dim: int) -> torch.Tensor:
+           *, wide_dim: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """out[t] = scale[t] * (x[t] @ w_g) over the wide dim, for t in segment g: x [T, K].
 
     ``w`` is the span's stacked slot weights, [G, R, K] (``wide_dim=2``: LoRA A, giving
     x A_g^T) or [G, K, R] (``wide_dim=1``: LoRA B, giving g B_g). ``scale`` is a [T] or
-    [T, 1] per-token factor or None. Returns [T, R] in x's dtype."""
+    [T, 1] per-token factor or None. Returns [T, R] in x's dtype (written into ``out`` when
+    given: [T, R], x's dtype, any strides)."""
     shrink_kernel, _ = _kernels()
     rank_dim = 3 - wide_dim
     t, k, r = x.shape[0], x.shape[1], w.shape[rank_dim]
     if w.shape[wide_dim] != k:
         raise ValueError(f"shrink: x has {k} columns but the slot weights' wide dim is {w.shape[wide_dim]}")
-    out = torch.empty(t, r, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(t, r, dtype=x.dtype, device=x.device)
+    elif out.shape != (t, r) or out.dtype != x.dtype or out.device != x.device:
+        raise ValueError(f"shrink: out must be [{t}, {r}] {x.dtype} on {x.device}, got {tuple(out.shape)} "
+                         f"{out.dtype} on {out.device}")
     n = tiles.shrink.shape[0]
     if n:
         s = scale.reshape(-1) if scale is not None else x  # any pointer when unused

@@ -269,5 +269,8 @@ def test_tensor_parallel_2_equivalence(trainer, batches, tp1_mixed_run, tmp_path
     tp2 = torch.load(out, weights_only=False)
     _assert_nontrivial(tp2, OBJECTIVES["mixed"])
     assert_equivalent(tp2["mixed"], tp2["alone"])
-    # and TP=2 computes what TP=1 computes (the column/row-parallel LoRA math is right)
-    assert_equivalent(tp2["mixed"], tp1_mixed_run["mixed"])
+    # and TP=2 computes what TP=1 computes (the column/row-parallel LoRA math is right), to the
+    # across-layouts bound of tests/gpu/test_fp32_gpu.py: TP=2 sums partial products in another
+    # order and Adam carries that rounding on (measured on this CPU after three calls: general
+    # path 9.2e-6, fused node 1.25e-5, both exp_avg_sq of slot 0; mixed vs alone inside TP=2 8e-7).
+    assert_equivalent(tp2["mixed"], tp1_mixed_run["mixed"], tol=3e-5)
