@@ -100,6 +100,7 @@ class Controller:
         # Prepared runs swapped out of their slot in this process (a subset of _prepared): a bound
         # one is restored, not prepared. Cleared with _prepared: a new runtime holds no swap store.
         self._evicted: set[str] = set()
+        self._not_wanting_last: frozenset[str] = frozenset()  # the last reconcile's _not_wanting (slot_demand)
         self._knobs = ResidencyKnobs(idle_evict_s=capacity.evict_idle_s, turn_steps=capacity.turn_steps)
         self._reconcile_lock = threading.Lock()  # one reconcile pass at a time
         self._started_at = time.time()
@@ -135,6 +136,14 @@ class Controller:
 
     def release_slot_lease(self, holder: str) -> int | None:
         return self.registry.release_lease(holder)
+
+    def slot_demand(self) -> int:
+        """Queued runs that want a slot beyond the free slots: the Tinker backend evicts idle
+        models for them (api/tinker/backend.py E1). Runs the last reconcile found not wanting
+        (evicted, no step ready) are not counted."""
+        skip = self._not_wanting_last
+        wanting = sum(1 for r in self.registry.queued() if r.registration_id not in skip)
+        return max(0, wanting - len(self.registry.free_slots()))
 
     def slot_leases(self) -> dict[str, tuple[int, str]]:
         """holder -> (slot, tenant)."""
@@ -357,6 +366,7 @@ class Controller:
         for ref in self.registry.queued():
             if ref.registration_id in self._evicted and ref.state == AdapterState.ACTIVE and not runtime.wants_slot(ref):
                 out.add(ref.registration_id)
+        self._not_wanting_last = frozenset(out)
         return out
 
     def _evict_for_waiters(self, runtime: Runtime) -> list[Change]:

@@ -11,6 +11,13 @@ earlier one), and calls of different models that are pending together share one
 mixed pass. Before a round with forward_backward calls the loop waits ``window_s``
 so that calls arriving close together join it.
 
+Slots (api/tinker/backend.py E1-E4): before each round the backend's ``admit`` brings
+evicted models whose head operation needs their slot back in, and names those that
+must wait for one; a waiting model's operations stay queued, in order (its futures
+answer "try again", queue paused_capacity, with the reason), and are retried at every
+round and every ``tick_s`` until a slot is had. The tick also lets the backend evict
+idle models for runs queued outside it.
+
 All trainer work runs on ONE worker thread (the trainer is not thread-safe and its
 collective calls must keep one order); the event loop stays free for HTTP.
 """
@@ -37,11 +44,17 @@ class Op:
     call: Call | None = None  # a forward_backward call (coalesced) ...
     to_outcome: Callable[[CallResult], Outcome] | None = None
     run: Callable[[], Outcome] | None = None  # ... or any other operation, run alone on the worker
+    needs_slot: bool = True  # False: runs whether or not the model is resident (unload)
 
 
 class Coalescer:
-    def __init__(self, forward_backward: Callable[[list[Call]], list[CallResult]], store: FutureStore, window_s: float = 0.02):
+    def __init__(self, forward_backward: Callable[[list[Call]], list[CallResult]], store: FutureStore, window_s: float = 0.02,
+                 admit: Callable[[set[str], set[str]], dict[str, str]] | None = None, tick_s: float | None = None):
+        """``admit(wanted, busy) -> {model: reason to wait}`` (backend.admit); ``tick_s``: how often
+        waiting models are retried and idle models checked with nothing else happening (None: never)."""
         self._fb = forward_backward
+        self._admit = admit
+        self.tick_s = tick_s
         self._store = store
         self.window_s = window_s
         self._queues: dict[str, deque[Op]] = {}
@@ -94,9 +107,24 @@ class Coalescer:
         entry = self._store._entries.get(op.request_id)  # noqa: SLF001 - same package
         return entry is None or entry.done.done()
 
-    def _take_round(self) -> tuple[list[Op], list[Op]]:
+    async def _admit_round(self, loop: asyncio.AbstractEventLoop) -> set[str]:
+        """Run the backend's admit on the worker; the models that wait for a slot this round."""
+        if self._admit is None:
+            return set()
+        wanted = {m for m, q in self._queues.items() if q and q[0].needs_slot}
+        try:
+            waiting = await loop.run_in_executor(self._worker, self._admit, wanted, set(self._queues))
+        except Exception:  # noqa: BLE001 - the model's own call then fails with the cause
+            log.exception("admitting models to trainer slots failed")
+            waiting = {}
+        self._store.waiting = dict(waiting)
+        return set(waiting)
+
+    def _take_round(self, waiting: set[str] = frozenset()) -> tuple[list[Op], list[Op]]:
         fbs, singles = [], []
         for model_id in list(self._queues):
+            if model_id in waiting:
+                continue  # E2: its calls stay queued, in order, until it has a slot
             q = self._queues[model_id]
             if q and q[0].call is not None:
                 while q and q[0].call is not None:
@@ -110,12 +138,19 @@ class Coalescer:
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            await self._wake.wait()
+            try:  # a periodic retry of waiting models, not a synchronization
+                await asyncio.wait_for(self._wake.wait(), self.tick_s)
+            except TimeoutError:
+                pass
             self._wake.clear()
+            if not self._queues:
+                await self._admit_round(loop)  # idle models may go for runs queued outside
             while self._queues:
                 if self.window_s > 0 and any(q and q[0].call is not None for q in self._queues.values()):
                     await asyncio.sleep(self.window_s)  # the coalescing window (not a synchronization)
-                fbs, singles = self._take_round()
+                fbs, singles = self._take_round(await self._admit_round(loop))
+                if not fbs and not singles and all(m in self._store.waiting for m in self._queues):
+                    break  # every queued model waits for a slot: retried at the next submit or tick
                 if fbs:
                     try:
                         results = await loop.run_in_executor(self._worker, self._fb, [op.call for op in fbs])

@@ -108,7 +108,7 @@ def tinker_router(service: TinkerService) -> APIRouter:
         t = tenant(request)
         service.model(t, body.model_id)
         rid, answer = future(t, body.model_id)
-        service.coalescer.submit(Op(body.model_id, rid, run=lambda: service.unload(body.model_id)))
+        service.coalescer.submit(Op(body.model_id, rid, run=lambda: service.unload(body.model_id), needs_slot=False))
         return answer
 
     # -- training ---------------------------------------------------------------------------------
@@ -235,7 +235,7 @@ def tinker_router(service: TinkerService) -> APIRouter:
         except KeyError:
             raise HTTPException(404, f"unknown request id {body.request_id}") from None
         if outcome is None:
-            return JSONResponse({"type": "try_again", "request_id": body.request_id, "queue_state": "active"})
+            return JSONResponse({"type": "try_again", "request_id": body.request_id, **service.futures.queue_state(t, body.request_id)})
         if outcome.proto is not None:
             return Response(outcome.proto, media_type=PROTO_CONTENT_TYPE)
         return JSONResponse(outcome.json)
