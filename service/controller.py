@@ -318,15 +318,16 @@ class Controller:
                 if ref.state != start:
                     changes.append(Change(ref.name, ref.registration_id, start, ref.state))
             if ref.state == AdapterState.RETIRING:
-                export_path = checkpoint_path = None
+                export_path = checkpoint_path = checkpoint_step = None
                 if ref.activated_at is not None:  # never trained: nothing to export
                     stage = "finish_adapter"
                     finished = runtime.finish_adapter(ref)
                     _check_export(finished.export_path)
                     export_path, checkpoint_path = finished.export_path, finished.checkpoint_path
+                    checkpoint_step = finished.checkpoint_step
                 ref = self.registry.transition(
                     ref.registration_id, AdapterState.CLEANUP, expect=AdapterState.RETIRING,
-                    export_path=export_path, checkpoint_path=checkpoint_path,
+                    export_path=export_path, checkpoint_path=checkpoint_path, checkpoint_step=checkpoint_step,
                 )
                 changes.append(Change(ref.name, ref.registration_id, AdapterState.RETIRING, AdapterState.CLEANUP))
             if ref.state == AdapterState.CLEANUP:
