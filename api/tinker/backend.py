@@ -160,7 +160,7 @@ class InProcessBackend:
         except ValueError as err:
             victims = [m for m in self.idle_models() if m != model_id]
             if not victims:
-                raise NoSlot(f"waiting for a trainer slot: {err}") from None
+                raise NoSlot(str(err)) from None
         self.evict(victims[0])
         return self._take_slot(model_id, self._tenants.get(model_id, ""))
 
@@ -187,7 +187,7 @@ class InProcessBackend:
                 try:
                     self._bring_in(m)
                 except NoSlot as err:
-                    waiting[m] = str(err)
+                    waiting[m] = f"waiting for a trainer slot: {err}"
             if not waiting:
                 self.evict_idle(self._external_demand())
         return waiting

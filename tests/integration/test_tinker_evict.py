@@ -5,7 +5,7 @@ The idle threshold is measured on a test-owned clock (``StepClock``: a number th
 forward), so "A has been idle for longer than the threshold" is a statement the test makes,
 not a race with wall time. The swap is the trainer's real swap_out/swap_in.
 
-* B cannot take the slot while A is busy-recent (clear "waiting for a trainer slot" error);
+* B cannot take the slot while A was called recently (refused: "no free trainer slot ...");
   once A is idle, creating B evicts A; A's next forward_backward waits (try_again,
   paused_capacity, with the reason) until B is idle, then swaps A back in, evicting B;
   A's weights, gradients and Adam moments after its 4 steps equal an uninterrupted twin's
@@ -79,7 +79,7 @@ def test_idle_model_evicted_and_returns_bit_exact(world, tiny_world):
     a = training_client(client(url, "t0"), seed=21)
     train(a, data, 2, ADAM)
     sc_b = client(url, "t1")
-    with pytest.raises(Exception, match="waiting for a trainer slot: no free trainer slot"):
+    with pytest.raises(Exception, match="no free trainer slot: all 1 are in use"):
         training_client(sc_b, seed=5)  # A called just now: not idle, keeps its slot (E1)
     assert a.model_id in backend._slots and not backend.evicted()
 
