@@ -167,6 +167,7 @@ def test_sampling_options_prompt_logprobs_topk_and_seed(world, tiny_world):
                       include_prompt_logprobs=True, topk_prompt_logprobs=3, topk_sample_logprobs=3).result()
     got = res.prompt_logprobs
     assert len(got) == len(prompt) and got[0] is None and want_lps[0] is None
+    assert None not in got[1:], got  # every position after the first is scored
     worst = max(abs(a - b) for a, b in zip(got[1:], want_lps[1:]))
     assert worst < 1e-3, f"prompt logprobs differ from HF by {worst:.2e}"  # measured: ~1e-6 (fp32 both)
     top = res.topk_prompt_logprobs
