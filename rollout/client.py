@@ -61,6 +61,12 @@ class GenerateResult(BaseModel):
     logprobs: list[float]  # one per token in token_ids: log p(token | prefix) under the served weights
     finish_reason: str  # "stop" | "length" | "abort" | ...
     prompt_tokens: int
+    # Only when asked for (generate's logprob_start_len >= 0 / top_logprobs_num > 0; the Tinker sampler):
+    # log p(prompt[i] | prompt[:i]) from logprob_start_len on (None where not computed: the first token),
+    prompt_logprobs: list[float | None] | None = None
+    # and the top tokens at each prompt / generated position: [(token id, logprob), ...] or None.
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
     @property
     def aborted(self) -> bool:
@@ -84,7 +90,17 @@ def parse_generate_response(rid: str, body: dict[str, Any]) -> GenerateResult:
     logprobs = [float(e[0]) for e in raw_lp]
     if raw_lp and [int(e[1]) for e in raw_lp] != token_ids:
         raise ValueError(f"request {rid}: logprob token ids do not match output_ids")
+    raw_in = meta.get("input_token_logprobs")
+
+    def _tops(raw: list | None) -> list[list[tuple[int, float]] | None] | None:
+        if raw is None:
+            return None
+        return [None if pos is None else [(int(e[1]), float(e[0])) for e in pos] for pos in raw]
+
     return GenerateResult(
+        prompt_logprobs=None if raw_in is None else [None if e[0] is None else float(e[0]) for e in raw_in],
+        prompt_top_logprobs=_tops(meta.get("input_top_logprobs")),
+        top_logprobs=_tops(meta.get("output_top_logprobs")),
         rid=rid,
         token_ids=token_ids,
         text=body.get("text") or "",
@@ -139,16 +155,22 @@ class EngineClient:
         input_ids: list[int],
         sampling_params: dict[str, Any],
         lora_name: str | None,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
     ) -> GenerateResult:
-        """Generate one response for `input_ids` with adapter `lora_name` (None = base model)."""
+        """Generate one response for `input_ids` with adapter `lora_name` (None = base model).
+        `logprob_start_len` >= 0: also the prompt's logprobs from that position on;
+        `top_logprobs_num` > 0: also that many top tokens at each scored position."""
         payload = {
             "rid": rid,
             "input_ids": list(input_ids),
             "sampling_params": sampling_params,
             "lora_path": lora_name,
             "return_logprob": True,
-            "logprob_start_len": -1,
+            "logprob_start_len": logprob_start_len,
         }
+        if top_logprobs_num > 0:
+            payload["top_logprobs_num"] = top_logprobs_num
         resp = await self._call("POST", "/generate", json=payload, timeout=self.request_timeout_s)
         try:
             return parse_generate_response(rid, resp.json())
@@ -202,6 +224,10 @@ class EngineClient:
             return True
         except EngineError:
             return False
+
+    async def server_info(self) -> dict[str, Any]:
+        """The server's GET /get_server_info answer (its arguments and state)."""
+        return (await self._call("GET", "/get_server_info")).json()
 
     async def capabilities(self) -> ServerCapabilities:
         """What this server offers beyond stock SGLang, read from its OpenAPI schema."""

@@ -13,13 +13,15 @@ None): the same for every run with the same seed, different per epoch.
 
 Bounded reading: a JSONL file is streamed (an index of line offsets, rows read
 when taken), and a line longer than cfg.max_row_bytes is skipped and counted
-without being loaded. Rows over a token limit (prompt, completion, whole sample:
+without being loaded. A Parquet file is streamed too (checked in record batches
+at open; a taken row is read with its row group, at most two groups held). Rows over a token limit (prompt, completion, whole sample:
 the model's context, the service's limits) are skipped and counted when first
 taken, so one tenant's over-long rows never reach an engine or a train call.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
 import random
@@ -176,34 +178,84 @@ class _JsonlRows:
             self._file = None
 
 
-def _parquet_rows(path: Path, cfg: DataConfig) -> list[dict[str, Any]]:
-    """Every row of a Parquet file, checked. (Parquet is read whole: only JSONL is streamed.)"""
-    import pyarrow.parquet as pq
+class _ParquetRows:
+    """A Parquet file as rows by index, streamed: one pass at open checks every row in record
+    batches (only the columns a source uses: input, label, metadata); a row is read again when
+    it is taken, by reading its row group (those columns only). At most ``CACHED_GROUPS`` row
+    groups are held at once, so memory is bounded by the row-group size, not the file size.
+    Row indices are row numbers in the file (across row groups), as when the file was read
+    whole: cursors keep their meaning."""
 
-    try:
-        table = pq.read_table(path)
-    except Exception as e:  # pyarrow raises several types for a bad file
-        raise DataError(f"data file {path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
-    for key in (cfg.input_key, cfg.label_key):
-        if key is not None and key not in table.column_names:
-            raise DataError(f"data file {path}: no column {key!r}; columns: {table.column_names}")
-    rows = table.to_pylist()
-    for i, row in enumerate(rows):
-        check_row(row, cfg, f"data file {path}, row {i}")
-    return rows
+    CACHED_GROUPS = 2
+    CHECK_BATCH_ROWS = 1024
+
+    def __init__(self, path: Path, cfg: DataConfig):
+        import pyarrow.parquet as pq
+
+        self.path = path
+        self.cfg = cfg
+        self.oversized = 0  # (a Parquet row has no line to measure; cfg.max_row_bytes applies to JSONL)
+        try:
+            self._file = pq.ParquetFile(path)
+            names = self._file.schema_arrow.names
+        except Exception as e:  # pyarrow raises several types for a bad file
+            raise DataError(f"data file {path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
+        for key in (cfg.input_key, cfg.label_key):
+            if key is not None and key not in names:
+                raise DataError(f"data file {path}: no column {key!r}; columns: {names}")
+        self._columns = [k for k in dict.fromkeys((cfg.input_key, cfg.label_key, cfg.metadata_key)) if k is not None and k in names]
+        meta = self._file.metadata
+        self._starts = [0]  # first row index of each row group, then the row count
+        for g in range(meta.num_row_groups):
+            self._starts.append(self._starts[-1] + meta.row_group(g).num_rows)
+        self._groups: OrderedDict[int, list[dict[str, Any]]] = OrderedDict()
+        index = 0
+        try:
+            for batch in self._file.iter_batches(batch_size=self.CHECK_BATCH_ROWS, columns=self._columns):
+                for row in batch.to_pylist():
+                    check_row(row, cfg, f"data file {path}, row {index}")
+                    index += 1
+        except DataError:
+            raise
+        except Exception as e:
+            raise DataError(f"data file {path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def _group(self, g: int) -> list[dict[str, Any]]:
+        rows = self._groups.get(g)
+        if rows is None:
+            rows = self._file.read_row_group(g, columns=self._columns).to_pylist()
+            self._groups[g] = rows
+            while len(self._groups) > self.CACHED_GROUPS:
+                self._groups.popitem(last=False)
+        else:
+            self._groups.move_to_end(g)
+        return rows
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"row {index} of {len(self)}")
+        g = bisect.bisect_right(self._starts, index) - 1
+        return self._group(g)[index - self._starts[g]]
+
+    def close(self) -> None:
+        self._groups.clear()
 
 
-def open_rows(cfg: DataConfig) -> _JsonlRows | list[dict[str, Any]]:
-    """The rows of cfg.path by index (see _JsonlRows); DataError naming the file, row and key when it cannot serve."""
+def open_rows(cfg: DataConfig) -> _JsonlRows | _ParquetRows:
+    """The rows of cfg.path by index (streamed: _JsonlRows, _ParquetRows); DataError naming the file,
+    row and key when it cannot serve."""
     path = Path(cfg.path)
     if not path.is_file():
         raise DataError(f"data file {path} does not exist or is not a file")
     if path.suffix == ".jsonl":
-        rows: _JsonlRows | list[dict[str, Any]] = _JsonlRows(path, cfg)
+        rows: _JsonlRows | _ParquetRows = _JsonlRows(path, cfg)
         if not len(rows) and rows.oversized:
             raise DataError(f"data file {path}: every line ({rows.oversized}) is longer than the {cfg.max_row_bytes} bytes a row may have")
     elif path.suffix == ".parquet":
-        rows = _parquet_rows(path, cfg)
+        rows = _ParquetRows(path, cfg)
     else:
         raise DataError(f"data file {path}: unknown format; use .jsonl or .parquet")
     if not len(rows):
@@ -243,8 +295,7 @@ class DataSource:
         return len(self._rows)
 
     def close(self) -> None:
-        if isinstance(self._rows, _JsonlRows):
-            self._rows.close()
+        self._rows.close()
 
     def _order_for(self, epoch: int) -> list[int]:
         order = list(range(len(self._rows)))
@@ -399,6 +450,6 @@ class DataSource:
             # Data that cannot be used is not used up: such a run must fail (unusable says why), not complete.
             exhausted=unusable is None and not self._fresh_left() and pending == 0,
             skipped_too_long=len(self._too_long),
-            skipped_oversized=self._rows.oversized if isinstance(self._rows, _JsonlRows) else 0,
+            skipped_oversized=self._rows.oversized,
             unusable=unusable,
         )

@@ -107,6 +107,7 @@ class Controller:
         # Prepared runs swapped out of their slot in this process (a subset of _prepared): a bound
         # one is restored, not prepared. Cleared with _prepared: a new runtime holds no swap store.
         self._evicted: set[str] = set()
+        self._not_wanting_last: frozenset[str] = frozenset()  # the last reconcile's _not_wanting (slot_demand)
         self._knobs = ResidencyKnobs(idle_evict_s=capacity.evict_idle_s, turn_steps=capacity.turn_steps)
         self._reconcile_lock = threading.Lock()  # one reconcile pass at a time
         self._started_at = time.time()
@@ -142,6 +143,14 @@ class Controller:
 
     def release_slot_lease(self, holder: str) -> int | None:
         return self.registry.release_lease(holder)
+
+    def slot_demand(self) -> int:
+        """Queued runs that want a slot beyond the free slots: the Tinker backend evicts idle
+        models for them (api/tinker/backend.py E1). Runs the last reconcile found not wanting
+        (evicted, no step ready) are not counted."""
+        skip = self._not_wanting_last
+        wanting = sum(1 for r in self.registry.queued() if r.registration_id not in skip)
+        return max(0, wanting - len(self.registry.free_slots()))
 
     def slot_leases(self) -> dict[str, tuple[int, str]]:
         """holder -> (slot, tenant)."""
@@ -334,15 +343,16 @@ class Controller:
                 if ref.state != start:
                     changes.append(Change(ref.name, ref.registration_id, start, ref.state))
             if ref.state == AdapterState.RETIRING:
-                export_path = checkpoint_path = None
+                export_path = checkpoint_path = checkpoint_step = None
                 if ref.activated_at is not None:  # never trained: nothing to export
                     stage = "finish_adapter"
                     finished = runtime.finish_adapter(ref)
                     _check_export(finished.export_path)
                     export_path, checkpoint_path = finished.export_path, finished.checkpoint_path
+                    checkpoint_step = finished.checkpoint_step
                 ref = self.registry.transition(
                     ref.registration_id, AdapterState.CLEANUP, expect=AdapterState.RETIRING,
-                    export_path=export_path, checkpoint_path=checkpoint_path,
+                    export_path=export_path, checkpoint_path=checkpoint_path, checkpoint_step=checkpoint_step,
                 )
                 changes.append(Change(ref.name, ref.registration_id, AdapterState.RETIRING, AdapterState.CLEANUP))
             if ref.state == AdapterState.CLEANUP:
@@ -382,6 +392,7 @@ class Controller:
         for ref in self.registry.queued():
             if ref.registration_id in self._evicted and ref.state == AdapterState.ACTIVE and not runtime.wants_slot(ref):
                 out.add(ref.registration_id)
+        self._not_wanting_last = frozenset(out)
         return out
 
     def _evict_for_waiters(self, runtime: Runtime) -> list[Change]:

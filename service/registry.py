@@ -445,10 +445,12 @@ class Registry:
         reason: str | None = None,
         export_path: str | None = None,
         checkpoint_path: str | None = None,
+        checkpoint_step: int | None = None,
     ) -> AdapterRef:
         """Move a run to `to` (I4). With `expect`, refuse (Conflict) unless the run is
         in that state now: compare-and-set for callers that acted on an older ref.
-        Entering a terminal state releases the slot (I2)."""
+        Entering a terminal state releases the slot (I2). A checkpoint comes as its path AND
+        its step, recorded together (`_checkpoint_sets`)."""
         to = AdapterState(to)
         now = time.time()
         with self._tx():
@@ -466,8 +468,8 @@ class Registry:
                 sets["failure_reason"] = reason
             if export_path is not None:
                 sets["export_path"] = export_path
-            if checkpoint_path is not None:
-                sets["checkpoint_path"] = checkpoint_path
+            if checkpoint_path is not None or checkpoint_step is not None:
+                sets.update(_checkpoint_sets(row, checkpoint_path, checkpoint_step))
             if to == AdapterState.ACTIVE and row["activated_at"] is None:
                 sets["activated_at"] = now
             if to in TERMINAL_STATES:
@@ -545,8 +547,8 @@ class Registry:
     def record_checkpoint(self, registration_id: str, path: str, step: int) -> AdapterRef:
         """A checkpoint of this run at `step` is complete on disk at `path`."""
         with self._tx():
-            self._progress_row(registration_id)
-            self._update(registration_id, {"checkpoint_path": path, "checkpoint_step": step, "updated_at": time.time()})
+            row = self._progress_row(registration_id)
+            self._update(registration_id, {**_checkpoint_sets(row, path, step), "updated_at": time.time()})
             return self._ref(self._run_row(registration_id))
 
     def next_version(self) -> int:
@@ -675,3 +677,14 @@ def _ref(row: sqlite3.Row, queue_position: int | None) -> AdapterRef:
         finished_at=row["finished_at"],
     )
 
+
+def _checkpoint_sets(row: sqlite3.Row, path: str | None, step: int | None) -> dict[str, Any]:
+    """The one place a run's checkpoint columns are written (issue 14 F9: checkpoint_step must
+    always be the step of the checkpoint at checkpoint_path): both or neither, in the caller's
+    one UPDATE; an older checkpoint than the recorded one changes nothing (a late report
+    never replaces a newer checkpoint)."""
+    if path is None or step is None:
+        raise ValueError(f"a checkpoint is recorded with its path and its step together (got path={path!r}, step={step!r})")
+    if row["checkpoint_step"] is not None and step < row["checkpoint_step"]:
+        return {}
+    return {"checkpoint_path": path, "checkpoint_step": step}

@@ -36,10 +36,11 @@ class Prepared:
 class Finished:
     """Result of `finish_adapter`: the final PEFT export folder (must hold
     adapter_config.json and adapter_model.safetensors; the controller checks)
-    and the final checkpoint folder."""
+    and the final checkpoint folder with its step (recorded together: issue 14 F9)."""
 
     export_path: str
     checkpoint_path: str | None = None
+    checkpoint_step: int | None = None
 
 
 @dataclass(frozen=True)

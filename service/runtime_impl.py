@@ -57,7 +57,7 @@ from rollout.groups import RolloutGroup
 from rollout.weights import AdapterWeights
 from rollout.worker import AdapterRollout, AdapterStats
 from service.batches import CollectedBatch, StepPlan, SteppedRun, TrainerLost, TrainOutcome, rl_step
-from service.checkpoints import ADAPTER_SUBDIR, PendingCheckpoint, link_folder, RunState, load_checkpoint, prune_checkpoints
+from service.checkpoints import ADAPTER_SUBDIR, Checkpoint, PendingCheckpoint, link_folder, RunState, load_checkpoint, prune_checkpoints
 from service.config import AdapterConfig, JobConfig, ServiceSettings
 from service.engine_pids import record_engines
 from service.registry import AdapterRef
@@ -217,12 +217,13 @@ class FleetRuntime:
             # Stop generating and abort its requests (their prompts go back to the data source,
             # so the final checkpoint's cursor still lists them).
             self._need_rollout().abort_adapter(run.name, pause=True)
-        checkpoint = self.checkpoint(ref.registration_id)
+        done = self._write_checkpoint(ref.registration_id)
         export = run_dir(self.settings.state_dir, ref) / "export"
-        link_folder(Path(checkpoint) / ADAPTER_SUBDIR, export)
+        link_folder(done.folder / ADAPTER_SUBDIR, export)
         if run.is_rl:
             self._need_rollout().remove_adapter(run.name)
-        return Finished(export_path=str(export), checkpoint_path=checkpoint)
+        # path and step from the one checkpoint just committed (issue 14 F9)
+        return Finished(export_path=str(export), checkpoint_path=str(done.folder), checkpoint_step=done.state.step)
 
     def release_adapter(self, ref: AdapterRef) -> None:
         with self._lock:
@@ -571,6 +572,10 @@ class FleetRuntime:
 
     def checkpoint(self, registration_id: str) -> str:
         """Write a complete checkpoint of the run at its current step; returns its folder."""
+        return str(self._write_checkpoint(registration_id).folder)
+
+    def _write_checkpoint(self, registration_id: str) -> Checkpoint:
+        """Write a complete checkpoint of the run at its current step (its folder and RunState)."""
         run = self._run(registration_id)
         if run.evicted:
             raise RuntimeError(f"{run.name} is evicted (swapped out of its slot); it is checkpointed once restored")
@@ -589,7 +594,7 @@ class FleetRuntime:
             )
             done = pending.commit(state)
         prune_checkpoints(folder, KEEP_CHECKPOINTS)
-        return str(done.folder)
+        return done
 
     def _cursor(self, run: _Run) -> DataCursor | None:
         if run.sft is not None:

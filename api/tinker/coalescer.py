@@ -11,6 +11,13 @@ earlier one), and calls of different models that are pending together share one
 mixed pass. Before a round with forward_backward calls the loop waits ``window_s``
 so that calls arriving close together join it.
 
+Slots (api/tinker/backend.py E1-E4): before each round the backend's ``admit`` brings
+evicted models whose head operation needs their slot back in, and names those that
+must wait for one; a waiting model's operations stay queued, in order (its futures
+answer "try again", queue paused_capacity, with the reason), and are retried at every
+round and every ``tick_s`` until a slot is had. The tick also lets the backend evict
+idle models for runs queued outside it.
+
 Joining the service loop's train calls (``join_loop``): the service's training loop
 takes the pending forward_backward runs at the heads of the queues
 (``take_forward_backward``, from its own thread) into its next train call, ONE mixed
@@ -23,6 +30,13 @@ coalescer's own rounds run it, so a Tinker call never waits on an idle loop.
 Order across both takers: a model whose taken operations are not finished yet is
 BUSY; neither taker touches its queue until they are, so its later operations
 (an optim_step after the forward_backward that rides in a loop step) wait for them.
+
+Slots and the loop: the loop takes calls of RESIDENT models only (``resident``, the
+backend's lock-free check); an evicted model's calls wait for this coalescer's own
+round, whose admit swaps it back in first (its head is never left for the loop). The
+backend evicts a model only inside ``hold_idle``, which makes it BUSY under ``_mu`` if it
+has nothing queued and nothing taken, so neither taker can take a call of a model
+while it is being swapped out.
 
 All the coalescer's own trainer work runs on ONE worker thread (the trainer is not
 thread-safe and its collective calls must keep one order; the trainer group's lock
@@ -39,8 +53,9 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 from api.tinker.futures import FutureStore, Outcome, server_error
 from trainer.tinker_ops import Call, CallResult
@@ -55,12 +70,22 @@ class Op:
     call: Call | None = None  # a forward_backward call (coalesced) ...
     to_outcome: Callable[[CallResult], Outcome] | None = None
     run: Callable[[], Outcome] | None = None  # ... or any other operation, run alone on the worker
+    needs_slot: bool = True  # False: runs whether or not the model is resident (unload)
     queued_at: float = field(default_factory=time.monotonic)
 
 
 class Coalescer:
-    def __init__(self, forward_backward: Callable[[list[Call]], list[CallResult]], store: FutureStore, window_s: float = 0.02):
+    def __init__(self, forward_backward: Callable[[list[Call]], list[CallResult]], store: FutureStore, window_s: float = 0.02,
+                 admit: Callable[[set[str], set[str]], dict[str, str]] | None = None, tick_s: float | None = None,
+                 resident: Callable[[str], bool] | None = None):
+        """``admit(wanted, busy) -> {model: reason to wait}`` (backend.admit); ``tick_s``: how often
+        waiting models are retried and idle models checked with nothing else happening (None: never);
+        ``resident(model) -> bool``: whether the model holds its slot now (backend.is_resident; called
+        under ``_mu`` from any thread, so it must take no lock). None: every model is resident."""
         self._fb = forward_backward
+        self._admit = admit
+        self.tick_s = tick_s
+        self._resident = resident
         self._store = store
         self.window_s = window_s
         self._queues: dict[str, deque[Op]] = {}
@@ -130,16 +155,16 @@ class Coalescer:
     # -- the service loop's side (any thread) -------------------------------------------------------
 
     def take_forward_backward(self) -> list[Op]:
-        """The run of forward_backward calls at the head of every idle model's queue (never past
-        another operation), taken for the loop's next train call; their models are busy until
-        ``deliver`` / ``fail``. Thread-safe; empty before the coalescer has started."""
+        """The run of forward_backward calls at the head of every idle resident model's queue
+        (never past another operation), taken for the loop's next train call; their models are
+        busy until ``deliver`` / ``fail``. Thread-safe; empty before the coalescer has started."""
         if self._event_loop is None:
             return []
         taken: list[Op] = []
         with self._mu:
             for model_id in list(self._queues):
-                if model_id in self._busy:
-                    continue
+                if model_id in self._busy or not self._is_resident(model_id):
+                    continue  # busy: its taken operations first; not resident: this coalescer's admit brings it in
                 q = self._queues[model_id]
                 run = []
                 while q and q[0].call is not None:
@@ -151,6 +176,29 @@ class Coalescer:
                     self._busy.add(model_id)
                     taken += run
         return taken
+
+    @contextmanager
+    def hold_idle(self, model_id: str) -> Iterator[bool]:
+        """For the backend's eviction (any thread): yields True and keeps ``model_id`` BUSY while
+        the block runs if it has no queued operation and none taken (either taker), so neither
+        taker takes a call of it meanwhile; yields False (holding nothing) otherwise. Operations
+        submitted meanwhile stay queued and run after it, through admit if it was swapped out."""
+        with self._mu:
+            idle = model_id not in self._busy and not self._queues.get(model_id)
+            if idle:
+                self._busy.add(model_id)
+        try:
+            yield idle
+        finally:
+            if idle:
+                with self._mu:
+                    self._busy.discard(model_id)
+                loop = self._event_loop
+                if loop is not None:
+                    try:
+                        loop.call_soon_threadsafe(self._wake.set)  # operations queued meanwhile may run now
+                    except RuntimeError:  # the event loop closed: nothing left to wake
+                        pass
 
     def deliver(self, ops: list[Op], results: list[CallResult]) -> None:
         """Results of taken calls (one per op, in order). Thread-safe."""
@@ -199,28 +247,53 @@ class Coalescer:
         entry = self._store._entries.get(op.request_id)  # noqa: SLF001 - same package
         return entry is None or entry.done.done()
 
-    def _left_for_loop(self, head: Op, now: float) -> bool:
-        """Whether a forward_backward head is left for the loop's next train call (bounded wait)."""
+    def _left_for_loop(self, model_id: str, head: Op, now: float) -> bool:
+        """Whether a forward_backward head is left for the loop's next train call (bounded wait).
+        Never a non-resident model's: the loop would not take it (only this coalescer's admit
+        brings a model back in)."""
         return (self._loop_active is not None and now - head.queued_at < self.join_wait_s
-                and self._loop_active())
+                and self._is_resident(model_id) and self._loop_active())
+
+    def _is_resident(self, model_id: str) -> bool:
+        return self._resident is None or self._resident(model_id)
+
+    def _heads(self, waiting: set[str] | dict[str, str]) -> list[Op]:
+        """The heads this coalescer's next round would take (caller holds ``_mu``): models not
+        busy, not waiting for a slot, and whose head is not left for the loop."""
+        now = time.monotonic()
+        return [q[0] for m, q in self._queues.items()
+                if q and m not in self._busy and m not in waiting
+                and not (q[0].call is not None and self._left_for_loop(m, q[0], now))]
 
     def _ready_fb(self) -> bool:
         """A forward_backward head this coalescer would take now (the window is waited for it)."""
-        now = time.monotonic()
         with self._mu:
-            heads = [q[0] for m, q in self._queues.items() if q and m not in self._busy and q[0].call is not None]
-        return any(not self._left_for_loop(h, now) for h in heads)
+            return any(h.call is not None for h in self._heads(self._store.waiting))
 
-    def _take_round(self) -> tuple[list[Op], list[Op]]:
+    async def _admit_round(self, loop: asyncio.AbstractEventLoop) -> set[str]:
+        """Run the backend's admit on the worker; the models that wait for a slot this round.
+        ``busy`` (never evicted, E1) = models with queued operations or taken ones (either taker)."""
+        with self._mu:
+            wanted = {m for m, q in self._queues.items() if q and q[0].needs_slot and m not in self._busy}
+            busy = set(self._queues) | self._busy
+        try:
+            waiting = await loop.run_in_executor(self._worker, self._admit, wanted, busy)
+        except Exception:  # noqa: BLE001 - the model's own call then fails with the cause
+            log.exception("admitting models to trainer slots failed")
+            waiting = {}
+        self._store.waiting = dict(waiting)
+        return set(waiting)
+
+    def _take_round(self, waiting: set[str] = frozenset()) -> tuple[list[Op], list[Op]]:
         fbs, singles = [], []
         now = time.monotonic()
         with self._mu:
             for model_id in list(self._queues):
-                if model_id in self._busy:
-                    continue
+                if model_id in self._busy or model_id in waiting:
+                    continue  # busy: its taken operations first; waiting (E2): queued, in order, until it has a slot
                 q = self._queues[model_id]
                 if q and q[0].call is not None:
-                    if self._left_for_loop(q[0], now):
+                    if self._left_for_loop(model_id, q[0], now):
                         continue
                     while q and q[0].call is not None:
                         fbs.append(q.popleft())
@@ -235,22 +308,38 @@ class Coalescer:
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
+        admit_due = True  # admit before the first round
+        next_tick = time.monotonic()
         while True:
+            self._wake.clear()  # whatever happens from here on wakes the wait below
             if self.window_s > 0 and self._ready_fb():
                 await asyncio.sleep(self.window_s)  # the coalescing window (not a synchronization)
-            fbs, singles = self._take_round()
-            if not fbs and not singles:
-                self._wake.clear()
+            waiting = set(self._store.waiting)
+            if self._admit is not None:
                 with self._mu:
-                    waiting = bool(self._queues)
+                    takeable = bool(self._heads(waiting))
+                # Admit before every round that takes something, after every round and wake-up (a
+                # slot may have been freed), and every tick_s (waiting models, runs queued outside);
+                # not on the polls that only look whether a head left for the loop fell back to us.
+                if admit_due or takeable or (self.tick_s is not None and time.monotonic() >= next_tick):
+                    waiting = await self._admit_round(loop)
+                    next_tick = time.monotonic() + (self.tick_s or 0.0)
+            admit_due = False
+            fbs, singles = self._take_round(waiting)
+            if not fbs and not singles:
+                with self._mu:
+                    polling = any(m not in waiting for m in self._queues)
                 # Something queued but left for the loop (or busy): look again after a window, since
                 # a left-for-the-loop head falls back to this coalescer once join_wait_s has passed.
-                timeout = max(self.window_s, 0.01) if waiting else None
+                # Only models waiting for a slot (or nothing) queued: the next wake-up or tick.
+                timeout = max(self.window_s, 0.01) if polling else self.tick_s
                 try:
                     await asyncio.wait_for(self._wake.wait(), timeout)
+                    admit_due = True
                 except TimeoutError:
                     pass
                 continue
+            admit_due = True
             try:
                 if fbs:
                     try:

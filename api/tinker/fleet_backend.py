@@ -21,6 +21,10 @@
   forward_backward for it up to ``JOIN_WAIT_S``; when the loop is idle its own rounds run
   them (alone, or coalesced with each other) as before. ``TrainerGroup`` runs one
   collective call at a time (its lock), so nothing interleaves inside a train call;
+* idle eviction (api/tinker/backend.py E1-E4): a model with no call for ``slots.evict_idle_s``
+  is swapped out (the trainer group's bit-exact swap) and its lease released when a
+  registration is queued for a slot or another Tinker model needs one; its next call
+  leases a slot again and swaps it back in;
 * sampling goes to the fleet's first SGLang engine (api/tinker/sampling.py).
 
 Only what differs from ``InProcessBackend`` lives here: slot taking/giving and the
@@ -78,11 +82,11 @@ class FleetBackend(InProcessBackend):
     """``InProcessBackend`` over the fleet's trainer group, with slots leased from the registry."""
 
     def __init__(self, group: TrainerGroup, controller: Controller, *, base_model: str, tokenizer_id: str,
-                 lora_alpha: float = 32.0, max_seq_len: int = 4096) -> None:
+                 lora_alpha: float = 32.0, max_seq_len: int = 4096, idle_evict_s: float | None = None) -> None:
         if group.config.dp != 1:
             raise ValueError(f"the Tinker API needs trainer dp == 1 (per-model optim_step), this job has dp={group.config.dp}")
         super().__init__(group, base_model=base_model, tokenizer_id=tokenizer_id,  # type: ignore[arg-type]
-                         lora_alpha=lora_alpha, max_seq_len=max_seq_len)
+                         lora_alpha=lora_alpha, max_seq_len=max_seq_len, idle_evict_s=idle_evict_s)
         self.ops = _GroupOps(group, max_seq_len)  # type: ignore[assignment]
         self.controller = controller
 
@@ -94,6 +98,10 @@ class FleetBackend(InProcessBackend):
 
     def _give_slot(self, model_id: str) -> None:
         self.controller.release_slot_lease(model_id)
+
+    def _external_demand(self) -> int:
+        """Registrations queued for a slot (controller.slot_demand): idle models are evicted for them."""
+        return self.controller.slot_demand()
 
 
 class _LoopRiders:
@@ -108,7 +116,10 @@ class _LoopRiders:
         ops = self.coalescer.take_forward_backward()
         if not ops:
             return None
-        calls, errors = self.backend._calls([op.call for op in ops])  # noqa: SLF001 - model ids -> slots
+        # Model ids -> slots without a lock or a swap-in (backend E4: this thread holds the group's
+        # lock). The coalescer took only resident models and holds them busy, so none is evicted
+        # meanwhile; a model released in between gets its error.
+        calls, errors = self.backend._calls([op.call for op in ops], bring_in=False)  # noqa: SLF001
         gone = [i for i, e in enumerate(errors) if e is not None]  # a model without a slot (released)
         if gone:
             self.coalescer.deliver([ops[i] for i in gone], [CallResult(error=errors[i]) for i in gone])
@@ -143,7 +154,8 @@ def fleet_tinker_service(controller: Controller, settings: ServiceSettings) -> T
     job = runtime.job
     backend = FleetBackend(runtime.trainer, controller, base_model=Path(job.base_model.path).name,
                            tokenizer_id=settings.tinker_tokenizer_id or job.base_model.path,
-                           max_seq_len=settings.tinker_max_seq_len)
+                           max_seq_len=settings.tinker_max_seq_len,
+                           idle_evict_s=controller.capacity.evict_idle_s)  # the keep-warm knob, one for both kinds of run
     url = _engine_url(runtime)
     sampler = SglangSampler(url, max_loaded=SAMPLER_MAX_LOADED) if url else None
     service = TinkerService(backend, keys, settings.tinker_dir, window_s=settings.tinker_window_ms / 1000.0,

@@ -44,6 +44,9 @@ class FutureStore:
         self.poll_s = poll_s
         self.keep = keep
         self._entries: dict[str, _Entry] = {}
+        # model -> why its queued calls wait (no trainer slot now; the coalescer's last admit):
+        # a retrieve of such a call answers try_again with queue_state paused_capacity and this reason.
+        self.waiting: dict[str, str] = {}
 
     def create(self, tenant: str, model_id: str | None) -> str:
         request_id = uuid.uuid4().hex
@@ -71,6 +74,14 @@ class FutureStore:
             return await asyncio.wait_for(asyncio.shield(entry.done), self.poll_s)
         except TimeoutError:
             return None
+
+    def queue_state(self, tenant: str, request_id: str) -> dict:
+        """The try_again body's queue fields for a still-running request."""
+        entry = self.owned(tenant, request_id)
+        reason = self.waiting.get(entry.model_id) if entry is not None and entry.model_id else None
+        if reason is None:
+            return {"queue_state": "active"}
+        return {"queue_state": "paused_capacity", "queue_state_reason": reason}
 
     def cancel(self, tenant: str, request_id: str) -> bool:
         entry = self.owned(tenant, request_id)

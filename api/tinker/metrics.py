@@ -13,7 +13,11 @@ GAUGES = {
     "coalescing_factor": ("lorafleet_tinker_coalescing_factor", "Tinker forward_backward calls per mixed step"),
     "joined_steps": ("lorafleet_tinker_joined_steps", "Training-loop train calls that carried Tinker forward_backward calls"),
     "joined_calls": ("lorafleet_tinker_joined_calls", "Tinker forward_backward calls that rode in training-loop train calls"),
-    "models": ("lorafleet_tinker_models", "Tinker models holding a trainer slot"),
+    "models": ("lorafleet_tinker_models", "Tinker models (resident or evicted)"),
+    "models_evicted": ("lorafleet_tinker_models_evicted", "Tinker models swapped out of their trainer slot (idle eviction)"),
+    "models_waiting_for_slot": ("lorafleet_tinker_models_waiting_for_slot", "Tinker models whose calls wait for a trainer slot"),
+    "evictions": ("lorafleet_tinker_evictions", "Idle Tinker models swapped out so far"),
+    "restores": ("lorafleet_tinker_restores", "Evicted Tinker models swapped back in so far"),
     "sessions": ("lorafleet_tinker_sessions", "Live Tinker sessions"),
 }
 

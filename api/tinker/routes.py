@@ -17,6 +17,7 @@ from api.tinker import wire
 from api.tinker.coalescer import Op
 from api.tinker.futures import Outcome, user_error
 from api.tinker.proto_io import PROTO_CONTENT_TYPE, decode_forward_backward, encode_forward_backward_output
+from api.tinker.sampling import LogprobOptions
 from api.tinker.service import TinkerService
 from api.tinker.backend import ModelCall
 from trainer.tinker_ops import AdamStep, CallResult
@@ -108,7 +109,7 @@ def tinker_router(service: TinkerService) -> APIRouter:
         t = tenant(request)
         service.model(t, body.model_id)
         rid, answer = future(t, body.model_id)
-        service.coalescer.submit(Op(body.model_id, rid, run=lambda: service.unload(body.model_id)))
+        service.coalescer.submit(Op(body.model_id, rid, run=lambda: service.unload(body.model_id), needs_slot=False))
         return answer
 
     # -- training ---------------------------------------------------------------------------------
@@ -203,8 +204,9 @@ def tinker_router(service: TinkerService) -> APIRouter:
         rid = service.futures.create(t, None)
         answer = {"request_id": rid, "sample_sequence_ids": [f"{rid}-{i}" for i in range(body.num_samples)]}
         try:
-            if body.prompt_logprobs or body.topk_prompt_logprobs or body.topk_sample_logprobs:
-                raise ValueError("prompt logprobs and top-k logprobs are not served yet; sample without them")
+            if body.target_prompt_logprobs is not None or body.prompt_alt_tokens_k:
+                raise ValueError("target_prompt_logprobs and prompt_alt_tokens_k are not served; ask for prompt_logprobs "
+                                 "or topk_prompt_logprobs instead")
             prompt = body.prompt.tokens()
             if not prompt or min(prompt) < 0:
                 raise ValueError("prompt needs at least one token id >= 0")
@@ -220,7 +222,10 @@ def tinker_router(service: TinkerService) -> APIRouter:
             return answer
 
         async def run() -> None:
-            service.futures.resolve(rid, await service.sampler.sample(session, prompt, body.num_samples, body.sampling_params))
+            options = LogprobOptions(bool(body.prompt_logprobs), body.topk_prompt_logprobs, body.topk_sample_logprobs,
+                                     body.prompt_logprobs_last_n)
+            service.futures.resolve(rid, await service.sampler.sample(session, prompt, body.num_samples, body.sampling_params,
+                                                                      options))
 
         service.background(run())
         return answer
@@ -235,7 +240,7 @@ def tinker_router(service: TinkerService) -> APIRouter:
         except KeyError:
             raise HTTPException(404, f"unknown request id {body.request_id}") from None
         if outcome is None:
-            return JSONResponse({"type": "try_again", "request_id": body.request_id, "queue_state": "active"})
+            return JSONResponse({"type": "try_again", "request_id": body.request_id, **service.futures.queue_state(t, body.request_id)})
         if outcome.proto is not None:
             return Response(outcome.proto, media_type=PROTO_CONTENT_TYPE)
         return JSONResponse(outcome.json)

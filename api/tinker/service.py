@@ -27,6 +27,7 @@ from api.tinker.sampling import SglangSampler
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 KINDS = ("weights", "sampler_weights")
+ADMIT_TICK_S = 0.5  # how often models waiting for a trainer slot are retried when nothing else happens
 
 
 @dataclass
@@ -61,7 +62,17 @@ class TinkerService:
         self.keys = keys
         self.checkpoint_root = Path(checkpoint_root)
         self.futures = FutureStore(poll_s=poll_s)
-        self.coalescer = Coalescer(backend.forward_backward, self.futures, window_s=window_s)
+        # Idle eviction (backend E1-E4) needs the coalescer's admit before each round and a tick
+        # that retries models waiting for a slot; a backend that never evicts needs neither.
+        # With the loop's train calls taking calls too (api/tinker/fleet_backend.py), the coalescer
+        # must know which models are resident (the loop takes only theirs) and the backend must
+        # evict only inside the coalescer's hold_idle (never a model with a queued or taken call).
+        evicts = getattr(backend, "idle_evict_s", None) is not None
+        self.coalescer = Coalescer(backend.forward_backward, self.futures, window_s=window_s,
+                                   admit=backend.admit if evicts else None, tick_s=ADMIT_TICK_S if evicts else None,
+                                   resident=backend.is_resident if evicts else None)
+        if evicts:
+            backend.hold_idle = self.coalescer.hold_idle
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, ModelRecord] = {}
         self._tasks: set = set()
@@ -85,7 +96,10 @@ class TinkerService:
         task.add_done_callback(self._tasks.discard)
 
     def metrics(self) -> dict[str, float]:
-        return {**self.coalescer.stats(), "models": len(self.models), "sessions": len(self.sessions)}
+        evicted = getattr(self.backend, "evicted", lambda: set())()
+        return {**self.coalescer.stats(), "models": len(self.models), "sessions": len(self.sessions),
+                "models_evicted": len(evicted), "models_waiting_for_slot": len(self.futures.waiting),
+                "evictions": getattr(self.backend, "evictions", 0), "restores": getattr(self.backend, "restores", 0)}
 
     # -- ownership -----------------------------------------------------------------------------------
 
@@ -184,7 +198,7 @@ class TinkerService:
         self.session(tenant, session_id)
         for m in [m for m in self.models.values() if m.session_id == session_id]:
             rid = self.futures.create(tenant, m.model_id)
-            self.coalescer.submit(Op(m.model_id, rid, run=lambda mid=m.model_id: self.unload(mid)))
+            self.coalescer.submit(Op(m.model_id, rid, run=lambda mid=m.model_id: self.unload(mid), needs_slot=False))
         del self.sessions[session_id]
 
     # -- checkpoints -------------------------------------------------------------------------------------

@@ -99,6 +99,9 @@ class SampleRequest(_In):
     prompt_logprobs: bool | None = None
     topk_prompt_logprobs: int = 0
     topk_sample_logprobs: int = 0
+    prompt_logprobs_last_n: int | None = None
+    target_prompt_logprobs: Any = None  # not served: refused with a message
+    prompt_alt_tokens_k: int = 0  # not served: refused with a message
 
 
 class LoadWeightsRequest(_In):

@@ -151,3 +151,66 @@ def test_fleet_backend_equals_in_process_and_leases_registry_slots(ray_cluster, 
             for side in (0, 1):
                 for name, t in want[kind][side].items():
                     assert max_rel_err(got[m][kind][side][name], t) < 1e-5, (m, kind, side, name)
+
+
+def test_fleet_idle_model_evicted_for_a_queued_registration(ray_cluster, tiny_world, tmp_path):
+    """Two slots, two Tinker models; a REST registration queues. The coalescer's admit (called
+    here directly, as its tick does) evicts the least recently called idle model through the
+    trainer group's swap and releases its registry lease; the queue's head binds that slot.
+    The evicted model's next call then waits (no slot); once the run retires and its slot is
+    free, the model swaps back in with its state bit-identical to before it left."""
+    from api.tinker.backend import LoraSpec, ModelCall
+    from api.tinker.fleet_backend import FleetBackend
+    from service.config import ServiceSettings, SlotCapacity, load_settings
+    from service.controller import Controller
+    from service.trainer_group import TrainerGroup
+    from trainer.config import TrainerConfig
+    from trainer.tinker_ops import AdamStep
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "rl.jsonl").write_text("".join(f'{{"prompt": "p{i}", "label": "0123"}}\n' for i in range(10)))
+    settings = load_settings(state_dir=tmp_path / "state", data_roots=[data])
+    assert isinstance(settings, ServiceSettings)
+    controller = Controller(settings, SlotCapacity(num_slots=2, max_rank=4))
+    cfg = TrainerConfig(base_model_path=str(tiny_world / "model"), num_slots=2, max_rank=4, micro_batch_tokens=64)
+    group = TrainerGroup(cfg, setup_timeout_s=300, call_timeout_s=120)
+    now = [0.0]
+    try:
+        group.start()
+        fleet = FleetBackend(group, controller, base_model="m", tokenizer_id="m", max_seq_len=64, idle_evict_s=30.0)
+        fleet._clock = lambda: now[0]  # noqa: SLF001 - the test moves the idle clock by hand
+        a, b = "s-1:train:0", "s-2:train:0"
+        fleet.create(a, LoraSpec(rank=4, seed=3), tenant="alice")
+        fleet.create(b, LoraSpec(rank=4, seed=4), tenant="bob")
+        for m in (a, b):
+            assert fleet.forward_backward([ModelCall(m, _data(7, 3), "cross_entropy")])[0].error is None
+            fleet.optim_step(m, AdamStep(learning_rate=2e-2, eps=1e-2))
+            now[0] += 1.0  # a is called before b: a is the least recently called
+        before = group.slot_state_tensors_all_ranks(fleet._slots[a])[0]  # noqa: SLF001
+
+        run = controller.register("rest", {"data": {"path": str(data / "rl.jsonl")}, "reward": {"name": "target_share"}, "rank": 4})
+        assert run.queued and controller.slot_demand() == 1
+        assert fleet.admit(set(), set()) == {}  # nobody idle yet: nothing evicted
+        assert fleet.evicted() == set() and controller.slot_demand() == 1
+        now[0] += 100.0
+        assert fleet.admit(set(), {b}) == {}  # b has a queued call: never evicted (E1); a goes
+        assert fleet.evicted() == {a} and set(controller.slot_leases()) == {b}
+        assert [r.name for r in controller.registry.bind_queued()] == ["rest"]
+        assert controller.slot_demand() == 0 and fleet.admit(set(), set()) == {}  # no more evictions
+        assert fleet.evicted() == {a}
+
+        assert fleet.forward([ModelCall(b, _data(8, 2), "cross_entropy")])[0].error is None  # b: called just now
+        waiting = fleet.admit({a}, {a})  # a's next call: both slots held, none idle -> waits
+        assert "waiting for a trainer slot" in waiting[a] and "rest" in waiting[a], waiting
+        controller.fail(run.registration_id, "the test ends the run: its slot is free again")
+        assert fleet.admit({a}, {a}) == {}  # the run's slot is free: a comes back
+        after = group.slot_state_tensors_all_ranks(fleet._slots[a])[0]  # noqa: SLF001
+        for kind in ("weight", "grad", "exp_avg", "exp_avg_sq"):
+            for side in (0, 1):
+                for name, t in before[kind][side].items():
+                    assert torch.equal(after[kind][side][name], t), (kind, side, name)
+        assert set(controller.slot_leases()) == {a, b} and group.swapped()["keys"] == []
+    finally:
+        group.stop()
+        controller.close()

@@ -126,3 +126,70 @@ def test_rl_loop_reward_rises(world, tiny_world):
     first, last = statistics.fmean(rewards[:3]), statistics.fmean(rewards[-3:])
     assert last > first + 0.3, rewards  # measured: 0.21 -> 0.99 (means of the first and last three: 0.34 -> 0.98)
     svc.unload(tc.model_id)
+
+
+def _hf_prompt_logprobs(model_dir, prompt, k):
+    """log p(prompt[i] | prompt[:i]) for i >= 1 and the top-k (id, logprob) at each i, from HF (fp32)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.integration.sglang_fixtures import one_torch_thread
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad(), one_torch_thread():
+        lsm = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    lps = [None] + [float(lsm[i - 1, prompt[i]]) for i in range(1, len(prompt))]
+    top = [None] + [list(zip(*(t.tolist() for t in reversed(lsm[i - 1].topk(k))))) for i in range(1, len(prompt))]
+    return lps, top
+
+
+def test_sampling_options_prompt_logprobs_topk_and_seed(world, tiny_world):
+    """prompt_logprobs and topk_prompt_logprobs equal HF's on the base model; topk_sample_logprobs
+    come per generated token with the sampled token among them at top_k=k; top_k=1 at
+    temperature 1 is greedy (top_k reaches SGLang); prompt_logprobs_last_n scores only the last
+    tokens. A seed is refused on this CPU engine, which does not honour SGLang's sampling_seed
+    (it needs --enable-deterministic-inference, which SGLang refuses with the CPU's torch_native
+    attention); same-seed reproducibility is checked on the GPU (tests/gpu/test_tinker_seed_gpu.py)."""
+    import tinker
+    from tinker import types
+
+    _, url = world
+    sc = tinker.ServiceClient(base_url=url, api_key=KEYS["alice"])
+    from transformers import AutoTokenizer
+
+    base = sc.create_sampling_client(base_model=BASE).result()
+    tok = AutoTokenizer.from_pretrained(tiny_world / "model")
+    rows = [json.loads(line) for line in (tiny_world / "data" / "echo_sft.jsonl").read_text().splitlines()][:1]
+    prompt = tok.encode(rows[0]["prompt"])
+    want_lps, want_top = _hf_prompt_logprobs(tiny_world / "model", prompt, 3)
+
+    res = base.sample(types.ModelInput.from_ints(prompt), 2, types.SamplingParams(max_tokens=6, temperature=1.0, top_k=3),
+                      include_prompt_logprobs=True, topk_prompt_logprobs=3, topk_sample_logprobs=3).result()
+    got = res.prompt_logprobs
+    assert len(got) == len(prompt) and got[0] is None and want_lps[0] is None
+    assert None not in got[1:], got  # every position after the first is scored
+    worst = max(abs(a - b) for a, b in zip(got[1:], want_lps[1:]))
+    assert worst < 1e-3, f"prompt logprobs differ from HF by {worst:.2e}"  # measured: ~1e-6 (fp32 both)
+    top = res.topk_prompt_logprobs
+    assert top[0] is None and len(top) == len(prompt)
+    for i in range(1, len(prompt)):
+        assert [t for t, _ in top[i]] == [t for t, _ in want_top[i]], (i, top[i], want_top[i])
+        assert max(abs(a - b) for (_, a), (_, b) in zip(top[i], want_top[i])) < 1e-3
+    for seq in res.sequences:
+        assert len(seq.topk_logprobs) == len(seq.tokens)
+        for tok_id, lp, tops in zip(seq.tokens, seq.logprobs, seq.topk_logprobs):
+            assert len(tops) == 3 and tok_id in [t for t, _ in tops]  # top_k=3: the sampled token is one of the top 3
+            assert abs(dict(tops)[tok_id] - lp) < 1e-4
+
+    greedy_ref, _ = greedy(base, prompt, n=1, max_tokens=6)
+    top1 = base.sample(types.ModelInput.from_ints(prompt), 3, types.SamplingParams(max_tokens=6, temperature=1.0, top_k=1)).result()
+    assert all(list(s.tokens) == greedy_ref[0] for s in top1.sequences)
+
+    last = base.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=2), include_prompt_logprobs=True,
+                       prompt_logprobs_last_n=3).result().prompt_logprobs
+    assert last[:-3] == [None] * (len(prompt) - 3) and max(abs(a - b) for a, b in zip(last[-3:], want_lps[-3:])) < 1e-3
+
+    with pytest.raises(Exception, match="enable-deterministic-inference"):
+        base.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=4, seed=7)).result()
+    with pytest.raises(Exception, match=r"topk_prompt_logprobs=21 not supported: 0\.\.20"):
+        base.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=4), topk_prompt_logprobs=21).result()

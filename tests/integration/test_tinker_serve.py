@@ -42,7 +42,9 @@ TOKENIZER_ID = "lorafleet-tiny/tokenizer"  # what get_info tells clients (a hub-
 def tinker_service(tmp: Path, tiny_world: Path) -> Iterator[Service]:
     from service.engine_pids import reap_engines
 
-    job_path = serve_job(tmp, tiny_world)
+    # Idle Tinker models keep their slots here (no eviction within a test): the slot-count
+    # scenarios below are about leases; idle eviction is tests/integration/test_tinker_evict.py.
+    job_path = serve_job(tmp, tiny_world, slots={"num_slots": NUM_SLOTS, "max_rank": 8, "evict_idle_s": 3600.0})
     keys = tmp / "tinker_keys.yaml"
     keys.write_text(yaml.safe_dump(KEYS))
     job = yaml.safe_load(job_path.read_text())

@@ -55,7 +55,8 @@ class ScriptedRuntime:
         if ref.name not in self.bad_export:
             (export / "adapter_config.json").write_text("{}")
             (export / "adapter_model.safetensors").write_bytes(b"")
-        return Finished(export_path=str(export), checkpoint_path=str(run_dir(self.state_dir, ref) / "ckpt"))
+        return Finished(export_path=str(export), checkpoint_path=str(run_dir(self.state_dir, ref) / "ckpt"),
+                        checkpoint_step=ref.step)
 
     def release_adapter(self, ref):
         self._call("release", ref)
