@@ -86,6 +86,7 @@ class Coalescer:
         self._admit = admit
         self.tick_s = tick_s
         self._resident = resident
+        self._admitted: set[str] = set()  # the models the last admit was asked about (_take_round)
         self._store = store
         self.window_s = window_s
         self._queues: dict[str, deque[Op]] = {}
@@ -281,8 +282,16 @@ class Coalescer:
         except Exception:  # noqa: BLE001 - the model's own call then fails with the cause
             log.exception("admitting models to trainer slots failed")
             waiting = {}
+        self._admitted = wanted
         self._store.waiting = dict(waiting)
         return set(waiting)
+
+    def _not_admitted(self, model_id: str, head: Op) -> bool:
+        """A head that needs a slot, of a model not resident that the last admit was not asked
+        about (it came, or its model stopped being busy, while admit ran): the next round's
+        admit brings it in first (E2), so it is not taken now."""
+        return (self._admit is not None and head.needs_slot and model_id not in self._admitted
+                and not self._is_resident(model_id))
 
     def _take_round(self, waiting: set[str] = frozenset()) -> tuple[list[Op], list[Op]]:
         fbs, singles = [], []
@@ -292,6 +301,8 @@ class Coalescer:
                 if model_id in self._busy or model_id in waiting:
                     continue  # busy: its taken operations first; waiting (E2): queued, in order, until it has a slot
                 q = self._queues[model_id]
+                if q and self._not_admitted(model_id, q[0]):
+                    continue
                 if q and q[0].call is not None:
                     if self._left_for_loop(model_id, q[0], now):
                         continue

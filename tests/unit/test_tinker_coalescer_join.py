@@ -128,3 +128,107 @@ def test_take_before_start_and_bad_wait():
     assert w.take_forward_backward() == []  # not started: nothing pending, nothing to join
     with pytest.raises(ValueError, match="join_wait_s must be >= 0"):
         w.join_loop(lambda: True, -1.0)
+
+
+class SlotsFake:
+    """A FAKE of the backend's slot side (api/tinker/backend.py admit/is_resident), named as such:
+    which models are resident is a set the test changes, and ``admit`` brings a wanted evicted
+    model in only when the test has freed a slot for it (else it names it as waiting). What is
+    under test is the coalescer's side: the loop never takes a non-resident model's call, and
+    admit is told which models are busy (a call riding in the loop's step)."""
+
+    def __init__(self, resident: set[str]):
+        self.resident = set(resident)
+        self.free_slots = 0
+        self.events: list[str] = []  # "in:<model>" when admitted, in order with the passes
+        self.busy_seen: list[set[str]] = []
+
+    def admit(self, wanted: set[str], busy: set[str]) -> dict[str, str]:
+        self.busy_seen.append(set(busy))
+        waiting = {}
+        for m in sorted(wanted - self.resident):
+            if self.free_slots > 0:
+                self.free_slots -= 1
+                self.resident.add(m)
+                self.events.append(f"in:{m}")
+            else:
+                waiting[m] = "waiting for a trainer slot: fake"
+        return waiting
+
+    def is_resident(self, model: str) -> bool:
+        return model in self.resident
+
+
+def slots_world(fake: SlotsFake) -> World:
+    w = World(loop_active=True, join_wait_s=DEADLINE_S)  # the loop trains: resident heads are left for it
+    w.coalescer = Coalescer(w._fb, w.store, window_s=0.01, admit=fake.admit, tick_s=0.05, resident=fake.is_resident)
+    w.coalescer.join_loop(lambda: w.active, DEADLINE_S)
+    return w
+
+
+def test_loop_never_takes_an_evicted_models_call_admit_brings_it_in_first():
+    async def scenario():
+        fake = SlotsFake(resident={"R"})
+        w = slots_world(fake)
+        e1, r1 = w.fb("E", "e1"), w.fb("R", "r1")  # E is evicted, no slot free: it waits
+        await asyncio.to_thread(lambda: wait_until(lambda: "E" in w.store.waiting))
+        taken = await w.take_on_thread()
+        assert [op.call.loss_fn for op in taken] == ["r1"]  # never E's: it holds no slot
+        # R rides in the loop's step: the next admit (the tick's) is told it is busy (never evicted)
+        n = len(fake.busy_seen)
+        await asyncio.to_thread(lambda: wait_until(lambda: len(fake.busy_seen) > n))
+        assert "R" in fake.busy_seen[n], fake.busy_seen[n]
+        assert w.passes == [] and await w.take_on_thread() == []  # E still waits, R still riding
+        w.coalescer.deliver(taken, [CallResult(metrics={"tag": 0.0})])
+        assert await w.result(r1) == {"fb": "r1"}
+        fake.free_slots = 1  # a slot frees: the tick's admit brings E in; the loop may take it from then on
+        await asyncio.to_thread(lambda: wait_until(lambda: fake.events == ["in:E"]))
+        taken = await w.take_on_thread()
+        assert [op.call.loss_fn for op in taken] == ["e1"]
+        w.coalescer.deliver(taken, [CallResult(metrics={"tag": 0.0})])
+        assert await w.result(e1) == {"fb": "e1"}
+        return w
+
+    run_async(scenario)
+
+
+def test_hold_idle_refuses_models_with_queued_or_taken_calls_and_keeps_takers_off():
+    async def scenario():
+        fake = SlotsFake(resident={"A", "C", "D", "X"})
+        w = slots_world(fake)
+        a1 = w.fb("A", "a1")
+        taken = await w.take_on_thread()  # A's call rides in the loop's step
+        assert [op.call.loss_fn for op in taken] == ["a1"]
+        with w.coalescer.hold_idle("A") as idle:
+            assert not idle  # riding in the loop: never evicted
+        d1 = w.fb("D", "d1")  # left for the loop: queued
+        with w.coalescer.hold_idle("D") as idle:
+            assert not idle  # a queued call: never evicted
+        w.active = False  # from here on the coalescer's own rounds take every head they may
+        assert await w.result(d1) == {"fb": "d1"}
+        with w.coalescer.hold_idle("C") as idle:
+            assert idle  # nothing queued or taken: C may be evicted ...
+            c1 = w.fb("C", "c1")  # ... and a call coming in meanwhile is taken by neither taker:
+            assert await w.take_on_thread() == []
+            x = w.single("X", "x")  # a round after c1 was queued (it would have taken c1 with x)
+            assert await w.result(x) == {"op": "x"}
+            assert ["c1"] not in w.passes
+            fake.resident.discard("C")  # the eviction ends with C out of its slot
+        await asyncio.to_thread(lambda: wait_until(lambda: "C" in w.store.waiting))  # no slot free
+        fake.free_slots = 1
+        assert await w.result(c1) == {"fb": "c1"}  # the tick's admit brought C back in, then it ran
+        assert fake.events == ["in:C"] and w.passes[-1] == ["c1"]
+        w.coalescer.deliver(taken, [CallResult(metrics={"tag": 0.0})])
+        assert await w.result(a1) == {"fb": "a1"}
+        return w
+
+    run_async(scenario)
+
+
+def wait_until(cond, timeout: float = DEADLINE_S) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met within the deadline"
+        time.sleep(0.01)
