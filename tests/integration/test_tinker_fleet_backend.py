@@ -159,6 +159,8 @@ def test_fleet_idle_model_evicted_for_a_queued_registration(ray_cluster, tiny_wo
     trainer group's swap and releases its registry lease; the queue's head binds that slot.
     The evicted model's next call then waits (no slot); once the run retires and its slot is
     free, the model swaps back in with its state bit-identical to before it left."""
+    from contextlib import nullcontext
+
     from api.tinker.backend import LoraSpec, ModelCall
     from api.tinker.fleet_backend import FleetBackend
     from service.config import ServiceSettings, SlotCapacity, load_settings
@@ -194,8 +196,18 @@ def test_fleet_idle_model_evicted_for_a_queued_registration(ray_cluster, tiny_wo
         assert fleet.admit(set(), set()) == {}  # nobody idle yet: nothing evicted
         assert fleet.evicted() == set() and controller.slot_demand() == 1
         now[0] += 100.0
+        # Both idle, but with calls riding in the loop's train call: the coalescer's hold_idle (a FAKE
+        # here, refusing every model as the real one does for a taken call) keeps them resident (E1)
+        alone, fleet.hold_idle = fleet.hold_idle, lambda m: nullcontext(False)
+        assert fleet.admit(set(), set()) == {} and fleet.evicted() == set() and controller.slot_demand() == 1
+        fleet.hold_idle = alone  # back to the backend alone (no coalescer: every model idle for it)
         assert fleet.admit(set(), {b}) == {}  # b has a queued call: never evicted (E1); a goes
         assert fleet.evicted() == {a} and set(controller.slot_leases()) == {b}
+        # The loop's thread's view (backend E4): a is not resident, and its slot lookup there
+        # neither swaps it back in nor waits for a lock: the call gets an error instead
+        assert not fleet.is_resident(a) and fleet.is_resident(b)
+        _, errors = fleet._calls([ModelCall(a, _data(7, 3), "cross_entropy")], bring_in=False)  # noqa: SLF001
+        assert "no trainer slot" in errors[0] and fleet.evicted() == {a}
         assert [r.name for r in controller.registry.bind_queued()] == ["rest"]
         assert controller.slot_demand() == 0 and fleet.admit(set(), set()) == {}  # no more evictions
         assert fleet.evicted() == {a}
