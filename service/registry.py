@@ -394,10 +394,11 @@ class Registry:
             held = self._held_slots()
             free = [s for s in range(self.num_slots) if s not in held]
             if not free:
-                holders = ", ".join(f"{held[s]} (slot {s})" for s in sorted(held))
+                # The holders are not named: this message reaches a tenant (a Tinker future), and
+                # other tenants' runs and models are not theirs to see (I8). Operators: GET /v1/fleet.
                 raise NoFreeSlot(
-                    f"no free trainer slot: all {self.num_slots} slots are held: {holders}; retry after an adapter "
-                    "is retired or a Tinker model is unloaded"
+                    f"no free trainer slot: all {self.num_slots} slots are held by adapter runs or Tinker models; "
+                    "retry after an adapter is retired or a Tinker model is unloaded"
                 )
             self._db.execute("INSERT INTO slot_leases (slot, holder, tenant, created_at) VALUES (?, ?, ?, ?)",
                              (free[0], holder, tenant, time.time()))

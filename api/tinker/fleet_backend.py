@@ -93,7 +93,7 @@ class FleetBackend(InProcessBackend):
     def _take_slot(self, model_id: str, tenant: str) -> int:
         try:
             return self.controller.lease_slot(model_id, tenant)
-        except Conflict as err:  # NoFreeSlot is a Conflict: the future's user error says which slots are held
+        except Conflict as err:  # NoFreeSlot is a Conflict: the future's user error (holders unnamed, I8)
             raise ValueError(str(err)) from None
 
     def _give_slot(self, model_id: str) -> None:

@@ -162,3 +162,15 @@ def test_a_tenant_starts_only_from_data_roots_and_its_own_runs(tmp_path):
     assert "shared data roots or one of its own runs' checkpoints" in e.value.message
     check_tenant_start_paths(cfg.model_copy(update={"resume_from": str(own / "checkpoints" / "step_2")}),
                              state_dir=state, data_roots=[data], own_dirs=[own])
+
+
+def test_a_refused_slot_lease_names_no_holder(reg):
+    """The lease refusal reaches a tenant's Tinker future: it must not name other tenants' runs or models."""
+    run = reg.register("bob-secret-run", CONFIG, total_steps=5, owner="bob")
+    assert run.slot is not None  # a free slot is bound at registration
+    for i in range(3):  # the other three slots: bob's Tinker models
+        reg.lease_slot(f"bob-model-{i}", "bob")
+    with pytest.raises(Conflict) as e:
+        reg.lease_slot("alice-model", "alice")
+    assert "no free trainer slot" in e.value.message
+    assert "bob" not in e.value.message, e.value.message
