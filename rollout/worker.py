@@ -210,11 +210,19 @@ class RolloutCore:
         return aborted
 
     async def publish_version(self, name: str, version: int, weights: AdapterWeights) -> None:
-        """New weights for the adapter: new groups use them at once; stale buffered groups drop on pop."""
+        """New weights for the adapter: new groups use them once every engine in routing loaded them;
+        stale buffered groups drop on pop.
+
+        The buffer counts the version as published *before* the load (the trainer already holds these
+        weights): a training step that pops groups while the engines still load it sees the groups of
+        older weights one publish further behind, so no step takes groups staler than the adapter's
+        bound allows (issue 18 item 4). A failed load leaves that count one too high: conservative."""
         run = self._run(name)
-        await self.pool.publish(name, version, weights)
         run.buffer.note_published(version)
-        self._wake.set()
+        try:
+            await self.pool.publish(name, version, weights)
+        finally:
+            self._wake.set()
 
     async def abort_adapter(self, name: str, *, pause: bool = False) -> int:
         """Abort the adapter's in-flight requests (their prompts are re-queued); return how many.

@@ -241,8 +241,13 @@ class Controller:
     def live_runs(self) -> list[AdapterRef]:
         return self.registry.live()
 
-    def record_step(self, registration_id: str, *, step: int, samples: int, metrics: dict[str, float], weight_version: int | None = None) -> AdapterRef:
-        return self.registry.record_step(registration_id, step=step, samples=samples, metrics=metrics, weight_version=weight_version)
+    def record_step(self, registration_id: str, *, step: int, samples: int, metrics: dict[str, float], weight_version: int | None = None,
+                    served: bool = True) -> AdapterRef:
+        return self.registry.record_step(registration_id, step=step, samples=samples, metrics=metrics, weight_version=weight_version,
+                                         served=served)
+
+    def mark_served(self, registration_id: str, weight_version: int) -> None:
+        self.registry.mark_served(registration_id, weight_version)
 
     def record_checkpoint(self, registration_id: str, path: str, step: int) -> AdapterRef:
         return self.registry.record_checkpoint(registration_id, path, step)
