@@ -633,7 +633,7 @@ def _handoff_copy(src, root, tag) -> AdapterWeights:
 def test_handoff_folders_are_deleted_once_superseded_failed_or_removed(sglang_server, adapters, prompts, tiny_world, tmp_path):
     """File handoff (weight_transfer 'disk'): the engine reads each version's folder; the folder of a
     version is deleted once a newer one is loaded, when its load fails, and when the adapter is removed,
-    so 40 publishes under load leave exactly one folder (the current one, which an engine that comes
+    so 20 publishes under load leave exactly one folder (the current one, which an engine that comes
     back would load) and the server serves the last version's weights (== HF+PEFT greedy)."""
     root = tmp_path / "handoff"
     root.mkdir()
@@ -646,14 +646,14 @@ def test_handoff_folders_are_deleted_once_superseded_failed_or_removed(sglang_se
         try:
             await pool.publish("ho", 0, _handoff_copy(adapters["one"], root, "v0"))
             params = {"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True}
-            for v in range(1, 41):
+            for v in range(1, 21):
                 load = [asyncio.create_task(pool.generate_group("ho", prompts[0], params, 2)) for _ in range(2)]
                 await pool.publish("ho", v, _handoff_copy(adapters["one" if v % 2 else "two"], root, f"v{v}"))
                 counts.append(len(list(root.iterdir())))
                 await asyncio.gather(*load)
             refused = None
             try:
-                await pool.publish("ho", 41, _handoff_copy(bad, root, "v41"))
+                await pool.publish("ho", 21, _handoff_copy(bad, root, "v21"))
             except Exception as e:  # noqa: BLE001 - the engine refuses it (HTTP 400)
                 refused = e
             after_refusal = sorted(p.name for p in root.iterdir())
@@ -665,9 +665,9 @@ def test_handoff_folders_are_deleted_once_superseded_failed_or_removed(sglang_se
             await pool.aclose()
 
     counts, refused, after_refusal, out, _, after_remove = asyncio.run(run())
-    assert counts == [1] * 40  # only the current version's folder, after every publish
-    assert getattr(refused, "status", None) == 400 and after_refusal == ["v40"]  # the refused version's folder is gone, v40 still current
-    assert [g.results[0].token_ids for g in out] == want  # v40 (adapter two) is what the server serves
+    assert counts == [1] * 20  # only the current version's folder, after every publish
+    assert getattr(refused, "status", None) == 400 and after_refusal == ["v20"]  # the refused version's folder is gone, v20 still current
+    assert [g.results[0].token_ids for g in out] == want  # v20 (adapter two) is what the server serves
     assert after_remove == []
 
 
