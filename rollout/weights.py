@@ -166,3 +166,25 @@ class AdapterWeights:
 
             state = {**state, "tensors": load(state["tensors"])}
         self.__dict__.update(state)
+
+
+class PendingFolder:
+    """A handoff folder the trainer is still writing: its path and the trainer calls writing it
+    (Ray ObjectRefs, or any awaitables). The coordinator sends this instead of AdapterWeights so
+    it never waits for the write (issue 18); the rollout worker awaits `ready()` before loading."""
+
+    def __init__(self, folder: str | Path, writers: list[Any]):
+        self.folder = str(folder)
+        self.writers = list(writers)
+
+    async def ready(self) -> AdapterWeights:
+        """The written folder as handoff weights; raises the trainer's error if a write failed
+        (the folder is then deleted: nothing will read it)."""
+        import asyncio
+
+        try:
+            await asyncio.gather(*self.writers)
+            return AdapterWeights.from_folder(self.folder, handoff=True)
+        except BaseException:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            raise

@@ -37,7 +37,7 @@ from rollout.data import DataCursor, DataSource, DataStatus, PromptRow
 from rollout.groups import AdapterBuffer, RolloutGroup, Sample, group_advantages
 from rollout.pool import EnginePool, GroupGeneration, NoHealthyEngine, UnknownAdapter
 from rollout.rewards import RewardFn, load_reward, score_async
-from rollout.weights import AdapterWeights
+from rollout.weights import AdapterWeights, PendingFolder
 
 log = logging.getLogger(__name__)
 
@@ -209,8 +209,8 @@ class RolloutCore:
         run.buffer.drain()
         return aborted
 
-    async def publish_version(self, name: str, version: int, weights: AdapterWeights) -> None:
-        """New weights for the adapter: new groups use them once every engine in routing loaded them;
+    async def publish_version(self, name: str, version: int, weights: AdapterWeights | PendingFolder) -> None:
+        """New weights for the adapter (or a handoff folder still being written: awaited first): new groups use them once every engine in routing loaded them;
         stale buffered groups drop on pop.
 
         The buffer counts the version as published *before* the load (the trainer already holds these
@@ -220,6 +220,8 @@ class RolloutCore:
         run = self._run(name)
         run.buffer.note_published(version)
         try:
+            if isinstance(weights, PendingFolder):  # the trainer is still writing it (the loop did not wait)
+                weights = await weights.ready()
             await self.pool.publish(name, version, weights)
         finally:
             self._wake.set()

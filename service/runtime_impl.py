@@ -55,7 +55,7 @@ from typing import Any
 
 from rollout.data import DataCursor
 from rollout.groups import RolloutGroup
-from rollout.weights import AdapterWeights
+from rollout.weights import AdapterWeights, PendingFolder
 from rollout.worker import AdapterRollout, AdapterStats
 from service.batches import CollectedBatch, PublishOutcome, StepPlan, SteppedRun, TrainerLost, TrainOutcome, rl_step
 from service.checkpoints import ADAPTER_SUBDIR, PendingCheckpoint, link_folder, RunState, load_checkpoint, prune_checkpoints
@@ -147,9 +147,12 @@ class FleetRuntime:
         (rollout/weights.py). 'tensors' (remote engines): the tensors, sent in the load request."""
         if self.job.engines.weight_transfer != "disk":
             return self._weights(slot)
-        folder = self.handoff_dir / f"{name}-{registration_id[:12]}-v{version}"
+        folder = self._handoff_folder(name, registration_id, version)
         self.trainer.export_peft(slot, folder)
         return AdapterWeights.from_folder(folder, handoff=True)
+
+    def _handoff_folder(self, name: str, registration_id: str, version: int) -> Path:
+        return self.handoff_dir / f"{name}-{registration_id[:12]}-v{version}"
 
     def runs(self) -> list[str]:
         with self._lock:
@@ -567,9 +570,9 @@ class FleetRuntime:
     def publish(self, registration_id: str, version: int) -> bool:
         """Hand the run's current weights to the engines as `version` (RL; SFT runs are not served).
 
-        Returns once the weights are taken from the trainer (with weight_transfer 'disk': once the
-        trainer wrote the handoff folder; nothing is pickled or base64-encoded); the engines load
-        them while the loop goes on (the rollout worker applies one adapter's publishes in order,
+        Returns once the weights are taken from the trainer; with weight_transfer 'disk' at once: the
+        trainer writes the handoff folder (nothing pickled or base64-encoded) before its next call,
+        and the rollout worker waits for that write, not the loop. The engines load them while the loop goes on (the rollout worker applies one adapter's publishes in order,
         and any later remove/abort of the adapter after them; its buffer counts the version as
         published before the load starts, so groups of older weights are already one behind).
         Returns True while the engines load it: `settle_publishes` reports the outcome, and only
@@ -580,9 +583,15 @@ class FleetRuntime:
             return False
         if run.evicted:
             raise RuntimeError(f"{run.name} is evicted; it is published once restored")
-        weights = self._engine_weights(run.slot, run.name, registration_id, version)
+        if self.job.engines.weight_transfer == "disk":
+            # The trainer writes the folder after this call returns (before its next train call); the
+            # rollout worker waits for the write, the loop does not.
+            folder = self._handoff_folder(run.name, registration_id, version)
+            weights: AdapterWeights | PendingFolder = PendingFolder(folder, self.trainer.begin_export_peft(run.slot, folder))
+        else:
+            weights = self._weights(run.slot)
         ref = self._need_rollout().publish_version(run.name, version, weights)
-        self._publishing.append(_Publish(registration_id, run.name, version, ref, weights.folder if weights.handoff else None))
+        self._publishing.append(_Publish(registration_id, run.name, version, ref, weights.folder if isinstance(weights, PendingFolder) else None))
         return True
 
     def settle_publishes(self) -> list[PublishOutcome]:

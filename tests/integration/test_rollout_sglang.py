@@ -701,3 +701,46 @@ def test_a_publish_counts_for_staleness_before_the_engines_loaded_it(sglang_serv
     assert popped_while_loading == []  # ... yet the v0 groups already counted as stale for max_staleness 0
     assert stats.dropped_stale >= 2
     assert fresh and all(g.version == 1 and g.staleness == 0 for g in fresh)
+
+
+def test_the_worker_loads_a_handoff_folder_once_the_trainer_wrote_it(sglang_server, adapters, prompts, tiny_world, tmp_path):
+    """The loop hands over a folder the trainer is still writing (rollout.weights.PendingFolder): the
+    worker counts the version at once, loads it once the write finished (the server then serves it,
+    == HF+PEFT greedy), and a failed write fails the publish, deletes the folder and keeps the old version."""
+    import shutil
+
+    from rollout.weights import PendingFolder
+
+    cfg = RolloutConfig(max_inflight_per_adapter=4, max_inflight_total=4, max_buffered_groups_per_adapter=2)
+    want = hf_greedy(tiny_world / "model", adapters["two"], prompts[:1])
+
+    async def run():
+        async with started_worker(sglang_server, cfg, tiny_world, ["pf"]) as worker:
+            await worker.add_adapter(rollout_spec(tiny_world, "pf", "digits", "reg-pf"), AdapterWeights.from_folder(adapters["one"]))
+            written = asyncio.Event()
+
+            async def trainer_writes(dest):  # stands for the trainer rank's export_peft call
+                await written.wait()
+                shutil.copytree(adapters["two"], dest)
+
+            dest = tmp_path / "handoff" / "pf-v1"
+            publish = asyncio.create_task(worker.publish_version("pf", 1, PendingFolder(dest, [asyncio.create_task(trainer_writes(dest))])))
+            await asyncio.sleep(0.2)
+            waiting = (not publish.done(), worker.pool.current_version("pf"), worker.core._run("pf").buffer.published[-1])
+            written.set()
+            await publish
+            served = await worker.pool.generate_group("pf", prompts[0], GREEDY, 1)
+
+            async def write_fails():
+                (tmp_path / "handoff" / "pf-v2").mkdir()
+                raise RuntimeError("trainer rank died while exporting (planted)")
+
+            bad = tmp_path / "handoff" / "pf-v2"
+            with pytest.raises(RuntimeError, match="planted"):
+                await worker.publish_version("pf", 2, PendingFolder(bad, [asyncio.create_task(write_fails())]))
+            return waiting, served, worker.pool.current_version("pf"), bad.exists(), dest.exists()
+
+    waiting, served, version_after_failure, bad_exists, current_exists = asyncio.run(run())
+    assert waiting == (True, 0, 1)  # not loaded before the write; already counted for staleness
+    assert served.version == 1 and served.results[0].token_ids == want[0]
+    assert version_after_failure == 1 and not bad_exists and current_exists
