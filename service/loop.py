@@ -100,6 +100,8 @@ def run_training_loop(controller: Any, runtime: Any, opts: LoopOptions, stop: St
     errors = 0  # consecutive rounds that raised
     while not stop.is_set():
         try:
+            for p in runtime.settle_publishes():                                                # 4b (before a retiring run is finished)
+                _settle(controller, runtime, p, report)
             for change in controller.reconcile():                                               # 1
                 log.info("%s: %s -> %s%s", change.name, change.from_state, change.to_state, f" ({change.reason})" if change.reason else "")
             for registration_id, reason in runtime.fatal_runs().items():                         # fault: a run that can never step
@@ -107,8 +109,6 @@ def run_training_loop(controller: Any, runtime: Any, opts: LoopOptions, stop: St
                     controller.fail(registration_id, reason)
                 except Conflict as e:  # no longer live (retired or deleted meanwhile)
                     log.info("fail %s: %s", registration_id, e)
-            for p in runtime.settle_publishes():                                                # 4b
-                _settle(controller, runtime, p, report)
             live = controller.live_runs()
             if opts.batch_mode and not live:
                 break
