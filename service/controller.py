@@ -171,16 +171,23 @@ class Controller:
     def retire(self, name: str, registration_id: str | None = None) -> AdapterRef:
         """Ask a live run to retire (-> RETIRING); reconcile finishes it. With
         `registration_id` (the loop's call on exhaustion), only that run is retired."""
-        ref = self.registry.get(name)
-        if registration_id is not None and ref.registration_id != registration_id:
-            raise Conflict(f"adapter {name!r}: registration {registration_id} is not its current run")
-        if ref.state in (AdapterState.RETIRING, AdapterState.CLEANUP):
-            raise Conflict(f"adapter {name!r} is already retiring (state {ref.state}); it ends COMPLETED with its export")
-        if not ref.live:
-            raise Conflict(f"adapter {name!r} already ended ({ref.state}); only PENDING or ACTIVE adapters can be retired")
-        new = self.registry.transition(ref.registration_id, AdapterState.RETIRING, expect=ref.state)
-        log.info("retiring %s (registration %s)", name, ref.registration_id)
-        return new
+        for attempt in range(3):  # the loop may move it PENDING -> ACTIVE between the read and the change
+            ref = self.registry.get(name)
+            if registration_id is not None and ref.registration_id != registration_id:
+                raise Conflict(f"adapter {name!r}: registration {registration_id} is not its current run")
+            if ref.state in (AdapterState.RETIRING, AdapterState.CLEANUP):
+                raise Conflict(f"adapter {name!r} is already retiring (state {ref.state}); it ends COMPLETED with its export")
+            if not ref.live:
+                raise Conflict(f"adapter {name!r} already ended ({ref.state}); only PENDING or ACTIVE adapters can be retired")
+            try:
+                new = self.registry.transition(ref.registration_id, AdapterState.RETIRING, expect=ref.state)
+            except Conflict:
+                if attempt == 2:
+                    raise
+                continue  # read it again: the checks above say what it is now
+            log.info("retiring %s (registration %s)", name, ref.registration_id)
+            return new
+        raise AssertionError("unreachable")
 
     def abort(self, name: str) -> int:
         """Abort the run's in-flight generation without retiring it; the number aborted."""

@@ -288,3 +288,26 @@ def test_prepare_uses_the_version_the_controller_assigns(fleet):
     ref = controller.get("b")
     assert ref.weight_version > before
     assert ("add_adapter", "b", ref.weight_version) in rollout.calls  # the rollout starts at that version
+
+
+def test_a_retire_racing_the_loops_prepare_still_retires(fleet):
+    """The tenant asks to retire a PENDING run while the loop prepares it (PENDING -> ACTIVE between the
+    controller's read and its change, as the fleet load test hit with fast handoff loads): it retires,
+    no 409. The interleaving is forced by running the loop's reconcile inside the first transition call."""
+    controller, _, _, _, data = fleet
+    controller.register("r", sft(data))
+    real = controller.registry.transition
+    calls = []
+
+    def loop_prepares_first(*args, **kwargs):
+        if not calls:
+            controller.reconcile()  # the loop's step, just before the retire's compare-and-set
+        calls.append(kwargs.get("expect"))
+        return real(*args, **kwargs)
+
+    controller.registry.transition = loop_prepares_first
+    try:
+        assert controller.retire("r").state == S.RETIRING
+    finally:
+        controller.registry.transition = real
+    assert calls[0] == S.PENDING and calls[-1] == S.ACTIVE  # refused once (it had become ACTIVE), then retired as ACTIVE
