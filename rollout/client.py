@@ -15,6 +15,7 @@ stock-SGLang path (exact rids; versioned names + unload).
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import httpx
@@ -201,7 +202,9 @@ class EngineClient:
         elif transfer == "disk":
             if weights.folder is None and spill_dir is None:
                 raise ValueError(f"adapter {name}: weights have no folder and no spill_dir was given for transfer 'disk'")
-            folder = weights.ensure_folder(f"{spill_dir}/{name}") if weights.folder is None else weights.folder
+            # A fresh folder per weights object: a name repeats (native upsert), and the folder of the
+            # version it replaces is deleted when that version is discarded (rollout/pool.py).
+            folder = weights.ensure_folder(f"{spill_dir}/{name}-{uuid.uuid4().hex[:12]}") if weights.folder is None else weights.folder
             await self._call("POST", "/load_lora_adapter", json={"lora_name": name, "lora_path": folder, **extra})
         else:
             raise ValueError(f"weight transfer must be 'tensors' or 'disk', got {transfer!r}")

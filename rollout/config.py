@@ -105,7 +105,10 @@ class EngineConfig(StrictModel):
     weight_transfer: Literal["tensors", "disk"] = Field(
         "tensors",
         description="How a new adapter version reaches the servers: 'tensors' = in the HTTP request "
-        "(/load_lora_adapter_from_tensors; no shared filesystem needed), 'disk' = a PEFT folder the server reads.",
+        "(/load_lora_adapter_from_tensors; no shared filesystem needed; pickle + base64 + JSON: about 3 s per 87 MB "
+        "adapter on CPU), 'disk' = the trainer writes a PEFT folder under <state_dir>/handoff and the server reads it "
+        "(tens of ms; needs trainer rank 0 and the engines on one node, or a shared filesystem at that path; "
+        "docs/operations.md, Weight publishing).",
     )
     startup_deadline_s: float = Field(300.0, gt=0, description="Give up on a server that is not ready after this many seconds.")
     request_timeout_s: float = Field(600.0, gt=0, description="Timeout of one /generate call (seconds).")

@@ -4,6 +4,9 @@ The pool is the only place that talks to engines on the rollout path. It keeps,
 per engine, every request in flight (rid -> served LoRA name), and per adapter,
 the version new requests use. From these it does:
 
+* **Handoff folders** (rollout/weights.py): a version's handoff folder is deleted once it is
+  superseded (the next version is loaded on every engine in routing), its publish failed, or
+  the adapter is removed; the current version's folder stays (an engine that comes back loads it).
 * **Live adapter update over stock SGLang** (`publish`): load the new version
   under ``<adapter>@v<k>`` on every healthy engine; only when all loads
   succeeded switch the adapter's current version (new requests use it at once);
@@ -194,9 +197,15 @@ class EnginePool:
                 for e, r in zip(targets, results):
                     if isinstance(r, EngineUnavailable):
                         e.healthy = False
+                if cur is None or cur.weights is not weights:
+                    weights.discard()  # its handoff folder: nothing will load this version (a retry publishes anew)
                 raise errors[0]
             old = cur.served if cur is not None else None
             self._adapters[adapter] = _Adapter(adapter, version, weights, served, cur.aborted_rids if cur else set())
+            if cur is not None and cur.weights is not weights:
+                # Every engine in routing holds the new version; one out of routing gets the current
+                # version when it comes back (readmit / replace_engine). The old folder is never read again.
+                cur.weights.discard()
             if old is not None and old != served:
                 for e in self._engines:
                     self._retire(e, old)
@@ -250,6 +259,7 @@ class EnginePool:
             state = self._adapters.pop(adapter, None)
             if state is None:
                 return aborted
+            state.weights.discard()  # its handoff folder (the engines unload what they loaded from it)
             for e in self._engines:
                 for name in [n for n in e.loaded if served_by(n, adapter)]:
                     self._retire(e, name)

@@ -15,7 +15,14 @@ or as a PEFT folder (``init_from``, a checkpoint); either can be sent either way
   ``torch.storage._load_from_bytes``, which SGLang's SafeUnpickler maps to a
   weights-only ``torch.load``), so it works across machines with no shared
   filesystem.
-* ``disk``: a PEFT folder the server reads with ``/load_lora_adapter``.
+* ``disk``: a PEFT folder the server reads with ``/load_lora_adapter`` (engines on the
+  trainer's node). The service's hot path (issue 18): the trainer writes the folder itself
+  (safetensors: raw tensor bytes, no pickle, no base64) into the state dir's handoff folder,
+  and only the path travels. Such a folder is a *handoff* folder (`handoff=True`): written for
+  this one version, it is deleted (`discard`) once no engine can need it again (superseded by
+  a newer version that every engine in routing loaded, a failed publish, a removed adapter);
+  rollout/pool.py `EnginePool` does that, so the folder count stays at one per live adapter
+  (plus publishes in flight).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 import base64
 import json
 import pickle
+import shutil
 import threading
 from pathlib import Path
 from typing import Any
@@ -68,9 +76,11 @@ class AdapterWeights:
     """LoRA weights of one adapter version: a PEFT config dict plus tensors or a folder.
 
     Invariant: at least one of `tensors` and `folder` is set; when both are,
-    they hold the same weights."""
+    they hold the same weights. `handoff`: the folder was written for this object alone
+    (the service's handoff folder, or `ensure_folder`), so `discard` may delete it."""
 
-    def __init__(self, config: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None, folder: str | None = None):
+    def __init__(self, config: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None, folder: str | None = None,
+                 *, handoff: bool = False):
         if tensors is None and folder is None:
             raise ValueError("AdapterWeights needs tensors or a PEFT folder")
         if not isinstance(config, dict) or "r" not in config:
@@ -78,17 +88,26 @@ class AdapterWeights:
         self.config = dict(config)
         self.tensors = None if tensors is None else {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
         self.folder = None if folder is None else str(folder)
+        self.handoff = bool(handoff) and folder is not None
         self._payload: str | None = None
 
     @classmethod
-    def from_folder(cls, folder: str | Path) -> AdapterWeights:
-        """A PEFT adapter folder; refused with a message naming the missing file."""
+    def from_folder(cls, folder: str | Path, *, handoff: bool = False) -> AdapterWeights:
+        """A PEFT adapter folder; refused with a message naming the missing file. `handoff`: written for
+        this version alone (deleted by `discard`); never set it on a checkpoint or a tenant's folder."""
         folder = Path(folder)
         for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
             if not (folder / name).is_file():
                 raise ValueError(f"{folder} is not a PEFT adapter folder: {name} is missing")
         config = json.loads((folder / ADAPTER_CONFIG).read_text())
-        return cls(config, folder=str(folder.resolve()))
+        return cls(config, folder=str(folder.resolve()), handoff=handoff)
+
+    def discard(self) -> None:
+        """Delete the folder if it is a handoff folder (no engine will read it again); else nothing.
+        The tensors, if any, stay usable."""
+        if self.handoff and self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder, self.handoff = None, False
 
     @property
     def rank(self) -> int:
@@ -96,6 +115,8 @@ class AdapterWeights:
 
     def load_tensors(self) -> dict[str, torch.Tensor]:
         if self.tensors is None:
+            if self.folder is None:
+                raise ValueError("these weights were discarded (their handoff folder is deleted)")
             from safetensors.torch import load_file
 
             self.tensors = load_file(str(Path(self.folder) / ADAPTER_WEIGHTS))
@@ -109,16 +130,19 @@ class AdapterWeights:
         return self._payload
 
     def ensure_folder(self, dest: str | Path) -> str:
-        """A PEFT folder with these weights: the existing one, else written to `dest`."""
+        """A PEFT folder with these weights: the existing one, else written to `dest` (a fresh folder
+        for this object alone: it becomes a handoff folder, deleted by `discard`)."""
         if self.folder is not None:
             return self.folder
+        if self.tensors is None:
+            raise ValueError("these weights were discarded (their handoff folder is deleted)")
         from safetensors.torch import save_file
 
         dest = Path(dest)
         dest.mkdir(parents=True, exist_ok=True)
-        save_file(dict(self.tensors), str(dest / ADAPTER_WEIGHTS))
+        save_file({k: v.clone() for k, v in self.tensors.items()}, str(dest / ADAPTER_WEIGHTS))  # clone: shared lora_A storage
         (dest / ADAPTER_CONFIG).write_text(json.dumps(self.config, indent=2, sort_keys=True))
-        self.folder = str(dest.resolve())
+        self.folder, self.handoff = str(dest.resolve()), True
         return self.folder
 
     def __getstate__(self):
@@ -142,3 +166,25 @@ class AdapterWeights:
 
             state = {**state, "tensors": load(state["tensors"])}
         self.__dict__.update(state)
+
+
+class PendingFolder:
+    """A handoff folder the trainer is still writing: its path and the trainer calls writing it
+    (Ray ObjectRefs, or any awaitables). The coordinator sends this instead of AdapterWeights so
+    it never waits for the write (issue 18); the rollout worker awaits `ready()` before loading."""
+
+    def __init__(self, folder: str | Path, writers: list[Any]):
+        self.folder = str(folder)
+        self.writers = list(writers)
+
+    async def ready(self) -> AdapterWeights:
+        """The written folder as handoff weights; raises the trainer's error if a write failed
+        (the folder is then deleted: nothing will read it)."""
+        import asyncio
+
+        try:
+            await asyncio.gather(*self.writers)
+            return AdapterWeights.from_folder(self.folder, handoff=True)
+        except BaseException:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            raise

@@ -37,7 +37,7 @@ from rollout.data import DataCursor, DataSource, DataStatus, PromptRow
 from rollout.groups import AdapterBuffer, RolloutGroup, Sample, group_advantages
 from rollout.pool import EnginePool, GroupGeneration, NoHealthyEngine, UnknownAdapter
 from rollout.rewards import RewardFn, load_reward, score_async
-from rollout.weights import AdapterWeights
+from rollout.weights import AdapterWeights, PendingFolder
 
 log = logging.getLogger(__name__)
 
@@ -209,12 +209,22 @@ class RolloutCore:
         run.buffer.drain()
         return aborted
 
-    async def publish_version(self, name: str, version: int, weights: AdapterWeights) -> None:
-        """New weights for the adapter: new groups use them at once; stale buffered groups drop on pop."""
+    async def publish_version(self, name: str, version: int, weights: AdapterWeights | PendingFolder) -> None:
+        """New weights for the adapter (or a handoff folder still being written: awaited first): new groups use them once every engine in routing loaded them;
+        stale buffered groups drop on pop.
+
+        The buffer counts the version as published *before* the load (the trainer already holds these
+        weights): a training step that pops groups while the engines still load it sees the groups of
+        older weights one publish further behind, so no step takes groups staler than the adapter's
+        bound allows (issue 18 item 4). A failed load leaves that count one too high: conservative."""
         run = self._run(name)
-        await self.pool.publish(name, version, weights)
         run.buffer.note_published(version)
-        self._wake.set()
+        try:
+            if isinstance(weights, PendingFolder):  # the trainer is still writing it (the loop did not wait)
+                weights = await weights.ready()
+            await self.pool.publish(name, version, weights)
+        finally:
+            self._wake.set()
 
     async def abort_adapter(self, name: str, *, pause: bool = False) -> int:
         """Abort the adapter's in-flight requests (their prompts are re-queued); return how many.

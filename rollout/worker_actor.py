@@ -36,7 +36,7 @@ from rollout.client import EngineClient
 from rollout.config import EngineConfig, RolloutConfig
 from rollout.engine import EngineProcess
 from rollout.pool import EnginePool
-from rollout.weights import AdapterWeights
+from rollout.weights import AdapterWeights, PendingFolder
 from rollout.worker import AdapterRollout, AdapterStats, EngineHealth, RolloutCore, RolloutError
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ class RolloutWorkerImpl:
     async def remove_adapter(self, name: str) -> int:
         return await self._need().remove_adapter(name)
 
-    async def publish_version(self, name: str, version: int, weights: AdapterWeights) -> None:
+    async def publish_version(self, name: str, version: int, weights: AdapterWeights | PendingFolder) -> None:
         await self._need().publish_version(name, version, weights)
 
     async def abort_adapter(self, name: str, pause: bool = False) -> int:

@@ -56,6 +56,17 @@ class TrainOutcome:
     seconds: float
 
 
+@dataclass(frozen=True)
+class PublishOutcome:
+    """A publish (weights of one RL run to the engines) that finished since the loop last asked."""
+
+    registration_id: str
+    name: str
+    version: int
+    error: str | None  # None: every engine in routing serves `version` (or none is in routing: it is current)
+    republish: bool = False  # failed, and it was the run's newest version: the loop publishes it again
+
+
 class TrainerLost(RuntimeError):
     """The trainer actor(s) died; every slot is gone (restart, then re-prepare from checkpoints)."""
 

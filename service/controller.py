@@ -205,16 +205,23 @@ class Controller:
     def retire(self, name: str, registration_id: str | None = None, tenant: str | None = None) -> AdapterRef:
         """Ask a live run to retire (-> RETIRING); reconcile finishes it. With
         `registration_id` (the loop's call on exhaustion), only that run is retired."""
-        ref = self.registry.get(name, tenant)
-        if registration_id is not None and ref.registration_id != registration_id:
-            raise Conflict(f"adapter {name!r}: registration {registration_id} is not its current run")
-        if ref.state in (AdapterState.RETIRING, AdapterState.CLEANUP):
-            raise Conflict(f"adapter {name!r} is already retiring (state {ref.state}); it ends COMPLETED with its export")
-        if not ref.live:
-            raise Conflict(f"adapter {name!r} already ended ({ref.state}); only PENDING or ACTIVE adapters can be retired")
-        new = self.registry.transition(ref.registration_id, AdapterState.RETIRING, expect=ref.state)
-        log.info("retiring %s (registration %s)", name, ref.registration_id)
-        return new
+        for attempt in range(3):  # the loop may move it PENDING -> ACTIVE between the read and the change
+            ref = self.registry.get(name, tenant)
+            if registration_id is not None and ref.registration_id != registration_id:
+                raise Conflict(f"adapter {name!r}: registration {registration_id} is not its current run")
+            if ref.state in (AdapterState.RETIRING, AdapterState.CLEANUP):
+                raise Conflict(f"adapter {name!r} is already retiring (state {ref.state}); it ends COMPLETED with its export")
+            if not ref.live:
+                raise Conflict(f"adapter {name!r} already ended ({ref.state}); only PENDING or ACTIVE adapters can be retired")
+            try:
+                new = self.registry.transition(ref.registration_id, AdapterState.RETIRING, expect=ref.state)
+            except Conflict:
+                if attempt == 2:
+                    raise
+                continue  # read it again: the checks above say what it is now
+            log.info("retiring %s (registration %s)", name, ref.registration_id)
+            return new
+        raise AssertionError("unreachable")
 
     def abort(self, name: str, tenant: str | None = None) -> int:
         """Abort the run's in-flight generation without retiring it; the number aborted."""
@@ -275,8 +282,13 @@ class Controller:
     def live_runs(self) -> list[AdapterRef]:
         return self.registry.live()
 
-    def record_step(self, registration_id: str, *, step: int, samples: int, metrics: dict[str, float], weight_version: int | None = None) -> AdapterRef:
-        return self.registry.record_step(registration_id, step=step, samples=samples, metrics=metrics, weight_version=weight_version)
+    def record_step(self, registration_id: str, *, step: int, samples: int, metrics: dict[str, float], weight_version: int | None = None,
+                    served: bool = True) -> AdapterRef:
+        return self.registry.record_step(registration_id, step=step, samples=samples, metrics=metrics, weight_version=weight_version,
+                                         served=served)
+
+    def mark_served(self, registration_id: str, weight_version: int) -> None:
+        self.registry.mark_served(registration_id, weight_version)
 
     def record_checkpoint(self, registration_id: str, path: str, step: int) -> AdapterRef:
         return self.registry.record_checkpoint(registration_id, path, step)

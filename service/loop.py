@@ -7,7 +7,10 @@
                                  waiting at most `max_wait_s` for the others once one is ready
         3. train                 ONE mixed train call over every collected adapter
         4. publish               the stepped adapters' new weights (only theirs), under fresh versions;
-                                 the engines load them while the loop goes on
+                                 the trainer writes each to a handoff folder (weight_transfer 'disk'),
+                                 the engines load them while the loop goes on (the next train call)
+        4b. settle               (each round) publishes that finished: the registry's weight_version
+                                 moves to what the engines now serve; a failed one is published again
         5. commit                per stepped adapter, only now (the call succeeded): record_step
         6. checkpoint            every `checkpoint_interval` steps of an adapter
         7. retire                adapters whose data or num_step is used up
@@ -15,7 +18,17 @@
 
 Rollout never waits for this loop (the rollout worker keeps generating with the
 newest published weights); the loop never waits for a slow adapter for longer
-than the bound. Faults handled here: a dead SGLang engine is restarted and its
+than the bound, nor for engines loading weights or restarting.
+
+Guarantees while publishes overlap training (issue 18 item 4):
+  G1 staleness: the rollout buffer counts a version as published when the publish reaches the
+     worker, before the engines load it, so an adapter's next step never takes groups more than
+     its max_staleness publishes behind the trainer's weights (rollout/worker.py publish_version);
+  G2 a failed publish is reported and, if it was the run's newest version, published again
+     under a fresh version (4b);
+  G3 the registry's weight_version (what the API says the engines serve) moves only when a
+     publish finished (record_step(served=False), then mark_served at 4b): it is never newer
+     than what the engines serve. Faults handled here: a dead SGLang engine is restarted and its
 adapters republished (runtime.check_engines); a dead trainer (found by a train
 call, or by the periodic check while nothing trains) is restarted and every live
 run is prepared again from its last checkpoint (re-attaching the runtime makes
@@ -67,7 +80,7 @@ class LoopReport:
     samples: int = 0
     train_seconds: float = 0.0  # inside mixed train calls
     collect_seconds: float = 0.0  # waiting for whole steps (rollout generating)
-    publish_seconds: float = 0.0  # taking stepped weights from the trainer and handing them to the rollout worker
+    publish_seconds: float = 0.0  # the loop's wait per publish: the trainer's export (handoff folder) and the hand-over
     checkpoint_seconds: float = 0.0
     wall_seconds: float = 0.0
     stopped_by: str | None = None  # None: batch mode ran out of runs
@@ -87,6 +100,8 @@ def run_training_loop(controller: Any, runtime: Any, opts: LoopOptions, stop: St
     errors = 0  # consecutive rounds that raised
     while not stop.is_set():
         try:
+            for p in runtime.settle_publishes():                                                # 4b (before a retiring run is finished)
+                _settle(controller, runtime, p, report)
             for change in controller.reconcile():                                               # 1
                 log.info("%s: %s -> %s%s", change.name, change.from_state, change.to_state, f" ({change.reason})" if change.reason else "")
             for registration_id, reason in runtime.fatal_runs().items():                         # fault: a run that can never step
@@ -127,13 +142,13 @@ def run_training_loop(controller: Any, runtime: Any, opts: LoopOptions, stop: St
             for s in outcome.stepped:
                 version = controller.next_version()
                 t_publish = time.monotonic()
-                runtime.publish(s.registration_id, version)                                     # 4
+                loading = runtime.publish(s.registration_id, version)                           # 4
                 dt = time.monotonic() - t_publish
                 report.publish_seconds += dt
                 round_publish_s += dt
                 try:
                     controller.record_step(s.registration_id, step=s.step, samples=s.samples, metrics=s.metrics,
-                                           weight_version=version)                              # 5
+                                           weight_version=version, served=not loading)          # 5
                 except Conflict as e:  # failed meanwhile: its progress no longer counts
                     log.info("step of %s not recorded: %s", s.name, e)
                     continue
@@ -172,6 +187,12 @@ def run_training_loop(controller: Any, runtime: Any, opts: LoopOptions, stop: St
 
     if stop.is_set():
         report.stopped_by = stop.reason
+        try:  # versions the engines finished loading meanwhile (no republish: generation stops)
+            for p in runtime.settle_publishes():
+                if p.error is None:
+                    controller.mark_served(p.registration_id, p.version)
+        except Exception:
+            log.exception("settling publishes at stop")
         for registration_id, (path, step) in runtime.drain().items():                           # drain
             try:
                 controller.record_checkpoint(registration_id, path, step)
@@ -179,6 +200,17 @@ def run_training_loop(controller: Any, runtime: Any, opts: LoopOptions, stop: St
                 log.info("drain checkpoint of %s not recorded: %s", registration_id, e)
     report.wall_seconds = time.monotonic() - t_start
     return report
+
+
+def _settle(controller: Any, runtime: Any, p: Any, report: LoopReport) -> None:
+    """A finished publish (service.batches.PublishOutcome): record the version the engines now
+    serve, or republish a failed one under a fresh version (the run's weights as they are now)."""
+    if p.error is None:
+        controller.mark_served(p.registration_id, p.version)
+        return
+    report.events += _logged([f"publish of {p.name} v{p.version} failed: {p.error}" + ("; publishing it again" if p.republish else "")])
+    if p.republish:  # its step is recorded already; the served version moves when this one settles
+        runtime.publish(p.registration_id, controller.next_version())
 
 
 def _restart_trainer(controller: Any, runtime: Any, report: LoopReport, why: str) -> None:

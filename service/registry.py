@@ -519,8 +519,11 @@ class Registry:
         samples: int,
         metrics: dict[str, float],
         weight_version: int | None = None,
+        served: bool = True,
     ) -> AdapterRef:
-        """Commit one optimizer step of a run (I5): `samples` trained in it, its metrics."""
+        """Commit one optimizer step of a run (I5): `samples` trained in it, its metrics, the weight
+        version it produced. `served` False: the engines are still loading that version, so the run's
+        weight_version (what the engines serve) moves only at `mark_served`."""
         now = time.time()
         with self._tx():
             row = self._progress_row(registration_id)
@@ -540,10 +543,20 @@ class Registry:
                 "last_metrics_json": metrics_json,
                 "updated_at": now,
             }
-            if weight_version is not None:
+            if weight_version is not None and served:
                 sets["weight_version"] = weight_version
             self._update(registration_id, sets)
             return self._ref(self._run_row(registration_id))
+
+    def mark_served(self, registration_id: str, weight_version: int) -> None:
+        """The engines serve `weight_version` of the run (its publish finished). Never moves the
+        run's weight_version back (publishes of one adapter finish in order, but a late report must
+        not undo a newer one)."""
+        with self._tx():
+            self._db.execute(
+                "UPDATE runs SET weight_version = ? WHERE registration_id = ? AND (weight_version IS NULL OR weight_version < ?)",
+                (weight_version, registration_id, weight_version),
+            )
 
     def record_checkpoint(self, registration_id: str, path: str, step: int) -> AdapterRef:
         """A checkpoint of this run at `step` is complete on disk at `path`."""

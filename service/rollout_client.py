@@ -2,9 +2,9 @@
 of rollout/worker_actor.py's RolloutWorker (an async actor: each call is one coroutine on its loop).
 
 Blocking methods wait through service/remote.py `call` with a timeout chosen per method
-(tenant-facing reads are short); `start_engines` and `publish_version` return the ObjectRef
-so the caller can go on while the engines start or load weights (`wait_published` collects
-publish outcomes later).
+(tenant-facing reads are short); `start_engines`, `publish_version` and `begin_restart_engine`
+return the ObjectRef so the caller can go on while the engines start, load weights or restart
+(`finished` tells which are done without waiting, `outcome` gives the result or raises).
 """
 
 from __future__ import annotations
@@ -60,8 +60,16 @@ class RolloutClient:
     def engine_health(self, timeout_s: float = 30.0) -> list[EngineHealth]:
         return call(self.handle.engine_health.remote(), timeout_s, "rollout engine_health")
 
+    def begin_restart_engine(self, index: int) -> Any:
+        """Start restarting managed engine `index`; an ObjectRef of its EngineHealth once it is back
+        and every adapter's current version is loaded on it. The caller does not wait: training goes
+        on while an engine restarts (issue 14 F6). The restart gives up on its own after the engine's
+        startup deadline (engines.startup_deadline_s), so the ref always finishes."""
+        return self.handle.restart_engine.remote(index)
+
     def restart_engine(self, index: int) -> EngineHealth:
-        return call(self.handle.restart_engine.remote(index), self.engine_restart_timeout_s, f"rollout restart_engine({index})")
+        """Restart engine `index` and wait for it (tools and tests; the service uses begin_restart_engine)."""
+        return call(self.begin_restart_engine(index), self.engine_restart_timeout_s, f"rollout restart_engine({index})")
 
     def processes(self, timeout_s: float = 10.0) -> dict[str, Any]:
         """{"worker": pid, "engines": [pid or None per engine]} (GET /v1/fleet)."""
@@ -79,6 +87,6 @@ class RolloutClient:
         return set(done)
 
     @staticmethod
-    def outcome(ref: Any) -> None:
-        """Raise the error of a finished publish (nothing when it succeeded)."""
-        call(ref, 0.0, "rollout publish_version")
+    def outcome(ref: Any, what: str = "rollout publish_version") -> Any:
+        """The result of a finished call (publish, engine restart), or raise its error."""
+        return call(ref, 0.0, what)

@@ -46,6 +46,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -54,9 +55,9 @@ from typing import Any
 
 from rollout.data import DataCursor
 from rollout.groups import RolloutGroup
-from rollout.weights import AdapterWeights
+from rollout.weights import AdapterWeights, PendingFolder
 from rollout.worker import AdapterRollout, AdapterStats
-from service.batches import CollectedBatch, StepPlan, SteppedRun, TrainerLost, TrainOutcome, rl_step
+from service.batches import CollectedBatch, PublishOutcome, StepPlan, SteppedRun, TrainerLost, TrainOutcome, rl_step
 from service.checkpoints import ADAPTER_SUBDIR, Checkpoint, PendingCheckpoint, link_folder, RunState, load_checkpoint, prune_checkpoints
 from service.config import AdapterConfig, JobConfig, ServiceSettings
 from service.engine_pids import record_engines
@@ -70,8 +71,10 @@ from trainer.batch import TrainBatch, TrainSample
 
 log = logging.getLogger(__name__)
 
+HANDOFF_DIR = "handoff"  # <state_dir>/handoff: PEFT folders the trainer writes for the engines (weight_transfer 'disk')
 KEEP_CHECKPOINTS = 2  # per run: the newest two (one may be mid-write when the process dies)
-FAIL_AFTER_BAD_STEPS = 3  # consecutive non-finite steps, or steps whose every reward failed -> FAILED
+FAIL_AFTER_BAD_STEPS = 3
+REPUBLISH_AT_MOST = 3  # failed publishes in a row of one run that are published again; then its next step publishes  # consecutive non-finite steps, or steps whose every reward failed -> FAILED
 
 
 @dataclass
@@ -88,6 +91,7 @@ class _Run:
     staged: list[RolloutGroup] = field(default_factory=list)  # RL: popped, waiting for a whole step
     sft_in_flight: list | None = None  # SFT: rows of the train call in progress (committed or given back after it)
     bad_steps: int = 0
+    publish_failures: int = 0  # failed publishes in a row
     foreign_groups: int = 0  # groups of another registration seen at collection (must stay 0)
     last_metrics: dict[str, float] = field(default_factory=dict)
     evicted: bool = False  # I5
@@ -119,8 +123,13 @@ class FleetRuntime:
         self._last_train_s: float | None = None
         self._trainer_note = "running"
         self._rr_start = 0  # round-robin start of batch collection
-        self._publishing: list[tuple[str, int, Any]] = []  # (adapter, version, ObjectRef) of publishes in flight
+        self._publishing: list[_Publish] = []  # publishes in flight, oldest first
+        # Handoff folders of a previous process are never read again: start empty (issue 18: no growth).
+        self.handoff_dir = Path(settings.state_dir) / HANDOFF_DIR
+        shutil.rmtree(self.handoff_dir, ignore_errors=True)
         self._unroutable: dict[int, int] = {}  # engine index -> checks in a row that found it alive but not routed to
+        # engine index -> its restart in flight (the loop never waits for one: issue 14 F6)
+        self._restarts: dict[int, _EngineRestart] = {}
         # adapter name -> the trainer's time of its last swap-out / swap-in (kept after the run ends, like its step gauge)
         self._swap_out_s: dict[str, float] = {}
         self._swap_in_s: dict[str, float] = {}
@@ -130,6 +139,20 @@ class FleetRuntime:
     def _weights(self, slot: int) -> AdapterWeights:
         cfg, tensors = self.trainer.peft_tensors(slot)
         return AdapterWeights(cfg, tensors=tensors)
+
+    def _engine_weights(self, slot: int, name: str, registration_id: str, version: int) -> AdapterWeights:
+        """The slot's weights as the engines take them. weight_transfer 'disk' (engines on this node):
+        the trainer writes the PEFT folder straight into the handoff folder (safetensors, raw tensor
+        bytes) and only its path travels; the rollout worker's pool deletes it once superseded
+        (rollout/weights.py). 'tensors' (remote engines): the tensors, sent in the load request."""
+        if self.job.engines.weight_transfer != "disk":
+            return self._weights(slot)
+        folder = self._handoff_folder(name, registration_id, version)
+        self.trainer.export_peft(slot, folder)
+        return AdapterWeights.from_folder(folder, handoff=True)
+
+    def _handoff_folder(self, name: str, registration_id: str, version: int) -> Path:
+        return self.handoff_dir / f"{name}-{registration_id[:12]}-v{version}"
 
     def runs(self) -> list[str]:
         with self._lock:
@@ -178,7 +201,7 @@ class FleetRuntime:
                     name=ref.name, registration_id=ref.registration_id, data=cfg.data_config(), reward=cfg.reward,
                     sampling=cfg.sampling, initial_version=version, cursor=cursor, max_staleness=cfg.max_staleness,
                 )
-                self._need_rollout().add_adapter(spec, self._weights(ref.slot))
+                self._need_rollout().add_adapter(spec, self._engine_weights(ref.slot, ref.name, ref.registration_id, version))
             else:
                 run.sft = SftSource(cfg.data_config(), self.tokenizer, slot=ref.slot, registration_id=ref.registration_id,
                                     samples_per_step=cfg.samples_per_step, cursor=cursor)
@@ -245,9 +268,11 @@ class FleetRuntime:
         try:
             engines = self.rollout.engine_health(timeout_s=10)
             out["rollout"] = ComponentHealth(True, f"{len(self.runs())} adapter(s) prepared")
+            restarting = set(self.restarting_engines())
             for e in engines:
+                note = " (restarting)" if e.index in restarting else "" if e.routable else " (not routable)"
                 out[f"engine-{e.index}"] = ComponentHealth(
-                    e.alive and e.routable, f"{e.url} starts={e.starts} inflight={e.inflight}" + ("" if e.routable else " (not routable)")
+                    e.alive and e.routable and e.index not in restarting, f"{e.url} starts={e.starts} inflight={e.inflight}" + note
                 )
         except Exception as e:
             out["rollout"] = ComponentHealth(False, f"rollout worker unreachable: {type(e).__name__}: {e}")
@@ -543,32 +568,63 @@ class FleetRuntime:
                 out.append((run.name, reg))
         return out
 
-    def publish(self, registration_id: str, version: int) -> None:
-        """Push the run's current weights to the engines as `version` (RL; SFT runs are not served).
+    def publish(self, registration_id: str, version: int) -> bool:
+        """Hand the run's current weights to the engines as `version` (RL; SFT runs are not served).
 
-        Returns once the weights are taken from the trainer; the engines load them while the
-        loop goes on (the rollout worker applies one adapter's publishes in order, and any later
-        remove/abort of the adapter after them). Failures surface in `check_engines`."""
+        Returns once the weights are taken from the trainer; with weight_transfer 'disk' at once: the
+        trainer writes the handoff folder (nothing pickled or base64-encoded) before its next call,
+        and the rollout worker waits for that write, not the loop. The engines load them while the loop goes on (the rollout worker applies one adapter's publishes in order,
+        and any later remove/abort of the adapter after them; its buffer counts the version as
+        published before the load starts, so groups of older weights are already one behind).
+        Returns True while the engines load it: `settle_publishes` reports the outcome, and only
+        then do the engines serve it. False: nothing to load (an SFT run)."""
         run = self._run(registration_id)
-        if run.is_rl:
-            ref = self._need_rollout().publish_version(run.name, version, self._weights(run.slot))
-            self._publishing.append((run.name, version, ref))
         run.weight_version = version
+        if not run.is_rl:
+            return False
+        if run.evicted:
+            raise RuntimeError(f"{run.name} is evicted; it is published once restored")
+        if self.job.engines.weight_transfer == "disk":
+            # The trainer writes the folder after this call returns (before its next train call); the
+            # rollout worker waits for the write, the loop does not.
+            folder = self._handoff_folder(run.name, registration_id, version)
+            weights: AdapterWeights | PendingFolder = PendingFolder(folder, self.trainer.begin_export_peft(run.slot, folder))
+        else:
+            weights = self._weights(run.slot)
+        ref = self._need_rollout().publish_version(run.name, version, weights)
+        self._publishing.append(_Publish(registration_id, run.name, version, ref, weights.folder if isinstance(weights, PendingFolder) else None))
+        return True
 
-    def _publish_failures(self) -> list[str]:
-        """Finished publishes that failed (their engines are checked next); drops finished ones."""
+    def settle_publishes(self) -> list[PublishOutcome]:
+        """Publishes that finished since the last call (the loop records the served versions and
+        republishes the failed ones whose run still has that version as its newest)."""
         if not self._publishing:
             return []
-        finished = self.rollout.finished([ref for _, _, ref in self._publishing])
-        failures = []
-        for name, version, ref in self._publishing:
-            if ref in finished:
-                try:
-                    self.rollout.outcome(ref)
-                except Exception as e:
-                    failures.append(f"publish of {name} v{version} failed: {type(e).__name__}: {e}"[:500])
-        self._publishing = [p for p in self._publishing if p[2] not in finished]
-        return failures
+        finished = self.rollout.finished([p.ref for p in self._publishing])
+        out = []
+        for p in self._publishing:
+            if p.ref not in finished:
+                continue
+            with self._lock:
+                run = self._runs.get(p.registration_id)
+            try:
+                self.rollout.outcome(p.ref)
+                if run is not None:
+                    run.publish_failures = 0
+                out.append(PublishOutcome(p.registration_id, p.name, p.version, None))
+            except Exception as e:
+                if p.folder is not None:  # never current anywhere: nothing reads it again
+                    shutil.rmtree(p.folder, ignore_errors=True)
+                newest = run is not None and run.is_rl and not run.evicted and run.weight_version == p.version
+                if run is not None:
+                    run.publish_failures += 1
+                again = newest and run.publish_failures <= REPUBLISH_AT_MOST
+                out.append(PublishOutcome(p.registration_id, p.name, p.version, f"{type(e).__name__}: {e}"[:500], republish=again))
+        self._publishing = [p for p in self._publishing if p.ref not in finished]
+        return out
+
+    def publishes_in_flight(self) -> int:
+        return len(self._publishing)
 
     def checkpoint(self, registration_id: str) -> str:
         """Write a complete checkpoint of the run at its current step; returns its folder."""
@@ -611,24 +667,60 @@ class FleetRuntime:
         worker takes it back within about a second once it answers /health and its adapters are
         brought up to date (``EnginePool.readmit``); one still out after that is restarted. The rollout
         worker loads every adapter's current version on the restarted engine (republished).
-        Returns what was done, including publishes that failed since the last check."""
+
+        A restart is started, not waited for (issue 14 F6): the loop goes on training SFT runs
+        and RL runs with groups already generated while the engine starts (tens of seconds);
+        only generation waits for an engine, and a publish while none is in routing becomes
+        current at once and is loaded when it comes back (EnginePool.publish). An engine with a
+        restart in flight is not looked at again until that restart finished; a restart that
+        failed is reported and the next check starts another. Returns what was done, including
+        publishes that failed and restarts that ended since the last check."""
         if self.rollout is None:
             return []
-        done = self._publish_failures()
+        done = self._finished_restarts()
         for e in self.rollout.engine_health():
+            if e.index in self._restarts:  # being restarted: its health says nothing yet
+                continue
             unroutable = e.alive and not e.routable
             if unroutable and self._unroutable.get(e.index, 0) == 0:
-                self._unroutable[e.index] = 1  # once may be a restart in progress: look again next time
+                self._unroutable[e.index] = 1  # once may be a readmission in progress: look again next time
                 continue
             self._unroutable.pop(e.index, None)
             if not e.alive or unroutable:
                 why = "was dead" if not e.alive else "stayed out of routing after a connection error"
-                t0 = time.monotonic()
-                health = self.rollout.restart_engine(e.index)
-                done.append(f"engine {e.index} {why}: restarted ({health.url}) and republished in {time.monotonic() - t0:.1f} s")
-        if any("restarted" in d for d in done):  # the new processes replace the dead ones in the record of what to reap
+                with self._lock:
+                    self._restarts[e.index] = _EngineRestart(self.rollout.begin_restart_engine(e.index), why, time.monotonic())
+                done.append(f"engine {e.index} {why}: restarting it; training goes on, generation waits for an engine")
+        return done
+
+    def _finished_restarts(self) -> list[str]:
+        """Engine restarts that ended since the last check (dropped from the ones in flight)."""
+        with self._lock:
+            restarts = dict(self._restarts)
+        if not restarts:
+            return []
+        finished = self.rollout.finished([r.ref for r in restarts.values()])
+        done = []
+        for index, r in restarts.items():
+            if r.ref not in finished:
+                continue
+            with self._lock:
+                del self._restarts[index]
+            took = time.monotonic() - r.started
+            try:
+                health = self.rollout.outcome(r.ref, f"rollout restart_engine({index})")
+                done.append(f"engine {index} {r.why}: restarted ({health.url}) and republished; seen back {took:.1f} s after the restart began")
+            except Exception as err:
+                done.append(f"engine {index} {r.why}: its restart failed after {took:.1f} s ({type(err).__name__}: {err}); "
+                            f"the next check tries again"[:1000])
+        if any("restarted (" in d for d in done):  # the new processes replace the dead ones in the record of what to reap
             record_engines(self.settings.state_dir, [e.url for e in self.rollout.engine_health()])
         return done
+
+    def restarting_engines(self) -> list[int]:
+        """Engines with a restart in flight."""
+        with self._lock:
+            return sorted(self._restarts)
 
     def trainer_lost(self) -> bool:
         """Whether the trainer should run but a rank's process is gone (it died while nothing trained),
@@ -684,6 +776,26 @@ class FleetRuntime:
         if self.rollout is None:
             raise RuntimeError("this runtime has no rollout worker: RL runs cannot be served (SFT only)")
         return self.rollout
+
+
+@dataclass(frozen=True)
+class _Publish:
+    """A publish in flight (FleetRuntime.publish)."""
+
+    registration_id: str
+    name: str
+    version: int
+    ref: Any  # ObjectRef of the rollout worker's publish_version
+    folder: str | None  # its handoff folder (weight_transfer 'disk')
+
+
+@dataclass(frozen=True)
+class _EngineRestart:
+    """A restart of one engine in flight (FleetRuntime.check_engines)."""
+
+    ref: Any  # ObjectRef of the rollout worker's restart_engine: EngineHealth, or its error
+    why: str
+    started: float  # time.monotonic()
 
 
 @dataclass(frozen=True)

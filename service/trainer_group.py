@@ -253,6 +253,13 @@ class TrainerGroup:
     def export_peft(self, slot: int, out_dir: str | Path) -> str:
         return self._all(lambda w: w.export_peft.remote(slot, str(out_dir)), what="export_peft")
 
+    def begin_export_peft(self, slot: int, out_dir: str | Path) -> list[Any]:
+        """export_peft without waiting: the ObjectRefs of every rank's call (rank 0 writes the folder).
+        Each rank runs it before any call submitted later (the next train call), so it writes the
+        weights as they are now; whoever needs the folder awaits the refs (the rollout worker's
+        publish_version, issue 18: the loop does not wait for the write)."""
+        return [w.export_peft.remote(slot, str(out_dir)) for w in self.workers]
+
     def save_slot_state(self, slot: int, out_dir: str | Path) -> str:
         return self._all(lambda w: w.save_slot_state.remote(slot, str(out_dir)), what="save_slot_state")
 

@@ -10,7 +10,8 @@ rollout side's AdapterBuffer (staleness filter and stamps).
   FakeRollout  the surface of service/rollout_client.py RolloutClient. Each adapter has `prompts`
                prompts; groups are "generated" with the adapter's newest version until `ahead` of them
                are buffered, and handed out through a real AdapterBuffer. A publish returns a FakeRef that
-               has finished (failing with `fail_publish` when set).
+               has finished (failing with `fail_publish` when set); an engine restart one that finishes at
+               once, or (`hold_restart`) when the test calls `finish_restart`.
 """
 
 from __future__ import annotations
@@ -153,6 +154,8 @@ class FakeTrainer:
 @dataclass(eq=False)  # hashed by identity, like an ObjectRef
 class FakeRef:
     error: BaseException | None = None
+    value: Any = None
+    done: bool = True  # False: still running (an engine restart the test holds)
 
 
 @dataclass
@@ -175,6 +178,8 @@ class FakeRollout:
         self.fail_publish: BaseException | None = None
         self.engine_alive = True
         self.engine_starts = 1
+        self.hold_restart = False  # True: a restart stays in flight until the test finishes it (finish_restart)
+        self.restart_refs: list[FakeRef] = []
         self.fatal: dict[str, str] = {}  # adapter name -> the fatal_reason its stats report (planted)
 
     def _generate(self, a: _FakeAdapter) -> None:
@@ -244,11 +249,21 @@ class FakeRollout:
         return [EngineHealth(index=0, url="http://127.0.0.1:1", alive=self.engine_alive, routable=self.engine_alive,
                              inflight=0, starts=self.engine_starts)]
 
-    def restart_engine(self, index) -> EngineHealth:
+    def begin_restart_engine(self, index) -> FakeRef:
         self.calls.append(("restart_engine", index))
+        ref = FakeRef(done=False)
+        self.restart_refs.append(ref)
+        if not self.hold_restart:
+            self.finish_restart()
+        return ref
+
+    def finish_restart(self) -> None:
+        """The engine is back (every restart in flight ends)."""
         self.engine_alive = True
         self.engine_starts += 1
-        return self.engine_health()[index]
+        for ref in self.restart_refs:
+            ref.value, ref.done = self.engine_health()[0], True
+        self.restart_refs.clear()
 
     def processes(self, timeout_s=10.0) -> dict[str, Any]:
         return {"worker": 4343, "engines": [4444]}
@@ -258,9 +273,10 @@ class FakeRollout:
 
     @staticmethod
     def finished(refs: list[FakeRef]) -> set:
-        return set(refs)  # every fake publish has finished
+        return {r for r in refs if r.done}  # every fake publish has finished; a held restart has not
 
     @staticmethod
-    def outcome(ref: FakeRef) -> None:
+    def outcome(ref: FakeRef, what: str = "") -> Any:
         if ref.error is not None:
             raise ref.error
+        return ref.value

@@ -115,12 +115,14 @@ def retire_and_wait(client: LorafleetClient, state_dir: Path, *names: str) -> No
 
 
 
-def serve_job(tmp: Path, tiny_world: Path, slots: dict | None = None) -> Path:
+def serve_job(tmp: Path, tiny_world: Path, slots: dict | None = None, engines: dict | None = None) -> Path:
     """The tiny job, without adapters, serving on a free port with its state under `tmp`
-    (`slots`: a `slots:` section replacing the tiny job's)."""
+    (`slots`: a `slots:` section replacing the tiny job's; `engines`: keys merged into its `engines:`)."""
     job = yaml.safe_load((REPO / "examples" / "tiny" / "job.yaml").read_text())
     if slots is not None:
         job["slots"] = slots
+    if engines is not None:
+        job["engines"] = {**job.get("engines", {}), **engines}
     job["base_model"]["path"] = str(tiny_world / "model")
     job["adapters"] = []
     job["service"] = {"state_dir": str(tmp / "state"), "data_roots": [str(tiny_world / "data"), str(tmp)], "port": 0,
@@ -148,11 +150,11 @@ def signal_processes(pids: list[int], sig: int = signal.SIGKILL, *, group: bool 
 
 
 @contextlib.contextmanager
-def running_service(tmp: Path, tiny_world: Path, slots: dict | None = None) -> Iterator[Service]:
+def running_service(tmp: Path, tiny_world: Path, slots: dict | None = None, engines: dict | None = None) -> Iterator[Service]:
     """A started `lorafleet serve`; killed (and its engines reaped) however the tests end."""
     from service.engine_pids import reap_engines
 
-    svc = Service(serve_job(tmp, tiny_world, slots), tmp / "state", tmp / "serve.log")
+    svc = Service(serve_job(tmp, tiny_world, slots, engines), tmp / "state", tmp / "serve.log")
     try:
         svc.start()
         yield svc

@@ -616,3 +616,131 @@ def test_requests_the_engine_keeps_refusing_stop_the_adapter_with_a_reason(sglan
     assert "longer than the model's context length (512 tokens)" in long.fatal_reason
     assert 3 <= long.groups_failed <= failed_then + inflight_then, (long.groups_failed, failed_then, inflight_then)  # no new group after the stop
     assert digits.fatal_reason is None and digits.groups_completed >= 3
+
+
+# --- publishing that scales (issue 18 items 3-4) -------------------------------------------------
+
+
+def _handoff_copy(src, root, tag) -> AdapterWeights:
+    """A handoff folder, as the trainer writes it for one version (service/runtime_impl.py _engine_weights)."""
+    import shutil
+
+    dest = root / tag
+    shutil.copytree(src, dest)
+    return AdapterWeights.from_folder(dest, handoff=True)
+
+
+def test_handoff_folders_are_deleted_once_superseded_failed_or_removed(sglang_server, adapters, prompts, tiny_world, tmp_path):
+    """File handoff (weight_transfer 'disk'): the engine reads each version's folder; the folder of a
+    version is deleted once a newer one is loaded, when its load fails, and when the adapter is removed,
+    so 20 publishes under load leave exactly one folder (the current one, which an engine that comes
+    back would load) and the server serves the last version's weights (== HF+PEFT greedy)."""
+    root = tmp_path / "handoff"
+    root.mkdir()
+    bad = make_peft_adapter(tiny_world / "model", tmp_path / "r16", seed=3, rank=16)  # refused: rank 16 > --max-lora-rank 8
+    want = hf_greedy(tiny_world / "model", adapters["two"], prompts[:2])
+
+    async def run():
+        pool = EnginePool([sglang_server.client()], weight_transfer="disk")
+        counts = []
+        try:
+            await pool.publish("ho", 0, _handoff_copy(adapters["one"], root, "v0"))
+            params = {"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True}
+            for v in range(1, 21):
+                load = [asyncio.create_task(pool.generate_group("ho", prompts[0], params, 2)) for _ in range(2)]
+                await pool.publish("ho", v, _handoff_copy(adapters["one" if v % 2 else "two"], root, f"v{v}"))
+                counts.append(len(list(root.iterdir())))
+                await asyncio.gather(*load)
+            refused = None
+            try:
+                await pool.publish("ho", 21, _handoff_copy(bad, root, "v21"))
+            except Exception as e:  # noqa: BLE001 - the engine refuses it (HTTP 400)
+                refused = e
+            after_refusal = sorted(p.name for p in root.iterdir())
+            out = await asyncio.gather(*(pool.generate_group("ho", ids, GREEDY, 1) for ids in prompts[:2]))
+            await pool.remove_adapter("ho")
+            await pool.wait_unloaded()
+            return counts, refused, after_refusal, out, pool.current_version, sorted(p.name for p in root.iterdir())
+        finally:
+            await pool.aclose()
+
+    counts, refused, after_refusal, out, _, after_remove = asyncio.run(run())
+    assert counts == [1] * 20  # only the current version's folder, after every publish
+    assert getattr(refused, "status", None) == 400 and after_refusal == ["v20"]  # the refused version's folder is gone, v20 still current
+    assert [g.results[0].token_ids for g in out] == want  # v20 (adapter two) is what the server serves
+    assert after_remove == []
+
+
+def test_a_publish_counts_for_staleness_before_the_engines_loaded_it(sglang_server, adapters, tiny_world):
+    """Issue 18 item 4, G1: the loop hands a version over and trains on while the engines load it. A
+    step that pops groups during that load must see the groups of the older weights one publish
+    behind (max_staleness 0: none of them is handed out), not as fresh."""
+    cfg = RolloutConfig(max_inflight_per_adapter=4, max_inflight_total=4, max_staleness=0, max_buffered_groups_per_adapter=4)
+
+    async def run():
+        async with started_worker(sglang_server, cfg, tiny_world, ["st"]) as worker:
+            core = worker.core
+            await worker.add_adapter(rollout_spec(tiny_world, "st", "digits", "reg-st"), AdapterWeights.from_folder(adapters["one"]))
+            await wait_for(lambda: core.stats("st").buffered_groups >= 2, 120, "2 buffered groups of v0")
+            publish = asyncio.create_task(worker.publish_version("st", 1, AdapterWeights.from_folder(adapters["two"])))
+            await asyncio.sleep(0)  # the publish has started: its load request is in flight, not finished
+            version_while_loading = core.pool.current_version("st")
+            popped_while_loading = await worker.pop_groups("st", 10)
+            await publish
+            fresh = []
+
+            async def popped_a_group():
+                fresh.extend(await worker.pop_groups("st", 10))
+                return bool(fresh)
+
+            await wait_for(popped_a_group, 120, "a group of v1")
+            return version_while_loading, popped_while_loading, fresh, core.stats("st")
+
+    version_while_loading, popped_while_loading, fresh, stats = asyncio.run(run())
+    assert version_while_loading == 0  # the engines did not serve v1 yet ...
+    assert popped_while_loading == []  # ... yet the v0 groups already counted as stale for max_staleness 0
+    assert stats.dropped_stale >= 2
+    assert fresh and all(g.version == 1 and g.staleness == 0 for g in fresh)
+
+
+def test_the_worker_loads_a_handoff_folder_once_the_trainer_wrote_it(sglang_server, adapters, prompts, tiny_world, tmp_path):
+    """The loop hands over a folder the trainer is still writing (rollout.weights.PendingFolder): the
+    worker counts the version at once, loads it once the write finished (the server then serves it,
+    == HF+PEFT greedy), and a failed write fails the publish, deletes the folder and keeps the old version."""
+    import shutil
+
+    from rollout.weights import PendingFolder
+
+    cfg = RolloutConfig(max_inflight_per_adapter=4, max_inflight_total=4, max_buffered_groups_per_adapter=2)
+    want = hf_greedy(tiny_world / "model", adapters["two"], prompts[:1])
+
+    async def run():
+        async with started_worker(sglang_server, cfg, tiny_world, ["pf"]) as worker:
+            await worker.add_adapter(rollout_spec(tiny_world, "pf", "digits", "reg-pf"), AdapterWeights.from_folder(adapters["one"]))
+            written = asyncio.Event()
+
+            async def trainer_writes(dest):  # stands for the trainer rank's export_peft call
+                await written.wait()
+                shutil.copytree(adapters["two"], dest)
+
+            dest = tmp_path / "handoff" / "pf-v1"
+            publish = asyncio.create_task(worker.publish_version("pf", 1, PendingFolder(dest, [asyncio.create_task(trainer_writes(dest))])))
+            await asyncio.sleep(0.2)
+            waiting = (not publish.done(), worker.pool.current_version("pf"), worker.core._run("pf").buffer.published[-1])
+            written.set()
+            await publish
+            served = await worker.pool.generate_group("pf", prompts[0], GREEDY, 1)
+
+            async def write_fails():
+                (tmp_path / "handoff" / "pf-v2").mkdir()
+                raise RuntimeError("trainer rank died while exporting (planted)")
+
+            bad = tmp_path / "handoff" / "pf-v2"
+            with pytest.raises(RuntimeError, match="planted"):
+                await worker.publish_version("pf", 2, PendingFolder(bad, [asyncio.create_task(write_fails())]))
+            return waiting, served, worker.pool.current_version("pf"), bad.exists(), dest.exists()
+
+    waiting, served, version_after_failure, bad_exists, current_exists = asyncio.run(run())
+    assert waiting == (True, 0, 1)  # not loaded before the write; already counted for staleness
+    assert served.version == 1 and served.results[0].token_ids == want[0]
+    assert version_after_failure == 1 and not bad_exists and current_exists

@@ -16,7 +16,8 @@ worker; one SGLang CPU engine), shared by every test here, in this order:
      the runs resume from their checkpoints and finish
   6. the SGLang engine process group is SIGKILLed (pid from GET /v1/fleet): the service restarts the engine,
      republishes every adapter's current weights, and the RL adapter keeps training;
-     a tenant registered while the engine is dead starts once it is back
+     a tenant registered while the engine is dead starts once it is back; an SFT tenant
+     steps while the engine restarts                                            (issue 14 F6)
   7. a trainer rank's process is SIGKILLed during training (pid from GET /v1/fleet): the service
      restarts the trainer and every live run continues from its last checkpoint
   8. SIGTERM drains: every live run is checkpointed, and the process exits 0.
@@ -55,8 +56,17 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def fleet_service(tiny_world, tmp_path_factory):
-    with running_service(tmp_path_factory.mktemp("fleet"), tiny_world) as svc:
+    # Weights reach the engine by file handoff (issue 18): the trainer writes each stepped RL adapter's
+    # PEFT folder under <state_dir>/handoff and the engine reads it; the other modules keep 'tensors'.
+    with running_service(tmp_path_factory.mktemp("fleet"), tiny_world, engines={"weight_transfer": "disk"}) as svc:
         yield svc
+
+
+def handoff_folders(state_dir: Path, *names: str) -> list[str]:
+    """The handoff folders of adapters `names` (service/runtime_impl.py names them <name>-<registration>-v<version>)."""
+    root = state_dir / "handoff"
+    found = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+    return [f for f in found if any(f.startswith(f"{n}-") for n in names)]
 
 
 @pytest.fixture
@@ -320,22 +330,39 @@ def test_restart_resumes_runs_from_their_checkpoints(service, tiny_world):
 
 
 def test_dead_engine_is_restarted_and_adapters_republished(service, tiny_world):
+    """Also issue 14 F6: an SFT tenant keeps stepping while the engine restarts (only generation
+    waits for an engine): /ready shows the engine "(restarting)", and the SFT run makes steps that
+    are seen while /ready still says so."""
     with service.client() as c:
         c.register("e-rl", rl(tiny_world))
+        c.register("e-sft", sft(tiny_world))
         wait_for(c, "e-rl", lambda r: r["step"] >= 2, "2 steps")
+        wait_for(c, "e-sft", lambda r: r["step"] >= 1, "1 step")
         engine = c.ready()["components"]["engine-0"]
         assert engine["ok"] and "starts=1" in engine["detail"]
         signal_processes(fleet_pids(c, "engine"), group=True)
         killed_at = time.time()
         c.register("e-late", rl(tiny_world, "vowels"))  # a tenant that joins while the engine is dead
+        # The loop starts the restart at its next engine check and goes on training: wait for the
+        # restart to be under way, then for 2 SFT steps made while it still is (F6: before, the loop
+        # waited for the whole restart, tens of seconds, and no tenant stepped).
+        deadline = time.monotonic() + 120
+        while "(restarting)" not in (engine := c.ready()["components"]["engine-0"])["detail"]:
+            assert time.monotonic() < deadline, f"engine restart not begun in 120 s: {engine}"
+            time.sleep(0.2)
+        sft_at_restart = c.get("e-sft")["step"]
+        sft_during = None
         # Groups generated before the kill may train a few steps on their own, so steps alone
         # do not show the restart: first the engine must be back (a second start, routable) ...
         deadline = time.monotonic() + 420
         while not ((engine := c.ready()["components"]["engine-0"])["ok"] and "starts=2" in engine["detail"]):
             assert time.monotonic() < deadline, f"engine not restarted in 420 s: {engine}"
-            for n in ("e-rl", "e-late"):
+            for n in ("e-rl", "e-late", "e-sft"):
                 assert (r := c.get(n))["state"] != "FAILED", (n, r["failure_reason"])
+                if n == "e-sft" and "(restarting)" in c.ready()["components"]["engine-0"]["detail"]:
+                    sft_during = r["step"]  # read before this /ready: made while the engine was restarting
             time.sleep(0.5)
+        assert sft_during is not None and sft_during >= sft_at_restart + 2, (sft_at_restart, sft_during)
         # ... then the adapter trains on groups the restarted engine generated with its republished weights.
         step_at_restart = c.get("e-rl")["step"]
         ref = wait_for(c, "e-rl", lambda r: r["step"] >= step_at_restart + 3, "3 steps after the engine restarted", timeout_s=240)
@@ -346,7 +373,15 @@ def test_dead_engine_is_restarted_and_adapters_republished(service, tiny_world):
         assert later and all(s["metrics"]["foreign_samples_dropped"] == 0 for s in later)
         assert "engine 0 was dead: restarted" in service.log_path.read_text()
         wait_for(c, "e-late", lambda r: r["step"] >= 2, "2 steps of the tenant that joined while the engine was dead")
-        retire_and_wait(c, service.state_dir, "e-rl", "e-late")
+        # Issue 18: the handoff folders do not pile up: after 3 + ref["step"] publishes of e-rl, at most its
+        # current version's folder and one in flight; none once the adapters are retired.
+        assert len(handoff_folders(service.state_dir, "e-rl")) <= 2, handoff_folders(service.state_dir, "e-rl")
+        assert c.get("e-rl")["weight_version"] >= later[0]["weight_version"]  # the served version moved on
+        retire_and_wait(c, service.state_dir, "e-rl", "e-late", "e-sft")
+        deadline = time.monotonic() + 60  # a publish still queued at the retirement is cleaned up by the next round
+        while left := handoff_folders(service.state_dir, "e-rl", "e-late", "e-sft"):
+            assert time.monotonic() < deadline, f"handoff folders of retired adapters still there after 60 s: {left}"
+            time.sleep(0.5)
 
 
 # --- 7 -------------------------------------------------------------------------------------------

@@ -44,6 +44,8 @@ def test_batch_mode_trains_every_run_to_completed(fleet):
     assert controller.get("a").checkpoint_path.endswith("step-000003")  # the final one (2 was the interval's)
     assert [c for c in rollout.calls if c[0] == "publish_version"] == [
         ("publish_version", "b", v) for v in sorted(s.weight_version for s in controller.metrics("b").steps)]
+    # G3: the served version moved to the last step's once that publish settled (the next round)
+    assert controller.get("b").weight_version == max(s.weight_version for s in controller.metrics("b").steps)
     assert trainer.slots == {}  # every slot released
 
 

@@ -152,25 +152,95 @@ def test_a_lost_trainer_raises_trainer_lost_and_runs_resume_from_their_checkpoin
     assert one_step(controller, runtime, a.registration_id).step == 3
 
 
-def test_a_failed_publish_is_reported_by_the_engine_check(fleet):
+def test_a_failed_publish_is_settled_with_a_republish_and_reported_once(fleet):
     controller, runtime, _, rollout, data = fleet
     b = controller.register("b", rl(data))
     controller.reconcile()
-    assert runtime.check_engines() == []
+    assert runtime.settle_publishes() == []
     rollout.fail_publish = RuntimeError("engine refused the LoRA (planted)")
+    stepped = one_step(controller, runtime, b.registration_id)
+    [p] = runtime.settle_publishes()
+    assert p.error is not None and "planted" in p.error and p.republish  # the run's newest version: publish it again
+    assert runtime.settle_publishes() == []  # reported once
+    for _ in range(3):  # failures in a row: republished up to REPUBLISH_AT_MOST times, then left to the next step
+        runtime.publish(b.registration_id, controller.next_version())
+        [p] = runtime.settle_publishes()
+    assert not p.republish and stepped.step == 1
+    rollout.fail_publish = None
     one_step(controller, runtime, b.registration_id)
-    [event] = runtime.check_engines()
-    assert event.startswith("publish of b v") and "planted" in event
-    assert runtime.check_engines() == []  # reported once
+    [p] = runtime.settle_publishes()
+    assert p.error is None
+
+
+def test_the_registry_says_served_only_once_the_publish_finished(fleet):
+    """Issue 18 item 4: the step's version is recorded at once, the run's weight_version (what the engines
+    serve) only when the publish settled."""
+    from tests.fleet_fakes import FakeRef
+
+    controller, runtime, _, rollout, data = fleet
+    b = controller.register("b", rl(data))
+    controller.reconcile()
+    before = controller.get("b").weight_version
+    held = FakeRef(done=False)
+    rollout.publish_version = lambda name, version, weights: held  # a publish the engines have not finished
+    batch = runtime.collect_batch([b.registration_id], max_wait_s=0.01, poll_s=0.001)
+    (s,) = runtime.train(batch).stepped
+    version = controller.next_version()
+    assert runtime.publish(b.registration_id, version) is True  # the engines load it in the background
+    controller.record_step(b.registration_id, step=s.step, samples=s.samples, metrics=s.metrics, weight_version=version, served=False)
+    assert controller.get("b").weight_version == before and controller.metrics("b").steps[-1].weight_version == version
+    assert runtime.settle_publishes() == [] and runtime.publishes_in_flight() == 1
+    held.done = True
+    [p] = runtime.settle_publishes()
+    controller.mark_served(p.registration_id, p.version)
+    assert controller.get("b").weight_version == version
+    controller.mark_served(p.registration_id, before)  # a late report never moves it back
+    assert controller.get("b").weight_version == version
 
 
 def test_a_dead_engine_is_restarted(fleet):
     _, runtime, _, rollout, _ = fleet
     rollout.engine_alive = False
     assert not runtime.ready()["engine-0"].ok
-    [event] = runtime.check_engines()
+    assert runtime.check_engines() == ["engine 0 was dead: restarting it; training goes on, generation waits for an engine"]
+    [event] = runtime.check_engines()  # the restart (finished at once here) is reported by the next check
     assert event.startswith("engine 0 was dead: restarted") and rollout.engine_starts == 2
     assert runtime.ready()["engine-0"].ok
+    assert runtime.check_engines() == []
+
+
+def test_training_goes_on_while_an_engine_restarts(fleet):
+    """Issue 14 F6: check_engines starts the restart and returns; SFT runs and RL runs with groups
+    already generated step while it is in flight; the engine is restarted once, not at every check."""
+    controller, runtime, _, rollout, data = fleet
+    a = controller.register("a", sft(data))
+    b = controller.register("b", rl(data))
+    controller.reconcile()
+    rollout.engine_alive, rollout.hold_restart = False, True
+    [event] = runtime.check_engines()
+    assert "restarting it" in event and runtime.restarting_engines() == [0]
+    assert not runtime.ready()["engine-0"].ok and "(restarting)" in runtime.ready()["engine-0"].detail
+    one_step(controller, runtime, a.registration_id)
+    one_step(controller, runtime, b.registration_id)  # groups generated before the engine died
+    assert controller.get("a").step == 1 and controller.get("b").step == 1
+    assert runtime.check_engines() == []  # still restarting: not restarted again
+    assert [c for c in rollout.calls if c[0] == "restart_engine"] == [("restart_engine", 0)]
+    rollout.finish_restart()
+    [event] = runtime.check_engines()
+    assert event.startswith("engine 0 was dead: restarted") and runtime.restarting_engines() == []
+    assert runtime.ready()["engine-0"].ok
+
+
+def test_a_failed_engine_restart_is_reported_and_tried_again(fleet):
+    _, runtime, _, rollout, _ = fleet
+    rollout.engine_alive, rollout.hold_restart = False, True
+    runtime.check_engines()
+    [ref] = rollout.restart_refs
+    ref.error, ref.done = RuntimeError("server not ready in 300 s (planted)"), True
+    events = runtime.check_engines()
+    assert "its restart failed" in events[0] and "planted" in events[0], events
+    assert events[1].startswith("engine 0 was dead: restarting it"), events  # the same check starts another
+    assert [c for c in rollout.calls if c[0] == "restart_engine"] == [("restart_engine", 0)] * 2
 
 
 def test_rl_staleness_is_the_rollout_buffers_stamp(fleet):
@@ -218,3 +288,26 @@ def test_prepare_uses_the_version_the_controller_assigns(fleet):
     ref = controller.get("b")
     assert ref.weight_version > before
     assert ("add_adapter", "b", ref.weight_version) in rollout.calls  # the rollout starts at that version
+
+
+def test_a_retire_racing_the_loops_prepare_still_retires(fleet):
+    """The tenant asks to retire a PENDING run while the loop prepares it (PENDING -> ACTIVE between the
+    controller's read and its change, as the fleet load test hit with fast handoff loads): it retires,
+    no 409. The interleaving is forced by running the loop's reconcile inside the first transition call."""
+    controller, _, _, _, data = fleet
+    controller.register("r", sft(data))
+    real = controller.registry.transition
+    calls = []
+
+    def loop_prepares_first(*args, **kwargs):
+        if not calls:
+            controller.reconcile()  # the loop's step, just before the retire's compare-and-set
+        calls.append(kwargs.get("expect"))
+        return real(*args, **kwargs)
+
+    controller.registry.transition = loop_prepares_first
+    try:
+        assert controller.retire("r").state == S.RETIRING
+    finally:
+        controller.registry.transition = real
+    assert calls[0] == S.PENDING and calls[-1] == S.ACTIVE  # refused once (it had become ACTIVE), then retired as ACTIVE
