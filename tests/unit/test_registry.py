@@ -253,7 +253,7 @@ def test_slot_leases_share_the_slot_count_with_runs(tmp_path):
     assert sc.reg.free_slots() == []
     queued = sc.do("register", "c")  # every slot held, one by a lease: c waits in the queue
     assert queued.slot is None and queued.queue_position == 1
-    with pytest.raises(NoFreeSlot, match=r"a \(slot 0\).*b \(slot 2\)"):
+    with pytest.raises(NoFreeSlot, match=r"all 3 slots are held by adapter runs or Tinker models"):  # holders unnamed (I8)
         sc.reg.lease_slot("s-2:train:0", "bob")
     assert sc.reg.bind_queued() == []  # the leased slot is not free for the queue
     assert sc.reg.leases() == {"s-1:train:0": (1, "alice")}
