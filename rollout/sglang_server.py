@@ -9,12 +9,22 @@ which re-imports this module (as ``__mp_main__``) in each child before running
 it; so the patch is applied at import time, guarded by the environment variable
 that rollout.sglang_cpu.build_server_launch sets. Nothing here runs on a GPU
 machine (the launcher uses sglang.launch_server there).
+
+The second patch keeps a one-rank engine off the network: SGLang's scheduler joins a
+torch.distributed group through ``tcp://127.0.0.1:<nccl_port>``, and torch's TCPStore
+server listens on the wildcard address whatever host it is given (measured: the only
+non-loopback listener of a CPU engine, ``::`` on the nccl port). With one rank there
+is nobody to rendezvous with, so the group is made through a FileStore in a private
+temporary folder instead: no port at all (docs/operations.md, Ports).
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
+import shutil
+import tempfile
 
 CPU_PATCH_ENV = "LORAFLEET_SGLANG_CPU_PATCHES"  # same value as rollout.sglang_cpu.CPU_PATCH_ENV
 
@@ -42,6 +52,28 @@ def apply_cpu_process_patches() -> None:
             setattr(torch, name, _drop_pin(getattr(torch, name)))
     torch.Tensor.pin_memory = lambda self, *a, **k: self
     torch._lorafleet_pin_memory_patched = True
+    _one_rank_groups_without_a_port()
+
+
+def _one_rank_groups_without_a_port() -> None:
+    """torch.distributed.init_process_group of ONE rank over tcp:// -> a FileStore (no listener)."""
+    import torch.distributed as dist
+
+    init = dist.init_process_group
+    if getattr(init, "_lorafleet_one_rank_file_store", False):
+        return
+
+    @functools.wraps(init)
+    def init_process_group(*args, **kwargs):
+        method = kwargs.get("init_method")
+        if kwargs.get("world_size") == 1 and isinstance(method, str) and method.startswith("tcp://"):
+            folder = tempfile.mkdtemp(prefix="lorafleet-sglang-store-")
+            atexit.register(shutil.rmtree, folder, True)
+            kwargs["init_method"] = f"file://{folder}/store"
+        return init(*args, **kwargs)
+
+    init_process_group._lorafleet_one_rank_file_store = True
+    dist.init_process_group = init_process_group
 
 
 if os.environ.get(CPU_PATCH_ENV) == "1":

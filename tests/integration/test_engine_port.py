@@ -7,6 +7,9 @@ configured port in use is refused at once with a message naming engines.ports.
 
 The race itself cannot be caused on demand, so the second test makes `pick_free_port` return a
 port this test holds (a named fault injection); the server, the bind failure and the retry are real.
+The engine it ends with is also measured (psutil, as tests/integration/test_ray_loopback.py does
+for Ray): every port its processes listen on is on loopback (rollout/sglang_server.py gives a
+one-rank engine's torch.distributed group a FileStore; before, torch's TCPStore listened on `::`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import pytest
 import rollout.engine as engine_mod
 from rollout.config import EngineConfig
 from rollout.engine import EngineProcess, EngineStartError
+from tests.integration.net_probe import is_loopback, listeners
 from tests.integration.sglang_fixtures import DEFAULT_ENGINE
 
 
@@ -56,5 +60,9 @@ def test_picked_port_taken_before_bind_is_replaced(tiny_world, tmp_path, held_po
         assert engine.port != held_port
         assert engine.starts == 2
         assert engine_mod.PORT_IN_USE_MARK in engine.log_path.read_text(errors="replace")
+        found = listeners(engine.pid)
+        assert any(port == engine.port for _, _, port in found), found  # the measurement sees the server
+        assert all(is_loopback(ip) for _, ip, _ in found), f"an engine process listens off loopback: {found}"
     finally:
         engine.stop()
+

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.net_probe import is_loopback
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,8 +53,6 @@ def listeners(mode: str) -> list[tuple[str, str, int]]:
     return [tuple(x) for x in json.loads(out.stdout.strip().splitlines()[-1])]
 
 
-def is_loopback(ip: str) -> bool:
-    return ip.removeprefix("::ffff:") == "127.0.0.1" or ip == "::1"
 
 
 def test_local_ray_for_a_loopback_service_listens_on_loopback_only():
