@@ -13,6 +13,8 @@ are printed, not asserted (timings belong in benchmarks).
 
 from __future__ import annotations
 
+from tests.local_ray import start_ray, stop_ray
+
 import asyncio
 import contextlib
 import inspect
@@ -415,7 +417,7 @@ def test_ray_actor_wrapper(sglang_server, adapters, tiny_world):
     ray = pytest.importorskip("ray")
     from rollout.worker_actor import RolloutWorker
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         worker = RolloutWorker.remote(sglang_server.cfg, RolloutConfig(max_inflight_per_adapter=4, max_inflight_total=4),
                                       str(tiny_world / "model"), engine_urls=[sglang_server.url])
@@ -431,7 +433,7 @@ def test_ray_actor_wrapper(sglang_server, adapters, tiny_world):
         assert ray.get(worker.remove_adapter.remote("ray-a"), timeout=30) >= 0
         ray.get(worker.shutdown.remote(), timeout=60)
     finally:
-        ray.shutdown()
+        stop_ray()
 
 
 def test_engine_out_of_routing_is_readmitted_with_its_adapters_brought_up_to_date(sglang_server, adapters, prompts):

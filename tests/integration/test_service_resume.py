@@ -15,6 +15,8 @@ weights as a's.
 
 from __future__ import annotations
 
+from tests.local_ray import start_ray, stop_ray
+
 import pytest
 
 pytestmark = pytest.mark.integration
@@ -34,7 +36,7 @@ def sft_world(tiny_world, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("resume")
     job = load_job(TINY_JOB).model_copy(update={"adapters": []})
     settings = load_settings(state_dir=tmp / "state", data_roots=[tiny_world / "data", tmp])
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     trainer = TrainerGroup(job.trainer)
     controller = Controller(settings, job.capacity)
     try:
@@ -45,7 +47,7 @@ def sft_world(tiny_world, tmp_path_factory):
     finally:
         controller.close()
         trainer.stop()
-        ray.shutdown()
+        stop_ray()
 
 
 def _train(controller, runtime):

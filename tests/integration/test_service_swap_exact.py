@@ -16,6 +16,8 @@ data cursor, so runs are deterministic (as in test_service_resume.py).
 
 from __future__ import annotations
 
+from tests.local_ray import start_ray, stop_ray
+
 import logging
 import os
 
@@ -36,14 +38,14 @@ def world(tiny_world, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("swap_exact")
     job = load_job(TINY_JOB).model_copy(update={"adapters": []})
     cfg = job.trainer.model_copy(update={"swap_host_budget_mb": 1 / 1024, "swap_spill_dir": str(tmp / "swap")})
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     trainer = TrainerGroup(cfg)
     try:
         trainer.start()
         yield job, trainer, tmp, tiny_world
     finally:
         trainer.stop()
-        ray.shutdown()
+        stop_ray()
 
 
 def _controller(world, name: str, turn_steps: int):

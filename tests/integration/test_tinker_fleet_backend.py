@@ -7,6 +7,8 @@ step over Ray) and fails them when it fails. ~45 s (Ray start and one trainer ra
 
 from __future__ import annotations
 
+from tests.local_ray import start_ray, stop_ray
+
 import pytest
 import torch
 
@@ -21,11 +23,11 @@ NUM_SLOTS = 3
 def ray_cluster():
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         yield ray
     finally:
-        ray.shutdown()
+        stop_ray()
 
 
 def _data(seed: int, n: int):

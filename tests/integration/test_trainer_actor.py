@@ -5,6 +5,8 @@ result matches one process training the whole batch."""
 
 from __future__ import annotations
 
+from tests.local_ray import start_ray, stop_ray
+
 import pytest
 import torch
 
@@ -15,11 +17,11 @@ pytestmark = pytest.mark.integration
 def ray_cluster():
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         yield ray
     finally:
-        ray.shutdown()
+        stop_ray()
 
 
 def _hyper(slot):

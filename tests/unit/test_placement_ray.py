@@ -3,6 +3,8 @@ Ray reserves GPU slots by count, so no device is needed to test the reservation)
 
 from __future__ import annotations
 
+from tests.local_ray import start_ray, stop_ray
+
 import time
 
 import pytest
@@ -26,11 +28,11 @@ ray = pytest.importorskip("ray", reason="ray is part of the pinned stack (deploy
 @pytest.fixture(scope="module")
 def local_ray():
     assert not ray.is_initialized(), "another test left Ray running"
-    ray.init(num_cpus=4, num_gpus=4, include_dashboard=False, object_store_memory=80 * 1024**2, log_to_driver=False)
+    start_ray(num_cpus=4, num_gpus=4, include_dashboard=False, object_store_memory=80 * 1024**2, log_to_driver=False)
     try:
         yield
     finally:
-        ray.shutdown()
+        stop_ray()
 
 
 def gpu_plan(engines: int, trainer_dp: int) -> PlacementConfig:
