@@ -36,3 +36,13 @@ def tiny_world():
     from examples.tiny.build import ensure_tiny_world
 
     return ensure_tiny_world()
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_world):
+    """The tiny world's model in HF transformers, fp32, eval mode: the independent reference of the
+    trainer tests (one per module, so no module sees another's use of it)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_world / "model", dtype=torch.float32).eval()

@@ -87,16 +87,20 @@ def sft(data: Path, **over) -> dict:
             "prompts_per_step": 4, "num_step": 1000, "checkpoint_interval": 0, **over}
 
 
-def wait_for(client: LorafleetClient, name: str, pred, what: str, timeout_s: float = 240.0) -> dict:
+def wait_for(client: LorafleetClient, name: str, pred, what: str, timeout_s: float = 240.0, *,
+             may_fail: bool = False) -> dict:
+    """Poll the adapter's record until `pred` holds; a FAILED run ends the wait at once unless
+    `may_fail` (tests whose runs are meant to fail wait for FAILED itself)."""
     deadline = time.monotonic() + timeout_s
     while True:
         ref = client.get(name)
-        assert ref["state"] != "FAILED", f"{name} FAILED: {ref['failure_reason']}"
+        assert may_fail or ref["state"] != "FAILED", f"{name} FAILED: {ref['failure_reason']}"
         if pred(ref):
             return ref
         if time.monotonic() > deadline:
-            raise AssertionError(f"{name}: {what} not reached in {timeout_s} s; now {ref['state']} step {ref['step']}")
-        time.sleep(0.3)
+            raise AssertionError(f"{name}: {what} not reached in {timeout_s} s; now {ref['state']} step {ref['step']}: "
+                                 f"{ref['failure_reason']}")
+        time.sleep(0.3)  # poll interval of a deadline loop
 
 
 def export_dir(state_dir: Path, ref: dict) -> Path:

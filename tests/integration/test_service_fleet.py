@@ -160,12 +160,12 @@ def test_over_long_tenants_fail_with_a_reason_and_the_others_train(service, tiny
         c.register("long-rl", {**rl(tiny_world), "data": {"path": str(data / "long_rl.jsonl")}})
         c.register("mixed-sft", {**sft(tiny_world), "data": {"path": str(data / "mixed_sft.jsonl")}, "prompts_per_step": 2,
                                  "num_step": 3})
-        failed_sft = wait_until(c, "long-sft", lambda r: r["state"] == "FAILED", "FAILED")
-        failed_rl = wait_until(c, "long-rl", lambda r: r["state"] == "FAILED", "FAILED")
-        mixed = wait_until(c, "mixed-sft", lambda r: r["step"] >= 3, "3 steps")
-        ok = wait_until(c, "ok-long", lambda r: r["step"] >= 3, "3 steps")
+        failed_sft = wait_for(c, "long-sft", lambda r: r["state"] == "FAILED", "FAILED", 300.0, may_fail=True)
+        failed_rl = wait_for(c, "long-rl", lambda r: r["state"] == "FAILED", "FAILED", 300.0, may_fail=True)
+        mixed = wait_for(c, "mixed-sft", lambda r: r["step"] >= 3, "3 steps", 300.0)
+        ok = wait_for(c, "ok-long", lambda r: r["step"] >= 3, "3 steps", 300.0)
         retire_and_wait(c, service.state_dir, "ok-long")
-        wait_until(c, "mixed-sft", lambda r: r["state"] == "COMPLETED", "COMPLETED (num_step 3)")
+        wait_for(c, "mixed-sft", lambda r: r["state"] == "COMPLETED", "COMPLETED (num_step 3)", 300.0)
         free = c.ready()["slots"]["free"]
 
     for ref, file in ((failed_sft, "long_sft.jsonl"), (failed_rl, "long_rl.jsonl")):
@@ -175,18 +175,6 @@ def test_over_long_tenants_fail_with_a_reason_and_the_others_train(service, tiny
     assert free == free_before  # the two failed tenants gave their slots back (and the others theirs)
     assert mixed["last_metrics"]["rows_skipped_too_long"] >= 1
     assert ok["last_metrics"]["rows_skipped_too_long"] == 0 and ok["state"] == "ACTIVE"
-
-
-def wait_until(client, name, pred, what, timeout_s=300.0):
-    """wait_for without its FAILED check (here runs are meant to fail)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        ref = client.get(name)
-        if pred(ref):
-            return ref
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{name}: {what} not reached in {timeout_s} s; now {ref['state']} step {ref['step']}: {ref['failure_reason']}")
-        time.sleep(0.3)
 
 
 # --- 2 -------------------------------------------------------------------------------------------

@@ -50,13 +50,6 @@ VS_REFERENCE = 5e-5
 
 
 @pytest.fixture(scope="module")
-def hf_model(tiny_world):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_world / "model", dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
 def ops(tiny_world):
     from trainer.config import TrainerConfig
     from trainer.core import MultiLoraTrainer

@@ -83,13 +83,6 @@ def make_data(loss_fn, seed, base_lp_fn, n_datums=2):
 
 
 @pytest.fixture(scope="module")
-def hf_model(tiny_world):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_world / "model", dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
 def ops(tiny_world):
     from trainer.config import TrainerConfig
     from trainer.core import MultiLoraTrainer

@@ -23,13 +23,6 @@ def trainer(tiny_world):
     return MultiLoraTrainer(TrainerConfig(base_model_path=str(tiny_world / "model"), num_slots=NUM_SLOTS, max_rank=8, micro_batch_tokens=64))
 
 
-@pytest.fixture(scope="module")
-def hf_model(tiny_world):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_world / "model", dtype=torch.float32).eval()
-
-
 def hyper(slot, **kw):
     from trainer.config import SlotHyperParams
 
