@@ -165,9 +165,12 @@ def timed_round(fn, iters: int, warmup: int, phases: PhaseTimer | None) -> dict:
     GiB, and the phase split (this rank's) of the median round."""
     import torch.distributed as dist
 
-    for _ in range(warmup):
+    for i in range(warmup):
+        t0 = time.perf_counter()
         fn()
-    _sync()
+        _sync()
+        if dist.get_rank() == 0:  # progress (the first call of a new shape compiles and autotunes)
+            print(f"#   warm-up round {i + 1}: {time.perf_counter() - t0:.1f} s", flush=True)
     dist.barrier()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -238,7 +241,10 @@ def layout_worker(rank: int, port: int, opts: dict, layout: str, recompute: str,
         samples = make_samples(n, seqs, length, shape["vocab_size"], "sft")
         per_adapter = [TrainBatch(samples=[s for s in samples if s.slot == k]) for k in range(n)]
         mixed = TrainBatch(samples=samples)
+        t_init = time.perf_counter()
         init_slots(trainer, n, seqs, opts["rank"], "sft")
+        if rank == 0:  # progress: a case that stalls shows where (the first 8B runs never printed N=64)
+            print(f"# {layout} {path} N={n}: {n} slots initialized in {time.perf_counter() - t_init:.1f} s", flush=True)
         row = {"n": n, "seqs": seqs, "len": length, "tokens": n * seqs * length}
 
         def run_serialized():

@@ -19,6 +19,7 @@ partial sum not reduced) is an O(1) relative error.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -118,6 +119,40 @@ def one_gpu_run(bf16_config, scenario):
     return batches, run
 
 
+def _frobenius_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    denom = b.norm().item()
+    return (a - b).norm().item() / (denom if denom > 0 else 1.0)
+
+
+def _worst_across_layouts(scenario, got, ref, kinds):
+    """Like test_trainer_gpu._worst (losses and grad norms element-wise, relative to the largest),
+    but each tensor compared as a whole: ||a - b|| / ||b||.
+
+    Why: across layouts the frozen base itself rounds differently in bf16 (a row-parallel layer
+    sums two bf16 partials in its all-reduce where one GPU rounds the whole sum once; DP=2 reduces
+    the gradients in another order), so every activation differs by bf16 noise before any LoRA
+    math. An RL slot's loss is a small difference of ratio-weighted terms, and its gradient (Adam's
+    first moment) scatters element by element. Measured on two H200s (2026-11-30, tensors dumped
+    with LORAFLEET_GPU_DUMP): TP=2 against one GPU, the RL slot's exp_avg, largest element error
+    0.152 of the largest element, whole tensor 0.083; mixed against alone inside TP=2 (same
+    rounding order) 0.038, element-wise. Inside one layout the element-wise bound stays. A TP or DP
+    mistake (a delta counted twice, a partial sum not reduced, a gradient not averaged) moves
+    whole tensors: O(1) in either measure."""
+    worst = {"loss": 0.0, "grad_norm": 0.0, "tensor": 0.0}
+    for slot in ref:
+        g, r = got[slot], ref[slot]
+        assert g["step"] == r["step"]
+        worst["loss"] = max(worst["loss"], scenario.rel_err(torch.tensor(g["losses"]), torch.tensor(r["losses"])))
+        worst["grad_norm"] = max(worst["grad_norm"], scenario.rel_err(
+            torch.tensor([s[2] for s in g["steps"]]), torch.tensor([s[2] for s in r["steps"]])))
+        for kind in kinds:
+            for side in (0, 1):
+                for name, t in r["tensors"][kind][side].items():
+                    worst["tensor"] = max(worst["tensor"], _frobenius_rel_err(g["tensors"][kind][side][name], t))
+    return worst
+
+
 @pytest.mark.parametrize("layout", [{"tp": 2}, {"dp": 2}], ids=["tp2", "dp2"])
 def test_bf16_two_gpus_equal_one_gpu(bf16_config, scenario, one_gpu_run, tmp_path, layout):
     import torch.multiprocessing as mp
@@ -135,7 +170,9 @@ def test_bf16_two_gpus_equal_one_gpu(bf16_config, scenario, one_gpu_run, tmp_pat
     assert got["all_layers_fused"], "every LoRA linear should take the fused node (packed, fused_lora on)"
     kinds = ("weight", "exp_avg", "exp_avg_sq")
     inside = _worst(scenario, got["run"]["mixed"], got["run"]["alone"], kinds)
-    across = _worst(scenario, got["run"]["mixed"], one_gpu["mixed"], kinds)
+    across = _worst_across_layouts(scenario, got["run"]["mixed"], one_gpu["mixed"], kinds)
     print(f"bf16 {layout}: mixed vs alone {inside}; vs one GPU {across}")
+    if os.environ.get("LORAFLEET_GPU_DUMP"):  # the runs themselves, to study a deviation off the device
+        torch.save({"layout": layout, "run": got["run"], "one_gpu": one_gpu}, Path(os.environ["LORAFLEET_GPU_DUMP"]) / f"bf16_{'_'.join(layout)}.pt")
     for worst in (inside, across):
         assert worst["loss"] <= LOSS_TOL and worst["grad_norm"] <= GRAD_NORM_TOL and worst["tensor"] <= TENSOR_TOL, worst

@@ -12,6 +12,7 @@ Run on the device machine: ``pytest tests/gpu/test_tinker_seed_gpu.py -m gpu -q`
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 
 import numpy as np
 import pytest
@@ -19,7 +20,11 @@ import torch
 
 from tests.integration.sglang_fixtures import sglang_server_fixture
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+# SGLang's CUDA build (sgl_kernel, flashinfer) cannot be carried to the device machines here
+# (FINDINGS.md): there this module is skipped, and says why.
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+              pytest.mark.skipif(importlib.util.find_spec("sglang") is None or importlib.util.find_spec("tinker") is None,
+                                 reason="needs SGLang's CUDA build and the tinker SDK on the GPU machine")]
 
 sglang_server = sglang_server_fixture(max_lora_rank=8, extra_server_args=["--enable-deterministic-inference"])
 PARAMS = {"max_tokens": 12, "temperature": 1.0}
