@@ -94,6 +94,7 @@ class ExportWriter:
         self._queue: deque[_Job] = deque()
         self._pending_bytes = 0  # bytes of queued jobs and the one being written
         self._writing = 0  # 1 while a job is being written
+        self.room_waiters = 0  # submits waiting for room under the bound (tests observe it)
         self._outcome: dict[str, BaseException | None] = {}  # folder -> None (written) or its error
         self._held = False  # fault injection: the writer takes no job while held (tests)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -105,7 +106,11 @@ class ExportWriter:
         with self._cond:
             if folder in self._outcome or any(j.folder == folder for j in self._queue):
                 raise ValueError(f"an export to {folder} is already queued or unclaimed; each export needs its own folder")
-            self._cond.wait_for(lambda: self._pending_bytes == 0 or self._pending_bytes + nbytes <= self.max_pending_bytes)
+            self.room_waiters += 1
+            try:
+                self._cond.wait_for(lambda: self._pending_bytes == 0 or self._pending_bytes + nbytes <= self.max_pending_bytes)
+            finally:
+                self.room_waiters -= 1
             self._queue.append(_Job(folder, payload, nbytes))
             self._pending_bytes += nbytes
             self._cond.notify_all()
