@@ -31,6 +31,9 @@ from trainer.config import SlotHyperParams, TrainerConfig
 # call runs in submission order) in which `wait_export` waits for a background write: one thread,
 # so a waiting export never holds up a train call. service/actors.py defines it on the actor.
 EXPORT_GROUP = "export"
+# One more thread for fault-injection calls (tests), so they reach the rank while the default
+# group is busy or blocked and while wait_export calls wait in EXPORT_GROUP.
+FAULT_GROUP = "fault"
 
 
 class TrainWorker:
@@ -93,7 +96,8 @@ class TrainWorker:
         return self._core().wait_export(str(out_dir))
 
     def fault_hold_export_writes(self, held: bool) -> None:
-        """Fault injection (tests): while held, rank 0's writer starts no folder (the snapshots queue)."""
+        """Fault injection (tests; dispatch it in FAULT_GROUP): while held, rank 0's writer starts no
+        folder (the snapshots queue)."""
         self._core().export_writer().hold(held)
 
     def save_slot_state(self, slot: int, out_dir: str | Path) -> str:

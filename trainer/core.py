@@ -154,6 +154,7 @@ class MultiLoraTrainer:
         self.swap = SwapStore(None if budget is None else int(budget * 2**20), config.swap_spill_dir, rank=self.layout.rank)
         self._export_writer: ExportWriter | None = None  # rank 0's background writer (export_peft_in_background)
         self._export_writer_lock = threading.Lock()  # the writer is made by whichever thread asks first
+        self._copy_stream = None  # CUDA stream of the snapshots' device->host copies (snapshot_peft)
 
     # -- slot blocks ------------------------------------------------------------------------
 
@@ -274,7 +275,8 @@ class MultiLoraTrainer:
         export. Collective over TP. The gathered blocks are fresh tensors (clone or all-gather),
         never views of the live parameters, so a later step cannot change them. On CUDA they go
         to pinned host memory by non-blocking copies behind one event (`PeftSnapshot.ready`
-        waits for it): no synchronization per tensor, none on this thread. ``to_host=False``:
+        waits for it): no synchronization per tensor, none on this thread, and on a copy stream
+        of their own, so the copies overlap the next train call's kernels. ``to_host=False``:
         a rank that writes nothing takes part in the gather only."""
         state = self._state(slot)
         a_full, b_full = {}, {}
@@ -283,9 +285,9 @@ class MultiLoraTrainer:
             b_full[layer.name] = layer.full_b(layer.b_block(b.data, slot, state.rank))
         copied = None
         if to_host and self.device.type == "cuda":
-            a_full, b_full = pinned_host_copy(a_full), pinned_host_copy(b_full)
-            copied = torch.cuda.Event()
-            copied.record()
+            if self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream(self.device)
+            (a_full, b_full), copied = pinned_host_copy((a_full, b_full), self._copy_stream)
         experts = self._expert_layers() if state.hyper.lora_experts else []
         cfg = peft_config_dict(
             rank=state.rank, scale=state.scale, target_modules=hf_short_names(self.base, self._dense_layers()),

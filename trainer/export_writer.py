@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,7 +46,8 @@ DEFAULT_MAX_PENDING_BYTES = 4 << 30
 class PeftSnapshot:
     """A slot's LoRA weights at one point of the call order (trainer/core.py snapshot_peft):
     per layer, full (TP=1) A and B in the parameters' dtype, on host memory or on their way there
-    (`copied`: the CUDA event after the non-blocking device->host copies), with the PEFT config."""
+    (`copied`: the CUDA event after the non-blocking device->host copies, pinned_host_copy), with
+    the PEFT config."""
 
     config: dict
     a_full: dict[str, torch.Tensor]
@@ -64,16 +66,28 @@ class PeftSnapshot:
         return sum(t.numel() * t.element_size() for d in (self.a_full, self.b_full) for t in d.values())
 
 
-def pinned_host_copy(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Non-blocking copies of CUDA tensors into fresh pinned host tensors, queued on the current
-    stream (so they read the tensors before any later kernel on it changes them). The copies are
-    complete once an event recorded after them has fired."""
-    out = {}
-    for name, t in tensors.items():
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        host.copy_(t, non_blocking=True)
-        out[name] = host
-    return out
+def pinned_host_copy(parts: tuple[dict[str, torch.Tensor], ...], stream: Any) -> tuple[tuple[dict[str, torch.Tensor], ...], Any]:
+    """Copies of CUDA tensors into fresh pinned host tensors, non-blocking, on `stream` (a side
+    stream: the copy engine works while the next train call's kernels run), and the CUDA event
+    after them (the copies are complete once it fired). `stream` first waits for the current
+    stream (the tensors are complete); each tensor is marked used by `stream` so the allocator
+    does not reuse its memory before the copy read it. The tensors must be fresh (a gather or
+    clone): nothing else writes them, so no later kernel can race the copy."""
+    current = torch.cuda.current_stream()
+    stream.wait_stream(current)
+    out = []
+    with torch.cuda.stream(stream):
+        for tensors in parts:
+            host = {}
+            for name, t in tensors.items():
+                h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                h.copy_(t, non_blocking=True)
+                t.record_stream(stream)
+                host[name] = h
+            out.append(host)
+        done = torch.cuda.Event()
+        done.record(stream)
+    return tuple(out), done
 
 
 @dataclass
@@ -95,6 +109,8 @@ class ExportWriter:
         self._pending_bytes = 0  # bytes of queued jobs and the one being written
         self._writing = 0  # 1 while a job is being written
         self.room_waiters = 0  # submits waiting for room under the bound (tests observe it)
+        self.written = 0  # folders written (or failed) so far, and the seconds their writes took
+        self.write_seconds = 0.0
         self._outcome: dict[str, BaseException | None] = {}  # folder -> None (written) or its error
         self._held = False  # fault injection: the writer takes no job while held (tests)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -155,14 +171,18 @@ class ExportWriter:
                 job = self._queue.popleft()
                 self._writing = 1
             error: BaseException | None = None
+            t0 = time.perf_counter()
             try:
                 self._write(job.folder, job.payload)
             except BaseException as e:  # noqa: BLE001 - handed to the waiter, which raises it
                 error = e
+            seconds = time.perf_counter() - t0
             job.payload = None  # free the snapshot before making room for the next
             with self._cond:
                 self._pending_bytes -= job.nbytes
                 self._writing = 0
+                self.written += 1
+                self.write_seconds += seconds
                 self._outcome[job.folder] = error
                 self._cond.notify_all()
 

@@ -27,7 +27,7 @@ def group(tiny_world):
 
     start_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     cfg = TrainerConfig(base_model_path=str(tiny_world / "model"), num_slots=2, max_rank=4, micro_batch_tokens=64)
-    g = TrainerGroup(cfg, setup_timeout_s=300, call_timeout_s=120)
+    g = TrainerGroup(cfg, setup_timeout_s=300, call_timeout_s=60)  # a tiny call takes < 1 s
     try:
         g.start()
         g.init_slot(0, SlotHyperParams(rank=4, alpha=8, lr=1e-2, samples_per_step=2, objective="sft"), seed=0)
@@ -64,9 +64,13 @@ def _assert_same(x: Path, y: Path) -> None:
 
 
 def _hold(group, held: bool) -> None:
+    """The named fault injection, in the actor's fault concurrency group: it reaches the rank
+    whatever its other threads are doing."""
     import ray
 
-    ray.get(group.workers[0].fault_hold_export_writes.remote(held))
+    from trainer.actor import FAULT_GROUP
+
+    ray.get(group.workers[0].fault_hold_export_writes.options(concurrency_group=FAULT_GROUP).remote(held), timeout=60)
 
 
 def test_background_export_is_the_snapshot_step_and_the_next_train_does_not_wait(group, tmp_path):
