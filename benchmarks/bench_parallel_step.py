@@ -219,7 +219,9 @@ def export_timings(trainer, n: int, run_mixed, opts: dict) -> dict:
       round         a mixed round followed by N background exports (export_peft_in_background, the
                     service's publish with weight_transfer disk), against the mixed round alone: the
                     publishing cost a round pays; a thread on rank 0 claims each written folder and
-                    deletes it (the rollout worker's part); the writer's own time per folder.
+                    deletes it (the rollout worker's part); the writer's own time per folder;
+      order check   a background export of slot 0 followed at once by a mixed round equals, tensor
+                    by tensor, a synchronous export just before it (background_equals_sync).
     Folders go to /dev/shm (deleted as they are claimed; at most the writer's queue bound waits)."""
     import shutil
     import threading
@@ -287,6 +289,20 @@ def export_timings(trainer, n: int, run_mixed, opts: dict) -> dict:
                         claims.append(folder)
                         claimed.notify_all()
 
+        # The order check on this device: a background export followed at once by a train call
+        # that changes the weights holds exactly what a synchronous export before it wrote.
+        check = os.path.join(root, "check") if rank0 else "unused-check"
+        trainer.export_peft(0, os.path.join(check, "sync") if rank0 else "unused")
+        trainer.export_peft_in_background(0, os.path.join(check, "bg") if rank0 else "unused-bg")
+        run_mixed()
+        same = None
+        if rank0:
+            from safetensors.torch import load_file
+
+            trainer.wait_export(os.path.join(check, "bg"))
+            a, b = (load_file(os.path.join(check, x, "adapter_model.safetensors")) for x in ("sync", "bg"))
+            same = sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+            shutil.rmtree(check, ignore_errors=True)
         writer = trainer.export_writer() if rank0 else None
         base_written, base_write_s = (writer.written, writer.write_seconds) if writer else (0, 0.0)
         res = timed_round(mixed_then_exports, opts["iters"], opts["warmup"], None)
@@ -298,7 +314,7 @@ def export_timings(trainer, n: int, run_mixed, opts: dict) -> dict:
             claimer_thread.join()
         drain_s = time.perf_counter() - t0
         written = writer.written - base_written if writer else 0
-        stats = _gather({"submitted": submitted, "copied": copied, "sync": sync_s, "mb": mb, "drain": drain_s,
+        stats = _gather({"same": same, "submitted": submitted, "copied": copied, "sync": sync_s, "mb": mb, "drain": drain_s,
                          "write_s": (writer.write_seconds - base_write_s) / written if written else None,
                          "failures": failures})
         out = {
@@ -311,6 +327,7 @@ def export_timings(trainer, n: int, run_mixed, opts: dict) -> dict:
             "writer_ms_per_adapter": None if stats[0]["write_s"] is None else 1e3 * stats[0]["write_s"],
             "writes_left_after_rounds_s": stats[0]["drain"],
             "write_failures": stats[0]["failures"],
+            "background_equals_sync": stats[0]["same"],
         }
     finally:
         if rank0:
@@ -413,7 +430,8 @@ def _short(res: dict) -> str:
                 "sync_export_ms_per_adapter", "writer_ms_per_adapter", "round_with_exports_ms", "publish_share_of_mixed",
                 "writes_left_after_rounds_s", "round_with_exports_peak_gib")
         return " ".join(f"{k}={res[k]:.3g}" for k in keys if res.get(k) is not None) + (
-            f" FAILED WRITES {res['write_failures']}" if res.get("write_failures") else "")
+            f" FAILED WRITES {res['write_failures']}" if res.get("write_failures") else "") + (
+            f" background_equals_sync={res['background_equals_sync']}")
     keys = ("ms", "fwd_bwd_ms", "step_ms", "other_ms", "tokens_per_s_per_gpu", "mfu", "peak_gib")
     return " ".join(f"{k}={res[k]:.3g}" for k in keys if res.get(k) is not None) + f" rounds={res['all_ms']}"
 
@@ -568,7 +586,8 @@ def export_table(layouts: list[dict]) -> str:
                 f"{fmt(e['sync_export_ms_per_adapter'])} | {fmt(e['writer_ms_per_adapter'])} | {fmt(r.get('mixed', {}).get('ms'), '.0f')} | "
                 f"{fmt(e['round_with_exports_ms'], '.0f')} | {'-' if share is None else f'{100 * share:.1f}%'} | "
                 f"{fmt(e['round_with_exports_peak_gib'])} |"
-                + (f" FAILED WRITES: {e['write_failures'][:2]}" if e.get("write_failures") else ""))
+                + (f" FAILED WRITES: {e['write_failures'][:2]}" if e.get("write_failures") else "")
+                + ("" if e.get("background_equals_sync") else " BACKGROUND EXPORT DIFFERS FROM THE SYNCHRONOUS ONE"))
     return "\n".join(lines)
 
 

@@ -193,7 +193,7 @@ def replace_folder_atomically(write: Callable[[Path], Any], folder: str | Path) 
     temporary is removed if the write fails."""
     dest = Path(folder)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.writing-{os.getpid()}-{threading.get_ident()}")
+    tmp = dest.with_name(f"{_partial_prefix(dest)}{os.getpid()}-{threading.get_ident()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         write(tmp)
@@ -204,3 +204,16 @@ def replace_folder_atomically(write: Callable[[Path], Any], folder: str | Path) 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dest
+
+
+def _partial_prefix(dest: Path) -> str:
+    return f".{dest.name}.writing-"
+
+
+def remove_partial_writes(folder: str | Path) -> None:
+    """Delete what a write of `folder` left half done (a writer killed mid-write leaves its
+    temporary sibling; a live writer removes its own): for a publish that failed."""
+    dest = Path(folder)
+    if dest.parent.is_dir():
+        for tmp in dest.parent.glob(f"{_partial_prefix(dest)}*"):
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.export_writer import ExportWriter, replace_folder_atomically
+from trainer.export_writer import ExportWriter, remove_partial_writes, replace_folder_atomically
 
 DEADLINE_S = 30.0
 
@@ -104,3 +104,26 @@ def test_folder_appears_whole_or_not_at_all(tmp_path: Path):
     with pytest.raises(OSError, match="disk full"):
         replace_folder_atomically(half_then_fail, tmp_path / "h" / "v2")
     assert sorted(p.name for p in (tmp_path / "h").iterdir()) == ["v1"]  # no v2, no temporary
+
+
+def test_partial_writes_of_a_killed_writer_are_removed(tmp_path: Path, monkeypatch):
+    """Named fault: a writer process killed mid-write. Stood for by a write that raises SystemExit
+    while rmtree does nothing (a dead process cleans nothing up); then the publish's failure path
+    (rollout.weights.PendingFolder.ready) calls remove_partial_writes."""
+    import shutil
+
+    def killed_midway(tmp: Path) -> None:
+        tmp.mkdir()
+        (tmp / "a").write_text("1")
+        raise SystemExit
+
+    real_rmtree = shutil.rmtree
+    with monkeypatch.context() as m:
+        m.setattr(shutil, "rmtree", lambda *a, **k: None)
+        with pytest.raises(SystemExit):
+            replace_folder_atomically(killed_midway, tmp_path / "v1")
+    assert shutil.rmtree is real_rmtree
+    assert [p.name for p in tmp_path.iterdir()][0].startswith(".v1.writing-")
+    (tmp_path / "v10").mkdir()  # another version: not a temporary of v1
+    remove_partial_writes(tmp_path / "v1")
+    assert [p.name for p in tmp_path.iterdir()] == ["v10"]
