@@ -14,6 +14,9 @@ rounds after --warmup:
               (MultiLoraTrainer.frozen_base_pass; gradient to the input embeddings only)
   serialized  N train calls, one per adapter, at N = 1 and 16 (--serialized-n; 64 takes
               64 calls a round: add it with --serialized-n 1,16,64)
+  export      (opt-in: --only mixed,export) the publish export of the N stepped slots: the
+              in-order snapshot, the synchronous export_peft to /dev/shm, and a mixed round
+              followed by N background exports against the mixed round alone (export_timings)
 
 A round's time is the slowest rank's: each timed round ends with a device sync and a
 barrier. Reported per GPU: tokens/s (round tokens / round time / GPUs), TFLOP/s and MFU
@@ -49,6 +52,7 @@ separate commands where a command has a time limit).
   python -m benchmarks.bench_parallel_step --layout single --out single.json   # 1 GPU: slot limit
   python -m benchmarks.bench_parallel_step --tiny                               # CPU smoke test, gloo
   python -m benchmarks.bench_parallel_step --layout tp2 --lora-path fused,general --only mixed,base
+  python -m benchmarks.bench_parallel_step --layout dp2 --only mixed,export --recompute full   # publish export
 
 Run time on 2 H200s (estimate: about 1 min to build each layout plus 1-2 min of rounds):
 about 5 min for the default tp2,dp2, up to about 9 min if both OOM without recomputation
@@ -207,6 +211,133 @@ def _is_oom(err: BaseException) -> bool:
     return isinstance(err, torch.cuda.OutOfMemoryError) or "out of memory" in str(err).lower()
 
 
+def export_timings(trainer, n: int, run_mixed, opts: dict) -> dict:
+    """Mode export (issue 18: the publish export off the critical path), after the case's mixed
+    rounds, every one of the N slots stepped. Per adapter, the slowest rank's:
+      snapshot      the in-order half of a background export (trainer/core.py snapshot_peft: TP
+                    gather, non-blocking copies to pinned host memory on a side stream): what the
+                    next train call waits for; and until its copies are done (one event each);
+      sync export   the full synchronous export_peft (gather, copy, HF renaming, safetensors) to
+                    /dev/shm: what the next train call waited for before;
+      round         a mixed round followed by N background exports (export_peft_in_background, the
+                    service's publish with weight_transfer disk), against the mixed round alone: the
+                    publishing cost a round pays; a thread on rank 0 claims each written folder and
+                    deletes it (the rollout worker's part); the writer's own time per folder;
+      order check   a background export of slot 0 followed at once by a mixed round equals, tensor
+                    by tensor, a synchronous export just before it (background_equals_sync).
+    Folders go to /dev/shm (deleted as they are claimed; at most the writer's queue bound waits)."""
+    import shutil
+    import threading
+
+    import torch.distributed as dist
+
+    rank0 = trainer.layout.rank == 0
+    root = tempfile.mkdtemp(prefix="bench-export-", dir="/dev/shm") if rank0 else ""
+    out: dict = {}
+    try:
+        trainer.snapshot_peft(0, to_host=rank0).ready()  # warm: the copy stream, pinned blocks
+        _sync()
+        dist.barrier()
+        t0 = time.perf_counter()
+        snaps = [trainer.snapshot_peft(k, to_host=rank0) for k in range(n)]
+        submitted = time.perf_counter() - t0
+        for snap in snaps:
+            snap.ready()
+        copied = time.perf_counter() - t0
+        mb = sum(s.nbytes for s in snaps) / n / 1e6 if rank0 else 0.0
+        del snaps
+        _sync()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for k in range(n):
+            trainer.export_peft(k, os.path.join(root, "sync", f"s{k}") if rank0 else "unused")
+        _sync()
+        dist.barrier()
+        sync_s = time.perf_counter() - t0
+        if rank0:
+            shutil.rmtree(os.path.join(root, "sync"), ignore_errors=True)
+
+        claims: list[str] = []
+        claimed = threading.Condition()
+        failures: list[str] = []
+
+        def claimer():  # the rollout worker's part: wait for each folder in order, then discard it
+            i = 0
+            while True:
+                with claimed:
+                    claimed.wait_for(lambda: len(claims) > i)
+                    folder = claims[i]
+                i += 1
+                if folder is None:
+                    return
+                try:
+                    trainer.wait_export(folder)
+                except Exception as err:  # noqa: BLE001 - reported in the row
+                    failures.append(f"{type(err).__name__}: {err}"[:200])
+                shutil.rmtree(folder, ignore_errors=True)
+
+        claimer_thread = threading.Thread(target=claimer, daemon=True)
+        if rank0:
+            claimer_thread.start()
+        rounds = iter(range(10**9))
+
+        def mixed_then_exports():
+            run_mixed()
+            r = next(rounds)
+            for k in range(n):
+                folder = os.path.join(root, f"r{r}", f"s{k}") if rank0 else f"unused-{r}-{k}"
+                trainer.export_peft_in_background(k, folder)
+                if rank0:
+                    with claimed:
+                        claims.append(folder)
+                        claimed.notify_all()
+
+        # The order check on this device: a background export followed at once by a train call
+        # that changes the weights holds exactly what a synchronous export before it wrote.
+        check = os.path.join(root, "check") if rank0 else "unused-check"
+        trainer.export_peft(0, os.path.join(check, "sync") if rank0 else "unused")
+        trainer.export_peft_in_background(0, os.path.join(check, "bg") if rank0 else "unused-bg")
+        run_mixed()
+        same = None
+        if rank0:
+            from safetensors.torch import load_file
+
+            trainer.wait_export(os.path.join(check, "bg"))
+            a, b = (load_file(os.path.join(check, x, "adapter_model.safetensors")) for x in ("sync", "bg"))
+            same = sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+            shutil.rmtree(check, ignore_errors=True)
+        writer = trainer.export_writer() if rank0 else None
+        base_written, base_write_s = (writer.written, writer.write_seconds) if writer else (0, 0.0)
+        res = timed_round(mixed_then_exports, opts["iters"], opts["warmup"], None)
+        t0 = time.perf_counter()
+        if rank0:
+            with claimed:
+                claims.append(None)
+                claimed.notify_all()
+            claimer_thread.join()
+        drain_s = time.perf_counter() - t0
+        written = writer.written - base_written if writer else 0
+        stats = _gather({"same": same, "submitted": submitted, "copied": copied, "sync": sync_s, "mb": mb, "drain": drain_s,
+                         "write_s": (writer.write_seconds - base_write_s) / written if written else None,
+                         "failures": failures})
+        out = {
+            "adapter_mb_on_rank0": round(stats[0]["mb"], 1),
+            "snapshot_ms_per_adapter": 1e3 * max(x["submitted"] for x in stats) / n,
+            "snapshot_copied_ms_per_adapter": 1e3 * max(x["copied"] for x in stats) / n,
+            "sync_export_ms_per_adapter": 1e3 * max(x["sync"] for x in stats) / n,
+            "round_with_exports_ms": res["ms"], "round_with_exports_all_ms": res["all_ms"],
+            "round_with_exports_peak_gib": res["peak_gib"],
+            "writer_ms_per_adapter": None if stats[0]["write_s"] is None else 1e3 * stats[0]["write_s"],
+            "writes_left_after_rounds_s": stats[0]["drain"],
+            "write_failures": stats[0]["failures"],
+            "background_equals_sync": stats[0]["same"],
+        }
+    finally:
+        if rank0:
+            shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
 def layout_worker(rank: int, port: int, opts: dict, layout: str, recompute: str, out_path: str, path: str = "fused") -> None:
     """One rank of a layout: build, time every case and mode, rank 0 writes the JSON. The first
     OOM (on any rank) ends the layout's cases: the JSON then says oom, and the parent retries
@@ -261,7 +392,13 @@ def layout_worker(rank: int, port: int, opts: dict, layout: str, recompute: str,
             iters = opts["serialized_iters"] if mode == "serialized" else opts["iters"]
             warmup = opts["serialized_warmup"] if mode == "serialized" else opts["warmup"]
             try:
-                res = timed_round(runners[mode], iters, warmup, phases if mode != "base" else None)
+                if mode == "export":
+                    res = export_timings(trainer, n, run_mixed, opts)
+                    mixed_ms = row.get("mixed", {}).get("ms")
+                    if mixed_ms:
+                        res["publish_share_of_mixed"] = (res["round_with_exports_ms"] - mixed_ms) / mixed_ms
+                else:
+                    res = timed_round(runners[mode], iters, warmup, phases if mode != "base" else None)
             except Exception as err:  # an OOM on one rank: report it, keep the rest of the run
                 if not _is_oom(err):
                     raise
@@ -273,7 +410,7 @@ def layout_worker(rank: int, port: int, opts: dict, layout: str, recompute: str,
             errors = [e for _, e in statuses if e]
             if errors:  # every rank stops together
                 res, oom = {"error": errors[0]}, True
-            if "ms" in res:
+            if "ms" in res and mode != "export":
                 res["peak_gib_per_rank"] = peaks
                 res["peak_gib"] = max(peaks) if peaks[0] is not None else None
                 res["tokens_per_s_per_gpu"] = row["tokens"] / (res["ms"] / 1e3) / world
@@ -294,6 +431,13 @@ def layout_worker(rank: int, port: int, opts: dict, layout: str, recompute: str,
 def _short(res: dict) -> str:
     if "error" in res:
         return res["error"]
+    if "snapshot_ms_per_adapter" in res:  # mode export
+        keys = ("adapter_mb_on_rank0", "snapshot_ms_per_adapter", "snapshot_copied_ms_per_adapter",
+                "sync_export_ms_per_adapter", "writer_ms_per_adapter", "round_with_exports_ms", "publish_share_of_mixed",
+                "writes_left_after_rounds_s", "round_with_exports_peak_gib")
+        return " ".join(f"{k}={res[k]:.3g}" for k in keys if res.get(k) is not None) + (
+            f" FAILED WRITES {res['write_failures']}" if res.get("write_failures") else "") + (
+            f" background_equals_sync={res['background_equals_sync']}")
     keys = ("ms", "fwd_bwd_ms", "step_ms", "other_ms", "tokens_per_s_per_gpu", "mfu", "peak_gib")
     return " ".join(f"{k}={res[k]:.3g}" for k in keys if res.get(k) is not None) + f" rounds={res['all_ms']}"
 
@@ -425,6 +569,34 @@ def table(layouts: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def export_table(layouts: list[dict]) -> str:
+    """Mode export's rows (export_timings): per adapter ms, and the round's publishing cost."""
+    def fmt(x, spec=".1f"):
+        return "-" if x is None else format(x, spec)
+
+    lines = ["| layout | N adapters | MB per adapter | snapshot ms / adapter (until copied) | sync export ms / adapter "
+             "| writer ms / adapter | mixed ms | mixed + N background exports ms | publishing / mixed | peak GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for lay in layouts:
+        for r in lay["results"]:
+            e = r.get("export")
+            if not e:
+                continue
+            if "error" in e:
+                lines.append(f"| {lay['layout']} {lay.get('path', 'fused')} ({lay['recompute']}) | {r['n']} | {e['error'][:80]} |||||||| ")
+                continue
+            share = e.get("publish_share_of_mixed")
+            lines.append(
+                f"| {lay['layout']} {lay.get('path', 'fused')} ({lay['recompute']}) | {r['n']} | {fmt(e['adapter_mb_on_rank0'])} | "
+                f"{fmt(e['snapshot_ms_per_adapter'], '.2f')} ({fmt(e['snapshot_copied_ms_per_adapter'], '.2f')}) | "
+                f"{fmt(e['sync_export_ms_per_adapter'])} | {fmt(e['writer_ms_per_adapter'])} | {fmt(r.get('mixed', {}).get('ms'), '.0f')} | "
+                f"{fmt(e['round_with_exports_ms'], '.0f')} | {'-' if share is None else f'{100 * share:.1f}%'} | "
+                f"{fmt(e['round_with_exports_peak_gib'])} |"
+                + (f" FAILED WRITES: {e['write_failures'][:2]}" if e.get("write_failures") else "")
+                + ("" if e.get("background_equals_sync") else " BACKGROUND EXPORT DIFFERS FROM THE SYNCHRONOUS ONE"))
+    return "\n".join(lines)
+
+
 def single_table(single: dict) -> str:
     lines = ["| recompute | slots x rank 16 | trained a mixed round | tokens (slots x len) | round ms | GiB after build | peak GiB |",
              "|---|---|---|---|---|---|---|"]
@@ -458,7 +630,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--collective-timeout-s", type=float, default=300.0,
                     help="collective timeout: a rank whose peer failed is ended after this long instead of hanging")
     ap.add_argument("--n", default="1,16,64", help="comma list of N adapters per mixed round")
-    ap.add_argument("--only", default="mixed,base,serialized", help="comma list of modes: mixed,base,serialized")
+    ap.add_argument("--only", default="mixed,base,serialized",
+                    help="comma list of modes: mixed,base,serialized,export (export: after mixed, the publish "
+                         "export's snapshot, the synchronous export and a mixed round with background exports)")
     ap.add_argument("--serialized-n", default="1,16", help="N whose serialized rounds are timed (64: 64 calls a round)")
     ap.add_argument("--iters", type=int, default=None, help="timed rounds of mixed / base (default 3; tiny 2)")
     ap.add_argument("--warmup", type=int, default=1)
@@ -485,8 +659,10 @@ def main(argv: list[str] | None = None) -> int:
     if not paths or any(p not in ("fused", "general") for p in paths) or len(set(paths)) != len(paths):
         ap.error(f"--lora-path takes a comma list of fused, general (each once); got {args.lora_path!r}")
     modes = args.only.split(",")
-    if any(m not in ("mixed", "base", "serialized") for m in modes):
-        ap.error(f"--only takes mixed, base, serialized; got {args.only}")
+    if any(m not in ("mixed", "base", "serialized", "export") for m in modes):
+        ap.error(f"--only takes mixed, base, serialized, export; got {args.only}")
+    if "export" in modes:  # it compares against the case's mixed round, so it runs after it
+        modes = [m for m in modes if m != "export"] + ["export"]
     recomputes, single_recomputes = args.recompute.split(","), args.single_recompute.split(",")
     if any(r not in ("none", "selective", "full") for r in recomputes + single_recomputes):
         ap.error(f"--recompute / --single-recompute take none, selective, full; got {args.recompute!r} / "
@@ -530,6 +706,9 @@ def main(argv: list[str] | None = None) -> int:
         for lay in built:
             print(f"LoRA path {lay['layout']} {lay['path']} (recompute {lay['recompute']}): {lay['lora_path']}")
         print(table(built))
+        if "export" in modes:
+            print("\npublish export (mode export; per adapter, slowest rank; folders on /dev/shm):")
+            print(export_table(built))
     if result["single"]:
         for s in result["single"]:
             print(f"\none GPU, recompute {s['recompute']}: largest slot count that trains a mixed round at {tokens} "

@@ -18,10 +18,13 @@ Three parts (``--parts``):
   per-MB slope.
 * ``round``: a round of N stepped adapters as service/loop.py publishes them, on real Ray actors
   standing for the trainer and the rollout worker: the time the loop waits (its critical path) and
-  the time until the worker has every version (engine load not included: see ``engine``). Modes:
+  the time until the worker has every version (engine load not included: see ``engine``), and when
+  the trainer's next train call (submitted after the round's exports) starts. Modes:
   ``before`` (tensors through Ray, wire format built in the worker), ``handoff`` (the loop waits
-  for the trainer's folder write), ``deferred`` (what the service does with weight_transfer 'disk':
-  the loop only submits the write; the worker awaits it, rollout.weights.PendingFolder).
+  for the trainer's folder write), ``deferred`` (the loop only submits the write; the worker awaits
+  it, rollout.weights.PendingFolder; the rank writes each folder before its next call),
+  ``background`` (what the service does with weight_transfer 'disk' since the writer thread:
+  the rank only snapshots in order, trainer/export_writer.py writes while the next call runs).
 
     .venv/bin/python -m benchmarks.bench_publish --parts wire,round --out publish_cpu.json
     .venv/bin/python -m benchmarks.bench_publish --parts engine --out publish_engine.json
@@ -89,12 +92,21 @@ def _ms(x: float) -> float:
 def _actors():
     import ray
 
-    @ray.remote(num_cpus=0)
+    from trainer.actor import EXPORT_GROUP
+
+    @ray.remote(num_cpus=0, concurrency_groups={EXPORT_GROUP: 1})  # as service/actors.py starts TrainWorker
     class Trainer:
-        """Holds one slot's PEFT tensors, as the trainer rank would after a step."""
+        """Holds one slot's PEFT tensors, as the trainer rank would after a step. The background
+        export is the trainer's own machinery (trainer/export_writer.py: ExportWriter,
+        replace_folder_atomically; trainer/peft_io.write_peft_folder) with the snapshot a clone of
+        the tensors (what MultiLoraTrainer.snapshot_peft is on CPU: fresh copies of the slot's
+        blocks; on CUDA a device->host copy instead)."""
 
         def __init__(self, dtype: str):
+            from trainer.export_writer import ExportWriter
+
             self.cfg, self.tensors = qwen3_8b_lora(dtype=getattr(torch, dtype))
+            self.writer = ExportWriter(self._write)
 
         def peft_tensors(self):  # TrainerGroup.peft_tensors: the tensors travel back through Ray
             return self.cfg, self.tensors
@@ -103,6 +115,23 @@ def _actors():
             from trainer.peft_io import write_peft_folder
 
             return str(write_peft_folder(out_dir, self.cfg, self.tensors))
+
+        def export_peft_in_background(self, out_dir: str) -> str:  # TrainWorker's: snapshot now, write later
+            snap = {k: v.clone() for k, v in self.tensors.items()}
+            self.writer.submit(out_dir, snap, sum(t.numel() * t.element_size() for t in snap.values()))
+            return out_dir
+
+        def wait_export(self, out_dir: str) -> str:  # dispatched in EXPORT_GROUP, like TrainWorker's
+            return self.writer.wait(out_dir)
+
+        def _write(self, out_dir: str, snap: dict) -> None:
+            from trainer.export_writer import replace_folder_atomically
+            from trainer.peft_io import write_peft_folder
+
+            replace_folder_atomically(lambda tmp: write_peft_folder(tmp, self.cfg, snap), out_dir)
+
+        def train(self) -> float:  # the next train call: when it started (CLOCK_MONOTONIC, machine-wide)
+            return time.monotonic()
 
     @ray.remote(num_cpus=0)
     class Worker:
@@ -183,6 +212,7 @@ def part_round(args, out: dict) -> None:
     import ray
 
     from rollout.weights import AdapterWeights, PendingFolder
+    from trainer.actor import EXPORT_GROUP
 
     Trainer, Worker = _actors()
     worker = Worker.remote()
@@ -206,6 +236,7 @@ def part_round(args, out: dict) -> None:
                     continue
                 folder = Path(tempfile.mkdtemp(prefix="bench-handoff-", dir=args.state_dir))
                 try:
+                    t0_mono = time.monotonic()
                     t0 = time.perf_counter()
                     refs = []
                     for i in range(n):
@@ -213,9 +244,15 @@ def part_round(args, out: dict) -> None:
                         if mode == "handoff":  # the loop waits for the trainer's write
                             ray.get(trainer.export_peft.remote(path))
                             refs.append(worker.publish_folder.remote(AdapterWeights({"r": 16}, folder=path)))
-                        else:  # "deferred": the loop submits the write; the worker awaits it (PendingFolder)
+                        elif mode == "deferred":  # the loop submits the write; the worker awaits it (PendingFolder)
                             refs.append(worker.publish_pending.remote(PendingFolder(path, [trainer.export_peft.remote(path)])))
+                        else:  # "background": the service now (TrainerGroup.begin_export_peft): snapshot in order, write off the rank's path
+                            writers = [trainer.export_peft_in_background.remote(path),
+                                       trainer.wait_export.options(concurrency_group=EXPORT_GROUP).remote(path)]
+                            refs.append(worker.publish_pending.remote(PendingFolder(path, writers)))
                     row[f"{mode}: loop waits s"] = round(time.perf_counter() - t0, 3)
+                    # the trainer's next train call, submitted after the round's exports: how long it waits for them
+                    row[f"{mode}: next train call starts after s"] = round(ray.get(trainer.train.remote()) - t0_mono, 3)
                     ray.get(refs)
                     row[f"{mode}: every version at the worker s"] = round(time.perf_counter() - t0, 2)
                     row[f"{mode}: handoff folder MB"] = round(sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 1e6)
@@ -285,8 +322,9 @@ def main() -> None:
     p.add_argument("--dtypes", default="bfloat16,float32")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--rounds", default="1,16,64")
-    p.add_argument("--round-modes", default="before,handoff,deferred",
-                   help="before: today's tensors path; handoff: the loop waits for the trainer's write; deferred: it does not")
+    p.add_argument("--round-modes", default="before,handoff,deferred,background",
+                   help="before: the tensors path; handoff: the loop waits for the trainer's write; deferred: it does not, "
+                        "the rank writes before its next call; background: the rank snapshots, its writer thread writes")
     p.add_argument("--max-before-round", type=int, default=16, help="largest N run the old way (it is ~1 s per adapter)")
     p.add_argument("--ranks", default="16,256,1024,3870,7740", help="engine part: tiny-model ranks (3870: 87 MB, 7740: 174 MB fp32)")
     p.add_argument("--state-dir", default=os.environ.get("BENCH_STATE_DIR", tempfile.gettempdir()), help="where handoff folders go (disk)")

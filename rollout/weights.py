@@ -179,12 +179,15 @@ class PendingFolder:
 
     async def ready(self) -> AdapterWeights:
         """The written folder as handoff weights; raises the trainer's error if a write failed
-        (the folder is then deleted: nothing will read it)."""
+        (the folder and any half-written temporary of it are then deleted: nothing will read them)."""
         import asyncio
 
         try:
             await asyncio.gather(*self.writers)
             return AdapterWeights.from_folder(self.folder, handoff=True)
         except BaseException:
+            from trainer.export_writer import remove_partial_writes
+
             shutil.rmtree(self.folder, ignore_errors=True)
+            remove_partial_writes(self.folder)  # a trainer rank killed mid-write leaves its temporary
             raise

@@ -43,9 +43,13 @@ def trainer_rank_options(rank: int, tp: int, placement_groups: list[Any] | None,
 
 def start_train_workers(world_size: int, tp: int, placement_groups: list[Any] | None, *, cpus: float, gpus: float) -> list[Any]:
     """Create the (empty) TrainWorker actors of every rank; `TrainerGroup.start` sets them up."""
-    from trainer.actor import TrainWorker
+    from trainer.actor import EXPORT_GROUP, FAULT_GROUP, TrainWorker
 
-    remote_cls = ray.remote(TrainWorker)
+    # Default group: max_concurrency 1 (Ray's default for a threaded actor), so collective calls run
+    # one at a time in submission order. EXPORT_GROUP: one more thread, where wait_export waits for a
+    # background write beside the train calls; FAULT_GROUP: one for tests' fault injection
+    # (trainer/actor.py). Ray takes concurrency groups only here, not in .options().
+    remote_cls = ray.remote(concurrency_groups={EXPORT_GROUP: 1, FAULT_GROUP: 1})(TrainWorker)
     return [remote_cls.options(**trainer_rank_options(r, tp, placement_groups, cpus=cpus, gpus=gpus)).remote()
             for r in range(world_size)]
 

@@ -572,8 +572,9 @@ class FleetRuntime:
         """Hand the run's current weights to the engines as `version` (RL; SFT runs are not served).
 
         Returns once the weights are taken from the trainer; with weight_transfer 'disk' at once: the
-        trainer writes the handoff folder (nothing pickled or base64-encoded) before its next call,
-        and the rollout worker waits for that write, not the loop. The engines load them while the loop goes on (the rollout worker applies one adapter's publishes in order,
+        trainer snapshots the weights before its next call and writes the handoff folder (nothing
+        pickled or base64-encoded) on a writer thread while that call runs; the rollout worker
+        waits for that write, not the loop nor the next train call. The engines load them while the loop goes on (the rollout worker applies one adapter's publishes in order,
         and any later remove/abort of the adapter after them; its buffer counts the version as
         published before the load starts, so groups of older weights are already one behind).
         Returns True while the engines load it: `settle_publishes` reports the outcome, and only
@@ -585,8 +586,8 @@ class FleetRuntime:
         if run.evicted:
             raise RuntimeError(f"{run.name} is evicted; it is published once restored")
         if self.job.engines.weight_transfer == "disk":
-            # The trainer writes the folder after this call returns (before its next train call); the
-            # rollout worker waits for the write, the loop does not.
+            # The trainer snapshots the weights before its next train call and writes the folder beside
+            # it (trainer/export_writer.py); the rollout worker waits for the write, the loop does not.
             folder = self._handoff_folder(run.name, registration_id, version)
             weights: AdapterWeights | PendingFolder = PendingFolder(folder, self.trainer.begin_export_peft(run.slot, folder))
         else:

@@ -254,11 +254,22 @@ class TrainerGroup:
         return self._all(lambda w: w.export_peft.remote(slot, str(out_dir)), what="export_peft")
 
     def begin_export_peft(self, slot: int, out_dir: str | Path) -> list[Any]:
-        """export_peft without waiting: the ObjectRefs of every rank's call (rank 0 writes the folder).
-        Each rank runs it before any call submitted later (the next train call), so it writes the
-        weights as they are now; whoever needs the folder awaits the refs (the rollout worker's
-        publish_version, issue 18: the loop does not wait for the write)."""
-        return [w.export_peft.remote(slot, str(out_dir)) for w in self.workers]
+        """export_peft without waiting: ObjectRefs that all resolve once rank 0 has written the folder
+        (whoever needs it awaits them: the rollout worker's publish_version via PendingFolder; the loop
+        does not wait, issue 18). Every rank snapshots the slot in its call order, so the folder holds
+        the weights as they are now, whatever later calls change; the write runs on rank 0's writer
+        thread while the next train call runs; `wait_export` (the last ref, in the actor's export
+        concurrency group) raises if the write failed. Submitted under the collective lock: the
+        snapshot is collective (TP gather), so no other thread's call may interleave its submissions."""
+        from trainer.actor import EXPORT_GROUP
+
+        if not self.workers:
+            raise RuntimeError(f"the trainer is not running ({self.stopped_reason or 'not started'})")
+        out = str(out_dir)
+        with self._collective_lock:
+            refs = [w.export_peft_in_background.remote(slot, out) for w in self.workers]
+            refs.append(self.workers[0].wait_export.options(concurrency_group=EXPORT_GROUP).remote(out))
+        return refs
 
     def save_slot_state(self, slot: int, out_dir: str | Path) -> str:
         return self._all(lambda w: w.save_slot_state.remote(slot, str(out_dir)), what="save_slot_state")

@@ -8,6 +8,11 @@ same metrics). Data parallelism: every rank receives the whole batch and trains 
 own share (trainer/batch.py `dp_shard`); only the gradients of the slots that step
 cross the DP group (an all-reduce inside `MultiLoraTrainer`), never the frozen base.
 
+Exports for publishing (issue 18) come in two calls: `export_peft_in_background` in the
+default group, in order with train calls (it snapshots the weights, then rank 0's writer
+thread writes the folder), and `wait_export` in the EXPORT_GROUP group, which returns when
+the folder is written; the next train call does not wait for the write.
+
 This module imports neither ray nor the trainer's core at module level: the class
 is plain, so the GPU tier imports it without Ray, and the model is built in `setup`.
 """
@@ -21,6 +26,14 @@ from typing import Any
 
 from trainer.batch import TrainBatch
 from trainer.config import SlotHyperParams, TrainerConfig
+
+# The Ray concurrency group (besides the default one, max_concurrency 1, where every collective
+# call runs in submission order) in which `wait_export` waits for a background write: one thread,
+# so a waiting export never holds up a train call. service/actors.py defines it on the actor.
+EXPORT_GROUP = "export"
+# One more thread for fault-injection calls (tests), so they reach the rank while the default
+# group is busy or blocked and while wait_export calls wait in EXPORT_GROUP.
+FAULT_GROUP = "fault"
 
 
 class TrainWorker:
@@ -70,6 +83,22 @@ class TrainWorker:
 
     def export_peft(self, slot: int, out_dir: str | Path) -> str:
         return self._core().export_peft(slot, str(out_dir))
+
+    def export_peft_in_background(self, slot: int, out_dir: str | Path) -> str:
+        """The export's snapshot now, in call order (default concurrency group, like train); the
+        write on rank 0's writer thread. Returns before the folder is written: see wait_export."""
+        return self._core().export_peft_in_background(slot, str(out_dir))
+
+    def wait_export(self, out_dir: str | Path) -> str:
+        """Returns once the background export to `out_dir` is written; raises if it failed.
+        Dispatched in the EXPORT_GROUP concurrency group, so it waits beside train calls
+        instead of ahead of them (service/trainer_group.py begin_export_peft)."""
+        return self._core().wait_export(str(out_dir))
+
+    def fault_hold_export_writes(self, held: bool) -> None:
+        """Fault injection (tests; dispatch it in FAULT_GROUP): while held, rank 0's writer starts no
+        folder (the snapshots queue)."""
+        self._core().export_writer().hold(held)
 
     def save_slot_state(self, slot: int, out_dir: str | Path) -> str:
         return self._core().save_slot_state(slot, str(out_dir))

@@ -20,6 +20,7 @@ Invariants:
 from __future__ import annotations
 
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,7 @@ from trainer.base_model import (
 from trainer.batch import PlannedSample, TrainBatch, TrainSample, assign_phases, dp_shard, pack_micro_batches
 from trainer.config import SlotHyperParams, TrainerConfig
 from trainer.distributed import dp_group, init_parallel, tp_group
+from trainer.export_writer import ExportWriter, PeftSnapshot, pinned_host_copy, replace_folder_atomically
 from trainer.losses import TokenLossInputs, sample_loss_numerators
 from trainer.moe_lora import install_moe_lora, is_expert_layer, kaiming_a, moe_layers
 from trainer.moe_peft import expert_peft_tensors, expert_target_parameters, read_expert_peft
@@ -150,6 +152,9 @@ class MultiLoraTrainer:
         self.vocab_size: int = self.base.model.vocab_size
         budget = config.swap_host_budget_mb
         self.swap = SwapStore(None if budget is None else int(budget * 2**20), config.swap_spill_dir, rank=self.layout.rank)
+        self._export_writer: ExportWriter | None = None  # rank 0's background writer (export_peft_in_background)
+        self._export_writer_lock = threading.Lock()  # the writer is made by whichever thread asks first
+        self._copy_stream = None  # CUDA stream of the snapshots' device->host copies (snapshot_peft)
 
     # -- slot blocks ------------------------------------------------------------------------
 
@@ -264,24 +269,92 @@ class MultiLoraTrainer:
             b_full[layer.name] = layer.full_b(layer.b_block(b, slot, rank)).float().cpu()
         return a_full, b_full
 
-    def peft_tensors(self, slot: int) -> tuple[dict, dict[str, torch.Tensor]]:
-        """(adapter_config dict, PEFT-named tensors) of the slot, as SGLang/peft load them. Collective."""
+    @torch.no_grad()
+    def snapshot_peft(self, slot: int, *, to_host: bool = True) -> PeftSnapshot:
+        """The slot's weights as they are now, gathered to TP=1 layout: the in-order half of an
+        export. Collective over TP. The gathered blocks are fresh tensors (clone or all-gather),
+        never views of the live parameters, so a later step cannot change them. On CUDA they go
+        to pinned host memory by non-blocking copies behind one event (`PeftSnapshot.ready`
+        waits for it): no synchronization per tensor, none on this thread, and on a copy stream
+        of their own, so the copies overlap the next train call's kernels. ``to_host=False``:
+        a rank that writes nothing takes part in the gather only."""
         state = self._state(slot)
-        a_full, b_full = self._full_slot_tensors(slot, [p.data for p in self.params], state.rank)
-        dense = self._dense_layers()
+        a_full, b_full = {}, {}
+        for layer, a, b in zip(self.layers, self.params[0::2], self.params[1::2]):
+            a_full[layer.name] = layer.full_a(layer.a_block(a.data, slot, state.rank))
+            b_full[layer.name] = layer.full_b(layer.b_block(b.data, slot, state.rank))
+        copied = None
+        if to_host and self.device.type == "cuda":
+            if self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream(self.device)
+            (a_full, b_full), copied = pinned_host_copy((a_full, b_full), self._copy_stream)
         experts = self._expert_layers() if state.hyper.lora_experts else []
         cfg = peft_config_dict(
-            rank=state.rank, scale=state.scale, target_modules=hf_short_names(self.base, dense),
+            rank=state.rank, scale=state.scale, target_modules=hf_short_names(self.base, self._dense_layers()),
             base_model=self.config.base_model_path, target_parameters=expert_target_parameters(experts),
         )
-        return cfg, slot_to_hf(self.base, dense, a_full, b_full) | expert_peft_tensors(self.base, experts, a_full, b_full)
+        return PeftSnapshot(config=cfg, a_full=a_full, b_full=b_full, lora_experts=bool(experts), copied=copied)
+
+    def peft_from_snapshot(self, snap: PeftSnapshot) -> tuple[dict, dict[str, torch.Tensor]]:
+        """(adapter_config dict, PEFT-named fp32 tensors) of a snapshot: the HF renaming, local to
+        this rank (no collective, reads only the snapshot and the model's names), so the writer
+        thread runs it while the main thread trains."""
+        snap.ready()
+        a_full = {k: v.float() for k, v in snap.a_full.items()}
+        b_full = {k: v.float() for k, v in snap.b_full.items()}
+        experts = self._expert_layers() if snap.lora_experts else []
+        tensors = slot_to_hf(self.base, self._dense_layers(), a_full, b_full) | expert_peft_tensors(self.base, experts, a_full, b_full)
+        return snap.config, tensors
+
+    def peft_tensors(self, slot: int) -> tuple[dict, dict[str, torch.Tensor]]:
+        """(adapter_config dict, PEFT-named tensors) of the slot, as SGLang/peft load them. Collective."""
+        return self.peft_from_snapshot(self.snapshot_peft(slot))
 
     def export_peft(self, slot: int, out_dir: str | Path) -> str:
-        """Write the slot as a PEFT adapter folder (rank 0 writes; all ranks must call)."""
-        cfg, tensors = self.peft_tensors(slot)
-        if self.layout.rank == 0:
-            write_peft_folder(out_dir, cfg, tensors)
+        """Write the slot as a PEFT adapter folder (rank 0 writes; all ranks must call). Synchronous:
+        when it returns the folder is written."""
+        writes = self.layout.rank == 0
+        snap = self.snapshot_peft(slot, to_host=writes)
+        if writes:
+            write_peft_folder(out_dir, *self.peft_from_snapshot(snap))
         return str(out_dir)
+
+    # Background export (issue 18): the snapshot in call order, the write off the critical path.
+    def export_peft_in_background(self, slot: int, out_dir: str | Path) -> str:
+        """Snapshot the slot now (collective, before any later call changes its weights) and queue
+        the folder's write on this rank's writer thread (rank 0; trainer/export_writer.py); returns
+        at once unless the writer's memory bound is full. `wait_export(out_dir)` waits for the
+        write. The folder appears whole (written under a temporary name, then renamed)."""
+        out_dir = str(out_dir)
+        writes = self.layout.rank == 0
+        try:
+            snap = self.snapshot_peft(slot, to_host=writes)
+        except BaseException as e:
+            if writes:
+                self.export_writer().fail(out_dir, e)  # its waiter raises this instead of waiting forever
+            raise
+        if writes:
+            self.export_writer().submit(out_dir, snap, snap.nbytes)
+        return out_dir
+
+    def wait_export(self, out_dir: str | Path) -> str:
+        """Block until the background export to ``out_dir`` is written; raises its error (a failed
+        snapshot or write). Safe to call from another thread than the one that queued it, and
+        before it is queued. Ranks other than 0 write nothing and return at once."""
+        if self.layout.rank != 0:
+            return str(out_dir)
+        return self.export_writer().wait(str(out_dir))
+
+    def export_writer(self) -> ExportWriter:
+        """This rank's writer thread (started on first use)."""
+        with self._export_writer_lock:
+            if self._export_writer is None:
+                self._export_writer = ExportWriter(self._write_snapshot)
+            return self._export_writer
+
+    def _write_snapshot(self, out_dir: str, snap: PeftSnapshot) -> None:
+        cfg, tensors = self.peft_from_snapshot(snap)
+        replace_folder_atomically(lambda tmp: write_peft_folder(tmp, cfg, tensors), out_dir)
 
     # -- checkpoint ------------------------------------------------------------------------------
 

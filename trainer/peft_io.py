@@ -142,9 +142,25 @@ def write_peft_folder(out_dir: str | Path, config: dict, tensors: dict[str, torc
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    # clone: fused projections (q/k/v, gate/up) share one lora_A tensor, and safetensors refuses shared storage.
-    save_file({k: v.detach().to("cpu").clone().contiguous() for k, v in tensors.items()}, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    save_file(_unshared(tensors), str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous CPU tensors, no two sharing storage: fused projections (q/k/v, gate/up) share one
+    lora_A tensor, and safetensors refuses shared storage. Only a repeated storage is cloned (a
+    copy of every tensor would double the write's memory traffic)."""
+    seen: set[int] = set()
+    out = {}
+    for k, v in tensors.items():
+        v = v.detach().to("cpu").contiguous()
+        ptr = v.untyped_storage().data_ptr()
+        if ptr in seen:
+            v = v.clone()
+        else:
+            seen.add(ptr)
+        out[k] = v
     return out
 
 

@@ -1,0 +1,219 @@
+"""A trainer rank's background writer of PEFT folders (issue 18: the export write off the
+critical path).
+
+An export has two halves (trainer/core.py): the *snapshot* (the TP gather and the copy of the
+slot's live blocks to host memory) runs on the actor's main thread in call order, so it holds
+exactly the weights after the train call before it; the *write* (HF renaming, safetensors,
+adapter_config.json) runs here, in one thread per rank, while the next train call runs.
+
+Invariants:
+* Folders are written one at a time, in submission order; a folder is written under a temporary
+  sibling name and renamed into place, so a reader never sees a half-written folder.
+* `wait(folder)` returns only once that folder is fully written, and raises the write's (or the
+  snapshot's, see `fail`) error. It may be called before the folder is submitted (the awaiting
+  call runs in another Ray concurrency group than the snapshot: trainer/actor.py): it waits for
+  the submission.
+* Host memory of snapshots waiting to be written is bounded: `submit` blocks (the actor's main
+  thread, hence the next train call: back-pressure) while the queued bytes plus the new
+  snapshot's would exceed `max_pending_bytes`; a snapshot larger than the bound alone is still
+  admitted when the queue is empty (else it could never be written).
+* A rank that dies loses its queued writes; their `wait` calls fail with the actor's death and the
+  service's publish-failure path republishes (service/runtime_impl.py settle_publishes).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Default bound of queued snapshot bytes per rank: 4 GiB of host memory is about 23 Qwen3-8B
+# rank-16 adapters in fp32 (174 MB) or 46 in bf16, enough that a round's exports queue without
+# stalling the next train call as long as the writer keeps up on average, and small next to a
+# GPU node's host memory. Beyond it the snapshot waits for room (the next train call with it).
+DEFAULT_MAX_PENDING_BYTES = 4 << 30
+
+
+@dataclass
+class PeftSnapshot:
+    """A slot's LoRA weights at one point of the call order (trainer/core.py snapshot_peft):
+    per layer, full (TP=1) A and B in the parameters' dtype, on host memory or on their way there
+    (`copied`: the CUDA event after the non-blocking device->host copies, pinned_host_copy), with
+    the PEFT config."""
+
+    config: dict
+    a_full: dict[str, torch.Tensor]
+    b_full: dict[str, torch.Tensor]
+    lora_experts: bool  # the slot trains the routed experts too (their tensors get PEFT names)
+    copied: Any = None  # torch.cuda.Event, or None when the tensors are host tensors already
+
+    def ready(self) -> None:
+        """Wait for the device->host copies (the export's one synchronization, off the main thread)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+            self.copied = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for d in (self.a_full, self.b_full) for t in d.values())
+
+
+def pinned_host_copy(parts: tuple[dict[str, torch.Tensor], ...], stream: Any) -> tuple[tuple[dict[str, torch.Tensor], ...], Any]:
+    """Copies of CUDA tensors into fresh pinned host tensors, non-blocking, on `stream` (a side
+    stream: the copy engine works while the next train call's kernels run), and the CUDA event
+    after them (the copies are complete once it fired). `stream` first waits for the current
+    stream (the tensors are complete); each tensor is marked used by `stream` so the allocator
+    does not reuse its memory before the copy read it. The tensors must be fresh (a gather or
+    clone): nothing else writes them, so no later kernel can race the copy."""
+    current = torch.cuda.current_stream()
+    stream.wait_stream(current)
+    out = []
+    with torch.cuda.stream(stream):
+        for tensors in parts:
+            host = {}
+            for name, t in tensors.items():
+                h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                h.copy_(t, non_blocking=True)
+                t.record_stream(stream)
+                host[name] = h
+            out.append(host)
+        done = torch.cuda.Event()
+        done.record(stream)
+    return tuple(out), done
+
+
+@dataclass
+class _Job:
+    folder: str
+    payload: Any  # what `write(folder, payload)` writes (a trainer.core.PeftSnapshot)
+    nbytes: int
+
+
+class ExportWriter:
+    """One background thread writing folders submitted by the actor's main thread."""
+
+    def __init__(self, write: Callable[[str, Any], None], *, max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+                 name: str = "peft-export-writer") -> None:
+        self._write = write
+        self.max_pending_bytes = max_pending_bytes
+        self._cond = threading.Condition()
+        self._queue: deque[_Job] = deque()
+        self._pending_bytes = 0  # bytes of queued jobs and the one being written
+        self._writing = 0  # 1 while a job is being written
+        self.room_waiters = 0  # submits waiting for room under the bound (tests observe it)
+        self.written = 0  # folders written (or failed) so far, and the seconds their writes took
+        self.write_seconds = 0.0
+        self._outcome: dict[str, BaseException | None] = {}  # folder -> None (written) or its error
+        self._held = False  # fault injection: the writer takes no job while held (tests)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, folder: str, payload: Any, nbytes: int) -> None:
+        """Queue `payload` to be written as `folder`; blocks while the bound is exceeded."""
+        folder = str(folder)
+        with self._cond:
+            if folder in self._outcome or any(j.folder == folder for j in self._queue):
+                raise ValueError(f"an export to {folder} is already queued or unclaimed; each export needs its own folder")
+            self.room_waiters += 1
+            try:
+                self._cond.wait_for(lambda: self._pending_bytes == 0 or self._pending_bytes + nbytes <= self.max_pending_bytes)
+            finally:
+                self.room_waiters -= 1
+            self._queue.append(_Job(folder, payload, nbytes))
+            self._pending_bytes += nbytes
+            self._cond.notify_all()
+
+    def fail(self, folder: str, error: BaseException) -> None:
+        """Record that the export to `folder` failed before it was queued (its snapshot raised), so
+        its `wait` raises instead of waiting for a submission that never comes."""
+        with self._cond:
+            self._outcome[str(folder)] = error
+            self._cond.notify_all()
+
+    def wait(self, folder: str) -> str:
+        """Block until `folder` is written (or its export failed: raises that error). Forgets it."""
+        folder = str(folder)
+        with self._cond:
+            self._cond.wait_for(lambda: folder in self._outcome)
+            error = self._outcome.pop(folder)
+        if error is not None:
+            raise error
+        return folder
+
+    def drain(self) -> None:
+        """Block until every queued folder is written (benchmarks; their outcomes stay for `wait`)."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._queue and self._pending_bytes == 0)
+
+    def pending(self) -> int:
+        """Folders queued or being written."""
+        with self._cond:
+            return len(self._queue) + self._writing
+
+    def hold(self, held: bool) -> None:
+        """Fault injection (tests): while held the writer starts no new folder."""
+        with self._cond:
+            self._held = held
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue and not self._held)
+                job = self._queue.popleft()
+                self._writing = 1
+            error: BaseException | None = None
+            t0 = time.perf_counter()
+            try:
+                self._write(job.folder, job.payload)
+            except BaseException as e:  # noqa: BLE001 - handed to the waiter, which raises it
+                error = e
+            seconds = time.perf_counter() - t0
+            job.payload = None  # free the snapshot before making room for the next
+            with self._cond:
+                self._pending_bytes -= job.nbytes
+                self._writing = 0
+                self.written += 1
+                self.write_seconds += seconds
+                self._outcome[job.folder] = error
+                self._cond.notify_all()
+
+
+def replace_folder_atomically(write: Callable[[Path], Any], folder: str | Path) -> Path:
+    """Run `write(tmp)` on a fresh temporary sibling of `folder`, then rename it to `folder` (an
+    existing `folder` is replaced). A reader sees no folder or the whole one, never a part; the
+    temporary is removed if the write fails."""
+    dest = Path(folder)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f"{_partial_prefix(dest)}{os.getpid()}-{threading.get_ident()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        write(tmp)
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
+def _partial_prefix(dest: Path) -> str:
+    return f".{dest.name}.writing-"
+
+
+def remove_partial_writes(folder: str | Path) -> None:
+    """Delete what a write of `folder` left half done (a writer killed mid-write leaves its
+    temporary sibling; a live writer removes its own): for a publish that failed."""
+    dest = Path(folder)
+    if dest.parent.is_dir():
+        for tmp in dest.parent.glob(f"{_partial_prefix(dest)}*"):
+            shutil.rmtree(tmp, ignore_errors=True)
