@@ -183,14 +183,17 @@ class MultiLoraTrainer:
         if hyper.rank > self.config.max_rank:
             raise ValueError(f"rank {hyper.rank} exceeds the trainer's max_rank {self.config.max_rank}")
         g = torch.Generator().manual_seed(seed)
-        a_full, b_full = {}, {}
+        # None: the block stays as _write_slot's zeroing leaves it (B, and an attention-only
+        # adapter's expert A), so no host tensor is built or copied for it (at the 8B shape the
+        # B blocks alone are 22 M zeros per slot).
+        a_full: dict[str, torch.Tensor | None] = {}
+        b_full: dict[str, torch.Tensor | None] = {}
         for layer in self.layers:  # the full (TP=1) A, so every TP layout gets the same init
-            a_shape = layer.a_full_shape(hyper.rank)
             if is_expert_layer(layer) and not hyper.lora_experts:
-                a_full[layer.name] = torch.zeros(a_shape)  # attention-only adapter: experts stay exactly zero
+                a_full[layer.name] = None  # attention-only adapter: experts stay exactly zero
             else:
-                a_full[layer.name] = kaiming_a(a_shape, layer.in_full, g)
-            b_full[layer.name] = torch.zeros(layer.b_full_shape(hyper.rank))
+                a_full[layer.name] = kaiming_a(layer.a_full_shape(hyper.rank), layer.in_full, g)
+            b_full[layer.name] = None
         rank, scale = hyper.rank, hyper.scale
         if init_from is not None:
             if json_target_parameters(init_from) and not self._expert_layers():
@@ -227,17 +230,20 @@ class MultiLoraTrainer:
         return [layer for layer in self.layers if is_expert_layer(layer)]
 
     def _write_slot(self, slot: int, rank: int, a_full: dict, b_full: dict) -> None:
-        """Zero the slot everywhere, then place full-layout weights (padded to ``rank``) into its blocks."""
+        """Zero the slot everywhere, then place full-layout weights (padded to ``rank``) into its
+        blocks; a None weight leaves its block zero."""
         self._zero_slot(slot)
         for layer in self.layers:
             a, b = a_full[layer.name], b_full[layer.name]
             # rank is A's second-to-last dim and B's last (dense [r, in] / [out, r], experts [E, r, in] / [E, out, r])
-            if a.shape[-2] < rank:
-                a = torch.cat([a, a.new_zeros(*a.shape[:-2], rank - a.shape[-2], a.shape[-1])], dim=-2)
-            if b.shape[-1] < rank:
-                b = torch.cat([b, b.new_zeros(*b.shape[:-1], rank - b.shape[-1])], dim=-1)
-            layer.a_block(layer.lora_A.data, slot, rank).copy_(layer.local_a(a).to(self.device))
-            layer.b_block(layer.lora_B.data, slot, rank).copy_(layer.local_b(b).to(self.device))
+            if a is not None:
+                if a.shape[-2] < rank:
+                    a = torch.cat([a, a.new_zeros(*a.shape[:-2], rank - a.shape[-2], a.shape[-1])], dim=-2)
+                layer.a_block(layer.lora_A.data, slot, rank).copy_(layer.local_a(a).to(self.device))
+            if b is not None:
+                if b.shape[-1] < rank:
+                    b = torch.cat([b, b.new_zeros(*b.shape[:-1], rank - b.shape[-1])], dim=-1)
+                layer.b_block(layer.lora_B.data, slot, rank).copy_(layer.local_b(b).to(self.device))
 
     @torch.no_grad()
     def _zero_slot(self, slot: int) -> None:
