@@ -21,6 +21,7 @@ import httpx
 import pytest
 import torch
 
+from tests.integration.sdk_clients import close_sdk_clients  # noqa: F401 - autouse fixture
 from tests.integration.test_tinker_sdk import BASE, KEYS, MAX_SEQ, client, sft_data, slot_state, train, training_client
 
 pytestmark = pytest.mark.integration

@@ -10,6 +10,7 @@ import json
 
 import pytest
 
+from tests.integration.sdk_clients import close_sdk_clients, open_client  # noqa: F401 - autouse fixture
 from tests.integration.sglang_fixtures import hf_greedy, sglang_server_fixture
 
 pytestmark = pytest.mark.integration
@@ -45,11 +46,10 @@ def matches_hf(got, ref):
 
 
 def test_samples_follow_saved_weights_and_equal_hf_peft(world, tiny_world):
-    import tinker
     from tinker import types
 
     svc, url = world
-    sc = tinker.ServiceClient(base_url=url, api_key=KEYS["alice"])
+    sc = open_client(url, KEYS["alice"])
     tc = sc.create_lora_training_client(base_model=BASE, rank=8, seed=0, train_unembed=False).result()
     tok = tc.get_tokenizer()
     rows = [json.loads(line) for line in (tiny_world / "data" / "echo_sft.jsonl").read_text().splitlines()][:8]
@@ -78,7 +78,7 @@ def test_samples_follow_saved_weights_and_equal_hf_peft(world, tiny_world):
         tokens, _ = greedy(tuned, p)
         assert matches_hf(tokens[0], ref), (tokens[0], ref)
 
-    bob = tinker.ServiceClient(base_url=url, api_key=KEYS["bob"])
+    bob = open_client(url, KEYS["bob"])
     with pytest.raises(Exception, match="no checkpoint"):
         bob.create_sampling_client(model_path=path).result()
     svc.unload(tc.model_id)
@@ -89,13 +89,12 @@ def test_rl_loop_reward_rises(world, tiny_world):
     optim_step, new sampler weights every iteration: the mean reward rises clearly."""
     import statistics
 
-    import tinker
     from tinker import types
 
     from rollout.rewards import target_share
 
     svc, url = world
-    sc = tinker.ServiceClient(base_url=url, api_key=KEYS["bob"])
+    sc = open_client(url, KEYS["bob"])
     tc = sc.create_lora_training_client(base_model=BASE, rank=8, seed=3, train_unembed=False).result()
     tok = tc.get_tokenizer()
     rows = [json.loads(line) for line in (tiny_world / "data" / "digits.jsonl").read_text().splitlines()][:4]
@@ -150,11 +149,10 @@ def test_sampling_options_prompt_logprobs_topk_and_seed(world, tiny_world):
     tokens. A seed is refused on this CPU engine, which does not honour SGLang's sampling_seed
     (it needs --enable-deterministic-inference, which SGLang refuses with the CPU's torch_native
     attention); same-seed reproducibility is checked on the GPU (tests/gpu/test_tinker_seed_gpu.py)."""
-    import tinker
     from tinker import types
 
     _, url = world
-    sc = tinker.ServiceClient(base_url=url, api_key=KEYS["alice"])
+    sc = open_client(url, KEYS["alice"])
     from transformers import AutoTokenizer
 
     base = sc.create_sampling_client(base_model=BASE).result()

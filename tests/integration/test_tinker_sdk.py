@@ -20,6 +20,7 @@ import httpx
 import pytest
 import torch
 
+from tests.integration.sdk_clients import close_sdk_clients, open_client  # noqa: F401 - autouse fixture
 from tests.numerics import max_rel_err
 
 pytestmark = pytest.mark.integration
@@ -44,9 +45,7 @@ def world(tiny_world, tmp_path_factory):
 
 
 def client(url, tenant):
-    import tinker
-
-    return tinker.ServiceClient(base_url=url, api_key=KEYS[tenant])
+    return open_client(url, KEYS[tenant])
 
 
 def training_client(sc, seed=0, rank=4):

@@ -28,6 +28,7 @@ import httpx
 import pytest
 import yaml
 
+from tests.integration.sdk_clients import close_sdk_clients, open_client  # noqa: F401 - autouse fixture
 from tests.integration.service_world import TOKEN, Service, serve_job, sft, wait_for
 
 pytestmark = pytest.mark.integration
@@ -68,9 +69,7 @@ def service(tiny_world, tmp_path_factory):
 
 
 def sdk(url: str, tenant: str):
-    import tinker
-
-    return tinker.ServiceClient(base_url=url, api_key=KEYS[tenant])
+    return open_client(url, KEYS[tenant])
 
 
 def free_slots(url: str) -> int:
