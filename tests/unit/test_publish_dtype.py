@@ -88,3 +88,29 @@ def test_trainer_takes_exactly_the_named_publish_dtypes():
     assert set(EXPORT_DTYPES) == set(typing.get_args(PublishDtype)) - {"auto"}
     with pytest.raises(ValueError, match="unknown export dtype 'auto'; allowed: float32, bfloat16, float16"):
         export_dtype("auto")
+
+
+@pytest.mark.parametrize("accelerator, engines, expected", [
+    ("cpu", {}, "float32"),  # CPU engines serve in fp32: today's folders, unchanged
+    ("gpu", {}, "float16"),  # GPU, auto: SGLang's dtype for this fp32 checkpoint (the tiny world's)
+    ("gpu", {"dtype": "bfloat16"}, "bfloat16"),  # examples/gpu/job.yaml
+    ("cpu", {"device": "cuda"}, "float16"),  # an explicit engine device wins over the placement
+    ("gpu", {"device": "cpu"}, "float32"),
+    ("gpu", {"publish_dtype": "float32"}, "float32"),
+])
+def test_the_runtime_publishes_in_the_engines_dtype(tiny_world, tmp_path, accelerator, engines, expected):
+    """FleetRuntime resolves the handoff folders' dtype from the job (engines' device from the placement
+    when 'auto', as service/actors.py gives the rollout worker GPUs), over a FAKE trainer (unused here)."""
+    from service.cli import TINY_JOB
+    from service.config import load_job, load_settings
+    from service.runtime_impl import FleetRuntime
+    from tests.fleet_fakes import FakeTrainer
+
+    job = load_job(TINY_JOB)
+    job = job.model_copy(update={
+        "adapters": [], "base_model": job.base_model.model_copy(update={"path": str(tiny_world / "model")}),
+        "placement": job.placement.model_copy(update={"accelerator": accelerator}),
+        "engines": EngineConfig.model_validate(job.engines.model_dump() | {"weight_transfer": "disk"} | engines),
+    })
+    runtime = FleetRuntime(job, load_settings(state_dir=tmp_path / "state"), trainer=FakeTrainer(), rollout=None)
+    assert runtime._publish_dtype == expected
