@@ -50,7 +50,9 @@ def test_served_dtype_is_what_the_launcher_passes():
     for engine_dtype in ["auto", *SGLANG_DTYPES]:
         cfg = EngineConfig(dtype=engine_dtype)
         for device in ("cpu", "cuda"):
-            argv = build_server_launch(cfg, "/m", 1234, device=device, base_env={"PATH": "/bin"}).argv
+            # python=/bin/false: the CPU launch's check for a real sgl_kernel fails at once instead of
+            # importing it in a fresh interpreter (seconds); the dtype flags do not depend on it
+            argv = build_server_launch(cfg, "/m", 1234, python="/bin/false", device=device, base_env={"PATH": "/bin"}).argv
             flag = argv[argv.index("--dtype") + 1] if "--dtype" in argv else None
             assert flag == cfg.server_dtype_flag(device), (engine_dtype, device)
             if flag is not None:
