@@ -25,9 +25,13 @@ Three parts (``--parts``):
   it, rollout.weights.PendingFolder; the rank writes each folder before its next call),
   ``background`` (what the service does with weight_transfer 'disk' since the writer thread:
   the rank only snapshots in order, trainer/export_writer.py writes while the next call runs).
+  ``--publish-dtypes``: the trainer holds fp32 weights (as the real one does) and the snapshot casts
+  them to each publish dtype (engines.publish_dtype; trainer/core.py snapshot_peft), one round set
+  per dtype; without it the snapshot keeps the held dtype (``--dtypes``).
 
     .venv/bin/python -m benchmarks.bench_publish --parts wire,round --out publish_cpu.json
     .venv/bin/python -m benchmarks.bench_publish --parts engine --out publish_engine.json
+    .venv/bin/python -m benchmarks.bench_publish --parts round --round-modes background --publish-dtypes float32,bfloat16 --out publish_dtype.json
 """
 
 from __future__ import annotations
@@ -102,10 +106,12 @@ def _actors():
         the tensors (what MultiLoraTrainer.snapshot_peft is on CPU: fresh copies of the slot's
         blocks; on CUDA a device->host copy instead)."""
 
-        def __init__(self, dtype: str):
-            from trainer.export_writer import ExportWriter
+        def __init__(self, dtype: str, publish_dtype: str | None = None):
+            from trainer.export_writer import ExportWriter, export_dtype
 
             self.cfg, self.tensors = qwen3_8b_lora(dtype=getattr(torch, dtype))
+            # the export's dtype: the snapshot casts to it (snapshot_peft); None = the held dtype
+            self.publish = export_dtype(publish_dtype) if publish_dtype else getattr(torch, dtype)
             self.writer = ExportWriter(self._write)
 
         def peft_tensors(self):  # TrainerGroup.peft_tensors: the tensors travel back through Ray
@@ -114,10 +120,10 @@ def _actors():
         def export_peft(self, out_dir: str) -> str:  # TrainerGroup.export_peft: rank 0 writes the folder
             from trainer.peft_io import write_peft_folder
 
-            return str(write_peft_folder(out_dir, self.cfg, self.tensors))
+            return str(write_peft_folder(out_dir, self.cfg, {k: v.to(self.publish) for k, v in self.tensors.items()}))
 
         def export_peft_in_background(self, out_dir: str) -> str:  # TrainWorker's: snapshot now, write later
-            snap = {k: v.clone() for k, v in self.tensors.items()}
+            snap = {k: v.to(self.publish, copy=True) for k, v in self.tensors.items()}  # fresh, cast: snapshot_peft
             self.writer.submit(out_dir, snap, sum(t.numel() * t.element_size() for t in snap.values()))
             return out_dir
 
@@ -216,8 +222,11 @@ def part_round(args, out: dict) -> None:
 
     Trainer, Worker = _actors()
     worker = Worker.remote()
-    for dtype in args.dtypes:
-        trainer = Trainer.remote(dtype)
+    # (label, held dtype, publish dtype): fp32 weights cast to each publish dtype, or as held
+    setups = ([(f"float32 weights published in {p}", "float32", p) for p in args.publish_dtypes] if args.publish_dtypes
+              else [(d, d, None) for d in args.dtypes])
+    for label, dtype, publish_dtype in setups:
+        trainer = Trainer.remote(dtype, publish_dtype)
         ray.get(trainer.peft_tensors.remote())
         rows = {}
         for n in args.rounds:
@@ -259,9 +268,9 @@ def part_round(args, out: dict) -> None:
                 finally:
                     shutil.rmtree(folder, ignore_errors=True)
             rows[str(n)] = row
-            print(dtype, n, row, flush=True)
+            print(label, n, row, flush=True)
         ray.kill(trainer)
-        out.setdefault("round", {})[dtype] = rows
+        out.setdefault("round", {})[label] = rows
 
 
 def part_engine(args, out: dict) -> None:
@@ -325,12 +334,16 @@ def main() -> None:
     p.add_argument("--round-modes", default="before,handoff,deferred,background",
                    help="before: the tensors path; handoff: the loop waits for the trainer's write; deferred: it does not, "
                         "the rank writes before its next call; background: the rank snapshots, its writer thread writes")
+    p.add_argument("--publish-dtypes", default="",
+                   help="round part: the trainer holds fp32 weights and publishes in each of these (float32, bfloat16, "
+                        "float16: engines.publish_dtype), instead of --dtypes")
     p.add_argument("--max-before-round", type=int, default=16, help="largest N run the old way (it is ~1 s per adapter)")
     p.add_argument("--ranks", default="16,256,1024,3870,7740", help="engine part: tiny-model ranks (3870: 87 MB, 7740: 174 MB fp32)")
     p.add_argument("--state-dir", default=os.environ.get("BENCH_STATE_DIR", tempfile.gettempdir()), help="where handoff folders go (disk)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     args.dtypes = args.dtypes.split(",")
+    args.publish_dtypes = [d for d in args.publish_dtypes.split(",") if d]
     args.rounds = [int(x) for x in args.rounds.split(",")]
     args.ranks = [int(x) for x in args.ranks.split(",")]
     args.round_modes = args.round_modes.split(",")

@@ -13,8 +13,10 @@ import (custom reward) happen in rollout.rewards.load_reward.
 
 from __future__ import annotations
 
+import json
 import math
 import re
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -46,6 +48,33 @@ MANAGED_SERVER_FLAGS = frozenset(
         "--max-loaded-loras", "--lora-backend", "--attention-backend", "--dtype",
     }
 )
+
+
+# SGLang 0.5.23's --dtype names and the dtype each serves in (sglang.srt.configs.model_config
+# _STR_DTYPE_TO_TORCH_DTYPE; SGLang lowercases the flag), copied so that this module imports without sglang.
+SGLANG_DTYPES = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16", "float": "float32", "float32": "float32"}
+
+# Dtypes a publish (handoff) folder can be written in: trainer/export_writer.py EXPORT_DTYPES.
+PublishDtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+def checkpoint_serving_dtype(model_path: str | Path) -> str:
+    """The dtype SGLang serves a checkpoint in under ``--dtype auto`` (its GPU default): config.json's
+    ``dtype`` (or ``torch_dtype``), float32 when absent or unknown; a float32 checkpoint is
+    downcast, to bfloat16 for Gemma models and float16 for the others (SGLang 0.5.23
+    sglang.srt.configs.model_config._get_and_verify_dtype; tests/unit/test_publish_dtype.py checks
+    this copy against it)."""
+    path = Path(model_path) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read the base model's dtype from {path}: {e}") from e
+    named = cfg.get("dtype") or cfg.get("torch_dtype")
+    dtype = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32", "half": "float16", "float": "float32"}.get(
+        named if isinstance(named, str) else "", "float32")
+    if dtype != "float32":
+        return dtype
+    return "bfloat16" if str(cfg.get("model_type", "")).startswith("gemma") else "float16"
 
 
 def non_finite_numbers(value: Any, where: str) -> list[str]:
@@ -110,6 +139,14 @@ class EngineConfig(StrictModel):
         "(tens of ms; needs trainer rank 0 and the engines on one node, or a shared filesystem at that path; "
         "docs/operations.md, Weight publishing).",
     )
+    publish_dtype: PublishDtype = Field(
+        "auto",
+        description="Dtype of the PEFT folders the trainer writes for the engines (weight_transfer 'disk'; the "
+        "trainer casts on its device before the copy to host). auto = the dtype the engines serve in, which they "
+        "round a loaded adapter to anyway: engines.dtype when it names one, else float32 on CPU engines and the "
+        "checkpoint's dtype on GPU (bfloat16 halves the bytes of an fp32 folder). Checkpoints, export_path at "
+        "retire and Tinker save_weights stay float32.",
+    )
     startup_deadline_s: float = Field(300.0, gt=0, description="Give up on a server that is not ready after this many seconds.")
     request_timeout_s: float = Field(600.0, gt=0, description="Timeout of one /generate call (seconds).")
     admin_timeout_s: float = Field(120.0, gt=0, description="Timeout of load/unload/abort/health calls (seconds).")
@@ -123,6 +160,13 @@ class EngineConfig(StrictModel):
     )
     log_dir: str | None = Field(None, description="Folder for server logs (engine-<i>.log); default a temporary folder.")
     extra_server_args: list[str] = Field(default_factory=list, description="More SGLang server flags, passed as given.")
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, dtype: str) -> str:
+        if dtype != "auto" and dtype.lower() not in SGLANG_DTYPES:
+            raise ValueError(f"unknown engine dtype {dtype!r}; allowed: auto, {', '.join(SGLANG_DTYPES)}")
+        return dtype
 
     @field_validator("ports")
     @classmethod
@@ -173,6 +217,26 @@ class EngineConfig(StrictModel):
     def port_for(self, index: int) -> int:
         """The configured port of engine `index` (0 = pick a free one)."""
         return self.ports[index] if self.ports else 0
+
+    # The engines' dtype has this one home: the launcher passes `server_dtype_flag` and the publish
+    # resolves `served_dtype` from it, so the two cannot disagree.
+    def server_dtype_flag(self, device: Literal["cuda", "cpu"]) -> str | None:
+        """The --dtype the launcher passes (rollout.sglang_cpu.build_server_launch): engines.dtype when
+        it names one; for auto, float32 on CPU (SGLang's own auto picks float16 there) and none on
+        GPU (SGLang's auto: the checkpoint's dtype)."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "float32" if device == "cpu" else None
+
+    def served_dtype(self, device: Literal["cuda", "cpu"], model_path: str | Path) -> str:
+        """The dtype ('float32' | 'bfloat16' | 'float16') the servers on `device` hold the model and
+        every loaded adapter in."""
+        flag = self.server_dtype_flag(device)
+        return checkpoint_serving_dtype(model_path) if flag is None else SGLANG_DTYPES[flag.lower()]
+
+    def resolved_publish_dtype(self, device: Literal["cuda", "cpu"], model_path: str | Path) -> str:
+        """publish_dtype with auto resolved: the dtype the handoff folders are written in."""
+        return self.served_dtype(device, model_path) if self.publish_dtype == "auto" else self.publish_dtype
 
 
 class DataConfig(StrictModel):

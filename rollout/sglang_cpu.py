@@ -122,9 +122,10 @@ def build_server_launch(
         "--max-loaded-loras", str(cfg.max_loaded_loras),
     ]
     stand_in = False
+    dtype_flag = cfg.server_dtype_flag(device)  # the engines' dtype has one home (EngineConfig.served_dtype)
     if device == "cuda":
-        if cfg.dtype != "auto":
-            args += ["--dtype", cfg.dtype]
+        if dtype_flag is not None:
+            args += ["--dtype", dtype_flag]
         if cfg.max_total_tokens is not None:
             args += ["--max-total-tokens", str(cfg.max_total_tokens)]
         argv = [python, "-m", "sglang.launch_server", *args]
@@ -134,7 +135,7 @@ def build_server_launch(
             "--device", "cpu",
             "--attention-backend", "torch_native",
             "--lora-backend", "torch_native",
-            "--dtype", "float32" if cfg.dtype == "auto" else cfg.dtype,
+            "--dtype", dtype_flag,
             "--max-total-tokens", str(cfg.max_total_tokens or CPU_DEFAULT_MAX_TOTAL_TOKENS),
             "--sleep-on-idle",
         ]

@@ -43,6 +43,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -148,11 +149,20 @@ class FleetRuntime:
         if self.job.engines.weight_transfer != "disk":
             return self._weights(slot)
         folder = self._handoff_folder(name, registration_id, version)
-        self.trainer.export_peft(slot, folder)
+        self.trainer.export_peft(slot, folder, self._publish_dtype)
         return AdapterWeights.from_folder(folder, handoff=True)
 
     def _handoff_folder(self, name: str, registration_id: str, version: int) -> Path:
         return self.handoff_dir / f"{name}-{registration_id[:12]}-v{version}"
+
+    @functools.cached_property
+    def _publish_dtype(self) -> str:
+        """The dtype of the handoff folders: engines.publish_dtype, auto = what the engines serve in
+        (rollout.config.EngineConfig.served_dtype). Their device 'auto' is a GPU exactly when the
+        placement gives the engines GPUs (service/actors.py start_rollout_worker: none on 'cpu')."""
+        engines = self.job.engines
+        device = engines.device if engines.device != "auto" else ("cuda" if self.job.placement.accelerator == "gpu" else "cpu")
+        return engines.resolved_publish_dtype(device, self.job.base_model.path)
 
     def runs(self) -> list[str]:
         with self._lock:
@@ -589,7 +599,8 @@ class FleetRuntime:
             # The trainer snapshots the weights before its next train call and writes the folder beside
             # it (trainer/export_writer.py); the rollout worker waits for the write, the loop does not.
             folder = self._handoff_folder(run.name, registration_id, version)
-            weights: AdapterWeights | PendingFolder = PendingFolder(folder, self.trainer.begin_export_peft(run.slot, folder))
+            weights: AdapterWeights | PendingFolder = PendingFolder(
+                folder, self.trainer.begin_export_peft(run.slot, folder, self._publish_dtype))
         else:
             weights = self._weights(run.slot)
         ref = self._need_rollout().publish_version(run.name, version, weights)

@@ -81,13 +81,13 @@ class TrainWorker:
     def peft_tensors(self, slot: int):
         return self._core().peft_tensors(slot)
 
-    def export_peft(self, slot: int, out_dir: str | Path) -> str:
-        return self._core().export_peft(slot, str(out_dir))
+    def export_peft(self, slot: int, out_dir: str | Path, dtype: str = "float32") -> str:
+        return self._core().export_peft(slot, str(out_dir), dtype=dtype)
 
-    def export_peft_in_background(self, slot: int, out_dir: str | Path) -> str:
-        """The export's snapshot now, in call order (default concurrency group, like train); the
-        write on rank 0's writer thread. Returns before the folder is written: see wait_export."""
-        return self._core().export_peft_in_background(slot, str(out_dir))
+    def export_peft_in_background(self, slot: int, out_dir: str | Path, dtype: str = "float32") -> str:
+        """The export's snapshot now, in call order (default concurrency group, like train), cast
+        to `dtype`; the write on rank 0's writer thread. Returns before the folder is written: see wait_export."""
+        return self._core().export_peft_in_background(slot, str(out_dir), dtype=dtype)
 
     def wait_export(self, out_dir: str | Path) -> str:
         """Returns once the background export to `out_dir` is written; raises if it failed.

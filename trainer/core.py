@@ -40,7 +40,7 @@ from trainer.base_model import (
 from trainer.batch import PlannedSample, TrainBatch, TrainSample, assign_phases, dp_shard, pack_micro_batches
 from trainer.config import SlotHyperParams, TrainerConfig
 from trainer.distributed import dp_group, init_parallel, tp_group
-from trainer.export_writer import ExportWriter, PeftSnapshot, pinned_host_copy, replace_folder_atomically
+from trainer.export_writer import ExportWriter, PeftSnapshot, export_dtype, pinned_host_copy, replace_folder_atomically
 from trainer.losses import TokenLossInputs, sample_loss_numerators
 from trainer.moe_lora import install_moe_lora, is_expert_layer, kaiming_a, moe_layers
 from trainer.moe_peft import expert_peft_tensors, expert_target_parameters, read_expert_peft
@@ -276,19 +276,23 @@ class MultiLoraTrainer:
         return a_full, b_full
 
     @torch.no_grad()
-    def snapshot_peft(self, slot: int, *, to_host: bool = True) -> PeftSnapshot:
-        """The slot's weights as they are now, gathered to TP=1 layout: the in-order half of an
+    def snapshot_peft(self, slot: int, *, to_host: bool = True, dtype: str = "float32") -> PeftSnapshot:
+        """The slot's weights as they are now, gathered to TP=1 layout and cast to ``dtype`` (an
+        EXPORT_DTYPES name: a publish folder in the engines' dtype): the in-order half of an
         export. Collective over TP. The gathered blocks are fresh tensors (clone or all-gather),
-        never views of the live parameters, so a later step cannot change them. On CUDA they go
+        and so are their casts, never views of the live parameters, so a later step cannot change
+        them. The cast runs here, on the device, before the copy: a bf16 export copies and writes
+        half the bytes of the fp32 weights. On CUDA they go
         to pinned host memory by non-blocking copies behind one event (`PeftSnapshot.ready`
         waits for it): no synchronization per tensor, none on this thread, and on a copy stream
         of their own, so the copies overlap the next train call's kernels. ``to_host=False``:
         a rank that writes nothing takes part in the gather only."""
         state = self._state(slot)
+        to = export_dtype(dtype)
         a_full, b_full = {}, {}
         for layer, a, b in zip(self.layers, self.params[0::2], self.params[1::2]):
-            a_full[layer.name] = layer.full_a(layer.a_block(a.data, slot, state.rank))
-            b_full[layer.name] = layer.full_b(layer.b_block(b.data, slot, state.rank))
+            a_full[layer.name] = layer.full_a(layer.a_block(a.data, slot, state.rank)).to(to)
+            b_full[layer.name] = layer.full_b(layer.b_block(b.data, slot, state.rank)).to(to)
         copied = None
         if to_host and self.device.type == "cuda":
             if self._copy_stream is None:
@@ -302,12 +306,11 @@ class MultiLoraTrainer:
         return PeftSnapshot(config=cfg, a_full=a_full, b_full=b_full, lora_experts=bool(experts), copied=copied)
 
     def peft_from_snapshot(self, snap: PeftSnapshot) -> tuple[dict, dict[str, torch.Tensor]]:
-        """(adapter_config dict, PEFT-named fp32 tensors) of a snapshot: the HF renaming, local to
-        this rank (no collective, reads only the snapshot and the model's names), so the writer
-        thread runs it while the main thread trains."""
+        """(adapter_config dict, PEFT-named tensors in the snapshot's dtype) of a snapshot: the HF
+        renaming, local to this rank (no collective, reads only the snapshot and the model's
+        names), so the writer thread runs it while the main thread trains."""
         snap.ready()
-        a_full = {k: v.float() for k, v in snap.a_full.items()}
-        b_full = {k: v.float() for k, v in snap.b_full.items()}
+        a_full, b_full = snap.a_full, snap.b_full
         experts = self._expert_layers() if snap.lora_experts else []
         tensors = slot_to_hf(self.base, self._dense_layers(), a_full, b_full) | expert_peft_tensors(self.base, experts, a_full, b_full)
         return snap.config, tensors
@@ -316,25 +319,26 @@ class MultiLoraTrainer:
         """(adapter_config dict, PEFT-named tensors) of the slot, as SGLang/peft load them. Collective."""
         return self.peft_from_snapshot(self.snapshot_peft(slot))
 
-    def export_peft(self, slot: int, out_dir: str | Path) -> str:
-        """Write the slot as a PEFT adapter folder (rank 0 writes; all ranks must call). Synchronous:
-        when it returns the folder is written."""
+    def export_peft(self, slot: int, out_dir: str | Path, *, dtype: str = "float32") -> str:
+        """Write the slot as a PEFT adapter folder in ``dtype`` (rank 0 writes; all ranks must call).
+        Synchronous: when it returns the folder is written. float32 (the weights as trained) unless
+        told: checkpoints and retire exports keep every bit; only publish folders take the engines' dtype."""
         writes = self.layout.rank == 0
-        snap = self.snapshot_peft(slot, to_host=writes)
+        snap = self.snapshot_peft(slot, to_host=writes, dtype=dtype)
         if writes:
             write_peft_folder(out_dir, *self.peft_from_snapshot(snap))
         return str(out_dir)
 
     # Background export (issue 18): the snapshot in call order, the write off the critical path.
-    def export_peft_in_background(self, slot: int, out_dir: str | Path) -> str:
-        """Snapshot the slot now (collective, before any later call changes its weights) and queue
+    def export_peft_in_background(self, slot: int, out_dir: str | Path, *, dtype: str = "float32") -> str:
+        """Snapshot the slot now in ``dtype`` (collective, before any later call changes its weights) and queue
         the folder's write on this rank's writer thread (rank 0; trainer/export_writer.py); returns
         at once unless the writer's memory bound is full. `wait_export(out_dir)` waits for the
         write. The folder appears whole (written under a temporary name, then renamed)."""
         out_dir = str(out_dir)
         writes = self.layout.rank == 0
         try:
-            snap = self.snapshot_peft(slot, to_host=writes)
+            snap = self.snapshot_peft(slot, to_host=writes, dtype=dtype)
         except BaseException as e:
             if writes:
                 self.export_writer().fail(out_dir, e)  # its waiter raises this instead of waiting forever

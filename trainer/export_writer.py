@@ -42,10 +42,23 @@ import torch
 DEFAULT_MAX_PENDING_BYTES = 4 << 30
 
 
+# Dtypes an export can be written in (rollout.config.PublishDtype lists the same, plus auto). The
+# trainer's LoRA weights are float32; a publish folder for engines that serve in bf16 is cast to
+# it in the snapshot (on the device, before the copy to host: half the bytes copied and written).
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def export_dtype(name: str) -> torch.dtype:
+    """The torch dtype of an export dtype name; ValueError naming the allowed ones otherwise."""
+    if name not in EXPORT_DTYPES:
+        raise ValueError(f"unknown export dtype {name!r}; allowed: {', '.join(EXPORT_DTYPES)}")
+    return EXPORT_DTYPES[name]
+
+
 @dataclass
 class PeftSnapshot:
     """A slot's LoRA weights at one point of the call order (trainer/core.py snapshot_peft):
-    per layer, full (TP=1) A and B in the parameters' dtype, on host memory or on their way there
+    per layer, full (TP=1) A and B in the export's dtype, on host memory or on their way there
     (`copied`: the CUDA event after the non-blocking device->host copies, pinned_host_copy), with
     the PEFT config."""
 

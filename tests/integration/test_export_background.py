@@ -141,3 +141,32 @@ def test_failed_write_or_snapshot_makes_the_awaited_call_raise(group, tmp_path):
     # the writer survives failures: the next export is written
     ray.get(group.begin_export_peft(0, tmp_path / "ok"), timeout=120)
     assert (tmp_path / "ok" / "adapter_model.safetensors").is_file()
+
+
+def test_publish_folder_in_bf16_is_the_fp32_weights_rounded(group, tmp_path):
+    """engines.publish_dtype (issue 18 item 3): the trainer casts the snapshot to the engines' dtype
+    before its copy to host; the folder holds exactly the fp32 weights rounded to it, under the same
+    adapter_config. Checkpoints and the synchronous export stay fp32 unless told."""
+    import ray
+
+    assert group.train(_batch(5)).stepped == [0]
+    group.export_peft(0, tmp_path / "fp32")  # the default: the weights as trained
+    ray.get(group.begin_export_peft(0, tmp_path / "bf16", "bfloat16"), timeout=120)
+    group.export_peft(0, tmp_path / "fp16", "float16")  # the synchronous publish (an adapter's first version)
+    cfg32, fp32 = _folder(tmp_path / "fp32")
+    assert {t.dtype for t in fp32.values()} == {torch.float32}
+    for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        cfg, low = _folder(tmp_path / name)
+        assert cfg == cfg32
+        assert sorted(low) == sorted(fp32)
+        for key in fp32:
+            assert low[key].dtype == dtype, key
+            assert torch.equal(low[key], fp32[key].to(dtype)), key
+        # the rounding changes values (so the equality above is not the fp32 file re-read)
+        assert any(not torch.equal(low[k].float(), fp32[k]) for k in fp32)
+        # and the trained B blocks are in it (a step happened: B is no longer its zero init)
+        assert any(k.endswith("lora_B.weight") and low[k].abs().sum() > 0 for k in low)
+    # a dtype the trainer cannot write is refused before any rank is called; nothing is written
+    with pytest.raises(ValueError, match="unknown export dtype 'int8'; allowed: float32, bfloat16, float16"):
+        group.begin_export_peft(0, tmp_path / "bad", "int8")
+    assert not (tmp_path / "bad").exists()
