@@ -217,6 +217,8 @@ def export_timings(trainer, n: int, run_mixed, opts: dict) -> dict:
       snapshot      the in-order half of a background export (trainer/core.py snapshot_peft: TP
                     gather, non-blocking copies to pinned host memory on a side stream): what the
                     next train call waits for; and until its copies are done (one event each);
+      (snapshot and background writes in --export-dtype, default bf16: the service's publish dtype
+      on a bf16 GPU engine; the synchronous export is fp32, as every publish was before)
       sync export   the full synchronous export_peft (gather, copy, HF renaming, safetensors) to
                     /dev/shm: what the next train call waited for before;
       round         a mixed round followed by N background exports (export_peft_in_background, the
@@ -235,11 +237,12 @@ def export_timings(trainer, n: int, run_mixed, opts: dict) -> dict:
     root = tempfile.mkdtemp(prefix="bench-export-", dir="/dev/shm") if rank0 else ""
     out: dict = {}
     try:
-        trainer.snapshot_peft(0, to_host=rank0).ready()  # warm: the copy stream, pinned blocks
+        dtype = opts.get("export_dtype", "bfloat16")  # the publish folders' dtype (engines.publish_dtype)
+        trainer.snapshot_peft(0, to_host=rank0, dtype=dtype).ready()  # warm: the copy stream, pinned blocks
         _sync()
         dist.barrier()
         t0 = time.perf_counter()
-        snaps = [trainer.snapshot_peft(k, to_host=rank0) for k in range(n)]
+        snaps = [trainer.snapshot_peft(k, to_host=rank0, dtype=dtype) for k in range(n)]
         submitted = time.perf_counter() - t0
         for snap in snaps:
             snap.ready()
@@ -286,7 +289,7 @@ def export_timings(trainer, n: int, run_mixed, opts: dict) -> dict:
             r = next(rounds)
             for k in range(n):
                 folder = os.path.join(root, f"r{r}", f"s{k}") if rank0 else f"unused-{r}-{k}"
-                trainer.export_peft_in_background(k, folder)
+                trainer.export_peft_in_background(k, folder, dtype=dtype)
                 if rank0:
                     with claimed:
                         claims.append(folder)
@@ -296,7 +299,7 @@ def export_timings(trainer, n: int, run_mixed, opts: dict) -> dict:
         # that changes the weights holds exactly what a synchronous export before it wrote.
         check = os.path.join(root, "check") if rank0 else "unused-check"
         trainer.export_peft(0, os.path.join(check, "sync") if rank0 else "unused")
-        trainer.export_peft_in_background(0, os.path.join(check, "bg") if rank0 else "unused-bg")
+        trainer.export_peft_in_background(0, os.path.join(check, "bg") if rank0 else "unused-bg", dtype=dtype)
         run_mixed()
         same = None
         if rank0:
@@ -304,7 +307,7 @@ def export_timings(trainer, n: int, run_mixed, opts: dict) -> dict:
 
             trainer.wait_export(os.path.join(check, "bg"))
             a, b = (load_file(os.path.join(check, x, "adapter_model.safetensors")) for x in ("sync", "bg"))
-            same = sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+            same = sorted(a) == sorted(b) and all(torch.equal(a[k].to(b[k].dtype), b[k]) for k in a)  # sync is fp32
             shutil.rmtree(check, ignore_errors=True)
         writer = trainer.export_writer() if rank0 else None
         base_written, base_write_s = (writer.written, writer.write_seconds) if writer else (0, 0.0)
@@ -623,6 +626,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma list of fused, general for tp2 / dp2: each layout runs on each (fused = the fused "
                          "LoRA node, the trainer's default; general = fused_lora off)")
     ap.add_argument("--micro-batch-tokens", type=int, default=16384)
+    ap.add_argument("--export-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                    help="mode export: the publish folders' dtype (engines.publish_dtype; auto is the engines' "
+                         "dtype, bf16 for a bf16 checkpoint on GPU); the synchronous export stays fp32 (before)")
     ap.add_argument("--recompute", default="none,full",
                     help="comma list of recompute settings (none, selective, full) for tp2 / dp2: a layout runs with the "
                          "first; after an OOM it runs again with the next (default none,full: the trainer's default, "
@@ -679,6 +685,7 @@ def main(argv: list[str] | None = None) -> int:
                                         "no attention-score or LoRA FLOPs)", "peak_tflops": args.peak_tflops}
     with tempfile.TemporaryDirectory() as tmp:
         opts = {"folder": write_untied_config(shape, os.path.join(tmp, "model"), args.tied), "shape": shape,
+                "export_dtype": args.export_dtype,
                 "tokens": tokens, "plan": plan, "modes": modes, "slots": args.slots, "rank": args.rank,
                 "micro_batch_tokens": args.micro_batch_tokens if not args.tiny else min(args.micro_batch_tokens, tokens),
                 "collective_timeout_s": args.collective_timeout_s, "serialized_n": {int(x) for x in args.serialized_n.split(",")},

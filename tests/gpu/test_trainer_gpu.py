@@ -202,3 +202,29 @@ def test_kernel_choice_on_device(trainer):
     y = segmented_matmul(x, w, offsets, counts, "grouped_mm")
     ref = torch.cat([x[:5].float() @ w[0].t(), x[5:].float() @ w[2].t()])
     assert ((y.float() - ref).abs().max() / ref.abs().max()).item() < 2e-2
+
+
+def test_bf16_publish_folder_is_cast_on_the_device(trainer, batches, scenario, tmp_path):
+    """engines.publish_dtype: the snapshot is cast on the device before the pinned host copy; the
+    folder is exactly the fp32 export rounded to bf16."""
+    from safetensors.torch import load_file
+
+    for slot, h in enumerate(scenario.make_hypers(scenario.OBJECTIVES["mixed"])):
+        if trainer.slot_status(slot)["active"]:
+            trainer.clear_slot(slot)
+        trainer.init_slot(slot, h, seed=slot)
+    trainer.train(batches[0])
+    snap = trainer.snapshot_peft(0, dtype="bfloat16")
+    host = [t for d in (snap.a_full, snap.b_full) for t in d.values()]
+    assert all(t.dtype == torch.bfloat16 and t.device.type == "cpu" and (ON_CPU or t.is_pinned()) for t in host)
+    snap.ready()
+    trainer.export_peft(0, tmp_path / "fp32")
+    trainer.export_peft_in_background(0, tmp_path / "bf16", dtype="bfloat16")
+    trainer.wait_export(tmp_path / "bf16")
+    fp32 = load_file(str(tmp_path / "fp32" / "adapter_model.safetensors"))
+    bf16 = load_file(str(tmp_path / "bf16" / "adapter_model.safetensors"))
+    assert sorted(fp32) == sorted(bf16)
+    for k in fp32:
+        assert fp32[k].dtype == torch.float32 and bf16[k].dtype == torch.bfloat16, k
+        assert torch.equal(bf16[k], fp32[k].to(torch.bfloat16)), k
+    assert any(k.endswith("lora_B.weight") and bf16[k].abs().sum() > 0 for k in bf16)
