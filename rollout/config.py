@@ -70,8 +70,7 @@ def checkpoint_serving_dtype(model_path: str | Path) -> str:
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot read the base model's dtype from {path}: {e}") from e
     named = cfg.get("dtype") or cfg.get("torch_dtype")
-    dtype = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32", "half": "float16", "float": "float32"}.get(
-        named if isinstance(named, str) else "", "float32")
+    dtype = SGLANG_DTYPES.get(named if isinstance(named, str) else "", "float32")
     if dtype != "float32":
         return dtype
     return "bfloat16" if str(cfg.get("model_type", "")).startswith("gemma") else "float16"

@@ -267,12 +267,14 @@ class MultiLoraTrainer:
     # -- export --------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def _full_slot_tensors(self, slot: int, tensors: list[torch.Tensor], rank: int) -> tuple[dict, dict]:
-        """Gathered (TP=1 layout) A/B blocks of ``tensors`` for this slot. Collective over TP."""
+    def _full_slot_tensors(self, slot: int, tensors: list[torch.Tensor], rank: int,
+                           convert=lambda t: t.float().cpu()) -> tuple[dict, dict]:  # noqa: ANN001
+        """Gathered (TP=1 layout) A/B blocks of ``tensors`` for this slot, each passed through
+        ``convert`` (default: fp32 on the host). Collective over TP."""
         a_full, b_full = {}, {}
         for layer, a, b in zip(self.layers, tensors[0::2], tensors[1::2]):
-            a_full[layer.name] = layer.full_a(layer.a_block(a, slot, rank)).float().cpu()
-            b_full[layer.name] = layer.full_b(layer.b_block(b, slot, rank)).float().cpu()
+            a_full[layer.name] = convert(layer.full_a(layer.a_block(a, slot, rank)))
+            b_full[layer.name] = convert(layer.full_b(layer.b_block(b, slot, rank)))
         return a_full, b_full
 
     @torch.no_grad()
@@ -289,10 +291,7 @@ class MultiLoraTrainer:
         a rank that writes nothing takes part in the gather only."""
         state = self._state(slot)
         to = export_dtype(dtype)
-        a_full, b_full = {}, {}
-        for layer, a, b in zip(self.layers, self.params[0::2], self.params[1::2]):
-            a_full[layer.name] = layer.full_a(layer.a_block(a.data, slot, state.rank)).to(to)
-            b_full[layer.name] = layer.full_b(layer.b_block(b.data, slot, state.rank)).to(to)
+        a_full, b_full = self._full_slot_tensors(slot, [p.data for p in self.params], state.rank, convert=lambda t: t.to(to))
         copied = None
         if to_host and self.device.type == "cuda":
             if self._copy_stream is None:

@@ -161,11 +161,6 @@ class ExportWriter:
             raise error
         return folder
 
-    def drain(self) -> None:
-        """Block until every queued folder is written (benchmarks; their outcomes stay for `wait`)."""
-        with self._cond:
-            self._cond.wait_for(lambda: not self._queue and self._pending_bytes == 0)
-
     def pending(self) -> int:
         """Folders queued or being written."""
         with self._cond:
