@@ -139,18 +139,9 @@ def _worst_across_layouts(scenario, got, ref, kinds):
     rounding order) 0.038, element-wise. Inside one layout the element-wise bound stays. A TP or DP
     mistake (a delta counted twice, a partial sum not reduced, a gradient not averaged) moves
     whole tensors: O(1) in either measure."""
-    worst = {"loss": 0.0, "grad_norm": 0.0, "tensor": 0.0}
-    for slot in ref:
-        g, r = got[slot], ref[slot]
-        assert g["step"] == r["step"]
-        worst["loss"] = max(worst["loss"], scenario.rel_err(torch.tensor(g["losses"]), torch.tensor(r["losses"])))
-        worst["grad_norm"] = max(worst["grad_norm"], scenario.rel_err(
-            torch.tensor([s[2] for s in g["steps"]]), torch.tensor([s[2] for s in r["steps"]])))
-        for kind in kinds:
-            for side in (0, 1):
-                for name, t in r["tensors"][kind][side].items():
-                    worst["tensor"] = max(worst["tensor"], _frobenius_rel_err(g["tensors"][kind][side][name], t))
-    return worst
+    from tests.gpu.test_trainer_gpu import _worst
+
+    return _worst(scenario, got, ref, kinds, tensor_err=_frobenius_rel_err)
 
 
 @pytest.mark.parametrize("layout", [{"tp": 2}, {"dp": 2}], ids=["tp2", "dp2"])

@@ -5,22 +5,14 @@ the writer exposes, never on time."""
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
+from tests.waiting import wait_until
 from trainer.export_writer import ExportWriter, remove_partial_writes, replace_folder_atomically
 
 DEADLINE_S = 30.0
-
-
-def _until(predicate, what: str) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.005)
 
 
 def _recorder():
@@ -57,7 +49,7 @@ def test_a_new_snapshot_waits_for_room_within_the_bound():
     w.submit("a", "a", nbytes=60)
     blocked = threading.Thread(target=lambda: w.submit("b", "b", nbytes=60))
     blocked.start()
-    _until(lambda: w.room_waiters == 1, "the second submit to wait for room")
+    wait_until(lambda: w.room_waiters == 1, "the second submit to wait for room", DEADLINE_S)
     assert w.pending() == 1  # b is not queued: 60 + 60 > 100 bytes
     w.hold(False)
     blocked.join(DEADLINE_S)

@@ -15,6 +15,7 @@ import pytest
 
 from api.tinker.coalescer import Coalescer, Op
 from api.tinker.futures import FutureStore, Outcome
+from tests.waiting import wait_until
 from trainer.tinker_ops import Call, CallResult
 
 DEADLINE_S = 60.0
@@ -171,12 +172,12 @@ def test_loop_never_takes_an_evicted_models_call_admit_brings_it_in_first():
         fake = SlotsFake(resident={"R"})
         w = slots_world(fake)
         e1, r1 = w.fb("E", "e1"), w.fb("R", "r1")  # E is evicted, no slot free: it waits
-        await asyncio.to_thread(lambda: wait_until(lambda: "E" in w.store.waiting))
+        await asyncio.to_thread(lambda: wait_until(lambda: "E" in w.store.waiting, "E waiting", DEADLINE_S))
         taken = await w.take_on_thread()
         assert [op.call.loss_fn for op in taken] == ["r1"]  # never E's: it holds no slot
         # R rides in the loop's step: the next admit (the tick's) is told it is busy (never evicted)
         n = len(fake.busy_seen)
-        await asyncio.to_thread(lambda: wait_until(lambda: len(fake.busy_seen) > n))
+        await asyncio.to_thread(lambda: wait_until(lambda: len(fake.busy_seen) > n, "a busy set seen", DEADLINE_S))
         assert "R" in fake.busy_seen[n], fake.busy_seen[n]
         assert w.passes == [] and await w.take_on_thread() == []  # E still waits, R still riding
         w.coalescer.deliver(taken, [CallResult(metrics={"tag": 0.0})])
@@ -225,10 +226,3 @@ def test_hold_idle_refuses_models_with_queued_or_taken_calls_and_keeps_takers_of
     run_async(scenario)
 
 
-def wait_until(cond, timeout: float = DEADLINE_S) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met within the deadline"
-        time.sleep(0.01)
