@@ -81,7 +81,8 @@ from benchmarks.bench_mixed_step import GIB, PhaseTimer, TINY, cases, init_slots
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1e6)
 H200_BF16_DENSE_TFLOPS = 989.4  # NVIDIA's dense bf16 figure for H100/H200 SXM
-LAYOUTS = {"tp2": {"tp": 2, "dp": 1}, "dp2": {"tp": 1, "dp": 2}, "single": {"tp": 1, "dp": 1}}
+# tp1: the same cases and modes on one GPU (one process); single: the slot-limit search
+LAYOUTS = {"tp2": {"tp": 2, "dp": 1}, "dp2": {"tp": 1, "dp": 2}, "tp1": {"tp": 1, "dp": 1}, "single": {"tp": 1, "dp": 1}}
 
 
 def write_untied_config(shape: dict, folder: str, tied: bool) -> str:
@@ -365,7 +366,7 @@ def layout_worker(rank: int, port: int, opts: dict, layout: str, recompute: str,
             "config": trainer.config.model_dump(mode="json")}
     if rank == 0:
         print(f"# {layout} {path}, recompute {recompute}: {world} x {head['device']}, {head['dtype']}, {params / 1e9:.3f} B base params, built in "
-              f"{build_s:.1f} s, {opts['slots']} slots x rank {opts['rank']} ({head['lora_params_per_rank'] / 1e6:.1f} M "
+              f"{build_s:.1f} s ({torch.get_num_threads()} CPU threads per rank), {opts['slots']} slots x rank {opts['rank']} ({head['lora_params_per_rank'] / 1e6:.1f} M "
               f"LoRA params per rank); LoRA path: {head['lora_path']}", flush=True)
     rows, oom = [], False
     shape = opts["shape"]
@@ -483,10 +484,15 @@ def single_worker(rank: int, port: int, opts: dict, num_slots: int, recompute: s
 
 
 def spawn(fn, nprocs: int, *args) -> None:
+    """Run ``fn`` on ``nprocs`` fresh processes. Each gets a share of the host's cores for torch's
+    CPU thread pool (OMP_NUM_THREADS, read when the child imports torch), as torchrun and Ray do:
+    by default every process would size its pool to all cores, and ranks doing host work at the
+    same time (the seeded CPU init of 64 slots) then oversubscribe the host."""
     import torch.multiprocessing as mp
 
     from trainer.distributed import free_loopback_port
 
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (2 * nprocs))))
     mp.spawn(fn, args=(free_loopback_port(), *args), nprocs=nprocs, join=True)
 
 
@@ -530,7 +536,7 @@ def run_layout(opts: dict, layout: str, recomputes: list[str], tmp: str, path: s
         out = os.path.join(tmp, f"{layout}_{path}_{recompute}.json")
         t0 = time.perf_counter()
         try:
-            spawn(layout_worker, 2, opts, layout, recompute, out, path)
+            spawn(layout_worker, LAYOUTS[layout]["tp"] * LAYOUTS[layout]["dp"], opts, layout, recompute, out, path)
             with open(out) as f:
                 lay = json.load(f)
         except Exception as err:  # a rank died: build OOM, or ended by the NCCL watchdog
@@ -615,7 +621,9 @@ def single_table(single: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layout", default="tp2,dp2", help="comma list of tp2, dp2 (two processes each), single (one GPU)")
+    ap.add_argument("--layout", default="tp2,dp2",
+                    help="comma list of tp2, dp2 (two processes each), tp1 (the same cases on one GPU), single "
+                         "(one GPU: the slot-limit search)")
     ap.add_argument("--tiny", action="store_true", help="tiny shape over gloo on the CPU: a smoke test (numbers meaningless)")
     ap.add_argument("--tied", action="store_true", help="tie the output layer to the embeddings (Qwen3-8B's are untied)")
     ap.add_argument("--tokens", type=int, default=None, help="tokens per round (default 16384; tiny 512)")
@@ -656,9 +664,10 @@ def main(argv: list[str] | None = None) -> int:
     bad = [x for x in layouts if x not in LAYOUTS]
     if bad:
         ap.error(f"unknown layout {bad}; allowed: {', '.join(LAYOUTS)}")
-    two = [x for x in layouts if x != "single"]
-    if two and torch.cuda.is_available() and torch.cuda.device_count() < 2:
-        ap.error(f"layouts {two} need 2 GPUs; {torch.cuda.device_count()} visible")
+    two = [x for x in layouts if x != "single"]  # the layouts that time cases (tp1 included)
+    need = max((LAYOUTS[x]["tp"] * LAYOUTS[x]["dp"] for x in two), default=1)
+    if torch.cuda.is_available() and torch.cuda.device_count() < need:
+        ap.error(f"layouts {two} need {need} GPUs; {torch.cuda.device_count()} visible")
     if not torch.cuda.is_available() and not args.tiny:
         ap.error("without CUDA only --tiny runs (the 8B shape is for GPUs)")
     paths = args.lora_path.split(",")

@@ -111,6 +111,14 @@ class TrainerConfig(StrictModel):
         ),
     )
     swap_spill_dir: str | None = Field(None, description="Folder for evicted slots beyond the host-memory budget.")
+    export_writer_threads: int = Field(
+        4, ge=1, le=64,
+        description=(
+            "Threads on trainer rank 0 that write publish folders in the background (trainer/export_writer.py). "
+            "A write is mostly memory copies and file writes that release the GIL, so threads add up while "
+            "the next train call runs (measured rates: docs/BENCHMARKS.md, weight publishing)."
+        ),
+    )
     seed: int = Field(0, description="Seed of the model-parallel RNG.")
 
     @model_validator(mode="after")

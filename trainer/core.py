@@ -267,49 +267,65 @@ class MultiLoraTrainer:
     # -- export --------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def _full_slot_tensors(self, slot: int, tensors: list[torch.Tensor], rank: int,
-                           convert=lambda t: t.float().cpu()) -> tuple[dict, dict]:  # noqa: ANN001
-        """Gathered (TP=1 layout) A/B blocks of ``tensors`` for this slot, each passed through
-        ``convert`` (default: fp32 on the host). Collective over TP."""
+    def _full_slot_tensors(self, slot: int, tensors: list[torch.Tensor], rank: int) -> tuple[dict, dict]:
+        """Gathered (TP=1 layout) A/B blocks of ``tensors`` for this slot, fp32 on the host.
+        Collective over TP."""
         a_full, b_full = {}, {}
         for layer, a, b in zip(self.layers, tensors[0::2], tensors[1::2]):
-            a_full[layer.name] = convert(layer.full_a(layer.a_block(a, slot, rank)))
-            b_full[layer.name] = convert(layer.full_b(layer.b_block(b, slot, rank)))
+            a_full[layer.name] = layer.full_a(layer.a_block(a, slot, rank)).float().cpu()
+            b_full[layer.name] = layer.full_b(layer.b_block(b, slot, rank)).float().cpu()
         return a_full, b_full
 
     @torch.no_grad()
     def snapshot_peft(self, slot: int, *, to_host: bool = True, dtype: str = "float32") -> PeftSnapshot:
-        """The slot's weights as they are now, gathered to TP=1 layout and cast to ``dtype`` (an
-        EXPORT_DTYPES name: a publish folder in the engines' dtype): the in-order half of an
-        export. Collective over TP. The gathered blocks are fresh tensors (clone or all-gather),
-        and so are their casts, never views of the live parameters, so a later step cannot change
-        them. The cast runs here, on the device, before the copy: a bf16 export copies and writes
-        half the bytes of the fp32 weights. On CUDA they go
-        to pinned host memory by non-blocking copies behind one event (`PeftSnapshot.ready`
-        waits for it): no synchronization per tensor, none on this thread, and on a copy stream
-        of their own, so the copies overlap the next train call's kernels. ``to_host=False``:
-        a rank that writes nothing takes part in the gather only."""
+        """The slot's weights as they are now, in ``dtype`` (an EXPORT_DTYPES name: a publish
+        folder in the engines' dtype): the in-order half of an export. Collective over TP.
+
+        The whole slot is one row of the slot buffers (slot_buffers.py), so the snapshot is one
+        cast of that row into a fresh tensor (never a view of the live weights: a later step
+        cannot change it), under TP one all-gather of its TP-split columns, and on CUDA one
+        non-blocking copy to pinned host memory on a copy stream of its own behind one event
+        (`PeftSnapshot.ready` waits for it): a few kernels per adapter whatever the number of
+        layers, no synchronization on this thread, and the copy overlaps the next train call.
+        The cast runs on the device, so a bf16 export copies half the bytes of the fp32 weights.
+        Taking the row apart into per-layer TP=1 tensors and the HF renaming happen later, on the
+        writer's thread (peft_from_snapshot). The row holds every block at max_rank; a slot of a
+        lower rank copies its zero padding too. ``to_host=False``: a rank that writes nothing
+        takes part in the gather only."""
         state = self._state(slot)
         to = export_dtype(dtype)
-        a_full, b_full = self._full_slot_tensors(slot, [p.data for p in self.params], state.rank, convert=lambda t: t.to(to))
+        row = self.buffers.weight[slot].to(to, copy=True)
+        tp, split = self.layout.tp_size, self.buffers.split_cols
+        if tp > 1:
+            gathered = torch.empty(tp, split, dtype=to, device=self.device)
+            dist.all_gather(list(gathered), row[:split], group=tp_group())
+            row = torch.cat([gathered.view(-1), row[split:]]) if to_host else None
         copied = None
         if to_host and self.device.type == "cuda":
             if self._copy_stream is None:
                 self._copy_stream = torch.cuda.Stream(self.device)
-            (a_full, b_full), copied = pinned_host_copy((a_full, b_full), self._copy_stream)
+            row, copied = pinned_host_copy(row, self._copy_stream)
         experts = self._expert_layers() if state.hyper.lora_experts else []
         cfg = peft_config_dict(
             rank=state.rank, scale=state.scale, target_modules=hf_short_names(self.base, self._dense_layers()),
             base_model=self.config.base_model_path, target_parameters=expert_target_parameters(experts),
         )
-        return PeftSnapshot(config=cfg, a_full=a_full, b_full=b_full, lora_experts=bool(experts), copied=copied)
+        return PeftSnapshot(config=cfg, row=row if to_host else None, tp_size=tp, rank=state.rank,
+                            lora_experts=bool(experts), copied=copied)
 
     def peft_from_snapshot(self, snap: PeftSnapshot) -> tuple[dict, dict[str, torch.Tensor]]:
-        """(adapter_config dict, PEFT-named tensors in the snapshot's dtype) of a snapshot: the HF
-        renaming, local to this rank (no collective, reads only the snapshot and the model's
-        names), so the writer thread runs it while the main thread trains."""
+        """(adapter_config dict, PEFT-named tensors in the snapshot's dtype) of a snapshot: its row
+        taken apart into per-layer TP=1 A and B (views of the row where the layout allows, else
+        host copies), then the HF renaming. Local to this rank (no collective; reads only the
+        snapshot and the model's names), so the writer thread runs it while the main thread trains."""
         snap.ready()
-        a_full, b_full = snap.a_full, snap.b_full
+        split = self.buffers.split_cols
+        parts = list(snap.row[: snap.tp_size * split].view(snap.tp_size, split))
+        blocks = self.buffers.row_views(parts, snap.row[snap.tp_size * split :])
+        a_full, b_full = {}, {}
+        for layer, a_shards, b_shards in zip(self.layers, blocks[0::2], blocks[1::2]):
+            a_full[layer.name] = layer.assemble_a([layer.a_block(x.unsqueeze(0), 0, snap.rank) for x in a_shards])
+            b_full[layer.name] = layer.assemble_b([layer.b_block(x.unsqueeze(0), 0, snap.rank) for x in b_shards])
         experts = self._expert_layers() if snap.lora_experts else []
         tensors = slot_to_hf(self.base, self._dense_layers(), a_full, b_full) | expert_peft_tensors(self.base, experts, a_full, b_full)
         return snap.config, tensors
@@ -358,7 +374,7 @@ class MultiLoraTrainer:
         """This rank's writer thread (started on first use)."""
         with self._export_writer_lock:
             if self._export_writer is None:
-                self._export_writer = ExportWriter(self._write_snapshot)
+                self._export_writer = ExportWriter(self._write_snapshot, threads=self.config.export_writer_threads)
             return self._export_writer
 
     def _write_snapshot(self, out_dir: str, snap: PeftSnapshot) -> None:

@@ -3,12 +3,15 @@ critical path).
 
 An export has two halves (trainer/core.py): the *snapshot* (the TP gather and the copy of the
 slot's live blocks to host memory) runs on the actor's main thread in call order, so it holds
-exactly the weights after the train call before it; the *write* (HF renaming, safetensors,
-adapter_config.json) runs here, in one thread per rank, while the next train call runs.
+exactly the weights after the train call before it; the *write* (taking the row apart, HF
+renaming, safetensors, adapter_config.json) runs here, on the rank's writer threads
+(TrainerConfig.export_writer_threads), while the next train call runs.
 
 Invariants:
-* Folders are written one at a time, in submission order; a folder is written under a temporary
-  sibling name and renamed into place, so a reader never sees a half-written folder.
+* Folders are started in submission order; with more than one thread several are written at
+  once and may finish out of order (each publish waits for its own folder). A folder is written
+  under a temporary sibling name and renamed into place, so a reader never sees a half-written
+  folder.
 * `wait(folder)` returns only once that folder is fully written, and raises the write's (or the
   snapshot's, see `fail`) error. It may be called before the folder is submitted (the awaiting
   call runs in another Ray concurrency group than the snapshot: trainer/actor.py): it waits for
@@ -57,50 +60,47 @@ def export_dtype(name: str) -> torch.dtype:
 
 @dataclass
 class PeftSnapshot:
-    """A slot's LoRA weights at one point of the call order (trainer/core.py snapshot_peft):
-    per layer, full (TP=1) A and B in the export's dtype, on host memory or on their way there
-    (`copied`: the CUDA event after the non-blocking device->host copies, pinned_host_copy), with
-    the PEFT config."""
+    """A slot's LoRA weights at one point of the call order (trainer/core.py snapshot_peft): its
+    row of the slot buffers (every layer's A and B block at max_rank) in the export's dtype, the
+    TP-split columns of each TP rank in rank order first, then the replicated columns; on host
+    memory or on its way there (`copied`: the CUDA event after the non-blocking device->host copy,
+    pinned_host_copy), with the PEFT config. `row` is None on a rank that writes nothing."""
 
     config: dict
-    a_full: dict[str, torch.Tensor]
-    b_full: dict[str, torch.Tensor]
+    row: torch.Tensor | None
+    tp_size: int
+    rank: int  # the slot's LoRA rank: the blocks are cut to it when the row is taken apart
     lora_experts: bool  # the slot trains the routed experts too (their tensors get PEFT names)
-    copied: Any = None  # torch.cuda.Event, or None when the tensors are host tensors already
+    copied: Any = None  # torch.cuda.Event, or None when the row is a host tensor already
 
     def ready(self) -> None:
-        """Wait for the device->host copies (the export's one synchronization, off the main thread)."""
+        """Wait for the device->host copy (the export's one synchronization, off the main thread)."""
         if self.copied is not None:
             self.copied.synchronize()
             self.copied = None
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self.a_full, self.b_full) for t in d.values())
+        return 0 if self.row is None else self.row.numel() * self.row.element_size()
 
 
-def pinned_host_copy(parts: tuple[dict[str, torch.Tensor], ...], stream: Any) -> tuple[tuple[dict[str, torch.Tensor], ...], Any]:
-    """Copies of CUDA tensors into fresh pinned host tensors, non-blocking, on `stream` (a side
+def pinned_host_copy(t: torch.Tensor, stream: Any) -> tuple[torch.Tensor, Any]:
+    """A copy of CUDA tensor `t` in a fresh pinned host tensor, non-blocking, on `stream` (a side
     stream: the copy engine works while the next train call's kernels run), and the CUDA event
-    after them (the copies are complete once it fired). `stream` first waits for the current
-    stream (the tensors are complete); each tensor is marked used by `stream` so the allocator
-    does not reuse its memory before the copy read it. The tensors must be fresh (a gather or
-    clone): nothing else writes them, so no later kernel can race the copy."""
+    after it (the copy is complete once it fired). `stream` first waits for the current stream
+    (`t` is complete); `t` is marked used by `stream` so the allocator does not reuse its memory
+    before the copy read it. `t` must be fresh (a cast, gather or clone): nothing else writes it,
+    so no later kernel can race the copy. Pinned blocks come from torch's caching host allocator:
+    a snapshot of the same size as one already written reuses its block (no new page pinning)."""
     current = torch.cuda.current_stream()
     stream.wait_stream(current)
-    out = []
     with torch.cuda.stream(stream):
-        for tensors in parts:
-            host = {}
-            for name, t in tensors.items():
-                h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                h.copy_(t, non_blocking=True)
-                t.record_stream(stream)
-                host[name] = h
-            out.append(host)
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        t.record_stream(stream)
         done = torch.cuda.Event()
         done.record(stream)
-    return tuple(out), done
+    return host, done
 
 
 @dataclass
@@ -111,23 +111,28 @@ class _Job:
 
 
 class ExportWriter:
-    """One background thread writing folders submitted by the actor's main thread."""
+    """Background threads (``threads`` of them) writing folders submitted by the actor's main thread.
+    More than one pays because a write is mostly memory copies and system calls that release the
+    GIL (trainer/safetensors_stream.py)."""
 
     def __init__(self, write: Callable[[str, Any], None], *, max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
-                 name: str = "peft-export-writer") -> None:
+                 threads: int = 1, name: str = "peft-export-writer") -> None:
+        if threads < 1:
+            raise ValueError(f"threads must be at least 1, got {threads}")
         self._write = write
         self.max_pending_bytes = max_pending_bytes
         self._cond = threading.Condition()
         self._queue: deque[_Job] = deque()
         self._pending_bytes = 0  # bytes of queued jobs and the one being written
-        self._writing = 0  # 1 while a job is being written
+        self._writing = 0  # jobs being written now
         self.room_waiters = 0  # submits waiting for room under the bound (tests observe it)
         self.written = 0  # folders written (or failed) so far, and the seconds their writes took
         self.write_seconds = 0.0
         self._outcome: dict[str, BaseException | None] = {}  # folder -> None (written) or its error
         self._held = False  # fault injection: the writer takes no job while held (tests)
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(threads)]
+        for thread in self._threads:
+            thread.start()
 
     def submit(self, folder: str, payload: Any, nbytes: int) -> None:
         """Queue `payload` to be written as `folder`; blocks while the bound is exceeded."""
@@ -177,7 +182,7 @@ class ExportWriter:
             with self._cond:
                 self._cond.wait_for(lambda: self._queue and not self._held)
                 job = self._queue.popleft()
-                self._writing = 1
+                self._writing += 1
             error: BaseException | None = None
             t0 = time.perf_counter()
             try:
@@ -188,7 +193,7 @@ class ExportWriter:
             job.payload = None  # free the snapshot before making room for the next
             with self._cond:
                 self._pending_bytes -= job.nbytes
-                self._writing = 0
+                self._writing -= 1
                 self.written += 1
                 self.write_seconds += seconds
                 self._outcome[job.folder] = error

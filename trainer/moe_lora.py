@@ -249,16 +249,28 @@ class ExpertLoraWeights(nn.Module):
         return parts
 
     def full_a(self, local: torch.Tensor) -> torch.Tensor:
-        """Collective over TP for row-parallel fc2."""
-        if self.parallel == "column" or self.tp_size == 1:
+        """Collective over TP for row-parallel fc2; a fresh tensor."""
+        if not self.a_is_tp_split:
             return local.clone()
-        return torch.cat(self._gather(local), dim=-1)
+        return self.assemble_a(self._gather(local))
 
     def full_b(self, local: torch.Tensor) -> torch.Tensor:
-        """Collective over TP for column-parallel fc1 (each rank holds [gate_shard; up_shard])."""
-        if self.parallel == "row" or self.tp_size == 1:
+        """Collective over TP for column-parallel fc1; a fresh tensor."""
+        if not self.b_is_tp_split:
             return local.clone()
-        halves = [shard.chunk(2, dim=1) for shard in self._gather(local)]
+        return self.assemble_b(self._gather(local))
+
+    def assemble_a(self, shards: list[torch.Tensor]) -> torch.Tensor:
+        """The full A [E, r, in] from every TP rank's block, no collective (MultiLoraLinear.assemble_a)."""
+        if not self.a_is_tp_split or len(shards) == 1:
+            return shards[0]
+        return torch.cat(shards, dim=-1)
+
+    def assemble_b(self, shards: list[torch.Tensor]) -> torch.Tensor:
+        """The full B [E, out, r] (each rank holds [gate_shard; up_shard] of fc1)."""
+        if not self.b_is_tp_split or len(shards) == 1:
+            return shards[0]
+        halves = [shard.chunk(2, dim=1) for shard in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=1)
 
     def local_a(self, full: torch.Tensor) -> torch.Tensor:

@@ -276,16 +276,28 @@ class MultiLoraLinear(nn.Module):
         return parts
 
     def full_a(self, local: torch.Tensor) -> torch.Tensor:
-        """[r, in_local] on this rank -> [r, in_full] (collective over TP for row-parallel)."""
-        if self.parallel == "column":
+        """[r, in_local] on this rank -> [r, in_full] (collective over TP for row-parallel); a fresh tensor."""
+        if self.parallel == "column" or self.tp_size == 1:
             return local.clone()
-        return torch.cat(self._gather(local, 1), dim=1)
+        return self.assemble_a(self._gather(local, 1))
 
     def full_b(self, local: torch.Tensor) -> torch.Tensor:
-        """[out_local, r] on this rank -> [out_full, r] (collective over TP for column-parallel)."""
-        if self.parallel == "row":
+        """[out_local, r] on this rank -> [out_full, r] (collective over TP for column-parallel); a fresh tensor."""
+        if self.parallel == "row" or self.tp_size == 1:
             return local.clone()
-        shards = self._gather(local, 0)
+        return self.assemble_b(self._gather(local, 0))
+
+    def assemble_a(self, shards: list[torch.Tensor]) -> torch.Tensor:
+        """The full A from every TP rank's block (in rank order; a replicated A: one block, returned
+        as is). No collective: a publish writer assembles a snapshot's host copy with it."""
+        if not self.a_is_tp_split or len(shards) == 1:
+            return shards[0]
+        return torch.cat(shards, dim=1)
+
+    def assemble_b(self, shards: list[torch.Tensor]) -> torch.Tensor:
+        """The full B from every TP rank's block (see assemble_a)."""
+        if not self.b_is_tp_split or len(shards) == 1:
+            return shards[0]
         if self.kind == "gate_up":
             # Each rank holds [gate_shard; up_shard]; the full layout is [gate; up].
             halves = [s.chunk(2, dim=0) for s in shards]

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from trainer.multi_lora import MultiLoraLinear
+from trainer.safetensors_stream import write_safetensors
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_CONFIG = "adapter_config.json"
@@ -138,29 +139,13 @@ def hf_short_names(base, layers: list[MultiLoraLinear]) -> list[str]:  # noqa: A
 
 
 def write_peft_folder(out_dir: str | Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
-    from safetensors.torch import save_file
-
+    """adapter_model.safetensors (written from the tensors' own memory: trainer/safetensors_stream.py)
+    and adapter_config.json. Tensors may share storage (fused q/k/v share one lora_A)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(_unshared(tensors), str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    host = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    write_safetensors(out / ADAPTER_WEIGHTS, host, metadata={"format": "pt"})
     (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-    return out
-
-
-def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Contiguous CPU tensors, no two sharing storage: fused projections (q/k/v, gate/up) share one
-    lora_A tensor, and safetensors refuses shared storage. Only a repeated storage is cloned (a
-    copy of every tensor would double the write's memory traffic)."""
-    seen: set[int] = set()
-    out = {}
-    for k, v in tensors.items():
-        v = v.detach().to("cpu").contiguous()
-        ptr = v.untyped_storage().data_ptr()
-        if ptr in seen:
-            v = v.clone()
-        else:
-            seen.add(ptr)
-        out[k] = v
     return out
 
 

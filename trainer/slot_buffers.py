@@ -47,7 +47,10 @@ class SlotBuffers:
         self.params: list[nn.Parameter] = []
         self.exp_avg_views: list[torch.Tensor] = []
         self.exp_avg_sq_views: list[torch.Tensor] = []
-        for layer, name, _ in entries:
+        # per parameter (same order): where its block starts in a row, its shape without the slot
+        # dimension, and whether it is split over TP (row_views)
+        self.row_layout: list[tuple[int, torch.Size, bool]] = []
+        for layer, name, split in entries:
             old = getattr(layer, name)
             start = offsets[(id(layer), name)]
 
@@ -62,6 +65,22 @@ class SlotBuffers:
             self.params.append(param)
             self.exp_avg_views.append(view(self.exp_avg))
             self.exp_avg_sq_views.append(view(self.exp_avg_sq))
+            self.row_layout.append((start, old.shape[1:], split))
+
+    def row_views(self, split_parts: list[torch.Tensor], replicated: torch.Tensor) -> list[list[torch.Tensor]]:
+        """One slot's row, taken apart: per parameter (layer order, A and B), the block of each TP
+        rank, as views. ``split_parts[t]`` is TP rank t's ``row[:split_cols]``; ``replicated`` is
+        ``row[split_cols:]`` (the same on every rank), which gives one block. The row may be on
+        any device and in any dtype (a publish snapshot's host copy)."""
+        out = []
+        for start, shape, split in self.row_layout:
+            n = shape.numel()
+            if split:
+                out.append([part[start : start + n].view(shape) for part in split_parts])
+            else:
+                s = start - self.split_cols
+                out.append([replicated[s : s + n].view(shape)])
+        return out
 
     def check_grads_in_place(self) -> None:
         """Autograd must have accumulated into the preset gradient views (it does so in place

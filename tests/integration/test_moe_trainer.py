@@ -21,6 +21,8 @@ import json
 import pytest
 import torch
 
+from tests.integration.export_check import export_matches_full_tensors
+
 from tests.integration.test_trainer_equivalence import (
     OBJECTIVES,
     _assert_nontrivial,
@@ -258,6 +260,7 @@ def _parallel_worker(rank, port, cfg_kwargs, hypers, batches, out_path):
 
     trainer = MultiLoraTrainer(TrainerConfig(**cfg_kwargs), rank=rank, master_port=port)
     result = run_scenario(trainer, hypers, batches)
+    result["export_check"] = export_matches_full_tensors(trainer, hypers, batches[0], f"{out_path}.export")
     if rank == 0:
         torch.save(result, out_path)
     dist.barrier()
@@ -278,6 +281,9 @@ def test_two_ranks_equivalence(trainer, batches, mixed_run, tmp_path, layout):
              nprocs=2, join=True)
     run = torch.load(out, weights_only=False)
     _assert_nontrivial(run, OBJECTIVES["mixed"])
+    # the publish export (row snapshot, experts included) == the per-layer gather, in both layouts
+    check = run["export_check"]
+    assert check["names"] > 0 and check["mismatches"] == [], check
     # Under DP a slot's gradient is the all-reduced sum of each rank's part, and which samples a
     # rank gets differs between the mixed and the alone runs (dp_shard of each phase), so the
     # fp32 summation order differs too: measured 1.01e-5 on slot 2 (clipped, token_mean, lr

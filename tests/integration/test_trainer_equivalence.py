@@ -33,6 +33,8 @@ import copy
 import pytest
 import torch
 
+from tests.integration.export_check import export_matches_full_tensors
+
 pytestmark = pytest.mark.integration
 
 REL_TOL = 1e-5
@@ -251,6 +253,7 @@ def _tp_worker(rank, port, cfg_kwargs, hypers, batches, out_path):
 
     trainer = MultiLoraTrainer(TrainerConfig(**cfg_kwargs), rank=rank, master_port=port)
     result = run_scenario(trainer, hypers, batches)
+    result["export_check"] = export_matches_full_tensors(trainer, hypers, batches[0], f"{out_path}.export")
     if rank == 0:
         torch.save(result, out_path)
     dist.barrier()
@@ -268,6 +271,9 @@ def test_tensor_parallel_2_equivalence(trainer, batches, tp1_mixed_run, tmp_path
              nprocs=2, join=True)
     tp2 = torch.load(out, weights_only=False)
     _assert_nontrivial(tp2, OBJECTIVES["mixed"])
+    # the publish export at TP=2 (one row gather, taken apart on the host) == the per-layer gather
+    check = tp2["export_check"]
+    assert check["names"] > 0 and check["mismatches"] == [], check
     assert_equivalent(tp2["mixed"], tp2["alone"])
     # and TP=2 computes what TP=1 computes (the column/row-parallel LoRA math is right), to the
     # across-layouts bound of tests/gpu/test_fp32_gpu.py: TP=2 sums partial products in another

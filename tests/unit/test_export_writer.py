@@ -119,3 +119,35 @@ def test_partial_writes_of_a_killed_writer_are_removed(tmp_path: Path, monkeypat
     (tmp_path / "v10").mkdir()  # another version: not a temporary of v1
     remove_partial_writes(tmp_path / "v1")
     assert [p.name for p in tmp_path.iterdir()] == ["v10"]
+
+
+def test_several_threads_write_at_once_and_each_wait_gets_its_folder():
+    """threads=2: a write that is stuck (its gate closed) does not hold back the next folder, and
+    each wait returns its own folder; the memory bound counts both."""
+    gate = threading.Event()
+    started: list[str] = []
+    cond = threading.Condition()
+
+    def write(folder: str, payload) -> None:
+        with cond:
+            started.append(folder)
+            cond.notify_all()
+        if payload == "stuck":
+            gate.wait(DEADLINE_S)
+
+    w = ExportWriter(write, threads=2, max_pending_bytes=100)
+    w.submit("slow", "stuck", nbytes=40)
+    with cond:
+        cond.wait_for(lambda: started == ["slow"], DEADLINE_S)
+    w.submit("fast", "ok", nbytes=40)
+    got = {}
+    waiter = threading.Thread(target=lambda: got.setdefault("fast", w.wait("fast")), daemon=True)
+    waiter.start()
+    waiter.join(DEADLINE_S)  # returns at once unless "fast" waits behind "slow" (one thread)
+    try:
+        assert got == {"fast": "fast"} and w.pending() == 1  # written while "slow" is still being written
+    finally:
+        gate.set()
+    assert w.wait("slow") == "slow" and w.pending() == 0
+    with pytest.raises(ValueError, match="threads must be at least 1"):
+        ExportWriter(write, threads=0)
