@@ -103,6 +103,7 @@ def trainer_config(opts: dict, layout: str, num_slots: int, recompute: str, path
 
     return TrainerConfig(base_model_path=opts["folder"], random_init=True, num_slots=num_slots, max_rank=opts["rank"],
                          micro_batch_tokens=opts["micro_batch_tokens"], recompute=recompute, fused_lora=path == "fused",
+                         export_writer_threads=opts.get("export_threads", 4),
                          **LAYOUTS[layout])
 
 
@@ -637,6 +638,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--export-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                     help="mode export: the publish folders' dtype (engines.publish_dtype; auto is the engines' "
                          "dtype, bf16 for a bf16 checkpoint on GPU); the synchronous export stays fp32 (before)")
+    ap.add_argument("--export-threads", type=int, default=4,
+                    help="mode export: writer threads on rank 0 (TrainerConfig.export_writer_threads)")
     ap.add_argument("--recompute", default="none,full",
                     help="comma list of recompute settings (none, selective, full) for tp2 / dp2: a layout runs with the "
                          "first; after an OOM it runs again with the next (default none,full: the trainer's default, "
@@ -694,7 +697,7 @@ def main(argv: list[str] | None = None) -> int:
                                         "no attention-score or LoRA FLOPs)", "peak_tflops": args.peak_tflops}
     with tempfile.TemporaryDirectory() as tmp:
         opts = {"folder": write_untied_config(shape, os.path.join(tmp, "model"), args.tied), "shape": shape,
-                "export_dtype": args.export_dtype,
+                "export_dtype": args.export_dtype, "export_threads": args.export_threads,
                 "tokens": tokens, "plan": plan, "modes": modes, "slots": args.slots, "rank": args.rank,
                 "micro_batch_tokens": args.micro_batch_tokens if not args.tiny else min(args.micro_batch_tokens, tokens),
                 "collective_timeout_s": args.collective_timeout_s, "serialized_n": {int(x) for x in args.serialized_n.split(",")},
