@@ -75,15 +75,41 @@ def check_adapter_config(config: AdapterConfig, settings: ServiceSettings, capac
     if config.reward is not None:
         _check_reward(config.reward.name, settings.reward_import_roots)
     checked = config.model_copy(update=update)
-    if config.num_step is not None:
-        total = config.num_step
-    else:
-        total = math.ceil(rows * (config.num_epoch or 1) / config.prompts_per_step)
+    total = planned_steps(config, rows)
+    if total == 0:
+        epochs = config.data_config().num_epochs
+        raise BadValue(
+            f"config.prompts_per_step: a step takes {config.prompts_per_step} rows (prompts_per_step) but {data_path.name} has "
+            f"{rows} row(s) x {epochs} epoch(s) (num_epoch) = {rows * epochs}, so the run would end without a single step; "
+            f"allowed: prompts_per_step at most {rows * epochs}, or add rows, raise num_epoch, or set num_step (the data "
+            "then repeats until that many steps)",
+            field="config.prompts_per_step",
+        )
     try:
         config.slot_hyper_params(total)  # the trainer's own checks, now rather than at slot init
     except ValidationError as e:
         raise BadValue(f"config does not fit the trainer ({total} steps): " + "; ".join(err["msg"] for err in e.errors()), field="config") from None
     return CheckedAdapter(config=checked, data_rows=rows, total_steps=total)
+
+
+def planned_steps(config: AdapterConfig, rows: int) -> int:
+    """The optimizer steps a run of `config` over a data file of `rows` rows takes (its total_steps: the
+    progress it shows and the length of its learning-rate schedule). The one home of the rule:
+
+      * num_step given: exactly num_step (the data repeats, epoch after epoch, until then);
+      * else steps = (rows x epochs) // prompts_per_step, epochs = num_epoch (default 1). The data
+        source serves the rows of all epochs as one stream (epoch e+1 follows epoch e inside a step),
+        a step takes prompts_per_step of them, and a final part shorter than a step is dropped, never
+        trained: SftSource.take_step (SFT) and FleetRuntime.exhausted_runs (RL) drop it.
+
+    `rows` counts what the data source serves: non-blank lines within max_row_bytes (JSONL), every row
+    (Parquet). Rows over a token limit are only found when a run first takes them (measuring them needs
+    the tokenizer), so a run with such rows takes fewer steps than planned (its rows_skipped_too_long
+    metric counts them); a file larger than data_check_bytes has its rows estimated from its size."""
+    if config.num_step is not None:
+        return config.num_step
+    epochs = config.data_config().num_epochs  # the data source's own epoch count (one home for its default)
+    return rows * epochs // config.prompts_per_step
 
 
 def row_limits(config: AdapterConfig, settings: ServiceSettings, capacity: SlotCapacity) -> dict[str, int | None]:

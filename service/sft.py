@@ -13,7 +13,7 @@ Accounting follows the loop's rule: rows of a step are `take_step`-n, then
 `give_back`-ed (served again first) when it failed. A step is always whole: when
 the data has fewer rows left than a step needs, those rows are dropped and the
 source reports itself exhausted (the trainer never sees a partial step that
-could not complete).
+could not complete). The planned total counts on this: service/config_checks.planned_steps.
 
 Length limits: rows whose prompt, completion (+ EOS) or whole sample is over the
 limits in the data config (the model's context, the service's limits, filled in

@@ -7,6 +7,8 @@ worker; one SGLang CPU engine), shared by every test here, in this order:
   1b. an adapter whose reward crashes on every sample is FAILED after 3 steps; the others go on
   1c. tenants whose every row is over a length limit end FAILED with a reason and free their slots;
       one with some over-long rows trains on the others (skips counted)          (issue 14 F1/F2)
+  1d. an RL run over its data (num_epoch) ends COMPLETED at its registered total_steps, its schedule at
+      its end (service/config_checks.planned_steps)
   2. `lorafleet smoke` passes against it                                    (issue 6 proof)
   3. load: 200 concurrent GETs + 50 register/retire cycles during training:
      no 5xx, no leaked slot, p99 of GET /v1/adapters printed                  (issue 6 proof)
@@ -175,6 +177,27 @@ def test_over_long_tenants_fail_with_a_reason_and_the_others_train(service, tiny
     assert free == free_before  # the two failed tenants gave their slots back (and the others theirs)
     assert mixed["last_metrics"]["rows_skipped_too_long"] >= 1
     assert ok["last_metrics"]["rows_skipped_too_long"] == 0 and ok["state"] == "ACTIVE"
+
+
+# --- 1d ------------------------------------------------------------------------------------------
+
+
+def test_an_rl_epoch_run_ends_at_its_planned_total_with_its_schedule_finished(service, tiny_world):
+    """The RL half of service/config_checks.planned_steps on a real run: 7 prompts x 2 epochs at 4 a step run
+    on into each other, 14 // 4 = 3 steps, and the 2 prompts left (less than a step) are dropped
+    (FleetRuntime.exhausted_runs). The run ends COMPLETED at its registered total_steps, its cosine schedule at
+    its end (the old ceil planned 4: the run stopped at 3/4 with its learning rate above min_lr_ratio x lr)."""
+    data = service.job_path.parent  # a data root of the served job (service_world.serve_job)
+    (data / "seven.jsonl").write_text("".join((tiny_world / "data" / "digits.jsonl").read_text().splitlines(keepends=True)[:7]))
+    lr, min_ratio = 3e-3, 0.1
+    with service.client() as c:
+        c.register("rl-epochs", {**rl(tiny_world, num_step=None, num_epoch=2, prompts_per_step=4, lr_schedule="cosine",
+                                      min_lr_ratio=min_ratio, learning_rate=lr), "data": {"path": str(data / "seven.jsonl")}})
+        ref = wait_for(c, "rl-epochs", lambda r: r["state"] == "COMPLETED", "COMPLETED (its data used up)", 300.0)
+        steps = c.metrics("rl-epochs")["steps"]
+    assert [s["step"] for s in steps] == [1, 2, 3] and ref["samples_trained"] == 3 * 4 * 4, (ref, steps)
+    assert steps[-1]["learning_rate"] == pytest.approx(min_ratio * lr, rel=1e-6)  # the schedule's last step
+    assert ref["step"] == ref["total_steps"]  # the progress the tenant sees ends at its total
 
 
 # --- 2 -------------------------------------------------------------------------------------------

@@ -58,7 +58,8 @@ def test_main_job_trains_two_rl_and_one_sft_adapter_to_exhaustion(tiny_world, jo
     expected_steps = {"digits": 30, "vowels": 30, "kinds_sft": 42}  # num_step 30; 256 rows // 6 per step
     for name, run in runs.items():
         assert run["state"] == "COMPLETED", (name, run["failure_reason"])
-        assert run["step"] == expected_steps[name]
+        # the planned total (progress, schedule length) is what ran: 42/42, not 42/43 (config_checks.planned_steps)
+        assert run["step"] == expected_steps[name] == run["total_steps"]
         steps = rows(db, "SELECT step, samples, metrics_json FROM steps WHERE registration_id = ? ORDER BY step", run["registration_id"])
         assert [s["step"] for s in steps] == list(range(1, expected_steps[name] + 1))
         assert run["samples_trained"] == sum(s["samples"] for s in steps)

@@ -11,6 +11,9 @@ Run "a" trains 6 steps uninterrupted (checkpoints at 3 and 6). Run "b" is a new
 registration with resume_from = a's step-3 checkpoint: its steps 4..6 must give the
 same losses and gradient norms as a's steps 4..6, and its final export the same
 weights as a's.
+
+A dataset run (num_epoch) on the same world ends at the total_steps it was registered with, its cosine
+schedule at its end (service/config_checks.planned_steps).
 """
 
 from __future__ import annotations
@@ -101,6 +104,27 @@ def test_resumed_sft_run_continues_exactly(sft_world):
     # and the resumed weights really moved from the checkpoint's
     w3 = load_file(f"{ckpt_dir}/adapter/adapter_model.safetensors")
     assert max(float((wb[k] - w3[k]).abs().max()) for k in wb) > 1e-4
+
+
+def test_an_epoch_run_ends_at_its_planned_total_with_its_schedule_finished(sft_world):
+    """A dataset run (num_epoch, no num_step) makes exactly the total_steps it was registered with, and its
+    cosine schedule ends at that step (min_lr_ratio x learning_rate). 256 rows x 2 epochs at 96 a step: the
+    epochs run on into each other, 512 // 96 = 5 steps, and the last 32 rows (less than a step) are dropped.
+    Planned with the old ceil(512 / 96) = 6, the run ended at 5/6 with its learning rate still above the end
+    of its schedule (the main job's kinds_sft at 42/43)."""
+    from service.registry import AdapterState
+
+    controller, runtime, data = sft_world
+    lr, min_ratio = 0.01, 0.1
+    controller.register("epochs", _sft(data, num_step=None, num_epoch=2, prompts_per_step=96, lr_schedule="cosine",
+                                       warmup_steps=1, min_lr_ratio=min_ratio, learning_rate=lr))
+    _train(controller, runtime)
+    ref = controller.get("epochs")
+    steps = controller.metrics("epochs").steps
+    assert ref.state == AdapterState.COMPLETED and [s.step for s in steps] == [1, 2, 3, 4, 5], ref
+    assert ref.samples_trained == 5 * 96
+    assert steps[-1].metrics["learning_rate"] == pytest.approx(min_ratio * lr, rel=1e-6)  # the schedule's last step
+    assert ref.step == ref.total_steps  # the progress the tenant sees ends at its total
 
 
 def runtime_run_dir(controller, ref):

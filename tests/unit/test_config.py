@@ -198,7 +198,9 @@ def test_registration_checks(roots, tmp_path):
     cap = SlotCapacity(num_slots=2, max_rank=16)
 
     def check(**over):
-        return check_adapter_config(AdapterConfig.model_validate({"data": {"path": "sub/ok.jsonl"}, "reward": {"name": "target_share"}, **over}), settings, cap)
+        # ok.jsonl has one row: one prompt per step is the most it can serve in one epoch (see the refusal below)
+        config = {"data": {"path": "sub/ok.jsonl"}, "reward": {"name": "target_share"}, "prompts_per_step": 1, **over}
+        return check_adapter_config(AdapterConfig.model_validate(config), settings, cap)
 
     assert check().total_steps == 1 and check().data_rows == 1
     (root / "rows.jsonl").write_text('{"prompt": "p", "answer": "a"}\n')
@@ -211,10 +213,17 @@ def test_registration_checks(roots, tmp_path):
         ({"init_from": "sub"}, "not a PEFT adapter folder: missing \\['adapter_config.json', 'adapter_model.safetensors'\\]"),
         ({"resume_from": "sub/ok.jsonl"}, "config.resume_from: 'sub/ok.jsonl' is not a folder"),
         ({"warmup_steps": 5, "lr_schedule": "cosine"}, "does not fit the trainer \\(1 steps\\): .*warmup_steps 5 exceeds total_steps 1"),
+        # one row and a step of 4 (the default): less than one whole step, which the run would drop (planned_steps)
+        ({"prompts_per_step": 4}, re.escape("config.prompts_per_step: a step takes 4 rows (prompts_per_step) but ok.jsonl has 1 row(s) "
+                                            "x 1 epoch(s) (num_epoch) = 1, so the run would end without a single step; allowed: "
+                                            "prompts_per_step at most 1, or add rows, raise num_epoch, or set num_step")),
+        ({"prompts_per_step": 4, "num_epoch": 3}, re.escape("1 row(s) x 3 epoch(s) (num_epoch) = 3, so the run would end without")),
     ]
     for over, error in refusals:
         with pytest.raises(BadValue, match=error):
             check(**over)
+    assert check(prompts_per_step=4, num_epoch=4).total_steps == 1  # 4 epochs of the one row fill one step
+    assert check(prompts_per_step=4, num_step=3).total_steps == 3  # with num_step the data repeats until step 3
     assert check(reward={"name": "json:dumps"}).config.reward.name == "json:dumps"
     (root / "sub" / "adapter_config.json").write_text('{"r": 4}')
     (root / "sub" / "adapter_model.safetensors").write_bytes(b"")
@@ -251,7 +260,8 @@ def test_registration_fills_the_length_limits_and_bounds_a_step(roots, tmp_path)
     cap = SlotCapacity(num_slots=2, max_rank=16, context_tokens=512)
 
     def limits(**over):
-        base = {"data": {"path": "sub/ok.jsonl", **over.pop("data", {})}, "reward": {"name": "target_share"}, **over}
+        # num_step: the one-row file repeats until then, so a step of any size can be made from it
+        base = {"data": {"path": "sub/ok.jsonl", **over.pop("data", {})}, "reward": {"name": "target_share"}, "num_step": 10, **over}
         if base.get("objective") == "sft":
             base.pop("reward")
             base["data"]["label_key"] = "label"

@@ -106,7 +106,9 @@ def cfg(data: Path, **over):
 def test_register_checks_and_total_steps(world):
     controller, data = world
     ref = controller.register("a", cfg(data, num_epoch=2, prompts_per_step=3))
-    assert (ref.state, ref.slot, ref.total_steps) == (S.PENDING, 0, 7)  # ceil(10 * 2 / 3)
+    # 10 rows x 2 epochs = 20 rows make 6 whole steps of 3; the last 2 rows are dropped, not a 7th, partial
+    # step (planned_steps: the plan is the steps the run takes)
+    assert (ref.state, ref.slot, ref.total_steps) == (S.PENDING, 0, 6)
     assert ref.config.data.path == str((data / "rl.jsonl").resolve())
     with pytest.raises(BadValue, match="rank 32 is above the service's max rank 16; allowed: 1..16"):
         controller.register("b", cfg(data, rank=32))
@@ -116,6 +118,9 @@ def test_register_checks_and_total_steps(world):
         controller.register("b", cfg(data, num_step=0))
     with pytest.raises(Conflict, match="in use by a live run"):
         controller.register("a", cfg(data))
+    with pytest.raises(BadValue, match=r"config.prompts_per_step: a step takes 11 rows .* rl.jsonl has 10 row\(s\) x 1 epoch\(s\) "
+                                       r"\(num_epoch\) = 10, so the run would end without a single step; allowed: prompts_per_step at most 10"):
+        controller.register("b", cfg(data, prompts_per_step=11))
     assert [r.name for r in controller.list()] == ["a"]  # refused calls changed nothing
 
 
