@@ -40,7 +40,7 @@ from trainer.base_model import (
 from trainer.batch import PlannedSample, TrainBatch, TrainSample, assign_phases, dp_shard, pack_micro_batches
 from trainer.config import SlotHyperParams, TrainerConfig
 from trainer.distributed import dp_group, init_parallel, tp_group
-from trainer.export_writer import ExportWriter, PeftSnapshot, export_dtype, pinned_host_copy, replace_folder_atomically
+from trainer.export_writer import ExportLayout, ExportWriter, PeftSnapshot, export_dtype, pinned_host_copy, replace_folder_atomically
 from trainer.losses import TokenLossInputs, sample_loss_numerators
 from trainer.moe_lora import install_moe_lora, is_expert_layer, kaiming_a, moe_layers
 from trainer.moe_peft import expert_peft_tensors, expert_target_parameters, read_expert_peft
@@ -53,8 +53,10 @@ from trainer.peft_io import (
     read_peft_folder,
     slot_to_hf,
     write_peft_folder,
+    write_peft_folder_packed,
 )
 from trainer.per_slot_optim import AdamwColumns, adamw_apply, clip_coefficient, lr_at
+from trainer.safetensors_stream import file_order
 from trainer.slot_buffers import SlotBuffers
 from trainer.slot_checkpoint import load_slot_checkpoint, save_slot_checkpoint
 from trainer.slot_swap import SlotSnapshot, SwapError, SwapStore, copy_rows_in, copy_rows_out, timed
@@ -155,6 +157,7 @@ class MultiLoraTrainer:
         self._export_writer: ExportWriter | None = None  # rank 0's background writer (export_peft_in_background)
         self._export_writer_lock = threading.Lock()  # the writer is made by whichever thread asks first
         self._copy_stream = None  # CUDA stream of the snapshots' device->host copies (snapshot_peft)
+        self._export_layouts: dict[tuple[int, bool], ExportLayout] = {}  # export_layout's cache
 
     # -- slot blocks ------------------------------------------------------------------------
 
@@ -278,56 +281,87 @@ class MultiLoraTrainer:
 
     @torch.no_grad()
     def snapshot_peft(self, slot: int, *, to_host: bool = True, dtype: str = "float32") -> PeftSnapshot:
-        """The slot's weights as they are now, in ``dtype`` (an EXPORT_DTYPES name: a publish
-        folder in the engines' dtype): the in-order half of an export. Collective over TP.
+        """The slot's weights as they are now, as the data of its PEFT safetensors file, in
+        ``dtype`` (an EXPORT_DTYPES name: a publish folder in the engines' dtype): the in-order
+        half of an export. Collective over TP.
 
-        The whole slot is one row of the slot buffers (slot_buffers.py), so the snapshot is one
-        cast of that row into a fresh tensor (never a view of the live weights: a later step
-        cannot change it), under TP one all-gather of its TP-split columns, and on CUDA one
-        non-blocking copy to pinned host memory on a copy stream of its own behind one event
-        (`PeftSnapshot.ready` waits for it): a few kernels per adapter whatever the number of
-        layers, no synchronization on this thread, and the copy overlaps the next train call.
-        The cast runs on the device, so a bf16 export copies half the bytes of the fp32 weights.
-        Taking the row apart into per-layer TP=1 tensors and the HF renaming happen later, on the
-        writer's thread (peft_from_snapshot). The row holds every block at max_rank; a slot of a
-        lower rank copies its zero padding too. ``to_host=False``: a rank that writes nothing
-        takes part in the gather only."""
+        The whole slot is one row of the slot buffers (slot_buffers.py). The snapshot casts that
+        row, under TP all-gathers its TP-split columns, and gathers it by the export layout's
+        index (export_layout) into the file's data: every PEFT tensor back to back in file order,
+        q/k/v split and permuted, experts in PEFT's layout. That is three or four kernels per
+        adapter whatever the number of layers, and a fresh tensor (a gather), never a view of the
+        live weights, so a later step cannot change it. On CUDA it then goes to pinned host memory
+        by one non-blocking copy on a copy stream of its own, behind one event
+        (`PeftSnapshot.ready` waits for it): no synchronization on this thread, and the copy
+        overlaps the next train call. The writer thread only adds the header and writes the data
+        in one call. ``to_host=False``: a rank that writes nothing takes part in the gather only."""
         state = self._state(slot)
         to = export_dtype(dtype)
-        row = self.buffers.weight[slot].to(to, copy=True)
+        row = self.buffers.weight[slot].to(to)
         tp, split = self.layout.tp_size, self.buffers.split_cols
         if tp > 1:
             gathered = torch.empty(tp, split, dtype=to, device=self.device)
-            dist.all_gather(list(gathered), row[:split], group=tp_group())
-            row = torch.cat([gathered.view(-1), row[split:]]) if to_host else None
-        copied = None
-        if to_host and self.device.type == "cuda":
-            if self._copy_stream is None:
-                self._copy_stream = torch.cuda.Stream(self.device)
-            row, copied = pinned_host_copy(row, self._copy_stream)
+            dist.all_gather(list(gathered), row[:split].contiguous(), group=tp_group())
+            row = torch.cat([gathered.view(-1), row[split:]])
         experts = self._expert_layers() if state.hyper.lora_experts else []
         cfg = peft_config_dict(
             rank=state.rank, scale=state.scale, target_modules=hf_short_names(self.base, self._dense_layers()),
             base_model=self.config.base_model_path, target_parameters=expert_target_parameters(experts),
         )
-        return PeftSnapshot(config=cfg, row=row if to_host else None, tp_size=tp, rank=state.rank,
-                            lora_experts=bool(experts), copied=copied)
+        if not to_host:
+            return PeftSnapshot(config=cfg, entries=[], body=None)
+        layout = self.export_layout(state.rank, bool(experts))
+        body = row.index_select(0, layout.index)
+        copied = None
+        if self.device.type == "cuda":
+            if self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream(self.device)
+            body, copied = pinned_host_copy(body, self._copy_stream)
+        return PeftSnapshot(config=cfg, entries=layout.entries, body=body, copied=copied)
 
-    def peft_from_snapshot(self, snap: PeftSnapshot) -> tuple[dict, dict[str, torch.Tensor]]:
-        """(adapter_config dict, PEFT-named tensors in the snapshot's dtype) of a snapshot: its row
-        taken apart into per-layer TP=1 A and B (views of the row where the layout allows, else
-        host copies), then the HF renaming. Local to this rank (no collective; reads only the
-        snapshot and the model's names), so the writer thread runs it while the main thread trains."""
-        snap.ready()
+    def export_layout(self, rank: int, lora_experts: bool) -> ExportLayout:
+        """Where each element of a PEFT file's data comes from in a snapshot's row (the row cast,
+        TP-split columns of every TP rank first, then the replicated ones), for slots of LoRA rank
+        ``rank``. Built by taking apart a row of positions (0, 1, 2, ...) instead of weights with
+        the same functions the weights would go through (row_views, assemble_a/b, slot_to_hf,
+        expert_peft_tensors): the layout is by construction the one they define, and a gather by
+        it does all their copies and permutations in one kernel. Cached per (rank, experts)."""
+        key = (rank, lora_experts)
+        layout = self._export_layouts.get(key)
+        if layout is None:
+            tp, split = self.layout.tp_size, self.buffers.split_cols
+            positions = torch.arange(tp * split + self.buffers.weight.shape[1] - split, dtype=torch.int64)
+            tensors = self._peft_from_row(positions, tp, rank, lora_experts)
+            names = file_order({k: (torch.float32, t.shape) for k, t in tensors.items()})  # one dtype: by name
+            index = torch.cat([tensors[k].reshape(-1) for k in names])
+            small = index.numel() < 2**31 and positions.numel() < 2**31  # int32 indices: half the memory
+            layout = ExportLayout(entries=[(k, tuple(tensors[k].shape)) for k in names],
+                                  index=index.to(torch.int32 if small else torch.int64).to(self.device))
+            if len(self._export_layouts) >= 8:  # a few distinct ranks in practice; bound the device memory anyway
+                self._export_layouts.pop(next(iter(self._export_layouts)))
+            self._export_layouts[key] = layout
+        return layout
+
+    def _peft_from_row(self, row: torch.Tensor, tp: int, rank: int, lora_experts: bool) -> dict[str, torch.Tensor]:
+        """PEFT-named TP=1 tensors of a slot's row (TP-split columns of each TP rank in rank order,
+        then the replicated): views where the layout allows, else copies. No collective."""
         split = self.buffers.split_cols
-        parts = list(snap.row[: snap.tp_size * split].view(snap.tp_size, split))
-        blocks = self.buffers.row_views(parts, snap.row[snap.tp_size * split :])
+        blocks = self.buffers.row_views(list(row[: tp * split].view(tp, split)), row[tp * split :])
         a_full, b_full = {}, {}
         for layer, a_shards, b_shards in zip(self.layers, blocks[0::2], blocks[1::2]):
-            a_full[layer.name] = layer.assemble_a([layer.a_block(x.unsqueeze(0), 0, snap.rank) for x in a_shards])
-            b_full[layer.name] = layer.assemble_b([layer.b_block(x.unsqueeze(0), 0, snap.rank) for x in b_shards])
-        experts = self._expert_layers() if snap.lora_experts else []
-        tensors = slot_to_hf(self.base, self._dense_layers(), a_full, b_full) | expert_peft_tensors(self.base, experts, a_full, b_full)
+            a_full[layer.name] = layer.assemble_a([layer.a_block(x.unsqueeze(0), 0, rank) for x in a_shards])
+            b_full[layer.name] = layer.assemble_b([layer.b_block(x.unsqueeze(0), 0, rank) for x in b_shards])
+        experts = self._expert_layers() if lora_experts else []
+        return slot_to_hf(self.base, self._dense_layers(), a_full, b_full) | expert_peft_tensors(self.base, experts, a_full, b_full)
+
+    def peft_from_snapshot(self, snap: PeftSnapshot) -> tuple[dict, dict[str, torch.Tensor]]:
+        """(adapter_config dict, PEFT-named tensors in the snapshot's dtype): views of its data."""
+        snap.ready()
+        tensors, offset = {}, 0
+        for name, shape in snap.entries:
+            n = math.prod(shape)
+            tensors[name] = snap.body[offset : offset + n].view(shape)
+            offset += n
         return snap.config, tensors
 
     def peft_tensors(self, slot: int) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -378,8 +412,8 @@ class MultiLoraTrainer:
             return self._export_writer
 
     def _write_snapshot(self, out_dir: str, snap: PeftSnapshot) -> None:
-        cfg, tensors = self.peft_from_snapshot(snap)
-        replace_folder_atomically(lambda tmp: write_peft_folder(tmp, cfg, tensors), out_dir)
+        snap.ready()
+        replace_folder_atomically(lambda tmp: write_peft_folder_packed(tmp, snap.config, snap.entries, snap.body), out_dir)
 
     # -- checkpoint ------------------------------------------------------------------------------
 

@@ -59,19 +59,27 @@ def export_dtype(name: str) -> torch.dtype:
 
 
 @dataclass
+class ExportLayout:
+    """A PEFT file's tensors for slots of one LoRA rank: names and shapes in file order, and
+    `index`: per element of the file's data, its position in a snapshot's row (trainer/core.py
+    export_layout), on the trainer's device."""
+
+    entries: list[tuple[str, tuple[int, ...]]]
+    index: torch.Tensor
+
+
+@dataclass
 class PeftSnapshot:
-    """A slot's LoRA weights at one point of the call order (trainer/core.py snapshot_peft): its
-    row of the slot buffers (every layer's A and B block at max_rank) in the export's dtype, the
-    TP-split columns of each TP rank in rank order first, then the replicated columns; on host
-    memory or on its way there (`copied`: the CUDA event after the non-blocking device->host copy,
-    pinned_host_copy), with the PEFT config. `row` is None on a rank that writes nothing."""
+    """A slot's LoRA weights at one point of the call order (trainer/core.py snapshot_peft): the
+    data of its PEFT safetensors file (`body`: every tensor of `entries` back to back, in file
+    order) in the export's dtype, on host memory or on its way there (`copied`: the CUDA event
+    after the non-blocking device->host copy, pinned_host_copy), with the PEFT config. `body` is
+    None on a rank that writes nothing."""
 
     config: dict
-    row: torch.Tensor | None
-    tp_size: int
-    rank: int  # the slot's LoRA rank: the blocks are cut to it when the row is taken apart
-    lora_experts: bool  # the slot trains the routed experts too (their tensors get PEFT names)
-    copied: Any = None  # torch.cuda.Event, or None when the row is a host tensor already
+    entries: list[tuple[str, tuple[int, ...]]]
+    body: torch.Tensor | None
+    copied: Any = None  # torch.cuda.Event, or None when the body is a host tensor already
 
     def ready(self) -> None:
         """Wait for the device->host copy (the export's one synchronization, off the main thread)."""
@@ -81,7 +89,7 @@ class PeftSnapshot:
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.row is None else self.row.numel() * self.row.element_size()
+        return 0 if self.body is None else self.body.numel() * self.body.element_size()
 
 
 def pinned_host_copy(t: torch.Tensor, stream: Any) -> tuple[torch.Tensor, Any]:

@@ -35,22 +35,58 @@ def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metada
             raise ValueError(f"tensor {name}: needs a contiguous CPU tensor, got {t.device} contiguous={t.is_contiguous()}")
         if t.dtype not in SAFETENSORS_DTYPES:
             raise ValueError(f"tensor {name}: dtype {t.dtype} is not one of {', '.join(map(str, SAFETENSORS_DTYPES))}")
-    order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
-    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
-    offset = 0
-    for name in order:
-        t = tensors[name]
-        end = offset + t.numel() * t.element_size()
-        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, end]}
-        offset = end
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-(8 + len(raw)) % 8)  # the data starts 8-byte aligned
+    order = file_order({n: (t.dtype, t.shape) for n, t in tensors.items()})
     with open(path, "wb", buffering=0) as f:
-        _write_all(f, struct.pack("<Q", len(raw)) + raw)
+        _write_all(f, _header([(n, tensors[n].dtype, tensors[n].shape) for n in order], metadata))
         for name in order:
             t = tensors[name]
             if t.numel():
-                _write_all(f, memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+                _write_all(f, _bytes(t))
+
+
+def write_safetensors_packed(path: str | Path, entries: list[tuple[str, tuple[int, ...]]], body: torch.Tensor,
+                             metadata: dict[str, str] | None = None) -> None:
+    """Write tensors that lie back to back in ``body`` (1-D, CPU, contiguous, one dtype), ``entries``
+    naming them and their shapes in file order (`file_order`): the header, then ``body`` in ONE
+    write. A publish snapshot is laid out so on the device (trainer/core.py export_layout), so the
+    writer thread takes the GIL twice per file instead of once per tensor."""
+    if body.device.type != "cpu" or body.dim() != 1 or not body.is_contiguous():
+        raise ValueError(f"body: needs a 1-D contiguous CPU tensor, got {body.device} shape {tuple(body.shape)}")
+    if body.dtype not in SAFETENSORS_DTYPES:
+        raise ValueError(f"body: dtype {body.dtype} is not one of {', '.join(map(str, SAFETENSORS_DTYPES))}")
+    items = [(name, body.dtype, torch.Size(shape)) for name, shape in entries]
+    if sum(shape.numel() for _, _, shape in items) != body.numel():
+        raise ValueError(f"entries hold {sum(s.numel() for _, _, s in items)} elements, body has {body.numel()}")
+    if [n for n, _, _ in items] != file_order({n: (d, s) for n, d, s in items}):
+        raise ValueError("entries must be in file order (by name for one dtype): safetensors' own layout")
+    with open(path, "wb", buffering=0) as f:
+        _write_all(f, _header(items, metadata))
+        if body.numel():
+            _write_all(f, _bytes(body))
+
+
+def file_order(specs: dict[str, tuple[torch.dtype, torch.Size]]) -> list[str]:
+    """The order safetensors lays tensors out in: larger dtypes first, then by name."""
+    return sorted(specs, key=lambda n: (-specs[n][0].itemsize, n))
+
+
+def _header(items: list[tuple[str, torch.dtype, torch.Size]], metadata: dict[str, str] | None) -> bytes:
+    """8-byte length, then the JSON header of ``items`` (in file order), space-padded so the data
+    starts 8-byte aligned."""
+    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name, dtype, shape in items:
+        end = offset + shape.numel() * dtype.itemsize
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, end]}
+        offset = end
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 def _write_all(f, data) -> None:  # noqa: ANN001 - a raw (unbuffered) binary file

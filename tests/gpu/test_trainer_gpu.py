@@ -218,7 +218,7 @@ def test_bf16_publish_folder_is_cast_on_the_device(trainer, batches, scenario, t
         trainer.init_slot(slot, h, seed=slot)
     trainer.train(batches[0])
     snap = trainer.snapshot_peft(0, dtype="bfloat16")
-    host = snap.row
+    host = snap.body
     assert host.dtype == torch.bfloat16 and host.device.type == "cpu" and (ON_CPU or host.is_pinned())
     snap.ready()
     trainer.export_peft(0, tmp_path / "fp32")

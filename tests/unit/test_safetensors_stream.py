@@ -49,3 +49,22 @@ def test_refuses_what_it_cannot_write_and_says_why(tmp_path):
     with pytest.raises(ValueError, match="dtype torch.complex64 is not one of"):
         write_safetensors(tmp_path / "x.safetensors", {"t": torch.zeros(2, dtype=torch.complex64)})
     assert not (tmp_path / "x.safetensors").exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_body_gives_the_same_file(tmp_path, dtype):
+    """A publish snapshot: every tensor back to back in one body, in file order, written at once."""
+    from trainer.safetensors_stream import file_order, write_safetensors_packed
+
+    tensors = _peft_like(dtype)
+    names = file_order({k: (v.dtype, v.shape) for k, v in tensors.items()})
+    body = torch.cat([tensors[k].reshape(-1) for k in names])
+    write_safetensors_packed(tmp_path / "packed.safetensors", [(k, tuple(tensors[k].shape)) for k in names], body,
+                             metadata={"format": "pt"})
+    save_file(tensors, str(tmp_path / "theirs.safetensors"), metadata={"format": "pt"})
+    assert (tmp_path / "packed.safetensors").read_bytes() == (tmp_path / "theirs.safetensors").read_bytes()
+    with pytest.raises(ValueError, match="must be in file order"):
+        write_safetensors_packed(tmp_path / "x.safetensors", [(k, tuple(tensors[k].shape)) for k in reversed(names)], body)
+    with pytest.raises(ValueError, match="entries hold"):
+        write_safetensors_packed(tmp_path / "x.safetensors", [(k, tuple(tensors[k].shape)) for k in names[:-1]], body)
+    assert not (tmp_path / "x.safetensors").exists()
