@@ -289,6 +289,7 @@ def export_timings(trainer, n: int, run_mixed, opts: dict) -> dict:
         def mixed_then_exports():
             run_mixed()
             r = next(rounds)
+            t_exports = time.perf_counter()
             for k in range(n):
                 folder = os.path.join(root, f"r{r}", f"s{k}") if rank0 else f"unused-{r}-{k}"
                 trainer.export_peft_in_background(k, folder, dtype=dtype)
@@ -296,6 +297,7 @@ def export_timings(trainer, n: int, run_mixed, opts: dict) -> dict:
                     with claimed:
                         claims.append(folder)
                         claimed.notify_all()
+            export_s[0] += time.perf_counter() - t_exports
 
         # The order check on this device: a background export followed at once by a train call
         # that changes the weights holds exactly what a synchronous export before it wrote.
@@ -312,8 +314,12 @@ def export_timings(trainer, n: int, run_mixed, opts: dict) -> dict:
             same = sorted(a) == sorted(b) and all(torch.equal(a[k].to(b[k].dtype), b[k]) for k in a)  # sync is fp32
             shutil.rmtree(check, ignore_errors=True)
         writer = trainer.export_writer() if rank0 else None
+        export_s = [0.0]  # main-thread time in the N export calls of the timed rounds (snapshot + waits for room)
         base_written, base_write_s = (writer.written, writer.write_seconds) if writer else (0, 0.0)
+        base_room_s = writer.room_wait_seconds if writer else 0.0
         res = timed_round(mixed_then_exports, opts["iters"], opts["warmup"], None)
+        rounds_run = opts["iters"] + opts["warmup"]
+        room_s = (writer.room_wait_seconds - base_room_s) if writer else 0.0
         t0 = time.perf_counter()
         if rank0:
             with claimed:
@@ -324,7 +330,7 @@ def export_timings(trainer, n: int, run_mixed, opts: dict) -> dict:
         written = writer.written - base_written if writer else 0
         stats = _gather({"same": same, "submitted": submitted, "copied": copied, "sync": sync_s, "mb": mb, "drain": drain_s,
                          "write_s": (writer.write_seconds - base_write_s) / written if written else None,
-                         "failures": failures})
+                         "failures": failures, "export_calls_s": export_s[0], "room_s": room_s})
         out = {
             "adapter_mb_on_rank0": round(stats[0]["mb"], 1),
             "snapshot_ms_per_adapter": 1e3 * max(x["submitted"] for x in stats) / n,
@@ -333,6 +339,10 @@ def export_timings(trainer, n: int, run_mixed, opts: dict) -> dict:
             "round_with_exports_ms": res["ms"], "round_with_exports_all_ms": res["all_ms"],
             "round_with_exports_peak_gib": res["peak_gib"],
             "writer_ms_per_adapter": None if stats[0]["write_s"] is None else 1e3 * stats[0]["write_s"],
+            # per round, on the main thread, over every round run (warm-up included): the N export
+            # calls, and of that the wait for room under the writer's memory bound (back-pressure)
+            "export_calls_ms_per_round": 1e3 * max(x["export_calls_s"] for x in stats) / rounds_run,
+            "room_wait_ms_per_round": 1e3 * stats[0]["room_s"] / rounds_run,
             "writes_left_after_rounds_s": stats[0]["drain"],
             "write_failures": stats[0]["failures"],
             "background_equals_sync": stats[0]["same"],
@@ -585,15 +595,16 @@ def export_table(layouts: list[dict]) -> str:
         return "-" if x is None else format(x, spec)
 
     lines = ["| layout | N adapters | MB per adapter | snapshot ms / adapter (until copied) | sync export ms / adapter "
-             "| writer ms / adapter | mixed ms | mixed + N background exports ms | publishing / mixed | peak GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| writer ms / adapter | mixed ms | mixed + N background exports ms | publishing / mixed "
+             "| export calls ms / round (of it waiting for room) | peak GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for lay in layouts:
         for r in lay["results"]:
             e = r.get("export")
             if not e:
                 continue
             if "error" in e:
-                lines.append(f"| {lay['layout']} {lay.get('path', 'fused')} ({lay['recompute']}) | {r['n']} | {e['error'][:80]} |||||||| ")
+                lines.append(f"| {lay['layout']} {lay.get('path', 'fused')} ({lay['recompute']}) | {r['n']} | {e['error'][:80]} ||||||||| ")
                 continue
             share = e.get("publish_share_of_mixed")
             lines.append(
@@ -601,6 +612,7 @@ def export_table(layouts: list[dict]) -> str:
                 f"{fmt(e['snapshot_ms_per_adapter'], '.2f')} ({fmt(e['snapshot_copied_ms_per_adapter'], '.2f')}) | "
                 f"{fmt(e['sync_export_ms_per_adapter'])} | {fmt(e['writer_ms_per_adapter'])} | {fmt(r.get('mixed', {}).get('ms'), '.0f')} | "
                 f"{fmt(e['round_with_exports_ms'], '.0f')} | {'-' if share is None else f'{100 * share:.1f}%'} | "
+                f"{fmt(e['export_calls_ms_per_round'], '.0f')} ({fmt(e['room_wait_ms_per_round'], '.0f')}) | "
                 f"{fmt(e['round_with_exports_peak_gib'])} |"
                 + (f" FAILED WRITES: {e['write_failures'][:2]}" if e.get("write_failures") else "")
                 + ("" if e.get("background_equals_sync") else " BACKGROUND EXPORT DIFFERS FROM THE SYNCHRONOUS ONE"))

@@ -62,10 +62,12 @@ def export_dtype(name: str) -> torch.dtype:
 class ExportLayout:
     """A PEFT file's tensors for slots of one LoRA rank: names and shapes in file order, and
     `index`: per element of the file's data, its position in a snapshot's row (trainer/core.py
-    export_layout), on the trainer's device."""
+    export_layout), on the trainer's device; with the PEFT config's module lists."""
 
     entries: list[tuple[str, tuple[int, ...]]]
     index: torch.Tensor
+    target_modules: list[str]  # the PEFT config's (HF short names of the dense LoRA modules)
+    target_parameters: list[str]  # and its expert parameters ([] for an attention-only adapter)
 
 
 @dataclass
@@ -134,6 +136,7 @@ class ExportWriter:
         self._pending_bytes = 0  # bytes of queued jobs and the one being written
         self._writing = 0  # jobs being written now
         self.room_waiters = 0  # submits waiting for room under the bound (tests observe it)
+        self.room_wait_seconds = 0.0  # time submits spent waiting for room (back-pressure on the caller)
         self.written = 0  # folders written (or failed) so far, and the seconds their writes took
         self.write_seconds = 0.0
         self._outcome: dict[str, BaseException | None] = {}  # folder -> None (written) or its error
@@ -149,10 +152,12 @@ class ExportWriter:
             if folder in self._outcome or any(j.folder == folder for j in self._queue):
                 raise ValueError(f"an export to {folder} is already queued or unclaimed; each export needs its own folder")
             self.room_waiters += 1
+            t0 = time.perf_counter()
             try:
                 self._cond.wait_for(lambda: self._pending_bytes == 0 or self._pending_bytes + nbytes <= self.max_pending_bytes)
             finally:
                 self.room_waiters -= 1
+                self.room_wait_seconds += time.perf_counter() - t0
             self._queue.append(_Job(folder, payload, nbytes))
             self._pending_bytes += nbytes
             self._cond.notify_all()
