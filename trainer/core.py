@@ -314,7 +314,7 @@ class MultiLoraTrainer:
             if self._copy_stream is None:
                 self._copy_stream = torch.cuda.Stream(self.device)
             body, copied = pinned_host_copy(body, self._copy_stream)
-        return PeftSnapshot(config=cfg, entries=layout.entries, body=body, copied=copied)
+        return PeftSnapshot(config=cfg, entries=layout.entries, body=body, header=layout.header(to), copied=copied)
 
     def export_layout(self, rank: int, lora_experts: bool) -> ExportLayout:
         """Where each element of a PEFT file's data comes from in a snapshot's row (the row cast,
@@ -414,7 +414,7 @@ class MultiLoraTrainer:
 
     def _write_snapshot(self, out_dir: str, snap: PeftSnapshot) -> None:
         snap.ready()
-        replace_folder_atomically(lambda tmp: write_peft_folder_packed(tmp, snap.config, snap.entries, snap.body), out_dir)
+        replace_folder_atomically(lambda tmp: write_peft_folder_packed(tmp, snap.config, snap.header, snap.body), out_dir)
 
     # -- checkpoint ------------------------------------------------------------------------------
 

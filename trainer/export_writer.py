@@ -32,11 +32,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from trainer.safetensors_stream import PackedHeader, packed_header
 
 # Default bound of queued snapshot bytes per rank: 4 GiB of host memory is about 23 Qwen3-8B
 # rank-16 adapters in fp32 (174 MB) or 46 in bf16, enough that a round's exports queue without
@@ -68,6 +70,14 @@ class ExportLayout:
     index: torch.Tensor
     target_modules: list[str]  # the PEFT config's (HF short names of the dense LoRA modules)
     target_parameters: list[str]  # and its expert parameters ([] for an attention-only adapter)
+    headers: dict = field(default_factory=dict)  # dtype -> the file's PackedHeader (header())
+
+    def header(self, dtype: torch.dtype) -> PackedHeader:
+        """The safetensors header of a file in ``dtype``, built once (a few ms of Python per file
+        otherwise, GIL held: time the writer threads would take from the main thread)."""
+        if dtype not in self.headers:
+            self.headers[dtype] = packed_header(self.entries, dtype, metadata={"format": "pt"})
+        return self.headers[dtype]
 
 
 @dataclass
@@ -81,6 +91,7 @@ class PeftSnapshot:
     config: dict
     entries: list[tuple[str, tuple[int, ...]]]
     body: torch.Tensor | None
+    header: PackedHeader | None = None  # the file's header (ExportLayout.header); None where body is None
     copied: Any = None  # torch.cuda.Event, or None when the body is a host tensor already
 
     def ready(self) -> None:

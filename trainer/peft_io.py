@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from trainer.multi_lora import MultiLoraLinear
-from trainer.safetensors_stream import write_safetensors, write_safetensors_packed
+from trainer.safetensors_stream import PackedHeader, write_packed, write_safetensors
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_CONFIG = "adapter_config.json"
@@ -149,13 +149,12 @@ def write_peft_folder(out_dir: str | Path, config: dict, tensors: dict[str, torc
     return out
 
 
-def write_peft_folder_packed(out_dir: str | Path, config: dict, entries: list[tuple[str, tuple[int, ...]]],
-                             body: torch.Tensor) -> Path:
-    """write_peft_folder for tensors packed back to back in ``body`` in file order (a publish
-    snapshot: trainer/core.py export_layout): the weights file in one write."""
+def write_peft_folder_packed(out_dir: str | Path, config: dict, header: PackedHeader, body: torch.Tensor) -> Path:
+    """write_peft_folder for tensors packed back to back in ``body`` in file order under a prebuilt
+    ``header`` (a publish snapshot: trainer/core.py export_layout): the weights file in one write."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    write_safetensors_packed(out / ADAPTER_WEIGHTS, entries, body, metadata={"format": "pt"})
+    write_packed(out / ADAPTER_WEIGHTS, header, body)
     (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return out
 

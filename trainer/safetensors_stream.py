@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -44,25 +45,47 @@ def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metada
                 _write_all(f, _bytes(t))
 
 
-def write_safetensors_packed(path: str | Path, entries: list[tuple[str, tuple[int, ...]]], body: torch.Tensor,
-                             metadata: dict[str, str] | None = None) -> None:
-    """Write tensors that lie back to back in ``body`` (1-D, CPU, contiguous, one dtype), ``entries``
-    naming them and their shapes in file order (`file_order`): the header, then ``body`` in ONE
-    write. A publish snapshot is laid out so on the device (trainer/core.py export_layout), so the
+@dataclass(frozen=True)
+class PackedHeader:
+    """The header of a file whose tensors lie back to back in one body (packed_header), and the
+    body's byte size it declares."""
+
+    raw: bytes
+    body_nbytes: int
+
+
+def packed_header(entries: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype,
+                  metadata: dict[str, str] | None = None) -> PackedHeader:
+    """The header for tensors of one ``dtype`` named with their shapes in ``entries``, in file
+    order (`file_order`): safetensors' own layout. Building it is a few ms of Python for a
+    model's worth of tensors, so a publish writer makes it once per layout (trainer/core.py
+    export_layout) instead of once per file."""
+    if dtype not in SAFETENSORS_DTYPES:
+        raise ValueError(f"dtype {dtype} is not one of {', '.join(map(str, SAFETENSORS_DTYPES))}")
+    items = [(name, dtype, torch.Size(shape)) for name, shape in entries]
+    if [n for n, _, _ in items] != file_order({n: (d, s) for n, d, s in items}):
+        raise ValueError("entries must be in file order (by name for one dtype): safetensors' own layout")
+    return PackedHeader(_header(items, metadata), sum(shape.numel() for _, _, shape in items) * dtype.itemsize)
+
+
+def write_packed(path: str | Path, header: PackedHeader, body: torch.Tensor) -> None:
+    """``header`` then ``body`` (1-D, CPU, contiguous: the tensors back to back) in ONE write: the
     writer thread takes the GIL twice per file instead of once per tensor."""
     if body.device.type != "cpu" or body.dim() != 1 or not body.is_contiguous():
         raise ValueError(f"body: needs a 1-D contiguous CPU tensor, got {body.device} shape {tuple(body.shape)}")
-    if body.dtype not in SAFETENSORS_DTYPES:
-        raise ValueError(f"body: dtype {body.dtype} is not one of {', '.join(map(str, SAFETENSORS_DTYPES))}")
-    items = [(name, body.dtype, torch.Size(shape)) for name, shape in entries]
-    if sum(shape.numel() for _, _, shape in items) != body.numel():
-        raise ValueError(f"entries hold {sum(s.numel() for _, _, s in items)} elements, body has {body.numel()}")
-    if [n for n, _, _ in items] != file_order({n: (d, s) for n, d, s in items}):
-        raise ValueError("entries must be in file order (by name for one dtype): safetensors' own layout")
+    if body.numel() * body.element_size() != header.body_nbytes:
+        raise ValueError(f"entries hold {header.body_nbytes} bytes, body has {body.numel() * body.element_size()}")
     with open(path, "wb", buffering=0) as f:
-        _write_all(f, _header(items, metadata))
+        _write_all(f, header.raw)
         if body.numel():
             _write_all(f, _bytes(body))
+
+
+def write_safetensors_packed(path: str | Path, entries: list[tuple[str, tuple[int, ...]]], body: torch.Tensor,
+                             metadata: dict[str, str] | None = None) -> None:
+    """Write tensors that lie back to back in ``body``, ``entries`` naming them and their shapes
+    in file order: packed_header, then write_packed."""
+    write_packed(path, packed_header(entries, body.dtype, metadata), body)
 
 
 def file_order(specs: dict[str, tuple[torch.dtype, torch.Size]]) -> list[str]:

@@ -65,6 +65,6 @@ def test_packed_body_gives_the_same_file(tmp_path, dtype):
     assert (tmp_path / "packed.safetensors").read_bytes() == (tmp_path / "theirs.safetensors").read_bytes()
     with pytest.raises(ValueError, match="must be in file order"):
         write_safetensors_packed(tmp_path / "x.safetensors", [(k, tuple(tensors[k].shape)) for k in reversed(names)], body)
-    with pytest.raises(ValueError, match="entries hold"):
+    with pytest.raises(ValueError, match="entries hold .* bytes, body has"):
         write_safetensors_packed(tmp_path / "x.safetensors", [(k, tuple(tensors[k].shape)) for k in names[:-1]], body)
     assert not (tmp_path / "x.safetensors").exists()
