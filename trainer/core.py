@@ -52,7 +52,6 @@ from trainer.peft_io import (
     peft_config_dict,
     read_peft_folder,
     slot_to_hf,
-    write_peft_folder,
     write_peft_folder_packed,
 )
 from trainer.per_slot_optim import AdamwColumns, adamw_apply, clip_coefficient, lr_at
@@ -376,7 +375,7 @@ class MultiLoraTrainer:
         writes = self.layout.rank == 0
         snap = self.snapshot_peft(slot, to_host=writes, dtype=dtype)
         if writes:
-            write_peft_folder(out_dir, *self.peft_from_snapshot(snap))
+            self._write_peft(out_dir, snap)
         return str(out_dir)
 
     # Background export (issue 18): the snapshot in call order, the write off the critical path.
@@ -413,8 +412,13 @@ class MultiLoraTrainer:
             return self._export_writer
 
     def _write_snapshot(self, out_dir: str, snap: PeftSnapshot) -> None:
+        replace_folder_atomically(lambda tmp: self._write_peft(tmp, snap), out_dir)
+
+    @staticmethod
+    def _write_peft(out_dir: str | Path, snap: PeftSnapshot) -> None:
+        """The snapshot's folder: its header and packed data in one write, and the config."""
         snap.ready()
-        replace_folder_atomically(lambda tmp: write_peft_folder_packed(tmp, snap.config, snap.header, snap.body), out_dir)
+        write_peft_folder_packed(out_dir, snap.config, snap.header, snap.body)
 
     # -- checkpoint ------------------------------------------------------------------------------
 

@@ -141,20 +141,20 @@ def hf_short_names(base, layers: list[MultiLoraLinear]) -> list[str]:  # noqa: A
 def write_peft_folder(out_dir: str | Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
     """adapter_model.safetensors (written from the tensors' own memory: trainer/safetensors_stream.py)
     and adapter_config.json. Tensors may share storage (fused q/k/v share one lora_A)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     host = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-    write_safetensors(out / ADAPTER_WEIGHTS, host, metadata={"format": "pt"})
-    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-    return out
+    return _peft_folder(out_dir, config, lambda path: write_safetensors(path, host, metadata={"format": "pt"}))
 
 
 def write_peft_folder_packed(out_dir: str | Path, config: dict, header: PackedHeader, body: torch.Tensor) -> Path:
     """write_peft_folder for tensors packed back to back in ``body`` in file order under a prebuilt
-    ``header`` (a publish snapshot: trainer/core.py export_layout): the weights file in one write."""
+    ``header`` (an export snapshot: trainer/core.py export_layout): the weights file in one write."""
+    return _peft_folder(out_dir, config, lambda path: write_packed(path, header, body))
+
+
+def _peft_folder(out_dir: str | Path, config: dict, write_weights) -> Path:  # noqa: ANN001 - Callable[[Path], None]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    write_packed(out / ADAPTER_WEIGHTS, header, body)
+    write_weights(out / ADAPTER_WEIGHTS)
     (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return out
 
