@@ -32,10 +32,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
@@ -91,11 +91,21 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def timed(fn, iters: int, warmup: int, phases: PhaseTimer | None = None) -> dict:
-    """Median ms, peak GiB (None without CUDA) and the median phase split of fn()."""
-    for _ in range(warmup):
+def timed(fn, iters: int, warmup: int, phases: PhaseTimer | None = None, *,
+          end_round: Callable[[], None] | None = None, progress: bool = False) -> dict:
+    """Median ms of fn() (the lower median: one real round, so its phase split adds up to it),
+    every round's ms, peak GiB (None without CUDA) and the phase split of that round.
+    ``end_round`` runs after each round's device sync (the multi-rank benchmarks' barrier, so a
+    round's time is the slowest rank's); ``progress`` prints each warm-up round's time (the
+    first call of a new shape compiles and autotunes)."""
+    for i in range(warmup):
+        t0 = time.perf_counter()
         fn()
-    sync()
+        sync()
+        if progress:
+            print(f"#   warm-up round {i + 1}: {time.perf_counter() - t0:.1f} s", flush=True)
+    if end_round:
+        end_round()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -106,18 +116,17 @@ def timed(fn, iters: int, warmup: int, phases: PhaseTimer | None = None) -> dict
         t0 = time.perf_counter()
         fn()
         sync()
+        if end_round:
+            end_round()
         times.append((time.perf_counter() - t0) * 1e3)
         if phases:
             fb.append(phases.fwd_bwd * 1e3)
             st.append(phases.step * 1e3)
-    out = {"ms": statistics.median(times), "all_ms": [round(t, 1) for t in times],
+    mid = sorted(range(iters), key=lambda i: times[i])[(iters - 1) // 2]
+    out = {"ms": times[mid], "all_ms": [round(t, 1) for t in times],
            "peak_gib": torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else None}
-    if phases:  # the split of the median round (so the parts add up to the reported time)
-        mid = sorted(range(iters), key=lambda i: times[i])[(iters - 1) // 2]
-        out["ms"] = times[mid]
-        out["fwd_bwd_ms"] = fb[mid]
-        out["step_ms"] = st[mid]
-        out["other_ms"] = times[mid] - fb[mid] - st[mid]
+    if phases:
+        out.update(fwd_bwd_ms=fb[mid], step_ms=st[mid], other_ms=times[mid] - fb[mid] - st[mid])
     return out
 
 

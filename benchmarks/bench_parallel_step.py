@@ -65,7 +65,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -76,7 +75,7 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (the devi
 
 import torch  # noqa: E402
 
-from benchmarks.bench_mixed_step import GIB, PhaseTimer, TINY, cases, init_slots, make_samples, write_config  # noqa: E402
+from benchmarks.bench_mixed_step import GIB, PhaseTimer, TINY, cases, init_slots, make_samples, sync, timed, write_config  # noqa: E402
 
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1e6)
@@ -161,44 +160,12 @@ def lora_path(trainer) -> str:
     return f"general path: base linear + LoRA delta ({cfg.lora_kernel} kernel; fused node off: {why})"
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def timed_round(fn, iters: int, warmup: int, phases: PhaseTimer | None) -> dict:
-    """Median ms of fn() over ranks' slowest (sync + barrier end each round), this rank's peak
-    GiB, and the phase split (this rank's) of the median round."""
+    """bench_mixed_step.timed with a barrier ending each round (a round's time is the slowest
+    rank's); peak GiB and the phase split are this rank's; rank 0 prints warm-up progress."""
     import torch.distributed as dist
 
-    for i in range(warmup):
-        t0 = time.perf_counter()
-        fn()
-        _sync()
-        if dist.get_rank() == 0:  # progress (the first call of a new shape compiles and autotunes)
-            print(f"#   warm-up round {i + 1}: {time.perf_counter() - t0:.1f} s", flush=True)
-    dist.barrier()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    times, fb, st = [], [], []
-    for _ in range(iters):
-        if phases:
-            phases.reset()
-        t0 = time.perf_counter()
-        fn()
-        _sync()
-        dist.barrier()
-        times.append((time.perf_counter() - t0) * 1e3)
-        if phases:
-            fb.append(phases.fwd_bwd * 1e3)
-            st.append(phases.step * 1e3)
-    mid = sorted(range(iters), key=lambda i: times[i])[(iters - 1) // 2]
-    out = {"ms": times[mid], "all_ms": [round(t, 1) for t in times],
-           "peak_gib": torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else None}
-    if phases:
-        out.update(fwd_bwd_ms=fb[mid], step_ms=st[mid], other_ms=times[mid] - fb[mid] - st[mid])
-    return out
+    return timed(fn, iters, warmup, phases, end_round=dist.barrier, progress=dist.get_rank() == 0)
 
 
 def _gather(obj) -> list:
@@ -241,7 +208,7 @@ def export_timings(trainer, n: int, run_mixed, opts: dict) -> dict:
     try:
         dtype = opts.get("export_dtype", "bfloat16")  # the publish folders' dtype (engines.publish_dtype)
         trainer.snapshot_peft(0, to_host=rank0, dtype=dtype).ready()  # warm: the copy stream, pinned blocks
-        _sync()
+        sync()
         dist.barrier()
         t0 = time.perf_counter()
         snaps = [trainer.snapshot_peft(k, to_host=rank0, dtype=dtype) for k in range(n)]
@@ -251,12 +218,12 @@ def export_timings(trainer, n: int, run_mixed, opts: dict) -> dict:
         copied = time.perf_counter() - t0
         mb = sum(s.nbytes for s in snaps) / n / 1e6 if rank0 else 0.0
         del snaps
-        _sync()
+        sync()
         dist.barrier()
         t0 = time.perf_counter()
         for k in range(n):
             trainer.export_peft(k, os.path.join(root, "sync", f"s{k}") if rank0 else "unused")
-        _sync()
+        sync()
         dist.barrier()
         sync_s = time.perf_counter() - t0
         if rank0:
