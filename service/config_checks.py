@@ -77,14 +77,7 @@ def check_adapter_config(config: AdapterConfig, settings: ServiceSettings, capac
     checked = config.model_copy(update=update)
     total = planned_steps(config, rows)
     if total == 0:
-        epochs = config.data_config().num_epochs
-        raise BadValue(
-            f"config.prompts_per_step: a step takes {config.prompts_per_step} rows (prompts_per_step) but {data_path.name} has "
-            f"{rows} row(s) x {epochs} epoch(s) (num_epoch) = {rows * epochs}, so the run would end without a single step; "
-            f"allowed: prompts_per_step at most {rows * epochs}, or add rows, raise num_epoch, or set num_step (the data "
-            "then repeats until that many steps)",
-            field="config.prompts_per_step",
-        )
+        raise no_step_refusal(config, rows, data_path.name)
     try:
         config.slot_hyper_params(total)  # the trainer's own checks, now rather than at slot init
     except ValidationError as e:
@@ -105,11 +98,25 @@ def planned_steps(config: AdapterConfig, rows: int) -> int:
     `rows` counts what the data source serves: non-blank lines within max_row_bytes (JSONL), every row
     (Parquet). Rows over a token limit are only found when a run first takes them (measuring them needs
     the tokenizer), so a run with such rows takes fewer steps than planned (its rows_skipped_too_long
-    metric counts them); a file larger than data_check_bytes has its rows estimated from its size."""
+    metric counts them); a file larger than data_check_bytes has its rows estimated from its size at
+    registration, and the runtime makes the total exact when the run opens its data (FleetRuntime.prepare_adapter)."""
     if config.num_step is not None:
         return config.num_step
     epochs = config.data_config().num_epochs  # the data source's own epoch count (one home for its default)
     return rows * epochs // config.prompts_per_step
+
+
+def no_step_refusal(config: AdapterConfig, rows: int, file_name: str) -> BadValue:
+    """The refusal of a run whose data gives no whole step (planned_steps == 0): at registration, and
+    when the run opens its data and finds fewer rows than registration estimated (service/runtime_impl.py)."""
+    epochs = config.data_config().num_epochs
+    return BadValue(
+        f"config.prompts_per_step: a step takes {config.prompts_per_step} rows (prompts_per_step) but {file_name} has "
+        f"{rows} row(s) x {epochs} epoch(s) (num_epoch) = {rows * epochs}, so the run would end without a single step; "
+        f"allowed: prompts_per_step at most {rows * epochs}, or add rows, raise num_epoch, or set num_step (the data "
+        "then repeats until that many steps)",
+        field="config.prompts_per_step",
+    )
 
 
 def row_limits(config: AdapterConfig, settings: ServiceSettings, capacity: SlotCapacity) -> dict[str, int | None]:

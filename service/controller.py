@@ -351,6 +351,7 @@ class Controller:
                     weight_version=version,
                     step=prepared.step,
                     samples_trained=prepared.samples_trained,
+                    total_steps=prepared.total_steps,  # exact, where registration estimated the rows
                 )
                 if ref.state != start:
                     changes.append(Change(ref.name, ref.registration_id, start, ref.state))

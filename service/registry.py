@@ -480,12 +480,15 @@ class Registry:
             self._update(registration_id, sets)
             return self._ref(self._run_row(registration_id))
 
-    def mark_prepared(self, registration_id: str, *, weight_version: int, step: int = 0, samples_trained: int = 0) -> AdapterRef:
+    def mark_prepared(self, registration_id: str, *, weight_version: int, step: int = 0, samples_trained: int = 0,
+                      total_steps: int | None = None) -> AdapterRef:
         """Record that the run's trainer slot is initialized and `weight_version` is
         published; a PENDING run becomes ACTIVE. A run retired meanwhile keeps its
         state but is marked trained (so retirement exports it). `step` and
         `samples_trained` come from a resumed checkpoint (0 for a fresh start); a run
-        prepared again (restart) is rewound to them."""
+        prepared again (restart) is rewound to them. `total_steps`, when given, replaces
+        the registered total: the exact one the runtime counted as the run opened its data
+        (registration estimated it; Prepared.total_steps), in the same UPDATE."""
         now = time.time()
         with self._tx():
             row = self._run_row(registration_id)
@@ -504,6 +507,8 @@ class Registry:
                 self._db.execute("DELETE FROM steps WHERE registration_id = ? AND step > ?", (registration_id, step))
                 sets["step"] = step
                 sets["samples_trained"] = samples_trained
+            if total_steps is not None:
+                sets["total_steps"] = total_steps
             if state == AdapterState.PENDING:
                 sets["state"] = AdapterState.ACTIVE
             self._update(registration_id, sets)

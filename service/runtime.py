@@ -26,10 +26,13 @@ from service.residency import Resident
 @dataclass(frozen=True)
 class Prepared:
     """Result of `prepare_adapter`: the step / samples a resumed run continues from
-    (0 for a fresh start)."""
+    (0 for a fresh start), and `total_steps` when the run's data, counted as it opened, gives a
+    total other than the registered one (an estimate, for a file past data_check_bytes): the
+    total its schedule now runs to, for the registry to record. None: the registered total stands."""
 
     step: int = 0
     samples_trained: int = 0
+    total_steps: int | None = None
 
 
 @dataclass(frozen=True)

@@ -54,13 +54,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollout.data import DataCursor
+from rollout.data import DataCursor, open_rows
 from rollout.groups import RolloutGroup
 from rollout.weights import AdapterWeights, PendingFolder
 from rollout.worker import AdapterRollout, AdapterStats
 from service.batches import CollectedBatch, PublishOutcome, StepPlan, SteppedRun, TrainerLost, TrainOutcome, rl_step
 from service.checkpoints import ADAPTER_SUBDIR, Checkpoint, PendingCheckpoint, link_folder, RunState, load_checkpoint, prune_checkpoints
 from service.config import AdapterConfig, JobConfig, ServiceSettings
+from service.config_checks import no_step_refusal, planned_steps
 from service.engine_pids import record_engines
 from service.registry import AdapterRef
 from service.residency import Resident
@@ -179,31 +180,48 @@ class FleetRuntime:
 
     def prepare_adapter(self, ref: AdapterRef, weight_version: int) -> Prepared:
         """See Runtime.prepare_adapter. A run resumed from a checkpoint keeps the checkpoint's
-        optimizer hyper-parameters (exact continuation); its shape must match this config."""
+        optimizer hyper-parameters (exact continuation); its shape must match this config.
+
+        A fresh run's total_steps is made exact here, before init_slot sets its schedule: registration
+        estimated the rows of a file past data_check_bytes from its size (service/config_checks.py), and
+        the schedule must end where the data does (`_exact_total`). The data is opened and the checkpoint
+        read before the slot is touched, so a run refused here (no whole step) changes nothing."""
         cfg = ref.config
         assert ref.slot is not None, f"{ref.name}: a live run always holds a slot"
-        self._evict_slot(ref.slot)  # whatever this runtime still had there, and this registration's own stale entry
-        self.trainer.clear_slot(ref.slot)  # the slot may hold a tenant that was never released cleanly
-        if cfg.objective == "rl":
-            self._need_rollout().remove_adapter(ref.name)  # a leftover of this name (e.g. after a trainer restart)
-        hyper = cfg.slot_hyper_params(ref.total_steps)
         source = ref.checkpoint_path or cfg.resume_from
+        ckpt = load_checkpoint(source) if source is not None else None
         cursor: DataCursor | None = None
-        step = samples = 0
-        if source is not None:
-            ckpt = load_checkpoint(source)
+        if ckpt is not None:
             saved = (ckpt.state.objective, ckpt.state.rank, ckpt.state.samples_per_step or cfg.samples_per_step)
             if saved != (cfg.objective, cfg.rank, cfg.samples_per_step):
                 raise ValueError(
                     f"checkpoint {ckpt.folder} is of a {saved[0]} run of rank {saved[1]} with {saved[2]} samples per step; "
                     f"this run is {cfg.objective}, rank {cfg.rank}, {cfg.samples_per_step} samples per step: make them equal"
                 )
+            cursor = DataCursor.model_validate(ckpt.state.data_cursor) if ckpt.state.data_cursor else None
+        sft = None
+        if cfg.objective != "rl":
+            sft = SftSource(cfg.data_config(), self.tokenizer, slot=ref.slot, registration_id=ref.registration_id,
+                            samples_per_step=cfg.samples_per_step, cursor=cursor)
+        try:
+            # A resumed run keeps its recorded total: its schedule is already running (from the checkpoint).
+            total = ref.total_steps if ckpt is not None else self._exact_total(ref, sft)
+        except BaseException:
+            if sft is not None:
+                sft.source.close()
+            raise
+        self._evict_slot(ref.slot)  # whatever this runtime still had there, and this registration's own stale entry
+        self.trainer.clear_slot(ref.slot)  # the slot may hold a tenant that was never released cleanly
+        if cfg.objective == "rl":
+            self._need_rollout().remove_adapter(ref.name)  # a leftover of this name (e.g. after a trainer restart)
+        step = samples = 0
+        if ckpt is not None:
             self.trainer.load_slot_state(ref.slot, ckpt.trainer_dir, registration=ref.registration_id)  # the new tenant's id
             step, samples = ckpt.state.step, ckpt.state.samples_trained
-            cursor = DataCursor.model_validate(ckpt.state.data_cursor) if ckpt.state.data_cursor else None
         else:
+            hyper = cfg.slot_hyper_params(total)
             self.trainer.init_slot(ref.slot, hyper, cfg.seed, init_from=cfg.init_from, registration=ref.registration_id)
-        run = _Run(ref.name, ref.registration_id, ref.slot, cfg, ref.total_steps, step, samples, weight_version=0)
+        run = _Run(ref.name, ref.registration_id, ref.slot, cfg, total, step, samples, weight_version=0, sft=sft)
         version = weight_version
         try:
             if run.is_rl:
@@ -212,9 +230,6 @@ class FleetRuntime:
                     sampling=cfg.sampling, initial_version=version, cursor=cursor, max_staleness=cfg.max_staleness,
                 )
                 self._need_rollout().add_adapter(spec, self._engine_weights(ref.slot, ref.name, ref.registration_id, version))
-            else:
-                run.sft = SftSource(cfg.data_config(), self.tokenizer, slot=ref.slot, registration_id=ref.registration_id,
-                                    samples_per_step=cfg.samples_per_step, cursor=cursor)
         except BaseException:
             self.trainer.clear_slot(ref.slot)
             raise
@@ -222,7 +237,40 @@ class FleetRuntime:
         with self._lock:
             self._runs[ref.registration_id] = run
         log.info("prepared %s in slot %d at step %d (version %d, from %s)", ref.name, ref.slot, step, version, source or cfg.init_from or "seed")
-        return Prepared(step=step, samples_trained=samples)
+        return Prepared(step=step, samples_trained=samples, total_steps=total if total != ref.total_steps else None)
+
+    def _exact_total(self, ref: AdapterRef, sft: SftSource | None) -> int | None:
+        """The run's total_steps over the rows its data source serves (config_checks.planned_steps, the
+        one home of the rule); BadValue (config_checks.no_step_refusal) when they give no whole step.
+
+        The count is the one the data source made when it indexed the file: an SFT run's own source
+        (`sft`, opened here anyway). An RL run's source lives in the rollout worker, which opens it only
+        after init_slot (its first weights come from the slot), so the rows are counted here with the same
+        indexer (rollout.data.open_rows: one pass, JSON checked, nothing tokenized), and only when
+        registration estimated them: a .jsonl past data_check_bytes (smaller files were read whole and
+        Parquet counted from its metadata, so their count is already exact) and no num_step (which fixes
+        the total whatever the rows)."""
+        cfg = ref.config
+        if cfg.num_step is not None:
+            return ref.total_steps
+        data = cfg.data_config()
+        if sft is not None:
+            rows = len(sft.source)
+        else:
+            path = Path(data.path)
+            if path.suffix != ".jsonl" or path.stat().st_size <= self.settings.data_check_bytes:
+                return ref.total_steps
+            indexed = open_rows(data)
+            try:
+                rows = len(indexed)
+            finally:
+                indexed.close()
+        total = planned_steps(cfg, rows)
+        if total == 0:
+            raise no_step_refusal(cfg, rows, Path(data.path).name)
+        if total != ref.total_steps:
+            log.info("%s: total_steps %s -> %d (the file has %d rows; registration estimated it)", ref.name, ref.total_steps, total, rows)
+        return total
 
     def _evict_slot(self, slot: int) -> None:
         """Forget whatever registration this runtime still has in `slot` (a lost release)."""

@@ -18,6 +18,9 @@ schedule at its end (service/config_checks.planned_steps).
 
 from __future__ import annotations
 
+import json
+import logging
+
 from tests.local_ray import start_ray, stop_ray
 
 import pytest
@@ -125,6 +128,72 @@ def test_an_epoch_run_ends_at_its_planned_total_with_its_schedule_finished(sft_w
     assert ref.samples_trained == 5 * 96
     assert steps[-1].metrics["learning_rate"] == pytest.approx(min_ratio * lr, rel=1e-6)  # the schedule's last step
     assert ref.step == ref.total_steps  # the progress the tenant sees ends at its total
+
+
+def _estimated_file(path, short_rows: int, long_rows: int) -> int:
+    """A JSONL file whose first CHECK_BYTES hold only short rows and whose rest holds long ones, so the
+    registration's estimate (rows in the prefix scaled by the file's size) is far above its real row
+    count. Returns the real count (non-blank lines: the data source's definition)."""
+    short = "".join(json.dumps({"prompt": f"p{i}", "completion": f" c{i}"}) + "\n" for i in range(short_rows))
+    long = "".join(json.dumps({"prompt": f"q{i} " + " ".join(f"w{j}" for j in range(24)),
+                               "completion": " " + " ".join(f"v{j}" for j in range(24))}) + "\n" for i in range(long_rows))
+    assert len(short) > CHECK_BYTES and len(long) > 3 * len(short)  # the checked prefix holds only short rows
+    path.write_text(short + long)
+    return short_rows + long_rows
+
+
+CHECK_BYTES = 1024  # data_check_bytes of the registrations below (the smallest allowed)
+
+
+def test_a_run_over_an_estimated_file_takes_the_exact_total(sft_world, monkeypatch, caplog):
+    """A file past data_check_bytes has its rows estimated at registration; the run counts them as it opens
+    its data, records the exact total (the progress the tenant sees) and runs its cosine schedule to it:
+    it ends at step == the exact total with its learning rate at min_lr_ratio x learning_rate. Without the
+    correction it ends at 8 of an estimated ~20 steps, its schedule not finished."""
+    from service.registry import AdapterState
+
+    controller, runtime, data = sft_world
+    monkeypatch.setattr(controller, "settings", controller.settings.model_copy(update={"data_check_bytes": CHECK_BYTES}))
+    big = controller.settings.data_roots[-1] / "estimated_big.jsonl"  # the module's data root (registration confines paths)
+    rows = _estimated_file(big, short_rows=40, long_rows=26)
+    lr, min_ratio, per_step = 0.01, 0.1, 8
+    exact = rows // per_step  # planned_steps' rule by hand: 66 // 8 = 8 (one epoch)
+    config = _sft(data, num_step=None, prompts_per_step=per_step, lr_schedule="cosine", warmup_steps=1, min_lr_ratio=min_ratio, learning_rate=lr)
+    registered = controller.register("estimated", {**config, "data": {"path": str(big)}})
+    assert registered.total_steps > exact + 2, registered.total_steps  # the estimate (rows in the prefix x size / prefix)
+    with caplog.at_level(logging.INFO, logger="service.runtime_impl"):
+        _train(controller, runtime)
+    note = f"estimated: total_steps {registered.total_steps} -> {exact} (the file has {rows} rows; registration estimated it)"
+    assert note in caplog.messages
+    ref = controller.get("estimated")
+    steps = controller.metrics("estimated").steps
+    assert ref.state == AdapterState.COMPLETED, ref
+    assert ref.total_steps == exact, (ref.total_steps, exact)
+    assert [s.step for s in steps] == list(range(1, exact + 1)) and ref.step == exact
+    assert steps[-1].metrics["learning_rate"] == pytest.approx(min_ratio * lr, rel=1e-6)  # the schedule's last step
+
+
+def test_an_estimated_file_with_no_whole_step_fails_at_prepare_alone(sft_world, monkeypatch):
+    """The exact count gives no whole step (registration's estimate gave some): that run fails at prepare
+    with the registration's reason (rows, step size, what is allowed); a run beside it trains to its end."""
+    from service.registry import AdapterState
+
+    controller, runtime, data = sft_world
+    monkeypatch.setattr(controller, "settings", controller.settings.model_copy(update={"data_check_bytes": CHECK_BYTES}))
+    short = controller.settings.data_roots[-1] / "estimated_short.jsonl"
+    rows = _estimated_file(short, short_rows=40, long_rows=24)
+    per_step = rows + 4  # more than the file has, less than the estimate
+    config = _sft(data, num_step=None, prompts_per_step=per_step)
+    registered = controller.register("nostep", {**config, "data": {"path": str(short)}})
+    assert registered.total_steps >= 1
+    controller.register("beside", _sft(data, num_step=2, checkpoint_interval=0))
+    _train(controller, runtime)
+    failed, beside = controller.get("nostep"), controller.get("beside")
+    assert failed.state == AdapterState.FAILED and failed.step == 0, failed
+    assert f"a step takes {per_step} rows (prompts_per_step) but estimated_short.jsonl has {rows} row(s) x 1 epoch(s)" in failed.failure_reason, failed.failure_reason
+    assert f"allowed: prompts_per_step at most {rows}" in failed.failure_reason, failed.failure_reason
+    assert failed.total_steps == registered.total_steps  # nothing recorded for it
+    assert beside.state == AdapterState.COMPLETED and beside.step == 2, beside
 
 
 def runtime_run_dir(controller, ref):
