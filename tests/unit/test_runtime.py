@@ -311,3 +311,29 @@ def test_a_retire_racing_the_loops_prepare_still_retires(fleet):
     finally:
         controller.registry.transition = real
     assert calls[0] == S.PENDING and calls[-1] == S.ACTIVE  # refused once (it had become ACTIVE), then retired as ACTIVE
+
+
+def test_an_rl_run_over_an_estimated_file_gets_the_exact_total_before_its_schedule_is_set(fleet, monkeypatch):
+    """An RL run's data source opens in the rollout worker only after init_slot, so the runtime counts the rows
+    itself (rollout.data.open_rows) when registration estimated them (a .jsonl past data_check_bytes): the slot's
+    schedule gets the exact total and the registry records it. The real trainer's schedule over that total is
+    checked end to end for SFT in tests/integration/test_service_resume.py."""
+    controller, runtime, trainer, _, data = fleet
+    check = 1024
+    for owner in (controller, runtime):
+        monkeypatch.setattr(owner, "settings", owner.settings.model_copy(update={"data_check_bytes": check}))
+    short = "".join(f'{{"prompt": "p{i}", "label": "1"}}\n' for i in range(40))  # the checked prefix: short rows only
+    long = "".join(f'{{"prompt": "q{i} {" ".join(str(j) for j in range(60))}", "label": "1"}}\n' for i in range(30))
+    assert len(short) > check and len(long) > 3 * len(short)
+    (data / "estimated.jsonl").write_text(short + long)
+    hypers = []
+    real_init = trainer.init_slot
+    monkeypatch.setattr(trainer, "init_slot", lambda slot, hyper, *a, **k: (hypers.append(hyper), real_init(slot, hyper, *a, **k))[1])
+
+    registered = controller.register("est", {**rl(data, lr_schedule="cosine"), "data": {"path": str(data / "estimated.jsonl")}})
+    exact = 70 // 2  # rows // prompts_per_step (one epoch)
+    assert registered.total_steps > exact + 10, registered.total_steps
+    controller.reconcile()
+    ref = controller.get("est")
+    assert ref.state == S.ACTIVE and ref.total_steps == exact, ref
+    assert [h.total_steps for h in hypers] == [exact]
