@@ -41,7 +41,7 @@ class AdapterOut(_Out):
     slot_version: int = Field(description="Globally unique version given at registration; never repeats.")
     weight_version: int | None = Field(description="Version of the weights the engines serve for it; null before the first publish.")
     step: int = Field(description="Optimizer steps committed.")
-    total_steps: int | None = Field(description="Steps the run will take, and the length of its learning-rate schedule: num_step, else (data rows x num_epoch) // prompts_per_step (fewer when rows turn out over a token limit; rows of a file past data_check_bytes are estimated).")
+    total_steps: int | None = Field(description="Steps the run will take, and the length of its learning-rate schedule: num_step, else (data rows x num_epoch) // prompts_per_step (fewer when rows turn out over a token limit; rows of a file past data_check_bytes are estimated at registration and counted exactly when the run starts).")
     samples_trained: int
     last_reward: float | None = Field(description="reward_mean of the last step (RL).")
     last_loss: float | None

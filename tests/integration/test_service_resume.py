@@ -13,7 +13,9 @@ same losses and gradient norms as a's steps 4..6, and its final export the same
 weights as a's.
 
 A dataset run (num_epoch) on the same world ends at the total_steps it was registered with, its cosine
-schedule at its end (service/config_checks.planned_steps).
+schedule at its end (service/config_checks.planned_steps). A run over a file past data_check_bytes (rows
+estimated at registration) gets its exact total when it starts, and ends there; one whose exact rows give
+no whole step fails at start with the registration's reason, the run beside it unaffected.
 """
 
 from __future__ import annotations

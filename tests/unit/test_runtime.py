@@ -4,8 +4,8 @@ registry, against FAKES of the trainer and the rollout worker (tests/fleet_fakes
 Covered: a run's lifecycle (prepare with the controller's version, collect, train, publish, checkpoint,
 finish with ONE export write, release), a failed train call (nothing counted, SFT rows served again),
 a lost trainer (TrainerLost, every run re-prepared from its checkpoint), a failed publish (reported by
-check_engines), a dead engine (restarted), staleness from the rollout buffer's stamps, drain, and
-GET /v1/fleet's process list.
+check_engines), a dead engine (restarted), staleness from the rollout buffer's stamps, drain,
+GET /v1/fleet's process list, and an RL run's exact total_steps over an estimated data file.
 """
 
 from __future__ import annotations
