@@ -301,9 +301,10 @@ class MultiLoraTrainer:
         if tp > 1:
             gathered = torch.empty(tp, split, dtype=to, device=self.device)
             dist.all_gather(list(gathered), row[:split].contiguous(), group=tp_group())
-            row = torch.cat([gathered.view(-1), row[split:]])
-        if not to_host:
+        if not to_host:  # this rank's part was the gather
             return PeftSnapshot(config={}, entries=[], body=None)
+        if tp > 1:
+            row = torch.cat([gathered.view(-1), row[split:]])
         layout = self.export_layout(state.rank, state.hyper.lora_experts)
         cfg = peft_config_dict(rank=state.rank, scale=state.scale, target_modules=layout.target_modules,
                                base_model=self.config.base_model_path, target_parameters=layout.target_parameters)

@@ -3,9 +3,10 @@ critical path).
 
 An export has two halves (trainer/core.py): the *snapshot* (the TP gather and the copy of the
 slot's live blocks to host memory) runs on the actor's main thread in call order, so it holds
-exactly the weights after the train call before it; the *write* (taking the row apart, HF
-renaming, safetensors, adapter_config.json) runs here, on the rank's writer threads
-(TrainerConfig.export_writer_threads), while the next train call runs.
+exactly the weights after the train call before it, already laid out as the safetensors
+file's data; the *write* (the header and that data in one call, adapter_config.json, the rename
+into place) runs here, on the rank's writer threads (TrainerConfig.export_writer_threads), while
+the next train call runs.
 
 Invariants:
 * Folders are started in submission order; with more than one thread several are written at
@@ -144,7 +145,7 @@ class ExportWriter:
         self.max_pending_bytes = max_pending_bytes
         self._cond = threading.Condition()
         self._queue: deque[_Job] = deque()
-        self._pending_bytes = 0  # bytes of queued jobs and the one being written
+        self._pending_bytes = 0  # bytes of queued jobs and of those being written
         self._writing = 0  # jobs being written now
         self.room_waiters = 0  # submits waiting for room under the bound (tests observe it)
         self.room_wait_seconds = 0.0  # time submits spent waiting for room (back-pressure on the caller)

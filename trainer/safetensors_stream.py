@@ -81,13 +81,6 @@ def write_packed(path: str | Path, header: PackedHeader, body: torch.Tensor) -> 
             _write_all(f, _bytes(body))
 
 
-def write_safetensors_packed(path: str | Path, entries: list[tuple[str, tuple[int, ...]]], body: torch.Tensor,
-                             metadata: dict[str, str] | None = None) -> None:
-    """Write tensors that lie back to back in ``body``, ``entries`` naming them and their shapes
-    in file order: packed_header, then write_packed."""
-    write_packed(path, packed_header(entries, body.dtype, metadata), body)
-
-
 def file_order(specs: dict[str, tuple[torch.dtype, torch.Size]]) -> list[str]:
     """The order safetensors lays tensors out in: larger dtypes first, then by name."""
     return sorted(specs, key=lambda n: (-specs[n][0].itemsize, n))

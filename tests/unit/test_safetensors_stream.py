@@ -54,17 +54,17 @@ def test_refuses_what_it_cannot_write_and_says_why(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_body_gives_the_same_file(tmp_path, dtype):
     """A publish snapshot: every tensor back to back in one body, in file order, written at once."""
-    from trainer.safetensors_stream import file_order, write_safetensors_packed
+    from trainer.safetensors_stream import file_order, packed_header, write_packed
 
     tensors = _peft_like(dtype)
     names = file_order({k: (v.dtype, v.shape) for k, v in tensors.items()})
     body = torch.cat([tensors[k].reshape(-1) for k in names])
-    write_safetensors_packed(tmp_path / "packed.safetensors", [(k, tuple(tensors[k].shape)) for k in names], body,
-                             metadata={"format": "pt"})
+    entries = [(k, tuple(tensors[k].shape)) for k in names]
+    write_packed(tmp_path / "packed.safetensors", packed_header(entries, dtype, metadata={"format": "pt"}), body)
     save_file(tensors, str(tmp_path / "theirs.safetensors"), metadata={"format": "pt"})
     assert (tmp_path / "packed.safetensors").read_bytes() == (tmp_path / "theirs.safetensors").read_bytes()
     with pytest.raises(ValueError, match="must be in file order"):
-        write_safetensors_packed(tmp_path / "x.safetensors", [(k, tuple(tensors[k].shape)) for k in reversed(names)], body)
+        packed_header(entries[::-1], dtype)
     with pytest.raises(ValueError, match="entries hold .* bytes, body has"):
-        write_safetensors_packed(tmp_path / "x.safetensors", [(k, tuple(tensors[k].shape)) for k in names[:-1]], body)
+        write_packed(tmp_path / "x.safetensors", packed_header(entries[:-1], dtype), body)
     assert not (tmp_path / "x.safetensors").exists()
