@@ -82,6 +82,12 @@ QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, nu
 H200_BF16_DENSE_TFLOPS = 989.4  # NVIDIA's dense bf16 figure for H100/H200 SXM
 # tp1: the same cases and modes on one GPU (one process); single: the slot-limit search
 LAYOUTS = {"tp2": {"tp": 2, "dp": 1}, "dp2": {"tp": 1, "dp": 2}, "tp1": {"tp": 1, "dp": 1}, "single": {"tp": 1, "dp": 1}}
+USER_OMP_THREADS = os.environ.get("OMP_NUM_THREADS")  # a thread count the user set wins over spawn's share
+
+
+def world_size(layout: str) -> int:
+    """Processes (GPUs) a layout runs on."""
+    return LAYOUTS[layout]["tp"] * LAYOUTS[layout]["dp"]
 
 
 def write_untied_config(shape: dict, folder: str, tied: bool) -> str:
@@ -102,7 +108,7 @@ def trainer_config(opts: dict, layout: str, num_slots: int, recompute: str, path
 
     return TrainerConfig(base_model_path=opts["folder"], random_init=True, num_slots=num_slots, max_rank=opts["rank"],
                          micro_batch_tokens=opts["micro_batch_tokens"], recompute=recompute, fused_lora=path == "fused",
-                         export_writer_threads=opts.get("export_threads", 4),
+                         export_writer_threads=opts["export_threads"],
                          **LAYOUTS[layout])
 
 
@@ -470,7 +476,7 @@ def spawn(fn, nprocs: int, *args) -> None:
 
     from trainer.distributed import free_loopback_port
 
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (2 * nprocs))))
+    os.environ["OMP_NUM_THREADS"] = USER_OMP_THREADS or str(max(1, (os.cpu_count() or 1) // (2 * nprocs)))
     mp.spawn(fn, args=(free_loopback_port(), *args), nprocs=nprocs, join=True)
 
 
@@ -514,7 +520,7 @@ def run_layout(opts: dict, layout: str, recomputes: list[str], tmp: str, path: s
         out = os.path.join(tmp, f"{layout}_{path}_{recompute}.json")
         t0 = time.perf_counter()
         try:
-            spawn(layout_worker, LAYOUTS[layout]["tp"] * LAYOUTS[layout]["dp"], opts, layout, recompute, out, path)
+            spawn(layout_worker, world_size(layout), opts, layout, recompute, out, path)
             with open(out) as f:
                 lay = json.load(f)
         except Exception as err:  # a rank died: build OOM, or ended by the NCCL watchdog
@@ -646,10 +652,10 @@ def main(argv: list[str] | None = None) -> int:
     bad = [x for x in layouts if x not in LAYOUTS]
     if bad:
         ap.error(f"unknown layout {bad}; allowed: {', '.join(LAYOUTS)}")
-    two = [x for x in layouts if x != "single"]  # the layouts that time cases (tp1 included)
-    need = max((LAYOUTS[x]["tp"] * LAYOUTS[x]["dp"] for x in two), default=1)
+    timed_layouts = [x for x in layouts if x != "single"]  # the layouts that time cases
+    need = max((world_size(x) for x in timed_layouts), default=1)
     if torch.cuda.is_available() and torch.cuda.device_count() < need:
-        ap.error(f"layouts {two} need {need} GPUs; {torch.cuda.device_count()} visible")
+        ap.error(f"layouts {timed_layouts} need {need} GPUs; {torch.cuda.device_count()} visible")
     if not torch.cuda.is_available() and not args.tiny:
         ap.error("without CUDA only --tiny runs (the 8B shape is for GPUs)")
     paths = args.lora_path.split(",")
@@ -684,7 +690,7 @@ def main(argv: list[str] | None = None) -> int:
                 "serialized_iters": args.serialized_iters or (1 if args.tiny else 2),
                 "serialized_warmup": args.serialized_warmup, "single_iters": args.single_iters,
                 "peak_tflops": args.peak_tflops}
-        for layout in two:
+        for layout in timed_layouts:
             for path in paths:
                 result["layouts"] += run_layout(opts, layout, recomputes, tmp, path)
         if "single" in layouts:

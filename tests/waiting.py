@@ -7,9 +7,11 @@ import time
 from collections.abc import Callable
 
 
-def wait_until(condition: Callable[[], object], what: str = "the condition", timeout_s: float = 60.0) -> None:
+def wait_until(condition: Callable[[], object], what: str = "the condition", timeout_s: float = 60.0) -> object:
+    """The condition's first true value."""
     deadline = time.monotonic() + timeout_s
-    while not condition():
+    while not (got := condition()):
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} not reached within {timeout_s} s")
         time.sleep(0.005)  # the poll interval
+    return got

@@ -15,14 +15,13 @@ not a race with wall time. The swap is the trainer's real swap_out/swap_in.
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
 import torch
 
 from tests.integration.sdk_clients import close_sdk_clients  # noqa: F401 - autouse fixture
 from tests.integration.test_tinker_sdk import BASE, KEYS, MAX_SEQ, client, sft_data, slot_state, train, training_client
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -41,16 +40,6 @@ class StepClock:
 
     def idle_everyone(self) -> None:
         self.now += 10 * IDLE_S
-
-
-def wait_for(cond, what: str, timeout: float = 120.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +80,7 @@ def test_idle_model_evicted_and_returns_bit_exact(world, tiny_world):
     train(b, sft_data(b.get_tokenizer(), tiny_world, 0, 3), 1, ADAM)
 
     fb = a.forward_backward(data, "cross_entropy")  # B was just called: A waits for the slot (E2)
-    wait_for(lambda: a.model_id in svc.futures.waiting, "A to wait for a slot")
+    wait_until(lambda: a.model_id in svc.futures.waiting, "A to wait for a slot", timeout_s=120.0)
     with httpx.Client(base_url=url + "/api/v1", timeout=60) as http:
         pending = [r for r, e in svc.futures._entries.items() if e.model_id == a.model_id and not e.done.done()]
         body = http.post("retrieve_future", headers={"X-API-Key": KEYS["t0"]}, json={"request_id": pending[0]}).json()
