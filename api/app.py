@@ -171,7 +171,7 @@ def _tinker_service(controller: Controller, settings: ServiceSettings) -> "Tinke
     """The Tinker API's state over the running fleet, when ``settings.tinker_keys_file`` is set."""
     if settings.tinker_keys_file is None:
         return None
-    from api.tinker.fleet_backend import fleet_tinker_service
+    from api.tinker.fleet import fleet_tinker_service
 
     return fleet_tinker_service(controller, settings)
 

@@ -26,8 +26,9 @@ class ApiServer:
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, *, token_configured: bool = False, log_level: str = "warning",
                  on_stop: list[Callable[[], Awaitable[Any]]] | None = None) -> None:
         """``on_stop``: coroutines awaited on the serving loop when ``stop()`` is called, before the
-        server exits (uvicorn runs with lifespan off, so the app's own shutdown events never fire)."""
-        self.on_stop = list(on_stop or [])
+        server exits (uvicorn runs with lifespan off, so the app's own shutdown events never fire);
+        default: the app's ``state.on_stop`` list, if it has one."""
+        self.on_stop = list(on_stop if on_stop is not None else getattr(getattr(app, "state", None), "on_stop", None) or [])
         if not is_loopback_host(host) and not token_configured:
             raise ValueError(f"refusing to bind {host!r} without an API token (set LORAFLEET_API_TOKEN)")
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off", timeout_graceful_shutdown=5)

@@ -1,5 +1,5 @@
-"""What passes between the runtime and the training loop: collected batches, step plans, train
-outcomes; and how a whole RL step of rollout groups becomes train samples.
+"""What passes between the runtime and the training loop: step plans, rounds' outcomes, publishes;
+and how a whole RL step of rollout groups becomes train samples.
 
 Token alignment follows trainer/batch.py: tokens = prompt + response, loss on the response
 tokens only, rollout log-probabilities aligned with the tokens (0 on the prompt, where the
@@ -8,7 +8,7 @@ mask is 0 and they are not read).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rollout.groups import RolloutGroup
 from trainer.batch import TrainSample
@@ -27,16 +27,6 @@ class StepPlan:
 
 
 @dataclass(frozen=True)
-class CollectedBatch:
-    samples: list[TrainSample]
-    plans: list[StepPlan]
-
-    @property
-    def empty(self) -> bool:
-        return not self.samples
-
-
-@dataclass(frozen=True)
 class SteppedRun:
     """A run whose slot stepped in a train call: what the loop commits to the registry."""
 
@@ -50,10 +40,28 @@ class SteppedRun:
 
 
 @dataclass(frozen=True)
-class TrainOutcome:
-    stepped: list[SteppedRun]
-    failed: dict[str, str]  # registration id -> reason (the loop marks these FAILED)
-    seconds: float
+class RunFailed:
+    """A run that cannot go on (settled by its tenant: non-finite steps, rewards all failing)."""
+
+    registration_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class CollectedRound:
+    """One round as the loop sees it (FleetRuntime.round): the dataset runs that stepped, those to
+    fail, the trainer call's time, the samples trained, and how many tenants took part (0: none was
+    ready: nothing ran)."""
+
+    stepped: list[SteppedRun] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)  # registration id -> reason (the loop marks these FAILED)
+    seconds: float = 0.0
+    samples: list[TrainSample] = field(default_factory=list)
+    tenants: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return self.tenants == 0
 
 
 @dataclass(frozen=True)

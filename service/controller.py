@@ -11,12 +11,11 @@ side effect succeeded:
     any live --(runtime call raised)--> FAILED (reason = the error), others unaffected
 
 More tenants than slots (docs/concepts.md): a registration beyond the free slots waits in the
-registry's queue (PENDING, no slot). Each pass, while runs wait that want a slot, the policy of
-service/residency.py picks residents to evict (runtime.evict: the trainer's bit-exact swap-out;
-then the registry releases the slot and the run joins the queue, still ACTIVE, residency
-"evicted"); then free slots go to the queue's head in order (registry.bind_queued), and a bound
-run is prepared (first time) or restored (runtime.restore: swap-in). A swap that fails fails
-that run only. An evicted run that retires is restored to write its final checkpoint and export.
+registry's queue (PENDING, no slot). Slots and residency belong to the scheduler
+(service/scheduler.py, reached through the attached runtime): it evicts, binds queued runs to
+free slots and swaps evicted ones back in, before each reconcile; reconcile prepares a run bound
+to a slot (first time), finishes and releases. An evicted run that retires is restored by the
+scheduler first, to write its final checkpoint and export.
 
 With no runtime attached, reconcile does nothing: runs stay where they are.
 The training loop reports progress through record_step / record_checkpoint /
@@ -54,7 +53,7 @@ from service.config_checks import PEFT_FILES, check_adapter_config
 from service.errors import BadValue, Conflict
 from service.ownership import check_tenant_start_paths
 from service.registry import AdapterRef, AdapterState, Registry, StepRecord
-from service.residency import ResidencyKnobs, choose_evictions
+from service.residency import ResidencyKnobs
 from service.runtime import ProcessInfo, Runtime, RuntimeStats, run_dir
 from rollout.config import check_adapter_name
 
@@ -99,18 +98,16 @@ class Controller:
         self.capacity = capacity
         settings.state_dir.mkdir(parents=True, exist_ok=True)
         self.registry = Registry(settings.db_path, capacity.num_slots, capacity.live_run_bound)
-        self._runtime = runtime
+        self._runtime: Runtime | None = None
         # Registration ids whose trainer slot the attached runtime holds in THIS
         # process. After a restart it is empty, so live runs trained before are
         # prepared again (from their last checkpoint) before anything else.
         self._prepared: set[str] = set()
-        # Prepared runs swapped out of their slot in this process (a subset of _prepared): a bound
-        # one is restored, not prepared. Cleared with _prepared: a new runtime holds no swap store.
-        self._evicted: set[str] = set()
-        self._not_wanting_last: frozenset[str] = frozenset()  # the last reconcile's _not_wanting (slot_demand)
         self._knobs = ResidencyKnobs(idle_evict_s=capacity.evict_idle_s, turn_steps=capacity.turn_steps)
         self._reconcile_lock = threading.Lock()  # one reconcile pass at a time
         self._started_at = time.time()
+        if runtime is not None:
+            self.attach_runtime(runtime)
 
     def close(self) -> None:
         self.registry.close()
@@ -118,43 +115,24 @@ class Controller:
     # --- runtime ------------------------------------------------------------------------
 
     def attach_runtime(self, runtime: Runtime) -> None:
-        """Attach (or replace) the runtime; a new runtime holds no slot yet."""
+        """Attach (or replace) the runtime; a new runtime holds no slot yet. The runtime's scheduler
+        is made over this registry (`attach`), with the keep-warm knobs of `capacity`."""
         with self._reconcile_lock:
+            attach = getattr(runtime, "attach", None)
+            if attach is not None:
+                attach(self.registry, self._knobs)
             self._runtime = runtime
             self._prepared.clear()
-            self._evicted.clear()
 
     def detach_runtime(self) -> None:
         with self._reconcile_lock:
             self._runtime = None
             self._prepared.clear()
-            self._evicted.clear()
 
     @property
     def runtime(self) -> Runtime | None:
         """The attached runtime (None before attach / after detach)."""
         return self._runtime
-
-    # --- slot leases (registry I7): trainer slots held by Tinker models -------------------
-
-    def lease_slot(self, holder: str, tenant: str) -> int:
-        """A free trainer slot for `holder` (NoFreeSlot when none): counted like a run's slot."""
-        return self.registry.lease_slot(holder, tenant)
-
-    def release_slot_lease(self, holder: str) -> int | None:
-        return self.registry.release_lease(holder)
-
-    def slot_demand(self) -> int:
-        """Queued runs that want a slot beyond the free slots: the Tinker backend evicts idle
-        models for them (api/tinker/backend.py E1). Runs the last reconcile found not wanting
-        (evicted, no step ready) are not counted."""
-        skip = self._not_wanting_last
-        wanting = sum(1 for r in self.registry.queued() if r.registration_id not in skip)
-        return max(0, wanting - len(self.registry.free_slots()))
-
-    def slot_leases(self) -> dict[str, tuple[int, str]]:
-        """holder -> (slot, tenant)."""
-        return self.registry.leases()
 
     # --- tenant operations --------------------------------------------------------------
 
@@ -317,10 +295,7 @@ class Controller:
                 ref = self.registry.get_run(registration_id)
                 if not ref.live:
                     self._release_quietly(runtime, ref)
-            changes: list[Change] = self._evict_for_waiters(runtime)
-            # Slots freed by releases, failures or evictions go to the queue's head, in order.
-            for bound in self.registry.bind_queued(skip=self._not_wanting(runtime)):
-                log.info("%s leaves the queue for slot %d", bound.name, bound.slot)
+            changes: list[Change] = []
             for ref in self.registry.live():
                 changes.extend(self._advance(runtime, ref))
             return changes
@@ -331,11 +306,7 @@ class Controller:
         stage = "reconcile"
         try:
             if ref.queued:
-                return changes  # queued or evicted: waits for a slot (bind_queued, in queue order)
-            if ref.registration_id in self._evicted:
-                stage = "restore"
-                runtime.restore(ref)
-                self._evicted.discard(ref.registration_id)
+                return changes  # queued or evicted: waits for a slot (the scheduler's placement, in queue order)
             needs_prepare = ref.state == AdapterState.PENDING or (
                 ref.registration_id not in self._prepared
                 and ref.activated_at is not None
@@ -396,48 +367,6 @@ class Controller:
         except Exception:
             log.exception("release_adapter(%s) failed; the slot's next prepare_adapter overwrites it", ref.name)
         self._prepared.discard(ref.registration_id)
-        self._evicted.discard(ref.registration_id)
-
-    def _not_wanting(self, runtime: Runtime) -> set[str]:
-        """Evicted ACTIVE runs with no whole step ready: they keep their queue place but let the
-        runs behind them take a free slot first (a retiring one always wants its slot back)."""
-        out = set()
-        for ref in self.registry.queued():
-            if ref.registration_id in self._evicted and ref.state == AdapterState.ACTIVE and not runtime.wants_slot(ref):
-                out.add(ref.registration_id)
-        self._not_wanting_last = frozenset(out)
-        return out
-
-    def _evict_for_waiters(self, runtime: Runtime) -> list[Change]:
-        """Keep-warm eviction and turns (service/residency.py) while runs wait for a slot."""
-        queued = self.registry.queued()
-        if not queued:
-            return []
-        skip = self._not_wanting(runtime)
-        wanting = sum(1 for r in queued if r.registration_id not in skip)
-        refs = {r.registration_id: r for r in self.registry.live() if r.slot is not None}
-        residents = [r for r in runtime.residents()
-                     if r.registration_id in refs and refs[r.registration_id].state == AdapterState.ACTIVE]
-        changes: list[Change] = []
-        for registration_id in choose_evictions(residents, wanting, len(self.registry.free_slots()), self._knobs):
-            ref = refs[registration_id]
-            try:
-                runtime.evict(ref)
-            except Exception as e:  # e.g. SwapError (disk full while spilling): that run fails, the others go on
-                reason = f"evict failed: {type(e).__name__}: {e}"[:MAX_REASON_CHARS]
-                log.exception("adapter %s: %s", ref.name, reason)
-                failed = self.registry.transition(registration_id, AdapterState.FAILED, reason=reason)
-                changes.append(Change(ref.name, registration_id, ref.state, failed.state, reason))
-                self._release_quietly(runtime, failed)
-                continue
-            self._evicted.add(registration_id)
-            try:
-                out = self.registry.release_slot(registration_id, expect_slot=ref.slot)
-                log.info("evicted %s from slot %d (queue #%s)", ref.name, ref.slot, out.queue_position)
-            except Conflict as e:  # failed or retired meanwhile: the next pass acts on its new state
-                log.info("evict %s: %s", ref.name, e)
-        return changes
-
 
 def _parse_state(state: str | AdapterState) -> AdapterState:
     try:

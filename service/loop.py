@@ -1,23 +1,29 @@
 """The training loop: one short driver that shows the whole of it.
 
     while not stopping:
-        1. reconcile             the controller moves runs along their lifecycle (prepare new tenants,
-                                 finish and release retiring ones) through the runtime
-        2. collect               one whole step per adapter that has one ready, round-robin,
-                                 waiting at most `max_wait_s` for the others once one is ready
-        3. train                 ONE mixed train call over every collected adapter
-        4. publish               the stepped adapters' new weights (only theirs), under fresh versions;
+        4b. settle               publishes that finished: the registry's weight_version moves to what
+                                 the engines now serve; a failed one is published again
+        1a. place                the scheduler (service/scheduler.py), the one owner of slots: admits
+                                 Tinker models being created, evicts residents for waiting tenants by
+                                 one policy (keep-warm, turns), binds free slots to waiters in order,
+                                 swaps evicted tenants back in
+        1b. reconcile            the controller moves runs along their lifecycle (prepare runs bound to a
+                                 slot, finish and release retiring ones) through the runtime
+        2.  gather               every resident tenant with work ready: a whole step of an RL or SFT run,
+                                 a Tinker model's queued calls; waiting at most `max_wait_s` for the
+                                 others once one is ready (a Tinker call only the scheduler's window)
+        3.  round                ONE trainer call over all of it (a mixed step over the runs' samples and
+                                 the models' datums, then the models' optimizer steps), settled per tenant
+        4.  publish              the stepped RL runs' new weights (only theirs), under fresh versions;
                                  the trainer writes each to a handoff folder (weight_transfer 'disk'),
-                                 the engines load them while the loop goes on (the next train call)
-        4b. settle               (each round) publishes that finished: the registry's weight_version
-                                 moves to what the engines now serve; a failed one is published again
-        5. commit                per stepped adapter, only now (the call succeeded): record_step
-        6. checkpoint            every `checkpoint_interval` steps of an adapter
-        7. retire                adapters whose data or num_step is used up
-    on stop: drain               stop generating, checkpoint every live adapter
+                                 the engines load them while the loop goes on (the next round)
+        5.  commit               per stepped run, only now (the round succeeded): record_step
+        6.  checkpoint           every `checkpoint_interval` steps of a run
+        7.  retire               runs whose data or num_step is used up
+    on stop: drain               stop generating, checkpoint every live run
 
 Rollout never waits for this loop (the rollout worker keeps generating with the
-newest published weights); the loop never waits for a slow adapter for longer
+newest published weights); the loop never waits for a slow tenant for longer
 than the bound, nor for engines loading weights or restarting.
 
 Guarantees while publishes overlap training (issue 18 item 4):
@@ -29,19 +35,19 @@ Guarantees while publishes overlap training (issue 18 item 4):
   G3 the registry's weight_version (what the API says the engines serve) moves only when a
      publish finished (record_step(served=False), then mark_served at 4b): it is never newer
      than what the engines serve. Faults handled here: a dead SGLang engine is restarted and its
-adapters republished (runtime.check_engines); a dead trainer (found by a train
-call, or by the periodic check while nothing trains) is restarted and every live
-run is prepared again from its last checkpoint (re-attaching the runtime makes
-the controller do that); an adapter whose steps keep failing (non-finite loss,
-every reward failing), or that can never make a step (every row over a length
-limit, the engines refusing its requests: runtime.fatal_runs), is marked FAILED
+adapters republished (runtime.check_engines); a dead trainer (found by a round, or by the
+periodic check while nothing trains) is restarted and every live run is prepared again from
+its last checkpoint (re-attaching the runtime makes the controller do that); a run whose steps
+keep failing (non-finite loss, every reward failing), or that can never make a step (every row
+over a length limit, the engines refusing its requests: runtime.fatal_runs), is marked FAILED
 and the others go on.
 
 The role objects, all in this (the coordinator) process:
-  controller  service/controller.py    registry and lifecycle (1, 5, 6, 7; weight versions)
-  runtime     service/runtime_impl.py  FleetRuntime: trainer slots, rollout, checkpoints (2, 3, 4, 6, drain)
-     trainer  service/trainer_group.py the trainer ranks (Ray actors, trainer/actor.py)
-     rollout  service/rollout_client.py the rollout worker (Ray actor, rollout/worker_actor.py) and its engines
+  controller  service/controller.py    registry and lifecycle (1b, 5, 6, 7; weight versions)
+  runtime     service/runtime_impl.py  FleetRuntime: runs' side effects, checkpoints, drain; its parts:
+     scheduler  service/scheduler.py   slots and residency of every tenant, the round (1a, 2, 3)
+     publisher  service/publishing.py  weights to the engines (4, 4b)
+     health     service/fleet_health.py engine restarts, trainer liveness
 """
 
 from __future__ import annotations
@@ -90,10 +96,9 @@ class LoopReport:
 def run_training_loop(controller: Any, runtime: Any, opts: LoopOptions, stop: StopSignal,
                       on_round: Callable[[], None] | None = None, *, fleet_stats: FleetStats | None = None,
                       training_log: TrainingLog | None = None) -> LoopReport:
-    """`controller`: service.controller.Controller; `runtime`: service.runtime_impl.FleetRuntime
-    (or objects with their methods: the unit tests' fakes). `fleet_stats` gets one record per
-    trained round (the dashboard's throughput); `training_log` every committed step and round
-    (TensorBoard)."""
+    """`controller`: service.controller.Controller; `runtime`: service.runtime_impl.FleetRuntime.
+    `fleet_stats` gets one record per round that trained dataset samples (the dashboard's
+    throughput); `training_log` every committed step and round (TensorBoard)."""
     report = LoopReport()
     t_start = time.monotonic()
     next_engine_check = 0.0
@@ -102,13 +107,16 @@ def run_training_loop(controller: Any, runtime: Any, opts: LoopOptions, stop: St
         try:
             for p in runtime.settle_publishes():                                                # 4b (before a retiring run is finished)
                 _settle(controller, runtime, p, report)
-            for change in controller.reconcile():                                               # 1
-                log.info("%s: %s -> %s%s", change.name, change.from_state, change.to_state, f" ({change.reason})" if change.reason else "")
-            for registration_id, reason in runtime.fatal_runs().items():                         # fault: a run that can never step
-                try:
+            events, unkept = runtime.place()                                                    # 1a
+            for e in events:
+                log.info("%s", e)
+            for registration_id, reason in {**unkept, **runtime.fatal_runs()}.items():           # faults: a swap-out that failed,
+                try:                                                                            # a run that can never step
                     controller.fail(registration_id, reason)
                 except Conflict as e:  # no longer live (retired or deleted meanwhile)
                     log.info("fail %s: %s", registration_id, e)
+            for change in controller.reconcile():                                               # 1b
+                log.info("%s: %s -> %s%s", change.name, change.from_state, change.to_state, f" ({change.reason})" if change.reason else "")
             live = controller.live_runs()
             if opts.batch_mode and not live:
                 break
@@ -119,21 +127,18 @@ def run_training_loop(controller: Any, runtime: Any, opts: LoopOptions, stop: St
                     continue
                 next_engine_check = time.monotonic() + opts.engine_check_s
             active = [r.registration_id for r in live if r.state == AdapterState.ACTIVE]
-            t_collect = time.monotonic()
-            batch = runtime.collect_batch(active, opts.max_wait_s)                              # 2
-            collect_s = time.monotonic() - t_collect
-            report.collect_seconds += collect_s
-            if batch.empty:
-                for ref in runtime.exhausted_runs(active):                                      # 7 (a tail shorter than a step)
-                    _retire(controller, ref)
-                if not active:
-                    stop.wait(0.2)
-                errors = 0
-                continue
+            t_round = time.monotonic()
             try:
-                outcome = runtime.train(batch)                                                  # 3
+                outcome = runtime.round(opts.max_wait_s, stop)                                  # 2, 3
             except TrainerLost as e:                                                            # fault: dead trainer
                 _restart_trainer(controller, runtime, report, str(e))
+                continue
+            collect_s = time.monotonic() - t_round - outcome.seconds
+            report.collect_seconds += collect_s
+            if outcome.empty:
+                for ref in runtime.exhausted_runs(active):                                      # 7 (a tail shorter than a step)
+                    _retire(controller, ref)
+                errors = 0
                 continue
             report.train_calls += 1
             report.train_seconds += outcome.seconds
@@ -168,8 +173,8 @@ def run_training_loop(controller: Any, runtime: Any, opts: LoopOptions, stop: St
                     _retire(controller, (s.name, s.registration_id))                            # 7
             for registration_id, reason in outcome.failed.items():
                 controller.fail(registration_id, reason)
-            if fleet_stats is not None:
-                rollout_tokens, trained_tokens = batch_token_counts(batch.samples)
+            if fleet_stats is not None and outcome.samples:
+                rollout_tokens, trained_tokens = batch_token_counts(outcome.samples)
                 record = fleet_stats.record_round(collect_s=collect_s, train_s=outcome.seconds, publish_s=round_publish_s,
                                                   checkpoint_s=round_checkpoint_s, steps=round_steps, samples=round_samples,
                                                   rollout_tokens=rollout_tokens, trained_tokens=trained_tokens)

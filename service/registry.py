@@ -86,10 +86,9 @@ PROGRESS_STATES = frozenset({AdapterState.ACTIVE, AdapterState.RETIRING})
 # The queue: live runs without a slot, first come first served. CLEANUP never waits
 # (it has nothing left to train), so it is not in the queue.
 # A never-trained run retired while queued is not in it either: it ends without a slot.
-_QUEUED_SQL = (
-    "SELECT registration_id FROM runs WHERE slot IS NULL AND (state = 'PENDING'"
-    " OR (state IN ('ACTIVE','RETIRING') AND activated_at IS NOT NULL)) ORDER BY queued_at, run_id"
-)
+_QUEUE_WHERE = ("slot IS NULL AND (state = 'PENDING' OR (state IN ('ACTIVE','RETIRING') AND activated_at IS NOT NULL))"
+                " ORDER BY queued_at, run_id")
+_QUEUED_SQL = f"SELECT registration_id FROM runs WHERE {_QUEUE_WHERE}"
 
 
 @dataclass(frozen=True)
@@ -137,6 +136,26 @@ class AdapterRef:
     @property
     def live(self) -> bool:
         return self.state in LIVE_STATES
+
+
+@dataclass(frozen=True)
+class SlotHolder:
+    """Who holds a slot: a live run (`key` its registration id, `state` its state) or a lease
+    (`key` the holder, a Tinker model id; `tenant` its tenant)."""
+
+    key: str
+    state: AdapterState | None
+    tenant: str | None
+
+
+@dataclass(frozen=True)
+class QueuedRun:
+    """A run waiting for a slot, as the scheduler reads the queue (no config parsed)."""
+
+    registration_id: str
+    state: AdapterState
+    queued_at: float  # time.time() it began waiting (registration or eviction)
+    trained: bool  # activated before: evicted (restored when bound) rather than new (prepared)
 
 
 @dataclass(frozen=True)
@@ -190,7 +209,7 @@ CREATE TABLE IF NOT EXISTS steps (
     PRIMARY KEY (registration_id, step)
 );
 -- I7 slot leases: a slot held by something that is not a dataset-driven run (a Tinker model,
--- api/tinker/fleet_backend.py). A leased slot is held exactly like a live run's slot (I2 counts
+-- service/tenant_tinker.py, leased by service/scheduler.py). A leased slot is held exactly like a live run's slot (I2 counts
 -- both); a lease lives only as long as the process that took it (opening the registry drops them).
 CREATE TABLE IF NOT EXISTS slot_leases (
     slot INTEGER PRIMARY KEY,
@@ -310,8 +329,7 @@ class Registry:
                     f"{self.max_live_runs} ({self.num_slots} trainer slots, the rest queued or evicted); "
                     "retry after one of them is retired (DELETE /v1/adapters/<name>) and COMPLETED"
                 )
-            held = self._held_slots()  # runs' slots and Tinker models' leases (I7)
-            free = [s for s in range(self.num_slots) if s not in held]
+            free = self._free_slots()  # held by neither runs nor Tinker models' leases (I7)
             # A free slot goes to the queue first (FIFO): a newcomer never overtakes a waiting run.
             waiting = self._db.execute(_QUEUED_SQL).fetchone() is not None
             slot = free[0] if free and not waiting else None
@@ -373,26 +391,53 @@ class Registry:
 
     def free_slots(self) -> list[int]:
         with self._lock:
-            held = self._held_slots()
+            return self._free_slots()
+
+    def _free_slots(self) -> list[int]:
+        """The one scan for free slots (I2, I7): held by no live run and no lease, lowest first.
+        Caller holds the lock."""
+        held = {r[0] for r in self._db.execute("SELECT slot FROM runs WHERE slot IS NOT NULL UNION SELECT slot FROM slot_leases")}
         return [s for s in range(self.num_slots) if s not in held]
 
-    def _held_slots(self) -> dict[int, str]:
-        """slot -> who holds it: live runs (by name) and slot leases (I2, I7). Caller holds the lock."""
-        held = {r["slot"]: r["name"] for r in self._db.execute("SELECT slot, name FROM runs WHERE slot IS NOT NULL")}
-        for r in self._db.execute("SELECT slot, holder, tenant FROM slot_leases"):
-            held[r["slot"]] = f"tinker model {r['holder']} of tenant {r['tenant']}"
-        return held
+    def slot_holders(self) -> dict[int, SlotHolder]:
+        """slot -> who holds it (live runs by registration id, leases by holder): the durable slot
+        record (I2, I7) in one read, proportional to the slots, not to the registered runs."""
+        with self._lock:
+            out = {r["slot"]: SlotHolder(r["registration_id"], AdapterState(r["state"]), None)
+                   for r in self._db.execute("SELECT slot, registration_id, state FROM runs WHERE slot IS NOT NULL")}
+            for r in self._db.execute("SELECT slot, holder, tenant FROM slot_leases"):
+                out[r["slot"]] = SlotHolder(r["holder"], None, r["tenant"])
+            return out
+
+    def queue_heads(self, limit: int) -> list[QueuedRun]:
+        """The first `limit` runs of the queue, in order, without building their refs (the scheduler
+        reads this every round: its cost grows with `limit`, not with the queue)."""
+        if limit <= 0:
+            return []
+        with self._lock:
+            rows = self._db.execute(f"SELECT registration_id, state, queued_at, activated_at FROM runs WHERE {_QUEUE_WHERE} LIMIT ?",
+                                    (limit,)).fetchall()
+            return [QueuedRun(r["registration_id"], AdapterState(r["state"]), r["queued_at"] or 0.0, r["activated_at"] is not None)
+                    for r in rows]
+
+    def queue_length(self) -> int:
+        with self._lock:
+            return self._db.execute(f"SELECT COUNT(*) FROM ({_QUEUED_SQL})").fetchone()[0]
 
     # --- slot leases (I7) ----------------------------------------------------------------------
 
-    def lease_slot(self, holder: str, tenant: str) -> int:
-        """The lowest free slot, now held by `holder` (a Tinker model id) until `release_lease`.
-        NoFreeSlot when every slot is held; Conflict when `holder` already holds one."""
+    def lease_slot(self, holder: str, tenant: str, slot: int | None = None) -> int:
+        """The lowest free slot (or `slot`, which must be free), now held by `holder` (a Tinker model
+        id) until `release_lease`. NoFreeSlot when every slot is held; Conflict when `holder` already
+        holds one or `slot` is not free."""
         with self._tx():
             if self._db.execute("SELECT 1 FROM slot_leases WHERE holder = ?", (holder,)).fetchone():
                 raise Conflict(f"{holder!r} already holds a trainer slot")
-            held = self._held_slots()
-            free = [s for s in range(self.num_slots) if s not in held]
+            free = self._free_slots()
+            if slot is not None:
+                if slot not in free:
+                    raise Conflict(f"slot {slot} is not free")
+                free = [slot]
             if not free:
                 # The holders are not named: this message reaches a tenant (a Tinker future), and
                 # other tenants' runs and models are not theirs to see (I8). Operators: GET /v1/fleet.
@@ -591,14 +636,25 @@ class Registry:
         bound: list[AdapterRef] = []
         with self._tx():
             queue = [rid for rid in self._queue() if rid not in skip]
-            held = self._held_slots()  # a Tinker model's leased slot is not free (I7)
-            free = [s for s in range(self.num_slots) if s not in held]
+            free = self._free_slots()  # a Tinker model's leased slot is not free (I7)
             now = time.time()
             for registration_id, slot in zip(queue, free):
                 self._update(registration_id, {"slot": slot, "queued_at": None, "updated_at": now})
             for registration_id in queue[: len(free)]:
                 bound.append(self._ref(self._run_row(registration_id), []))
         return bound
+
+    def bind(self, registration_id: str, slot: int) -> AdapterRef:
+        """Give free `slot` to one queued run (the scheduler picks which, across both kinds of
+        tenant: service/scheduler.py). Conflict when the run is not queued or the slot not free."""
+        with self._tx():
+            row = self._run_row(registration_id)
+            if registration_id not in self._queue():
+                raise Conflict(f"adapter {row['name']!r} is not waiting for a slot (state {row['state']}, slot {row['slot']})")
+            if slot not in self._free_slots():
+                raise Conflict(f"slot {slot} is not free")
+            self._update(registration_id, {"slot": slot, "queued_at": None, "updated_at": time.time()})
+            return self._ref(self._run_row(registration_id), [])
 
     def release_slot(self, registration_id: str, *, expect_slot: int) -> AdapterRef:
         """An evicted run gives its slot back and joins the end of the queue (I2). Only a trained

@@ -1,19 +1,24 @@
-"""Keep-warm eviction and turns: which resident runs give their slot up this round.
+"""Keep-warm eviction and turns: which resident tenants give their slot up this round.
 
-A pure policy (no I/O): the controller feeds it what the runtime knows about each resident
-run and how many queued runs want a slot, and evicts what it returns (runtime `evict` = the
-trainer's bit-exact swap-out under the registration id, then the registry's `release_slot`).
+A pure policy (no I/O), ONE for every kind of tenant (RL and SFT runs, Tinker models): the
+scheduler (service/scheduler.py) feeds it what it knows about each resident tenant and how many
+tenants wait for a slot, and evicts what it returns (the trainer's bit-exact swap-out under the
+tenant's key, then the slot record gives the slot back).
 
-Policy (docs/concepts.md "More tenants than slots"), applied at each reconcile, which the loop
+Policy (docs/concepts.md "More tenants than slots"), applied at each placement, which the loop
 runs at every round boundary (between two mixed train calls, never inside one):
   P1 nothing is evicted unless runs wait that want a slot (`wanting`) beyond the free slots:
      a slot is never emptied for nobody;
-  P2 idle first: a resident with no ready step (RL: fewer groups staged than a step; SFT: none)
-     that has not stepped for `idle_evict_s` is evicted, least recently active first;
-  P3 turns: while runs still wait, a resident that has taken `turn_steps` steps since it came in
-     is evicted, least recently active first, so that none waits forever;
-  P4 at most as many evictions as waiting runs beyond the free slots; a run that came in this
-     round (steps_in == 0 and not idle) is never evicted by P3 (turn_steps >= 1).
+  P2 idle first: a resident with no ready work (RL: fewer groups staged than a step; SFT: no rows;
+     Tinker: no queued call) that has not worked for `idle_evict_s` is evicted, least recently
+     active first;
+  P3 turns: while tenants still wait, a resident that has taken `turn_steps` optimizer steps since
+     it came in is evicted, least recently active first, so that none waits forever (a tenant
+     waits at most about (waiting tenants / slots) turns);
+  P4 at most as many evictions as waiting tenants beyond the free slots; a tenant that came in
+     this round (steps_in == 0 and not idle) is never evicted by P3 (turn_steps >= 1).
+A tenant being created (a Tinker model, which needs its slot now or never) may take only a free
+slot or an idle resident's (P2: `choose_idle`), never a turn.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ class Resident:
     ready: bool  # a whole step is ready for it now (RL: staged groups; SFT: rows left)
     steps_in: int  # steps taken since it last came into its slot
     last_active: float  # monotonic time of its last step or arrival; smaller = less recently used
+    slot: int | None = None  # the slot it holds (the scheduler's, for the eviction)
 
 
 @dataclass(frozen=True)
@@ -44,7 +50,17 @@ def choose_evictions(residents: list[Resident], wanting: int, free_slots: int, k
     if need <= 0:
         return []  # P1
     lru = sorted(residents, key=lambda r: (r.last_active, r.registration_id))
-    idle = [r for r in lru if not r.ready and r.idle_s >= knobs.idle_evict_s]  # P2
+    idle = _idle(lru, knobs)  # P2
     taken = {r.registration_id for r in idle}
     turns = [r for r in lru if r.registration_id not in taken and r.steps_in >= knobs.turn_steps]  # P3
     return [r.registration_id for r in (idle + turns)[:need]]  # P4
+
+
+def choose_idle(residents: list[Resident], knobs: ResidencyKnobs, need: int) -> list[str]:
+    """Up to `need` idle residents (P2 only), least recently active first: what a tenant being
+    created may take a slot from."""
+    return [r.registration_id for r in _idle(sorted(residents, key=lambda r: (r.last_active, r.registration_id)), knobs)][:need]
+
+
+def _idle(lru: list[Resident], knobs: ResidencyKnobs) -> list[Resident]:
+    return [r for r in lru if not r.ready and r.idle_s >= knobs.idle_evict_s]

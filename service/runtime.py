@@ -1,4 +1,4 @@
-"""What the controller needs from the training loop: the `Runtime` protocol.
+"""What the controller needs from the fleet: the `Runtime` protocol.
 
 The controller (service/controller.py) owns the registry and decides WHAT
 happens to each adapter run; a Runtime does the side effects (trainer slot,
@@ -17,10 +17,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from service.registry import AdapterRef
-from service.residency import Resident
+
+if TYPE_CHECKING:
+    from service.registry import Registry
+    from service.residency import ResidencyKnobs
 
 
 @dataclass(frozen=True)
@@ -115,25 +118,10 @@ class Runtime(Protocol):
         """The fleet's processes and their ids (GET /v1/fleet, for operators and fault drills)."""
         ...
 
-    # --- more tenants than slots (service/residency.py; docs/concepts.md) ----------------------------
-
-    def residents(self) -> list[Resident]:
-        """What the eviction policy needs of every prepared run that holds its slot now."""
-        ...
-
-    def wants_slot(self, ref: AdapterRef) -> bool:
-        """Whether this evicted run has a whole step ready (it wants a turn). A queued run that
-        never trained always wants one; the controller asks only about evicted runs."""
-        ...
-
-    def evict(self, ref: AdapterRef) -> None:
-        """Swap the run out of `ref.slot` (the trainer's bit-exact swap-out under its registration
-        id) and keep its coordinator-side state; the slot is free afterwards. Raises (SwapError)
-        with the run still resident when its state cannot be stored."""
-        ...
-
-    def restore(self, ref: AdapterRef) -> None:
-        """Swap the evicted run back into `ref.slot` (any free slot) and route its samples there."""
+    def attach(self, registry: "Registry", knobs: "ResidencyKnobs") -> Any:
+        """The controller attaches the runtime: it makes its scheduler (service/scheduler.py, the one
+        owner of slots and residency) over the controller's registry. Optional (a runtime without
+        one never evicts)."""
         ...
 
 

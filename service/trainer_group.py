@@ -6,12 +6,10 @@ adds what the service needs: start (ranks placed by service/actors.py, model bui
 each), a liveness probe, restart after a rank died (a dead rank takes the whole group:
 slot state is spread over all ranks), the ranks' process ids, and a deliberate stop.
 
-Tenant-driven calls ride in the loop's train calls: a `TrainRiders` source attached with
-`attach_riders` (the Tinker API's coalescer, api/tinker/fleet_backend.py: service/ never
-imports api/) is asked, under the collective lock at the start of every `train`, for its
-pending forward_backward calls; they go to the ranks with the batch as ONE mixed step
-(trainer/tinker_ops.py `train_with`) and their results go back to the source.
-`loop_active` tells the source whether the loop is training, so it can leave calls for it.
+The scheduler's round (service/scheduler.py) is one collective call, `run_round`: the dataset
+runs' samples and the Tinker models' calls in ONE mixed step (trainer/rounds.py). Every other
+method is one trainer method forwarded to every rank (trainer/actor.py `TrainWorker` exposes
+each once, typed); the group adds nothing but the fan-out.
 
 Errors: a rank's exception comes back as itself (service/remote.py); a dead rank
 raises Ray's actor error, which `is_lost` recognizes (the runtime turns it into
@@ -24,9 +22,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import ray
 
@@ -35,6 +33,7 @@ from service.remote import call, is_actor_lost
 from service.runtime import ComponentHealth
 from trainer.batch import TrainBatch
 from trainer.config import SlotHyperParams, TrainerConfig
+from trainer.rounds import RoundResult, RoundWork
 
 log = logging.getLogger(__name__)
 
@@ -50,19 +49,11 @@ def with_swap_dir(config: TrainerConfig, state_dir: str | Path) -> TrainerConfig
     return config.model_copy(update={"swap_spill_dir": str(Path(state_dir) / SWAP_DIR_NAME)})
 
 
-@dataclass
-class RiderCalls:
-    """Pending tenant calls taken for one train call, and where their results go."""
-
-    calls: list  # trainer.tinker_ops.Call, valid slots not trained by the loop
-    max_seq_len: int  # the longest datum the calls' service allows
-    deliver: Callable[[list], None]  # the calls' CallResults, one per call, in order
-    fail: Callable[[str], None]  # the train call failed midway: every call gets this error
-
-
-class TrainRiders(Protocol):
-    def take(self) -> RiderCalls | None:
-        """The calls that ride in the train call about to run (None: none pending)."""
+class TrainerState(StrEnum):
+    NOT_STARTED = "not started"
+    RUNNING = "running"
+    RESTARTING = "restarting"  # stopped to be started again (a start that fails leaves it here)
+    STOPPED = "stopped"
 
 
 class TrainerGroup:
@@ -78,16 +69,14 @@ class TrainerGroup:
         self.placement: list[dict] = []  # per rank: rank, tp_rank, dp_rank, device (from setup)
         self._pids: list[int] = []  # per rank, read once at start (a rank busy training answers nothing)
         self.starts = 0
-        self.stopped_reason: str | None = "not started"
+        self.state = TrainerState.NOT_STARTED
+        self.stopped_reason: str | None = "not started"  # why it is not running (shown in health)
         self._in_flight = 0  # collective calls under way (a rank busy in one does not answer probes)
         self._in_flight_lock = threading.Lock()
         # One collective call at a time, whichever thread calls (the loop's train, the Tinker
         # worker's forward_backward): every rank must run the calls in the same order, so a
         # call's per-rank submissions never interleave with another's.
         self._collective_lock = threading.Lock()
-        self.riders: TrainRiders | None = None
-        self._loop_trains = 0  # loop train calls waiting or running (guarded by _in_flight_lock)
-        self._last_loop_train_end = float("-inf")
 
     @property
     def world_size(self) -> int:
@@ -114,15 +103,16 @@ class TrainerGroup:
             self._kill_workers()
             raise
         self.starts += 1
-        self.stopped_reason = None
+        self.state, self.stopped_reason = TrainerState.RUNNING, None
         return time.monotonic() - t0
 
     def stop(self, reason: str = "stopped") -> None:
-        self.stopped_reason = reason
+        self.state, self.stopped_reason = TrainerState.STOPPED, reason
         self._kill_workers()
 
     def restart(self) -> float:
-        self.stop("restarting")
+        self._kill_workers()
+        self.state, self.stopped_reason = TrainerState.RESTARTING, "restarting"
         return self.start()
 
     def _kill_workers(self) -> None:
@@ -194,27 +184,6 @@ class TrainerGroup:
             with self._in_flight_lock:
                 self._in_flight -= 1
 
-    # --- riders: tenant calls in the loop's train calls ----------------------------------------------
-
-    def attach_riders(self, riders: TrainRiders | None) -> None:
-        self.riders = riders
-
-    def loop_active(self, grace_s: float) -> bool:
-        """Whether the loop is training: a train call waiting or running, or one ended less than
-        `grace_s` ago (the loop's gap between two calls)."""
-        with self._in_flight_lock:
-            return self._loop_trains > 0 or time.monotonic() - self._last_loop_train_end < grace_s
-
-    def _take_riders(self) -> RiderCalls | None:
-        if self.riders is None:
-            return None
-        try:
-            ride = self.riders.take()
-        except Exception:  # noqa: BLE001 - the loop's step must not fail for the riders' source
-            log.exception("taking Tinker calls for a train call failed; the step runs without them")
-            return None
-        return ride if ride is not None and ride.calls else None
-
     def init_slot(self, slot: int, hyper: SlotHyperParams, seed: int, init_from: str | None = None,
                   registration: str | None = None) -> dict:
         return self._all(lambda w: w.init_slot.remote(slot, hyper, seed, init_from=init_from, registration=registration), what="init_slot")
@@ -223,29 +192,11 @@ class TrainerGroup:
         self._all(lambda w: w.clear_slot.remote(slot), what="clear_slot")
 
     def train(self, batch: TrainBatch):
-        """The loop's train call; pending rider calls (if a source is attached) join it as ONE
-        mixed step. Their results (or the call's failure) go to the source before this returns."""
-        with self._in_flight_lock:
-            self._loop_trains += 1
-        try:
-            with self._collective_lock:
-                ride = self._take_riders()
-                if ride is None:
-                    return self._all_locked(lambda w: w.train.remote(batch), what="train")
-                try:
-                    result, call_results = self._all_locked(
-                        lambda w: w.train_mixed.remote(batch, ride.calls, ride.max_seq_len), what="train with Tinker calls")
-                except BaseException as err:
-                    ride.fail(f"{type(err).__name__}: {err}")
-                    raise
-                ride.deliver(call_results)
-                if isinstance(result, Exception):  # the batch was refused before anything ran; the calls ran alone
-                    raise result
-                return result
-        finally:
-            with self._in_flight_lock:
-                self._loop_trains -= 1
-                self._last_loop_train_end = time.monotonic()
+        return self._all(lambda w: w.train.remote(batch), what="train")
+
+    def run_round(self, work: RoundWork) -> RoundResult:
+        """The scheduler's round: every tenant's work in ONE collective call (trainer/rounds.py)."""
+        return self._all(lambda w: w.run_round.remote(work), what="round")
 
     def peft_tensors(self, slot: int):
         return self._all(lambda w: w.peft_tensors.remote(slot), what="peft_tensors")
@@ -282,16 +233,6 @@ class TrainerGroup:
 
     def reset_optimizer(self, slot: int) -> None:
         self._all(lambda w: w.reset_optimizer.remote(slot), what="reset_optimizer")
-
-    # Tinker primitives (trainer/tinker_ops.py): Call / CallResult / AdamStep travel as is.
-    def tinker_forward_backward(self, calls: list, max_seq_len: int) -> list:
-        return self._all(lambda w: w.tinker_forward_backward.remote(calls, max_seq_len), what="tinker forward_backward")
-
-    def tinker_forward(self, calls: list, max_seq_len: int) -> list:
-        return self._all(lambda w: w.tinker_forward.remote(calls, max_seq_len), what="tinker forward")
-
-    def tinker_optim_step(self, slot: int, adam: Any) -> dict:
-        return self._all(lambda w: w.tinker_optim_step.remote(slot, adam), what="tinker optim_step")
 
     def swap_out(self, slot: int, key: str) -> dict:
         """Evict `slot` under `key` (the run's registration id); SwapError leaves the slot as it was."""

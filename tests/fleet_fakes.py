@@ -4,7 +4,8 @@ SQLite registry, FleetRuntime, the loop, SftSource over the tiny world's data, c
 rollout side's AdapterBuffer (staleness filter and stamps).
 
   FakeTrainer  the surface of service/trainer_group.py TrainerGroup. A slot's "weights" are its step
-               count; a train call steps every slot that got samples of its own registration. Faults:
+               count; a round (`run_round`, the scheduler's one trainer call) steps every slot that got
+               samples of its own registration. Faults:
                `fail_next` (the call raises that error), `nonfinite` (slots whose steps are skipped).
                `kill()` makes every call raise FakeRankDied, which `is_lost` recognizes (a dead rank).
   FakeRollout  the surface of service/rollout_client.py RolloutClient. Each adapter has `prompts`
@@ -25,7 +26,9 @@ from rollout.data import DataCursor, DataStatus
 from rollout.groups import AdapterBuffer, RolloutGroup, Sample
 from rollout.worker import AdapterStats, EngineHealth
 from service.runtime import ComponentHealth
+from service.trainer_group import TrainerState
 from trainer.core import SlotMetrics, StepReport, TrainResult
+from trainer.rounds import RoundResult
 
 
 class FakeRankDied(RuntimeError):
@@ -39,6 +42,7 @@ class FakeTrainer:
         self.starts = 1
         self.workers = [object()]
         self.stopped_reason: str | None = None
+        self.state = TrainerState.RUNNING
         self.dead = False
         self.fail_next: BaseException | None = None
         self.nonfinite: set[int] = set()
@@ -76,11 +80,13 @@ class FakeTrainer:
         self.workers = [object()]
         self.starts += 1
         self.stopped_reason = None
+        self.state = TrainerState.RUNNING
         return 0.0
 
     def stop(self, reason: str = "stopped") -> None:
         self.workers = []
         self.stopped_reason = reason
+        self.state = TrainerState.STOPPED
 
     def pids(self) -> list[int]:
         return [4242]
@@ -121,6 +127,11 @@ class FakeTrainer:
     def peft_tensors(self, slot):
         self._check("peft_tensors", slot)
         return {"r": 4}, {}
+
+    def run_round(self, work) -> RoundResult:
+        """The round's dataset batch only (these unit tests have no Tinker calls)."""
+        assert not (work.calls or work.forwards or work.optim), "FakeTrainer serves dataset batches only"
+        return RoundResult(train=self.train(work.batch) if work.batch is not None else None)
 
     def train(self, batch) -> TrainResult:
         self._check("train", len(batch.samples))

@@ -112,27 +112,9 @@ class TrainWorker:
     def reset_optimizer(self, slot: int) -> None:
         self._core().reset_optimizer(slot)
 
-    # The Tinker primitives (trainer/tinker_ops.py), collective like the rest.
-    def tinker_forward_backward(self, calls: list, max_seq_len: int) -> list:
-        from trainer.tinker_ops import TinkerOps
-
-        return TinkerOps(self._core(), max_seq_len=max_seq_len).forward_backward(calls)
-
-    def train_mixed(self, batch: TrainBatch, calls: list, max_seq_len: int) -> tuple:
-        """The loop's batch and Tinker forward_backward calls in ONE mixed step: (TrainResult, CallResults)."""
-        from trainer.tinker_ops import TinkerOps
-
-        return TinkerOps(self._core(), max_seq_len=max_seq_len).train_with(batch, calls)
-
-    def tinker_forward(self, calls: list, max_seq_len: int) -> list:
-        from trainer.tinker_ops import TinkerOps
-
-        return TinkerOps(self._core(), max_seq_len=max_seq_len).forward(calls)
-
-    def tinker_optim_step(self, slot: int, adam: Any) -> dict:
-        from trainer.tinker_ops import TinkerOps
-
-        return TinkerOps(self._core()).optim_step(slot, adam)
+    def run_round(self, work: Any) -> Any:
+        """The scheduler's round (trainer/rounds.py): dataset samples and Tinker calls in ONE mixed step."""
+        return self._core().run_round(work)
 
     # Keep-warm eviction (trainer/slot_swap.py): a slot's whole state to this rank's host
     # memory (spilling to swap_spill_dir beyond swap_host_budget_mb) under a key, and back.

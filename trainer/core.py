@@ -556,6 +556,12 @@ class MultiLoraTrainer:
 
     # -- training --------------------------------------------------------------------------------
 
+    def run_round(self, work):  # noqa: ANN001, ANN201 - trainer.rounds.RoundWork -> RoundResult
+        """The scheduler's round on this rank: every tenant's work in one call (trainer/rounds.py)."""
+        from trainer.rounds import run_round
+
+        return run_round(self, work)
+
     def train(self, batch: TrainBatch | None, riders: list[RiderSequence] | None = None) -> TrainResult:
         """Forward/backward the batch (one mixed pass per micro-batch); step every slot whose
         samples_per_step is reached. Collective: all ranks pass the same batch.

@@ -24,58 +24,15 @@ Only dp == 1 for now (TP is fine: every rank runs the same calls).
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from trainer.batch import TrainBatch
 from trainer.core import MultiLoraTrainer, RiderSequence, TrainResult
+from trainer.rounds import AdamStep, Call, CallResult, Datum  # noqa: F401 - the Tinker calls' types live there
 from trainer.packing import split_by_token_budget
 from trainer.tinker_losses import LossSpec, check_inputs, resolve_loss
-
-
-@dataclass
-class Datum:
-    tokens: list[int]  # model_input (position i predicts target_tokens[i])
-    inputs: dict[str, torch.Tensor]  # loss_fn_inputs, each [len(tokens)]; target_tokens int64
-
-
-@dataclass
-class Call:
-    slot: int
-    data: list[Datum]
-    loss_fn: str
-    loss_fn_config: dict[str, float] | None = None
-
-
-@dataclass
-class CallResult:
-    outputs: list[dict[str, torch.Tensor]] = field(default_factory=list)  # per datum: logprobs [, elementwise_loss]
-    metrics: dict[str, float] = field(default_factory=dict)
-    error: str | None = None  # the call was refused (bad input); it changed nothing
-
-
-@dataclass(frozen=True)
-class AdamStep:
-    learning_rate: float
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0  # 0 = no clipping
-
-    def check(self) -> None:
-        vals = dict(learning_rate=self.learning_rate, beta1=self.beta1, beta2=self.beta2, eps=self.eps,
-                    weight_decay=self.weight_decay, grad_clip_norm=self.grad_clip_norm)
-        bad = [k for k, v in vals.items() if not math.isfinite(v)]
-        if bad:
-            raise ValueError(f"adam_params {bad} must be finite")
-        if self.learning_rate < 0 or self.weight_decay < 0 or self.grad_clip_norm < 0 or self.eps <= 0:
-            raise ValueError("adam_params need learning_rate >= 0, weight_decay >= 0, grad_clip_norm >= 0, eps > 0")
-        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
-            raise ValueError(f"adam_params betas must be in [0, 1), got {self.beta1}, {self.beta2}")
 
 
 class TinkerOps:

@@ -1,7 +1,9 @@
 """The Tinker wire protocol (``/api/v1``): the official ``tinker`` SDK trains lorafleet slots.
 
-Modules: ``auth`` (API keys -> tenants), ``proto_io`` (the SDK's protobuf bodies),
-``futures`` (request ids, long-poll retrieve), ``coalescer`` (forward_backward calls of
-different models -> one mixed step), ``backend`` (what the routes call, and its
-in-process implementation over a MultiLoraTrainer), ``routes`` (the APIRouter).
+The wire face only (the scheduler in service/ runs the work). Modules: ``auth`` (API keys ->
+tenants), ``wire`` (JSON bodies) and ``proto_io`` (the SDK's protobuf bodies), ``futures``
+(request ids, long-poll retrieve), ``service`` (sessions, model records, checkpoint paths; a
+request -> an operation on its model's queue), ``routes`` (the APIRouter), ``sampling``
+(sampling sessions over SGLang), ``metrics``, ``fleet`` (the service over the running fleet) and
+``standalone`` (a Tinker-only app over an in-process trainer).
 """

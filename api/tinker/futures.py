@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from dataclasses import dataclass, field
+from typing import Callable
 
 
 @dataclass
@@ -44,9 +45,9 @@ class FutureStore:
         self.poll_s = poll_s
         self.keep = keep
         self._entries: dict[str, _Entry] = {}
-        # model -> why its queued calls wait (no trainer slot now; the coalescer's last admit):
-        # a retrieve of such a call answers try_again with queue_state paused_capacity and this reason.
-        self.waiting: dict[str, str] = {}
+        # model -> why its queued calls wait (no trainer slot now: the scheduler's last placement), or
+        # None: a retrieve of such a call answers try_again with queue_state paused_capacity and it.
+        self.reason_of: Callable[[str], str | None] = lambda model_id: None
 
     def create(self, tenant: str, model_id: str | None) -> str:
         request_id = uuid.uuid4().hex
@@ -60,6 +61,9 @@ class FutureStore:
         entry = self._entries.get(request_id)
         if entry is not None and not entry.done.done():
             entry.done.set_result(outcome)
+
+    def entry(self, request_id: str) -> _Entry | None:
+        return self._entries.get(request_id)
 
     def owned(self, tenant: str, request_id: str) -> _Entry | None:
         entry = self._entries.get(request_id)
@@ -78,7 +82,7 @@ class FutureStore:
     def queue_state(self, tenant: str, request_id: str) -> dict:
         """The try_again body's queue fields for a still-running request."""
         entry = self.owned(tenant, request_id)
-        reason = self.waiting.get(entry.model_id) if entry is not None and entry.model_id else None
+        reason = self.reason_of(entry.model_id) if entry is not None and entry.model_id else None
         if reason is None:
             return {"queue_state": "active"}
         return {"queue_state": "paused_capacity", "queue_state_reason": reason}

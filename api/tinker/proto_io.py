@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from trainer.tinker_ops import CallResult, Datum
+from trainer.rounds import CallResult, Datum
 
 PROTO_CONTENT_TYPE = "application/x-protobuf"
 

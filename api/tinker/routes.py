@@ -1,9 +1,9 @@
 """``tinker_router(service)``: the Tinker wire protocol under ``/api/v1``.
 
 Thin handlers: authenticate (key -> tenant), check ownership (another tenant's
-session, model or future id is 404, as if it did not exist), enqueue the work on the
-model's queue (coalescer.py) and answer the future's id; the result comes through
-``retrieve_future``. Bad input that the SDK would only learn about through the future
+session, model or future id is 404, as if it did not exist), put the work on the
+model's queue (service.py -> service/tenant_tinker.py; the scheduler runs it) and answer
+the future's id; the result comes through ``retrieve_future``. Bad input that the SDK would only learn about through the future
 (bad data, unsupported LoRA options, unknown checkpoint) is reported there, with
 category ``user`` and a message saying what is allowed; nothing changes for anyone.
 """
@@ -14,13 +14,12 @@ from fastapi import APIRouter, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 
 from api.tinker import wire
-from api.tinker.coalescer import Op
 from api.tinker.futures import Outcome, user_error
 from api.tinker.proto_io import PROTO_CONTENT_TYPE, decode_forward_backward, encode_forward_backward_output
 from api.tinker.sampling import LogprobOptions
 from api.tinker.service import TinkerService
-from api.tinker.backend import ModelCall
-from trainer.tinker_ops import AdamStep, CallResult
+from service.tenant_tinker import checkpoint_lora
+from trainer.rounds import AdamStep, CallResult
 
 
 def _fb_outcome(result: CallResult) -> Outcome:
@@ -67,7 +66,7 @@ def tinker_router(service: TinkerService) -> APIRouter:
     @r.get("/get_server_capabilities")
     async def capabilities(request: Request) -> dict:
         tenant(request)
-        b = service.backend
+        b = service.models
         return {"supported_models": [{"model_name": b.base_model, "max_context_length": b.max_seq_len,
                                       "trainable": True, "sampleable": service.sampler is not None}]}
 
@@ -93,13 +92,13 @@ def tinker_router(service: TinkerService) -> APIRouter:
         service.session(t, body.session_id)
         model_id = service.model_id(body.session_id, body.model_seq_id)
         rid, answer = future(t, model_id)
-        service.futures.resolve(rid, await service.create_model(t, body, model_id))
+        service.create_model(t, body, model_id, rid)
         return answer
 
     @r.post("/get_info")
     async def get_info(body: wire.ModelRequest, request: Request) -> dict:
         m = service.model(tenant(request), body.model_id)
-        b = service.backend
+        b = service.models
         return {"type": "get_info", "model_id": m.model_id, "is_lora": True, "lora_rank": m.rank,
                 "model_name": b.base_model,
                 "model_data": {"arch": "lorafleet", "model_name": b.base_model, "tokenizer_id": b.tokenizer_id}}
@@ -109,7 +108,7 @@ def tinker_router(service: TinkerService) -> APIRouter:
         t = tenant(request)
         service.model(t, body.model_id)
         rid, answer = future(t, body.model_id)
-        service.coalescer.submit(Op(body.model_id, rid, run=lambda: service.unload(body.model_id), needs_slot=False))
+        service.submit_unload(t, body.model_id, rid)
         return answer
 
     # -- training ---------------------------------------------------------------------------------
@@ -121,20 +120,16 @@ def tinker_router(service: TinkerService) -> APIRouter:
             fb = decode_forward_backward(await request.body(), request.headers.get("content-encoding"))
         except ValueError as err:
             raise HTTPException(400, str(err)) from None
-        service.model(t, fb.model_id)
+        model = service.model(t, fb.model_id).model
         rid, answer = future(t, fb.model_id)
-        call = ModelCall(fb.model_id, fb.data, fb.loss_fn, fb.loss_fn_config)
-        if fb.forward_only:
-            run = lambda: _fb_outcome(service.backend.forward([call])[0])  # noqa: E731
-            service.coalescer.submit(Op(fb.model_id, rid, run=run))
-        else:
-            service.coalescer.submit(Op(fb.model_id, rid, call=call, to_outcome=_fb_outcome))
+        submit = model.forward if fb.forward_only else model.forward_backward
+        submit(fb.data, fb.loss_fn, fb.loss_fn_config, **service.op_kw(rid, _fb_outcome))
         return answer
 
     @r.post("/optim_step")
     async def optim_step(body: wire.OptimStepRequest, request: Request) -> dict:
         t = tenant(request)
-        service.model(t, body.model_id)
+        model = service.model(t, body.model_id).model
         rid, answer = future(t, body.model_id)
         if body.adam_params is None or body.adam_params.type not in (None, "adam", "adamw"):
             service.futures.resolve(rid, user_error("only Adam(W) optimizer steps are supported: send adam_params"))
@@ -142,15 +137,11 @@ def tinker_router(service: TinkerService) -> APIRouter:
         p = body.adam_params
         adam = AdamStep(learning_rate=p.learning_rate, beta1=p.beta1, beta2=p.beta2, eps=p.eps,
                         weight_decay=p.weight_decay, grad_clip_norm=p.grad_clip_norm)
-
-        def run() -> Outcome:
-            try:
-                metrics = service.backend.optim_step(body.model_id, adam)
-            except ValueError as err:
-                return user_error(str(err))
-            return Outcome(json={"type": "optim_step", "metrics": {f"{k}:last": v for k, v in metrics.items()}})
-
-        service.coalescer.submit(Op(body.model_id, rid, run=run))
+        ok = lambda metrics: Outcome(json={"type": "optim_step", "metrics": {f"{k}:last": v for k, v in metrics.items()}})  # noqa: E731
+        try:
+            model.optim_step(adam, **service.op_kw(rid, ok))
+        except ValueError as err:  # bad adam_params: refused before it is queued
+            service.futures.resolve(rid, user_error(str(err)))
         return answer
 
     # -- checkpoints ------------------------------------------------------------------------------
@@ -165,17 +156,17 @@ def tinker_router(service: TinkerService) -> APIRouter:
 
     @r.post("/load_weights")
     async def load_weights(body: wire.LoadWeightsRequest, request: Request) -> dict:
-        return await service.submit_load(tenant(request), body)
+        return service.submit_load(tenant(request), body)
 
     @r.post("/weights_info")
     async def weights_info(body: wire.WeightsInfoRequest, request: Request) -> dict:
         t = tenant(request)
         try:
             folder = service.checkpoint_folder(t, body.tinker_path, kinds=("weights",))
-            lora = service.backend.checkpoint_lora(folder)
+            lora = checkpoint_lora(folder)
         except ValueError as err:
             raise HTTPException(404, str(err)) from None
-        return {"base_model": service.backend.base_model, "is_lora": True, "lora_rank": lora.rank,
+        return {"base_model": service.models.base_model, "is_lora": True, "lora_rank": lora.rank,
                 "train_unembed": False, "train_mlp": True, "train_attn": True}
 
     # -- sampling ---------------------------------------------------------------------------------
@@ -196,7 +187,7 @@ def tinker_router(service: TinkerService) -> APIRouter:
         s = service.sampler.session(tenant(request), sampler_id) if service.sampler else None
         if s is None:
             raise HTTPException(404, f"unknown sampler {sampler_id}")
-        return {"sampler_id": sampler_id, "base_model": service.backend.base_model, "model_path": s.model_path}
+        return {"sampler_id": sampler_id, "base_model": service.models.base_model, "model_path": s.model_path}
 
     @r.post("/asample")
     async def asample(body: wire.SampleRequest, request: Request) -> dict:

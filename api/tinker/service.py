@@ -1,33 +1,43 @@
-"""TinkerService: the state behind the Tinker routes (sessions, models, checkpoints).
+"""TinkerService: the state behind the Tinker routes (sessions, model records, checkpoint paths,
+futures), and how a request becomes an operation on its model's queue.
 
-Ownership invariant: every session, model and future records its tenant, and every
-lookup takes the caller's tenant; a miss and another tenant's object answer the
-same 404. Checkpoints live under ``<checkpoint_root>/<tenant>/<model>/<kind>/<name>``
-and a ``tinker://<model>/<kind>/<name>`` path is always resolved under the CALLER's
-tenant folder, so another tenant's path cannot name anything the caller may load.
+The wire face only: each request is checked here (ownership, paths, the LoRA options) and put,
+in order, on its model's queue in service/ (service/tenant_tinker.py ``TinkerModel``, reached
+through service/tinker_models.py ``TinkerModels``) with a ``done`` callback that turns the
+outcome into the SDK's future result; the scheduler runs it (service/scheduler.py) and calls
+``done`` on its own thread, which hands the result to the serving event loop. No slot, no
+eviction and no thread that calls the trainer lives here.
+
+Ownership invariant: every session, model and future records its tenant, and every lookup
+takes the caller's tenant; a miss and another tenant's object answer the same 404. Checkpoints
+live under ``<checkpoint_root>/<tenant>/<model>/<kind>/<name>`` and a
+``tinker://<model>/<kind>/<name>`` path is always resolved under the CALLER's tenant folder, so
+another tenant's path cannot name anything the caller may load.
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
 import secrets
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 from fastapi import HTTPException
 
 from api.tinker import wire
 from api.tinker.auth import TenantKeys
-from api.tinker.backend import LoraSpec, TinkerBackend
-from api.tinker.coalescer import Coalescer, Op
-from api.tinker.futures import FutureStore, Outcome, user_error
+from api.tinker.futures import FutureStore, Outcome, server_error, user_error
 from api.tinker.sampling import SglangSampler
+from service.tenant_tinker import LoraSpec, TinkerModel, checkpoint_lora
+from service.tinker_models import TinkerModels
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 KINDS = ("weights", "sampler_weights")
-ADMIT_TICK_S = 0.5  # how often models waiting for a trainer slot are retried when nothing else happens
 
 
 @dataclass
@@ -46,60 +56,91 @@ class ModelRecord:
     session_id: str
     model_id: str
     rank: int
+    model: TinkerModel
+
+
+def outcome_of(value: Any, error: BaseException | None, ok: Callable[[Any], Outcome]) -> Outcome:
+    """An operation's result as the SDK's future result: bad input (ValueError) is the caller's
+    ``user`` error, anything else a ``server`` error naming it."""
+    if error is None:
+        return ok(value)
+    if isinstance(error, ValueError):
+        return user_error(str(error))
+    return server_error(f"{type(error).__name__}: {error}")
 
 
 class TinkerService:
-    def __init__(self, backend: TinkerBackend, keys: TenantKeys, checkpoint_root: str | Path, *,
-                 window_s: float = 0.02, poll_s: float = 10.0, sampler: SglangSampler | None = None,
-                 session_timeout_s: float | None = 300.0):
+    def __init__(self, models: TinkerModels, keys: TenantKeys, checkpoint_root: str | Path, *,
+                 poll_s: float = 10.0, sampler: SglangSampler | None = None, session_timeout_s: float | None = 300.0,
+                 on_stop: Callable[[], None] | None = None):
         """``session_timeout_s``: a session without a heartbeat for this long (the SDK sends one
         every 10 s) has its models saved (``tinker://<model>/weights/expired-<unix time>``) and
-        their slots freed; None = never."""
-        self.backend = backend
+        their slots freed; None = never. ``on_stop``: called last by ``stop`` (a TinkerHost's close)."""
+        self.models = models
         self.session_timeout_s = session_timeout_s
         self._reaper = None
         self.sampler = sampler
         self.keys = keys
         self.checkpoint_root = Path(checkpoint_root)
         self.futures = FutureStore(poll_s=poll_s)
-        # Idle eviction (backend E1-E4) needs the coalescer's admit before each round and a tick
-        # that retries models waiting for a slot; a backend that never evicts needs neither.
-        # With the loop's train calls taking calls too (api/tinker/fleet_backend.py), the coalescer
-        # must know which models are resident (the loop takes only theirs) and the backend must
-        # evict only inside the coalescer's hold_idle (never a model with a queued or taken call).
-        evicts = getattr(backend, "idle_evict_s", None) is not None
-        self.coalescer = Coalescer(backend.forward_backward, self.futures, window_s=window_s,
-                                   admit=backend.admit if evicts else None, tick_s=ADMIT_TICK_S if evicts else None,
-                                   resident=backend.is_resident if evicts else None)
-        if evicts:
-            backend.hold_idle = self.coalescer.hold_idle
+        self.futures.reason_of = self._waiting_reason
         self.sessions: dict[str, Session] = {}
-        self.models: dict[str, ModelRecord] = {}
+        self.records: dict[str, ModelRecord] = {}
         self._tasks: set = set()
+        self._event_loop: asyncio.AbstractEventLoop | None = None
+        self._on_stop = on_stop
 
     async def start(self) -> None:
-        self.coalescer.start()
+        self._event_loop = asyncio.get_running_loop()
 
     async def stop(self) -> None:
         if self._reaper is not None:
             self._reaper.cancel()
-        await self.coalescer.stop()
         if self.sampler is not None:
             await self.sampler.aclose()
+        if self._on_stop is not None:
+            self._on_stop()
 
     def background(self, coro) -> None:  # noqa: ANN001 - a coroutine run on the serving loop
         """Run ``coro`` as a task that is kept referenced until it ends (sampling)."""
-        import asyncio
-
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     def metrics(self) -> dict[str, float]:
-        evicted = getattr(self.backend, "evicted", lambda: set())()
-        return {**self.coalescer.stats(), "models": len(self.models), "sessions": len(self.sessions),
-                "models_evicted": len(evicted), "models_waiting_for_slot": len(self.futures.waiting),
-                "evictions": getattr(self.backend, "evictions", 0), "restores": getattr(self.backend, "restores", 0)}
+        return {**self.models.stats(), "models": len(self.records), "sessions": len(self.sessions)}
+
+    def _waiting_reason(self, model_id: str) -> str | None:
+        record = self.records.get(model_id)
+        return record.model.waiting_reason if record is not None else None
+
+    # -- results: from the scheduler's thread to the serving loop ---------------------------------------
+
+    def done(self, request_id: str, ok: Callable[[Any], Outcome]) -> Callable[[Any, BaseException | None], None]:
+        """The ``done`` of an operation whose future is ``request_id``: called on the scheduler's
+        thread, it resolves the future on the serving loop."""
+        loop = self._event_loop or asyncio.get_running_loop()
+        self._event_loop = loop
+
+        def deliver(value: Any, error: BaseException | None) -> None:
+            outcome = outcome_of(value, error, ok)
+            try:
+                loop.call_soon_threadsafe(self.futures.resolve, request_id, outcome)
+            except RuntimeError:  # the serving loop closed: the service is stopping, nobody waits
+                pass
+
+        return deliver
+
+    def cancelled(self, request_id: str) -> Callable[[], bool]:
+        """Whether the future was answered meanwhile (cancelled by the client): its operation is dropped."""
+        def cancelled() -> bool:
+            entry = self.futures.entry(request_id)
+            return entry is None or entry.done.done()
+        return cancelled
+
+    def op_kw(self, request_id: str, ok: Callable[[Any], Outcome]) -> dict:
+        """The keyword arguments every queued operation takes: its done and cancelled."""
+        return {"done": self.done(request_id, ok), "cancelled": self.cancelled(request_id)}
 
     # -- ownership -----------------------------------------------------------------------------------
 
@@ -107,14 +148,10 @@ class TinkerService:
         sid = f"s-{uuid.uuid4().hex[:16]}"
         self.sessions[sid] = Session(tenant, sid)
         if self.session_timeout_s is not None and self._reaper is None:  # lazily, on the serving loop
-            import asyncio
-
             self._reaper = asyncio.get_running_loop().create_task(self._reap_forever(), name="tinker-session-reaper")
         return sid
 
     async def _reap_forever(self) -> None:
-        import asyncio
-
         while True:
             await asyncio.sleep(min(self.session_timeout_s / 4, 5.0))  # a periodic check, not a synchronization
             self.expire_sessions(time.monotonic())
@@ -123,15 +160,11 @@ class TinkerService:
         """Sessions silent for longer than the timeout: save each model, free its slot, forget the session."""
         expired = [s for s in self.sessions.values() if now - s.last_seen > self.session_timeout_s]
         for s in expired:
-            for m in [m for m in self.models.values() if m.session_id == s.session_id]:
+            for m in [m for m in self.records.values() if m.session_id == s.session_id]:
                 folder = self._folder(s.tenant, m.model_id, "weights", f"expired-{int(time.time())}")
-
-                def save_and_unload(m: ModelRecord = m, folder: Path = folder) -> Outcome:
-                    if not folder.exists():
-                        self.backend.save_state(m.model_id, folder)
-                    return self.unload(m.model_id)
-
-                self.coalescer.submit(Op(m.model_id, self.futures.create(s.tenant, m.model_id), run=save_and_unload))
+                rid = self.futures.create(s.tenant, m.model_id)
+                m.model.save_state(folder, **self.op_kw(rid, lambda _: Outcome(json={"type": "save_weights"})))
+                self._unload(m, self.futures.create(s.tenant, m.model_id))
             del self.sessions[s.session_id]
         return [s.session_id for s in expired]
 
@@ -142,7 +175,7 @@ class TinkerService:
         return s
 
     def model(self, tenant: str, model_id: str) -> ModelRecord:
-        m = self.models.get(model_id)
+        m = self.records.get(model_id)
         if m is None or m.tenant != tenant:
             raise HTTPException(404, f"unknown model {model_id}")
         return m
@@ -154,9 +187,9 @@ class TinkerService:
     # -- models ------------------------------------------------------------------------------------------
 
     def _lora_problem(self, body: wire.CreateModelRequest) -> str | None:
-        b = self.backend
-        if body.base_model != b.base_model:
-            return f"base_model {body.base_model!r} is not served here; this server trains {b.base_model!r}"
+        m = self.models
+        if body.base_model != m.base_model:
+            return f"base_model {body.base_model!r} is not served here; this server trains {m.base_model!r}"
         lc = body.lora_config
         if lc is None:
             return "only LoRA training is supported: send a lora_config"
@@ -165,40 +198,72 @@ class TinkerService:
                     "linears only; pass train_unembed=False")
         if not (lc.train_attn and lc.train_mlp):
             return "LoRA goes on both attention and MLP linears here: train_attn and train_mlp must be True"
-        if not 1 <= lc.rank <= b.max_rank:
-            return f"LoRA rank {lc.rank} not supported: 1..{b.max_rank} on this server"
+        if not 1 <= lc.rank <= m.max_rank:
+            return f"LoRA rank {lc.rank} not supported: 1..{m.max_rank} on this server"
         if body.optimizer_config and body.optimizer_config.get("type", "adamw") not in ("adam", "adamw"):
             return f"optimizer {body.optimizer_config.get('type')!r} not supported; only adamw"
         return None
 
-    async def _create(self, tenant: str, session_id: str, model_id: str, lora: LoraSpec) -> Outcome | None:
-        if model_id in self.models:
-            return user_error(f"model {model_id} exists (model_seq_id reused in this session)")
-        try:
-            await self.coalescer.run_now(lambda: self.backend.create(model_id, lora, tenant))
-        except ValueError as err:
-            return user_error(str(err))
-        self.models[model_id] = ModelRecord(tenant, session_id, model_id, lora.rank)
-        return None
+    def _create(self, tenant: str, session_id: str, model_id: str, lora: LoraSpec,
+                done: Callable[[BaseException | None], None]) -> ModelRecord | None:
+        """The model's record now, its admission at the scheduler's next placement (``done`` is told
+        how it went, on the scheduler's thread). None (and ``done`` not called) if the id is taken."""
+        if model_id in self.records:
+            return None
+        record: ModelRecord | None = None
 
-    async def create_model(self, tenant: str, body: wire.CreateModelRequest, model_id: str) -> Outcome:
+        def admitted(error: BaseException | None) -> None:
+            if error is not None and record is not None:
+                self.records.pop(model_id, None)  # refused: nothing of it stays
+            done(error)
+
+        record = ModelRecord(tenant, session_id, model_id, lora.rank, None)  # type: ignore[arg-type]
+        self.records[model_id] = record
+        record.model = self.models.create(model_id, tenant, lora, admitted)
+        return record
+
+    def create_model(self, tenant: str, body: wire.CreateModelRequest, model_id: str, request_id: str) -> None:
+        """Create a model; the future ``request_id`` answers once it holds a slot, or why not."""
         problem = self._lora_problem(body)
         if problem:
-            return user_error(problem)
+            self.futures.resolve(request_id, user_error(problem))
+            return
         seed = body.lora_config.seed if body.lora_config.seed is not None else secrets.randbits(31)
-        failed = await self._create(tenant, body.session_id, model_id, LoraSpec(body.lora_config.rank, seed))
-        return failed or Outcome(json={"type": "create_model", "model_id": model_id})
+        finish = self.done(request_id, lambda _: Outcome(json={"type": "create_model", "model_id": model_id}))
+        try:
+            created = self._create(tenant, body.session_id, model_id, LoraSpec(body.lora_config.rank, seed),
+                                    lambda error: finish(None, error))
+        except ValueError as err:
+            self.futures.resolve(request_id, user_error(str(err)))
+            return
+        if created is None:
+            self.futures.resolve(request_id, user_error(f"model {model_id} exists (model_seq_id reused in this session)"))
 
-    def unload(self, model_id: str) -> Outcome:
-        self.backend.release(model_id)
-        self.models.pop(model_id, None)
-        return Outcome(json={"type": "unload_model", "model_id": model_id})
+    def submit_unload(self, tenant: str, model_id: str, request_id: str) -> None:
+        self._unload(self.model(tenant, model_id), request_id)
+
+    def _unload(self, record: ModelRecord, request_id: str) -> None:
+        self.records.pop(record.model_id, None)  # no new operation is taken for it from now on
+        answer = {"type": "unload_model", "model_id": record.model_id}
+        record.model.unload(**self.op_kw(request_id, lambda _: Outcome(json=answer)))
+
+    def unload(self, model_id: str, timeout_s: float = 120.0) -> None:
+        """Unload a model and wait until it is gone (tests and admin tools; NOT from the serving loop)."""
+        record = self.records.pop(model_id, None)
+        if record is None:
+            return
+        finished = threading.Event()
+        errors: list[BaseException] = []
+        record.model.unload(done=lambda _, e: (errors.append(e) if e else None, finished.set()))
+        if not finished.wait(timeout_s):
+            raise TimeoutError(f"unloading {model_id} took longer than {timeout_s} s")
+        if errors:
+            raise errors[0]
 
     async def finish_session(self, tenant: str, session_id: str) -> None:
         self.session(tenant, session_id)
-        for m in [m for m in self.models.values() if m.session_id == session_id]:
-            rid = self.futures.create(tenant, m.model_id)
-            self.coalescer.submit(Op(m.model_id, rid, run=lambda mid=m.model_id: self.unload(mid), needs_slot=False))
+        for m in [m for m in self.records.values() if m.session_id == session_id]:
+            self._unload(m, self.futures.create(tenant, m.model_id))
         del self.sessions[session_id]
 
     # -- checkpoints -------------------------------------------------------------------------------------
@@ -218,7 +283,7 @@ class TinkerService:
         return folder
 
     def submit_save(self, tenant: str, body: wire.SaveWeightsRequest, kind: str) -> dict:
-        self.model(tenant, body.model_id)
+        record = self.model(tenant, body.model_id)
         rid = self.futures.create(tenant, body.model_id)
         answer = {"request_id": rid, "model_id": body.model_id}
         name = body.path or f"{kind}-{uuid.uuid4().hex[:8]}"
@@ -227,52 +292,57 @@ class TinkerService:
             return answer
         folder = self._folder(tenant, body.model_id, kind, name)
         path = f"tinker://{body.model_id}/{kind}/{name}"
-        save = self.backend.save_state if kind == "weights" else self.backend.save_sampler_weights
+        if folder.exists():
+            self.futures.resolve(rid, user_error(f"checkpoint {path} exists; choose another name"))
+            return answer
         wire_type = "save_weights" if kind == "weights" else "save_weights_for_sampler"
 
-        def run() -> Outcome:
-            if folder.exists():
-                return user_error(f"checkpoint {path} exists; choose another name")
-            save(body.model_id, folder)
-            answer = {"type": wire_type, "path": path}
+        def ok(_: Any) -> Outcome:
+            result = {"type": wire_type, "path": path}
             if kind == "sampler_weights" and body.sampling_session_seq_id is not None and self.sampler is not None:
-                answer["sampling_session_id"] = self.sampler.create_session(tenant, folder, path)
-            return Outcome(json=answer)
+                result["sampling_session_id"] = self.sampler.create_session(tenant, folder, path)
+            return Outcome(json=result)
 
-        self.coalescer.submit(Op(body.model_id, rid, run=run))
+        save = record.model.save_state if kind == "weights" else record.model.save_sampler_weights
+        save(folder, **self.op_kw(rid, ok))
         return answer
 
-    async def submit_load(self, tenant: str, body: wire.LoadWeightsRequest) -> dict:
+    def submit_load(self, tenant: str, body: wire.LoadWeightsRequest) -> dict:
         if body.model_id is not None:
-            model_id = self.model(tenant, body.model_id).model_id
+            record = self.model(tenant, body.model_id)
+            model_id = record.model_id
         elif body.session_id is not None and body.model_seq_id is not None:
             self.session(tenant, body.session_id)
             model_id = self.model_id(body.session_id, body.model_seq_id)
+            record = None
         else:
             raise HTTPException(400, "load_weights needs model_id, or session_id with model_seq_id")
         rid = self.futures.create(tenant, model_id)
         answer = {"request_id": rid, "model_id": model_id}
         try:
             folder = self.checkpoint_folder(tenant, body.path, kinds=("weights",))
-            if body.model_id is None:  # create-via-load: the model takes the checkpoint's LoRA shape
-                failed = await self._create(tenant, body.session_id, model_id, self.backend.checkpoint_lora(folder))
-                if failed:
-                    self.futures.resolve(rid, failed)
-                    return answer
+            if record is None:  # create-via-load: the model takes the checkpoint's LoRA shape
+                lora = checkpoint_lora(folder)
+
+                def admitted(error: BaseException | None) -> None:
+                    if error is not None:  # its queued load gets the reason too (the model's release)
+                        return
+
+                record = self._create(tenant, body.session_id, model_id, lora, admitted)
+                if record is None:
+                    raise ValueError(f"model {model_id} exists (model_seq_id reused in this session)")
         except ValueError as err:
             self.futures.resolve(rid, user_error(str(err)))
             return answer
+        created = body.model_id is None
+        finish = self.done(rid, lambda _: Outcome(json={"type": "load_weights", "path": body.path, "model_id": model_id}))
 
-        def run() -> Outcome:
-            try:
-                self.backend.load_state(model_id, folder, body.optimizer)
-            except ValueError as err:
-                if body.model_id is None:  # a model created for this load does not outlive it
-                    self.unload(model_id)
-                return user_error(str(err))
-            return Outcome(json={"type": "load_weights", "path": body.path, "model_id": model_id})
+        def loaded(value: Any, error: BaseException | None) -> None:
+            if error is not None and created and model_id in self.records:  # a model created for this load does not outlive it
+                self._unload(self.records[model_id], self.futures.create(tenant, model_id))
+            finish(value, error)
 
-        self.coalescer.submit(Op(model_id, rid, run=run))
+        record.model.load_state(folder, body.optimizer, done=loaded, cancelled=self.cancelled(rid))
         return answer
 
     # -- sampling ----------------------------------------------------------------------------------------
@@ -283,6 +353,6 @@ class TinkerService:
             raise ValueError("this server has no sampling engine (sampleable: false)")
         if model_path:
             return self.checkpoint_folder(tenant, model_path, kinds=("sampler_weights",))
-        if base_model != self.backend.base_model:
-            raise ValueError(f"base_model {base_model!r} is not served here; this server samples {self.backend.base_model!r}")
+        if base_model != self.models.base_model:
+            raise ValueError(f"base_model {base_model!r} is not served here; this server samples {self.models.base_model!r}")
         return None

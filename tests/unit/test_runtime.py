@@ -1,8 +1,8 @@
 """FleetRuntime (service/runtime_impl.py) step by step, driven by the real Controller over its SQLite
 registry, against FAKES of the trainer and the rollout worker (tests/fleet_fakes.py says what they do).
 
-Covered: a run's lifecycle (prepare with the controller's version, collect, train, publish, checkpoint,
-finish with ONE export write, release), a failed train call (nothing counted, SFT rows served again),
+Covered: a run's lifecycle (prepare with the controller's version, a round, publish, checkpoint,
+finish with ONE export write, release), a failed round (nothing counted, SFT rows served again),
 a lost trainer (TrainerLost, every run re-prepared from its checkpoint), a failed publish (reported by
 check_engines), a dead engine (restarted), staleness from the rollout buffer's stamps, drain,
 GET /v1/fleet's process list, and an RL run's exact total_steps over an estimated data file.
@@ -65,11 +65,20 @@ def rl(data: Path, **over) -> dict:
             "sampling": {"n_samples_per_prompt": 2, "max_new_tokens": 4}, "checkpoint_interval": 0, **over}
 
 
+def ready_of(runtime, *registration_ids):
+    """The scheduler's gather, over these runs only: (tenant, slot) of each that has a whole step ready."""
+    return [(t, slot) for t, slot, _ in runtime.scheduler.residents() if t.key in registration_ids and t.ready()]
+
+
+def round_of(runtime, *registration_ids):
+    """One round (FleetRuntime.train_round) over these runs: their ready steps in one trainer call."""
+    return runtime.train_round(ready_of(runtime, *registration_ids))
+
+
 def one_step(controller, runtime, registration_id: str):
-    """Collect, train, publish and record one step of one run, as the loop does."""
-    batch = runtime.collect_batch([registration_id], max_wait_s=0.01, poll_s=0.001)
-    assert not batch.empty
-    outcome = runtime.train(batch)
+    """One round, publish and record of one run's step, as the loop does."""
+    outcome = round_of(runtime, registration_id)
+    assert not outcome.empty
     (stepped,) = outcome.stepped
     version = controller.next_version()
     runtime.publish(registration_id, version)
@@ -88,9 +97,8 @@ def test_lifecycle_of_one_sft_run(fleet):
     assert trainer.slots[ref.slot] == {"registration": ref.registration_id, "step": 0}
     assert ref.weight_version is not None and runtime._run(ref.registration_id).weight_version == ref.weight_version
 
-    batch = runtime.collect_batch([ref.registration_id], max_wait_s=0.01)
-    assert len(batch.samples) == 4 and {s.registration for s in batch.samples} == {ref.registration_id}
-    outcome = runtime.train(batch)
+    outcome = round_of(runtime, ref.registration_id)
+    assert len(outcome.samples) == 4 and {s.registration for s in outcome.samples} == {ref.registration_id}
     assert [(s.step, s.samples) for s in outcome.stepped] == [(1, 4)] and outcome.failed == {}
     assert outcome.stepped[0].metrics["loss"] == 1.0
 
@@ -113,14 +121,15 @@ def test_a_failed_train_call_counts_nothing_and_serves_the_same_rows_again(fleet
     controller, runtime, trainer, _, data = fleet
     ref = controller.register("a", sft(data))
     controller.reconcile()
-    first = runtime.collect_batch([ref.registration_id], max_wait_s=0.01)
+    first = ready_of(runtime, ref.registration_id)
+    offered = first[0][0]._ready[1]  # the step the run offers: its samples, taken from its data
     trainer.fail_next = RuntimeError("CUDA out of memory (planted)")
     with pytest.raises(RuntimeError, match="planted"):
-        runtime.train(first)
+        runtime.train_round(first)
     assert trainer.slots[ref.slot]["step"] == 0
-    again = runtime.collect_batch([ref.registration_id], max_wait_s=0.01)
-    assert [s.tokens for s in again.samples] == [s.tokens for s in first.samples]  # given back, served first
-    assert [s.step for s in runtime.train(again).stepped] == [1]
+    again = round_of(runtime, ref.registration_id)
+    assert [s.tokens for s in again.samples] == [s.tokens for s in offered]  # given back, served first
+    assert [s.step for s in again.stepped] == [1]
 
 
 def test_a_lost_trainer_raises_trainer_lost_and_runs_resume_from_their_checkpoints(fleet):
@@ -135,9 +144,8 @@ def test_a_lost_trainer_raises_trainer_lost_and_runs_resume_from_their_checkpoin
     one_step(controller, runtime, a.registration_id)  # step 3 of a: not checkpointed
 
     trainer.kill()
-    batch = runtime.collect_batch([a.registration_id], max_wait_s=0.01)
     with pytest.raises(TrainerLost, match="FakeRankDied"):
-        runtime.train(batch)
+        round_of(runtime, a.registration_id)
     assert runtime.trainer_lost()
     lost = runtime.restart_trainer()
     assert sorted(lost) == sorted([a.registration_id, b.registration_id]) and runtime.runs() == []
@@ -183,8 +191,7 @@ def test_the_registry_says_served_only_once_the_publish_finished(fleet):
     before = controller.get("b").weight_version
     held = FakeRef(done=False)
     rollout.publish_version = lambda name, version, weights: held  # a publish the engines have not finished
-    batch = runtime.collect_batch([b.registration_id], max_wait_s=0.01, poll_s=0.001)
-    (s,) = runtime.train(batch).stepped
+    (s,) = round_of(runtime, b.registration_id).stepped
     version = controller.next_version()
     assert runtime.publish(b.registration_id, version) is True  # the engines load it in the background
     controller.record_step(b.registration_id, step=s.step, samples=s.samples, metrics=s.metrics, weight_version=version, served=False)
@@ -218,7 +225,7 @@ def test_training_goes_on_while_an_engine_restarts(fleet):
     controller.reconcile()
     rollout.engine_alive, rollout.hold_restart = False, True
     [event] = runtime.check_engines()
-    assert "restarting it" in event and runtime.restarting_engines() == [0]
+    assert "restarting it" in event and runtime.health.restarting_engines() == [0]
     assert not runtime.ready()["engine-0"].ok and "(restarting)" in runtime.ready()["engine-0"].detail
     one_step(controller, runtime, a.registration_id)
     one_step(controller, runtime, b.registration_id)  # groups generated before the engine died
@@ -227,7 +234,7 @@ def test_training_goes_on_while_an_engine_restarts(fleet):
     assert [c for c in rollout.calls if c[0] == "restart_engine"] == [("restart_engine", 0)]
     rollout.finish_restart()
     [event] = runtime.check_engines()
-    assert event.startswith("engine 0 was dead: restarted") and runtime.restarting_engines() == []
+    assert event.startswith("engine 0 was dead: restarted") and runtime.health.restarting_engines() == []
     assert runtime.ready()["engine-0"].ok
 
 
@@ -254,8 +261,7 @@ def test_rl_staleness_is_the_rollout_buffers_stamp(fleet):
     second = one_step(controller, runtime, b.registration_id)
     assert second.metrics["staleness_mean"] == 1.0
     # and two publishes behind: dropped by the buffer, never trained
-    third_batch = runtime.collect_batch([b.registration_id], max_wait_s=0.01)
-    assert third_batch.empty and rollout.adapters["b"].buffer.dropped_stale == 2
+    assert round_of(runtime, b.registration_id).empty and rollout.adapters["b"].buffer.dropped_stale == 2
 
 
 def test_drain_pauses_generation_and_checkpoints_every_live_run(fleet):

@@ -1,0 +1,135 @@
+"""The Tinker face's one handle on the scheduler: `TinkerModels`, and `TinkerHost` (a
+Tinker-only service over an in-process trainer, with rounds on a thread of its own).
+
+`TinkerModels` creates models (an admission at the scheduler's next placement: a free slot
+now, or one freed by evicting an idle tenant, else refused) and finds them; their operations
+go straight onto each model's queue (service/tenant_tinker.py). In the fleet, the training
+loop runs the rounds (service/loop.py); in `TinkerHost`, its round thread does. Either way the
+scheduler is the only thing that calls the trainer: api/tinker/ starts no thread of its own.
+
+Latency of a Tinker call (docs/tinker.md): a submission wakes the scheduler's wait at once; a
+call then waits at most `window_s` for calls of other models to join it, plus the round in
+progress when it came (the loop's train call, or a placement's swaps), plus its own round. It
+never waits for a dataset run's step: a round with a ready Tinker call does not wait for the
+other tenants beyond `window_s`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from service.registry import Registry
+from service.residency import ResidencyKnobs
+from service.scheduler import Admission, Scheduler
+from service.tenant_tinker import LoraSpec, TinkerModel
+from service.tenants import TenantKind
+from trainer.config import SlotHyperParams
+
+log = logging.getLogger(__name__)
+
+
+class TinkerModels:
+    def __init__(self, scheduler: Scheduler, *, base_model: str, tokenizer_id: str, max_rank: int, lora_alpha: float = 32.0,
+                 max_seq_len: int = 4096, dp: int = 1) -> None:
+        if dp != 1:
+            raise ValueError(f"the Tinker API needs trainer dp == 1 (per-model optim_step), this job has dp={dp}")
+        self.scheduler = scheduler
+        self.base_model = base_model  # the served base model's name (get_server_capabilities, create_model)
+        self.tokenizer_id = tokenizer_id  # what AutoTokenizer.from_pretrained loads offline
+        self.max_rank = max_rank
+        self.lora_alpha = lora_alpha
+        self.max_seq_len = max_seq_len
+
+    def create(self, model_id: str, owner: str, lora: LoraSpec, done: Callable[[BaseException | None], None]) -> TinkerModel:
+        """Queue the model's admission (any thread); `done(None)` once it holds an initialized slot,
+        `done(error)` when refused (NoFreeSlot: every slot held and none idle) or the init failed.
+        Operations may be queued on the returned model at once: they run after it is admitted."""
+        if not 1 <= lora.rank <= self.max_rank:
+            raise ValueError(f"LoRA rank {lora.rank} not supported: 1..{self.max_rank} on this server")
+        s = self.scheduler
+        model = TinkerModel(model_id, owner, lora, trainer=s.trainer, clock=s.clock, wake=s.notify, end=s.release)
+
+        def enter(slot: int) -> None:
+            s.trainer.init_slot(slot, SlotHyperParams(rank=lora.rank, alpha=self.lora_alpha), seed=lora.seed,
+                                registration=model_id)
+
+        def admitted(error: BaseException | None) -> None:
+            if error is not None:  # its queued operations get the reason, as the caller's error
+                model.release(f"model {model_id} was not created: {error}", error=ValueError)
+            done(error)
+
+        s.admit(Admission(model, enter, admitted))
+        return model
+
+    def get(self, model_id: str) -> TinkerModel | None:
+        t = self.scheduler.get(model_id)
+        return t if isinstance(t, TinkerModel) else None
+
+    def models(self) -> list[TinkerModel]:
+        return [t for t in self.scheduler.tenants(TenantKind.TINKER) if isinstance(t, TinkerModel)]
+
+    def stats(self) -> dict[str, float]:
+        """The Tinker gauges of GET /metrics (the scheduler's counters and the models' residency)."""
+        c = self.scheduler.counters
+        models = self.models()
+        resident = {h.key for h in self.scheduler.slot_holders().values()}
+        return {
+            "mixed_steps": c["mixed_steps"], "forward_backward_calls": c["forward_backward_calls"],
+            "coalescing_factor": c["forward_backward_calls"] / c["mixed_steps"] if c["mixed_steps"] else 0.0,
+            "largest_step": c["largest_step"], "joined_steps": c["joined_steps"], "joined_calls": c["joined_calls"],
+            "models_evicted": sum(1 for m in models if m.key not in resident),
+            "models_waiting_for_slot": sum(1 for m in models if m.waiting_reason is not None),
+            "evictions": c["evictions"], "restores": c["restores"],
+        }
+
+
+class TinkerHost:
+    """A Tinker-only service over an in-process trainer (tests, the CPU benchmark, the
+    single-process example in docs/tinker.md): a scheduler over a private registry, and a
+    thread that runs its rounds (place, the operations of evicted models that need no slot,
+    gather, one round), as the training loop does in the fleet."""
+
+    def __init__(self, trainer: Any, *, base_model: str, tokenizer_id: str, window_s: float = 0.02,
+                 max_seq_len: int = 4096, idle_evict_s: float | None = None, turn_steps: int = 4,
+                 clock: Callable[[], float] = time.monotonic, poll_s: float = 0.05) -> None:
+        cfg = trainer.config
+        self._dir = Path(tempfile.mkdtemp(prefix="lorafleet-tinker-host-"))  # its slot record (leases), gone at close
+        self.registry = Registry(self._dir / "slots.sqlite", cfg.num_slots)
+        knobs = ResidencyKnobs(idle_evict_s=math.inf if idle_evict_s is None else idle_evict_s, turn_steps=turn_steps)
+        self.scheduler = Scheduler(self.registry, trainer, knobs, max_seq_len=max_seq_len, window_s=window_s, clock=clock)
+        self.models = TinkerModels(self.scheduler, base_model=base_model, tokenizer_id=tokenizer_id, max_rank=cfg.max_rank,
+                                   max_seq_len=max_seq_len, dp=cfg.dp)
+        self.trainer = trainer
+        self.poll_s = poll_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._rounds, name="tinker-rounds", daemon=True)
+        self._thread.start()
+
+    def _rounds(self) -> None:
+        s = self.scheduler
+        while not self._stop.is_set():
+            try:
+                for event in s.place():
+                    log.info("%s", event)
+                s.run_unplaced()
+                ready = s.gather(max_wait_s=self.poll_s, stop=self._stop, poll_s=self.poll_s)
+                if ready:
+                    s.run_round(ready)
+            except Exception:  # noqa: BLE001 - a round's failure went to its callers; the host goes on
+                log.exception("Tinker round failed")
+
+    def close(self) -> None:
+        self._stop.set()
+        self.scheduler.notify()
+        self._thread.join(timeout=60)
+        for t in self.scheduler.clear():
+            t.release("the Tinker host stopped")
+        self.registry.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
