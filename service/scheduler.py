@@ -114,7 +114,9 @@ class Scheduler:
                  window_s: float = 0.02, clock: Callable[[], float] = time.monotonic,
                  is_lost: Callable[[BaseException], bool] = lambda e: False) -> None:
         """`trainer`: a trainer.core.MultiLoraTrainer or service.trainer_group.TrainerGroup (the same
-        interface). `is_lost(error)`: whether a trainer call's error means the trainer died."""
+        interface). `clock`: monotonic seconds for how long tenants have been idle (tests pass their
+        own; waits use the wall clock). `is_lost(error)`: whether a trainer call's error means the
+        trainer died."""
         self.registry = registry
         self.trainer = trainer
         self.knobs = knobs
@@ -360,12 +362,12 @@ class Scheduler:
         """The resident tenants with work for the next round (G1), in slot order: ACTIVE runs and
         models. Empty when nothing got ready within `max_wait_s`, or at once when placement has
         work (a model to create, a free slot and a waiter)."""
-        start = self.clock()
+        start = time.monotonic()  # waits are wall time; `clock` measures idleness only (tests move it)
         first_ready: float | None = None
         while True:
             residents = [(t, slot) for t, slot, state in self.residents() if state in (None, AdapterState.ACTIVE)]
             ready = [(t, slot) for t, slot in residents if t.ready()]
-            now = self.clock()
+            now = time.monotonic()
             if ready and first_ready is None:
                 first_ready = now
             tinker = any(t.kind == TenantKind.TINKER for t, _ in ready)

@@ -54,6 +54,7 @@ from trainer.peft_io import (
     slot_to_hf,
     write_peft_folder_packed,
 )
+from trainer.rounds import RiderSequence
 from trainer.per_slot_optim import AdamwColumns, adamw_apply, clip_coefficient, lr_at
 from trainer.safetensors_stream import file_order
 from trainer.slot_buffers import SlotBuffers
@@ -101,21 +102,6 @@ class TrainResult(BaseModel):
     stepped: list[int]  # slots that applied at least one update in this call
     skipped_nonfinite: list[int]
     dropped_foreign: dict[int, int]  # slot -> samples dropped for a registration mismatch
-
-
-@dataclass
-class RiderSequence:
-    """A tenant-driven sequence that rides in a train call beside the loop's samples (the
-    Tinker API's datums, trainer/tinker_ops.py), in the same packed micro-batches.
-
-    It brings its own per-position targets and loss; its gradient ACCUMULATES in its slot's
-    gradient rows. Its slot must not be trained by the call's batch, and it never steps in
-    the call: no statistics, no normalization, no optimizer (the tenant's optim_step does)."""
-
-    slot: int
-    tokens: list[int]
-    targets: list[int]  # targets[t]: the token position t predicts (one per token)
-    loss: Callable[[torch.Tensor], torch.Tensor]  # its [len(tokens)] log-probs (differentiable) -> scalar
 
 
 class MultiLoraTrainer:
@@ -558,9 +544,9 @@ class MultiLoraTrainer:
 
     def run_round(self, work):  # noqa: ANN001, ANN201 - trainer.rounds.RoundWork -> RoundResult
         """The scheduler's round on this rank: every tenant's work in one call (trainer/rounds.py)."""
-        from trainer.rounds import run_round
+        from trainer.tinker_ops import TinkerOps  # it imports nothing of this module's
 
-        return run_round(self, work)
+        return TinkerOps(self, max_seq_len=work.max_seq_len).run_round(work)
 
     def train(self, batch: TrainBatch | None, riders: list[RiderSequence] | None = None) -> TrainResult:
         """Forward/backward the batch (one mixed pass per micro-batch); step every slot whose

@@ -1,9 +1,9 @@
 """One round of the scheduler: every tenant's ready work in ONE trainer call.
 
-``run_round(trainer, work)`` is the trainer's whole interface to the service's scheduler
-(service/scheduler.py): the actor exposes it (trainer/actor.py ``TrainWorker.run_round``), the
-trainer group forwards it (service/trainer_group.py), and an in-process trainer calls it
-directly. A round carries:
+``MultiLoraTrainer.run_round(work)`` (executed by trainer/tinker_ops.py ``TinkerOps.run_round``)
+is the trainer's interface to the service's scheduler (service/scheduler.py): the actor exposes
+it (trainer/actor.py ``TrainWorker.run_round``), the trainer group forwards it
+(service/trainer_group.py), and an in-process trainer is called directly. A round carries:
 
 * ``batch``: the dataset-driven runs' samples (RL and SFT steps), stepped per slot as
   ``MultiLoraTrainer.train`` steps them;
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -82,6 +82,21 @@ class AdamStep:
 
 
 @dataclass
+class RiderSequence:
+    """A tenant-driven sequence that rides in a train call beside the loop's samples (the
+    Tinker API's datums, trainer/tinker_ops.py), in the same packed micro-batches.
+
+    It brings its own per-position targets and loss; its gradient ACCUMULATES in its slot's
+    gradient rows. Its slot must not be trained by the call's batch, and it never steps in
+    the call: no statistics, no normalization, no optimizer (the tenant's optim_step does)."""
+
+    slot: int
+    tokens: list[int]
+    targets: list[int]  # targets[t]: the token position t predicts (one per token)
+    loss: Callable[[torch.Tensor], torch.Tensor]  # its [len(tokens)] log-probs (differentiable) -> scalar
+
+
+@dataclass
 class RoundWork:
     batch: TrainBatch | None = None
     calls: list[Call] = field(default_factory=list)
@@ -101,26 +116,3 @@ class RoundResult:
     calls: list[CallResult] = field(default_factory=list)  # one per forward_backward call, in order
     forwards: list[CallResult] = field(default_factory=list)  # one per forward call, in order
     optim: list[dict[str, float] | str] = field(default_factory=list)  # per step: metrics, or its error
-
-
-def run_round(trainer: Any, work: RoundWork) -> RoundResult:
-    """The round on this rank (collective: every rank gets the same work)."""
-    from trainer.tinker_ops import TinkerOps  # the trainer's side (torch, Megatron); this module's types stay light
-
-    ops = TinkerOps(trainer, max_seq_len=work.max_seq_len)
-    out = RoundResult()
-    if work.forwards:
-        out.forwards = ops.forward(work.forwards)
-    batch = work.batch if work.batch is not None and work.batch.samples else None
-    if batch is not None or work.calls:
-        train, out.calls = ops.train_with(batch, work.calls)
-        if isinstance(train, ValueError):
-            out.refused = str(train)
-        else:
-            out.train = train
-    for slot, adam in work.optim:
-        try:
-            out.optim.append(ops.optim_step(slot, adam))
-        except ValueError as err:  # a bad parameter or a non-finite gradient: this step only
-            out.optim.append(str(err))
-    return out

@@ -24,19 +24,20 @@ Only dp == 1 for now (TP is fine: every rank runs the same calls).
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from trainer.batch import TrainBatch
-from trainer.core import MultiLoraTrainer, RiderSequence, TrainResult
-from trainer.rounds import AdamStep, Call, CallResult, Datum  # noqa: F401 - the Tinker calls' types live there
+from trainer.rounds import AdamStep, Call, CallResult, Datum, RiderSequence, RoundResult, RoundWork  # noqa: F401 - the types live there
 from trainer.packing import split_by_token_budget
 from trainer.tinker_losses import LossSpec, check_inputs, resolve_loss
 
 
 class TinkerOps:
-    def __init__(self, trainer: MultiLoraTrainer, *, max_seq_len: int = 4096):
+    def __init__(self, trainer: Any, *, max_seq_len: int = 4096):
+        """`trainer`: a trainer.core.MultiLoraTrainer (not imported here: trainer/rounds.py, which the
+        core imports, imports this module)."""
         self.trainer = trainer
         self.max_seq_len = max_seq_len
 
@@ -74,7 +75,7 @@ class TinkerOps:
         return self.train_with(None, calls)[1]
 
     def train_with(self, batch: TrainBatch | None,
-                   calls: list[Call]) -> tuple[TrainResult | ValueError | None, list[CallResult]]:
+                   calls: list[Call]) -> tuple[Any, list[CallResult]]:
         """ONE mixed step: the loop's ``batch`` (stepped as ``MultiLoraTrainer.train`` steps it) and
         the calls' datums (gradients accumulating, no step) in the same packed micro-batches.
 
@@ -161,3 +162,25 @@ class TinkerOps:
             raise ValueError(f"the accumulated gradient is not finite (norm {report['grad_norm']}); "
                              "it was discarded and the weights are unchanged")
         return {"grad_norm": report["grad_norm"], "step": float(report["step"])}
+
+    # -- the scheduler's round (trainer/rounds.py) -------------------------------------------------
+
+    def run_round(self, work: RoundWork) -> RoundResult:
+        """Forwards, then the mixed pass (the batch and the forward_backward calls), then the
+        optimizer steps in order; each part's failure answers only itself (trainer/rounds.py)."""
+        out = RoundResult()
+        if work.forwards:
+            out.forwards = self.forward(work.forwards)
+        batch = work.batch if work.batch is not None and work.batch.samples else None
+        if batch is not None or work.calls:
+            train, out.calls = self.train_with(batch, work.calls)
+            if isinstance(train, ValueError):
+                out.refused = str(train)
+            else:
+                out.train = train
+        for slot, adam in work.optim:
+            try:
+                out.optim.append(self.optim_step(slot, adam))
+            except ValueError as err:  # a bad parameter or a non-finite gradient: this step only
+                out.optim.append(str(err))
+        return out

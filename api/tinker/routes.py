@@ -66,7 +66,7 @@ def tinker_router(service: TinkerService) -> APIRouter:
     @r.get("/get_server_capabilities")
     async def capabilities(request: Request) -> dict:
         tenant(request)
-        b = service.models
+        b = service.fleet
         return {"supported_models": [{"model_name": b.base_model, "max_context_length": b.max_seq_len,
                                       "trainable": True, "sampleable": service.sampler is not None}]}
 
@@ -98,7 +98,7 @@ def tinker_router(service: TinkerService) -> APIRouter:
     @r.post("/get_info")
     async def get_info(body: wire.ModelRequest, request: Request) -> dict:
         m = service.model(tenant(request), body.model_id)
-        b = service.models
+        b = service.fleet
         return {"type": "get_info", "model_id": m.model_id, "is_lora": True, "lora_rank": m.rank,
                 "model_name": b.base_model,
                 "model_data": {"arch": "lorafleet", "model_name": b.base_model, "tokenizer_id": b.tokenizer_id}}
@@ -166,7 +166,7 @@ def tinker_router(service: TinkerService) -> APIRouter:
             lora = checkpoint_lora(folder)
         except ValueError as err:
             raise HTTPException(404, str(err)) from None
-        return {"base_model": service.models.base_model, "is_lora": True, "lora_rank": lora.rank,
+        return {"base_model": service.fleet.base_model, "is_lora": True, "lora_rank": lora.rank,
                 "train_unembed": False, "train_mlp": True, "train_attn": True}
 
     # -- sampling ---------------------------------------------------------------------------------
@@ -187,7 +187,7 @@ def tinker_router(service: TinkerService) -> APIRouter:
         s = service.sampler.session(tenant(request), sampler_id) if service.sampler else None
         if s is None:
             raise HTTPException(404, f"unknown sampler {sampler_id}")
-        return {"sampler_id": sampler_id, "base_model": service.models.base_model, "model_path": s.model_path}
+        return {"sampler_id": sampler_id, "base_model": service.fleet.base_model, "model_path": s.model_path}
 
     @r.post("/asample")
     async def asample(body: wire.SampleRequest, request: Request) -> dict:

@@ -33,6 +33,7 @@ from api.tinker import wire
 from api.tinker.auth import TenantKeys
 from api.tinker.futures import FutureStore, Outcome, server_error, user_error
 from api.tinker.sampling import SglangSampler
+from service.errors import LorafleetError
 from service.tenant_tinker import LoraSpec, TinkerModel, checkpoint_lora
 from service.tinker_models import TinkerModels
 
@@ -60,23 +61,24 @@ class ModelRecord:
 
 
 def outcome_of(value: Any, error: BaseException | None, ok: Callable[[Any], Outcome]) -> Outcome:
-    """An operation's result as the SDK's future result: bad input (ValueError) is the caller's
-    ``user`` error, anything else a ``server`` error naming it."""
+    """An operation's result as the SDK's future result: bad input (ValueError) and what a tenant can
+    cause (service.errors: no free slot, a conflict) are the caller's ``user`` error, anything else a
+    ``server`` error naming it."""
     if error is None:
         return ok(value)
-    if isinstance(error, ValueError):
+    if isinstance(error, (ValueError, LorafleetError)):
         return user_error(str(error))
     return server_error(f"{type(error).__name__}: {error}")
 
 
 class TinkerService:
-    def __init__(self, models: TinkerModels, keys: TenantKeys, checkpoint_root: str | Path, *,
+    def __init__(self, fleet: TinkerModels, keys: TenantKeys, checkpoint_root: str | Path, *,
                  poll_s: float = 10.0, sampler: SglangSampler | None = None, session_timeout_s: float | None = 300.0,
                  on_stop: Callable[[], None] | None = None):
         """``session_timeout_s``: a session without a heartbeat for this long (the SDK sends one
         every 10 s) has its models saved (``tinker://<model>/weights/expired-<unix time>``) and
         their slots freed; None = never. ``on_stop``: called last by ``stop`` (a TinkerHost's close)."""
-        self.models = models
+        self.fleet = fleet  # the models as tenants of the scheduler (service/tinker_models.py)
         self.session_timeout_s = session_timeout_s
         self._reaper = None
         self.sampler = sampler
@@ -85,7 +87,7 @@ class TinkerService:
         self.futures = FutureStore(poll_s=poll_s)
         self.futures.reason_of = self._waiting_reason
         self.sessions: dict[str, Session] = {}
-        self.records: dict[str, ModelRecord] = {}
+        self.models: dict[str, ModelRecord] = {}
         self._tasks: set = set()
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._on_stop = on_stop
@@ -108,10 +110,10 @@ class TinkerService:
         task.add_done_callback(self._tasks.discard)
 
     def metrics(self) -> dict[str, float]:
-        return {**self.models.stats(), "models": len(self.records), "sessions": len(self.sessions)}
+        return {**self.fleet.stats(), "models": len(self.models), "sessions": len(self.sessions)}
 
     def _waiting_reason(self, model_id: str) -> str | None:
-        record = self.records.get(model_id)
+        record = self.models.get(model_id)
         return record.model.waiting_reason if record is not None else None
 
     # -- results: from the scheduler's thread to the serving loop ---------------------------------------
@@ -160,7 +162,7 @@ class TinkerService:
         """Sessions silent for longer than the timeout: save each model, free its slot, forget the session."""
         expired = [s for s in self.sessions.values() if now - s.last_seen > self.session_timeout_s]
         for s in expired:
-            for m in [m for m in self.records.values() if m.session_id == s.session_id]:
+            for m in [m for m in self.models.values() if m.session_id == s.session_id]:
                 folder = self._folder(s.tenant, m.model_id, "weights", f"expired-{int(time.time())}")
                 rid = self.futures.create(s.tenant, m.model_id)
                 m.model.save_state(folder, **self.op_kw(rid, lambda _: Outcome(json={"type": "save_weights"})))
@@ -175,7 +177,7 @@ class TinkerService:
         return s
 
     def model(self, tenant: str, model_id: str) -> ModelRecord:
-        m = self.records.get(model_id)
+        m = self.models.get(model_id)
         if m is None or m.tenant != tenant:
             raise HTTPException(404, f"unknown model {model_id}")
         return m
@@ -187,7 +189,7 @@ class TinkerService:
     # -- models ------------------------------------------------------------------------------------------
 
     def _lora_problem(self, body: wire.CreateModelRequest) -> str | None:
-        m = self.models
+        m = self.fleet
         if body.base_model != m.base_model:
             return f"base_model {body.base_model!r} is not served here; this server trains {m.base_model!r}"
         lc = body.lora_config
@@ -208,18 +210,18 @@ class TinkerService:
                 done: Callable[[BaseException | None], None]) -> ModelRecord | None:
         """The model's record now, its admission at the scheduler's next placement (``done`` is told
         how it went, on the scheduler's thread). None (and ``done`` not called) if the id is taken."""
-        if model_id in self.records:
+        if model_id in self.models:
             return None
         record: ModelRecord | None = None
 
         def admitted(error: BaseException | None) -> None:
             if error is not None and record is not None:
-                self.records.pop(model_id, None)  # refused: nothing of it stays
+                self.models.pop(model_id, None)  # refused: nothing of it stays
             done(error)
 
         record = ModelRecord(tenant, session_id, model_id, lora.rank, None)  # type: ignore[arg-type]
-        self.records[model_id] = record
-        record.model = self.models.create(model_id, tenant, lora, admitted)
+        self.models[model_id] = record
+        record.model = self.fleet.create(model_id, tenant, lora, admitted)
         return record
 
     def create_model(self, tenant: str, body: wire.CreateModelRequest, model_id: str, request_id: str) -> None:
@@ -243,18 +245,31 @@ class TinkerService:
         self._unload(self.model(tenant, model_id), request_id)
 
     def _unload(self, record: ModelRecord, request_id: str) -> None:
-        self.records.pop(record.model_id, None)  # no new operation is taken for it from now on
+        """Queue the unload (after the model's earlier operations); its record goes once it ran
+        (operations sent after it are refused by the model: it has ended)."""
         answer = {"type": "unload_model", "model_id": record.model_id}
-        record.model.unload(**self.op_kw(request_id, lambda _: Outcome(json=answer)))
+
+        def ok(_: Any) -> Outcome:
+            self.models.pop(record.model_id, None)
+            return Outcome(json=answer)
+
+        record.model.unload(**self.op_kw(request_id, ok))
 
     def unload(self, model_id: str, timeout_s: float = 120.0) -> None:
         """Unload a model and wait until it is gone (tests and admin tools; NOT from the serving loop)."""
-        record = self.records.pop(model_id, None)
+        record = self.models.get(model_id)
         if record is None:
             return
         finished = threading.Event()
         errors: list[BaseException] = []
-        record.model.unload(done=lambda _, e: (errors.append(e) if e else None, finished.set()))
+
+        def done(_: Any, error: BaseException | None) -> None:
+            self.models.pop(model_id, None)
+            if error is not None:
+                errors.append(error)
+            finished.set()
+
+        record.model.unload(done=done)
         if not finished.wait(timeout_s):
             raise TimeoutError(f"unloading {model_id} took longer than {timeout_s} s")
         if errors:
@@ -262,7 +277,7 @@ class TinkerService:
 
     async def finish_session(self, tenant: str, session_id: str) -> None:
         self.session(tenant, session_id)
-        for m in [m for m in self.records.values() if m.session_id == session_id]:
+        for m in [m for m in self.models.values() if m.session_id == session_id]:
             self._unload(m, self.futures.create(tenant, m.model_id))
         del self.sessions[session_id]
 
@@ -338,8 +353,8 @@ class TinkerService:
         finish = self.done(rid, lambda _: Outcome(json={"type": "load_weights", "path": body.path, "model_id": model_id}))
 
         def loaded(value: Any, error: BaseException | None) -> None:
-            if error is not None and created and model_id in self.records:  # a model created for this load does not outlive it
-                self._unload(self.records[model_id], self.futures.create(tenant, model_id))
+            if error is not None and created and model_id in self.models:  # a model created for this load does not outlive it
+                self._unload(self.models[model_id], self.futures.create(tenant, model_id))
             finish(value, error)
 
         record.model.load_state(folder, body.optimizer, done=loaded, cancelled=self.cancelled(rid))
@@ -353,6 +368,6 @@ class TinkerService:
             raise ValueError("this server has no sampling engine (sampleable: false)")
         if model_path:
             return self.checkpoint_folder(tenant, model_path, kinds=("sampler_weights",))
-        if base_model != self.models.base_model:
-            raise ValueError(f"base_model {base_model!r} is not served here; this server samples {self.models.base_model!r}")
+        if base_model != self.fleet.base_model:
+            raise ValueError(f"base_model {base_model!r} is not served here; this server samples {self.fleet.base_model!r}")
         return None

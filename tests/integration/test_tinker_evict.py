@@ -1,4 +1,4 @@
-"""Idle eviction of Tinker models (api/tinker/backend.py E1-E4) with the official SDK against
+"""Keep-warm eviction of Tinker models (the scheduler's one policy, service/residency.py) with the official SDK against
 the Tinker routes on loopback, over an in-process trainer with ONE slot (tiny world, fp32 CPU).
 
 The idle threshold is measured on a test-owned clock (``StepClock``: a number the test moves
@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from tests.integration.sdk_clients import close_sdk_clients  # noqa: F401 - autouse fixture
+from tests.integration.tinker_views import evicted, scheduler, slot_of, trainer, waiting
 from tests.integration.test_tinker_sdk import BASE, KEYS, MAX_SEQ, client, sft_data, slot_state, train, training_client
 from tests.waiting import wait_until
 
@@ -30,7 +31,7 @@ ADAM = dict(learning_rate=1e-2, weight_decay=0.01, grad_clip_norm=5.0)
 
 
 class StepClock:
-    """A monotonic clock the test moves by hand (the backend's idle measure)."""
+    """A monotonic clock the test moves by hand (the scheduler's idle measure)."""
 
     def __init__(self) -> None:
         self.now = 1000.0
@@ -58,53 +59,52 @@ def world(tiny_world, tmp_path_factory):
 
 def test_idle_model_evicted_and_returns_bit_exact(world, tiny_world):
     svc, url, clock = world
-    backend = svc.backend
     twin = training_client(client(url, "t0"), seed=21)
     data = sft_data(twin.get_tokenizer(), tiny_world, 60, 4)
     train(twin, data, 4, ADAM)
     want = {k: v.clone() for k, v in slot_state(svc, twin.model_id).items()}
-    assert backend.trainer.slots[backend._slots[twin.model_id]].step == 4
+    assert trainer(svc).slots[slot_of(svc, twin.model_id)].step == 4
     svc.unload(twin.model_id)
 
     a = training_client(client(url, "t0"), seed=21)
     train(a, data, 2, ADAM)
     sc_b = client(url, "t1")
-    with pytest.raises(Exception, match="no free trainer slot: all 1 are in use"):
+    with pytest.raises(Exception, match="no free trainer slot: all 1 slots are held"):
         training_client(sc_b, seed=5)  # A called just now: not idle, keeps its slot (E1)
-    assert a.model_id in backend._slots and not backend.evicted()
+    assert slot_of(svc, a.model_id) is not None and not evicted(svc)
 
     clock.idle_everyone()
     b = training_client(sc_b, seed=5)  # A idle: swapped out for B
-    assert backend.evicted() == {a.model_id} and b.model_id in backend._slots
-    assert backend.trainer.swapped()["keys"] == [backend._swap_key(a.model_id)]
+    assert evicted(svc) == {a.model_id} and slot_of(svc, b.model_id) is not None
+    assert trainer(svc).swapped()["keys"] == [a.model_id]
     train(b, sft_data(b.get_tokenizer(), tiny_world, 0, 3), 1, ADAM)
 
     fb = a.forward_backward(data, "cross_entropy")  # B was just called: A waits for the slot (E2)
-    wait_until(lambda: a.model_id in svc.futures.waiting, "A to wait for a slot", timeout_s=120.0)
+    wait_until(lambda: a.model_id in waiting(svc), "A to wait for a slot", timeout_s=120.0)
     with httpx.Client(base_url=url + "/api/v1", timeout=60) as http:
         pending = [r for r, e in svc.futures._entries.items() if e.model_id == a.model_id and not e.done.done()]
         body = http.post("retrieve_future", headers={"X-API-Key": KEYS["t0"]}, json={"request_id": pending[0]}).json()
     assert body["type"] == "try_again" and body["queue_state"] == "paused_capacity", body
     assert "waiting for a trainer slot" in body["queue_state_reason"], body
-    assert a.model_id in backend.evicted()
+    assert a.model_id in evicted(svc)
 
-    clock.idle_everyone()  # now B is idle: the coalescer's tick brings A back, evicting B
+    clock.idle_everyone()  # now B is idle: the next placement brings A back, evicting B
     fb.result(timeout=120)
     from tinker import types
 
     a.optim_step(types.AdamParams(**ADAM)).result()
     train(a, data, 1, ADAM)
-    assert backend.evicted() == {b.model_id}
+    assert evicted(svc) == {b.model_id}
     got = slot_state(svc, a.model_id)
-    assert backend.trainer.slots[backend._slots[a.model_id]].step == 4
+    assert trainer(svc).slots[slot_of(svc, a.model_id)].step == 4
     diff = [k for k in want if not torch.equal(want[k], got[k])]
     assert not diff, f"evicted-and-restored A differs from its uninterrupted twin in {diff[:4]}"
     assert any(want[k].abs().max() > 0 for k in want if k.startswith("exp_avg_sq"))  # the moments were compared
-    assert backend.evictions == 2 and backend.restores == 1
+    assert scheduler(svc).counters["evictions"] == 2 and scheduler(svc).counters["restores"] == 1
     m = svc.metrics()
     assert m["models_evicted"] == 1 and m["evictions"] == 2 and m["restores"] == 1, m
 
     svc.unload(b.model_id)  # evicted: its snapshot is forgotten, no slot taken
-    assert b.model_id not in backend.evicted() and backend.trainer.swapped()["keys"] == []
-    assert b.model_id not in backend._slots
+    assert b.model_id not in evicted(svc) and trainer(svc).swapped()["keys"] == []
+    assert slot_of(svc, b.model_id) is None
     svc.unload(a.model_id)

@@ -115,4 +115,4 @@ def test_the_runtime_publishes_in_the_engines_dtype(tiny_world, tmp_path, accele
         "engines": EngineConfig.model_validate(job.engines.model_dump() | {"weight_transfer": "disk"} | engines),
     })
     runtime = FleetRuntime(job, load_settings(state_dir=tmp_path / "state"), trainer=FakeTrainer(), rollout=None)
-    assert runtime._publish_dtype == expected
+    assert runtime.publisher.dtype == expected

@@ -17,14 +17,18 @@ from service.config import SlotCapacity, load_settings
 from service.controller import Controller
 from service.errors import BadValue, Conflict, NoFreeSlot, NotFound
 from service.registry import AdapterState as S
-from service.residency import Resident
 from service.runtime import ComponentHealth, Finished, Prepared, RuntimeStats, run_dir
+from service.scheduler import Scheduler
+from service.tenants import TenantKind
 
 pytestmark = pytest.mark.unit
 
 
 class ScriptedRuntime:
-    """FAKE runtime (see module doc): `fail_on[(method, name)] = message` makes that call raise."""
+    """FAKE runtime (see module doc): `fail_on[(method, name)] = message` makes that call raise. Its
+    scheduler is the real one (service/scheduler.py) over the controller's registry; the trainer the
+    scheduler swaps through is this fake too (swap_out records "evict", swap_in "restore"), and each
+    prepared run is a scripted tenant whose steps and readiness the test sets (`steps_in`, `ready_step`)."""
 
     def __init__(self, state_dir: Path) -> None:
         self.state_dir = state_dir
@@ -35,6 +39,12 @@ class ScriptedRuntime:
         self.steps_in: dict[str, int] = {}  # name -> steps since it came in (what the policy reads); resident runs only
         self.ready_step: dict[str, bool] = {}  # name -> a whole step is ready (default True)
         self.names: dict[str, str] = {}  # registration id -> name
+        self.scheduler: Scheduler | None = None
+
+    def attach(self, registry, knobs):
+        if self.scheduler is None:  # a clock at 0: the scripted tenants are never idle (only turns evict)
+            self.scheduler = Scheduler(registry, _ScriptedTrainer(self), knobs, clock=lambda: 0.0)
+        return self.scheduler
 
     def _call(self, method: str, ref) -> None:
         self.calls.append((method, ref.name))
@@ -46,6 +56,7 @@ class ScriptedRuntime:
         self.versions[ref.name] = weight_version
         self.steps_in[ref.name] = 0
         self.names[ref.registration_id] = ref.name
+        self.scheduler.add(_ScriptedTenant(self, ref.registration_id, ref.name, float(len(self.names))))
         return Prepared(step=ref.checkpoint_step or 0)
 
     def finish_adapter(self, ref):
@@ -61,21 +72,7 @@ class ScriptedRuntime:
     def release_adapter(self, ref):
         self._call("release", ref)
         self.steps_in.pop(ref.name, None)
-
-    def residents(self):
-        return [Resident(rid, 0.0, self.ready_step.get(n, True), self.steps_in[n], float(i))
-                for i, (rid, n) in enumerate(self.names.items()) if n in self.steps_in]
-
-    def wants_slot(self, ref):
-        return self.ready_step.get(ref.name, True)
-
-    def evict(self, ref):
-        self._call("evict", ref)
-        del self.steps_in[ref.name]
-
-    def restore(self, ref):
-        self._call("restore", ref)
-        self.steps_in[ref.name] = 0
+        self.scheduler.remove(ref.registration_id)
 
     def abort(self, ref):
         self._call("abort", ref)
@@ -86,6 +83,64 @@ class ScriptedRuntime:
 
     def stats(self):
         return RuntimeStats(queue_depth={"a": 2})
+
+
+class _ScriptedTrainer:
+    """What the scheduler swaps through (FAKE): evict / restore recorded on the runtime's calls."""
+
+    def __init__(self, rt: ScriptedRuntime) -> None:
+        self.rt = rt
+
+    def _ref(self, key: str):
+        return type("Ref", (), {"name": self.rt.names[key]})
+
+    def swap_out(self, slot, key):
+        self.rt._call("evict", self._ref(key))
+        del self.rt.steps_in[self.rt.names[key]]
+        return {}
+
+    def swap_in(self, slot, key):
+        self.rt._call("restore", self._ref(key))
+        self.rt.steps_in[self.rt.names[key]] = 0
+        return {}
+
+
+class _ScriptedTenant:
+    """A prepared run as the scheduler sees it (FAKE): its counters are the runtime's scripted ones."""
+
+    kind = TenantKind.SFT
+    owner = None
+
+    def __init__(self, rt: ScriptedRuntime, key: str, name: str, order: float) -> None:
+        self.rt, self.key, self.name, self.last_active = rt, key, name, order
+
+    @property
+    def steps_in(self) -> int:
+        return self.rt.steps_in.get(self.name, 0)
+
+    def ready(self) -> bool:
+        return self.rt.ready_step.get(self.name, True)
+
+    wants_slot = ready
+
+    def on_evicted(self) -> None:
+        pass
+
+    def on_restored(self) -> None:
+        pass
+
+    def release(self, reason=None) -> None:
+        pass
+
+
+def reconcile(controller, rt: ScriptedRuntime):
+    """The loop's steps 1a and 1b: the scheduler's placement (runs it could not keep are failed), then
+    the controller's reconcile; its changes."""
+    if rt.scheduler is not None:
+        rt.scheduler.place()
+        for registration_id, reason in rt.scheduler.take_failures().items():
+            controller.fail(registration_id, reason)
+    return controller.reconcile()
 
 
 @pytest.fixture
@@ -141,24 +196,24 @@ def test_reconcile_lifecycle_and_slot_reuse(world, tmp_path):
     controller.attach_runtime(rt)
     a = controller.register("a", cfg(data))
     b = controller.register("b", cfg(data))
-    changes = controller.reconcile()
+    changes = reconcile(controller, rt)
     assert [(c.name, c.from_state, c.to_state) for c in changes] == [("a", S.PENDING, S.ACTIVE), ("b", S.PENDING, S.ACTIVE)]
     # the controller assigned each run's first version, passed it in and recorded it (never reused)
     assert controller.get("a").weight_version == rt.versions["a"] != rt.versions["b"] == controller.get("b").weight_version
     assert controller.abort("a") == 3
     queued = controller.register("c", cfg(data))  # beyond the slots: accepted, waits in the queue
     assert (queued.state, queued.slot, queued.queue_position) == (S.PENDING, None, 1)
-    assert controller.reconcile() == [] and controller.get("c").queue_position == 1  # nothing freed: it waits
+    assert reconcile(controller, rt) == [] and controller.get("c").queue_position == 1  # nothing freed: it waits
     controller.record_step(a.registration_id, step=1, samples=16, metrics={"loss": 0.5, "reward_mean": 0.2})
     controller.retire("a")
     with pytest.raises(Conflict, match="already retiring"):
         controller.retire("a")
-    changes = controller.reconcile()
+    changes = reconcile(controller, rt)
     assert [(c.name, c.to_state) for c in changes] == [("a", S.CLEANUP), ("a", S.COMPLETED)]
     done = controller.get("a")
     assert done.slot is None and done.step == 1 and Path(done.export_path, "adapter_config.json").is_file()
     assert controller.get("c").queue_position == 1  # a's slot is released first; the next pass binds it
-    assert [(ch.name, ch.to_state) for ch in controller.reconcile()] == [("c", S.ACTIVE)]
+    assert [(ch.name, ch.to_state) for ch in reconcile(controller, rt)] == [("c", S.ACTIVE)]
     c = controller.get("c")  # a's slot, its own version
     assert c.slot == a.slot and c.queue_position is None and c.slot_version > b.slot_version
     assert rt.calls == [("prepare", "a"), ("prepare", "b"), ("abort", "a"), ("finish", "a"), ("release", "a"), ("prepare", "c")]
@@ -176,13 +231,13 @@ def test_one_adapter_failing_leaves_the_others(world, tmp_path):
     controller.attach_runtime(rt)
     controller.register("a", cfg(data))
     controller.register("b", cfg(data))
-    controller.reconcile()
+    reconcile(controller, rt)
     a = controller.get("a")
     assert a.state == S.FAILED and a.slot is None
     assert a.failure_reason == "prepare_adapter failed: RuntimeError: init_from weights have the wrong shape"
     assert controller.get("b").state == S.ACTIVE
     controller.retire("b")
-    controller.reconcile()
+    reconcile(controller, rt)
     b = controller.get("b")
     assert b.state == S.FAILED and "lacks ['adapter_config.json', 'adapter_model.safetensors']" in b.failure_reason
     assert ("release", "a") in rt.calls and ("release", "b") in rt.calls
@@ -196,7 +251,7 @@ def test_restart_reprepares_live_runs(world, tmp_path):
     a = controller.register("a", cfg(data))
     controller.register("never", cfg(data))
     controller.retire("never")  # retired before it trained: completes without export
-    controller.reconcile()
+    reconcile(controller, rt)
     controller.record_checkpoint(a.registration_id, "/ckpt/a", step=4)
     settings, capacity = controller.settings, controller.capacity
     controller.close()
@@ -206,7 +261,7 @@ def test_restart_reprepares_live_runs(world, tmp_path):
         rt2 = ScriptedRuntime(tmp_path / "state")
         again.attach_runtime(rt2)
         assert again.get("never").state == S.COMPLETED and again.get("never").export_path is None
-        assert again.reconcile() == []  # ACTIVE stays ACTIVE, but its slot is restored
+        assert reconcile(again, rt2) == []  # ACTIVE stays ACTIVE, but its slot is restored
         assert rt2.calls == [("prepare", "a")]
         assert again.get("a").step == 4  # resumed from the checkpoint the runtime reported
     finally:
@@ -218,9 +273,9 @@ def test_fail_from_the_loop_releases_on_next_pass(world, tmp_path):
     rt = ScriptedRuntime(tmp_path / "state")
     controller.attach_runtime(rt)
     a = controller.register("a", cfg(data))
-    controller.reconcile()
+    reconcile(controller, rt)
     controller.fail(a.registration_id, "reward crashed 5 times in a row")
-    controller.reconcile()
+    reconcile(controller, rt)
     assert rt.calls == [("prepare", "a"), ("release", "a")]
     snap = controller.snapshot()
     assert snap.free_slots == 2 and snap.runtime.queue_depth == {"a": 2}
@@ -239,16 +294,16 @@ def test_queue_bound_and_retiring_a_queued_run(world, tmp_path):
             controller.register(name, cfg(data))
         with pytest.raises(NoFreeSlot, match="max_live_runs is 3"):
             controller.register("d", cfg(data))
-        controller.reconcile()
+        reconcile(controller, rt)
         assert [(r.name, r.state, r.slot, r.queue_position) for r in controller.list()] == [
             ("a", S.ACTIVE, 0, None), ("b", S.PENDING, None, 1), ("c", S.PENDING, None, 2)]
         controller.retire("b")
-        controller.reconcile()
+        reconcile(controller, rt)
         assert controller.get("b").state == S.COMPLETED and controller.get("b").export_path is None
         assert controller.get("c").queue_position == 1
         controller.register("d", cfg(data))  # b's place in the bound is free again
         controller.fail(controller.get("a").registration_id, "planted failure")
-        controller.reconcile()
+        reconcile(controller, rt)
         assert [(r.name, r.state, r.slot, r.queue_position) for r in controller.list()] == [
             ("a", S.FAILED, None, None), ("b", S.COMPLETED, None, None), ("c", S.ACTIVE, 0, None), ("d", S.PENDING, None, 1)]
         assert rt.calls == [("prepare", "a"), ("release", "b"), ("release", "a"), ("prepare", "c")]  # b: a no-op release
@@ -269,39 +324,39 @@ def test_turns_evict_and_restore_through_one_slot(world, tmp_path):
         controller.attach_runtime(rt)
         controller.register("a", cfg(data))
         controller.register("b", cfg(data))
-        controller.reconcile()
+        reconcile(controller, rt)
         assert [(r.name, r.residency, r.queue_position) for r in controller.list()] == [("a", "resident", None), ("b", "queued", 1)]
         rt.steps_in["a"] = 1
-        controller.reconcile()  # a's turn is not used up
+        reconcile(controller, rt)  # a's turn is not used up
         assert controller.get("a").slot == 0 and rt.calls == [("prepare", "a")]
         rt.steps_in["a"] = 2
-        controller.reconcile()
+        reconcile(controller, rt)
         a, b = controller.get("a"), controller.get("b")
         assert (a.state, a.residency, a.slot, a.queue_position) == (S.ACTIVE, "evicted", None, 1)
         assert (b.state, b.residency, b.slot) == (S.ACTIVE, "resident", 0)
         rt.ready_step["a"] = False  # evicted with no step ready: it does not push b out
         rt.steps_in["b"] = 5
-        controller.reconcile()
+        reconcile(controller, rt)
         assert controller.get("b").slot == 0
         rt.ready_step["a"] = True
-        controller.reconcile()
+        reconcile(controller, rt)
         assert controller.get("a").slot == 0 and controller.get("b").residency == "evicted"
         assert rt.calls == [("prepare", "a"), ("evict", "a"), ("prepare", "b"), ("evict", "b"), ("restore", "a")]
         # retiring the evicted b: it comes back for its final checkpoint once a's turn is over
         controller.retire("b")
         rt.steps_in["a"] = 2
-        controller.reconcile()
+        reconcile(controller, rt)
         assert controller.get("b").state == S.COMPLETED and controller.get("a").residency == "evicted"
         assert rt.calls[-4:] == [("evict", "a"), ("restore", "b"), ("finish", "b"), ("release", "b")]
         # a swap-out that fails (disk full while spilling) fails that run only
         controller.register("c", cfg(data))
-        controller.reconcile()  # a restored (head of the queue)
+        reconcile(controller, rt)  # a restored (head of the queue)
         rt.fail_on[("evict", "a")] = "SwapError: no space left on device"
         rt.steps_in["a"] = 2
-        controller.reconcile()
+        reconcile(controller, rt)
         a = controller.get("a")
         assert a.state == S.FAILED and a.failure_reason == "evict failed: RuntimeError: SwapError: no space left on device"
-        controller.reconcile()
+        reconcile(controller, rt)
         assert controller.get("c").state == S.ACTIVE and controller.get("c").slot == 0
     finally:
         controller.close()
@@ -318,10 +373,10 @@ def test_restart_while_evicted_prepares_from_the_checkpoint(world, tmp_path):
     controller.attach_runtime(rt)
     a = controller.register("a", cfg(data))
     controller.register("b", cfg(data))
-    controller.reconcile()
+    reconcile(controller, rt)
     controller.record_checkpoint(a.registration_id, "/ckpt/a", step=3)
     rt.steps_in["a"] = 1
-    controller.reconcile()
+    reconcile(controller, rt)
     assert controller.get("a").residency == "evicted" and controller.get("b").residency == "resident"
     controller.close()
 
@@ -329,10 +384,10 @@ def test_restart_while_evicted_prepares_from_the_checkpoint(world, tmp_path):
     try:
         rt2 = ScriptedRuntime(tmp_path / "state4")
         again.attach_runtime(rt2)
-        again.reconcile()  # b holds the slot (prepared again); a waits, evicted, first in the queue
+        reconcile(again, rt2)  # b holds the slot (prepared again); a waits, evicted, first in the queue
         assert rt2.calls == [("prepare", "b")] and again.get("a").queue_position == 1
         rt2.steps_in["b"] = 1
-        again.reconcile()
+        reconcile(again, rt2)
         assert rt2.calls == [("prepare", "b"), ("evict", "b"), ("prepare", "a")]  # a: prepared, not restored
         assert again.get("a").step == 3 and again.get("a").slot == 0
     finally:

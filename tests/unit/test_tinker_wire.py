@@ -1,5 +1,5 @@
 """The Tinker wire pieces alone: keys, loss resolution, protobuf bodies against the SDK's own
-encoder/decoder, the futures' try-again protocol, and the coalescer's ordering rule."""
+encoder/decoder, and the futures' try-again protocol (the per-model order of operations: tests/unit/test_scheduler.py)."""
 
 from __future__ import annotations
 
@@ -155,41 +155,3 @@ def test_futures_try_again_then_result_and_owner_only():
         assert store.cancel("alice", rid) is False
 
     asyncio.run(scenario())
-
-
-def test_coalescer_mixes_models_and_keeps_each_models_order():
-    """Model a: fb, optim, fb; model b: fb, fb. Round 1 mixes a.fb1 + b.fb1 + b.fb2 (b's run of
-    calls), then a.optim runs alone, then a.fb2 in a mixed step of its own."""
-    from api.tinker.coalescer import Coalescer, Op
-    from api.tinker.futures import FutureStore, Outcome
-    from trainer.tinker_ops import CallResult
-
-    events: list = []
-
-    def forward_backward(calls):
-        events.append(("mixed", [c for c in calls]))
-        return [CallResult(metrics={"loss:sum": 0.0}) for _ in calls]
-
-    async def scenario():
-        store = FutureStore(poll_s=5)
-        co = Coalescer(forward_backward, store, window_s=0.01)
-        rids = []
-
-        def submit(model, call=None, run=None):
-            rid = store.create("t", model)
-            rids.append(rid)
-            co.submit(Op(model, rid, call=call, run=run, to_outcome=lambda r: Outcome(json=r.metrics)))
-
-        submit("a", call="a.fb1")
-        submit("a", run=lambda: events.append(("single", "a.optim")) or Outcome(json={}))
-        submit("a", call="a.fb2")
-        submit("b", call="b.fb1")
-        submit("b", call="b.fb2")
-        for rid in rids:
-            assert await store.retrieve("t", rid) is not None
-        await co.stop()
-        return co.stats()
-
-    stats = asyncio.run(scenario())
-    assert events == [("mixed", ["a.fb1", "b.fb1", "b.fb2"]), ("single", "a.optim"), ("mixed", ["a.fb2"])]
-    assert stats["mixed_steps"] == 2 and stats["forward_backward_calls"] == 4 and stats["coalescing_factor"] == 2.0

@@ -1,0 +1,252 @@
+"""The scheduler (service/scheduler.py) over Tinker models: the rules of a round and of residency.
+
+The trainer is a FAKE (`RecordingTrainer`): it records each round's work and each swap, and
+answers every call; the rules under test are the scheduler's (which work goes in which round,
+in which order; who is evicted, restored, refused). The numerics of a mixed round are proven in
+tests/integration/test_tinker_joined_step.py (against references) and the whole path over a
+live service in tests/integration/test_scheduler_fleet.py. Real: the Scheduler, its SQLite
+registry, TinkerModels and TinkerModel tenants, their queues and done callbacks.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from service.errors import NoFreeSlot
+from service.registry import Registry
+from service.residency import ResidencyKnobs
+from service.scheduler import Scheduler
+from service.tenant_tinker import LoraSpec
+from service.tinker_models import TinkerModels
+from trainer.rounds import AdamStep, CallResult, Datum, RoundResult
+
+pytestmark = pytest.mark.unit
+
+IDLE_S = 60.0
+DEADLINE_S = 60.0
+
+
+class RecordingTrainer:
+    """FAKE trainer: records rounds (their calls' loss_fn as tags, optimizer steps by slot) and swaps;
+    a call whose tag starts with "bad" gets an error, as a bad datum does."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.config = type("Cfg", (), {"num_slots": num_slots, "max_rank": 8, "dp": 1})
+        self.rounds: list[dict] = []
+        self.events: list[tuple] = []
+        self.fail_swap_out = False
+
+    def run_round(self, work) -> RoundResult:
+        self.rounds.append({"calls": [c.loss_fn for c in work.calls], "forwards": [c.loss_fn for c in work.forwards],
+                            "optim": [slot for slot, _ in work.optim]})
+        calls = [CallResult(error="bad datum") if c.loss_fn.startswith("bad") else CallResult(metrics={"loss:sum": 1.0})
+                 for c in work.calls]
+        return RoundResult(calls=calls, forwards=[CallResult(metrics={"loss:sum": 2.0}) for _ in work.forwards],
+                           optim=[{"grad_norm": 1.0, "step": 1.0} for _ in work.optim])
+
+    def init_slot(self, slot, hyper, seed, init_from=None, registration=None):
+        self.events.append(("init", slot, registration))
+
+    def clear_slot(self, slot):
+        self.events.append(("clear", slot))
+
+    def save_slot_state(self, slot, folder):
+        self.events.append(("save", slot))
+
+    def swap_out(self, slot, key):
+        if self.fail_swap_out:
+            raise RuntimeError("SwapError: no space left on device (planted)")
+        self.events.append(("swap_out", slot, key))
+        return {"seconds": 0.0}
+
+    def swap_in(self, slot, key):
+        self.events.append(("swap_in", slot, key))
+        return {"seconds": 0.0}
+
+    def drop_swapped(self, key):
+        self.events.append(("drop", key))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class World:
+    def __init__(self, tmp_path, num_slots: int = 2, turn_steps: int = 4) -> None:
+        self.clock = Clock()
+        self.trainer = RecordingTrainer(num_slots)
+        self.registry = Registry(tmp_path / "reg.sqlite", num_slots)
+        self.scheduler = Scheduler(self.registry, self.trainer, ResidencyKnobs(idle_evict_s=IDLE_S, turn_steps=turn_steps),
+                                   window_s=0.0, clock=self.clock)
+        self.models = TinkerModels(self.scheduler, base_model="m", tokenizer_id="m", max_rank=8)
+        self.answers: dict[str, tuple] = {}  # tag -> (value, error)
+
+    def done(self, tag: str):
+        return lambda value, error: self.answers.__setitem__(tag, (value, error))
+
+    def create(self, model_id: str) -> list:
+        out: list = []
+        m = self.models.create(model_id, "alice", LoraSpec(rank=4, seed=1), out.append)
+        self.place()
+        return m, out
+
+    def place(self):
+        events = self.scheduler.place()
+        self.scheduler.run_unplaced()
+        return events
+
+    def fb(self, model, tag):
+        model.forward_backward([Datum([1, 2], {})], tag, None, self.done(tag))
+
+    def optim(self, model, tag):
+        model.optim_step(AdamStep(learning_rate=0.1), self.done(tag))
+
+    def round(self):
+        """One round as the loop runs it: place, gather (the tenants with work), one trainer call."""
+        self.place()
+        ready = self.scheduler.gather(max_wait_s=0.0)
+        return self.scheduler.run_round(ready)
+
+
+def test_a_round_mixes_models_and_keeps_each_models_order(tmp_path):
+    """Model a: fb, optim, fb; model b: fb, fb. Round 1 mixes a.fb1 + b.fb1 + b.fb2 and applies a's
+    optim_step after the pass in the SAME trainer call; a.fb2 waits for round 2 (never overtakes the
+    step it came after)."""
+    w = World(tmp_path)
+    a, _ = w.create("a")
+    b, _ = w.create("b")
+    w.fb(a, "a.fb1")
+    w.optim(a, "a.optim")
+    w.fb(a, "a.fb2")
+    w.fb(b, "b.fb1")
+    w.fb(b, "b.fb2")
+    w.round()
+    w.round()
+    slot_a = w.scheduler.slot_of("a")
+    assert w.trainer.rounds == [{"calls": ["a.fb1", "b.fb1", "b.fb2"], "forwards": [], "optim": [slot_a]},
+                                {"calls": ["a.fb2"], "forwards": [], "optim": []}]
+    assert set(w.answers) == {"a.fb1", "a.optim", "a.fb2", "b.fb1", "b.fb2"}
+    assert w.answers["a.optim"] == ({"grad_norm": 1.0, "step": 1.0}, None)
+    c = w.scheduler.counters
+    assert c["mixed_steps"] == 2 and c["forward_backward_calls"] == 4 and w.models.stats()["coalescing_factor"] == 2.0
+
+
+def test_an_operation_that_runs_alone_ends_its_models_part_of_the_round(tmp_path):
+    """Model c's save runs alone after the round's trainer call (another model's calls go on in it);
+    c's next call waits for the next round. A bad call fails only itself; a cancelled one never runs."""
+    w = World(tmp_path)
+    a, _ = w.create("a")
+    c, _ = w.create("c")
+    c.save_state(tmp_path / "ckpt", w.done("c.save"))
+    w.fb(c, "c.fb")
+    w.fb(a, "bad.a")
+    w.fb(a, "a.ok")
+    a.forward([Datum([1, 2], {})], "a.fwd", None, w.done("a.fwd"))
+    a.forward_backward([Datum([1, 2], {})], "a.cancelled", None, w.done("a.cancelled"), cancelled=lambda: True)
+    w.round()
+    assert w.trainer.rounds == [{"calls": ["bad.a", "a.ok"], "forwards": ["a.fwd"], "optim": []}]
+    assert ("save", w.scheduler.slot_of("c")) in w.trainer.events and "c.fb" not in w.answers
+    assert w.answers["bad.a"][0].error == "bad datum" and w.answers["a.ok"][0].error is None
+    assert "a.cancelled" not in w.answers  # dropped unrun (M2)
+    w.round()
+    assert w.trainer.rounds[-1]["calls"] == ["c.fb"]
+
+
+def test_a_submission_wakes_a_waiting_gather(tmp_path):
+    """A Tinker call never waits on an idle loop: a gather waiting (here up to 10 minutes) for work
+    returns once a call is queued, with that model's work."""
+    w = World(tmp_path)
+    a, _ = w.create("a")
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.append(w.scheduler.gather(max_wait_s=600.0)))
+    waiter.start()
+    w.fb(a, "a.fb")
+    waiter.join(DEADLINE_S)
+    assert not waiter.is_alive() and [t.key for t, _ in got[0]] == ["a"]
+
+
+def test_creation_takes_a_free_or_an_idle_slot_else_is_refused(tmp_path):
+    """One slot: B's creation is refused while A was called recently (nothing changes: A keeps its
+    slot); once A is idle, B's creation evicts it (swapped out, lease released)."""
+    w = World(tmp_path, num_slots=1)
+    a, done_a = w.create("a")
+    assert done_a == [None] and w.trainer.events[-1][0] == "init"
+    w.fb(a, "a.fb")
+    w.round()
+    b, done_b = w.create("b")
+    assert isinstance(done_b[0], NoFreeSlot) and "no free trainer slot: all 1 slots are held" in str(done_b[0])
+    assert w.registry.leases() == {"a": (0, "alice")} and w.models.get("b") is None
+    w.clock.now += 2 * IDLE_S
+    b, done_b = w.create("b")
+    assert done_b == [None] and w.registry.leases() == {"b": (0, "alice")}
+    assert ("swap_out", 0, "a") in w.trainer.events and w.models.stats()["models_evicted"] == 1
+
+
+def test_an_evicted_models_calls_wait_with_the_reason_then_bring_it_back(tmp_path):
+    """Evicted A's call waits in its queue (its waiting_reason says why) while B is busy or recent;
+    once B is idle, the next placement evicts B and swaps A back in, and A's call runs."""
+    w = World(tmp_path, num_slots=1)
+    a, _ = w.create("a")
+    w.clock.now += 2 * IDLE_S
+    b, _ = w.create("b")  # A idle: evicted for B
+    w.fb(b, "b.fb")
+    w.fb(a, "a.fb")
+    w.round()
+    assert "a.fb" not in w.answers and "b.fb" in w.answers
+    assert a.waiting_reason is not None and "waiting for a trainer slot" in a.waiting_reason
+    w.clock.now += 2 * IDLE_S  # B idle now (A still waits, with a call queued)
+    w.round()
+    assert "a.fb" in w.answers and a.waiting_reason is None
+    assert [e for e in w.trainer.events if e[0] in ("swap_out", "swap_in")] == [
+        ("swap_out", 0, "a"), ("swap_out", 0, "b"), ("swap_in", 0, "a")]
+    assert w.scheduler.counters["evictions"] == 2 and w.scheduler.counters["restores"] == 1
+
+
+def test_turns_rotate_models_that_keep_working(tmp_path):
+    """Turns are the same rule for models as for runs: a resident that took turn_steps optimizer steps
+    gives its slot to a waiting tenant at the next placement, even if it has calls queued."""
+    w = World(tmp_path, num_slots=1, turn_steps=2)
+    a, _ = w.create("a")
+    w.clock.now += 2 * IDLE_S
+    b, _ = w.create("b")  # a evicted (idle)
+    w.fb(a, "a.fb")  # a waits
+    for i in range(2):
+        w.fb(b, f"b.fb{i}")
+        w.optim(b, f"b.optim{i}")
+        w.round()
+    assert "a.fb" not in w.answers  # b's turn not used up until its second step was taken
+    w.fb(b, "b.fb2")  # b still has work: evicted for its turn all the same
+    w.round()
+    assert "a.fb" in w.answers and "b.fb2" not in w.answers and w.scheduler.slot_of("a") == 0
+
+
+def test_a_failed_swap_out_leaves_the_model_resident(tmp_path):
+    w = World(tmp_path, num_slots=1)
+    a, _ = w.create("a")
+    w.clock.now += 2 * IDLE_S
+    w.trainer.fail_swap_out = True
+    b, done_b = w.create("b")
+    assert isinstance(done_b[0], NoFreeSlot) and w.registry.leases() == {"a": (0, "alice")}
+    w.fb(a, "a.fb")
+    w.round()
+    assert w.answers["a.fb"][0].error is None  # C3: a unchanged and still served
+
+
+def test_unload_needs_no_slot(tmp_path):
+    """Unloading an evicted model forgets its swapped-out state and takes no slot."""
+    w = World(tmp_path, num_slots=1)
+    a, _ = w.create("a")
+    w.clock.now += 2 * IDLE_S
+    b, _ = w.create("b")
+    a.unload(w.done("a.unload"))
+    w.place()
+    assert w.answers["a.unload"] == (None, None) and ("drop", "a") in w.trainer.events
+    assert w.models.get("a") is None and w.registry.leases() == {"b": (0, "alice")}
+    w.fb(a, "a.late")  # a call after the unload is refused
+    assert isinstance(w.answers["a.late"][1], ValueError)
