@@ -107,9 +107,7 @@ def run_training_loop(controller: Any, runtime: Any, opts: LoopOptions, stop: St
         try:
             for p in runtime.settle_publishes():                                                # 4b (before a retiring run is finished)
                 _settle(controller, runtime, p, report)
-            events, unkept = runtime.place()                                                    # 1a
-            for e in events:
-                log.info("%s", e)
+            _, unkept = runtime.place()                                                         # 1a
             for registration_id, reason in {**unkept, **runtime.fatal_runs()}.items():           # faults: a swap-out that failed,
                 try:                                                                            # a run that can never step
                     controller.fail(registration_id, reason)

@@ -217,7 +217,14 @@ class Scheduler:
     # --- placement: S1-S3 -----------------------------------------------------------------------
 
     def place(self) -> list[str]:
-        """Admit, evict and swap back in (module doc); returns what it did, one line each."""
+        """Admit, evict and swap back in (module doc); returns what it did, one line each (each also
+        logged here)."""
+        events = self._place()
+        for e in events:
+            log.info("%s", e)
+        return events
+
+    def _place(self) -> list[str]:
         events: list[str] = []
         while self._admissions:
             events += self._admit_now(self._admissions.popleft())
@@ -445,8 +452,7 @@ class Scheduler:
             if offer is not None:
                 self._run_single(m, None, offer)
 
-    @staticmethod
-    def _work(offers: list[tuple[Tenant, int, Offer]]) -> tuple[RoundWork, list["_Span"]]:
+    def _work(self, offers: list[tuple[Tenant, int, Offer]]) -> tuple[RoundWork, list["_Span"]]:
         samples, calls, forwards, optim, spans = [], [], [], [], []
         for _, slot, offer in offers:
             spans.append(_Span(len(calls), len(offer.calls), len(forwards), len(offer.forwards),
@@ -457,7 +463,7 @@ class Scheduler:
             if offer.optim is not None:
                 optim.append((slot, offer.optim))
         return RoundWork(batch=TrainBatch(samples=samples) if samples else None, calls=calls, forwards=forwards,
-                         optim=optim), spans
+                         optim=optim, max_seq_len=self.max_seq_len), spans
 
     def _count(self, work: RoundWork, outcome: RoundOutcome) -> None:
         c = self.counters

@@ -60,7 +60,7 @@ class DatasetRun:
     last_metrics: dict[str, float] = field(default_factory=dict)
     steps_in: int = 0  # steps since it last came into a slot (turns)
     last_active: float = field(default_factory=now)
-    evicted_at: float | None = None
+    waiting_reason: str | None = None  # while evicted and wanting a slot: why it waits (the scheduler's)
 
     kind = TenantKind.SFT
 
@@ -75,14 +75,14 @@ class DatasetRun:
     def expects_work(self) -> bool:
         return True
 
-    def waiting_since(self) -> float:
-        return self.evicted_at if self.evicted_at is not None else self.last_active
+    def waiting_for_slot(self, reason: str) -> None:
+        self.waiting_reason = reason
 
     def on_evicted(self) -> None:
-        self.evicted_at = now()
+        pass  # its state stays here as it is (R4); the registry's queue orders it among the waiters
 
     def on_restored(self) -> None:
-        self.evicted_at = None
+        self.waiting_reason = None
         self.steps_in, self.last_active = 0, now()
 
     def budget_used(self) -> bool:

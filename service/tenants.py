@@ -94,7 +94,12 @@ class Tenant(Protocol):
         """While evicted: whether it has work waiting for a slot."""
 
     def waiting_since(self) -> float:
-        """While evicted and wanting a slot: since when (monotonic); orders the waiters (FIFO)."""
+        """A Tinker model, while evicted and wanting a slot: since when (time.time()); orders it among
+        the waiting runs of the registry's queue (queued_at), one FIFO across kinds. (A run's place
+        is its queue entry.)"""
+
+    def waiting_for_slot(self, reason: str) -> None:
+        """It waits for a slot (placement found none): why, for its callers."""
 
     def offer(self, slot: int) -> Offer | None: ...
 
@@ -103,6 +108,9 @@ class Tenant(Protocol):
         a service.batches.SteppedRun, or None), or None."""
 
     def give_back(self, offer: Offer, error: str) -> None: ...
+
+    def settle_single(self, offer: Offer, value: Any, error: BaseException | None) -> None:
+        """The outcome of the operation its offer ran alone (`Offer.single`; Tinker models)."""
 
     def on_evicted(self) -> None: ...
 

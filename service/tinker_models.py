@@ -116,8 +116,7 @@ class TinkerHost:
         s = self.scheduler
         while not self._stop.is_set():
             try:
-                for event in s.place():
-                    log.info("%s", event)
+                s.place()
                 s.run_unplaced()
                 ready = s.gather(max_wait_s=self.poll_s, stop=self._stop, poll_s=self.poll_s)
                 if ready:

@@ -87,7 +87,7 @@ def test_turns_through_one_slot_are_bit_exact(world, caplog):
     from service.registry import AdapterState
 
     _, trainer, _, data = world
-    caplog.set_level(logging.INFO, logger="service.runtime_impl")
+    caplog.set_level(logging.INFO, logger="service.scheduler")
     turns, rt = _controller(world, "turns", turn_steps=1)
     try:
         turns.register("x", _sft(data, seed=7))
