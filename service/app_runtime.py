@@ -39,6 +39,7 @@ from service.fleet_stats import FleetStats
 from service.placement import cluster_shape_from_ray, plan_placement, release_placement_groups, reserve_placement_groups
 from service.rollout_client import RolloutClient
 from service.runtime_impl import FleetRuntime
+from service.shutdown import ray_processes_in_their_own_groups
 from service.trainer_group import TrainerGroup, with_swap_dir
 
 log = logging.getLogger(__name__)
@@ -217,8 +218,9 @@ def _init_ray(job: JobConfig, settings: ServiceSettings) -> bool:
     p = job.placement
     # Logical CPUs: what the placement groups reserve (the processes share the real cores).
     need = p.engines.count * p.engines.cpus + p.trainer.world_size * p.trainer.cpus_per_rank
-    ray.init(num_cpus=max(int(need + 0.999), os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
-             runtime_env=env)
+    with ray_processes_in_their_own_groups():  # a group SIGTERM reaches the coordinator only: it drains, then stops Ray
+        ray.init(num_cpus=max(int(need + 0.999), os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
+                 runtime_env=env)
     return True
 
 

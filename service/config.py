@@ -83,6 +83,8 @@ class AdapterConfig(StrictModel):
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps from 0 to learning_rate.")
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Cosine schedule only: final learning rate as a fraction of learning_rate.")
     weight_decay: float = Field(0.0, ge=0.0, description="Decoupled weight decay (AdamW).")
+    adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW's betas (beta1, beta2), each in [0, 1).")
+    adam_eps: float = Field(1e-8, gt=0, le=1.0, description="AdamW's epsilon (added to the root of the second moment).")
     max_grad_norm: float | None = Field(1.0, gt=0, description="Clip this adapter's gradient to this global norm; null = no clipping.")
     objective: Literal["rl", "sft"] = Field("rl", description="rl: GRPO-style group rollouts scored by `reward`; sft: supervised prompt/completion pairs, no rollout.")
     data: DataSpec = Field(description="The adapter's data source.")
@@ -99,6 +101,13 @@ class AdapterConfig(StrictModel):
     lora_experts: bool = Field(True, description="MoE bases: LoRA on every routed expert as well as on attention; false = attention only (servable by SGLang on CPU). No effect on a dense base.")
 
     _rebase_paths = field_validator("init_from", "resume_from")(_rebase)
+
+    @field_validator("adam_betas")
+    @classmethod
+    def _betas_in_range(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in v):
+            raise ValueError(f"adam_betas {list(v)}: each must be in [0, 1)")
+        return v
 
     @model_validator(mode="before")
     @classmethod
@@ -138,8 +147,8 @@ class AdapterConfig(StrictModel):
 
     def slot_hyper_params(self, total_steps: int | None) -> SlotHyperParams:
         """The trainer's view of this run (trainer.config.SlotHyperParams); knobs the
-        tenant config does not expose (betas, eps, RL clipping, KL, loss normalization)
-        keep the trainer's defaults."""
+        tenant config does not expose (RL clipping, KL, loss normalization) keep the
+        trainer's defaults."""
         return SlotHyperParams(
             rank=self.rank,
             alpha=self.alpha,
@@ -149,6 +158,8 @@ class AdapterConfig(StrictModel):
             total_steps=total_steps,
             min_lr_ratio=self.min_lr_ratio,
             weight_decay=self.weight_decay,
+            betas=self.adam_betas,
+            eps=self.adam_eps,
             max_grad_norm=self.max_grad_norm,
             samples_per_step=self.samples_per_step,
             objective=self.objective,

@@ -19,8 +19,9 @@ Invariants:
   F1 a run is a tenant of the scheduler iff its trainer slot (or, evicted, its swapped-out state)
      is initialized for that registration (prepare_adapter adds it after init succeeded; release /
      trainer loss remove it);
-  F2 a checkpoint and a publish are taken only of a resident run (an evicted one resumes from its
-     last checkpoint after a restart, and is published once restored);
+  F2 a publish is taken only of a resident run (an evicted one is published once restored); a
+     checkpoint of a resident one, except at stop: drain saves every tenant, evicted ones swapped
+     into a spare slot first;
   F3 a trainer restart loses the slots and the swap store: every prepared run is forgotten here and
      prepared again by the controller from its last checkpoint; Tinker models are lost (their
      queued calls get the reason).
@@ -70,6 +71,9 @@ class FleetRuntime:
         self.scheduler: Scheduler | None = None
         self.publisher = Publisher(job, settings, trainer, rollout)
         self.health = FleetHealth(settings.state_dir, trainer, rollout)
+        # A Tinker model's folder for its state at stop (set by the Tinker face, which keeps the
+        # checkpoint layout: api/tinker/service.py); None: models are not saved at stop.
+        self.tinker_drain_folder: Any = None
 
     def attach(self, registry: Registry, knobs: ResidencyKnobs) -> Scheduler:
         """The controller attaches this runtime: the scheduler over its registry (made once; a
@@ -341,8 +345,9 @@ class FleetRuntime:
         """Write a complete checkpoint of the run at its current step; returns its folder."""
         return str(self._write_checkpoint(self._run(registration_id)).folder)
 
-    def _write_checkpoint(self, run: DatasetRun) -> Checkpoint:
-        slot = self._resident_slot(run, "checkpointed")
+    def _write_checkpoint(self, run: DatasetRun, slot: int | None = None) -> Checkpoint:
+        """`slot`: where the run's state is now (default: the slot it holds; an evicted run has none)."""
+        slot = self._resident_slot(run, "checkpointed") if slot is None else slot
         folder = run_dir(self.settings.state_dir, run)
         cursor = run.cursor()
         with PendingCheckpoint(folder, run.step) as pending:
@@ -385,23 +390,31 @@ class FleetRuntime:
         return [t.key for t in lost if isinstance(t, DatasetRun)]
 
     def drain(self) -> dict[str, tuple[str, int]]:
-        """Stop generating for every resident run and checkpoint each; registration id -> (checkpoint
-        folder, step). An evicted run resumes from its last checkpoint (F2)."""
-        out = {}
-        resident = set(self.scheduler.residents_of()) if self.scheduler is not None else set()
+        """At stop: stop generating for every RL run, then save every tenant (the scheduler's drain:
+        evicted ones too, swapped into a spare slot): a run's checkpoint, a Tinker model's state where
+        the Tinker face keeps it (TinkerModels.drain_folder). Registration id -> (checkpoint folder,
+        step) of each run checkpointed."""
+        if self.scheduler is None:
+            return {}
         for run in self._runs():
-            if run.key not in resident:
-                continue
             if run.is_rl:
                 try:
                     self._need_rollout().abort_adapter(run.name, pause=True)
                 except Exception:
                     log.exception("draining %s: abort", run.name)
-            try:
-                out[run.key] = (str(self._write_checkpoint(run).folder), run.step)
-            except Exception:  # one run's failure must not cost the others their checkpoint
-                log.exception("draining %s: checkpoint failed; it resumes from its previous one", run.name)
-        return out
+        saved = self.scheduler.drain(self._drain_save)
+        return {k: v for k, v in saved.items() if isinstance(v, tuple)}
+
+    def _drain_save(self, tenant: Any, slot: int) -> Any:
+        if isinstance(tenant, DatasetRun):
+            return str(self._write_checkpoint(tenant, slot).folder), tenant.step
+        folder = self.tinker_drain_folder(tenant) if self.tinker_drain_folder is not None else None
+        if folder is None:
+            log.warning("draining %s: no folder to save a Tinker model in; its state since its last save is lost", tenant.name)
+            return None
+        self.trainer.save_slot_state(slot, folder)
+        log.info("drained Tinker model %s to %s", tenant.name, folder)
+        return str(folder)
 
     def shutdown(self) -> None:
         if self.rollout is not None:

@@ -363,6 +363,44 @@ class Scheduler:
                 self.registry.release_lease(key)
             tenant.release()
 
+    # --- stopping: every tenant's state saved ---------------------------------------------------
+
+    def drain(self, save: Callable[[Tenant, int], Any]) -> dict[str, Any]:
+        """At stop (nothing trains any more): `save(tenant, slot)` for every admitted tenant, resident
+        ones where they are, evicted ones swapped into a free slot or one whose tenant was saved
+        already (its trainer state is not needed again in this process; the slot record is left as
+        it is, so a restart finds every run where it was). key -> what `save` returned; a tenant whose
+        save failed is logged and left out (the others are still saved)."""
+        out: dict[str, Any] = {}
+        resident = self.residents()
+        for tenant, slot, _ in resident:
+            self._save_quietly(save, tenant, slot, out)
+        spare = self.registry.free_slots() + [slot for t, slot, _ in resident if t.key in out]
+        keys = {t.key for t, _, _ in resident}
+        for tenant in [t for t in self.tenants() if t.key not in keys]:
+            if not spare:
+                log.warning("draining %s: no slot to swap it into; it resumes from its last checkpoint", tenant.name)
+                continue
+            slot = spare[0]
+            try:
+                self.trainer.clear_slot(slot)
+                self.trainer.swap_in(slot, tenant.key)
+            except Exception:
+                log.exception("draining %s: swapping it in failed; it resumes from its last checkpoint", tenant.name)
+                continue
+            self._save_quietly(save, tenant, slot, out)
+        return out
+
+    @staticmethod
+    def _save_quietly(save: Callable[[Tenant, int], Any], tenant: Tenant, slot: int, out: dict[str, Any]) -> None:
+        try:
+            result = save(tenant, slot)
+        except Exception:  # one tenant's failure must not cost the others their checkpoint
+            log.exception("draining %s: its save failed; it resumes from its previous one", tenant.name)
+            return
+        if result is not None:
+            out[tenant.key] = result
+
     # --- the round: G1, R1, R2 ------------------------------------------------------------------
 
     def gather(self, max_wait_s: float, stop: Any = None, poll_s: float = 0.05) -> list[tuple[Tenant, int]]:
@@ -380,7 +418,8 @@ class Scheduler:
             tinker = any(t.kind == TenantKind.TINKER for t, _ in ready)
             if ready:
                 waited = now - first_ready
-                everyone = len(ready) == sum(1 for t, _ in residents if t.expects_work() or t in {r for r, _ in ready})
+                ready_keys = {t.key for t, _ in ready}
+                everyone = all(t.key in ready_keys for t, _ in residents if t.expects_work())
                 if (everyone and (not tinker or waited >= self.window_s)) or waited >= max_wait_s \
                         or (tinker and waited >= self.window_s):
                     return ready
