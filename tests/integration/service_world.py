@@ -36,13 +36,16 @@ class Service:
     url: str = ""
     ray_address: str = ""
 
-    def start(self) -> None:
+    def start(self, new_session: bool = False) -> None:
+        """`new_session`: the service leads a session and process group of its own (as under systemd),
+        so the test can signal the whole group without reaching pytest."""
         info = self.state_dir / "service.json"
         info.unlink(missing_ok=True)
         log = open(self.log_path, "a")
         # cwd: the repository, so the test rewards (tests.integration.rewards_for_tests) import in Ray's workers
         self.proc = subprocess.Popen([*LORAFLEET, "serve", str(self.job_path), "-v"], stdout=log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "LORAFLEET_API_TOKEN": TOKEN, "COLUMNS": "200"}, cwd=REPO)
+                                     env={**os.environ, "LORAFLEET_API_TOKEN": TOKEN, "COLUMNS": "200"}, cwd=REPO,
+                                     start_new_session=new_session)
         deadline = time.monotonic() + START_TIMEOUT_S
         while not info.is_file():
             if self.proc.poll() is not None:

@@ -1,0 +1,67 @@
+"""Stopping like a service (issue 24 item 6): a SIGTERM to the service's whole process group (what
+systemd and shell job control send) and a SIGTERM to its main process both drain and exit 0, and
+leave no process behind.
+
+Real `lorafleet serve` (Ray, trainer actor, one SGLang CPU engine) in a session of its own; an SFT
+run trains; then the signal. Checked: exit code 0; the run's checkpoint recorded at the drain is its
+last step (read from the registry the service left); every process the service had (the
+coordinator's descendants, Ray's and the engine's among them) is gone. The time from the signal to
+the exit is printed (measured, not asserted: timings go to docs/BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from tests.integration.service_world import Service, serve_job, sft, wait_for
+from tests.waiting import wait_until
+
+pytestmark = pytest.mark.integration
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+@pytest.mark.parametrize("how", ["process group", "main process"])
+def test_sigterm_drains_exits_0_and_leaves_no_process(how, tiny_world, tmp_path):
+    from service.config import ServiceSettings
+    from service.registry import Registry
+
+    svc = Service(serve_job(tmp_path, tiny_world), tmp_path / "state", tmp_path / "serve.log")
+    svc.start(new_session=True)
+    try:
+        with svc.client() as client:
+            client.register("s", sft(tiny_world, checkpoint_interval=0))
+            wait_for(client, "s", lambda r: r["step"] >= 2, "two steps")
+        procs = _tree(svc.proc.pid)
+        roles = " ".join(" ".join(p.cmdline()) for p in procs if p.is_running())
+        assert "raylet" in roles and "gcs_server" in roles and "sglang_server" in roles, roles  # what must be gone after
+        t0 = time.monotonic()
+        if how == "process group":
+            os.killpg(os.getpgid(svc.proc.pid), signal.SIGTERM)
+        else:
+            svc.proc.send_signal(signal.SIGTERM)
+        rc = svc.proc.wait(300)
+        took = time.monotonic() - t0
+        print(f"SIGTERM to the {how}: exit {rc} after {took:.1f} s")
+        assert rc == 0, svc.log_tail()
+        wait_until(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs),
+                   "every process of the service gone", timeout_s=120)
+    finally:
+        if svc.proc.poll() is None:
+            os.killpg(os.getpgid(svc.proc.pid), signal.SIGKILL)
+        for p in [p for p in psutil.process_iter() if "sglang_server" in " ".join(p.cmdline()) and str(tmp_path) in " ".join(p.cmdline())]:
+            p.kill()
+    registry = Registry(ServiceSettings(state_dir=tmp_path / "state").db_path, 4)
+    try:
+        ref = registry.get("s")
+        assert ref.state.value == "ACTIVE" and ref.checkpoint_step == ref.step >= 2, ref  # drained at its last step
+    finally:
+        registry.close()

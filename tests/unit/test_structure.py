@@ -1,0 +1,64 @@
+"""The house rules issue 24 set, read from the source (AST; nothing is imported):
+
+  * one module owns slot assignment: only service/scheduler.py calls the registry's slot-changing
+    methods (binding a queued run, giving a slot back, leasing and releasing a Tinker model's slot);
+    registration's own pick of a free slot (`register`, the same FIFO rule) is the registry's;
+  * nothing under api/ starts a thread or an executor (the Tinker face puts work on a tenant's
+    queue; the scheduler's thread runs it), except api/server.py's one thread that serves HTTP;
+  * nothing under api/ imports the trainer's running code (its core, ops, actor, the trainer group),
+    except api/tinker/standalone.py, which builds the in-process trainer it hands to a TinkerHost;
+  * no module of api/ service/ trainer/ rollout/ is over 600 lines.
+(Import circles and the other import rules: tests/unit/test_import_graph.py.)
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from tests.unit.test_import_graph import REPO, import_graph, module_files
+
+pytestmark = pytest.mark.unit
+
+SLOT_CHANGES = {"bind", "bind_queued", "release_slot", "lease_slot", "release_lease"}
+SLOT_OWNER = "service/scheduler.py"
+THREADS = {"Thread", "ThreadPoolExecutor", "ProcessPoolExecutor", "run_in_executor", "to_thread", "start_new_thread"}
+HTTP_THREAD = "api/server.py"
+TRAINER_RUNNING = {"trainer.core", "trainer.tinker_ops", "trainer.actor", "service.trainer_group"}
+IN_PROCESS_HOST = "api.tinker.standalone"
+MAX_LINES = 600
+
+
+def _calls(path: Path, names: set[str]) -> list[str]:
+    """`x.name(...)` / `name(...)` calls in the file whose callee's last name is one of `names`."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+            if name in names:
+                out.append(f"{path.relative_to(REPO)}:{node.lineno} {name}")
+    return out
+
+
+def test_only_the_scheduler_changes_slots():
+    found = [c for mod, path in module_files(packages=("api", "service")).items() if not mod.startswith("service.registry")
+             for c in _calls(path, SLOT_CHANGES) if not c.startswith(SLOT_OWNER)]
+    assert found == [], f"slot assignment outside {SLOT_OWNER}: {found}"
+    assert _calls(REPO / SLOT_OWNER, SLOT_CHANGES), "the scheduler no longer changes slots: update this test"
+
+
+def test_api_starts_no_thread_that_could_call_the_trainer():
+    found = [c for mod, path in module_files(packages=("api",)).items() for c in _calls(path, THREADS)
+             if not c.startswith(HTTP_THREAD)]
+    assert found == [], found
+    graph = import_graph(packages=("api", "service", "trainer", "rollout"))
+    running = {m: sorted(deps & TRAINER_RUNNING) for m, deps in graph.items() if m.startswith("api") and m != IN_PROCESS_HOST}
+    assert {m: d for m, d in running.items() if d} == {}
+
+
+def test_no_module_over_600_lines():
+    big = {str(p.relative_to(REPO)): n for p in module_files().values() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert big == {}, big
