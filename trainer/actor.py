@@ -136,15 +136,23 @@ class TrainWorker:
         return TinkerOps(self._core()).optim_step(slot, adam)
 
     # Keep-warm eviction (trainer/slot_swap.py): a slot's whole state to this rank's host
-    # memory (spilling to swap_spill_dir beyond swap_host_budget_mb) under a key, and back.
+    # memory (spilling to swap_spill_dir beyond swap_host_budget_mb, up to swap_disk_budget_mb)
+    # under a key, and back.
     def swap_out(self, slot: int, key: str) -> dict:
         return self._core().swap.swap_out(slot, key)
 
     def swap_in(self, slot: int, key: str) -> dict:
         return self._core().swap.swap_in(slot, key)
 
+    def prefetch_swapped(self, key: str) -> str:
+        """Start reading a spilled snapshot into host memory (returns at once; see SwapStore.prefetch)."""
+        return self._core().swap.prefetch(key)
+
     def drop_swapped(self, key: str) -> bool:
         return self._core().swap.drop(key)
 
     def swapped(self) -> dict:
         return self._core().swap.swapped()
+
+    def swap_tiers(self) -> dict:
+        return self._core().swap.tiers()

@@ -12,7 +12,7 @@ rooms of one role each, which it composes or which take it:
   trainer/slot_steps.py     the per-slot optimizer steps and what a call reports
   trainer/slot_export.py    PEFT snapshots and exports (``export``)
   trainer/slot_checkpoint.py  a slot to a checkpoint folder and back (functions over the trainer)
-  trainer/slot_swap.py      keep-warm eviction (``swap``)
+  trainer/slot_swap.py      keep-warm eviction (``swap``; its tiers: trainer/swap_store.py)
 
 Invariants:
 * A slot's weights, gradients and optimizer moments live in its own slice of
@@ -48,8 +48,9 @@ from trainer.peft_io import json_target_parameters, read_peft_folder
 from trainer.slot_buffers import SlotBuffers
 from trainer.slot_export import SlotExporter
 from trainer.slot_steps import StepReport, TrainResult, adam_step, slot_metrics, step_due_slots
-from trainer.slot_swap import SlotSwap, SwapStore
+from trainer.slot_swap import SlotSwap
 from trainer.slots import N_STATS, SlotState, SlotTable, zero_stats
+from trainer.swap_store import SwapStore
 
 
 class MultiLoraTrainer:
@@ -84,9 +85,9 @@ class MultiLoraTrainer:
         self.vocab_size: int = self.base.model.vocab_size
         self.passes = LoraPasses(self.base, self.routing, self.slots.scales, config)
         self.export = SlotExporter(self.base, self.slots, self.dense_layers, self.expert_layers, self.layout, config)
-        budget = config.swap_host_budget_mb
-        self.swap = SlotSwap(self.slots, SwapStore(None if budget is None else int(budget * 2**20),
-                                                   config.swap_spill_dir, rank=self.layout.rank))
+        store = SwapStore(int(config.swap_host_budget_mb * 2**20), config.swap_spill_dir, int(config.swap_disk_budget_mb * 2**20),
+                          rank=self.layout.rank, world_size=self.layout.world_size, pin=self.device.type == "cuda")
+        self.swap = SlotSwap(self.slots, store)
 
     def _state(self, slot: int) -> SlotState:
         """The initialized slot's state (ValueError otherwise); trainer/tinker_ops.py asks it."""
