@@ -103,10 +103,15 @@ class TinkerHost:
         self._dir = Path(tempfile.mkdtemp(prefix="lorafleet-tinker-host-"))  # its slot record (leases), gone at close
         self.registry = Registry(self._dir / "slots.sqlite", cfg.num_slots)
         knobs = ResidencyKnobs(idle_evict_s=math.inf if idle_evict_s is None else idle_evict_s, turn_steps=turn_steps)
-        self.scheduler = Scheduler(self.registry, trainer, knobs, max_seq_len=max_seq_len, window_s=window_s, clock=clock)
+        # The scheduler drives the trainer through the one trainer interface (trainer/actor.py
+        # TrainWorker: what a TrainerGroup forwards to every rank), made over the in-process trainer.
+        from trainer.actor import TrainWorker
+
+        self.scheduler = Scheduler(self.registry, TrainWorker(trainer), knobs, max_seq_len=max_seq_len, window_s=window_s,
+                                   clock=clock)
         self.models = TinkerModels(self.scheduler, base_model=base_model, tokenizer_id=tokenizer_id, max_rank=cfg.max_rank,
                                    max_seq_len=max_seq_len, dp=cfg.dp)
-        self.trainer = trainer
+        self.trainer = trainer  # trainer.core.MultiLoraTrainer
         self.poll_s = poll_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._rounds, name="tinker-rounds", daemon=True)

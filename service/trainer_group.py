@@ -43,7 +43,8 @@ SWAP_DIR_NAME = "swap"  # under the service's state dir: evicted slots beyond th
 
 def with_swap_dir(config: TrainerConfig, state_dir: str | Path) -> TrainerConfig:
     """The trainer config the service runs: evicted slots spill to `<state_dir>/swap` unless the
-    job names another folder (trainer.swap_spill_dir); trainer.swap_host_budget_mb bounds host memory."""
+    job names another folder (trainer.swap_spill_dir); trainer.swap_host_budget_mb bounds host memory,
+    trainer.swap_disk_budget_mb the folder."""
     if config.swap_spill_dir is not None:
         return config
     return config.model_copy(update={"swap_spill_dir": str(Path(state_dir) / SWAP_DIR_NAME)})
@@ -244,10 +245,15 @@ class TrainerGroup:
     def drop_swapped(self, key: str) -> bool:
         return self._all(lambda w: w.drop_swapped.remote(key), what="drop_swapped")
 
+    def prefetch_swapped(self, key: str) -> str:
+        """Every rank starts reading `key`'s spill file into host memory, so its swap-in is a copy
+        to the device; returns at once (rank 0's answer: "started", "prefetching", "host", "absent", "no room")."""
+        return self._all(lambda w: w.prefetch_swapped.remote(key), what="prefetch_swapped")
+
     def swapped(self) -> dict:
         """Rank 0's swap store: keys, host bytes, spilled keys."""
         return self._all(lambda w: w.swapped.remote(), what="swapped")
 
-    def slot_state_tensors_all_ranks(self, slot: int) -> list:
-        """Every rank's optimizer and weight tensors of `slot` (tests compare DP ranks)."""
-        return call([w.slot_state_tensors.remote(slot) for w in self.workers], self.call_timeout_s, "trainer slot_state_tensors")
+    def swap_tiers(self) -> dict:
+        """Rank 0's swap tiers, for the gauges: {"host"|"disk"|"prefetched": {"count", "bytes"[, "budget_bytes"]}}."""
+        return self._all(lambda w: w.swap_tiers.remote(), what="swap_tiers")

@@ -27,7 +27,7 @@ from rollout.groups import AdapterBuffer, RolloutGroup, Sample
 from rollout.worker import AdapterStats, EngineHealth
 from service.runtime import ComponentHealth
 from service.trainer_group import TrainerState
-from trainer.core import SlotMetrics, StepReport, TrainResult
+from trainer.slot_steps import SlotMetrics, StepReport, TrainResult
 from trainer.rounds import RoundResult
 
 

@@ -103,14 +103,27 @@ class TrainerConfig(StrictModel):
             "more than one slot (faster there on the H200), library otherwise."
         ),
     )
-    swap_host_budget_mb: float | None = Field(
-        None, gt=0,
+    swap_host_budget_mb: float = Field(
+        16384, ge=0,
         description=(
-            "Host memory (MiB per trainer rank) for evicted slots' state (keep-warm eviction); beyond it "
-            "evicted slots spill to swap_spill_dir. null = no limit."
+            "Host memory (MiB per trainer rank; pinned on GPU machines) for evicted slots' state (keep-warm "
+            "eviction) and for spill files read ahead (prefetch); beyond it evicted slots spill to "
+            "swap_spill_dir. The default, 16 GiB, holds about 29 evicted Qwen3-8B rank-16 slots (weights, "
+            "gradient and two Adam moments in fp32: 558 MiB each) per rank, 128 GiB of pinned memory on an "
+            "8-GPU node; 0 spills every eviction."
         ),
     )
-    swap_spill_dir: str | None = Field(None, description="Folder for evicted slots beyond the host-memory budget.")
+    swap_spill_dir: str | None = Field(
+        None, description="Folder for evicted slots beyond the host-memory budget (the service's default: <state_dir>/swap). "
+                          "It belongs to one trainer: files a previous trainer left there are removed at start.")
+    swap_disk_budget_mb: float = Field(
+        262144, ge=0,
+        description=(
+            "Disk (MiB per trainer rank) the spill files may take in swap_spill_dir; an eviction that would "
+            "pass it fails and the slot stays resident. The default, 256 GiB, holds about 470 evicted "
+            "Qwen3-8B rank-16 slots per rank."
+        ),
+    )
     export_writer_threads: int = Field(
         4, ge=1, le=64,
         description=(

@@ -32,11 +32,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from trainer.batch import TrainBatch
+from trainer.batch import RiderSequence, TrainBatch  # noqa: F401 - a rider is a round's Tinker datum in the pass
 
 
 @dataclass
@@ -79,21 +79,6 @@ class AdamStep:
             raise ValueError("adam_params need learning_rate >= 0, weight_decay >= 0, grad_clip_norm >= 0, eps > 0")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise ValueError(f"adam_params betas must be in [0, 1), got {self.beta1}, {self.beta2}")
-
-
-@dataclass
-class RiderSequence:
-    """A tenant-driven sequence that rides in a train call beside the loop's samples (the
-    Tinker API's datums, trainer/tinker_ops.py), in the same packed micro-batches.
-
-    It brings its own per-position targets and loss; its gradient ACCUMULATES in its slot's
-    gradient rows. Its slot must not be trained by the call's batch, and it never steps in
-    the call: no statistics, no normalization, no optimizer (the tenant's optim_step does)."""
-
-    slot: int
-    tokens: list[int]
-    targets: list[int]  # targets[t]: the token position t predicts (one per token)
-    loss: Callable[[torch.Tensor], torch.Tensor]  # its [len(tokens)] log-probs (differentiable) -> scalar
 
 
 @dataclass

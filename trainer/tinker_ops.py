@@ -29,7 +29,8 @@ from typing import Any, Callable
 import torch
 
 from trainer.batch import TrainBatch
-from trainer.rounds import AdamStep, Call, CallResult, Datum, RiderSequence, RoundResult, RoundWork  # noqa: F401 - the types live there
+from trainer.batch import RiderSequence
+from trainer.rounds import AdamStep, Call, CallResult, Datum, RoundResult, RoundWork  # noqa: F401 - the types live there
 from trainer.packing import split_by_token_budget
 from trainer.tinker_losses import LossSpec, check_inputs, resolve_loss
 

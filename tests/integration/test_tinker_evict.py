@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.integration.sdk_clients import close_sdk_clients  # noqa: F401 - autouse fixture
-from tests.integration.tinker_views import evicted, scheduler, slot_of, trainer, waiting
+from tests.integration.tinker_views import core, evicted, scheduler, slot_of, trainer, waiting
 from tests.integration.test_tinker_sdk import BASE, KEYS, MAX_SEQ, client, sft_data, slot_state, train, training_client
 from tests.waiting import wait_until
 
@@ -63,7 +63,7 @@ def test_idle_model_evicted_and_returns_bit_exact(world, tiny_world):
     data = sft_data(twin.get_tokenizer(), tiny_world, 60, 4)
     train(twin, data, 4, ADAM)
     want = {k: v.clone() for k, v in slot_state(svc, twin.model_id).items()}
-    assert trainer(svc).slots[slot_of(svc, twin.model_id)].step == 4
+    assert core(svc).slots[slot_of(svc, twin.model_id)].step == 4
     svc.unload(twin.model_id)
 
     a = training_client(client(url, "t0"), seed=21)
@@ -96,7 +96,7 @@ def test_idle_model_evicted_and_returns_bit_exact(world, tiny_world):
     train(a, data, 1, ADAM)
     assert evicted(svc) == {b.model_id}
     got = slot_state(svc, a.model_id)
-    assert trainer(svc).slots[slot_of(svc, a.model_id)].step == 4
+    assert core(svc).slots[slot_of(svc, a.model_id)].step == 4
     diff = [k for k in want if not torch.equal(want[k], got[k])]
     assert not diff, f"evicted-and-restored A differs from its uninterrupted twin in {diff[:4]}"
     assert any(want[k].abs().max() > 0 for k in want if k.startswith("exp_avg_sq"))  # the moments were compared

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.integration.sdk_clients import close_sdk_clients, open_client  # noqa: F401 - autouse fixture
-from tests.integration.tinker_views import slot_of, trainer
+from tests.integration.tinker_views import core, slot_of
 from tests.numerics import max_rel_err
 
 pytestmark = pytest.mark.integration
@@ -67,8 +67,9 @@ def sft_data(tok, tiny_world, start, n):
 
 
 def slot_state(svc, model_id):
-    slot = slot_of(svc, model_id)
-    parts = trainer(svc).slot_state_tensors(slot)
+    from trainer.slot_checkpoint import slot_state_tensors
+
+    parts = slot_state_tensors(core(svc), slot_of(svc, model_id))
     return {f"{k}.{i}.{n}": t for k in ("weight", "exp_avg", "exp_avg_sq", "grad") for i in (0, 1) for n, t in parts[k][i].items()}
 
 
@@ -156,7 +157,7 @@ def test_save_state_then_load_with_optimizer_resumes_exactly(world, tiny_world):
     weights_only = sc.create_training_client_from_state(path).result()
     state = slot_state(svc, weights_only.model_id)
     assert all(not state[k].any() for k in state if k.startswith(("exp_avg", "grad")))
-    assert trainer(svc).slots[slot_of(svc, weights_only.model_id)].step == 0
+    assert core(svc).slots[slot_of(svc, weights_only.model_id)].step == 0
     for m in (tc, resumed, weights_only):
         svc.unload(m.model_id)
 
@@ -254,7 +255,7 @@ def test_silent_session_is_saved_and_its_slot_freed(world):
 
     svc, url = world
     key = {"X-API-Key": KEYS["t3"]}
-    free_before = sum(1 for s in trainer(svc).slots if s is None)
+    free_before = sum(1 for s in core(svc).slots if s is None)
     svc.session_timeout_s = 2.0
     try:
         with httpx.Client(base_url=url + "/api/v1", timeout=30) as http:
@@ -262,7 +263,7 @@ def test_silent_session_is_saved_and_its_slot_freed(world):
             body = {"session_id": sid, "model_seq_id": 0, "base_model": BASE, "lora_config": {"rank": 2, "seed": 1, "train_unembed": False}}
             rid = http.post("create_model", headers=key, json=body).json()["request_id"]
             model_id = http.post("retrieve_future", headers=key, json={"request_id": rid}).json()["model_id"]
-            assert sum(1 for s in trainer(svc).slots if s is None) == free_before - 1
+            assert sum(1 for s in core(svc).slots if s is None) == free_before - 1
             deadline = time.monotonic() + 120
             while model_id in svc.models and time.monotonic() < deadline:
                 time.sleep(0.2)  # polling a condition with a deadline
@@ -272,7 +273,7 @@ def test_silent_session_is_saved_and_its_slot_freed(world):
         svc.session_timeout_s = 300.0
     saved = list((svc.checkpoint_root / "t3" / model_id.replace(":", "_") / "weights").glob("expired-*"))
     assert len(saved) == 1 and (saved[0] / "slot_state.json").is_file()
-    assert sum(1 for s in trainer(svc).slots if s is None) == free_before
+    assert sum(1 for s in core(svc).slots if s is None) == free_before
 
 
 def test_forward_and_client_side_custom_loss(world, tiny_world):

@@ -1,7 +1,10 @@
 """Keep-warm eviction on the real tiny Megatron model (fp32, CPU): a run swapped out and back in
-between its steps (into other slots, through host memory and through a spill file, with a
-half-accumulated step in flight) ends bit-identical to the same run trained resident; a swap
-changes no other slot; a spill that fails (a real ENOSPC) leaves the slot resident and unchanged."""
+between its steps (into other slots, through host memory, through a spill file, and through a
+spill file read ahead by a prefetch, with a half-accumulated step in flight) ends bit-identical to
+the same run trained resident; a swap changes no other slot; a spill that fails (a real ENOSPC, or
+the spill folder's budget reached) leaves the slot resident and unchanged; a corrupt spill file
+is refused (the slot stays free, nothing wrong is loaded); a trainer starting over a spill folder
+removes what a previous process left there; a dropped key's prefetch is discarded."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import torch
 pytestmark = pytest.mark.integration
 
 NUM_SLOTS = 4
+ALL_HOST = 2**40  # a host budget nothing here reaches
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +80,22 @@ def clear_all(trainer):
     for slot in range(NUM_SLOTS):
         if trainer.slots[slot] is not None:
             trainer.clear_slot(slot)
-    for key in trainer.swapped()["keys"]:
-        trainer.drop_swapped(key)
+    for key in trainer.swap.swapped()["keys"]:
+        trainer.swap.drop(key)
+
+
+def prefetched(trainer, key: str) -> None:
+    """Room in host memory, a prefetch of the spilled `key`, and its read finished."""
+    from tests.waiting import wait_until
+
+    trainer.swap.store.host_budget_bytes = ALL_HOST
+    assert trainer.swap.prefetch(key) == "started"
+    assert trainer.swap.prefetch(key) in ("prefetching", "prefetched")  # a second prefetch starts nothing
+    wait_until(lambda: trainer.swap.prefetch(key) == "prefetched", f"the prefetch of {key!r}")
+
+
+def spill_files(trainer) -> list[str]:
+    return sorted(p.name for p in trainer.swap.store.spill_dir.iterdir() if not p.name.startswith(".lock"))
 
 
 # Per call, X's samples (2 per step): call 0 steps once and leaves one pending, call 1 steps and leaves one
@@ -88,7 +106,8 @@ X_SAMPLES = [3, 2, 1, 2]
 def run(trainer, x_slots: list[int], swaps: list[str | None]):
     """Train X (RL) and Y (SFT, slot 1) through len(x_slots) calls; X sits in x_slots[i] for call i.
     Before call i > 0, swaps[i - 1] says how X goes out and back in: None (stays resident), "host",
-    or "disk" (a zero host budget forces a spill)."""
+    "disk" (a zero host budget forces a spill), or "prefetch" (spilled, then read ahead into host
+    memory before the swap-in)."""
     from trainer.batch import TrainBatch
 
     clear_all(trainer)
@@ -97,13 +116,17 @@ def run(trainer, x_slots: list[int], swaps: list[str | None]):
     for call, slot in enumerate(x_slots):
         how = swaps[call - 1] if call > 0 else None
         if how is not None:
-            trainer.swap.host_budget_bytes = 0 if how == "disk" else None
+            tier = "disk" if how in ("disk", "prefetch") else how
+            trainer.swap.store.host_budget_bytes = 0 if tier == "disk" else ALL_HOST
             y_before = row_state(trainer, 1)
-            out = trainer.swap_out(x_slots[call - 1], "x")
-            assert out["where"] == how
+            out = trainer.swap.swap_out(x_slots[call - 1], "x")
+            assert out["where"] == tier
             assert trainer.slots[x_slots[call - 1]] is None
-            back = trainer.swap_in(slot, "x")
-            assert back["from"] == how and trainer.swapped()["keys"] == []
+            if how == "prefetch":
+                prefetched(trainer, "x")
+            back = trainer.swap.swap_in(slot, "x")
+            assert back["from"] == tier and trainer.swap.swapped()["keys"] == []
+            assert back["prefetched"] == (how == "prefetch")
             assert_bit_identical(y_before, row_state(trainer, 1), "Y across X's swap")
         batch = samples(slot, X_SAMPLES[call], seed=100 + call, registration="x-reg") + samples(1, 2, seed=200 + call, registration="y-reg")
         trainer.train(TrainBatch(samples=batch))
@@ -136,9 +159,9 @@ def test_swap_of_pending_half_step_is_exact(trainer):
     trainer.train(TrainBatch(samples=samples(0, 1, seed=5, registration="p")))  # one of two samples: pending
     before = row_state(trainer, 0)
     assert before[1][1] == 1 and torch.count_nonzero(before[0][1]) > 0  # a pending gradient is there
-    trainer.swap.host_budget_bytes = None
-    trainer.swap_out(0, "p")
-    trainer.swap_in(3, "p")
+    trainer.swap.store.host_budget_bytes = ALL_HOST
+    trainer.swap.swap_out(0, "p")
+    trainer.swap.swap_in(3, "p")
     assert_bit_identical(before, row_state(trainer, 3), "a pending half step")
 
 
@@ -152,14 +175,14 @@ def test_failed_spill_keeps_the_slot(trainer, tmp_path):
     spill = tmp_path / "full"
     spill.mkdir()
     os.symlink("/dev/full", spill / "f.rank0.tmp")
-    old_dir, trainer.swap.spill_dir = trainer.swap.spill_dir, spill
-    trainer.swap.host_budget_bytes = 0
+    old_dir, trainer.swap.store.spill_dir = trainer.swap.store.spill_dir, spill
+    trainer.swap.store.host_budget_bytes = 0
     try:
         with pytest.raises(SwapError, match="No space left on device"):
-            trainer.swap_out(2, "f")
+            trainer.swap.swap_out(2, "f")
     finally:
-        trainer.swap.spill_dir, trainer.swap.host_budget_bytes = old_dir, None
-    assert trainer.swapped()["keys"] == []
+        trainer.swap.store.spill_dir, trainer.swap.store.host_budget_bytes = old_dir, ALL_HOST
+    assert trainer.swap.swapped()["keys"] == []
     assert_bit_identical(before, row_state(trainer, 2), "the slot after a failed spill")
 
 
@@ -170,11 +193,138 @@ def test_bad_swaps_are_refused(trainer):
     trainer.init_slot(0, hyper("sft"), seed=1, registration="a")
     trainer.init_slot(1, hyper("sft"), seed=2, registration="b")
     with pytest.raises(SwapError, match="no evicted slot 'nope'"):
-        trainer.swap_in(2, "nope")
-    trainer.swap_out(0, "a")
+        trainer.swap.swap_in(2, "nope")
+    trainer.swap.swap_out(0, "a")
     with pytest.raises(ValueError, match="slot 1 is in use"):
-        trainer.swap_in(1, "a")
+        trainer.swap.swap_in(1, "a")
     with pytest.raises(ValueError, match="slot 0 is not initialized"):
-        trainer.swap_out(0, "again")
-    assert trainer.swapped()["keys"] == ["a"]
-    assert trainer.drop_swapped("a") and trainer.swapped()["keys"] == []
+        trainer.swap.swap_out(0, "again")
+    assert trainer.swap.swapped()["keys"] == ["a"]
+    assert trainer.swap.drop("a") and trainer.swap.swapped()["keys"] == []
+
+
+def test_prefetched_spill_is_bit_identical_to_resident(trainer):
+    """A spill file read ahead into host memory by a prefetch, then swapped in (twice, into other
+    slots), then a spill swapped in without one: all bit-identical to staying resident."""
+    x_ref, y_ref = run(trainer, [0, 0, 0, 0], [None, None, None])
+    x_got, y_got = run(trainer, [0, 2, 3, 0], ["prefetch", "prefetch", "disk"])
+    assert_bit_identical(x_ref, x_got, "X through prefetched spill files")
+    assert_bit_identical(y_ref, y_got, "Y beside a prefetched X")
+    assert spill_files(trainer) == []
+
+
+def test_spill_budget_reached_keeps_the_slot(trainer):
+    """With host memory full, an eviction that would pass the spill folder's budget is refused:
+    the slot stays resident and unchanged, nothing is stored or written."""
+    from trainer.slot_swap import SwapError
+
+    clear_all(trainer)
+    store = trainer.swap.store
+    for slot, reg in ((0, "a"), (2, "b")):
+        trainer.init_slot(slot, hyper("sft"), seed=slot, registration=reg)
+    store.host_budget_bytes = 0
+    saved = store.disk_budget_bytes
+    try:
+        assert trainer.swap.swap_out(0, "a")["where"] == "disk"
+        one_file = store.disk_bytes()
+        store.disk_budget_bytes = 2 * one_file - 1  # room for one spill file, not two
+        before = row_state(trainer, 2)
+        with pytest.raises(SwapError, match=r"spill folder .* is at its budget: \d+ of \d+ bytes held, \d+ more needed"):
+            trainer.swap.swap_out(2, "b")
+        assert_bit_identical(before, row_state(trainer, 2), "the slot after a refused spill")
+        assert trainer.swap.swapped()["keys"] == ["a"] and spill_files(trainer) == ["a.rank0.swap"]
+        assert trainer.swap.tiers()["disk"] == {"count": 1, "bytes": one_file, "budget_bytes": 2 * one_file - 1}
+    finally:
+        store.disk_budget_bytes, store.host_budget_bytes = saved, ALL_HOST
+    assert trainer.swap.swap_out(2, "b")["where"] == "host"  # host memory again: it fits there
+    tiers = trainer.swap.tiers()
+    assert tiers["host"]["count"] == 1 and tiers["host"]["bytes"] == trainer.swap.swapped()["host_bytes"] > 0
+
+
+@pytest.mark.parametrize("damage", ["payload", "header", "truncated"])
+def test_corrupt_spill_file_is_refused(trainer, damage):
+    """A spill file changed on disk fails its swap-in (directly, and through a prefetch) with a
+    clear SwapError: the target slot stays free and zero, the snapshot stays stored, dropping it
+    removes the file."""
+    from trainer.slot_swap import SwapError
+
+    clear_all(trainer)
+    trainer.init_slot(0, hyper("rl"), seed=3, registration="c")
+    trainer.swap.store.host_budget_bytes = 0
+    trainer.swap.swap_out(0, "c")
+    path = trainer.swap.store.spill_dir / "c.rank0.swap"
+    data = bytearray(path.read_bytes())
+    if damage == "payload":
+        data[len(data) // 2] ^= 0x01  # one bit of one weight, gradient or moment
+    elif damage == "header":
+        data[40] ^= 0x01  # inside the JSON header
+    else:
+        del data[len(data) - 100 :]
+    path.write_bytes(bytes(data))
+    message = {"payload": "checksum mismatch", "header": "header checksum mismatch", "truncated": "truncated"}[damage]
+    for ahead in (False, True):
+        if ahead:
+            prefetched(trainer, "c")
+        with pytest.raises(SwapError, match=f"reading spilled snapshot 'c' .*{message}"):
+            trainer.swap.swap_in(3, "c")
+        assert trainer.slots[3] is None
+        assert all(torch.count_nonzero(t[3]) == 0 for t in trainer.buffers.by_kind().values())
+        assert trainer.swap.swapped()["keys"] == ["c"]
+    trainer.swap.store.host_budget_bytes = ALL_HOST
+    assert trainer.swap.drop("c") and spill_files(trainer) == [] and trainer.swap.swapped()["keys"] == []
+
+
+def test_drop_of_a_prefetched_key_discards_it(trainer):
+    """Dropping a key while its prefetch is under way or done removes its file and frees its host
+    memory; a later prefetch or swap-in of it finds nothing; unknown and host keys start nothing."""
+    from trainer.slot_swap import SwapError
+
+    clear_all(trainer)
+    trainer.init_slot(0, hyper("sft"), seed=1, registration="d")
+    trainer.init_slot(2, hyper("sft"), seed=2, registration="h")
+    trainer.swap.store.host_budget_bytes = 0
+    trainer.swap.swap_out(0, "d")
+    assert trainer.swap.prefetch("d") == "no room"  # a prefetch takes host room like any snapshot
+    trainer.swap.store.host_budget_bytes = ALL_HOST
+    trainer.swap.swap_out(2, "h")
+    assert trainer.swap.prefetch("h") == "host" and trainer.swap.prefetch("nope") == "absent"
+    for wait in (False, True):
+        if wait:
+            trainer.swap.store.host_budget_bytes = 0
+            trainer.init_slot(0, hyper("sft"), seed=1, registration="d")
+            trainer.swap.swap_out(0, "d")
+            prefetched(trainer, "d")
+        else:
+            assert trainer.swap.prefetch("d") == "started"
+        assert trainer.swap.tiers()["prefetched"]["count"] == 1
+        assert trainer.swap.drop("d")
+        assert spill_files(trainer) == [] and trainer.swap.swapped()["keys"] == ["h"]
+        assert trainer.swap.tiers()["prefetched"] == {"count": 0, "bytes": 0}
+        assert trainer.swap.prefetch("d") == "absent" and not trainer.swap.drop("d")
+        with pytest.raises(SwapError, match="no evicted slot 'd'"):
+            trainer.swap.swap_in(0, "d")
+    assert trainer.swap.swap_in(0, "h")["from"] == "host"
+
+
+def test_a_trainer_starting_over_a_spill_folder_removes_what_a_previous_one_left(tiny_world, tmp_path, monkeypatch):
+    """Spill files of a previous process (this rank's, temporaries, the older .pt format, and rank
+    0 also those of ranks beyond the world size) are removed when a trainer starts over the folder;
+    other files stay; a second live trainer on the same folder is refused."""
+    from trainer import swap_store
+    from trainer.config import TrainerConfig
+    from trainer.core import MultiLoraTrainer
+    from trainer.slot_swap import SwapError
+
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    left = ["k1.rank0.swap", "k2.rank0.tmp", "k3.rank0.pt", "k4.rank3.swap"]
+    kept = ["notes.txt", "k5.rank0.swap.bak", "k6.swap"]
+    for name in left + kept:
+        (spill / name).write_bytes(b"from a previous process")
+    cfg = TrainerConfig(base_model_path=str(tiny_world / "model"), num_slots=1, max_rank=4, swap_spill_dir=str(spill))
+    fresh = MultiLoraTrainer(cfg)
+    assert sorted(p.name for p in spill.iterdir() if not p.name.startswith(".lock")) == sorted(kept)
+    monkeypatch.setattr(swap_store, "FOLDER_LOCK_WAIT_S", 0.0)
+    with pytest.raises(SwapError, match="is in use by another trainer"):
+        swap_store.SwapStore(0, spill, 2**20)
+    assert fresh.swap.swapped()["keys"] == []

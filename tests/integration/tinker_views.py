@@ -11,7 +11,13 @@ def scheduler(svc: Any) -> Any:
 
 
 def trainer(svc: Any) -> Any:
+    """The trainer handle the scheduler drives (a TrainerGroup, or a TrainWorker over an in-process trainer)."""
     return svc.fleet.scheduler.trainer
+
+
+def core(svc: Any) -> Any:
+    """The in-process trainer itself (trainer.core.MultiLoraTrainer) of a Tinker-only host."""
+    return svc.host.trainer
 
 
 def slot_of(svc: Any, model_id: str) -> int | None:
