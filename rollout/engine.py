@@ -223,18 +223,3 @@ def _wait_group_gone(pgid: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while _group_alive(pgid) and time.monotonic() < deadline:
         time.sleep(0.05)
-
-
-def launch_engines(cfg: EngineConfig, model_path: str | Path, *, log_dir: str | Path | None = None) -> list[EngineProcess]:
-    """Start cfg.num_engines servers and wait until all are ready; on any failure stop them all."""
-    engines = [EngineProcess(i, cfg, model_path, log_dir=log_dir) for i in range(cfg.num_engines)]
-    try:
-        for e in engines:
-            e.start()
-        for e in engines:
-            e.wait_ready()
-    except BaseException:
-        for e in engines:
-            e.stop()
-        raise
-    return engines

@@ -129,9 +129,6 @@ class AdapterBuffer:
             return publishes_behind(self.published, group.version)
         return max(0, current_version - group.version)  # no publish recorded (a buffer used on its own)
 
-    def is_stale(self, group: RolloutGroup, current_version: int) -> bool:
-        return self.staleness(group, current_version) > self.max_staleness
-
     def pop(self, max_groups: int, current_version: int) -> tuple[list[RolloutGroup], list[RolloutGroup]]:
         """Up to `max_groups` usable groups (oldest first), and the stale groups dropped on the way."""
         ready: list[RolloutGroup] = []

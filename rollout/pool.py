@@ -136,10 +136,6 @@ class EnginePool:
     def inflight_by_engine(self) -> list[int]:
         return [len(e.inflight) for e in self._engines]
 
-    def loaded_names(self, engine: int) -> set[str]:
-        """Served names this pool believes engine `engine` holds."""
-        return set(self._engines[engine].loaded)
-
     def healthy(self, engine: int) -> bool:
         return self._engines[engine].healthy
 

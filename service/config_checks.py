@@ -327,8 +327,6 @@ def _check_reward(name: str, import_roots: list[str]) -> None:
 
 def builtin_reward_names() -> list[str]:
     """The builtin reward names, as the rollout side defines them (rollout.rewards.BUILTIN_REWARDS)."""
-    try:
-        from rollout import rewards  # the rollout side owns the builtin set
-    except ImportError:  # TODO(reconcile): drop once rollout/rewards.py has landed
-        return ["exact_match", "math", "target_share"]
+    from rollout import rewards  # the rollout side owns the builtin set
+
     return sorted(rewards.BUILTIN_REWARDS)
