@@ -157,9 +157,14 @@ class Scheduler:
             return [t for t in self._tenants.values() if kind is None or t.kind == kind]
 
     def clear(self) -> list[Tenant]:
-        """Forget every tenant (the trainer was lost: its slots and swap store with it)."""
+        """Forget every tenant (the trainer was lost: its slots and swap store with it). The Tinker
+        models' leases go with them; the runs keep their slot record (the controller prepares them
+        again from their checkpoints)."""
         with self._tenants_lock:
             gone, self._tenants = list(self._tenants.values()), {}
+        for t in gone:
+            if t.kind == TenantKind.TINKER:
+                self.registry.release_lease(t.key)
         while self._admissions:
             self._admissions.popleft().done(RuntimeError("the trainer restarted; create the model again"))
         return gone

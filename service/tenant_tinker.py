@@ -100,12 +100,13 @@ class TinkerModel:
         self.last_active = clock()
         self.waiting_reason: str | None = None  # M3
         self.ended = False
+        self.end_reason = f"model {model_id} is unloaded"  # what a call sent after its end is told
 
     # --- what the Tinker face calls (any thread) ------------------------------------------------
 
     def submit(self, op: TinkerOp) -> None:
         if self.ended:
-            op.done(None, ValueError(f"model {self.key} is unloaded"))
+            op.done(None, ValueError(self.end_reason))
             return
         with self._mu:
             self._queue.append(op)
@@ -226,10 +227,12 @@ class TinkerModel:
         """It ends; operations still queued get `reason` as `error` (ValueError: the caller's, e.g.
         the model was refused a slot; RuntimeError: the service's, e.g. lost with the trainer)."""
         self.ended = True
+        if reason:
+            self.end_reason = reason
         with self._mu:
             left, self._queue = list(self._queue), deque()
         for op in left:
-            op.done(None, error(reason or f"model {self.key} is unloaded"))
+            op.done(None, error(self.end_reason))
 
     # --- slot operations ----------------------------------------------------------------------
 

@@ -250,3 +250,17 @@ def test_unload_needs_no_slot(tmp_path):
     assert w.models.get("a") is None and w.registry.leases() == {"b": (0, "alice")}
     w.fb(a, "a.late")  # a call after the unload is refused
     assert isinstance(w.answers["a.late"][1], ValueError)
+
+
+def test_a_lost_trainer_ends_the_models_and_frees_their_leases(tmp_path):
+    """The trainer restarted (its slots and swap store gone): every model is released with the reason,
+    its queued calls get it, its lease is freed; a call sent later is refused with it too."""
+    w = World(tmp_path)
+    a, _ = w.create("a")
+    w.fb(a, "a.queued")
+    for t in w.scheduler.clear():
+        t.release("the trainer restarted: this model's state is lost")
+    assert w.registry.leases() == {} and w.models.get("a") is None
+    assert isinstance(w.answers["a.queued"][1], RuntimeError) and "restarted" in str(w.answers["a.queued"][1])
+    w.fb(a, "a.later")
+    assert isinstance(w.answers["a.later"][1], ValueError) and "restarted" in str(w.answers["a.later"][1])
