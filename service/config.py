@@ -31,7 +31,7 @@ from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, Setting
 
 from rollout.config import ADAPTER_NAME_PATTERN, DataConfig, EngineConfig, RewardConfig, RolloutConfig, SamplingConfig
 from service.placement import PlacementConfig
-from trainer.config import SlotHyperParams, StrictModel, TrainerConfig
+from trainer.config import Objective, SlotHyperParams, StrictModel, TrainerConfig
 
 AdapterName = Annotated[
     str,
@@ -84,7 +84,7 @@ class AdapterConfig(StrictModel):
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Cosine schedule only: final learning rate as a fraction of learning_rate.")
     weight_decay: float = Field(0.0, ge=0.0, description="Decoupled weight decay (AdamW).")
     max_grad_norm: float | None = Field(1.0, gt=0, description="Clip this adapter's gradient to this global norm; null = no clipping.")
-    objective: Literal["rl", "sft"] = Field("rl", description="rl: GRPO-style group rollouts scored by `reward`; sft: supervised prompt/completion pairs, no rollout.")
+    objective: Objective = Field("rl", description="rl: GRPO-style group rollouts scored by `reward`; sft: supervised prompt/completion pairs, no rollout.")
     data: DataSpec = Field(description="The adapter's data source.")
     reward: RewardConfig | None = Field(None, description="RL only (required there): the reward function, a builtin name or 'package.module:function' under an allowed import root.")
     prompts_per_step: int = Field(4, ge=1, le=65536, description="Prompts (RL) or examples (SFT) per optimizer step of this adapter.")
