@@ -5,9 +5,17 @@ watch the tests catch it.
     python -m pytest tests/reference tests/unit/test_losses.py -q  # must fail
     git checkout trainer/core.py trainer/losses.py                  # undo
 
-The loss bugs (MUTATIONS' second half; which tests caught each: the report of the branch that
-added them, and ``python -m pytest tests/unit/test_tinker_losses.py tests/unit/test_losses.py
-tests/integration/test_tinker_ops.py`` fails for every one).
+The loss bugs (MUTATIONS' second half), each caught (measured) by tests/unit/test_tinker_losses.py
+(T), tests/unit/test_losses.py (L), tests/unit/test_tinker_wire.py (W), tests/reference (R) or
+tests/integration/test_tinker_ops.py (O):
+* ce_sign, is_no_advantage: T (values and gradients of that loss);
+* ppo_offset_bound (the lower bound taken as an offset), cispo_no_stopgrad, dro_no_half: T, 3-5 cases each;
+* gspo_mean_all (the sequence ratio over every position, not the marked ones): T 4 cases, O (loss:sum
+  -0.864 vs HF -2.018); gspo_ratio_grad (gradient through s): T 6 cases;
+* clip_min (the shared clip's max turned min): T 12 cases, L 3 (the REST PPO cases);
+* default_high (1.28 for Tinker's 1.2): T 10 cases, W; rest_bound (clip_high's offset read from
+  clip_low): T (the one-clip test), R (REST slots against the HF reference);
+* loss_sum_last (``loss_sum[c] =`` for ``+=``): O (loss:sum 115.3 vs HF 259.2).
 
 Measured (max relative error vs the reference per slot, REL_TOL 5e-5; clean run <= 1.2e-5):
 * betas_swapped (Adam beta1/beta2 exchanged): losses up to 4.5e-2, weights up to 8.6e-1;
