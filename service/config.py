@@ -31,7 +31,7 @@ from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, Setting
 
 from rollout.config import ADAPTER_NAME_PATTERN, DataConfig, EngineConfig, RewardConfig, RolloutConfig, SamplingConfig
 from service.placement import PlacementConfig
-from trainer.config import SlotHyperParams, StrictModel, TrainerConfig
+from trainer.config import Objective, SlotHyperParams, StrictModel, TrainerConfig
 from trainer.model_folder import read_model_config
 
 AdapterName = Annotated[
@@ -87,7 +87,7 @@ class AdapterConfig(StrictModel):
     adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW's betas (beta1, beta2), each in [0, 1).")
     adam_eps: float = Field(1e-8, gt=0, le=1.0, description="AdamW's epsilon (added to the root of the second moment).")
     max_grad_norm: float | None = Field(1.0, gt=0, description="Clip this adapter's gradient to this global norm; null = no clipping.")
-    objective: Literal["rl", "sft"] = Field("rl", description="rl: GRPO-style group rollouts scored by `reward`; sft: supervised prompt/completion pairs, no rollout.")
+    objective: Objective = Field("rl", description="rl: GRPO-style group rollouts scored by `reward`; sft: supervised prompt/completion pairs, no rollout.")
     data: DataSpec = Field(description="The adapter's data source.")
     reward: RewardConfig | None = Field(None, description="RL only (required there): the reward function, a builtin name or 'package.module:function' under an allowed import root.")
     prompts_per_step: int = Field(4, ge=1, le=65536, description="Prompts (RL) or examples (SFT) per optimizer step of this adapter.")

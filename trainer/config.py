@@ -24,6 +24,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+# What an adapter run trains on, the one declaration (service/config.py's AdapterConfig uses it too).
+Objective = Literal["rl", "sft"]
 
 
 class StrictModel(BaseModel):
@@ -164,9 +166,9 @@ class SlotHyperParams(StrictModel):
     eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
     max_grad_norm: float | None = Field(1.0, gt=0, description="Clip this slot's gradient norm; null = no clipping.")
     samples_per_step: int = Field(8, ge=1, description="The adapter's batch size: samples per optimizer step.")
-    objective: Literal["rl", "sft"] = Field("rl", description="rl: clipped policy gradient; sft: cross-entropy.")
-    clip_low: float = Field(0.2, ge=0.0, lt=1.0, description="RL: lower clip, ratio >= 1 - clip_low.")
-    clip_high: float = Field(0.28, ge=0.0, description="RL: upper clip, ratio <= 1 + clip_high (DAPO: > clip_low).")
+    objective: Objective = Field("rl", description="rl: clipped policy gradient; sft: cross-entropy.")
+    clip_low: float = Field(0.2, ge=0.0, lt=1.0, description="RL: lower clip offset, ratio >= 1 - clip_low (ratio_bounds).")
+    clip_high: float = Field(0.28, ge=0.0, description="RL: upper clip offset, ratio <= 1 + clip_high (DAPO: > clip_low).")
     kl_coef: float = Field(0.0, ge=0.0, description="RL: weight of the k3 KL estimate to the base (LoRA off).")
     loss_normalization: Literal["sequence_mean", "token_mean", "constant"] = Field(
         "sequence_mean", description="How token losses become the step's loss (see module doc)."
@@ -198,6 +200,12 @@ class SlotHyperParams(StrictModel):
         if self.objective == "sft" and self.kl_coef > 0:
             raise ValueError("kl_coef applies only to objective 'rl' (sft has no reference policy term)")
         return self
+
+    @property
+    def ratio_bounds(self) -> tuple[float, float]:
+        """The PPO clip as the absolute ratio bounds the losses take (trainer/losses.py: the one
+        clip convention; this is the one place the offsets are converted)."""
+        return 1.0 - self.clip_low, 1.0 + self.clip_high
 
     @property
     def scale(self) -> float:

@@ -70,7 +70,7 @@ def forward_backward(passes: LoraPasses, slots: SlotTable, mb: list[TrainSample]
             rollout_lp = torch.where(t.has_rollout & t.mask, t.rollout, logp.detach())
             inputs = TokenLossInputs(
                 logprobs=logp, mask=t.mask, is_rl=t.is_rl, advantage=t.advantage, rollout_logprobs=rollout_lp,
-                clip_low=t.clip_low, clip_high=t.clip_high, kl_coef=t.kl_coef, ref_logprobs=ref,
+                ratio_low=t.ratio_low, ratio_high=t.ratio_high, kl_coef=t.kl_coef, ref_logprobs=ref,
                 per_token_weight=t.weight,
             )
             numerators, st = sample_loss_numerators(inputs)
@@ -113,8 +113,8 @@ class MicroBatchTensors:
     kl_rows: list[int]  # rows with a KL term (need the reference pass)
     weight: torch.Tensor  # per-sample token weight (1/n for sequence_mean)
     advantage: torch.Tensor
-    clip_low: torch.Tensor
-    clip_high: torch.Tensor
+    ratio_low: torch.Tensor  # the PPO clip's absolute ratio bounds (SlotHyperParams.ratio_bounds)
+    ratio_high: torch.Tensor
 
     @staticmethod
     def build(mb: list[TrainSample], hypers: list[SlotHyperParams], dev: torch.device) -> "MicroBatchTensors":
@@ -142,6 +142,6 @@ class MicroBatchTensors:
             has_rollout=has_rollout.to(dev), slot_ids=torch.tensor([x.slot for x in mb]), is_rl=is_rl.to(dev),
             kl_coef=kl_coef.to(dev), kl_rows=(kl_coef > 0).nonzero().flatten().tolist(), weight=weight.to(dev),
             advantage=torch.tensor([x.advantage for x in mb], dtype=torch.float32, device=dev),
-            clip_low=torch.tensor([h.clip_low for h in hypers], device=dev),
-            clip_high=torch.tensor([h.clip_high for h in hypers], device=dev),
+            ratio_low=torch.tensor([h.ratio_bounds[0] for h in hypers], device=dev),
+            ratio_high=torch.tensor([h.ratio_bounds[1] for h in hypers], device=dev),
         )

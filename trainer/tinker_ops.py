@@ -4,7 +4,7 @@ per-call AdamW step of one slot.
 * ``forward_backward(calls)``: the calls (each one model's data, loss and config) of
   SEVERAL slots in one mixed pass (packed micro-batches, each slot one contiguous
   segment); every call's loss is the SUM of its datums' per-token losses
-  (trainer/tinker_losses.py) and its gradient ACCUMULATES in its slot's gradient rows.
+  (trainer/losses.py) and its gradient ACCUMULATES in its slot's gradient rows.
   Nothing steps. The base is frozen and sequences never interact, so a slot's gradient
   is exactly what its calls would give alone.
 * ``train_with(batch, calls)``: the same calls riding in the service loop's train call
@@ -32,7 +32,7 @@ from trainer.batch import TrainBatch
 from trainer.batch import RiderSequence
 from trainer.rounds import AdamStep, Call, CallResult, Datum, RoundResult, RoundWork  # noqa: F401 - the types live there
 from trainer.packing import split_by_token_budget
-from trainer.tinker_losses import LossSpec, check_inputs, resolve_loss
+from trainer.losses import LossSpec, check_inputs, resolve_loss
 
 
 class TinkerOps:
@@ -114,7 +114,7 @@ class TinkerOps:
 
     def _riders(self, calls: list[Call], batch_slots: set[int], backward: bool):
         """(results, RiderSequences of the valid calls' datums, finish) — each rider's loss is its
-        datum's per-token loss summed (trainer/tinker_losses.py) and records the datum's outputs;
+        datum's per-token loss summed (trainer/losses.py) and records the datum's outputs;
         ``finish()`` fills the valid calls' outputs and ``loss:sum`` once the pass has run."""
         results = [CallResult() for _ in calls]
         losses: dict[int, tuple[LossSpec, dict[str, float]]] = {}

@@ -249,7 +249,7 @@ def test_tinker_slots_match_hf_peft(compared, work, hf_model):
     _, calls = work
     worst = 0.0
     for slot in TINKER:
-        ref = reference_run(hf_model, compared["tmp"] / f"init{slot}", slot, calls)
+        ref, _ = reference_run(hf_model, compared["tmp"] / f"init{slot}", slot, calls)  # (weights, per-call outputs)
         ours = compared["joined"]["peft"][slot]
         assert set(ours) == set(ref)
         e = max(max_rel_err(ours[k], ref[k]) for k in ours)

@@ -1,17 +1,23 @@
 """Proof of the Tinker trainer primitives (fp32, CPU, the tiny Qwen3 through Megatron-Bridge).
 
 Three slots with different ranks, losses (cross_entropy, ppo, cispo, importance_sampling,
-dro) and per-call AdamW parameters train 3 steps; each step is ONE mixed
-forward_backward of four calls (slot 0 twice: its two calls' gradients accumulate),
-then one optim_step per slot. Every slot's weights and Adam moments equal
+dro, gspo; every config key off its default at least once) and per-call AdamW parameters
+train 3 steps; each step is ONE mixed forward_backward of four calls (slot 0 twice: its two
+calls' gradients accumulate), then one optim_step per slot. Every slot's weights and Adam
+moments equal
 
 * the same slot trained alone (same calls, one slot per forward_backward), and
 * an independent reference: HF transformers + peft (the slot's initial PEFT export,
   with lora_A shared by q/k/v and by gate/up as in the fused Megatron linears) and
-  torch.optim.AdamW, the losses written here again from Tinker's published definitions.
+  torch.optim.AdamW, the losses from tests/reference/losses.py (Tinker's definitions).
+
+Every reported output of every call equals that reference too: ``loss:sum`` (the sum over
+the call's datums and positions), each datum's ``logprobs`` and (cross_entropy)
+``elementwise_loss``.
 
 Tolerance: max relative error per tensor 5e-5 against HF (measured 1.7e-5; HF and Megatron
-compute the same function with different kernels) and 1e-5 mixed vs alone.
+compute the same function with different kernels) and 1e-5 mixed vs alone; outputs below
+(OUT_TOL).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import pytest
 import torch
 
 from tests.numerics import max_rel_err
+from tests.reference.losses import tinker_token_loss
 
 pytestmark = pytest.mark.integration
 
@@ -36,29 +43,11 @@ ADAM = {  # per slot: AdamParams fields; eps 1e-2 as in test_trainer_equivalence
 # (slot, loss_fn, loss_fn_config) of the four calls of each step, per step
 STEP_CALLS = [
     [(0, "cross_entropy", None), (1, "ppo", None), (2, "cispo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}), (0, "dro", {"beta": 0.1})],
-    [(2, "importance_sampling", None), (0, "cross_entropy", None), (1, "ppo", {"clip_low_threshold": 0.7, "clip_high_threshold": 1.3}), (0, "ppo", None)],
-    [(1, "dro", {"beta": 0.5}), (0, "cispo", None), (2, "cross_entropy", None), (0, "importance_sampling", None)],
+    [(2, "importance_sampling", None), (0, "cross_entropy", None), (1, "ppo", {"clip_low_threshold": 0.7, "clip_high_threshold": 1.3}), (0, "gspo", None)],
+    [(1, "dro", {"beta": 0.5}), (0, "cispo", None), (2, "cross_entropy", None), (0, "gspo", {"clip_low_threshold": 0.97, "clip_high_threshold": 1.02})],
 ]
 REL_TOL = 5e-5  # measured worst 1.7e-5
-
-
-def reference_token_loss(loss_fn, cfg, lp, inp):
-    """Tinker's definitions, written independently of trainer/tinker_losses.py."""
-    cfg = cfg or {}
-    if loss_fn == "cross_entropy":
-        return -(lp * inp["weights"])
-    q, adv = inp["logprobs"], inp["advantages"]
-    ratio = torch.exp(lp - q)
-    lo, hi = cfg.get("clip_low_threshold", 0.8), cfg.get("clip_high_threshold", 1.2)
-    if loss_fn == "importance_sampling":
-        return -(ratio * adv)
-    if loss_fn == "ppo":
-        return -torch.min(ratio * adv, torch.clamp(ratio, lo, hi) * adv)
-    if loss_fn == "cispo":
-        return -(torch.clamp(ratio, lo, hi).detach() * lp * adv)
-    if loss_fn == "dro":
-        return -(lp * adv - 0.5 * cfg["beta"] * (lp - q) ** 2)
-    raise AssertionError(loss_fn)
+OUT_TOL = 1e-4  # outputs: |ours - HF| <= OUT_TOL * (1 + sum of |token losses|) for loss:sum, OUT_TOL absolute per logprob
 
 
 def make_data(loss_fn, seed, base_lp_fn, n_datums=2):
@@ -78,6 +67,8 @@ def make_data(loss_fn, seed, base_lp_fn, n_datums=2):
             q = base_lp_fn(tokens, targets) + 0.3 * torch.randn(length, generator=g)  # off-policy: ratios clip
             adv = float(torch.randn(1, generator=g)) * completion
             inputs = {"target_tokens": targets, "logprobs": q, "advantages": adv}
+            if loss_fn == "gspo":
+                inputs["sequence_ratio_mask"] = completion
         data.append(Datum(tokens=tokens.tolist(), inputs=inputs))
     return data
 
@@ -120,15 +111,15 @@ def run(ops, steps, only_slot=None):
     """3 steps; mixed (all calls of a step in one forward_backward) or one slot alone."""
     from trainer.tinker_ops import AdamStep, Call
 
-    losses = []
-    for calls in steps:
-        batch = [Call(slot, data, fn, cfg) for slot, fn, cfg, data in calls if only_slot in (None, slot)]
-        results = ops.forward_backward(batch)
+    out = {}  # (step, call index in STEP_CALLS) -> CallResult
+    for s, calls in enumerate(steps):
+        mine = [(c, Call(slot, data, fn, cfg)) for c, (slot, fn, cfg, data) in enumerate(calls) if only_slot in (None, slot)]
+        results = ops.forward_backward([call for _, call in mine])
         assert all(r.error is None for r in results), [r.error for r in results]
-        losses.append([r.metrics["loss:sum"] for r in results])
-        for slot in sorted({c.slot for c in batch}):
+        out.update({(s, c): r for (c, _), r in zip(mine, results)})
+        for slot in sorted({call.slot for _, call in mine}):
             ops.optim_step(slot, AdamStep(**ADAM[slot]))
-    return losses
+    return out
 
 
 def slot_tensors(ops, slot):
@@ -139,7 +130,9 @@ def slot_tensors(ops, slot):
 
 
 def reference_run(hf_model, folder, slot, steps):
-    """HF + peft + torch.optim.AdamW from the slot's initial PEFT export."""
+    """HF + peft + torch.optim.AdamW from the slot's initial PEFT export: the final LoRA tensors, and
+    per call of the slot ((step, call index) -> (loss sum, sum of |token losses|, per datum: logprobs,
+    token losses))."""
     from peft import PeftModel
 
     model = PeftModel.from_pretrained(copy.deepcopy(hf_model), str(folder), is_trainable=True)
@@ -151,29 +144,37 @@ def reference_run(hf_model, folder, slot, steps):
     params = list({id(p): p for n, p in model.named_parameters() if "lora_" in n}.values())
     a = ADAM[slot]
     opt = torch.optim.AdamW(params, lr=a["learning_rate"], betas=(a["beta1"], a["beta2"]), eps=a["eps"], weight_decay=a["weight_decay"])
-    for calls in steps:
+    outputs = {}
+    for step, calls in enumerate(steps):
         opt.zero_grad()
-        for s, fn, cfg, data in calls:
+        for c, (s, fn, cfg, data) in enumerate(calls):
             if s != slot:
                 continue
+            total, scale, per_datum = 0.0, 0.0, []
             for d in data:
                 logits = model(torch.tensor(d.tokens)[None]).logits[0]
                 lp = torch.log_softmax(logits, -1).gather(-1, d.inputs["target_tokens"][:, None])[:, 0]
-                reference_token_loss(fn, cfg, lp, d.inputs).sum().backward()
+                token_loss = tinker_token_loss(fn, cfg, lp, d.inputs)
+                token_loss.sum().backward()
+                total += float(token_loss.detach().double().sum())
+                scale += float(token_loss.detach().abs().sum())
+                per_datum.append((lp.detach().clone(), token_loss.detach().clone()))
+            outputs[(step, c)] = (total, scale, per_datum)
         if a["grad_clip_norm"] > 0:
             torch.nn.utils.clip_grad_norm_(params, a["grad_clip_norm"])
         opt.step()
-    return {n.replace(".default", ""): p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False) if "lora_" in n}
+    weights = {n.replace(".default", ""): p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False) if "lora_" in n}
+    return weights, outputs
 
 
 def test_mixed_forward_backward_equals_alone_and_hf_peft(ops, steps, hf_model, tmp_path):
     fresh_slots(ops, RANKS)
     for slot in RANKS:
         ops.trainer.export.export_peft(slot, tmp_path / f"init{slot}")
-    mixed_losses = run(ops, steps)
+    mixed_results = run(ops, steps)
     mixed = {slot: slot_tensors(ops, slot) for slot in RANKS}
     mixed_peft = {slot: ops.trainer.export.peft_tensors(slot)[1] for slot in RANKS}
-    assert all(abs(x) > 0 for step in mixed_losses for x in step)
+    assert all(abs(r.metrics["loss:sum"]) > 0 for r in mixed_results.values())
 
     for slot in RANKS:
         fresh_slots(ops, [slot])
@@ -182,7 +183,19 @@ def test_mixed_forward_backward_equals_alone_and_hf_peft(ops, steps, hf_model, t
         worst = max(max_rel_err(mixed[slot][k], alone[k]) for k in alone if alone[k].abs().max() > 0)
         assert worst <= 1e-5, f"slot {slot}: mixed vs alone {worst:.2e}"
 
-        ref = reference_run(hf_model, tmp_path / f"init{slot}", slot, steps)
+        ref, ref_outputs = reference_run(hf_model, tmp_path / f"init{slot}", slot, steps)
+        for key, (total, scale, per_datum) in ref_outputs.items():
+            got = mixed_results[key]
+            fn = STEP_CALLS[key[0]][key[1]][1]
+            err = abs(got.metrics["loss:sum"] - total)
+            print(f"slot {slot} call {key} {fn}: loss:sum {got.metrics['loss:sum']:.6f} vs HF {total:.6f} (|diff| {err:.1e})")
+            assert err <= OUT_TOL * (1.0 + scale), (key, fn, got.metrics["loss:sum"], total)
+            assert set(got.metrics) == {"loss:sum"} and len(got.outputs) == len(per_datum)
+            for out, (lp, token_loss) in zip(got.outputs, per_datum):
+                assert set(out) == ({"logprobs", "elementwise_loss"} if fn == "cross_entropy" else {"logprobs"})
+                assert torch.allclose(out["logprobs"], lp, atol=OUT_TOL, rtol=0), (key, (out["logprobs"] - lp).abs().max())
+                if fn == "cross_entropy":
+                    assert torch.allclose(out["elementwise_loss"], token_loss, atol=OUT_TOL, rtol=0), key
         ours = mixed_peft[slot]
         assert set(ours) == set(ref)
         worst = max(max_rel_err(ours[k], ref[k]) for k in ours)
@@ -220,7 +233,10 @@ def test_forward_matches_forward_backward_and_changes_nothing(ops, steps):
         (lambda c: c.data.clear(), "data is empty"),
         (lambda c: c.data[0].tokens.extend([1] * 100), "more than this server allows"),
         (lambda c: setattr(c, "loss_fn", "ppo"), r"lacks \['logprobs', 'advantages'\]"),
-        (lambda c: setattr(c, "loss_fn", "gspo"), "'gspo': sequence-level GSPO is not implemented"),
+        (lambda c: setattr(c, "loss_fn", "stable_reinforce"), "'stable_reinforce': stable_reinforce is not served"),
+        (lambda c: (setattr(c, "loss_fn", "gspo"), c.data[0].inputs.update(logprobs=c.data[0].inputs["weights"],
+                                                                             advantages=c.data[0].inputs["weights"]),
+                    c.data[0].inputs.pop("weights")), r"datum 0: loss_fn_inputs lacks \['sequence_ratio_mask'\]"),
         (lambda c: setattr(c, "loss_fn", "nope"), "unknown loss_fn 'nope'"),
         (lambda c: setattr(c, "loss_fn_config", {"beta": 1.0}), r"keys \['beta'\] are not known to 'cross_entropy'"),
         (lambda c: c.data[0].inputs.update(weights=c.data[0].inputs["weights"] * float("nan")), "non-finite"),

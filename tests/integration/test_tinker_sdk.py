@@ -23,6 +23,7 @@ import torch
 from tests.integration.sdk_clients import close_sdk_clients, open_client  # noqa: F401 - autouse fixture
 from tests.integration.tinker_views import core, slot_of
 from tests.numerics import max_rel_err
+from tests.reference.losses import tinker_token_loss
 
 pytestmark = pytest.mark.integration
 
@@ -223,13 +224,24 @@ def test_bad_input_is_a_clear_error_and_changes_nothing(world, tiny_world):
          "cross_entropy", None, f"more than this server allows ({MAX_SEQ})"),
         ([datum([1, 2, 3], advantages=[0.0, float("nan"), 1.0], **rl)], "importance_sampling", None, "non-finite"),
         ([datum([1, 2, 3], advantages=[1.0] * 3, **rl)], "ppo", {"clip_eps": 0.2}, "keys ['clip_eps'] are not known to 'ppo'"),
-        ([datum([1, 2, 3], advantages=[1.0] * 3, **rl)], "gspo", None, "not implemented"),
+        ([datum([1, 2, 3], advantages=[1.0] * 3, **rl)], "gspo", None, "lacks ['sequence_ratio_mask']"),
+        ([datum([1, 2, 3], advantages=[1.0] * 3, sequence_ratio_mask=[0.0] * 3, **rl)], "gspo", None, "marks no position"),
+        ([datum([1, 2, 3], advantages=[1.0] * 3, **rl)], "stable_reinforce", None, "stable_reinforce is not served"),
         ([datum([1, 2, 3], advantages=[1.0] * 3, **rl)], "dro", None, "needs loss_fn_config['beta']"),
     ]
     for data, loss_fn, cfg, text in cases:
         with pytest.raises(Exception) as err:
             tc.forward_backward(data, loss_fn, cfg).result()
         assert text in str(err.value), (loss_fn, str(err.value)[:400])
+    # gspo through the SDK's own encoding (sequence_ratio_mask as float32): loss:sum is the reference's
+    # loss (tests/reference/losses.py) of the logprobs the server returns; forward changes nothing
+    cfg = {"clip_high_threshold": 1.5}
+    g = datum([1, 2, 3, 4], target_tokens=[2, 3, 4, 5], logprobs=[-3.0, -2.0, -4.0, -5.0], advantages=[0.0, 1.0, -0.5, 2.0],
+              sequence_ratio_mask=[0.0, 1.0, 1.0, 1.0])
+    out = tc.forward([g], "gspo", cfg).result()
+    lp = out.loss_fn_outputs[0]["logprobs"].to_torch()
+    want = tinker_token_loss("gspo", cfg, lp, {k: v.to_torch() for k, v in g.loss_fn_inputs.items()}).sum()
+    assert out.metrics["loss:sum"] == pytest.approx(float(want), rel=1e-5, abs=1e-5)
     with pytest.raises(Exception, match="train_unembed=True is not supported"):
         client(url, "t2").create_lora_training_client(base_model=BASE, rank=4).result()
     with pytest.raises(Exception, match="LoRA rank 64 not supported: 1..8"):

@@ -1,4 +1,4 @@
-"""Token losses of one adapter, written from their papers (not from trainer/losses.py).
+"""Token losses of one adapter, written from their papers and Tinker's docs (not from trainer/losses.py).
 
 Per learned token t of a sample (log-probability ``logp`` of the token under the
 policy being trained):
@@ -25,6 +25,9 @@ claims, trainer/config.py):
 * ``token_mean`` (DAPO, eq. 8): sum over every learned token of the step / their count.
 * ``constant`` (Dr. GRPO, Liu et al. 2025): sum over learned tokens / (samples x a fixed
   token count L).
+
+After them: the Tinker API's built-in losses of one datum, each value and gradient written
+out from its documented definition (the comment above ``TINKER_DEFAULTS``).
 """
 
 from __future__ import annotations
@@ -65,3 +68,110 @@ def normalize_step(token_losses: list[torch.Tensor], how: str, tokens_per_sample
         return sum(t.sum() for t in token_losses) / (n * tokens_per_sample)
     raise ValueError(f"unknown normalization {how!r}")
 
+
+
+# -- Tinker's built-in losses (one datum), from tinker-docs.thinkingmachines.ai/tinker/losses -----------
+#
+# Per position i of one datum: lp = log p(target_tokens[i]) under the model being trained, q = the
+# ``logprobs`` input (the sampler's), A = ``advantages``, w = ``weights``, r = p / q = exp(lp - q).
+# A datum's loss is the SUM over its positions (no mean anywhere). The clip bounds are absolute
+# ratio thresholds: config ``clip_low_threshold`` / ``clip_high_threshold``, 1 - eps_low and
+# 1 + eps_high with eps "currently fixed to 0.2 in Tinker" (its PPO page): 0.8 and 1.2.
+#
+# * cross_entropy: -w lp.
+# * importance_sampling: -r A.
+# * ppo: -min(r A, clip(r, lo, hi) A). Case form: where the clipped branch is the smaller one,
+#   (A > 0 and r > hi) or (A < 0 and r < lo), the term is the constant -clip(r) A; elsewhere -r A.
+# * cispo (MiniMax-M1): -sg(clip(r, lo, hi)) lp A: a REINFORCE term whose weight is the clipped
+#   ratio, held constant.
+# * dro: -(lp A - beta/2 (lp - q)^2), beta required (no documented default).
+# * gspo (GSPO-token, Zheng et al. 2025 and Tinker's GSPO page): s = exp(mean over the marked
+#   positions M (sequence_ratio_mask != 0) of (lp - q)), taken as a constant; each position's ratio
+#   s_t = s * p / sg(p) has the value s and the gradient of its own lp. Loss -min(s_t A, clip(s_t) A)
+#   at every position, in PPO's case form with s in place of r.
+#
+# Gradients, d(loss_i)/d(lp_i), from the same definitions (the loss of position i depends on no
+# other position's lp: gspo's s is a constant):
+# cross_entropy -w; importance_sampling -r A; ppo 0 where clipped, else -r A; cispo -clip(r) A;
+# dro -(A - beta (lp - q)); gspo 0 where clipped, else -s A.
+
+TINKER_DEFAULTS = {
+    "cross_entropy": {}, "importance_sampling": {}, "dro": {"beta": None},
+    "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+    "cispo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+    "gspo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+}
+TINKER_INPUTS = {
+    "cross_entropy": ("target_tokens", "weights"),
+    "importance_sampling": ("target_tokens", "logprobs", "advantages"),
+    "ppo": ("target_tokens", "logprobs", "advantages"),
+    "cispo": ("target_tokens", "logprobs", "advantages"),
+    "dro": ("target_tokens", "logprobs", "advantages"),
+    "gspo": ("target_tokens", "logprobs", "advantages", "sequence_ratio_mask"),
+}
+
+
+def tinker_config(loss_fn: str, cfg: dict | None) -> dict:
+    """The documented defaults with the call's keys over them."""
+    return {**TINKER_DEFAULTS[loss_fn], **(cfg or {})}
+
+
+def _case_clip_active(ratio: torch.Tensor, adv: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
+    return ((adv > 0) & (ratio > hi)) | ((adv < 0) & (ratio < lo))
+
+
+def _scalar_clip(x: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
+    return torch.where(x < lo, torch.full_like(x, lo), torch.where(x > hi, torch.full_like(x, hi), x))
+
+
+def gspo_sequence_ratio(lp: torch.Tensor, q: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """s = exp(mean over the marked positions of lp - q), a constant (no gradient)."""
+    marked = [i for i in range(len(mask)) if float(mask[i]) != 0.0]
+    return torch.exp(sum(float(lp[i]) - float(q[i]) for i in marked) / torch.tensor(float(len(marked))))
+
+
+def tinker_token_loss(loss_fn: str, cfg: dict | None, lp: torch.Tensor, inp: dict) -> torch.Tensor:
+    """Per-position loss [N] of one datum (differentiable in lp)."""
+    c = tinker_config(loss_fn, cfg)
+    if loss_fn == "cross_entropy":
+        return -(inp["weights"] * lp)
+    q, adv = inp["logprobs"], inp["advantages"]
+    r = torch.exp(lp - q)
+    if loss_fn == "importance_sampling":
+        return -(r * adv)
+    if loss_fn == "dro":
+        return -(lp * adv) + 0.5 * c["beta"] * (lp - q) ** 2
+    lo, hi = c["clip_low_threshold"], c["clip_high_threshold"]
+    if loss_fn == "cispo":
+        return -(_scalar_clip(r.detach(), lo, hi) * lp * adv)
+    if loss_fn == "ppo":
+        return torch.where(_case_clip_active(r.detach(), adv, lo, hi), -(_scalar_clip(r.detach(), lo, hi) * adv), -(r * adv))
+    if loss_fn == "gspo":
+        s = gspo_sequence_ratio(lp.detach(), q, inp["sequence_ratio_mask"])
+        s_t = s * torch.exp(lp - lp.detach())
+        s_all = s.expand_as(lp)
+        return torch.where(_case_clip_active(s_all, adv, lo, hi), -(_scalar_clip(s_all, lo, hi) * adv), -(s_t * adv))
+    raise AssertionError(f"no reference for {loss_fn!r}")
+
+
+def tinker_token_grad(loss_fn: str, cfg: dict | None, lp: torch.Tensor, inp: dict) -> torch.Tensor:
+    """d(loss_i)/d(lp_i) [N] of one datum, written out (see the comment above)."""
+    c = tinker_config(loss_fn, cfg)
+    lp = lp.detach()
+    if loss_fn == "cross_entropy":
+        return -inp["weights"]
+    q, adv = inp["logprobs"], inp["advantages"]
+    r = torch.exp(lp - q)
+    if loss_fn == "importance_sampling":
+        return -(r * adv)
+    if loss_fn == "dro":
+        return -(adv - c["beta"] * (lp - q))
+    lo, hi = c["clip_low_threshold"], c["clip_high_threshold"]
+    if loss_fn == "cispo":
+        return -(_scalar_clip(r, lo, hi) * adv)
+    if loss_fn == "ppo":
+        return torch.where(_case_clip_active(r, adv, lo, hi), torch.zeros_like(r), -(r * adv))
+    if loss_fn == "gspo":
+        s = gspo_sequence_ratio(lp, q, inp["sequence_ratio_mask"]).expand_as(lp)
+        return torch.where(_case_clip_active(s, adv, lo, hi), torch.zeros_like(s), -(s * adv))
+    raise AssertionError(f"no reference for {loss_fn!r}")

@@ -1,8 +1,21 @@
-"""Plant one of issue 13's four trainer bugs in the working tree, to watch the tests catch it.
+"""Plant one of issue 13's four trainer bugs, or one of issue 25's loss bugs, in the working tree, to
+watch the tests catch it.
 
     python -m tests.reference.plant_mutation betas_swapped      # or kl_sign, first_betas_eps, first_weight_decay
     python -m pytest tests/reference tests/unit/test_losses.py -q  # must fail
     git checkout trainer/slot_steps.py trainer/losses.py                  # undo
+
+The loss bugs (MUTATIONS' second half), each caught (measured) by tests/unit/test_tinker_losses.py
+(T), tests/unit/test_losses.py (L), tests/unit/test_tinker_wire.py (W), tests/reference (R) or
+tests/integration/test_tinker_ops.py (O):
+* ce_sign, is_no_advantage: T (values and gradients of that loss);
+* ppo_offset_bound (the lower bound taken as an offset), cispo_no_stopgrad, dro_no_half: T, 3-5 cases each;
+* gspo_mean_all (the sequence ratio over every position, not the marked ones): T 4 cases, O (loss:sum
+  -0.864 vs HF -2.018); gspo_ratio_grad (gradient through s): T 6 cases;
+* clip_min (the shared clip's max turned min): T 12 cases, L 3 (the REST PPO cases);
+* default_high (1.28 for Tinker's 1.2): T 10 cases, W; rest_bound (clip_high's offset read from
+  clip_low): T (the one-clip test), R (REST slots against the HF reference);
+* loss_sum_last (``loss_sum[c] =`` for ``+=``): O (loss:sum 115.3 vs HF 259.2).
 
 Measured (max relative error vs the reference per slot, REL_TOL 5e-5; clean run <= 1.2e-5):
 * betas_swapped (Adam beta1/beta2 exchanged): losses up to 4.5e-2, weights up to 8.6e-1;
@@ -27,6 +40,22 @@ MUTATIONS = {
     "first_betas_eps": ("trainer/slot_steps.py", ADAM_ROW,
                         FIRST + ADAM_ROW.replace("h.betas[0], h.betas[1], h.eps", "h0.betas[0], h0.betas[1], h0.eps")),
     "first_weight_decay": ("trainer/slot_steps.py", ADAM_ROW, FIRST + ADAM_ROW.replace("h.weight_decay", "h0.weight_decay")),
+    # the losses (issue 25): one per loss, the shared clip, its REST edge, a default, loss:sum
+    "ce_sign": ("trainer/losses.py", 'return -lp * inp["weights"]', 'return lp * inp["weights"]'),
+    "is_no_advantage": ("trainer/losses.py", 'return -_ratio(lp, inp) * inp["advantages"]', "return -_ratio(lp, inp)"),
+    "ppo_offset_bound": ("trainer/losses.py", 'clipped_surrogate(_ratio(lp, inp), inp["advantages"], cfg["clip_low_threshold"]',
+                         'clipped_surrogate(_ratio(lp, inp), inp["advantages"], 1 - cfg["clip_low_threshold"]'),
+    "cispo_no_stopgrad": ("trainer/losses.py", 'cfg["clip_high_threshold"]).detach()', 'cfg["clip_high_threshold"])'),
+    "dro_no_half": ("trainer/losses.py", '0.5 * cfg["beta"] * (lp - inp["logprobs"]) ** 2', 'cfg["beta"] * (lp - inp["logprobs"]) ** 2'),
+    "gspo_mean_all": ("trainer/losses.py", '(lp.detach() - inp["logprobs"])[in_ratio].mean()', '(lp.detach() - inp["logprobs"]).mean()'),
+    "gspo_ratio_grad": ("trainer/losses.py", '(lp.detach() - inp["logprobs"])[in_ratio].mean()', '(lp - inp["logprobs"])[in_ratio].mean()'),
+    "clip_min": ("trainer/losses.py", "return torch.maximum(unclipped, clipped), (clipped > unclipped).detach()",
+                 "return torch.minimum(unclipped, clipped), (clipped > unclipped).detach()"),
+    "default_high": ("trainer/losses.py", '_CLIP = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}',
+                     '_CLIP = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.28}'),
+    "rest_bound": ("trainer/config.py", "return 1.0 - self.clip_low, 1.0 + self.clip_high",
+                   "return 1.0 - self.clip_low, 1.0 + self.clip_low"),
+    "loss_sum_last": ("trainer/tinker_ops.py", "loss_sum[c] += ", "loss_sum[c] = "),
 }
 
 

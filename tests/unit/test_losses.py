@@ -17,7 +17,7 @@ from trainer.losses import TokenLossInputs, policy_gradient_token_loss, sample_l
 
 pytestmark = pytest.mark.unit
 
-CLIP_LOW, CLIP_HIGH = 0.2, 0.3  # trust region [0.8, 1.3]
+CLIP_LOW, CLIP_HIGH = 0.2, 0.3  # offsets (SlotHyperParams.clip_low/high): trust region [0.8, 1.3]
 
 
 def inputs(logp, old=None, *, adv=1.0, rl=True, kl_coef=0.0, ref=None, mask=None, weight=1.0):
@@ -30,8 +30,8 @@ def inputs(logp, old=None, *, adv=1.0, rl=True, kl_coef=0.0, ref=None, mask=None
         is_rl=torch.tensor([rl]),
         advantage=torch.tensor([adv]),
         rollout_logprobs=old,
-        clip_low=torch.tensor([CLIP_LOW]),
-        clip_high=torch.tensor([CLIP_HIGH]),
+        ratio_low=torch.tensor([1.0 - CLIP_LOW]),
+        ratio_high=torch.tensor([1.0 + CLIP_HIGH]),
         kl_coef=torch.tensor([kl_coef]),
         ref_logprobs=None if ref is None else torch.tensor([ref], dtype=torch.float32),
         per_token_weight=torch.tensor([weight]),
@@ -132,7 +132,7 @@ def test_mixed_rows_each_use_their_own_objective():
     inp = TokenLossInputs(
         logprobs=logp, mask=torch.ones(2, 2, dtype=torch.bool), is_rl=torch.tensor([False, True]),
         advantage=torch.tensor([5.0, 1.0]), rollout_logprobs=torch.zeros(2, 2),
-        clip_low=torch.tensor([CLIP_LOW] * 2), clip_high=torch.tensor([CLIP_HIGH] * 2),
+        ratio_low=torch.tensor([1.0 - CLIP_LOW] * 2), ratio_high=torch.tensor([1.0 + CLIP_HIGH] * 2),
         kl_coef=torch.zeros(2), ref_logprobs=None, per_token_weight=torch.ones(2),
     )
     num, stats = sample_loss_numerators(inp)
