@@ -24,9 +24,8 @@ TESTS = ["tests/unit/test_triton_expert_lora.py", "tests/unit/test_moe_lora.py"]
 MUTATIONS = {
     "tile_end_off_by_one": (KERNELS, "r1 = torch.minimum(r0 + bt, row_end[g])", "r1 = torch.minimum(r0 + bt, row_end[g] + 1)",
                             "segment bound: a tile runs one row into the next group"),
-    "shrink_row_bound": (KERNELS, "        row_ok = rows < r1\n        rr = tl.arange(0, BR).to(tl.int64)\n        rank_ok = rr < R\n        ks",
-                         "        row_ok = rows <= r1\n        rr = tl.arange(0, BR).to(tl.int64)\n        rank_ok = rr < R\n        ks",
-                         "segment bound: the shrink writes one row past its tile"),
+    "tile_row_bound": (KERNELS, "return g, r0, r1, rows, rows < r1, rr, rr < R", "return g, r0, r1, rows, rows <= r1, rr, rr < R",
+                       "segment bound: the shrink and the expand take one row past their tile"),
     "wgrad_row_bound": (KERNELS, "t_ok = ts < r1 - t0", "t_ok = ts < r1 - t0 + 1",
                         "segment bound: a group's weight gradient takes the next group's first row"),
     "shrink_slot_expert_strides": (KERNELS, "x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(wide_dim)",
