@@ -43,6 +43,28 @@ def _span_view(shape, lo, generator, device):
 
 
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("tile_rows", [None, 16])
+def test_tiles_cover_every_row_once_inside_its_group(name, tile_rows):
+    counts, s = CASES[name]
+    m = sum(counts)
+    tiles = GroupTiles.of(torch.tensor(counts), m, s, tile_rows)
+    bt = tiles.tile_rows
+    table = tiles.tiles.tolist()
+    assert len(table) == -(-m // bt) + len(counts)  # the launch bound
+    starts = [sum(counts[:g]) for g in range(len(counts))]
+    covered = []
+    for g, r0, r1 in table:
+        if r0 == r1:
+            continue
+        assert starts[g] <= r0 < r1 <= starts[g] + counts[g] and r1 - r0 <= bt, (g, r0, r1)
+        covered.extend(range(r0, r1))
+    assert covered == list(range(m))  # every row once, in order
+    empty = [r0 == r1 for _, r0, r1 in table]
+    assert empty == sorted(empty)  # the real tiles first, then only empty padding
+    assert tiles.ends.tolist() == [0] + [sum(counts[: g + 1]) for g in range(len(counts))]
+
+
+@pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("rank", [4, 16, 24])
 def test_kernels_equal_per_row_einsums(name, rank, kernel_device):
     counts, s = CASES[name]
@@ -83,28 +105,6 @@ def test_kernels_equal_per_row_einsums(name, rank, kernel_device):
         rows = (slot == sl) & (expert == ex)
         assert max_rel_err(grad_a[sl, ex], before_a[sl, ex] + gh[rows].t() @ x[rows]) <= 1e-5
         assert max_rel_err(grad_b[sl, ex], before_b[sl, ex] + gy[rows].t() @ h[rows]) <= 1e-5
-
-
-@pytest.mark.parametrize("name", list(CASES))
-@pytest.mark.parametrize("tile_rows", [None, 16])
-def test_tiles_cover_every_row_once_inside_its_group(name, tile_rows):
-    counts, s = CASES[name]
-    m = sum(counts)
-    tiles = GroupTiles.of(torch.tensor(counts), m, s, tile_rows)
-    bt = tiles.tile_rows
-    table = tiles.tiles.tolist()
-    assert len(table) == -(-m // bt) + len(counts)  # the launch bound
-    starts = [sum(counts[:g]) for g in range(len(counts))]
-    covered = []
-    for g, r0, r1 in table:
-        if r0 == r1:
-            continue
-        assert starts[g] <= r0 < r1 <= starts[g] + counts[g] and r1 - r0 <= bt, (g, r0, r1)
-        covered.extend(range(r0, r1))
-    assert covered == list(range(m))  # every row once, in order
-    empty = [r0 == r1 for _, r0, r1 in table]
-    assert empty == sorted(empty)  # the real tiles first, then only empty padding
-    assert tiles.ends.tolist() == [0] + [sum(counts[: g + 1]) for g in range(len(counts))]
 
 
 def test_shapes_are_checked(kernel_device):
