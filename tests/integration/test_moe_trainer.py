@@ -122,11 +122,10 @@ def test_triton_expert_kernels_equal_grouped_mm(trainer, batches):
     """The segmented Triton kernels (Triton's interpreter here; at TP 1 the fused expert
     linear, trainer/expert_lora_nodes.py) train what grouped_mm trains: the scenario's first
     two calls (accumulation across them, slots of different ranks, the attention-only slot),
-    the same weights, moments, losses and gradient norms; and mixed equals alone. The
-    attention LoRA stays on the library kernels (its Triton kernels have their own proofs:
-    tests/unit/test_fused_lora.py), which keeps the interpreter's share of this test to the
-    expert kernels (about 30 s of CPU)."""
-    from trainer import triton_expert_lora, triton_lora
+    the same weights, moments, losses and gradient norms; and mixed equals alone. With
+    ``lora_rank_kernels: triton`` as a user sets it, so the attention LoRA's rank kernels
+    (triton_lora.py) run in the interpreter too."""
+    from trainer import triton_expert_lora
 
     calls = []
     real_shrink = triton_expert_lora.shrink
@@ -140,7 +139,6 @@ def test_triton_expert_kernels_equal_grouped_mm(trainer, batches):
     trainer.routing.rank_kernels = "triton"
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(triton_expert_lora, "shrink", counted_shrink)
-        patch.setattr(triton_lora, "pick", lambda *_: "library")
         try:
             run = run_scenario(trainer, moe_hypers("mixed"), batches[:2])
         finally:
@@ -288,14 +286,16 @@ def test_start_from_an_exported_expert_adapter(trainer, batches, tmp_path):
 def _parallel_worker(rank, port, cfg_kwargs, hypers, batches, out_path):
     import torch.distributed as dist
 
-    from trainer import triton_lora
+    from trainer import triton_expert_lora
     from trainer.config import TrainerConfig
     from trainer.core import MultiLoraTrainer
 
-    if cfg_kwargs.get("lora_rank_kernels") == "triton":  # the expert kernels only (see the Triton test above)
-        triton_lora.pick = lambda *_: "library"
+    calls = []
+    real_shrink = triton_expert_lora.shrink
+    triton_expert_lora.shrink = lambda *a, **k: calls.append(1) or real_shrink(*a, **k)  # counts the expert path's use
     trainer = MultiLoraTrainer(TrainerConfig(**cfg_kwargs), rank=rank, master_port=port)
     result = run_scenario(trainer, hypers, batches)
+    result["expert_triton_calls"] = len(calls)
     result["export_check"] = export_matches_full_tensors(trainer, hypers, batches[0], f"{out_path}.export")
     if rank == 0:
         torch.save(result, out_path)
@@ -303,9 +303,9 @@ def _parallel_worker(rank, port, cfg_kwargs, hypers, batches, out_path):
     dist.destroy_process_group()
 
 
-# tp-triton runs the kernels in Triton's interpreter on two ranks: about 5 minutes of CPU on the
-# shared 2-core machine, so opt-in (-m slow); the delta node it exercises is the one the tp case
-# runs (same all-reduces), and its Triton kernels have the one-rank proofs above and in tests/unit.
+# tp-triton runs the Triton kernels in the interpreter on two ranks: about 5 minutes on the shared
+# 2-core machine, so opt-in (-m slow); the delta node it exercises is the one the tp case runs
+# (same all-reduces), and its Triton kernels have the one-rank proofs above and in tests/unit.
 @pytest.mark.parametrize("layout", ["tp", "dp", pytest.param("tp-triton", marks=pytest.mark.slow)])
 def test_two_ranks_equivalence(trainer, batches, mixed_run, tmp_path, layout):
     """TP=2: each rank holds half of every expert's width (fc1 column-, fc2 row-parallel) and
@@ -323,6 +323,7 @@ def test_two_ranks_equivalence(trainer, batches, mixed_run, tmp_path, layout):
              nprocs=2, join=True)
     run = torch.load(out, weights_only=False)
     _assert_nontrivial(run, OBJECTIVES["mixed"])
+    assert (run["expert_triton_calls"] > 0) == (kernels == "triton")  # the expert path the layout names ran
     # the publish export (row snapshot, experts included) == the per-layer gather, in both layouts
     check = run["export_check"]
     assert check["names"] > 0 and check["mismatches"] == [], check
