@@ -32,6 +32,8 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # eager everywhere: same foot
 
 import torch  # noqa: E402
 
+from benchmarks.failures import describe_failure  # noqa: E402
+
 SHAPES = {
     # Qwen3-1.7B: 28 layers, hidden 2048, 16 heads, 8 kv heads, head_dim 128, ffn 6144, tied.
     "qwen3-1.7b": dict(num_layers=28, hidden=2048, heads=16, kv_heads=8, head_dim=128, ffn=6144, vocab=151936, rope_theta=1e6),
@@ -308,7 +310,7 @@ def attention_probe(batch: int = 16, seq: int = 1024, heads: int = 16, kv_heads:
         try:
             out[name] = bench(f, qt, kt, vt) if name == "varlen" else bench(f, q, k, v)
         except Exception as exc:
-            out[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            out[name] = describe_failure(exc)
         print(f"attention {name:34s} {out[name] if isinstance(out[name], str) else f'{out[name]:.3f} ms'}", flush=True)
     return out
 
@@ -368,8 +370,8 @@ def run(shape_name: str, batch: int, seq: int, warmup: int, iters: int, variants
             print(f"{name:22s} {r['median_ms']:9.1f} ms  peak {r['peak_gib']:6.1f} GiB  "
                   f"{r['tflops']:6.1f} TFLOP/s  loss {r['loss']:.4f}", flush=True)
         except Exception as exc:  # keep measuring the others; the error is part of the result
-            result["variants"][name] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-2000:]}
-            print(f"{name}: FAILED {type(exc).__name__}: {exc}", flush=True)
+            result["variants"][name] = {"error": describe_failure(exc), "trace": traceback.format_exc()[-2000:]}
+            print(f"{name}: FAILED {describe_failure(exc)}", flush=True)
         finally:
             del model
             step = trainer = None

@@ -41,6 +41,8 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 import torch  # noqa: E402
 
+from benchmarks.failures import attempt  # noqa: E402
+
 QWEN3_1_7B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
                   num_attention_heads=16, num_key_value_heads=8, head_dim=128, rope_theta=1e6)
 TINY = dict(vocab_size=400, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -250,24 +252,13 @@ def main(argv: list[str] | None = None) -> int:
             res = trainer.train(mixed)
             assert len(res.stepped) == n
 
-        def run_mixed_library():
-            kept, trainer.routing.rank_kernels = trainer.routing.rank_kernels, "library"
-            try:
-                run_mixed()
-            finally:
-                trainer.routing.rank_kernels = kept
-
         runners = {"serialized": run_serialized, "mixed": run_mixed, "base": lambda: frozen_base_pass(trainer, mixed),
-                   "mixed_library": run_mixed_library}
+                   "mixed_library": with_library_kernels(trainer, run_mixed)}
         for mode in modes:
             if mode == "serialized" and serialized_n is not None and n not in serialized_n:
                 continue
             n_iters = args.serialized_iters or iters if mode == "serialized" else iters
-            try:
-                row[mode] = timed(runners[mode], n_iters, args.warmup, phases if mode != "base" else None)
-            except torch.cuda.OutOfMemoryError as err:  # report, keep going
-                row[mode] = {"error": f"OOM: {err}".splitlines()[0]}
-                torch.cuda.empty_cache()
+            row[mode] = attempt(lambda m=mode: timed(runners[m], n_iters, args.warmup, phases if m != "base" else None))
             print(f"N={n:3d} x {seqs:2d} x {length:5d}  {mode:10s} {row[mode]}", flush=True)
         results.append(row)
     if args.profile_out:
@@ -283,6 +274,20 @@ def main(argv: list[str] | None = None) -> int:
                        "objective": args.objective, "path": path, "config": cfg.model_dump(mode="json"),
                        "results": results}, f, indent=2)
     return 0
+
+
+def with_library_kernels(trainer, run: Callable[[], None]) -> Callable[[], None]:
+    """``run`` with the trainer's ``lora_rank_kernels`` set to 'library' (the mixed_library mode:
+    the library GEMMs where the default takes the Triton kernels)."""
+
+    def run_library() -> None:
+        kept, trainer.routing.rank_kernels = trainer.routing.rank_kernels, "library"
+        try:
+            run()
+        finally:
+            trainer.routing.rank_kernels = kept
+
+    return run_library
 
 
 def profile_round(trainer, batch, folder: str, tag: str) -> None:

@@ -16,9 +16,13 @@ Built by lorafleet's trainer (trainer/core.py, Megatron-Bridge), N resident slot
 rank 16, 16384 tokens per round, one optimizer step per adapter per round; median of
 --iters rounds after a warm-up:
 
-  serialized  N train calls, one per adapter
-  mixed       one train call with every adapter's samples (grouped by (expert, adapter))
-  frozen base the same micro-batches with LoRA off, gradient to the input embeddings
+  serialized     N train calls, one per adapter
+  mixed          one train call with every adapter's samples (grouped by (expert, adapter));
+                 on CUDA the expert LoRA runs the segmented Triton kernels
+                 (trainer/triton_expert_lora.py, lora_rank_kernels auto)
+  mixed_library  the same call with lora_rank_kernels 'library': expert LoRA on grouped_mm
+                 over (expert, adapter) groups in chunks of 1023 (the path before the kernels)
+  frozen base    the same micro-batches with LoRA off, gradient to the input embeddings
 
 Cases (N x sequences x length): 1 x 16 x 1024, 8 x 2 x 1024, 32 x 1 x 512. It also
 probes the grouped GEMM group-count limit on the device (one call with 1023, 1024 and
@@ -26,6 +30,7 @@ probes the grouped GEMM group-count limit on the device (one call with 1023, 102
 pydantic (no ray, fastapi, sglang).
 
   python -m benchmarks.bench_moe_step --out moe.json     # GPU, bf16 (about 3 minutes on an H200)
+  python -m benchmarks.bench_moe_step --only mixed,base --profile-out prof  # + torch.profiler tables per case
   python -m benchmarks.bench_moe_step --tiny             # CPU smoke test (tiny shape)
 """
 
@@ -42,7 +47,15 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 import torch  # noqa: E402
 
-from benchmarks.bench_mixed_step import PhaseTimer, init_slots, make_samples, timed  # noqa: E402
+from benchmarks.bench_mixed_step import (  # noqa: E402
+    PhaseTimer,
+    init_slots,
+    make_samples,
+    profile_round,
+    timed,
+    with_library_kernels,
+)
+from benchmarks.failures import attempt, describe_failure  # noqa: E402
 
 QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                      num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, intermediate_size=6144,
@@ -81,7 +94,7 @@ def probe_group_limit(hidden: int, rank: int) -> dict:
             err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
             out[groups] = f"ok (max rel err {err:.1e})"
         except Exception as e:  # noqa: BLE001 - reported as the finding
-            out[groups] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            out[groups] = describe_failure(e, 200)
     return out
 
 
@@ -96,8 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=None, help="timed rounds per mode (default 3; tiny 2)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--n", default="1,8,32", help="comma list of N (adapters)")
-    ap.add_argument("--only", default="serialized,mixed,base", help="comma list of modes")
+    ap.add_argument("--only", default="serialized,mixed,mixed_library,base",
+                    help="comma list of modes: serialized,mixed,mixed_library,base")
     ap.add_argument("--attention-only", action="store_true", help="adapters without expert LoRA (lora_experts false)")
+    ap.add_argument("--profile-out", default=None, help="folder for torch.profiler tables (mixed and base) of each case")
     ap.add_argument("--out", default=None, help="write results JSON here")
     args = ap.parse_args(argv)
 
@@ -150,15 +165,14 @@ def main(argv: list[str] | None = None) -> int:
         def run_mixed():
             assert len(trainer.train(mixed).stepped) == n
 
-        runners = {"serialized": run_serialized, "mixed": run_mixed, "base": lambda: frozen_base_pass(trainer, mixed)}
+        runners = {"serialized": run_serialized, "mixed": run_mixed, "mixed_library": with_library_kernels(trainer, run_mixed),
+                   "base": lambda: frozen_base_pass(trainer, mixed)}
         for mode in modes:
-            try:
-                row[mode] = timed(runners[mode], iters, args.warmup, phases if mode != "base" else None)
-            except torch.cuda.OutOfMemoryError as err:
-                row[mode] = {"error": f"OOM: {err}".splitlines()[0]}
-                torch.cuda.empty_cache()
-            print(f"N={n:3d} x {seqs:2d} x {length:5d}  {mode:10s} {row[mode]}", flush=True)
+            row[mode] = attempt(lambda m=mode: timed(runners[m], iters, args.warmup, phases if m != "base" else None))
+            print(f"N={n:3d} x {seqs:2d} x {length:5d}  {mode:13s} {row[mode]}", flush=True)
         results.append(row)
+        if args.profile_out:
+            profile_round(trainer, mixed, args.profile_out, f"moe_n{n}x{seqs}x{length}")
 
     print()
     print(table(results))
@@ -179,13 +193,16 @@ def table(results: list[dict]) -> str:
         return "-" if x is None else format(x, spec)
 
     lines = ["| N adapters x seqs x len | serialized ms | mixed ms (fwd+bwd / step / rest) | frozen base ms | mixed / base "
-             "| serialized / mixed | peak GiB serialized / mixed / base |", "|---|---|---|---|---|---|---|"]
+             "| serialized / mixed | mixed, library kernels, ms (fwd+bwd) / base | peak GiB serialized / mixed / base |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in results:
-        s, m, b = get(r, "serialized"), get(r, "mixed"), get(r, "base")
+        s, m, b, lib = get(r, "serialized"), get(r, "mixed"), get(r, "base"), get(r, "mixed_library")
         split = " / ".join(fmt(get(r, "mixed", k)) for k in ("fwd_bwd_ms", "step_ms", "other_ms"))
         peaks = " / ".join(fmt(get(r, k, "peak_gib"), ".1f") for k in ("serialized", "mixed", "base"))
+        library = f"{fmt(lib)} ({fmt(get(r, 'mixed_library', 'fwd_bwd_ms'))}) / {fmt(lib / b if lib and b else None, '.2f')}"
         lines.append(f"| {r['n']} x {r['seqs']} x {r['len']} | {fmt(s)} | {fmt(m)} ({split}) | {fmt(b)} | "
-                     f"{fmt(m / b if m and b else None, '.2f')} | {fmt(s / m if s and m else None, '.1f')} | {peaks} |")
+                     f"{fmt(m / b if m and b else None, '.2f')} | {fmt(s / m if s and m else None, '.1f')} | {library} | "
+                     f"{peaks} |")
     return "\n".join(lines)
 
 

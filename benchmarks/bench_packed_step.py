@@ -33,6 +33,7 @@ from benchmarks.bench_frozen_base import (  # noqa: E402  (sets TORCHDYNAMO_DISA
     setup_parallel,
     sync,
 )
+from benchmarks.failures import describe_failure  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -185,8 +186,8 @@ def bench_tokens_per_second(model, seqs, slots, n_slots, max_tokens, pad_batch, 
             print(f"{'lora ' if lora else ''}{name:14s} {len(batches):3d} mb  {computed:7d} tok computed  "
                   f"{sec * 1e3:8.1f} ms  {real / sec:9.0f} real tok/s  peak {peak:6.1f} GiB", flush=True)
         except Exception as exc:
-            out[name] = {"error": f"{type(exc).__name__}: {exc}"}
-            print(f"{name}: FAILED {type(exc).__name__}: {exc}", flush=True)
+            out[name] = {"error": describe_failure(exc)}
+            print(f"{name}: FAILED {describe_failure(exc)}", flush=True)
         free()
     if lora is not None:
         lora[0].disable()
@@ -299,8 +300,8 @@ def main() -> None:
                 model, seqs, slots, args.slots, budget, args.pad_batch, args.iters, device, lora=(routing, scales)
             )
         except Exception as exc:
-            result["lora_tokens_per_s"] = {"error": f"{type(exc).__name__}: {exc}"}
-            print(f"lora: FAILED {type(exc).__name__}: {exc}", flush=True)
+            result["lora_tokens_per_s"] = {"error": describe_failure(exc)}
+            print(f"lora: FAILED {describe_failure(exc)}", flush=True)
         model = None
         free()
     if "memory" not in skip and device.type == "cuda":

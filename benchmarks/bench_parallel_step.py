@@ -76,6 +76,7 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (the devi
 import torch  # noqa: E402
 
 from benchmarks.bench_mixed_step import GIB, PhaseTimer, TINY, cases, init_slots, make_samples, sync, timed, write_config  # noqa: E402
+from benchmarks.failures import describe_failure, is_oom  # noqa: E402
 
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1e6)
@@ -182,10 +183,6 @@ def _gather(obj) -> list:
     return out
 
 
-def _is_oom(err: BaseException) -> bool:
-    return isinstance(err, torch.cuda.OutOfMemoryError) or "out of memory" in str(err).lower()
-
-
 def export_timings(trainer, n: int, run_mixed, opts: dict) -> dict:
     """Mode export (issue 18: the publish export off the critical path), after the case's mixed
     rounds, every one of the N slots stepped. Per adapter, the slowest rank's:
@@ -251,7 +248,7 @@ def export_timings(trainer, n: int, run_mixed, opts: dict) -> dict:
                 try:
                     trainer.export.wait_export(folder)
                 except Exception as err:  # noqa: BLE001 - reported in the row
-                    failures.append(f"{type(err).__name__}: {err}"[:200])
+                    failures.append(describe_failure(err, 200))
                 shutil.rmtree(folder, ignore_errors=True)
 
         claimer_thread = threading.Thread(target=claimer, daemon=True)
@@ -390,9 +387,9 @@ def layout_worker(rank: int, port: int, opts: dict, layout: str, recompute: str,
                 else:
                     res = timed_round(runners[mode], iters, warmup, phases if mode != "base" else None)
             except Exception as err:  # an OOM on one rank: report it, keep the rest of the run
-                if not _is_oom(err):
+                if not is_oom(err):
                     raise
-                res = {"error": f"OOM: {err}".splitlines()[0]}
+                res = {"error": describe_failure(err)}
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
             statuses = _gather((res.get("peak_gib"), res.get("error")))
@@ -460,7 +457,7 @@ def single_worker(rank: int, port: int, opts: dict, num_slots: int, recompute: s
         result |= timed_round(run_mixed, opts["single_iters"], 1, None)
         result["ok"] = True
     except Exception as err:
-        result |= {"ok": False, "oom": _is_oom(err), "error": f"{type(err).__name__}: {err}".splitlines()[0][:300]}
+        result |= {"ok": False, "oom": is_oom(err), "error": describe_failure(err)}
         if not result["oom"]:
             result["trace"] = traceback.format_exc()[-1500:]
     with open(out_path, "w") as f:
@@ -493,7 +490,7 @@ def run_single(opts: dict, counts: list[int], recompute: str, tmp: str) -> dict:
             with open(out) as f:
                 tried[n] = json.load(f)
         except Exception as err:  # the process died (e.g. killed for host memory)
-            tried[n] = {"slots": n, "recompute": recompute, "ok": False, "error": f"process failed: {err}".splitlines()[0][:300]}
+            tried[n] = {"slots": n, "recompute": recompute, "ok": False, "error": f"process failed: {describe_failure(err)}"}
         r = tried[n]
         status = (f"trained {r['tokens']} tokens in {r['ms']:.0f} ms, peak {r['peak_gib'] or 0:.1f} GiB, "
                   f"{r.get('after_build_gib') or 0:.1f} GiB after build" if r["ok"] else r["error"])
@@ -527,7 +524,7 @@ def run_layout(opts: dict, layout: str, recomputes: list[str], tmp: str, path: s
                 lay = json.load(f)
         except Exception as err:  # a rank died: build OOM, or ended by the NCCL watchdog
             lay = {"layout": layout, "recompute": recompute, "path": path, "oom": None, "results": [],
-                   "error": f"process failed: {err}".splitlines()[0][:300]}
+                   "error": f"process failed: {describe_failure(err)}"}
         lay["wall_s"] = time.perf_counter() - t0
         attempts.append(lay)
         print(f"# {layout} {path}, recompute {recompute}: {lay['wall_s']:.0f} s in all"

@@ -41,6 +41,8 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
+from benchmarks.failures import describe_failure  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 MULTI = ("loss", "grad_norm", "weight", "exp_avg", "exp_avg_sq")
 FIRST = ("loss", "grad_norm", "exp_avg", "exp_avg_sq", "grad")
@@ -261,7 +263,7 @@ def main() -> None:
                 if hook:
                     attention_backend("auto")(trainer)
         except Exception as err:  # noqa: BLE001 - one failing variant must not end the survey
-            res = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
+            res = {"error": describe_failure(err)}
             traceback.print_exc()
         res["seconds"] = round(time.perf_counter() - t0, 1)
         if name in ("default fp32", "all suspects off") and "_mixed" in res:
@@ -286,7 +288,7 @@ def main() -> None:
                         results[key] = run_parallel(scn, name, overrides, tp, dp, batches, args.objectives,
                                                     tp1_mixed[name], tmp)
                     except Exception as err:  # noqa: BLE001
-                        results[key] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
+                        results[key] = {"error": describe_failure(err)}
                         traceback.print_exc()
                     results[key]["seconds"] = round(time.perf_counter() - t0, 1)
                     print(f"{key}: {json.dumps(results[key], default=str)}", flush=True)

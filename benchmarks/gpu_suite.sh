@@ -26,7 +26,8 @@ nvidia-smi --query-gpu=name,clocks.sm,power.draw,memory.used --format=csv,nohead
 if has tests; then
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu 2>&1 | tee "$out/gpu_tests.log" | grep -E "passed|failed|error" | tail -3
   # the Triton kernels' unit tests (marked unit) compiled on the device instead of interpreted
-  python3 -m pytest -q -p no:cacheprovider tests/unit/test_triton_adamw.py tests/unit/test_triton_rope.py tests/unit/test_triton_lora.py 2>&1 \
+  python3 -m pytest -q -p no:cacheprovider tests/unit/test_triton_adamw.py tests/unit/test_triton_rope.py tests/unit/test_triton_lora.py \
+    tests/unit/test_triton_expert_lora.py tests/unit/test_moe_lora.py 2>&1 \
     | tee "$out/triton_tests.log" | grep -E "passed|failed|error" | tail -3
 fi
 if has fp32dev; then

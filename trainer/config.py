@@ -100,9 +100,10 @@ class TrainerConfig(StrictModel):
         "auto",
         description=(
             "Kernels of the fused node's four GEMMs that reduce a wide operand to the LoRA rank (x A^T, "
-            "g B, dA, dB): triton = segment-aware Triton kernels (CUDA; the CPU only under "
-            "TRITON_INTERPRET=1), library = lora_kernel's GEMMs; auto = triton on CUDA for micro-batches of "
-            "more than one slot (faster there on the H200), library otherwise."
+            "g B, dA, dB), and of every expert-LoRA GEMM on MoE bases: triton = segment-aware Triton kernels "
+            "(CUDA; the CPU only under TRITON_INTERPRET=1), library = lora_kernel's GEMMs; auto = triton on "
+            "CUDA for micro-batches of more than one slot, and for every MoE micro-batch (faster there on the "
+            "H200), library otherwise."
         ),
     )
     swap_host_budget_mb: float = Field(

@@ -8,30 +8,30 @@ and adds the LoRA delta of each routed token's own adapter slot:
     y(t, e) = W2_e act(W1_e x_t + d1) + d2,    d = scale(slot(t)) * B[slot(t), e] A[slot(t), e] x
 
 Dispatch keeps the adapter id: every (token, expert) pair of the top-k gets the key
-``expert * N + slot(token)`` (N = resident slots) and the pairs are sorted by it (stable,
-so token order is kept inside a group). Then
-* the base GEMMs see one contiguous segment per expert (the union of its slot segments);
-* the LoRA GEMMs see one contiguous segment per (expert, slot) group, G = E * N groups,
-  and the slot weights in expert-major order ``[E * N, ...]`` (group g = e * N + s), so a
-  segmented GEMM over (expert, slot) is one ``grouped_mm`` (segmented_mm.py), forward
-  and backward, with no Python loop over adapters or experts. Only the slots from the
-  first to the last one present in the micro-batch take part (N above is that span, as
-  in fused_lora.py): one adapter's micro-batch among 32 resident ones neither reads nor
-  writes the other 31.
+``expert * N + slot(token)`` (N = resident slots) and the pairs are sorted by it once
+(stable, so token order is kept inside a group). Then
+* the base GEMMs see one contiguous segment per expert (the union of its slot segments):
+  one ``grouped_mm`` per expert linear (segmented_mm.py);
+* the LoRA GEMMs see one contiguous segment per (expert, slot) group, G = E * N groups
+  (group g = e * N + s), forward and backward, with no Python loop over adapters or
+  experts. Only the slots from the first to the last one present in the micro-batch
+  take part (N above is that span, as in fused_lora.py): one adapter's micro-batch among
+  32 resident ones neither reads nor writes the other 31.
+
+Two kernel sets run the LoRA GEMMs (expert_lora_nodes.py), chosen per micro-batch by
+``lora_rank_kernels`` (``ExpertLoraPlan``): the segmented Triton kernels
+(triton_expert_lora.py; ``auto`` on CUDA), one launch over every group, which at tensor
+parallel 1 also add the delta into the expert GEMM's output in place (``ExpertLinearLora``);
+or ``grouped_mm`` / the loop of ``lora_kernel`` (the CPU default, and the reference in
+tests), on expert-major compute copies of the weights, the group range cut into chunks
+of at most 1023 groups (grouped_mm's group-count limit: ``GroupLayout``).
 
 The slot weights live slot-major (``lora_A [N, E, R, in]``, ``lora_B [N, E, out, R]``)
 like every other LoRA tensor of the trainer, so a slot is one row of the slot buffers
-(slot_buffers.py: norms, AdamW, zeroing are row operations). The expert-major compute
-copy is made when the weights (or the span) change, not per micro-batch; the gradients of the (expert, slot) groups are added back into the
-slot-major fp32 gradient in place (one strided add).
-
-Group-count limit: a grouped GEMM call takes at most ``MAX_GROUPS_PER_CALL`` groups
-(1023: torch's CUDA grouped GEMM checks ``group_count < 1024`` -- its preparation kernel
-runs one thread per group in one block; measured on the H200: 1024 groups raise "Can't
-process more than 1024 groups"; miles caps slots at 1024 / experts-per-rank for it). We lift it by cutting the group index range
-into consecutive chunks of at most that many groups: groups are consecutive in both
-the sorted rows and the expert-major weights, so a chunk is a row range and a weight
-range, and ceil(G / 1023) calls cover any E * N (E = 128, N = 32: 5 calls per GEMM).
+(slot_buffers.py: norms, AdamW, zeroing are row operations). The Triton kernels read
+them in place; the library path's expert-major compute copy is made when the weights
+(or the span) change, not per micro-batch. Either way the gradients of the (expert,
+slot) groups are added into the slot-major fp32 gradient in place.
 
 Per adapter: ``SlotHyperParams.lora_experts`` (default true) chooses attention (and any
 dense MLP) only, or attention and experts. An attention-only slot keeps exactly zero
@@ -57,18 +57,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from trainer import triton_expert_lora, triton_lora
 from trainer.cpu_compat import transformer_engine_available
-from trainer.segmented_mm import (
-    Kernel,
-    grouped_operand,
-    pick_kernel,
-    segment_mm,
-    segment_mm_nt,
-    segment_weight_grad,
-    segmented_matmul,
+from trainer.expert_lora_nodes import (
+    ExpertLinearLora,
+    ExpertLoraDelta,
+    GroupLayout,
+    LibraryExpertOps,
+    TritonExpertOps,
 )
+from trainer.segmented_mm import grouped_operand, pick_kernel, segmented_matmul
 
-MAX_GROUPS_PER_CALL = 1023
 EXPERT_TARGETS = ("linear_fc1", "linear_fc2")
 
 
@@ -97,92 +96,6 @@ def moe_provider_overrides() -> dict[str, Any]:
     if not transformer_engine_available():
         out["moe_permute_fusion"] = False
     return out
-
-
-# -- (expert, slot) groups -------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class GroupLayout:
-    """Contiguous row segments, one per group (empty ones allowed), cut into chunks of at
-    most ``max_groups`` groups: ``chunks[i] = (g0, g1, row0, row1, offsets)`` with the
-    chunk's cumulative segment ends relative to ``row0`` (int32, on the rows' device)."""
-
-    counts: list[int]
-    chunks: tuple[tuple[int, int, int, int, torch.Tensor], ...]
-
-    @staticmethod
-    def of(counts: list[int], device: torch.device, max_groups: int = MAX_GROUPS_PER_CALL) -> "GroupLayout":
-        if max_groups < 1:
-            raise ValueError(f"max_groups must be >= 1, got {max_groups}")
-        ends = torch.tensor(counts, dtype=torch.int64).cumsum(0)
-        chunks, row0 = [], 0
-        for g0 in range(0, len(counts), max_groups):
-            g1 = min(g0 + max_groups, len(counts))
-            row1 = int(ends[g1 - 1])
-            offs = (ends[g0:g1] - row0).to(torch.int32).to(device)
-            chunks.append((g0, g1, row0, row1, offs))
-            row0 = row1
-        return GroupLayout(counts, tuple(chunks))
-
-    def mm(self, x: torch.Tensor, w: torch.Tensor, kernel: Kernel) -> torch.Tensor:
-        """y[t] = x[t] @ w[g(t)].T: x [T, K], w [G, N, K] -> [T, N]."""
-        return torch.cat([segment_mm(x[r0:r1], w[g0:g1], offs, self.counts[g0:g1], kernel)
-                          for g0, g1, r0, r1, offs in self.chunks])
-
-    def mm_nt(self, gy: torch.Tensor, w: torch.Tensor, kernel: Kernel) -> torch.Tensor:
-        """gx[t] = gy[t] @ w[g(t)]: gy [T, N], w [G, N, K] -> [T, K]."""
-        return torch.cat([segment_mm_nt(gy[r0:r1], w[g0:g1], offs, self.counts[g0:g1], kernel)
-                          for g0, g1, r0, r1, offs in self.chunks])
-
-    def weight_grad(self, gy: torch.Tensor, x: torch.Tensor, kernel: Kernel) -> torch.Tensor:
-        """dW[g] = gy[seg g].T @ x[seg g]: -> [G, N, K] (zeros for empty groups)."""
-        return torch.cat([segment_weight_grad(gy[r0:r1], x[r0:r1], offs, self.counts[g0:g1], kernel)
-                          for g0, g1, r0, r1, offs in self.chunks])
-
-
-class ExpertLoraDelta(torch.autograd.Function):
-    """d[t] = scale[t] * B_g(t) A_g(t) x[t] over (expert, slot) groups; gradients of the
-    slot weights added in place into the slot-major fp32 ``.grad`` (like FusedLoraLinear:
-    the parameters are inputs only so that autograd runs this backward).
-
-    Tensor parallelism (``tp_group`` given), as multi_lora.py does it for dense linears:
-    column-parallel fc1 (B split on outputs): h = A x on every rank, dh all-reduced in
-    backward, so dA and this delta's dx are complete on every rank; row-parallel fc2 (A split
-    on inputs): the partial h all-reduced in forward, B replicated, the delta complete."""
-
-    @staticmethod
-    def forward(ctx, x, a_param, b_param, a_c, b_c, layout, row_scale, kernel, lo=0, parallel=None, tp_group=None):  # noqa: ANN001
-        """a_c [E * S, R, in] / b_c [E * S, out, R]: slots lo .. lo + S - 1, expert-major."""
-        h = layout.mm(x, a_c, kernel)  # [M, R]
-        if parallel == "row" and tp_group is not None:
-            dist.all_reduce(h, group=tp_group)
-        h = h * row_scale
-        y = layout.mm(h, b_c, kernel)  # [M, out]
-        ctx.save_for_backward(x, h, a_c, b_c, row_scale)
-        ctx.layout, ctx.kernel, ctx.a_param, ctx.b_param, ctx.lo = layout, kernel, a_param, b_param, lo
-        ctx.parallel, ctx.tp_group = parallel, tp_group
-        return y
-
-    @staticmethod
-    def backward(ctx, gy):  # noqa: ANN001
-        x, h, a_c, b_c, row_scale = ctx.saved_tensors
-        layout, kernel = ctx.layout, ctx.kernel
-        gy = gy.contiguous()
-        gh = layout.mm_nt(gy, b_c, kernel)
-        if ctx.parallel == "column" and ctx.tp_group is not None:  # each rank holds part of B's outputs: sum their dh
-            dist.all_reduce(gh, group=ctx.tp_group)
-        gh = gh * row_scale
-        gx = layout.mm_nt(gh, a_c, kernel) if ctx.needs_input_grad[0] else None
-        for param, grad in ((ctx.a_param, layout.weight_grad(gh, x, kernel)),
-                            (ctx.b_param, layout.weight_grad(gy, h, kernel))):
-            if param.grad is None:  # as autograd would; the trainer presets them (SlotBuffers)
-                param.grad = torch.zeros_like(param)
-            e = param.shape[1]
-            span = grad.shape[0] // e
-            # [E * S, ...] expert-major -> rows lo .. lo + S - 1 of the [N, E, ...] slot-major gradient, in place
-            param.grad[ctx.lo : ctx.lo + span].transpose(0, 1).add_(grad.view(e, span, *grad.shape[1:]))
-        return gx, None, None, None, None, None, None, None, None, None, None
 
 
 # -- the slot weights of one expert linear -----------------------------------------------------
@@ -383,37 +296,82 @@ class MoeLoraLayer(nn.Module):
             kernel = "loop"
         e_counts = expert_counts.tolist()
         e_offsets = torch.cumsum(expert_counts, 0).to(torch.int32)
-        fc1 = segmented_matmul(xp_base, self.w1.to(xp.dtype), e_offsets, e_counts, kernel)  # frozen base
-        layout = row_scale = None
+        w1, w2 = self.w1.to(xp.dtype), self.w2.to(xp.dtype)
+        plan = None
         if lora:
-            layout = GroupLayout.of(group_counts.tolist(), xp.device)
-            row_scale = self.slot_expert_scales[pair_slot[order]].to(xp.dtype).unsqueeze(1)
-            if self.fc1 is not None:
-                fc1 = fc1 + self._delta(self.fc1, xp, layout, row_scale, r.kernel, lo, lo + n_slots)
+            plan = ExpertLoraPlan.of(r, xp, group_counts, self.slot_expert_scales[pair_slot[order]], lo, n_slots)
+        # Triton at TP 1: each expert linear is one node, its delta added into the base GEMM's output
+        fused = plan is not None and plan.path == "triton" and self.tp_group is None
+        if fused and self.fc1 is not None:
+            fc1 = plan.fused(self.fc1, xp, w1, e_offsets, e_counts, kernel)
+        else:
+            fc1 = segmented_matmul(xp_base, w1, e_offsets, e_counts, kernel)  # frozen base
+            if plan is not None and self.fc1 is not None:
+                fc1 = fc1 + plan.delta(self.fc1, xp)
         gate, up = fc1.chunk(2, dim=-1)
         act = F.silu(gate) * up
-        y = segmented_matmul(act, self.w2.to(act.dtype), e_offsets, e_counts, kernel)
-        if self.tp_group is not None:  # partial sums over the split expert width, per (token, expert) pair
-            y = _tp_mappings().reduce_from_tensor_model_parallel_region(y, group=self.tp_group)
-        if lora and self.fc2 is not None:
-            y = y + self._delta(self.fc2, act, layout, row_scale, r.kernel, lo, lo + n_slots)
+        if fused and self.fc2 is not None:
+            y = plan.fused(self.fc2, act, w2, e_offsets, e_counts, kernel)
+        else:
+            y = segmented_matmul(act, w2, e_offsets, e_counts, kernel)
+            if self.tp_group is not None:  # partial sums over the split expert width, per (token, expert) pair
+                y = _tp_mappings().reduce_from_tensor_model_parallel_region(y, group=self.tp_group)
+            if plan is not None and self.fc2 is not None:
+                y = y + plan.delta(self.fc2, act)
         y = y * probs[tok[order], exp[order]].to(y.dtype).unsqueeze(1)
         out = x.new_zeros(s * b, h).index_add(0, rows, y).view(s, b, h)
         if self.base.shared_experts is not None:
             out = out + self.base.shared_experts(hidden_states)
         return out, None
 
+
+@dataclass(frozen=True)
+class ExpertLoraPlan:
+    """The expert LoRA of one micro-batch in one MoE layer (shared by its fc1 and fc2): the
+    kernel set (``triton``: triton_expert_lora.py, picked by ``lora_rank_kernels``; else
+    ``library``: grouped_mm / the loop, ``lora_kernel``), the groups' rows, the slots
+    lo .. hi - 1 and the per-pair scale (fp32 [M], and as a [M, 1] column in the compute dtype)."""
+
+    path: str
+    requested_kernel: str
+    groups: GroupLayout | triton_expert_lora.GroupTiles
+    lo: int
+    hi: int
+    scale: torch.Tensor
+    row_scale: torch.Tensor
+
     @staticmethod
-    def _delta(w: ExpertLoraWeights, x: torch.Tensor, layout: GroupLayout, row_scale: torch.Tensor,
-               requested: str, lo: int, hi: int) -> torch.Tensor:
-        a_c, b_c = w.compute_weights(x.dtype, lo, hi)
-        kernel = pick_kernel(requested, x, a_c)
-        if kernel == "grouped_mm" and pick_kernel(requested, x, b_c) == "loop":
-            kernel = "loop"
+    def of(routing, xp: torch.Tensor, group_counts: torch.Tensor, scale: torch.Tensor, lo: int,  # noqa: ANN001
+           n_slots: int) -> "ExpertLoraPlan":
+        path = triton_lora.pick(routing.rank_kernels, xp, group_counts.numel())
+        if path == "triton":  # tile tables made on the device: no host copy of the E * N counts
+            groups = triton_expert_lora.GroupTiles.of(group_counts, xp.shape[0], n_slots)
+        else:
+            groups = GroupLayout.of(group_counts.tolist(), xp.device)
+        return ExpertLoraPlan(path, routing.kernel, groups, lo, lo + n_slots, scale,
+                              scale.to(xp.dtype).unsqueeze(1))
+
+    def delta(self, w: ExpertLoraWeights, x: torch.Tensor) -> torch.Tensor:
+        """The delta of ``w`` for the routed pairs ``x`` as its own node (any TP)."""
+        if self.path == "triton":
+            ops = TritonExpertOps(self.groups, w.lora_A, w.lora_B, self.lo)
+        else:
+            a_c, b_c = w.compute_weights(x.dtype, self.lo, self.hi)
+            kernel = pick_kernel(self.requested_kernel, x, a_c)
+            if kernel == "grouped_mm" and pick_kernel(self.requested_kernel, x, b_c) == "loop":
+                kernel = "loop"
+            if kernel == "grouped_mm":
+                x = grouped_operand(x)
+            ops = LibraryExpertOps(self.groups, kernel, a_c, b_c)
+        return ExpertLoraDelta.apply(x, w.lora_A, w.lora_B, ops, self.row_scale, self.lo, w.parallel, w.tp_group)
+
+    def fused(self, w: ExpertLoraWeights, x: torch.Tensor, weight: torch.Tensor, e_offsets: torch.Tensor,
+              e_counts: list[int], kernel: str) -> torch.Tensor:
+        """x W_e^T + the delta of ``w``, one node (Triton, TP 1: ExpertLinearLora)."""
         if kernel == "grouped_mm":
             x = grouped_operand(x)
-        return ExpertLoraDelta.apply(x, w.lora_A, w.lora_B, a_c, b_c, layout, row_scale, kernel, lo, w.parallel,
-                                     w.tp_group)
+        return ExpertLinearLora.apply(x, weight, e_offsets, e_counts, kernel, w.lora_A, w.lora_B, self.groups,
+                                      self.scale, self.lo)
 
 
 def _tp_mappings():

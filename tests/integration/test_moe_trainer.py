@@ -118,6 +118,37 @@ def test_loop_kernel_equals_grouped_mm(trainer, batches, mixed_run):
     assert_equivalent(run["mixed"], mixed_run["mixed"])
 
 
+def test_triton_expert_kernels_equal_grouped_mm(trainer, batches):
+    """The segmented Triton kernels (Triton's interpreter here; at TP 1 the fused expert
+    linear, trainer/expert_lora_nodes.py) train what grouped_mm trains: the scenario's first
+    two calls (accumulation across them, slots of different ranks, the attention-only slot),
+    the same weights, moments, losses and gradient norms; and mixed equals alone. With
+    ``lora_rank_kernels: triton`` as a user sets it, so the attention LoRA's rank kernels
+    (triton_lora.py) run in the interpreter too."""
+    from trainer import triton_expert_lora
+
+    calls = []
+    real_shrink = triton_expert_lora.shrink
+
+    def counted_shrink(*args, **kwargs):
+        calls.append(1)
+        return real_shrink(*args, **kwargs)
+
+    reference = run_scenario(trainer, moe_hypers("mixed"), batches[:2])  # grouped_mm (the CPU default)
+    assert not calls
+    trainer.routing.rank_kernels = "triton"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(triton_expert_lora, "shrink", counted_shrink)
+        try:
+            run = run_scenario(trainer, moe_hypers("mixed"), batches[:2])
+        finally:
+            trainer.routing.rank_kernels = "auto"
+    assert calls  # the expert path really ran on the Triton kernels
+    assert_equivalent(run["mixed"], reference["mixed"])
+    assert_equivalent(run["mixed"], run["alone"])
+    _assert_experts_trained(run, trainer)
+
+
 def _snapshot(trainer):
     return {slot: [t[slot].clone() for t in [p.data for p in trainer.buffers.params] + [p.grad for p in trainer.buffers.params]
                    + trainer.buffers.exp_avg_views + trainer.buffers.exp_avg_sq_views] for slot in range(4)}
@@ -264,11 +295,16 @@ def test_start_from_an_exported_expert_adapter(trainer, batches, tmp_path):
 def _parallel_worker(rank, port, cfg_kwargs, hypers, batches, out_path):
     import torch.distributed as dist
 
+    from trainer import triton_expert_lora
     from trainer.config import TrainerConfig
     from trainer.core import MultiLoraTrainer
 
+    calls = []
+    real_shrink = triton_expert_lora.shrink
+    triton_expert_lora.shrink = lambda *a, **k: calls.append(1) or real_shrink(*a, **k)  # counts the expert path's use
     trainer = MultiLoraTrainer(TrainerConfig(**cfg_kwargs), rank=rank, master_port=port)
     result = run_scenario(trainer, hypers, batches)
+    result["expert_triton_calls"] = len(calls)
     result["export_check"] = export_matches_full_tensors(trainer, hypers, batches[0], f"{out_path}.export")
     if rank == 0:
         torch.save(result, out_path)
@@ -276,20 +312,27 @@ def _parallel_worker(rank, port, cfg_kwargs, hypers, batches, out_path):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("layout", ["tp", "dp"])
+# tp-triton runs the Triton kernels in the interpreter on two ranks: about 5 minutes on the shared
+# 2-core machine, so opt-in (-m slow); the delta node it exercises is the one the tp case runs
+# (same all-reduces), and its Triton kernels have the one-rank proofs above and in tests/unit.
+@pytest.mark.parametrize("layout", ["tp", "dp", pytest.param("tp-triton", marks=pytest.mark.slow)])
 def test_two_ranks_equivalence(trainer, batches, mixed_run, tmp_path, layout):
     """TP=2: each rank holds half of every expert's width (fc1 column-, fc2 row-parallel) and
-    the matching half of its LoRA; DP=2: each rank routes its own micro-batches."""
+    the matching half of its LoRA; DP=2: each rank routes its own micro-batches; tp-triton:
+    TP=2 with the expert LoRA on the segmented Triton kernels (the delta node, its TP
+    all-reduces around them), against one rank on grouped_mm."""
     import torch.multiprocessing as mp
 
     from trainer.distributed import free_loopback_port
 
-    cfg_kwargs = trainer.config.model_dump() | {layout: 2}
+    parallel, _, kernels = layout.partition("-")
+    cfg_kwargs = trainer.config.model_dump() | {parallel: 2} | ({"lora_rank_kernels": kernels} if kernels else {})
     out = tmp_path / f"{layout}2.pt"
     mp.spawn(_parallel_worker, args=(free_loopback_port(), cfg_kwargs, moe_hypers("mixed"), batches, str(out)),
              nprocs=2, join=True)
     run = torch.load(out, weights_only=False)
     _assert_nontrivial(run, OBJECTIVES["mixed"])
+    assert (run["expert_triton_calls"] > 0) == (kernels == "triton")  # the expert path the layout names ran
     # the publish export (row snapshot, experts included) == the per-layer gather, in both layouts
     check = run["export_check"]
     assert check["names"] > 0 and check["mismatches"] == [], check
@@ -297,7 +340,7 @@ def test_two_ranks_equivalence(trainer, batches, mixed_run, tmp_path, layout):
     # rank gets differs between the mixed and the alone runs (dp_shard of each phase), so the
     # fp32 summation order differs too: measured 1.01e-5 on slot 2 (clipped, token_mean, lr
     # 2e-2, 4 steps). TP keeps the 1e-5 bound of the one-rank proofs.
-    tol = 3e-5 if layout == "dp" else 1e-5
+    tol = 3e-5 if parallel == "dp" else 1e-5
     assert_equivalent(run["mixed"], run["alone"], tol=tol)
     # and two ranks compute what one computes, up to the same fp32 summation order
     assert_equivalent(run["mixed"], mixed_run["mixed"], tol=3e-5)

@@ -100,11 +100,15 @@ def trainer(tiny_world):
 
 @pytest.fixture(scope="module")
 def compared(trainer, tiny_world):
-    """lorafleet mixed run and the reference's per-adapter runs, with everything to compare."""
+    return train_both(trainer, tiny_world / "model")
+
+
+def train_both(trainer, model_dir):
+    """lorafleet mixed run and the reference's per-adapter runs, with everything to compare
+    (also the GPU tier's: tests/gpu/test_reference_gpu.py, an fp32 CUDA trainer)."""
     from tests.reference.trainer import train_alone
     from trainer.config import SlotHyperParams
 
-    model_dir = tiny_world / "model"
     hypers = [SlotHyperParams(**h) for h in HYPERS]
     batches = make_batches(model_dir)
     inits = {}
@@ -112,7 +116,7 @@ def compared(trainer, tiny_world):
         if trainer.slot_status(slot)["active"]:
             trainer.clear_slot(slot)
         trainer.init_slot(slot, h, seed=100 + slot)
-        inits[slot] = trainer.export.peft_tensors(slot)[1]
+        inits[slot] = _cpu(trainer.export.peft_tensors(slot)[1])
     ours = {slot: [] for slot in range(4)}
     for batch in batches:
         result = trainer.train(batch)
@@ -123,9 +127,14 @@ def compared(trainer, tiny_world):
     for slot, h in enumerate(hypers):
         own = [s for b in batches for s in b.samples if s.slot == slot]
         ref, reports = train_alone(model_dir, h, inits[slot], own)
-        out[slot] = dict(ours=ours[slot], ref=reports, weights=trainer.export.peft_tensors(slot)[1], ref_weights=ref.state(),
-                         init=inits[slot], moments=_our_moments(trainer, slot), ref_moments=ref.moments())
+        out[slot] = dict(ours=ours[slot], ref=reports, weights=_cpu(trainer.export.peft_tensors(slot)[1]),
+                         ref_weights=ref.state(), init=inits[slot], moments=_our_moments(trainer, slot),
+                         ref_moments=ref.moments())
     return out
+
+
+def _cpu(tensors: dict) -> dict:
+    return {k: v.cpu() for k, v in tensors.items()}
 
 
 def _our_moments(trainer, slot):
@@ -135,10 +144,15 @@ def _our_moments(trainer, slot):
     from trainer.peft_io import slot_to_hf
 
     parts = slot_state_tensors(trainer, slot)
-    return {kind: slot_to_hf(trainer.base, trainer.layers, *parts[kind]) for kind in ("exp_avg", "exp_avg_sq")}
+    return {kind: _cpu(slot_to_hf(trainer.base, trainer.layers, *parts[kind])) for kind in ("exp_avg", "exp_avg_sq")}
 
 
 def test_each_adapter_matches_the_reference(compared):
+    print(f"worst relative error vs the reference: {assert_matches_reference(compared):.2e}")
+
+
+def assert_matches_reference(compared) -> float:
+    """Every compared quantity within REL_TOL; returns the worst relative error."""
     worst = 0.0
     for slot, c in compared.items():
         ours, ref = c["ours"], c["ref"]
@@ -161,10 +175,14 @@ def test_each_adapter_matches_the_reference(compared):
                 e = rel_err(c["moments"][kind][name], t)
                 worst = max(worst, e)
                 assert e <= REL_TOL, (slot, name, kind, e)
-    print(f"worst relative error vs the reference: {worst:.2e}")
+    return worst
 
 
 def test_the_comparison_is_not_trivial(compared):
+    assert_nontrivial(compared)
+
+
+def assert_nontrivial(compared) -> None:
     """The scenario exercises what it claims to: weights moved (A too), clipping and the
     KL term were live, schedules were not constant, and lorafleet did not copy anything."""
     for slot, c in compared.items():

@@ -1,10 +1,12 @@
 """The expert LoRA delta over (expert, slot) groups against a per-token reference.
 
 Reference (independent of the grouped GEMMs): for each routed (token, expert) pair,
-``scale * B[slot, e] @ A[slot, e] @ x`` with plain autograd on slot-major weights. The
-grouped node must give the same output and the same input and weight gradients (its
-weight gradients arrive in the slot-major ``.grad`` in place), on both kernels and with
-the group range cut into chunks (the per-call group limit)."""
+``scale * B[slot, e] @ A[slot, e] @ x`` (plus ``x @ W[e].T`` for the whole expert linear)
+with plain autograd on slot-major weights. Each node must give the same output and the
+same input and weight gradients (its weight gradients arrive in the slot-major ``.grad``
+in place): the delta node on grouped_mm and the loop with the group range cut into
+chunks (the per-call group limit) and on the segmented Triton kernels, and the fused
+expert linear (Triton: base GEMM + delta in one node)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,16 @@ import pytest
 import torch
 
 from tests.numerics import max_rel_err
-from trainer.moe_lora import MAX_GROUPS_PER_CALL, ExpertLoraDelta, GroupLayout, _expert_major
+from trainer.expert_lora_nodes import (
+    MAX_GROUPS_PER_CALL,
+    ExpertLinearLora,
+    ExpertLoraDelta,
+    GroupLayout,
+    LibraryExpertOps,
+    TritonExpertOps,
+)
+from trainer.moe_lora import _expert_major
+from trainer.triton_expert_lora import GroupTiles
 
 pytestmark = pytest.mark.unit
 
@@ -31,30 +42,57 @@ def _case(seed=0, pairs=40, present=(0, 2)):
     return x, expert, slot, a, b, scales, gy
 
 
-def _reference(x, expert, slot, a, b, scales, gy):
+def _base_weight(seed=1):
+    return torch.randn(E, OUT, K, generator=torch.Generator().manual_seed(seed)) * 0.3
+
+
+def _reference(x, expert, slot, a, b, scales, gy, base=None):
     x = x.clone().requires_grad_()
     a = a.clone().requires_grad_()
     b = b.clone().requires_grad_()
     h = torch.einsum("trk,tk->tr", a[slot, expert], x) * scales[slot, None]
     y = torch.einsum("tor,tr->to", b[slot, expert], h)
+    if base is not None:  # the frozen expert GEMM
+        y = y + torch.einsum("tok,tk->to", base[expert], x)
     (y * gy).sum().backward()
     return y.detach(), x.grad, a.grad, b.grad
 
 
-def _grouped(x, expert, slot, a, b, scales, gy, kernel, max_groups=MAX_GROUPS_PER_CALL):
-    """As MoeLoraLayer does it: only the slots lo .. hi - 1 present take part."""
+def _grouped(x, expert, slot, a, b, scales, gy, kernel, max_groups=MAX_GROUPS_PER_CALL, base=None):
+    """As MoeLoraLayer does it: only the slots lo .. hi - 1 present take part. ``kernel``:
+    grouped_mm or loop (LibraryExpertOps), triton (TritonExpertOps), or fused (ExpertLinearLora
+    with the base weight, whose GEMM runs on grouped_mm)."""
     lo, hi = int(slot.min()), int(slot.max()) + 1
     key = expert * (hi - lo) + (slot - lo)
     order = torch.argsort(key, stable=True)
-    layout = GroupLayout.of(torch.bincount(key, minlength=E * (hi - lo)).tolist(), x.device, max_groups)
+    counts = torch.bincount(key, minlength=E * (hi - lo))
     xs = x[order].clone().requires_grad_()
     a_p = torch.nn.Parameter(a.clone())
     b_p = torch.nn.Parameter(b.clone())
-    y = ExpertLoraDelta.apply(xs, a_p, b_p, _expert_major(a_p.detach()[lo:hi]), _expert_major(b_p.detach()[lo:hi]),
-                              layout, scales[slot[order]].unsqueeze(1), kernel, lo)
+    row_scale = scales[slot[order]]
+    if kernel == "fused":
+        e_counts = torch.bincount(expert, minlength=E)
+        y = ExpertLinearLora.apply(xs, base, e_counts.cumsum(0).to(torch.int32).to(x.device), e_counts.tolist(),
+                                   "grouped_mm", a_p, b_p, GroupTiles.of(counts, len(order), hi - lo), row_scale, lo)
+    else:
+        if kernel == "triton":
+            ops = TritonExpertOps(GroupTiles.of(counts, len(order), hi - lo), a_p, b_p, lo)
+        else:
+            layout = GroupLayout.of(counts.tolist(), x.device, max_groups)
+            ops = LibraryExpertOps(layout, kernel, _expert_major(a_p.detach()[lo:hi]), _expert_major(b_p.detach()[lo:hi]))
+        y = ExpertLoraDelta.apply(xs, a_p, b_p, ops, row_scale.unsqueeze(1), lo)
     (y * gy[order]).sum().backward()
     inv = torch.argsort(order)
     return y.detach()[inv], xs.grad[inv], a_p.grad, b_p.grad
+
+
+def _check(got, ref, present):
+    for name, g, r in zip(("y", "dx", "dA", "dB"), got, ref):
+        assert max_rel_err(g, r) <= 1e-6, name
+    _, _, d_a, d_b = got
+    for slot in range(N):
+        touched = torch.count_nonzero(d_a[slot]) > 0 and torch.count_nonzero(d_b[slot]) > 0
+        assert touched == (slot in present), slot
 
 
 @pytest.mark.parametrize("kernel", ["grouped_mm", "loop"])
@@ -65,14 +103,18 @@ def test_grouped_expert_delta_matches_per_token_reference(kernel, max_groups, pr
     (1, 2) and (2,): the span starts after slot 0, whose weights must not be touched.
     fp32, on the GPU where there is one (conftest's kernel_device), else the CPU."""
     case = tuple(t.to(kernel_device) for t in _case(present=present))
-    ref = _reference(*case)
-    got = _grouped(*case, kernel=kernel, max_groups=max_groups)
-    for name, g, r in zip(("y", "dx", "dA", "dB"), got, ref):
-        assert max_rel_err(g, r) <= 1e-6, name
-    _, _, d_a, d_b = got
-    for slot in range(N):
-        touched = torch.count_nonzero(d_a[slot]) > 0 and torch.count_nonzero(d_b[slot]) > 0
-        assert touched == (slot in present), slot
+    _check(_grouped(*case, kernel=kernel, max_groups=max_groups), _reference(*case), present)
+
+
+@pytest.mark.parametrize("kernel", ["triton", "fused"])
+@pytest.mark.parametrize("present, pairs", [((0, 2), 40), ((1, 2), 40), ((2,), 40), ((1,), 1), ((0, 1, 2), 300)])
+def test_triton_expert_nodes_match_per_token_reference(kernel, present, pairs, kernel_device):
+    """The segmented Triton kernels (compiled on a GPU, else Triton's interpreter) as the
+    delta node and as the fused expert linear: the cases above, one routed pair in all, and
+    300 pairs (groups longer than a row tile)."""
+    case = tuple(t.to(kernel_device) for t in _case(present=present, pairs=pairs, seed=pairs))
+    base = _base_weight().to(kernel_device) if kernel == "fused" else None
+    _check(_grouped(*case, kernel=kernel, base=base), _reference(*case, base=base), present)
 
 
 def test_group_chunks_cover_rows_and_groups():
