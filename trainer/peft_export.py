@@ -136,6 +136,17 @@ class BackgroundExports:
                 self._arena = HostArena(self.max_pending_bytes, register=self.device.type == "cuda")
             return self._arena
 
+    def with_writer(self, kind: WriterKind, threads: int) -> "BackgroundExports":
+        """Background writing with writer `kind` and `threads` over this one's arena and copy stream
+        (registered once per rank); this one's writer processes stop. Only while nothing is queued
+        or being written (benchmarks compare writers on one build)."""
+        if self._writer is not None and self._writer.pending():
+            raise RuntimeError("exports are still queued or being written; switch writers when idle")
+        new = BackgroundExports(device=self.device, threads=threads, kind=kind, max_pending_bytes=self.max_pending_bytes)
+        new._arena, new._copy_stream = self._arena, self._copy_stream
+        self.close()
+        return new
+
     def to_host(self, bodies: torch.Tensor) -> tuple[list[torch.Tensor], list[ArenaBlock | None], Any]:
         """One host copy per row of `bodies` [n, F] (module docstring): the host tensors, their
         arena blocks (None: private memory), and the CUDA event after the copies (None on the CPU)."""
