@@ -26,7 +26,7 @@ Three parts (``--parts``):
   ``background`` (what the service does with weight_transfer 'disk' since the writer thread:
   the rank only snapshots in order, trainer/export_writer.py writes while the next call runs).
   ``--publish-dtypes``: the trainer holds fp32 weights (as the real one does) and the snapshot casts
-  them to each publish dtype (engines.publish_dtype; trainer/core.py snapshot_peft), one round set
+  them to each publish dtype (engines.publish_dtype; trainer/slot_export.py snapshot_peft), one round set
   per dtype; without it the snapshot keeps the held dtype (``--dtypes``).
 
     .venv/bin/python -m benchmarks.bench_publish --parts wire,round --out publish_cpu.json
@@ -103,7 +103,7 @@ def _actors():
         """Holds one slot's PEFT tensors, as the trainer rank would after a step. The background
         export is the trainer's own machinery (trainer/export_writer.py: ExportWriter,
         replace_folder_atomically; trainer/peft_io.write_peft_folder) with the snapshot a clone of
-        the tensors (what MultiLoraTrainer.snapshot_peft is on CPU: fresh copies of the slot's
+        the tensors (what SlotExporter.snapshot_peft is on CPU: fresh copies of the slot's
         blocks; on CUDA a device->host copy instead)."""
 
         def __init__(self, dtype: str, publish_dtype: str | None = None):
