@@ -8,7 +8,7 @@ One process, one device, one run, same tokens (default 16 x 1024), bf16:
   mcore_fused_packed   + the 16 sequences packed into one stream (varlen attention)
   trainer              lorafleet's trainer itself (MultiLoraTrainer built through Megatron-Bridge
                        with its defaults: packed, fused attention, chunked log-probs), its
-                       frozen-base pass (MultiLoraTrainer.frozen_base_pass: the mixed step's
+                       frozen-base pass (benchmarks/trainer_floor.py frozen_base_pass: the mixed step's
                        path with LoRA off), one 16384-token micro-batch
 The backward goes to the input embeddings only (the base is frozen), as in FINDINGS.md.
 Reported: median ms, peak GiB (torch max_memory_allocated), TFLOP/s counting
@@ -320,6 +320,8 @@ def free():
 
 
 def run(shape_name: str, batch: int, seq: int, warmup: int, iters: int, variants: list[str]) -> dict:
+    from benchmarks.trainer_floor import frozen_base_pass
+
     from trainer.packing import pack_sequences
 
     shape = SHAPES[shape_name]
@@ -345,7 +347,7 @@ def run(shape_name: str, batch: int, seq: int, warmup: int, iters: int, variants
                 trainer = build_trainer(shape, tokens)
                 model = trainer.base.model
                 batch_in = trainer_batch(ids)
-                step = lambda: torch.tensor(trainer.frozen_base_pass(batch_in))  # noqa: E731
+                step = lambda: torch.tensor(frozen_base_pass(trainer, batch_in))  # noqa: E731
             else:
                 model = build_megatron(shape, "local" if name == "mcore_local" else "fused", dtype)
                 if name in ("mcore_local", "mcore_fused"):

@@ -8,7 +8,7 @@ adapter per round. Per round, median over --iters after a warm-up:
 
   serialized  N train calls, one per adapter (each forward+backward+step alone)
   mixed       one train call with every adapter's samples (lorafleet's step)
-  frozen base the same micro-batches along the same path (MultiLoraTrainer.frozen_base_pass:
+  frozen base the same micro-batches along the same path (benchmarks/trainer_floor.py frozen_base_pass:
               packed/fused/chunked as configured) with LoRA off, gradient to the input
               embeddings only (the floor any LoRA step sits on)
 
@@ -134,12 +134,15 @@ def timed(fn, iters: int, warmup: int, phases: PhaseTimer | None = None, *,
 class PhaseTimer:
     """Times the trainer's forward+backward and optimizer-step phases (device-synced).
 
-    Benchmark instrumentation only: wraps the two methods on this one trainer object."""
+    Benchmark instrumentation only: wraps, for this process, the two phase functions that
+    MultiLoraTrainer.train calls (trainer/core.py's forward_backward and step_due_slots)."""
 
-    def __init__(self, trainer) -> None:
+    def __init__(self, trainer) -> None:  # noqa: ARG002 - the trainer whose train call is timed
+        import trainer.core as core
+
         self.fwd_bwd = self.step = 0.0
-        for name, attr in (("_forward_backward", "fwd_bwd"), ("_step_slots", "step")):
-            inner = getattr(trainer, name)
+        for name, attr in (("forward_backward", "fwd_bwd"), ("step_due_slots", "step")):
+            inner = getattr(core, name)
 
             def timed_call(*args, _inner=inner, _attr=attr, **kwargs):
                 sync()
@@ -149,7 +152,7 @@ class PhaseTimer:
                 setattr(self, _attr, getattr(self, _attr) + time.perf_counter() - t0)
                 return out
 
-            setattr(trainer, name, timed_call)
+            setattr(core, name, timed_call)
 
     def reset(self) -> None:
         self.fwd_bwd = self.step = 0.0
@@ -167,6 +170,8 @@ def init_slots(trainer, n: int, seqs: int, rank: int, objective: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from benchmarks.trainer_floor import frozen_base_pass
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="tiny shape, 512 tokens, 2 iterations: a CPU smoke test")
     ap.add_argument("--tokens", type=int, default=None, help="tokens per round (default 16384; tiny 512)")
@@ -220,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer = MultiLoraTrainer(cfg)
         build_s = time.perf_counter() - t0
     phases = PhaseTimer(trainer)
-    lora_params = sum(p.numel() for p in trainer.params)
+    lora_params = sum(p.numel() for p in trainer.buffers.params)
     params = sum(p.numel() for p in trainer.base.model.parameters()) - lora_params  # the base's own
     path = (f"{'packed' if cfg.packed else 'padded'} micro-batches of {cfg.micro_batch_tokens} tokens, "
             f"{trainer.base.layer_spec} layer spec, {'chunked log-probs' if cfg.chunked_logprobs else 'full logits'}, "
@@ -253,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 trainer.routing.rank_kernels = kept
 
-        runners = {"serialized": run_serialized, "mixed": run_mixed, "base": lambda: trainer.frozen_base_pass(mixed),
+        runners = {"serialized": run_serialized, "mixed": run_mixed, "base": lambda: frozen_base_pass(trainer, mixed),
                    "mixed_library": run_mixed_library}
         for mode in modes:
             if mode == "serialized" and serialized_n is not None and n not in serialized_n:
@@ -287,12 +292,14 @@ def profile_round(trainer, batch, folder: str, tag: str) -> dict:
     and copies) and the busy ms of each kernel family (name prefixes, the largest first)."""
     from torch.profiler import ProfilerActivity, profile
 
+    from benchmarks.trainer_floor import frozen_base_pass
+
     os.makedirs(folder, exist_ok=True)
     cuda = torch.cuda.is_available()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     summary = {}
-    for name, fn in (("mixed", lambda: trainer.train(batch)), ("base", lambda: trainer.frozen_base_pass(batch))):
+    for name, fn in (("mixed", lambda: trainer.train(batch)), ("base", lambda: frozen_base_pass(trainer, batch))):
         fn()
         sync()
         with profile(activities=acts) as prof:

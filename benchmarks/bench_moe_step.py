@@ -86,6 +86,8 @@ def probe_group_limit(hidden: int, rank: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from benchmarks.trainer_floor import frozen_base_pass
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="tiny shape, 512 tokens, 2 iterations: a CPU smoke test")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default 8; tiny 2)")
@@ -120,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer = MultiLoraTrainer(cfg)
         build_s = time.perf_counter() - t0
     phases = PhaseTimer(trainer)
-    lora_params = sum(p.numel() for p in trainer.params)
+    lora_params = sum(p.numel() for p in trainer.buffers.params)
     params = sum(p.numel() for p in trainer.base.model.parameters()) - lora_params
     print(f"# {device}, {trainer.base.dtype}, {layers} layers, {params / 1e9:.2f} B base params, built in {build_s:.1f} s, "
           f"{max(ns)} slots x rank {args.rank} ({lora_params / 1e6:.0f} M LoRA params, experts "
@@ -148,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         def run_mixed():
             assert len(trainer.train(mixed).stepped) == n
 
-        runners = {"serialized": run_serialized, "mixed": run_mixed, "base": lambda: trainer.frozen_base_pass(mixed)}
+        runners = {"serialized": run_serialized, "mixed": run_mixed, "base": lambda: frozen_base_pass(trainer, mixed)}
         for mode in modes:
             try:
                 row[mode] = timed(runners[mode], iters, args.warmup, phases if mode != "base" else None)

@@ -11,7 +11,7 @@ rounds after --warmup:
 
   mixed       one train call with every adapter's samples, N = 1, 16, 64
   frozen base the same micro-batches along the same path with LoRA off
-              (MultiLoraTrainer.frozen_base_pass; gradient to the input embeddings only)
+              (benchmarks/trainer_floor.py frozen_base_pass; gradient to the input embeddings only)
   serialized  N train calls, one per adapter, at N = 1 and 16 (--serialized-n; 64 takes
               64 calls a round: add it with --serialized-n 1,16,64)
   export      (opt-in: --only mixed,export) the publish export of the N stepped slots: the
@@ -189,7 +189,7 @@ def _is_oom(err: BaseException) -> bool:
 def export_timings(trainer, n: int, run_mixed, opts: dict) -> dict:
     """Mode export (issue 18: the publish export off the critical path), after the case's mixed
     rounds, every one of the N slots stepped. Per adapter, the slowest rank's:
-      snapshot      the in-order half of a background export (trainer/core.py snapshot_peft: TP
+      snapshot      the in-order half of a background export (trainer/slot_export.py snapshot_peft: TP
                     gather, non-blocking copies to pinned host memory on a side stream): what the
                     next train call waits for; and until its copies are done (one event each);
       (snapshot and background writes in --export-dtype, default bf16: the service's publish dtype
@@ -213,11 +213,11 @@ def export_timings(trainer, n: int, run_mixed, opts: dict) -> dict:
     out: dict = {}
     try:
         dtype = opts.get("export_dtype", "bfloat16")  # the publish folders' dtype (engines.publish_dtype)
-        trainer.snapshot_peft(0, to_host=rank0, dtype=dtype).ready()  # warm: the copy stream, pinned blocks
+        trainer.export.snapshot_peft(0, to_host=rank0, dtype=dtype).ready()  # warm: the copy stream, pinned blocks
         sync()
         dist.barrier()
         t0 = time.perf_counter()
-        snaps = [trainer.snapshot_peft(k, to_host=rank0, dtype=dtype) for k in range(n)]
+        snaps = [trainer.export.snapshot_peft(k, to_host=rank0, dtype=dtype) for k in range(n)]
         submitted = time.perf_counter() - t0
         for snap in snaps:
             snap.ready()
@@ -228,7 +228,7 @@ def export_timings(trainer, n: int, run_mixed, opts: dict) -> dict:
         dist.barrier()
         t0 = time.perf_counter()
         for k in range(n):
-            trainer.export_peft(k, os.path.join(root, "sync", f"s{k}") if rank0 else "unused")
+            trainer.export.export_peft(k, os.path.join(root, "sync", f"s{k}") if rank0 else "unused")
         sync()
         dist.barrier()
         sync_s = time.perf_counter() - t0
@@ -249,7 +249,7 @@ def export_timings(trainer, n: int, run_mixed, opts: dict) -> dict:
                 if folder is None:
                     return
                 try:
-                    trainer.wait_export(folder)
+                    trainer.export.wait_export(folder)
                 except Exception as err:  # noqa: BLE001 - reported in the row
                     failures.append(f"{type(err).__name__}: {err}"[:200])
                 shutil.rmtree(folder, ignore_errors=True)
@@ -265,7 +265,7 @@ def export_timings(trainer, n: int, run_mixed, opts: dict) -> dict:
             t_exports = time.perf_counter()
             for k in range(n):
                 folder = os.path.join(root, f"r{r}", f"s{k}") if rank0 else f"unused-{r}-{k}"
-                trainer.export_peft_in_background(k, folder, dtype=dtype)
+                trainer.export.export_peft_in_background(k, folder, dtype=dtype)
                 if rank0:
                     with claimed:
                         claims.append(folder)
@@ -275,18 +275,18 @@ def export_timings(trainer, n: int, run_mixed, opts: dict) -> dict:
         # The order check on this device: a background export followed at once by a train call
         # that changes the weights holds exactly what a synchronous export before it wrote.
         check = os.path.join(root, "check") if rank0 else "unused-check"
-        trainer.export_peft(0, os.path.join(check, "sync") if rank0 else "unused")
-        trainer.export_peft_in_background(0, os.path.join(check, "bg") if rank0 else "unused-bg", dtype=dtype)
+        trainer.export.export_peft(0, os.path.join(check, "sync") if rank0 else "unused")
+        trainer.export.export_peft_in_background(0, os.path.join(check, "bg") if rank0 else "unused-bg", dtype=dtype)
         run_mixed()
         same = None
         if rank0:
             from safetensors.torch import load_file
 
-            trainer.wait_export(os.path.join(check, "bg"))
+            trainer.export.wait_export(os.path.join(check, "bg"))
             a, b = (load_file(os.path.join(check, x, "adapter_model.safetensors")) for x in ("sync", "bg"))
             same = sorted(a) == sorted(b) and all(torch.equal(a[k].to(b[k].dtype), b[k]) for k in a)  # sync is fp32
             shutil.rmtree(check, ignore_errors=True)
-        writer = trainer.export_writer() if rank0 else None
+        writer = trainer.export.writer() if rank0 else None
         export_s = [0.0]  # main-thread time in the N export calls of the timed rounds (snapshot + waits for room)
         base_written, base_write_s = (writer.written, writer.write_seconds) if writer else (0, 0.0)
         base_room_s = writer.room_wait_seconds if writer else 0.0
@@ -330,6 +330,8 @@ def layout_worker(rank: int, port: int, opts: dict, layout: str, recompute: str,
     """One rank of a layout: build, time every case and mode, rank 0 writes the JSON. The first
     OOM (on any rank) ends the layout's cases: the JSON then says oom, and the parent retries
     with the next --recompute setting."""
+    from benchmarks.trainer_floor import frozen_base_pass
+
     import torch.distributed as dist
 
     from trainer.batch import TrainBatch
@@ -344,7 +346,7 @@ def layout_worker(rank: int, port: int, opts: dict, layout: str, recompute: str,
     matmul = matmul_tflops() if torch.cuda.is_available() else None
     phases = PhaseTimer(trainer)
     head = {"layout": layout, "recompute": recompute, "path": path, **LAYOUTS[layout], "gpus": world, "build_s": build_s, "base_params": params,
-            "lora_params_per_rank": sum(p.numel() for p in trainer.params), "lora_path": lora_path(trainer),
+            "lora_params_per_rank": sum(p.numel() for p in trainer.buffers.params), "lora_path": lora_path(trainer),
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "dtype": str(trainer.base.dtype), "matmul_bf16_tflops": matmul,
             "config": trainer.config.model_dump(mode="json")}
@@ -373,7 +375,7 @@ def layout_worker(rank: int, port: int, opts: dict, layout: str, recompute: str,
         def run_mixed():
             assert len(trainer.train(mixed).stepped) == n
 
-        runners = {"serialized": run_serialized, "mixed": run_mixed, "base": lambda: trainer.frozen_base_pass(mixed)}
+        runners = {"serialized": run_serialized, "mixed": run_mixed, "base": lambda: frozen_base_pass(trainer, mixed)}
         for mode in opts["modes"]:
             if oom or (mode == "serialized" and n not in opts["serialized_n"]):
                 continue
@@ -442,7 +444,7 @@ def single_worker(rank: int, port: int, opts: dict, num_slots: int, recompute: s
         t0 = time.perf_counter()
         trainer = build_trainer(opts, "single", num_slots, recompute, rank, port)
         result["build_s"] = time.perf_counter() - t0
-        result["lora_params"] = sum(p.numel() for p in trainer.params)
+        result["lora_params"] = sum(p.numel() for p in trainer.buffers.params)
         result["lora_path"] = lora_path(trainer)
         if torch.cuda.is_available():
             result["after_build_gib"] = torch.cuda.memory_allocated() / GIB

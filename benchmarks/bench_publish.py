@@ -26,7 +26,7 @@ Four parts (``--parts``):
   ``background`` (what the service does with weight_transfer 'disk' since the writer thread:
   the rank only snapshots in order, trainer/export_writer.py writes while the next call runs).
   ``--publish-dtypes``: the trainer holds fp32 weights (as the real one does) and the snapshot casts
-  them to each publish dtype (engines.publish_dtype; trainer/core.py snapshot_peft), one round set
+  them to each publish dtype (engines.publish_dtype; trainer/slot_export.py snapshot_peft), one round set
   per dtype; without it the snapshot keeps the held dtype (``--dtypes``).
 * ``host`` (issue 28; CPU or GPU): the host side of a background export with the shared arena
   (trainer/peft_export.py BackgroundExports), per bf16 adapter of the 8B shape (``--host-mb``
@@ -112,7 +112,7 @@ def _actors():
         """Holds one slot's PEFT tensors, as the trainer rank would after a step. The background
         export is the trainer's own machinery (trainer/export_writer.py: ExportWriter,
         replace_folder_atomically; trainer/peft_io.write_peft_folder) with the snapshot a clone of
-        the tensors (what MultiLoraTrainer.snapshot_peft is on CPU: fresh copies of the slot's
+        the tensors (what SlotExporter.snapshot_peft is on CPU: fresh copies of the slot's
         blocks; on CUDA a device->host copy instead)."""
 
         def __init__(self, dtype: str, publish_dtype: str | None = None):

@@ -13,7 +13,6 @@ import (custom reward) happen in rollout.rewards.load_reward.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from trainer.config import StrictModel
+from trainer.model_folder import CONFIG_FILE, read_model_config
 
 # Adapter names become SGLang LoRA names ("<name>@v<k>") and request-id
 # prefixes ("<name>::<uuid4hex>"); the pattern excludes ':' and '@', which keeps
@@ -64,11 +64,10 @@ def checkpoint_serving_dtype(model_path: str | Path) -> str:
     downcast, to bfloat16 for Gemma models and float16 for the others (SGLang 0.5.23
     sglang.srt.configs.model_config._get_and_verify_dtype; tests/unit/test_publish_dtype.py checks
     this copy against it)."""
-    path = Path(model_path) / "config.json"
     try:
-        cfg = json.loads(path.read_text())
+        cfg = read_model_config(model_path)
     except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read the base model's dtype from {path}: {e}") from e
+        raise ValueError(f"cannot read the base model's dtype from {Path(model_path) / CONFIG_FILE}: {e}") from e
     named = cfg.get("dtype") or cfg.get("torch_dtype")
     dtype = SGLANG_DTYPES.get(named if isinstance(named, str) else "", "float32")
     if dtype != "float32":

@@ -32,6 +32,7 @@ from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, Setting
 from rollout.config import ADAPTER_NAME_PATTERN, DataConfig, EngineConfig, RewardConfig, RolloutConfig, SamplingConfig
 from service.placement import PlacementConfig
 from trainer.config import SlotHyperParams, StrictModel, TrainerConfig
+from trainer.model_folder import read_model_config
 
 AdapterName = Annotated[
     str,
@@ -346,7 +347,7 @@ class SlotCapacity(StrictModel):
 def model_context_tokens(model_path: str | Path) -> int | None:
     """The base model's context in tokens (config.json max_position_embeddings, also under text_config); None if unknown."""
     try:
-        cfg = json.loads((Path(model_path) / "config.json").read_text())
+        cfg = read_model_config(model_path)
     except (OSError, ValueError):
         return None
     for section in (cfg, cfg.get("text_config") or {}):
@@ -478,7 +479,7 @@ def _is_moe(model_path: str) -> bool:
     """Whether the HF checkpoint's config.json describes routed experts (num_experts /
     num_local_experts > 0); False when the file cannot be read (the trainer reports that)."""
     try:
-        cfg = json.loads((Path(model_path) / "config.json").read_text())
+        cfg = read_model_config(model_path)
     except (OSError, ValueError):
         return False
     return bool(cfg.get("num_experts") or cfg.get("num_local_experts"))

@@ -306,7 +306,3 @@ class TrainerGroup:
     def swapped(self) -> dict:
         """Rank 0's swap store: keys, host bytes, spilled keys."""
         return self._all(lambda w: w.swapped.remote(), what="swapped")
-
-    def slot_state_tensors_all_ranks(self, slot: int) -> list:
-        """Every rank's optimizer and weight tensors of `slot` (tests compare DP ranks)."""
-        return call([w.slot_state_tensors.remote(slot) for w in self.workers], self.call_timeout_s, "trainer slot_state_tensors")

@@ -25,7 +25,7 @@ from rollout.data import DataCursor, DataStatus
 from rollout.groups import AdapterBuffer, RolloutGroup, Sample
 from rollout.worker import AdapterStats, EngineHealth
 from service.runtime import ComponentHealth
-from trainer.core import SlotMetrics, StepReport, TrainResult
+from trainer.slot_steps import SlotMetrics, StepReport, TrainResult
 
 
 class FakeRankDied(RuntimeError):

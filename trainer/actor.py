@@ -31,16 +31,20 @@ from trainer.config import SlotHyperParams, TrainerConfig
 # call runs in submission order) in which `wait_export` waits for a background write: one thread,
 # so a waiting export never holds up a train call. service/actors.py defines it on the actor.
 EXPORT_GROUP = "export"
-# One more thread for fault-injection calls (tests), so they reach the rank while the default
-# group is busy or blocked and while wait_export calls wait in EXPORT_GROUP.
+# One more thread for fault-injection calls (tests run a function of theirs on the rank with
+# `worker.__ray_call__.options(concurrency_group=FAULT_GROUP)`: tests/trainer_probes.py), so they
+# reach the rank while the default group is busy or blocked and while wait_export calls wait in
+# EXPORT_GROUP. No test-only method lives on TrainWorker.
 FAULT_GROUP = "fault"
 
 
 class TrainWorker:
-    """One trainer rank. Constructed empty; `setup` builds the model once all ranks are placed."""
+    """One trainer rank. As a Ray actor it is constructed empty and `setup` builds the model once
+    all ranks are placed; in process it is made over a built trainer (api/tinker/backend.py), so
+    one typed interface serves both."""
 
-    def __init__(self) -> None:
-        self.trainer: Any = None  # trainer.core.MultiLoraTrainer after setup
+    def __init__(self, trainer: Any = None) -> None:
+        self.trainer: Any = trainer  # trainer.core.MultiLoraTrainer (after setup, as an actor)
 
     def pid(self) -> int:
         """This rank's process id (GET /v1/fleet lists it; also the cheapest liveness probe)."""
@@ -67,7 +71,8 @@ class TrainWorker:
             raise RuntimeError("TrainWorker.setup has not run")
         return self.trainer
 
-    # The trainer's interface (trainer/core.py), one method each; all collective.
+    # The trainer's interface (trainer/core.py and its rooms: export, checkpoint, swap), one
+    # method each; all collective.
     def init_slot(self, slot: int, hyper: SlotHyperParams, seed: int, init_from: str | None = None,
                   registration: str | None = None) -> dict:
         return self._core().init_slot(slot, hyper, seed, init_from=init_from, registration=registration)
@@ -79,35 +84,31 @@ class TrainWorker:
         return self._core().train(batch)
 
     def peft_tensors(self, slot: int):
-        return self._core().peft_tensors(slot)
+        return self._core().export.peft_tensors(slot)
 
     def export_peft(self, slot: int, out_dir: str | Path, dtype: str = "float32") -> str:
-        return self._core().export_peft(slot, str(out_dir), dtype=dtype)
+        return self._core().export.export_peft(slot, str(out_dir), dtype=dtype)
 
     def export_peft_in_background(self, slot: int, out_dir: str | Path, dtype: str = "float32") -> str:
         """The export's snapshot now, in call order (default concurrency group, like train), cast
         to `dtype`; the write on rank 0's writer thread. Returns before the folder is written: see wait_export."""
-        return self._core().export_peft_in_background(slot, str(out_dir), dtype=dtype)
+        return self._core().export.export_peft_in_background(slot, str(out_dir), dtype=dtype)
 
     def wait_export(self, out_dir: str | Path) -> str:
         """Returns once the background export to `out_dir` is written; raises if it failed.
         Dispatched in the EXPORT_GROUP concurrency group, so it waits beside train calls
         instead of ahead of them (service/trainer_group.py begin_export_peft)."""
-        return self._core().wait_export(str(out_dir))
-
-    def fault_hold_export_writes(self, held: bool) -> None:
-        """Fault injection (tests; dispatch it in FAULT_GROUP): while held, rank 0's writer starts no
-        folder (the snapshots queue)."""
-        self._core().export_writer().hold(held)
+        return self._core().export.wait_export(str(out_dir))
 
     def save_slot_state(self, slot: int, out_dir: str | Path) -> str:
-        return self._core().save_slot_state(slot, str(out_dir))
+        from trainer.slot_checkpoint import save_slot_state
+
+        return save_slot_state(self._core(), slot, str(out_dir))
 
     def load_slot_state(self, slot: int, in_dir: str | Path, registration: str | None = None) -> dict:
-        return self._core().load_slot_state(slot, str(in_dir), registration=registration)
+        from trainer.slot_checkpoint import load_slot_state
 
-    def slot_state_tensors(self, slot: int):
-        return self._core().slot_state_tensors(slot)
+        return load_slot_state(self._core(), slot, str(in_dir), registration=registration)
 
     def reset_optimizer(self, slot: int) -> None:
         self._core().reset_optimizer(slot)
@@ -137,13 +138,13 @@ class TrainWorker:
     # Keep-warm eviction (trainer/slot_swap.py): a slot's whole state to this rank's host
     # memory (spilling to swap_spill_dir beyond swap_host_budget_mb) under a key, and back.
     def swap_out(self, slot: int, key: str) -> dict:
-        return self._core().swap_out(slot, key)
+        return self._core().swap.swap_out(slot, key)
 
     def swap_in(self, slot: int, key: str) -> dict:
-        return self._core().swap_in(slot, key)
+        return self._core().swap.swap_in(slot, key)
 
     def drop_swapped(self, key: str) -> bool:
-        return self._core().drop_swapped(key)
+        return self._core().swap.drop(key)
 
     def swapped(self) -> dict:
-        return self._core().swapped()
+        return self._core().swap.swapped()

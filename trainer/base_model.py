@@ -22,7 +22,6 @@ causal mask; the fused and TE specs get ``attention_mask=None`` (causal by type)
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -36,6 +35,7 @@ from trainer.cpu_compat import (
     transformer_engine_available,
     triton_available,
 )
+from trainer.model_folder import read_model_config
 
 
 def resolve_dtype(dtype: Literal["auto", "float32", "bfloat16"]) -> torch.dtype:
@@ -81,8 +81,7 @@ def build_frozen_base(
     from megatron.bridge.models.gpt_provider import local_layer_spec, transformer_engine_layer_spec
 
     hf_path = str(hf_path)
-    if not (Path(hf_path) / "config.json").is_file():
-        raise FileNotFoundError(f"base model folder {hf_path!r} has no config.json (expected a HF checkpoint)")
+    read_model_config(hf_path)  # a clear error for a folder that is not a HF checkpoint, before Bridge's own
     torch_dtype = resolve_dtype(dtype)
     if random_init:
         from transformers import AutoConfig
@@ -295,7 +294,3 @@ def packed_token_logprobs(
     valid = targets != IGNORE_TARGET
     ce = vocab_parallel_cross_entropy(logits.float(), torch.where(valid, targets, 0).unsqueeze(0))[0]
     return torch.where(valid, -ce, torch.zeros_like(ce))
-
-
-def read_hf_config(hf_path: str | Path) -> dict:
-    return json.loads((Path(hf_path) / "config.json").read_text())

@@ -1,4 +1,4 @@
-"""The train batch wire type and how a batch is cut into phases and micro-batches.
+"""The train batch wire type, the riders that join it, and how a batch is cut into phases and micro-batches.
 
 Token alignment (one convention everywhere): ``tokens`` is prompt + response;
 ``loss_mask[t] = 1`` means token t is learned (predicted from tokens[:t]), so
@@ -18,7 +18,9 @@ samples a slot still needs) there is one phase.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -63,6 +65,21 @@ class TrainBatch(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     samples: list[TrainSample] = Field(min_length=1)
+
+
+@dataclass
+class RiderSequence:
+    """A tenant-driven sequence that rides in a train call beside the loop's samples (the
+    Tinker API's datums, trainer/tinker_ops.py), in the same packed micro-batches.
+
+    It brings its own per-position targets and loss; its gradient ACCUMULATES in its slot's
+    gradient rows. Its slot must not be trained by the call's batch, and it never steps in
+    the call: no statistics, no normalization, no optimizer (the tenant's optim_step does)."""
+
+    slot: int
+    tokens: list[int]
+    targets: list[int]  # targets[t]: the token position t predicts (one per token)
+    loss: Callable[[Any], Any]  # its [len(tokens)] log-probs (a differentiable torch tensor) -> scalar
 
 
 @dataclass(frozen=True)

@@ -105,12 +105,6 @@ def process_group_backend() -> str:
     return "nccl" if cuda_available() else "gloo"
 
 
-def compute_device() -> torch.device:
-    if cuda_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def apply_cpu_compat() -> None:
     """Apply adjustments 1, 2 and 5 when no CUDA device is present; no-op otherwise."""
     if cuda_available():

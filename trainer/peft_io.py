@@ -147,7 +147,7 @@ def write_peft_folder(out_dir: str | Path, config: dict, tensors: dict[str, torc
 
 def write_peft_folder_packed(out_dir: str | Path, config: dict, header: PackedHeader, body: torch.Tensor) -> Path:
     """write_peft_folder for tensors packed back to back in ``body`` in file order under a prebuilt
-    ``header`` (an export snapshot: trainer/core.py export_layout): the weights file in one write."""
+    ``header`` (an export snapshot: trainer/slot_export.py export_layout): the weights file in one write."""
     return _peft_folder(out_dir, config, lambda path: write_packed(path, header, body))
 
 

@@ -60,7 +60,7 @@ def packed_header(entries: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype
                   metadata: dict[str, str] | None = None) -> PackedHeader:
     """The header for tensors of one ``dtype`` named with their shapes in ``entries``, in file
     order (`file_order`): safetensors' own layout. Building it is a few ms of Python for a
-    model's worth of tensors, so a publish writer makes it once per layout (trainer/core.py
+    model's worth of tensors, so a publish writer makes it once per layout (trainer/slot_export.py
     export_layout) instead of once per file."""
     if dtype not in SAFETENSORS_DTYPES:
         raise ValueError(f"dtype {dtype} is not one of {', '.join(map(str, SAFETENSORS_DTYPES))}")

@@ -26,6 +26,9 @@ from torch import nn
 
 from trainer.multi_lora import MultiLoraLinear
 
+# The four buffers, by the name checkpoints, snapshots and swaps use for them.
+BUFFER_KINDS = ("weight", "grad", "exp_avg", "exp_avg_sq")
+
 
 class SlotBuffers:
     def __init__(self, layers: list[MultiLoraLinear], num_slots: int, device: torch.device) -> None:
@@ -66,6 +69,18 @@ class SlotBuffers:
             self.exp_avg_views.append(view(self.exp_avg))
             self.exp_avg_sq_views.append(view(self.exp_avg_sq))
             self.row_layout.append((start, old.shape[1:], split))
+
+    def by_kind(self) -> dict[str, torch.Tensor]:
+        """The four [N, P] buffers by their BUFFER_KINDS names."""
+        return {"weight": self.weight, "grad": self.grad, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+
+    def views(self, kind: str) -> list[torch.Tensor]:
+        """Every parameter's [N, ...] view of the ``kind`` buffer, in layer order (A, B per layer)."""
+        if kind == "weight":
+            return [p.data for p in self.params]
+        if kind == "grad":
+            return [p.grad for p in self.params]
+        return {"exp_avg": self.exp_avg_views, "exp_avg_sq": self.exp_avg_sq_views}[kind]
 
     def row_views(self, split_parts: list[torch.Tensor], replicated: torch.Tensor) -> list[list[torch.Tensor]]:
         """One slot's row, taken apart: per parameter (layer order, A and B), the block of each TP

@@ -12,6 +12,9 @@ is stored because none affects a continuation: the trainer draws no random numbe
 after init_slot (dropout is 0; tests/integration/test_trainer_resume.py checks that
 train() leaves torch's generators untouched), the init generator is seeded by ``seed``
 and used once, and the data order is a function of the seed and the epoch.
+
+``save_slot_state`` / ``load_slot_state`` take a slot of a trainer to such a folder and back;
+both are collective (every rank calls them; rank 0 writes).
 """
 
 from __future__ import annotations
@@ -20,14 +23,70 @@ import json
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+
+from trainer.config import TrainerConfig
+from trainer.core import MultiLoraTrainer
+from trainer.distributed import dp_group
+from trainer.slot_buffers import BUFFER_KINDS as KINDS
+from trainer.slots import SlotState, zero_stats
 
 FORMAT = "lorafleet-slot-state-v1"
 META = "slot_state.json"
 TENSORS = "slot_state.safetensors"
-KINDS = ("weight", "exp_avg", "exp_avg_sq", "grad")
 
 
-def save_slot_checkpoint(out_dir, state, pending: torch.Tensor, parts: dict, config) -> Path:  # noqa: ANN001
+def slot_state_tensors(trainer: MultiLoraTrainer, slot: int) -> dict[str, tuple[dict, dict]]:
+    """{"weight"|"grad"|"exp_avg"|"exp_avg_sq": (A per layer, B per layer)}: the slot's live
+    blocks gathered to TP=1 Megatron layout, fp32 on CPU (grad = this DP rank's pending part).
+    Collective over TP."""
+    state = trainer.slots.state(slot)
+    return {kind: trainer.slots.read_full(slot, kind, state.rank) for kind in KINDS}
+
+
+def save_slot_state(trainer: MultiLoraTrainer, slot: int, out_dir: str | Path) -> str:
+    """LoRA weights, Adam moments, pending gradient and counters, step (= schedule state).
+
+    Tensors are stored gathered in TP=1 layout and summed over DP, so a state
+    reloads under any tp/dp. Collective; rank 0 writes.
+    """
+    state = trainer.slots.state(slot)
+    parts = slot_state_tensors(trainer, slot)
+    pending = state.pending.clone()
+    if trainer.layout.dp_size > 1:  # pending gradient and statistics are per DP rank: save their sum
+        for d in parts["grad"]:
+            for name, t in d.items():
+                t = t.to(trainer.device)
+                dist.all_reduce(t, group=dp_group())
+                d[name] = t.cpu()
+        pending_dev = pending.to(trainer.device)
+        dist.all_reduce(pending_dev, group=dp_group())
+        pending = pending_dev.cpu()
+    if trainer.layout.rank == 0:
+        save_slot_checkpoint(out_dir, state, pending, parts, trainer.config)
+    return str(out_dir)
+
+
+@torch.no_grad()
+def load_slot_state(trainer: MultiLoraTrainer, slot: int, in_dir: str | Path, registration: str | None = None) -> dict:
+    """Restore into the free ``slot`` a state saved by save_slot_state. ``registration``: the
+    tenant that resumes it (a run resumed under a new registration id); default the one that
+    saved it. Collective."""
+    slots = trainer.slots
+    slots.require_free(slot, "clear it before loading a state into it")
+    meta, parts, pending = load_slot_checkpoint(in_dir, slots.layers, trainer.config)
+    rank = meta["rank"]
+    slots.buffers.zero_slot(slot)
+    for kind in KINDS:
+        if kind != "grad" or trainer.layout.dp_rank == 0:  # the summed pending gradient lives on DP rank 0
+            slots.write_full(slot, kind, rank, *parts[kind])
+    on_rank = pending if trainer.layout.dp_rank == 0 else zero_stats()
+    slots.occupy(slot, SlotState.from_counters(meta, on_rank, registration))
+    return slots.status(slot)
+
+
+def save_slot_checkpoint(out_dir: str | Path, state: SlotState, pending: torch.Tensor, parts: dict,
+                         config: TrainerConfig) -> Path:
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -40,13 +99,7 @@ def save_slot_checkpoint(out_dir, state, pending: torch.Tensor, parts: dict, con
             tensors[f"{name}.B.{kind}"] = b_full[name].contiguous()
     meta = {
         "format": FORMAT,
-        "hyper": state.hyper.model_dump(mode="json"),
-        "rank": state.rank,
-        "scale": state.scale,
-        "seed": state.seed,
-        "registration": state.registration,
-        "step": state.step,
-        "pending_samples": state.pending_samples,
+        **state.counters(),
         "pending_stats": pending.tolist(),
         "base_model_path": config.base_model_path,
         "target_modules": list(config.target_modules),
@@ -57,7 +110,7 @@ def save_slot_checkpoint(out_dir, state, pending: torch.Tensor, parts: dict, con
     return out
 
 
-def load_slot_checkpoint(in_dir, layers, config) -> tuple[dict, dict, torch.Tensor]:  # noqa: ANN001
+def load_slot_checkpoint(in_dir: str | Path, layers: list, config: TrainerConfig) -> tuple[dict, dict, torch.Tensor]:
     from safetensors.torch import load_file
 
     folder = Path(in_dir)

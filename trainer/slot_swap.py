@@ -32,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-BUFFER_KINDS = ("weight", "grad", "exp_avg", "exp_avg_sq")
+from trainer.slot_buffers import BUFFER_KINDS
+from trainer.slots import SlotState, SlotTable
 
 
 class SwapError(RuntimeError):
@@ -140,8 +141,57 @@ class SwapStore:
         return snap is not None
 
 
+class SlotSwap:
+    """Evicting a slot of ``slots`` into ``store`` under a key, and bringing it back. Collective:
+    every rank stores its own part."""
+
+    def __init__(self, slots: SlotTable, store: SwapStore) -> None:
+        self.slots = slots
+        self.store = store
+
+    def swap_out(self, slot: int, key: str) -> dict:
+        """Evict the slot: its rows and counters go to this rank's swap store under ``key``
+        (host memory, or the spill folder beyond the budget), then the slot is cleared.
+        Raises SwapError with the slot unchanged when the snapshot cannot be stored (S1)."""
+        state = self.slots.state(slot)
+        if key in self.store:
+            raise SwapError(f"a snapshot {key!r} is already stored on this trainer")
+        rows, seconds = timed(lambda: copy_rows_out(self.slots.buffers.by_kind(), slot))
+        snap = SlotSnapshot(meta=state.counters(), pending=state.pending.clone(), rows=rows)
+        nbytes = snap.nbytes
+        where = self.store.put(key, snap)
+        self.slots.vacate(slot)
+        return {"key": key, "slot": slot, "where": where, "bytes": nbytes, "seconds": seconds, "step": state.step}
+
+    def swap_in(self, slot: int, key: str) -> dict:
+        """Bring the snapshot ``key`` back into the free ``slot`` (any slot: every row has the
+        same layout), bit-exact (S2)."""
+        self.slots.require_free(slot, f"clear or swap it out before swapping {key!r} in")
+        t0 = time.perf_counter()
+        snap = self.store.take(key)
+        try:
+            copy_rows_in(self.slots.buffers.by_kind(), slot, snap.rows)
+        except BaseException:
+            self.slots.buffers.zero_slot(slot)
+            self.store.put(key, snap)  # keep it for another try (the slot stays free)
+            raise
+        state = SlotState.from_counters(snap.meta, snap.pending.clone())
+        self.slots.occupy(slot, state)
+        return {"key": key, "slot": slot, "seconds": time.perf_counter() - t0, "step": state.step,
+                "from": "disk" if snap.spill_path is not None else "host"}
+
+    def drop(self, key: str) -> bool:
+        """Forget an evicted slot (its run retired or failed while out)."""
+        return self.store.drop(key)
+
+    def swapped(self) -> dict:
+        """What this rank holds evicted: keys, host bytes, and which are spilled."""
+        return {"keys": self.store.keys(), "host_bytes": self.store.host_bytes(), "spilled": self.store.spilled_keys()}
+
+
 def copy_rows_out(buffers: dict[str, torch.Tensor], slot: int) -> dict[str, torch.Tensor]:
-    """The slot's row of each buffer, copied to host memory (pinned where CUDA is)."""
+    """The slot's row of each buffer (``buffers``: SlotBuffers.by_kind()), copied to host memory
+    (pinned where CUDA is)."""
     out = {}
     for kind in BUFFER_KINDS:
         row = buffers[kind][slot]

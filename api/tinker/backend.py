@@ -39,8 +39,9 @@ import time
 from dataclasses import dataclass
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
+from trainer.actor import TrainWorker
 from trainer.config import SlotHyperParams
 from trainer.core import MultiLoraTrainer
 from trainer.slot_checkpoint import META as SLOT_META
@@ -95,6 +96,9 @@ class InProcessBackend:
             raise ValueError(f"idle_evict_s must be >= 0 seconds or None (never evict), got {idle_evict_s}")
         self.ops = TinkerOps(trainer, max_seq_len=max_seq_len)
         self.trainer = trainer
+        # The trainer's collective calls, typed once: trainer/actor.py TrainWorker over this trainer,
+        # the interface service/trainer_group.py TrainerGroup has too (FleetBackend puts its group here).
+        self.group: Any = TrainWorker(trainer)
         self.base_model = base_model
         self.tokenizer_id = tokenizer_id
         self.lora_alpha = lora_alpha
@@ -162,7 +166,7 @@ class InProcessBackend:
             if not idle:
                 return False
             slot = self._slots[model_id]
-            self.trainer.swap_out(slot, self._swap_key(model_id))
+            self.group.swap_out(slot, self._swap_key(model_id))
             del self._slots[model_id]  # before hold_idle ends: no taker sees it resident from here on
             self._evicted.add(model_id)
             self._give_slot(model_id)
@@ -193,7 +197,7 @@ class InProcessBackend:
     def _bring_in(self, model_id: str) -> None:
         slot = self._take_slot_evicting(model_id)
         try:
-            self.trainer.swap_in(slot, self._swap_key(model_id))
+            self.group.swap_in(slot, self._swap_key(model_id))
         except BaseException:
             self._give_slot(model_id)  # E3: the snapshot stays stored for another try
             raise
@@ -235,8 +239,8 @@ class InProcessBackend:
                 self._tenants.pop(model_id, None)
                 raise
             try:
-                self.trainer.init_slot(slot, SlotHyperParams(rank=lora.rank, alpha=self.lora_alpha), seed=lora.seed,
-                                       registration=model_id)
+                self.group.init_slot(slot, SlotHyperParams(rank=lora.rank, alpha=self.lora_alpha), seed=lora.seed,
+                                     registration=model_id)
             except BaseException:
                 self._give_slot(model_id)
                 self._tenants.pop(model_id, None)
@@ -253,9 +257,9 @@ class InProcessBackend:
             self._last_call.pop(model_id, None)
             if model_id in self._evicted:  # out of its slot: only its snapshot is left to forget
                 self._evicted.discard(model_id)
-                self.trainer.drop_swapped(self._swap_key(model_id))
+                self.group.drop_swapped(self._swap_key(model_id))
             if slot is not None:
-                self.trainer.clear_slot(slot)
+                self.group.clear_slot(slot)
                 self._give_slot(model_id)
 
     # Slot ownership: which trainer slot a new model may take. Here: any slot this trainer
@@ -303,10 +307,10 @@ class InProcessBackend:
         return self.ops.optim_step(self._slot(model_id), adam)
 
     def save_state(self, model_id: str, folder: Path) -> None:
-        self.trainer.save_slot_state(self._slot(model_id), folder)
+        self.group.save_slot_state(self._slot(model_id), folder)
 
     def save_sampler_weights(self, model_id: str, folder: Path) -> None:
-        self.trainer.export_peft(self._slot(model_id), folder)
+        self.group.export_peft(self._slot(model_id), folder)
 
     def checkpoint_lora(self, folder: Path) -> LoraSpec:
         meta_file = Path(folder) / SLOT_META
@@ -322,16 +326,16 @@ class InProcessBackend:
         if have is not None and have != lora.rank:
             raise ValueError(f"checkpoint has LoRA rank {lora.rank}, the model has rank {have}")
         backup = Path(tempfile.mkdtemp(prefix="tinker-restore-"))  # keep the slot if the load fails
-        self.trainer.save_slot_state(slot, backup)
+        self.group.save_slot_state(slot, backup)
         try:
-            self.trainer.clear_slot(slot)
+            self.group.clear_slot(slot)
             try:
-                self.trainer.load_slot_state(slot, folder, registration=model_id)
+                self.group.load_slot_state(slot, folder, registration=model_id)
             except Exception:
-                self.trainer.clear_slot(slot)  # whatever the failed load left (clearing an empty slot is fine)
-                self.trainer.load_slot_state(slot, backup, registration=model_id)
+                self.group.clear_slot(slot)  # whatever the failed load left (clearing an empty slot is fine)
+                self.group.load_slot_state(slot, backup, registration=model_id)
                 raise
             if not optimizer:
-                self.trainer.reset_optimizer(slot)
+                self.group.reset_optimizer(slot)
         finally:
             shutil.rmtree(backup, ignore_errors=True)

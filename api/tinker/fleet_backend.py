@@ -88,6 +88,7 @@ class FleetBackend(InProcessBackend):
         super().__init__(group, base_model=base_model, tokenizer_id=tokenizer_id,  # type: ignore[arg-type]
                          lora_alpha=lora_alpha, max_seq_len=max_seq_len, idle_evict_s=idle_evict_s)
         self.ops = _GroupOps(group, max_seq_len)  # type: ignore[assignment]
+        self.group = group
         self.controller = controller
 
     def _take_slot(self, model_id: str, tenant: str) -> int:

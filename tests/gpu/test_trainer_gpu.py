@@ -115,6 +115,8 @@ def test_bf16_first_step_default_eps(trainer, batches, scenario):
 
 
 def test_bf16_export_parity(trainer, batches, scenario, tiny_world, tmp_path):
+    from tests.trainer_probes import forward_logits
+
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -130,8 +132,8 @@ def test_bf16_export_parity(trainer, batches, scenario, tiny_world, tmp_path):
     with torch.no_grad():
         base = hf(ids).logits
     for slot in (0, 1):
-        folder = trainer.export_peft(slot, tmp_path / f"slot{slot}")
-        ours = trainer.forward_logits(ids, slot)
+        folder = trainer.export.export_peft(slot, tmp_path / f"slot{slot}")
+        ours = forward_logits(trainer, ids, slot)
         model = PeftModel.from_pretrained(hf, folder)
         with torch.no_grad():
             ref = model(ids).logits
@@ -159,7 +161,7 @@ def test_default_path_is_packed_fused_chunked(trainer):
     assert cfg.fused_lora and trainer.routing.fused and all(layer.fusable for layer in trainer.layers)
     if trainer.device.type == "cuda":
         assert trainer.base.model.config.apply_rope_fusion
-    lora = {id(p) for p in trainer.params}
+    lora = {id(p) for p in trainer.buffers.params}
     assert {p.dtype for p in trainer.base.model.parameters() if id(p) not in lora} == {trainer.base.dtype}
 
 
@@ -217,13 +219,13 @@ def test_bf16_publish_folder_is_cast_on_the_device(trainer, batches, scenario, t
             trainer.clear_slot(slot)
         trainer.init_slot(slot, h, seed=slot)
     trainer.train(batches[0])
-    snap = trainer.snapshot_peft(0, dtype="bfloat16")
+    snap = trainer.export.snapshot_peft(0, dtype="bfloat16")
     host = snap.body
     assert host.dtype == torch.bfloat16 and host.device.type == "cpu" and (ON_CPU or host.is_pinned())
     snap.ready()
-    trainer.export_peft(0, tmp_path / "fp32")
-    trainer.export_peft_in_background(0, tmp_path / "bf16", dtype="bfloat16")
-    trainer.wait_export(tmp_path / "bf16")
+    trainer.export.export_peft(0, tmp_path / "fp32")
+    trainer.export.export_peft_in_background(0, tmp_path / "bf16", dtype="bfloat16")
+    trainer.export.wait_export(tmp_path / "bf16")
     fp32 = load_file(str(tmp_path / "fp32" / "adapter_model.safetensors"))
     bf16 = load_file(str(tmp_path / "bf16" / "adapter_model.safetensors"))
     assert sorted(fp32) == sorted(bf16)

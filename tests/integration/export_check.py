@@ -1,6 +1,6 @@
 """The publish export's row snapshot against the per-layer gather, under any TP layout.
 
-`MultiLoraTrainer.snapshot_peft` exports a slot from its one buffer row (one cast, one TP
+`SlotExporter.snapshot_peft` (trainer/slot_export.py) exports a slot from its one buffer row (one cast, one TP
 all-gather of the split columns, one host copy), and the writer takes the row apart on the host
 (`peft_from_snapshot`). The checkpoint path gathers layer by layer instead (`slot_state_tensors`:
 `full_a`/`full_b`, an all-gather per split tensor). Both must give the same PEFT tensors bit for
@@ -17,6 +17,8 @@ def export_matches_full_tensors(trainer, hypers, batch, folder) -> dict:  # noqa
     then per slot: the row-snapshot export (fp32) against slot_to_hf of the per-layer gather, and a
     background bf16 export of slot 0 written to ``folder`` against the same rounded. Rank 0
     returns {"names": tensors compared, "mismatches": [...]}; other ranks return {}."""
+    from trainer.slot_checkpoint import slot_state_tensors
+
     from safetensors.torch import load_file
 
     from trainer.moe_peft import expert_peft_tensors
@@ -30,18 +32,18 @@ def export_matches_full_tensors(trainer, hypers, batch, folder) -> dict:  # noqa
     mismatches, names = [], 0
     refs = {}
     for slot, h in enumerate(hypers):
-        _, got = trainer.peft_tensors(slot)
-        a_full, b_full = trainer.slot_state_tensors(slot)["weight"]
-        experts = trainer._expert_layers() if h.lora_experts else []
-        ref = slot_to_hf(trainer.base, trainer._dense_layers(), a_full, b_full) | expert_peft_tensors(trainer.base, experts, a_full, b_full)
+        _, got = trainer.export.peft_tensors(slot)
+        a_full, b_full = slot_state_tensors(trainer, slot)["weight"]
+        experts = trainer.expert_layers if h.lora_experts else []
+        ref = slot_to_hf(trainer.base, trainer.dense_layers, a_full, b_full) | expert_peft_tensors(trainer.base, experts, a_full, b_full)
         refs[slot] = ref
         if sorted(got) != sorted(ref):
             mismatches.append((slot, "names", sorted(set(got) ^ set(ref))[:4]))
             continue
         names += len(ref)
         mismatches += [(slot, k) for k in ref if not torch.equal(got[k], ref[k])]
-    trainer.export_peft_in_background(0, folder, dtype="bfloat16")
-    trainer.wait_export(folder)
+    trainer.export.export_peft_in_background(0, folder, dtype="bfloat16")
+    trainer.export.wait_export(folder)
     if trainer.layout.rank != 0:
         return {}
     written = load_file(f"{folder}/adapter_model.safetensors")

@@ -1,7 +1,7 @@
 """The export write off the trainer's critical path (issue 18, trainer/export_writer.py), with real
 Ray and the real trainer on the tiny world (fp32, CPU): one TrainerGroup rank shared by the module.
 
-Proved by order, never by time: a named fault injection (`TrainWorker.fault_hold_export_writes`)
+Proved by order, never by time: a named fault injection (tests/trainer_probes.py `hold_export_writes`)
 holds rank 0's writer thread, so a train call that completes while the writer is held did not
 wait for the write, and the folder it then writes must still hold the weights of the step before
 the export (the snapshot is taken in call order, not by the writer)."""
@@ -66,11 +66,9 @@ def _assert_same(x: Path, y: Path) -> None:
 def _hold(group, held: bool) -> None:
     """The named fault injection, in the actor's fault concurrency group: it reaches the rank
     whatever its other threads are doing."""
-    import ray
+    from tests.trainer_probes import hold_export_writes
 
-    from trainer.actor import FAULT_GROUP
-
-    ray.get(group.workers[0].fault_hold_export_writes.options(concurrency_group=FAULT_GROUP).remote(held), timeout=60)
+    hold_export_writes(group, held)
 
 
 def test_background_export_is_the_snapshot_step_and_the_next_train_does_not_wait(group, tmp_path):

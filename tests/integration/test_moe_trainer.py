@@ -119,8 +119,8 @@ def test_loop_kernel_equals_grouped_mm(trainer, batches, mixed_run):
 
 
 def _snapshot(trainer):
-    return {slot: [t[slot].clone() for t in [p.data for p in trainer.params] + [p.grad for p in trainer.params]
-                   + trainer.exp_avg + trainer.exp_avg_sq] for slot in range(4)}
+    return {slot: [t[slot].clone() for t in [p.data for p in trainer.buffers.params] + [p.grad for p in trainer.buffers.params]
+                   + trainer.buffers.exp_avg_views + trainer.buffers.exp_avg_sq_views] for slot in range(4)}
 
 
 def _fresh(trainer, hypers):
@@ -157,6 +157,8 @@ def _hf_peft_logits(hf_model, folder, ids):
 
 
 def test_export_parity_with_hf_peft(trainer, batches, moe_world, tmp_path):
+    from tests.trainer_probes import forward_logits
+
     from transformers import AutoModelForCausalLM
 
     _fresh(trainer, moe_hypers("mixed"))
@@ -167,14 +169,14 @@ def test_export_parity_with_hf_peft(trainer, batches, moe_world, tmp_path):
     with torch.no_grad():
         base_logits = hf(ids).logits
     for slot in (0, ATTENTION_ONLY_SLOT):
-        folder = trainer.export_peft(slot, tmp_path / f"slot{slot}")
+        folder = trainer.export.export_peft(slot, tmp_path / f"slot{slot}")
         cfg = json.loads((tmp_path / f"slot{slot}" / "adapter_config.json").read_text())
         assert cfg["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
         if slot == ATTENTION_ONLY_SLOT:
             assert "target_parameters" not in cfg
         else:
             assert cfg["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-        ours = trainer.forward_logits(ids, slot)
+        ours = forward_logits(trainer, ids, slot)
         ref = _hf_peft_logits(hf, folder, ids)
         assert (ours - ref).abs().max().item() <= 1e-5
         assert (ref - base_logits).abs().max().item() > 1e-3  # the adapter really changes the output
@@ -183,14 +185,16 @@ def test_export_parity_with_hf_peft(trainer, batches, moe_world, tmp_path):
 def test_expert_part_of_the_export_matters(trainer, batches, tmp_path):
     """Dropping the expert tensors from the export changes the logits: the parity above
     really covers the expert LoRA."""
+    from tests.trainer_probes import forward_logits
+
     from trainer.peft_io import write_peft_folder
 
     _fresh(trainer, moe_hypers("mixed"))
     for batch in batches:
         trainer.train(batch)
-    cfg, tensors = trainer.peft_tensors(0)
+    cfg, tensors = trainer.export.peft_tensors(0)
     ids = torch.randint(0, 400, (1, 9), generator=torch.Generator().manual_seed(6))
-    full = trainer.forward_logits(ids, 0)
+    full = forward_logits(trainer, ids, 0)
     expert_keys = [k for k in tensors if ".mlp.experts." in k]
     assert len(expert_keys) == 4 * 2 * 2  # layers x (gate_up, down) x (A, B)
     trainer.clear_slot(0)
@@ -201,42 +205,47 @@ def test_expert_part_of_the_export_matters(trainer, batches, tmp_path):
     trainer.clear_slot(0)
     trainer.init_slot(0, moe_hypers("mixed")[0].model_copy(update={"lora_experts": False}), seed=0,
                       init_from=tmp_path / "attn")
-    assert (trainer.forward_logits(ids, 0) - full).abs().max().item() > 1e-4
+    assert (forward_logits(trainer, ids, 0) - full).abs().max().item() > 1e-4
 
 
 def test_checkpoint_round_trip(trainer, batches, tmp_path):
+    from trainer.slot_checkpoint import load_slot_state, save_slot_state, slot_state_tensors
+
     from trainer.batch import TrainBatch
 
     _fresh(trainer, moe_hypers("mixed"))
     trainer.train(batches[0])
     trainer.train(TrainBatch(samples=[s for s in batches[1].samples if s.slot == 1][:1]))  # slot 1 pending
-    saved = trainer.slot_state_tensors(1)
-    trainer.save_slot_state(1, tmp_path / "s1")
+    saved = slot_state_tensors(trainer, 1)
+    save_slot_state(trainer, 1, tmp_path / "s1")
     trainer.clear_slot(3)
-    trainer.load_slot_state(3, tmp_path / "s1")
-    loaded = trainer.slot_state_tensors(3)
+    load_slot_state(trainer, 3, tmp_path / "s1")
+    loaded = slot_state_tensors(trainer, 3)
     for kind in saved:
         for side in (0, 1):
             for name, t in saved[kind][side].items():
                 assert torch.equal(loaded[kind][side][name], t), (kind, name)
-    assert trainer.expert_scales[3] == trainer.expert_scales[1] > 0
+    assert trainer.slots.expert_scales[3] == trainer.slots.expert_scales[1] > 0
 
 
 def test_start_from_an_exported_expert_adapter(trainer, batches, tmp_path):
     """init_from reads the expert LoRA back (target_parameters): the new slot computes what the
     exported one computes; a slot whose lora_experts is false refuses it and nothing changes."""
+    from tests.trainer_probes import forward_logits
+    from trainer.slot_checkpoint import slot_state_tensors
+
     _fresh(trainer, moe_hypers("mixed"))
     for batch in batches:
         trainer.train(batch)
     hyper = moe_hypers("mixed")[0]
-    folder = trainer.export_peft(0, tmp_path / "experts")
+    folder = trainer.export.export_peft(0, tmp_path / "experts")
     ids = torch.randint(0, 400, (2, 11), generator=torch.Generator().manual_seed(7))
-    want = trainer.forward_logits(ids, 0)
+    want = forward_logits(trainer, ids, 0)
     trainer.clear_slot(3)
     trainer.init_slot(3, hyper, seed=0, init_from=folder)
-    assert (trainer.forward_logits(ids, 3) - want).abs().max().item() <= 1e-5
-    for name, t in trainer.slot_state_tensors(0)["weight"][0].items():
-        assert torch.equal(trainer.slot_state_tensors(3)["weight"][0][name], t), name
+    assert (forward_logits(trainer, ids, 3) - want).abs().max().item() <= 1e-5
+    for name, t in slot_state_tensors(trainer, 0)["weight"][0].items():
+        assert torch.equal(slot_state_tensors(trainer, 3)["weight"][0][name], t), name
 
     trainer.clear_slot(3)
     before = _snapshot(trainer)

@@ -76,7 +76,7 @@ def test_idle_model_evicted_and_returns_bit_exact(world, tiny_world):
     clock.idle_everyone()
     b = training_client(sc_b, seed=5)  # A idle: swapped out for B
     assert backend.evicted() == {a.model_id} and b.model_id in backend._slots
-    assert backend.trainer.swapped()["keys"] == [backend._swap_key(a.model_id)]
+    assert backend.trainer.swap.swapped()["keys"] == [backend._swap_key(a.model_id)]
     train(b, sft_data(b.get_tokenizer(), tiny_world, 0, 3), 1, ADAM)
 
     fb = a.forward_backward(data, "cross_entropy")  # B was just called: A waits for the slot (E2)
@@ -105,6 +105,6 @@ def test_idle_model_evicted_and_returns_bit_exact(world, tiny_world):
     assert m["models_evicted"] == 1 and m["evictions"] == 2 and m["restores"] == 1, m
 
     svc.unload(b.model_id)  # evicted: its snapshot is forgotten, no slot taken
-    assert b.model_id not in backend.evicted() and backend.trainer.swapped()["keys"] == []
+    assert b.model_id not in backend.evicted() and backend.trainer.swap.swapped()["keys"] == []
     assert b.model_id not in backend._slots
     svc.unload(a.model_id)

@@ -65,6 +65,8 @@ def _riders_on_the_group(group, lease_slot: int, free_slot: int) -> None:
     """The loop's train call on the group (Ray) carries the attached source's Tinker calls and
     hands their results back; a refused batch raises for the loop while the calls run alone; a
     train call that fails otherwise fails them and raises for the loop. Stops the group."""
+    from tests.trainer_probes import slot_state_tensors_all_ranks
+
     from service.trainer_group import RiderCalls
     from trainer.batch import TrainBatch, TrainSample
     from trainer.config import SlotHyperParams
@@ -82,14 +84,14 @@ def _riders_on_the_group(group, lease_slot: int, free_slot: int) -> None:
 
     group.init_slot(free_slot, SlotHyperParams(objective="sft", rank=4, alpha=8, samples_per_step=1), seed=3)
     batch = TrainBatch(samples=[TrainSample(slot=free_slot, tokens=list(range(5, 17)), loss_mask=[0] * 3 + [1] * 9)])
-    grad_before = group.slot_state_tensors_all_ranks(lease_slot)[0]["grad"]
+    grad_before = slot_state_tensors_all_ranks(group, lease_slot)[0]["grad"]
     group.attach_riders(Source([Call(lease_slot, _data(7, 2), "cross_entropy")]))
     try:
         result = group.train(batch)
         assert result.stepped == [free_slot]  # the loop's slot stepped ...
         (results,) = delivered
         assert results[0].error is None and len(results[0].outputs) == 2 and results[0].metrics["loss:sum"] > 0
-        grad_after = group.slot_state_tensors_all_ranks(lease_slot)[0]["grad"]
+        grad_after = slot_state_tensors_all_ranks(group, lease_slot)[0]["grad"]
         assert any(not torch.equal(grad_after[1][k], grad_before[1][k]) for k in grad_before[1])  # ... the rider accumulated
         group.clear_slot(free_slot)  # the loop's next batch is refused: it raises for the loop, the calls run alone
         group.attach_riders(Source([Call(lease_slot, _data(8, 1), "cross_entropy")]))
@@ -106,6 +108,9 @@ def _riders_on_the_group(group, lease_slot: int, free_slot: int) -> None:
 
 
 def test_fleet_backend_equals_in_process_and_leases_registry_slots(ray_cluster, tiny_world, tmp_path):
+    from tests.trainer_probes import slot_state_tensors_all_ranks
+    from trainer.slot_checkpoint import slot_state_tensors
+
     from api.tinker.backend import InProcessBackend, LoraSpec
     from api.tinker.fleet_backend import FleetBackend
     from service.config import ServiceSettings, SlotCapacity
@@ -128,7 +133,7 @@ def test_fleet_backend_equals_in_process_and_leases_registry_slots(ray_cluster, 
         leases = controller.slot_leases()
         assert leases == {models[0]: (0, "alice"), models[1]: (1, "alice")}
         assert controller.registry.free_slots() == [2]
-        got = {m: group.slot_state_tensors_all_ranks(leases[m][0])[0] for m in models}
+        got = {m: slot_state_tensors_all_ranks(group, leases[m][0])[0] for m in models}
 
         # slots: one more model takes the last slot, the next is refused (registry unchanged), release frees
         fleet.create("s-3:train:0", LoraSpec(rank=4, seed=1), tenant="bob")
@@ -148,7 +153,7 @@ def test_fleet_backend_equals_in_process_and_leases_registry_slots(ray_cluster, 
     assert max(abs(a - b) / abs(b) for ga, gb in zip(got_losses, ref_losses) for a, b in zip(ga, gb)) < 1e-6
     assert all(t.abs().max() > 0 for m in models for t in got[m]["weight"][1].values())  # B starts at 0: it trained
     for m in models:
-        want = reference.trainer.slot_state_tensors(reference._slots[m])  # noqa: SLF001
+        want = slot_state_tensors(reference.trainer, reference._slots[m])  # noqa: SLF001
         for kind in ("weight", "exp_avg", "exp_avg_sq"):
             for side in (0, 1):
                 for name, t in want[kind][side].items():
@@ -161,6 +166,8 @@ def test_fleet_idle_model_evicted_for_a_queued_registration(ray_cluster, tiny_wo
     trainer group's swap and releases its registry lease; the queue's head binds that slot.
     The evicted model's next call then waits (no slot); once the run retires and its slot is
     free, the model swaps back in with its state bit-identical to before it left."""
+    from tests.trainer_probes import slot_state_tensors_all_ranks
+
     from contextlib import nullcontext
 
     from api.tinker.backend import LoraSpec, ModelCall
@@ -191,7 +198,7 @@ def test_fleet_idle_model_evicted_for_a_queued_registration(ray_cluster, tiny_wo
             assert fleet.forward_backward([ModelCall(m, _data(7, 3), "cross_entropy")])[0].error is None
             fleet.optim_step(m, AdamStep(learning_rate=2e-2, eps=1e-2))
             now[0] += 1.0  # a is called before b: a is the least recently called
-        before = group.slot_state_tensors_all_ranks(fleet._slots[a])[0]  # noqa: SLF001
+        before = slot_state_tensors_all_ranks(group, fleet._slots[a])[0]  # noqa: SLF001
 
         run = controller.register("rest", {"data": {"path": str(data / "rl.jsonl")}, "reward": {"name": "target_share"}, "rank": 4})
         assert run.queued and controller.slot_demand() == 1
@@ -219,7 +226,7 @@ def test_fleet_idle_model_evicted_for_a_queued_registration(ray_cluster, tiny_wo
         assert "waiting for a trainer slot" in waiting[a] and "all 2 slots are held" in waiting[a], waiting
         controller.fail(run.registration_id, "the test ends the run: its slot is free again")
         assert fleet.admit({a}, {a}) == {}  # the run's slot is free: a comes back
-        after = group.slot_state_tensors_all_ranks(fleet._slots[a])[0]  # noqa: SLF001
+        after = slot_state_tensors_all_ranks(group, fleet._slots[a])[0]  # noqa: SLF001
         for kind in ("weight", "grad", "exp_avg", "exp_avg_sq"):
             for side in (0, 1):
                 for name, t in before[kind][side].items():

@@ -114,7 +114,9 @@ def grad_rows(ops, slot):
 
 
 def slot_tensors(ops, slot):
-    parts = ops.trainer.slot_state_tensors(slot)
+    from trainer.slot_checkpoint import slot_state_tensors
+
+    parts = slot_state_tensors(ops.trainer, slot)
     return {f"{kind}.{i}.{name}": t.clone() for kind in ("weight", "exp_avg", "exp_avg_sq") for i in (0, 1)
             for name, t in parts[kind][i].items()}
 
@@ -150,15 +152,15 @@ def run(ops, work, joined: bool, spy=None):
         optim_steps(ops, step)
     return dict(reports=reports, grads=grads, losses=losses,
                 tensors={slot: slot_tensors(ops, slot) for slot in [*TINKER, *LOOP]},
-                peft={slot: ops.trainer.peft_tensors(slot)[1] for slot in [*TINKER, *LOOP]})
+                peft={slot: ops.trainer.export.peft_tensors(slot)[1] for slot in [*TINKER, *LOOP]})
 
 
 class StreamSpy:
-    """Records the slots of every packed LoRA stream (delegating to the trainer's own method)."""
+    """Records the slots of every packed LoRA stream (delegating to the trainer's own pass)."""
 
     def __init__(self, trainer):
         self.trainer, self.streams = trainer, []
-        self._orig = trainer._stream_logprobs
+        self._orig = trainer.passes.stream_logprobs
 
     def __call__(self, sequences, slot_ids, targets, **kw):
         if kw.get("lora"):
@@ -171,10 +173,10 @@ def compared(ops, work, tiny_world, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("joined")
     fresh(ops)
     for slot in TINKER:
-        ops.trainer.export_peft(slot, tmp / f"init{slot}")
-    loop_init = {slot: ops.trainer.peft_tensors(slot)[1] for slot in LOOP}
+        ops.trainer.export.export_peft(slot, tmp / f"init{slot}")
+    loop_init = {slot: ops.trainer.export.peft_tensors(slot)[1] for slot in LOOP}
     spy = StreamSpy(ops.trainer)
-    ops.trainer._stream_logprobs = spy
+    ops.trainer.passes.stream_logprobs = spy
     try:
         joined = run(ops, work, joined=True)
         joined_streams, spy.streams = spy.streams, []
@@ -182,7 +184,7 @@ def compared(ops, work, tiny_world, tmp_path_factory):
         apart = run(ops, work, joined=False)
         apart_streams = spy.streams
     finally:
-        del ops.trainer._stream_logprobs
+        del ops.trainer.passes.stream_logprobs
     return dict(joined=joined, apart=apart, joined_streams=joined_streams, apart_streams=apart_streams,
                 loop_init=loop_init, tmp=tmp)
 

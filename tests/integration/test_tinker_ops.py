@@ -132,7 +132,9 @@ def run(ops, steps, only_slot=None):
 
 
 def slot_tensors(ops, slot):
-    parts = ops.trainer.slot_state_tensors(slot)
+    from trainer.slot_checkpoint import slot_state_tensors
+
+    parts = slot_state_tensors(ops.trainer, slot)
     return {f"{kind}.{i}.{name}": t.clone() for kind in ("weight", "exp_avg", "exp_avg_sq") for i in (0, 1) for name, t in parts[kind][i].items()}
 
 
@@ -167,10 +169,10 @@ def reference_run(hf_model, folder, slot, steps):
 def test_mixed_forward_backward_equals_alone_and_hf_peft(ops, steps, hf_model, tmp_path):
     fresh_slots(ops, RANKS)
     for slot in RANKS:
-        ops.trainer.export_peft(slot, tmp_path / f"init{slot}")
+        ops.trainer.export.export_peft(slot, tmp_path / f"init{slot}")
     mixed_losses = run(ops, steps)
     mixed = {slot: slot_tensors(ops, slot) for slot in RANKS}
-    mixed_peft = {slot: ops.trainer.peft_tensors(slot)[1] for slot in RANKS}
+    mixed_peft = {slot: ops.trainer.export.peft_tensors(slot)[1] for slot in RANKS}
     assert all(abs(x) > 0 for step in mixed_losses for x in step)
 
     for slot in RANKS:

@@ -66,8 +66,10 @@ def sft_data(tok, tiny_world, start, n):
 
 
 def slot_state(svc, model_id):
+    from trainer.slot_checkpoint import slot_state_tensors
+
     slot = svc.backend._slots[model_id]
-    parts = svc.backend.trainer.slot_state_tensors(slot)
+    parts = slot_state_tensors(svc.backend.trainer, slot)
     return {f"{k}.{i}.{n}": t for k in ("weight", "exp_avg", "exp_avg_sq", "grad") for i in (0, 1) for n, t in parts[k][i].items()}
 
 

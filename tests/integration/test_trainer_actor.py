@@ -43,6 +43,9 @@ def _batch():
 
 
 def test_dp2_actor_group_matches_one_process(ray_cluster, tiny_world):
+    from tests.trainer_probes import slot_state_tensors_all_ranks
+    from trainer.slot_checkpoint import slot_state_tensors
+
     from service.trainer_group import TrainerGroup
     from trainer.config import TrainerConfig
     from trainer.core import MultiLoraTrainer
@@ -57,7 +60,7 @@ def test_dp2_actor_group_matches_one_process(ray_cluster, tiny_world):
             group.init_slot(slot, _hyper(slot), seed=slot)
         res = group.train(_batch())
         assert res.stepped == [0, 1] and res.slots[0].samples == 3
-        per_rank = group.slot_state_tensors_all_ranks(0)
+        per_rank = slot_state_tensors_all_ranks(group, 0)
     finally:
         group.stop()
 
@@ -75,7 +78,7 @@ def test_dp2_actor_group_matches_one_process(ray_cluster, tiny_world):
     for slot in (0, 1):
         assert res.slots[slot].loss == pytest.approx(ref.slots[slot].loss, rel=1e-5)
         assert res.slots[slot].steps[0].grad_norm == pytest.approx(ref.slots[slot].steps[0].grad_norm, rel=1e-5)
-    mine = single.slot_state_tensors(0)
+    mine = slot_state_tensors(single, 0)
     for kind in ("exp_avg", "exp_avg_sq"):
         for side in (0, 1):
             for name, t in mine[kind][side].items():

@@ -98,7 +98,9 @@ def make_batches(trainer, seed=0):
 
 
 def _record(trainer, slot, rec):
-    rec["tensors"] = {k: (copy.deepcopy(a), copy.deepcopy(b)) for k, (a, b) in trainer.slot_state_tensors(slot).items()}
+    from trainer.slot_checkpoint import slot_state_tensors
+
+    rec["tensors"] = {k: (copy.deepcopy(a), copy.deepcopy(b)) for k, (a, b) in slot_state_tensors(trainer, slot).items()}
     rec["step"] = trainer.slot_status(slot)["step"]
 
 

@@ -68,6 +68,8 @@ def _run(trainer, calls, slot_of_call, reports):
 
 
 def test_rl_resume_with_cosine_schedule_continues_exactly(trainer, tmp_path):
+    from trainer.slot_checkpoint import load_slot_state, save_slot_state, slot_state_tensors
+
     from trainer.config import SlotHyperParams
 
     hyper, partner = SlotHyperParams(**HYPER), SlotHyperParams(**PARTNER)
@@ -78,7 +80,7 @@ def test_rl_resume_with_cosine_schedule_continues_exactly(trainer, tmp_path):
     trainer.init_slot(1, hyper, seed=11)
     straight: list = []
     _run(trainer, calls, lambda c: 1, straight)
-    want = trainer.slot_state_tensors(1)
+    want = slot_state_tensors(trainer, 1)
     want_status = trainer.slot_status(1)
 
     _clear(trainer)
@@ -87,12 +89,12 @@ def test_rl_resume_with_cosine_schedule_continues_exactly(trainer, tmp_path):
     resumed: list = []
     _run(trainer, calls[:SAVE_AFTER], lambda c: 1, resumed)
     assert trainer.slot_status(1)["pending_samples"] == 1  # saved in the middle of a step
-    trainer.save_slot_state(1, tmp_path / "state")
+    save_slot_state(trainer, 1, tmp_path / "state")
     trainer.clear_slot(1)
     trainer.init_slot(1, SlotHyperParams(objective="sft", rank=2, alpha=2), seed=99)  # someone else moves in
-    trainer.load_slot_state(2, tmp_path / "state")
+    load_slot_state(trainer, 2, tmp_path / "state")
     _run(trainer, calls[SAVE_AFTER:], lambda c: 2, resumed)
-    got = trainer.slot_state_tensors(2)
+    got = slot_state_tensors(trainer, 2)
 
     assert [r[0] for r in straight] == [1, 2, 3, 4, 5, 6]
     assert len({r[1] for r in straight}) == 6  # warm-up then cosine: the lr changes every update

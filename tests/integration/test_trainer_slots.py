@@ -59,8 +59,8 @@ def snapshot(trainer):
     """Every slot's raw slices: weights, grads, moments (all rows, padding included)."""
     out = {}
     for slot in range(NUM_SLOTS):
-        out[slot] = [t[slot].clone() for t in [p.data for p in trainer.params] + [p.grad for p in trainer.params]
-                     + trainer.exp_avg + trainer.exp_avg_sq]
+        out[slot] = [t[slot].clone() for t in [p.data for p in trainer.buffers.params] + [p.grad for p in trainer.buffers.params]
+                     + trainer.buffers.exp_avg_views + trainer.buffers.exp_avg_sq_views]
     return out
 
 
@@ -74,9 +74,9 @@ def assert_same(a, b, slots):
 def assert_padding_zero(trainer):
     for slot, r in enumerate(RANKS):
         for i, layer in enumerate(trainer.layers):
-            for t in (layer.lora_A.data, layer.lora_A.grad, trainer.exp_avg[2 * i], trainer.exp_avg_sq[2 * i]):
+            for t in (layer.lora_A.data, layer.lora_A.grad, trainer.buffers.exp_avg_views[2 * i], trainer.buffers.exp_avg_sq_views[2 * i]):
                 assert torch.count_nonzero(t[slot, r:]) == 0
-            for t in (layer.lora_B.data, layer.lora_B.grad, trainer.exp_avg[2 * i + 1], trainer.exp_avg_sq[2 * i + 1]):
+            for t in (layer.lora_B.data, layer.lora_B.grad, trainer.buffers.exp_avg_views[2 * i + 1], trainer.buffers.exp_avg_sq_views[2 * i + 1]):
                 assert torch.count_nonzero(t[slot, :, r:]) == 0
 
 
@@ -120,7 +120,7 @@ def test_bad_requests_change_nothing(trainer):
         (lambda: trainer.train(TrainBatch(samples=[TrainSample(slot=0, tokens=[1, 500], loss_mask=[0, 1])])), "token id 500 >= vocab size 400"),
         (lambda: trainer.init_slot(0, hyper(0), seed=1), "slot 0 is in use; clear it"),
         (lambda: trainer.init_slot(3, hyper(3, rank=9), seed=1), "rank 9 exceeds the trainer's max_rank 8"),
-        (lambda: trainer.export_peft(3, "/tmp/nowhere"), "slot 3 is not initialized"),
+        (lambda: trainer.export.export_peft(3, "/tmp/nowhere"), "slot 3 is not initialized"),
     ]
     for call, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -175,6 +175,8 @@ def _hf_peft_logits(hf_model, folder, ids):
 
 
 def test_export_parity_with_hf_peft(trainer, hf_model, tmp_path):
+    from tests.trainer_probes import forward_logits
+
     reset(trainer)
     for seed in range(3):
         trainer.train(batch([0, 0, 1, 1, 2, 2, 3, 3], seed=seed))
@@ -182,15 +184,15 @@ def test_export_parity_with_hf_peft(trainer, hf_model, tmp_path):
     with torch.no_grad():
         base_logits = hf_model(ids).logits
     for slot in (0, 1, 2):
-        folder = trainer.export_peft(slot, tmp_path / f"slot{slot}")
+        folder = trainer.export.export_peft(slot, tmp_path / f"slot{slot}")
         cfg = json.loads((tmp_path / f"slot{slot}" / "adapter_config.json").read_text())
         assert cfg["r"] == RANKS[slot] and cfg["lora_alpha"] == 2.0 * RANKS[slot]
         assert cfg["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
-        ours = trainer.forward_logits(ids, slot)
+        ours = forward_logits(trainer, ids, slot)
         ref = _hf_peft_logits(hf_model, folder, ids)
         assert (ours - ref).abs().max().item() <= 1e-5
         assert (ref - base_logits).abs().max().item() > 1e-2  # the adapter really changes the output
-    cfg, tensors = trainer.peft_tensors(1)
+    cfg, tensors = trainer.export.peft_tensors(1)
     from safetensors.torch import load_file
 
     on_disk = load_file(str(tmp_path / "slot1" / "adapter_model.safetensors"))
@@ -201,6 +203,9 @@ def test_export_parity_with_hf_peft(trainer, hf_model, tmp_path):
 def test_init_from_peft_folder(trainer, hf_model, tmp_path):
     """A peft-made adapter (different lora_A for q/k/v and gate/up) loads exactly (stacked to
     rank 2r/3r); our own export loads back bit-exactly; bad folders are refused."""
+    from tests.trainer_probes import forward_logits
+    from trainer.slot_checkpoint import slot_state_tensors
+
     from peft import LoraConfig, get_peft_model
 
     reset(trainer)
@@ -216,18 +221,18 @@ def test_init_from_peft_folder(trainer, hf_model, tmp_path):
     trainer.clear_slot(3)
     status = trainer.init_slot(3, hyper(3, rank=2, alpha=6.0), seed=0, init_from=tmp_path / "hf_made")
     assert status["rank"] == 6  # q/k/v lora_A differ: stacked [A_q; A_k; A_v]
-    assert (trainer.forward_logits(ids, 3) - ref).abs().max().item() <= 1e-5
+    assert (forward_logits(trainer, ids, 3) - ref).abs().max().item() <= 1e-5
     # exported again, it is still the same function for peft
-    trainer.export_peft(3, tmp_path / "again")
+    trainer.export.export_peft(3, tmp_path / "again")
     assert (_hf_peft_logits(hf_model, tmp_path / "again", ids) - ref).abs().max().item() <= 1e-5
 
     # our own export round-trips bit-exactly into another slot
     trainer.train(batch([0, 0], seed=3))
-    trainer.export_peft(0, tmp_path / "slot0")
+    trainer.export.export_peft(0, tmp_path / "slot0")
     trainer.clear_slot(2)
     trainer.init_slot(2, hyper(0), seed=123, init_from=tmp_path / "slot0")
-    a = trainer.slot_state_tensors(0)["weight"]
-    b = trainer.slot_state_tensors(2)["weight"]
+    a = slot_state_tensors(trainer, 0)["weight"]
+    b = slot_state_tensors(trainer, 2)["weight"]
     assert all(torch.equal(a[i][k], b[i][k]) for i in (0, 1) for k in a[i])
 
     trainer.clear_slot(2)
@@ -251,30 +256,32 @@ def test_init_from_peft_folder(trainer, hf_model, tmp_path):
 
 
 def test_slot_state_round_trip_resumes_exactly(trainer, tmp_path):
+    from trainer.slot_checkpoint import load_slot_state, save_slot_state, slot_state_tensors
+
     reset(trainer, {1: dict(samples_per_step=3)})
     trainer.train(batch([1, 1, 1], seed=0))  # one step
     trainer.train(batch([1], seed=1))  # one sample pending
-    trainer.save_slot_state(1, tmp_path / "state")
+    save_slot_state(trainer, 1, tmp_path / "state")
     meta = json.loads((tmp_path / "state" / "slot_state.json").read_text())
     assert meta["step"] == 1 and meta["pending_samples"] == 1
-    saved = trainer.slot_state_tensors(1)
+    saved = slot_state_tensors(trainer, 1)
 
     nxt = batch([1, 1], seed=2)  # completes the step
     res_orig = trainer.train(nxt)
-    after_orig = trainer.slot_state_tensors(1)
+    after_orig = slot_state_tensors(trainer, 1)
 
     trainer.clear_slot(2)
-    status = trainer.load_slot_state(2, tmp_path / "state")
+    status = load_slot_state(trainer, 2, tmp_path / "state")
     assert status["step"] == 1 and status["pending_samples"] == 1
-    loaded = trainer.slot_state_tensors(2)
+    loaded = slot_state_tensors(trainer, 2)
     for kind in saved:
         for side in (0, 1):
             assert all(torch.equal(saved[kind][side][k], loaded[kind][side][k]) for k in saved[kind][side])
     res_loaded = trainer.train(nxt.model_copy(update={"samples": [s.model_copy(update={"slot": 2}) for s in nxt.samples]}))
-    after_loaded = trainer.slot_state_tensors(2)
+    after_loaded = slot_state_tensors(trainer, 2)
     assert res_loaded.slots[2].steps == res_orig.slots[1].steps
     for kind in after_orig:
         for side in (0, 1):
             assert all(torch.equal(after_orig[kind][side][k], after_loaded[kind][side][k]) for k in after_orig[kind][side])
     with pytest.raises(ValueError, match="slot 2 is in use"):
-        trainer.load_slot_state(2, tmp_path / "state")
+        load_slot_state(trainer, 2, tmp_path / "state")

@@ -126,12 +126,14 @@ def test_packed_needs_a_fused_spec():
 def test_frozen_base_pass_is_the_base_and_changes_nothing(tiny_world, reference):
     """The benchmark floor: the batch's learned-token log-probs through the base alone, along
     the packed path, equal the padded reference's; no slot gradient or weight moves."""
+    from benchmarks.trainer_floor import frozen_base_pass
+
     from trainer.base_model import token_logprobs
 
     batches, _ = reference
     trainer = _trainer(tiny_world)
     batch = batches[0]
-    total = trainer.frozen_base_pass(batch)
+    total = frozen_base_pass(trainer, batch)
     expected = 0.0
     for s in batch.samples:
         ids = torch.tensor(s.tokens)

@@ -76,8 +76,8 @@ def clear_all(trainer):
     for slot in range(NUM_SLOTS):
         if trainer.slots[slot] is not None:
             trainer.clear_slot(slot)
-    for key in trainer.swapped()["keys"]:
-        trainer.drop_swapped(key)
+    for key in trainer.swap.swapped()["keys"]:
+        trainer.swap.drop(key)
 
 
 # Per call, X's samples (2 per step): call 0 steps once and leaves one pending, call 1 steps and leaves one
@@ -97,13 +97,13 @@ def run(trainer, x_slots: list[int], swaps: list[str | None]):
     for call, slot in enumerate(x_slots):
         how = swaps[call - 1] if call > 0 else None
         if how is not None:
-            trainer.swap.host_budget_bytes = 0 if how == "disk" else None
+            trainer.swap.store.host_budget_bytes = 0 if how == "disk" else None
             y_before = row_state(trainer, 1)
-            out = trainer.swap_out(x_slots[call - 1], "x")
+            out = trainer.swap.swap_out(x_slots[call - 1], "x")
             assert out["where"] == how
             assert trainer.slots[x_slots[call - 1]] is None
-            back = trainer.swap_in(slot, "x")
-            assert back["from"] == how and trainer.swapped()["keys"] == []
+            back = trainer.swap.swap_in(slot, "x")
+            assert back["from"] == how and trainer.swap.swapped()["keys"] == []
             assert_bit_identical(y_before, row_state(trainer, 1), "Y across X's swap")
         batch = samples(slot, X_SAMPLES[call], seed=100 + call, registration="x-reg") + samples(1, 2, seed=200 + call, registration="y-reg")
         trainer.train(TrainBatch(samples=batch))
@@ -136,9 +136,9 @@ def test_swap_of_pending_half_step_is_exact(trainer):
     trainer.train(TrainBatch(samples=samples(0, 1, seed=5, registration="p")))  # one of two samples: pending
     before = row_state(trainer, 0)
     assert before[1][1] == 1 and torch.count_nonzero(before[0][1]) > 0  # a pending gradient is there
-    trainer.swap.host_budget_bytes = None
-    trainer.swap_out(0, "p")
-    trainer.swap_in(3, "p")
+    trainer.swap.store.host_budget_bytes = None
+    trainer.swap.swap_out(0, "p")
+    trainer.swap.swap_in(3, "p")
     assert_bit_identical(before, row_state(trainer, 3), "a pending half step")
 
 
@@ -152,14 +152,14 @@ def test_failed_spill_keeps_the_slot(trainer, tmp_path):
     spill = tmp_path / "full"
     spill.mkdir()
     os.symlink("/dev/full", spill / "f.rank0.tmp")
-    old_dir, trainer.swap.spill_dir = trainer.swap.spill_dir, spill
-    trainer.swap.host_budget_bytes = 0
+    old_dir, trainer.swap.store.spill_dir = trainer.swap.store.spill_dir, spill
+    trainer.swap.store.host_budget_bytes = 0
     try:
         with pytest.raises(SwapError, match="No space left on device"):
-            trainer.swap_out(2, "f")
+            trainer.swap.swap_out(2, "f")
     finally:
-        trainer.swap.spill_dir, trainer.swap.host_budget_bytes = old_dir, None
-    assert trainer.swapped()["keys"] == []
+        trainer.swap.store.spill_dir, trainer.swap.store.host_budget_bytes = old_dir, None
+    assert trainer.swap.swapped()["keys"] == []
     assert_bit_identical(before, row_state(trainer, 2), "the slot after a failed spill")
 
 
@@ -170,11 +170,11 @@ def test_bad_swaps_are_refused(trainer):
     trainer.init_slot(0, hyper("sft"), seed=1, registration="a")
     trainer.init_slot(1, hyper("sft"), seed=2, registration="b")
     with pytest.raises(SwapError, match="no evicted slot 'nope'"):
-        trainer.swap_in(2, "nope")
-    trainer.swap_out(0, "a")
+        trainer.swap.swap_in(2, "nope")
+    trainer.swap.swap_out(0, "a")
     with pytest.raises(ValueError, match="slot 1 is in use"):
-        trainer.swap_in(1, "a")
+        trainer.swap.swap_in(1, "a")
     with pytest.raises(ValueError, match="slot 0 is not initialized"):
-        trainer.swap_out(0, "again")
-    assert trainer.swapped()["keys"] == ["a"]
-    assert trainer.drop_swapped("a") and trainer.swapped()["keys"] == []
+        trainer.swap.swap_out(0, "again")
+    assert trainer.swap.swapped()["keys"] == ["a"]
+    assert trainer.swap.drop("a") and trainer.swap.swapped()["keys"] == []

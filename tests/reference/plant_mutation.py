@@ -2,7 +2,7 @@
 
     python -m tests.reference.plant_mutation betas_swapped      # or kl_sign, first_betas_eps, first_weight_decay
     python -m pytest tests/reference tests/unit/test_losses.py -q  # must fail
-    git checkout trainer/core.py trainer/losses.py                  # undo
+    git checkout trainer/slot_steps.py trainer/losses.py                  # undo
 
 Measured (max relative error vs the reference per slot, REL_TOL 5e-5; clean run <= 1.2e-5):
 * betas_swapped (Adam beta1/beta2 exchanged): losses up to 4.5e-2, weights up to 8.6e-1;
@@ -20,13 +20,13 @@ import sys
 from pathlib import Path
 
 ADAM_ROW = "hyper_rows.append((lr, h.weight_decay, h.betas[0], h.betas[1], h.eps, st.step))"
-FIRST = "h0 = self.slots[stepping[0]].hyper; "
+FIRST = "h0 = states[due.index(stepping[0])].hyper; "
 MUTATIONS = {
-    "betas_swapped": ("trainer/core.py", ADAM_ROW, ADAM_ROW.replace("h.betas[0], h.betas[1]", "h.betas[1], h.betas[0]")),
+    "betas_swapped": ("trainer/slot_steps.py", ADAM_ROW, ADAM_ROW.replace("h.betas[0], h.betas[1]", "h.betas[1], h.betas[0]")),
     "kl_sign": ("trainer/losses.py", "loss = loss + inp.kl_coef.unsqueeze(1) * kl", "loss = loss - inp.kl_coef.unsqueeze(1) * kl"),
-    "first_betas_eps": ("trainer/core.py", ADAM_ROW,
+    "first_betas_eps": ("trainer/slot_steps.py", ADAM_ROW,
                         FIRST + ADAM_ROW.replace("h.betas[0], h.betas[1], h.eps", "h0.betas[0], h0.betas[1], h0.eps")),
-    "first_weight_decay": ("trainer/core.py", ADAM_ROW, FIRST + ADAM_ROW.replace("h.weight_decay", "h0.weight_decay")),
+    "first_weight_decay": ("trainer/slot_steps.py", ADAM_ROW, FIRST + ADAM_ROW.replace("h.weight_decay", "h0.weight_decay")),
 }
 
 

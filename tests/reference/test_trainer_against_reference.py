@@ -112,7 +112,7 @@ def compared(trainer, tiny_world):
         if trainer.slot_status(slot)["active"]:
             trainer.clear_slot(slot)
         trainer.init_slot(slot, h, seed=100 + slot)
-        inits[slot] = trainer.peft_tensors(slot)[1]
+        inits[slot] = trainer.export.peft_tensors(slot)[1]
     ours = {slot: [] for slot in range(4)}
     for batch in batches:
         result = trainer.train(batch)
@@ -123,16 +123,18 @@ def compared(trainer, tiny_world):
     for slot, h in enumerate(hypers):
         own = [s for b in batches for s in b.samples if s.slot == slot]
         ref, reports = train_alone(model_dir, h, inits[slot], own)
-        out[slot] = dict(ours=ours[slot], ref=reports, weights=trainer.peft_tensors(slot)[1], ref_weights=ref.state(),
+        out[slot] = dict(ours=ours[slot], ref=reports, weights=trainer.export.peft_tensors(slot)[1], ref_weights=ref.state(),
                          init=inits[slot], moments=_our_moments(trainer, slot), ref_moments=ref.moments())
     return out
 
 
 def _our_moments(trainer, slot):
     """lorafleet's Adam moments of the slot in PEFT names (through its own PEFT mapping)."""
+    from trainer.slot_checkpoint import slot_state_tensors
+
     from trainer.peft_io import slot_to_hf
 
-    parts = trainer.slot_state_tensors(slot)
+    parts = slot_state_tensors(trainer, slot)
     return {kind: slot_to_hf(trainer.base, trainer.layers, *parts[kind]) for kind in ("exp_avg", "exp_avg_sq")}
 
 

@@ -1,0 +1,61 @@
+"""What tests look at or hold inside a trainer, kept out of the production classes.
+
+* ``forward_logits(trainer, ids, slot)``: full-vocab logits with one slot's LoRA on;
+* ``slot_state_tensors_all_ranks(group, slot)``: every rank's gathered slot tensors
+  (trainer/slot_checkpoint.py ``slot_state_tensors``, run on each TrainWorker);
+* ``hold_export_writes(group, held)``: the named fault injection of the export tests: while held,
+  rank 0's writer starts no folder (the snapshots queue).
+
+On a Ray actor they run as functions of the test: ``worker.__ray_call__.remote(fn, ...)`` calls
+``fn(worker, ...)`` on the actor; the fault hold runs in the actor's FAULT_GROUP thread, so it
+reaches the rank while the default group is busy and while wait_export waits in EXPORT_GROUP.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+@torch.no_grad()
+def forward_logits(trainer, input_ids: torch.Tensor, slot: int | None) -> torch.Tensor:  # noqa: ANN001
+    """Full-vocab logits [b, s, V] of the base with ``slot``'s LoRA on (None = base only)."""
+    from trainer.base_model import attention_mask
+
+    ids = input_ids.to(trainer.device)
+    b, s = ids.shape
+    if slot is not None:
+        trainer.slots.state(slot)
+        trainer.routing.set(torch.full((b,), slot), s, trainer.slots.scales)
+    try:
+        pos = torch.arange(s, device=trainer.device).unsqueeze(0).expand(b, s)
+        return trainer.base.model(ids, pos, attention_mask(trainer.base, s, trainer.device), runtime_gather_output=True).float()
+    finally:
+        trainer.routing.disable()
+
+
+def _worker_slot_state_tensors(worker, slot: int):  # noqa: ANN001, ANN202 - runs on a TrainWorker actor
+    from trainer.slot_checkpoint import slot_state_tensors
+
+    return slot_state_tensors(worker.trainer, slot)
+
+
+def slot_state_tensors_all_ranks(group, slot: int) -> list:  # noqa: ANN001 - a service.trainer_group.TrainerGroup
+    """Every rank's optimizer and weight tensors of ``slot`` (tests compare DP ranks)."""
+    import ray
+
+    return ray.get([w.__ray_call__.remote(_worker_slot_state_tensors, slot) for w in group.workers],
+                   timeout=group.call_timeout_s)
+
+
+def _worker_hold_export_writes(worker, held: bool) -> None:  # noqa: ANN001 - runs on a TrainWorker actor
+    worker.trainer.export.writer().hold(held)
+
+
+def hold_export_writes(group, held: bool) -> None:  # noqa: ANN001 - a service.trainer_group.TrainerGroup
+    """While held, rank 0's export writer starts no folder. Runs in the actor's FAULT_GROUP."""
+    import ray
+
+    from trainer.actor import FAULT_GROUP
+
+    ray.get(group.workers[0].__ray_call__.options(concurrency_group=FAULT_GROUP).remote(_worker_hold_export_writes, held),
+            timeout=60)
