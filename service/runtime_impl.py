@@ -57,7 +57,7 @@ from typing import Any
 from rollout.data import DataCursor, open_rows
 from rollout.groups import RolloutGroup
 from rollout.weights import AdapterWeights, PendingFolder
-from rollout.worker import AdapterRollout, AdapterStats
+from rollout.worker import PUBLISH_SUPERSEDED, AdapterRollout, AdapterStats
 from service.batches import CollectedBatch, PublishOutcome, StepPlan, SteppedRun, TrainerLost, TrainOutcome, rl_step
 from service.checkpoints import ADAPTER_SUBDIR, Checkpoint, PendingCheckpoint, link_folder, RunState, load_checkpoint, prune_checkpoints
 from service.config import AdapterConfig, JobConfig, ServiceSettings
@@ -126,6 +126,7 @@ class FleetRuntime:
         self._trainer_note = "running"
         self._rr_start = 0  # round-robin start of batch collection
         self._publishing: list[_Publish] = []  # publishes in flight, oldest first
+        self.publishes_superseded = 0  # settled publishes that a newer version superseded (never served)
         # Handoff folders of a previous process are never read again: start empty (issue 18: no growth).
         self.handoff_dir = Path(settings.state_dir) / HANDOFF_DIR
         shutil.rmtree(self.handoff_dir, ignore_errors=True)
@@ -647,8 +648,10 @@ class FleetRuntime:
             # The trainer snapshots the weights before its next train call and writes the folder beside
             # it (trainer/export_writer.py); the rollout worker waits for the write, the loop does not.
             folder = self._handoff_folder(run.name, registration_id, version)
+            # Latest-wins (issue 28): keyed by the registration, a newer publish of the run supersedes
+            # one still queued in the trainer's writer; the rollout worker then reports it superseded.
             weights: AdapterWeights | PendingFolder = PendingFolder(
-                folder, self.trainer.begin_export_peft(run.slot, folder, self._publish_dtype))
+                folder, self.trainer.begin_export_peft(run.slot, folder, self._publish_dtype, registration_id))
         else:
             weights = self._weights(run.slot)
         ref = self._need_rollout().publish_version(run.name, version, weights)
@@ -657,7 +660,10 @@ class FleetRuntime:
 
     def settle_publishes(self) -> list[PublishOutcome]:
         """Publishes that finished since the last call (the loop records the served versions and
-        republishes the failed ones whose run still has that version as its newest)."""
+        republishes the failed ones whose run still has that version as its newest). A superseded
+        publish (latest-wins: a newer version of the run won before this one was written or loaded)
+        is neither: it is left out of the outcomes (never marked served, never republished) and
+        counted in `publishes_superseded`."""
         if not self._publishing:
             return []
         finished = self.rollout.finished([p.ref for p in self._publishing])
@@ -668,7 +674,10 @@ class FleetRuntime:
             with self._lock:
                 run = self._runs.get(p.registration_id)
             try:
-                self.rollout.outcome(p.ref)
+                if self.rollout.outcome(p.ref) == PUBLISH_SUPERSEDED:
+                    self.publishes_superseded += 1
+                    log.info("%s v%d was superseded by a newer version before the engines got it", p.name, p.version)
+                    continue
                 if run is not None:
                     run.publish_failures = 0
                 out.append(PublishOutcome(p.registration_id, p.name, p.version, None))

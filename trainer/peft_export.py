@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -218,10 +219,15 @@ class BackgroundExports:
             proc.close()
 
 
-def write_snapshot(folder: str, snap: PeftSnapshot) -> None:
-    """The snapshot's folder in this process, whole or not at all."""
+def write_peft_snapshot(out_dir: str | Path, snap: PeftSnapshot) -> None:
+    """The snapshot's folder in this process: its header and packed data in one write, and the config."""
     snap.ready()
-    replace_folder_atomically(lambda tmp: write_peft_folder_packed(tmp, snap.config, snap.header, snap.body), folder)
+    write_peft_folder_packed(out_dir, snap.config, snap.header, snap.body)
+
+
+def write_snapshot(folder: str, snap: PeftSnapshot) -> None:
+    """The snapshot's folder in this process, whole or not at all (a background write)."""
+    replace_folder_atomically(lambda tmp: write_peft_snapshot(tmp, snap), folder)
 
 
 def make_snapshots(hosts: list[torch.Tensor], blocks: list[ArenaBlock | None], done: Any,
