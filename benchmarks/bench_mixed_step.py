@@ -290,6 +290,7 @@ def profile_round(trainer, batch, folder: str, tag: str) -> dict:
     """torch.profiler tables (self device time per op/kernel) of one mixed and one frozen-base round,
     and per round: its wall ms, the device's busy ms (self device time summed over every op: kernels
     and copies) and the busy ms of each kernel family (name prefixes, the largest first)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from benchmarks.trainer_floor import frozen_base_pass
@@ -310,7 +311,9 @@ def profile_round(trainer, batch, folder: str, tag: str) -> dict:
         averages = prof.key_averages()
         text = averages.table(sort_by=sort, row_limit=60, max_name_column_width=90)
         device_us = lambda e: getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0))  # noqa: E731
-        kernels = [e for e in averages if device_us(e) > 0 and not e.key.startswith("aten::")]
+        # device-side entries only (kernels, copies, memsets): a CPU op's self device time is the
+        # kernels it launched, which are listed again as their own entries
+        kernels = [e for e in averages if getattr(e, "device_type", None) == DeviceType.CUDA and device_us(e) > 0]
         busy_ms = sum(device_us(e) for e in kernels) / 1e3
         families: dict[str, float] = {}
         for e in kernels:
