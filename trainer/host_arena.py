@@ -53,7 +53,7 @@ class ArenaBlock:
             raise RuntimeError(f"arena block at {self.offset} ({self.nbytes} bytes) released twice")
         self._released = True
         self.tensor = None  # type: ignore[assignment]  # no view outlives the block
-        self.arena._free_range(self.offset, _aligned(self.nbytes))
+        self.arena._free_range(self.offset, block_bytes(self.nbytes))
 
 
 class HostArena:
@@ -85,11 +85,11 @@ class HostArena:
 
     def fits(self, nbytes: int) -> bool:
         """Whether a block of `nbytes` can ever be handed out (it is no larger than the arena)."""
-        return _aligned(nbytes) <= self.nbytes
+        return block_bytes(nbytes) <= self.nbytes
 
     def alloc(self, nbytes: int) -> ArenaBlock:
         """A block of `nbytes`, waiting until a free range of that size exists."""
-        size = _aligned(nbytes)
+        size = block_bytes(nbytes)
         if size > self.nbytes:
             raise ArenaFull(f"a {nbytes}-byte snapshot does not fit the {self.nbytes}-byte export arena")
         with self._cond:
@@ -143,5 +143,6 @@ class HostArena:
             return sum(n for _, n in self._free)
 
 
-def _aligned(nbytes: int) -> int:
+def block_bytes(nbytes: int) -> int:
+    """The arena bytes a block of `nbytes` takes (rounded up to ALIGN)."""
     return max(ALIGN, -(-nbytes // ALIGN) * ALIGN)

@@ -165,13 +165,14 @@ class SlotExporter:
         queued: set[str] = set()
         try:
             states = [self.slots.state(r.slot) for r in requests]
+            tp, split = self.layout.tp_size, self.buffers.split_cols
+            width = tp * split + self.buffers.weight.shape[1] - split  # a gathered row: no file is larger
             if background is not None:
+                background.size_for(width * to.itemsize, self.config.num_slots)  # a round never waits for room
                 background.supersede_all(requests)  # before taking host memory: a superseded export frees its block
             by_layout: dict[tuple[int, bool], list[int]] = {}
             for i, state in enumerate(states):
                 by_layout.setdefault((state.rank, state.hyper.lora_experts), []).append(i)
-            tp, split = self.layout.tp_size, self.buffers.split_cols
-            width = tp * split + self.buffers.weight.shape[1] - split
             for (rank, experts), members in by_layout.items():
                 layout = self.export_layout(rank, experts)
                 for part in chunks(len(members), width, layout.index.numel(), to.itemsize):

@@ -6,6 +6,7 @@ once its write ended, and a superseded export's block comes back at once."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -111,3 +112,47 @@ def test_switching_writers_is_refused_while_exports_are_pending(tmp_path: Path):
     with pytest.raises(ValueError, match="'thread' or 'process'"):
         BackgroundExports(device=torch.device("cpu"), threads=1, kind="fork")
     new.close()
+
+
+def test_with_latest_wins_a_round_of_every_slot_never_waits_for_room(tmp_path: Path):
+    """size_for: the arena holds one snapshot per slot plus one per writer thread (module docstring).
+    With the writer held, three rounds of 8 keyed exports queue: each round supersedes the last
+    before taking memory, so no allocation waits; keyless exports get the bound back (they wait)."""
+    entries = _entries()
+    header = packed_header(entries, torch.bfloat16)
+    slots, threads = 8, 2
+    bg = BackgroundExports(device=torch.device("cpu"), threads=threads, kind="thread", max_pending_bytes=4096)
+    bg.size_for(64 * 2, slots)
+    assert bg.arena.nbytes == (slots + threads) * 4096 and bg.writer.max_pending_bytes == bg.arena.nbytes
+
+    def round_of(r: int, keyed: bool) -> list[ExportRequest]:
+        requests = [ExportRequest(k, str(tmp_path / f"r{r}" / f"s{k}"), key=f"slot{k}" if keyed else None) for k in range(slots)]
+        bg.supersede_all(requests)
+        hosts, blocks, done = bg.to_host(torch.full((slots, 64), float(r), dtype=torch.bfloat16))
+        bg.submit(requests, make_snapshots(hosts, blocks, done, [{"r": 4}] * slots, entries, header))
+        return requests
+
+    bg.writer.hold(True)
+    try:
+        rounds: list = []
+        keyed = threading.Thread(target=lambda: rounds.extend(round_of(r, keyed=True) for r in range(3)), daemon=True)
+        keyed.start()
+        keyed.join(DEADLINE_S)
+        assert not keyed.is_alive() and len(rounds) == 3  # it would wait for room forever with the writer held
+        assert bg.arena.waiters == 0 and bg.arena.wait_seconds == 0.0
+        assert bg.writer.superseded == 2 * slots and bg.arena.used == slots * 4096
+        blocked = threading.Thread(target=lambda: (round_of(3, keyed=False), round_of(4, keyed=False)), daemon=True)
+        blocked.start()  # keyless: only 2 of round 3's 8 fit beside round 2's queued 8
+        wait_until(lambda: bg.arena.waiters == 1, "a keyless round to wait for room", DEADLINE_S)
+    finally:
+        bg.writer.hold(False)
+    blocked.join(DEADLINE_S)
+    assert not blocked.is_alive()
+    for r in rounds[:2]:
+        assert all(isinstance(bg.writer.wait(q.folder), Superseded) for q in r)
+    assert [bg.writer.wait(q.folder) for q in rounds[2]] == [q.folder for q in rounds[2]]
+    for r in (3, 4):
+        for k in range(slots):
+            bg.writer.wait(str(tmp_path / f"r{r}" / f"s{k}"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r2", "r3", "r4"]  # r0 and r1 were never written
+    bg.close()
