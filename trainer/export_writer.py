@@ -1,7 +1,7 @@
 """A trainer rank's background writer of PEFT folders (issue 18: the export write off the
 critical path; issue 28: latest-wins, and the writer off the GIL's path).
 
-An export has two halves (trainer/core.py): the *snapshot* (the TP gather and the copy of the
+An export has two halves (trainer/slot_export.py): the *snapshot* (the TP gather and the copy of the
 slot's live blocks to host memory) runs on the actor's main thread in call order, so it holds
 exactly the weights after the train call before it, already laid out as the safetensors
 file's data; the *write* (the header and that data in one call, adapter_config.json, the rename
@@ -75,7 +75,7 @@ def export_dtype(name: str) -> torch.dtype:
 @dataclass
 class ExportLayout:
     """A PEFT file's tensors for slots of one LoRA rank: names and shapes in file order, and
-    `index`: per element of the file's data, its position in a snapshot's row (trainer/core.py
+    `index`: per element of the file's data, its position in a snapshot's row (trainer/slot_export.py
     export_layout), on the trainer's device; with the PEFT config's module lists."""
 
     entries: list[tuple[str, tuple[int, ...]]]
@@ -94,7 +94,7 @@ class ExportLayout:
 
 @dataclass
 class PeftSnapshot:
-    """A slot's LoRA weights at one point of the call order (trainer/core.py snapshot_peft): the
+    """A slot's LoRA weights at one point of the call order (trainer/slot_export.py snapshot_peft): the
     data of its PEFT safetensors file (`body`: every tensor of `entries` back to back, in file
     order) in the export's dtype, on host memory or on its way there (`copied`: the CUDA event
     after the non-blocking device->host copy, pinned_host_copy), with the PEFT config. `body` is

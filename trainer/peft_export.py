@@ -1,7 +1,7 @@
 """Publish exports of a round's stepped slots, batched (issue 28: a cheaper snapshot).
 
 The snapshot of a slot is the data section of its PEFT safetensors file, gathered on the device
-from the slot's one buffer row by the export layout's index (trainer/core.py export_layout).
+from the slot's one buffer row by the export layout's index (trainer/slot_export.py export_layout).
 `gather_bodies` does that for several slots of one layout at once:
 
 * each slot's row is cast to the publish dtype into one [n, row] device buffer (one cast per
