@@ -20,8 +20,9 @@ host work), each timed with a device sync.
 
 Cases (N adapters x sequences per adapter x length): 1x16x1024, 4x4x1024,
 16x1x1024, 64x1x256 and 32x1x512. Prints a markdown table and writes --out JSON.
---profile-out DIR writes torch.profiler tables (device time per kernel) of one mixed
-and one frozen-base round of the last case.
+--profile-out DIR writes torch.profiler tables (device time per kernel, and the round's wall
+time against the device's busy time) of one mixed and one frozen-base round of every case
+run (issue 28: where 64 x 256 loses against 16 x 1024).
 
   python -m benchmarks.bench_mixed_step --out mixed.json        # GPU, bf16 (the config default: 16384-token micro-batches)
   python -m benchmarks.bench_mixed_step --tiny                  # CPU smoke test (tiny shape)
@@ -260,9 +261,9 @@ def main(argv: list[str] | None = None) -> int:
             n_iters = args.serialized_iters or iters if mode == "serialized" else iters
             row[mode] = attempt(lambda m=mode: timed(runners[m], n_iters, args.warmup, phases if m != "base" else None))
             print(f"N={n:3d} x {seqs:2d} x {length:5d}  {mode:10s} {row[mode]}", flush=True)
+        if args.profile_out:
+            row["profile"] = profile_round(trainer, mixed, args.profile_out, f"n{n}x{seqs}x{length}")
         results.append(row)
-    if args.profile_out:
-        profile_round(trainer, mixed, args.profile_out, f"n{n}x{seqs}x{length}")
 
     print()
     print(table(results))
@@ -290,25 +291,48 @@ def with_library_kernels(trainer, run: Callable[[], None]) -> Callable[[], None]
     return run_library
 
 
-def profile_round(trainer, batch, folder: str, tag: str) -> None:
-    """torch.profiler tables (self device time per op/kernel) of one mixed and one frozen-base round."""
-    from benchmarks.trainer_floor import frozen_base_pass
-
+def profile_round(trainer, batch, folder: str, tag: str) -> dict:
+    """torch.profiler tables (self device time per op/kernel) of one mixed and one frozen-base round,
+    and per round: its wall ms, the device's busy ms (self device time summed over every op: kernels
+    and copies) and the busy ms of each kernel family (name prefixes, the largest first)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
+    from benchmarks.trainer_floor import frozen_base_pass
+
     os.makedirs(folder, exist_ok=True)
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    cuda = torch.cuda.is_available()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    summary = {}
     for name, fn in (("mixed", lambda: trainer.train(batch)), ("base", lambda: frozen_base_pass(trainer, batch))):
         fn()
         sync()
         with profile(activities=acts) as prof:
+            t0 = time.perf_counter()
             fn()
             sync()
-        text = prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=90)
+            wall_ms = (time.perf_counter() - t0) * 1e3
+        averages = prof.key_averages()
+        text = averages.table(sort_by=sort, row_limit=60, max_name_column_width=90)
+        device_us = lambda e: getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0))  # noqa: E731
+        # device-side entries only (kernels, copies, memsets): a CPU op's self device time is the
+        # kernels it launched, which are listed again as their own entries
+        kernels = [e for e in averages if getattr(e, "device_type", None) == DeviceType.CUDA and device_us(e) > 0]
+        busy_ms = sum(device_us(e) for e in kernels) / 1e3
+        families: dict[str, float] = {}
+        for e in kernels:
+            family = e.key.split("(")[0].split("<")[0][:60]
+            families[family] = families.get(family, 0.0) + device_us(e) / 1e3
+        top = dict(sorted(((k, round(v, 2)) for k, v in families.items()), key=lambda kv: -kv[1])[:25])
+        summary[name] = {"wall_ms": round(wall_ms, 1), "device_busy_ms": round(busy_ms, 1), "kernel_families_ms": top}
         with open(os.path.join(folder, f"profile_{tag}_{name}.txt"), "w") as f:
+            f.write(f"wall {wall_ms:.1f} ms, device busy {busy_ms:.1f} ms\n")
+            f.write(json.dumps(top, indent=1) + "\n")
             f.write(text)
-        print(f"# profile {name} ({tag}): {os.path.join(folder, f'profile_{tag}_{name}.txt')}", flush=True)
+        print(f"# profile {name} ({tag}): wall {wall_ms:.1f} ms, device busy {busy_ms:.1f} ms; "
+              f"{os.path.join(folder, f'profile_{tag}_{name}.txt')}", flush=True)
+    return summary
 
 
 def table(results: list[dict]) -> str:

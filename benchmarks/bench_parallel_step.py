@@ -14,9 +14,9 @@ rounds after --warmup:
               (benchmarks/trainer_floor.py frozen_base_pass; gradient to the input embeddings only)
   serialized  N train calls, one per adapter, at N = 1 and 16 (--serialized-n; 64 takes
               64 calls a round: add it with --serialized-n 1,16,64)
-  export      (opt-in: --only mixed,export) the publish export of the N stepped slots: the
-              in-order snapshot, the synchronous export_peft to /dev/shm, and a mixed round
-              followed by N background exports against the mixed round alone (export_timings)
+  export      (opt-in: --only mixed,export) a mixed round followed by the N stepped slots'
+              background exports against the mixed round alone, per writer kind
+              (--export-writer thread,process): benchmarks/publish_round.py
 
 A round's time is the slowest rank's: each timed round ends with a device sync and a
 barrier. Reported per GPU: tokens/s (round tokens / round time / GPUs), TFLOP/s and MFU
@@ -77,6 +77,7 @@ import torch  # noqa: E402
 
 from benchmarks.bench_mixed_step import GIB, PhaseTimer, TINY, cases, init_slots, make_samples, sync, timed, write_config  # noqa: E402
 from benchmarks.failures import describe_failure, is_oom  # noqa: E402
+from benchmarks.publish_round import export_table, export_timings  # noqa: E402
 
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1e6)
@@ -183,144 +184,6 @@ def _gather(obj) -> list:
     return out
 
 
-def export_timings(trainer, n: int, run_mixed, opts: dict) -> dict:
-    """Mode export (issue 18: the publish export off the critical path), after the case's mixed
-    rounds, every one of the N slots stepped. Per adapter, the slowest rank's:
-      snapshot      the in-order half of a background export (trainer/slot_export.py snapshot_peft: TP
-                    gather, non-blocking copies to pinned host memory on a side stream): what the
-                    next train call waits for; and until its copies are done (one event each);
-      (snapshot and background writes in --export-dtype, default bf16: the service's publish dtype
-      on a bf16 GPU engine; the synchronous export is fp32, as every publish was before)
-      sync export   the full synchronous export_peft (gather, copy, HF renaming, safetensors) to
-                    /dev/shm: what the next train call waited for before;
-      round         a mixed round followed by N background exports (export_peft_in_background, the
-                    service's publish with weight_transfer disk), against the mixed round alone: the
-                    publishing cost a round pays; a thread on rank 0 claims each written folder and
-                    deletes it (the rollout worker's part); the writer's own time per folder;
-      order check   a background export of slot 0 followed at once by a mixed round equals, tensor
-                    by tensor, a synchronous export just before it (background_equals_sync).
-    Folders go to /dev/shm (deleted as they are claimed; at most the writer's queue bound waits)."""
-    import shutil
-    import threading
-
-    import torch.distributed as dist
-
-    rank0 = trainer.layout.rank == 0
-    root = tempfile.mkdtemp(prefix="bench-export-", dir="/dev/shm") if rank0 else ""
-    out: dict = {}
-    try:
-        dtype = opts.get("export_dtype", "bfloat16")  # the publish folders' dtype (engines.publish_dtype)
-        trainer.export.snapshot_peft(0, to_host=rank0, dtype=dtype).ready()  # warm: the copy stream, pinned blocks
-        sync()
-        dist.barrier()
-        t0 = time.perf_counter()
-        snaps = [trainer.export.snapshot_peft(k, to_host=rank0, dtype=dtype) for k in range(n)]
-        submitted = time.perf_counter() - t0
-        for snap in snaps:
-            snap.ready()
-        copied = time.perf_counter() - t0
-        mb = sum(s.nbytes for s in snaps) / n / 1e6 if rank0 else 0.0
-        del snaps
-        sync()
-        dist.barrier()
-        t0 = time.perf_counter()
-        for k in range(n):
-            trainer.export.export_peft(k, os.path.join(root, "sync", f"s{k}") if rank0 else "unused")
-        sync()
-        dist.barrier()
-        sync_s = time.perf_counter() - t0
-        if rank0:
-            shutil.rmtree(os.path.join(root, "sync"), ignore_errors=True)
-
-        claims: list[str] = []
-        claimed = threading.Condition()
-        failures: list[str] = []
-
-        def claimer():  # the rollout worker's part: wait for each folder in order, then discard it
-            i = 0
-            while True:
-                with claimed:
-                    claimed.wait_for(lambda: len(claims) > i)
-                    folder = claims[i]
-                i += 1
-                if folder is None:
-                    return
-                try:
-                    trainer.export.wait_export(folder)
-                except Exception as err:  # noqa: BLE001 - reported in the row
-                    failures.append(describe_failure(err, 200))
-                shutil.rmtree(folder, ignore_errors=True)
-
-        claimer_thread = threading.Thread(target=claimer, daemon=True)
-        if rank0:
-            claimer_thread.start()
-        rounds = iter(range(10**9))
-
-        def mixed_then_exports():
-            run_mixed()
-            r = next(rounds)
-            t_exports = time.perf_counter()
-            for k in range(n):
-                folder = os.path.join(root, f"r{r}", f"s{k}") if rank0 else f"unused-{r}-{k}"
-                trainer.export.export_peft_in_background(k, folder, dtype=dtype)
-                if rank0:
-                    with claimed:
-                        claims.append(folder)
-                        claimed.notify_all()
-            export_s[0] += time.perf_counter() - t_exports
-
-        # The order check on this device: a background export followed at once by a train call
-        # that changes the weights holds exactly what a synchronous export before it wrote.
-        check = os.path.join(root, "check") if rank0 else "unused-check"
-        trainer.export.export_peft(0, os.path.join(check, "sync") if rank0 else "unused")
-        trainer.export.export_peft_in_background(0, os.path.join(check, "bg") if rank0 else "unused-bg", dtype=dtype)
-        run_mixed()
-        same = None
-        if rank0:
-            from safetensors.torch import load_file
-
-            trainer.export.wait_export(os.path.join(check, "bg"))
-            a, b = (load_file(os.path.join(check, x, "adapter_model.safetensors")) for x in ("sync", "bg"))
-            same = sorted(a) == sorted(b) and all(torch.equal(a[k].to(b[k].dtype), b[k]) for k in a)  # sync is fp32
-            shutil.rmtree(check, ignore_errors=True)
-        writer = trainer.export.writer() if rank0 else None
-        export_s = [0.0]  # main-thread time in the N export calls of the timed rounds (snapshot + waits for room)
-        base_written, base_write_s = (writer.written, writer.write_seconds) if writer else (0, 0.0)
-        base_room_s = writer.room_wait_seconds if writer else 0.0
-        res = timed_round(mixed_then_exports, opts["iters"], opts["warmup"], None)
-        rounds_run = opts["iters"] + opts["warmup"]
-        room_s = (writer.room_wait_seconds - base_room_s) if writer else 0.0
-        t0 = time.perf_counter()
-        if rank0:
-            with claimed:
-                claims.append(None)
-                claimed.notify_all()
-            claimer_thread.join()
-        drain_s = time.perf_counter() - t0
-        written = writer.written - base_written if writer else 0
-        stats = _gather({"same": same, "submitted": submitted, "copied": copied, "sync": sync_s, "mb": mb, "drain": drain_s,
-                         "write_s": (writer.write_seconds - base_write_s) / written if written else None,
-                         "failures": failures, "export_calls_s": export_s[0], "room_s": room_s})
-        out = {
-            "adapter_mb_on_rank0": round(stats[0]["mb"], 1),
-            "snapshot_ms_per_adapter": 1e3 * max(x["submitted"] for x in stats) / n,
-            "snapshot_copied_ms_per_adapter": 1e3 * max(x["copied"] for x in stats) / n,
-            "sync_export_ms_per_adapter": 1e3 * max(x["sync"] for x in stats) / n,
-            "round_with_exports_ms": res["ms"], "round_with_exports_all_ms": res["all_ms"],
-            "round_with_exports_peak_gib": res["peak_gib"],
-            "writer_ms_per_adapter": None if stats[0]["write_s"] is None else 1e3 * stats[0]["write_s"],
-            # per round, on the main thread, over every round run (warm-up included): the N export
-            # calls, and of that the wait for room under the writer's memory bound (back-pressure)
-            "export_calls_ms_per_round": 1e3 * max(x["export_calls_s"] for x in stats) / rounds_run,
-            "room_wait_ms_per_round": 1e3 * stats[0]["room_s"] / rounds_run,
-            "writes_left_after_rounds_s": stats[0]["drain"],
-            "write_failures": stats[0]["failures"],
-            "background_equals_sync": stats[0]["same"],
-        }
-    finally:
-        if rank0:
-            shutil.rmtree(root, ignore_errors=True)
-    return out
 
 
 def layout_worker(rank: int, port: int, opts: dict, layout: str, recompute: str, out_path: str, path: str = "fused") -> None:
@@ -379,11 +242,15 @@ def layout_worker(rank: int, port: int, opts: dict, layout: str, recompute: str,
             iters = opts["serialized_iters"] if mode == "serialized" else opts["iters"]
             warmup = opts["serialized_warmup"] if mode == "serialized" else opts["warmup"]
             try:
-                if mode == "export":
-                    res = export_timings(trainer, n, run_mixed, opts)
-                    mixed_ms = row.get("mixed", {}).get("ms")
-                    if mixed_ms:
-                        res["publish_share_of_mixed"] = (res["round_with_exports_ms"] - mixed_ms) / mixed_ms
+                if mode == "export":  # one result per writer kind, each against the case's mixed round
+                    res = {}
+                    for kind in opts["export_writers"]:
+                        res[kind] = e = export_timings(trainer, n, run_mixed, opts, kind)
+                        mixed_ms = row.get("mixed", {}).get("ms")
+                        if mixed_ms:
+                            e["publish_share_of_mixed"] = (e["round_with_exports_ms"] - mixed_ms) / mixed_ms
+                        if rank == 0:
+                            print(f"{layout} {path} N={n:3d} export ({kind}) {_short(e)}", flush=True)
                 else:
                     res = timed_round(runners[mode], iters, warmup, phases if mode != "base" else None)
             except Exception as err:  # an OOM on one rank: report it, keep the rest of the run
@@ -405,7 +272,7 @@ def layout_worker(rank: int, port: int, opts: dict, layout: str, recompute: str,
                 res["mfu"] = res["tflops_per_gpu"] / opts["peak_tflops"]
                 res["share_of_matmul"] = res["tflops_per_gpu"] / matmul if matmul else None
             row[mode] = res
-            if rank == 0:
+            if rank == 0 and mode != "export":
                 print(f"{layout} {path} N={n:3d} x {seqs:2d} x {length:5d}  {mode:10s} {_short(res)}", flush=True)
         rows.append(row)
     if rank == 0:
@@ -418,13 +285,13 @@ def layout_worker(rank: int, port: int, opts: dict, layout: str, recompute: str,
 def _short(res: dict) -> str:
     if "error" in res:
         return res["error"]
-    if "snapshot_ms_per_adapter" in res:  # mode export
-        keys = ("adapter_mb_on_rank0", "snapshot_ms_per_adapter", "snapshot_copied_ms_per_adapter",
-                "sync_export_ms_per_adapter", "writer_ms_per_adapter", "round_with_exports_ms", "publish_share_of_mixed",
-                "writes_left_after_rounds_s", "round_with_exports_peak_gib")
+    if "round_with_exports_ms" in res:  # mode export (one writer kind)
+        keys = ("adapter_mb_on_rank0", "export_calls_ms_per_round", "room_wait_ms_per_round", "writer_ms_per_adapter",
+                "round_with_exports_ms", "publish_share_of_mixed", "written", "superseded", "writes_left_after_rounds_s",
+                "arena_register_s", "round_with_exports_peak_gib")
         return " ".join(f"{k}={res[k]:.3g}" for k in keys if res.get(k) is not None) + (
             f" FAILED WRITES {res['write_failures']}" if res.get("write_failures") else "") + (
-            f" background_equals_sync={res['background_equals_sync']}")
+            f" background_equals_sync={res['background_equals_sync']} rounds={res['round_with_exports_all_ms']}")
     keys = ("ms", "fwd_bwd_ms", "step_ms", "other_ms", "tokens_per_s_per_gpu", "mfu", "peak_gib")
     return " ".join(f"{k}={res[k]:.3g}" for k in keys if res.get(k) is not None) + f" rounds={res['all_ms']}"
 
@@ -561,36 +428,6 @@ def table(layouts: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def export_table(layouts: list[dict]) -> str:
-    """Mode export's rows (export_timings): per adapter ms, and the round's publishing cost."""
-    def fmt(x, spec=".1f"):
-        return "-" if x is None else format(x, spec)
-
-    lines = ["| layout | N adapters | MB per adapter | snapshot ms / adapter (until copied) | sync export ms / adapter "
-             "| writer ms / adapter | mixed ms | mixed + N background exports ms | publishing / mixed "
-             "| export calls ms / round (of it waiting for room) | peak GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for lay in layouts:
-        for r in lay["results"]:
-            e = r.get("export")
-            if not e:
-                continue
-            if "error" in e:
-                lines.append(f"| {lay['layout']} {lay.get('path', 'fused')} ({lay['recompute']}) | {r['n']} | {e['error'][:80]} ||||||||| ")
-                continue
-            share = e.get("publish_share_of_mixed")
-            lines.append(
-                f"| {lay['layout']} {lay.get('path', 'fused')} ({lay['recompute']}) | {r['n']} | {fmt(e['adapter_mb_on_rank0'])} | "
-                f"{fmt(e['snapshot_ms_per_adapter'], '.2f')} ({fmt(e['snapshot_copied_ms_per_adapter'], '.2f')}) | "
-                f"{fmt(e['sync_export_ms_per_adapter'])} | {fmt(e['writer_ms_per_adapter'])} | {fmt(r.get('mixed', {}).get('ms'), '.0f')} | "
-                f"{fmt(e['round_with_exports_ms'], '.0f')} | {'-' if share is None else f'{100 * share:.1f}%'} | "
-                f"{fmt(e['export_calls_ms_per_round'], '.0f')} ({fmt(e['room_wait_ms_per_round'], '.0f')}) | "
-                f"{fmt(e['round_with_exports_peak_gib'])} |"
-                + (f" FAILED WRITES: {e['write_failures'][:2]}" if e.get("write_failures") else "")
-                + ("" if e.get("background_equals_sync") else " BACKGROUND EXPORT DIFFERS FROM THE SYNCHRONOUS ONE"))
-    return "\n".join(lines)
-
-
 def single_table(single: dict) -> str:
     lines = ["| recompute | slots x rank 16 | trained a mixed round | tokens (slots x len) | round ms | GiB after build | peak GiB |",
              "|---|---|---|---|---|---|---|"]
@@ -624,6 +461,11 @@ def main(argv: list[str] | None = None) -> int:
                          "dtype, bf16 for a bf16 checkpoint on GPU); the synchronous export stays fp32 (before)")
     ap.add_argument("--export-threads", type=int, default=4,
                     help="mode export: writer threads on rank 0 (TrainerConfig.export_writer_threads)")
+    ap.add_argument("--export-writer", default="process,thread",
+                    help="mode export: comma list of writer kinds to time, each on the same build "
+                         "(TrainerConfig.export_writer: thread, process)")
+    ap.add_argument("--export-sync", action="store_true",
+                    help="mode export: also time the synchronous export_peft of the N slots (the path before issue 18)")
     ap.add_argument("--recompute", default="none,full",
                     help="comma list of recompute settings (none, selective, full) for tp2 / dp2: a layout runs with the "
                          "first; after an OOM it runs again with the next (default none,full: the trainer's default, "
@@ -663,6 +505,9 @@ def main(argv: list[str] | None = None) -> int:
     modes = args.only.split(",")
     if any(m not in ("mixed", "base", "serialized", "export") for m in modes):
         ap.error(f"--only takes mixed, base, serialized, export; got {args.only}")
+    writers = args.export_writer.split(",")
+    if not writers or any(w not in ("thread", "process") for w in writers) or len(set(writers)) != len(writers):
+        ap.error(f"--export-writer takes a comma list of thread, process (each once); got {args.export_writer!r}")
     if "export" in modes:  # it compares against the case's mixed round, so it runs after it
         modes = [m for m in modes if m != "export"] + ["export"]
     recomputes, single_recomputes = args.recompute.split(","), args.single_recompute.split(",")
@@ -682,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         opts = {"folder": write_untied_config(shape, os.path.join(tmp, "model"), args.tied), "shape": shape,
                 "export_dtype": args.export_dtype, "export_threads": args.export_threads,
+                "export_writers": args.export_writer.split(","), "export_sync": args.export_sync,
                 "tokens": tokens, "plan": plan, "modes": modes, "slots": args.slots, "rank": args.rank,
                 "micro_batch_tokens": args.micro_batch_tokens if not args.tiny else min(args.micro_batch_tokens, tokens),
                 "collective_timeout_s": args.collective_timeout_s, "serialized_n": {int(x) for x in args.serialized_n.split(",")},

@@ -1,7 +1,7 @@
 """Weight publishing: what one stepped adapter costs from the trainer to the engine, before and after
 the file handoff (issue 18 items 3-4). CPU only (this machine has no GPU; say so next to the numbers).
 
-Three parts (``--parts``):
+Four parts (``--parts``):
 
 * ``wire``: per adapter of the Qwen3-8B rank-16 shape (36 layers, every linear: 43.6 M parameters,
   87 MB bf16 / 174 MB fp32, real PEFT names and shapes, random values), each hop of the publish:
@@ -28,10 +28,19 @@ Three parts (``--parts``):
   ``--publish-dtypes``: the trainer holds fp32 weights (as the real one does) and the snapshot casts
   them to each publish dtype (engines.publish_dtype; trainer/slot_export.py snapshot_peft), one round set
   per dtype; without it the snapshot keeps the held dtype (``--dtypes``).
+* ``host`` (issue 28; CPU or GPU): the host side of a background export with the shared arena
+  (trainer/peft_export.py BackgroundExports), per bf16 adapter of the 8B shape (``--host-mb``
+  shrinks it for a CPU run): the arena's one-time cudaHostRegister; N device->host copies into
+  the registered arena against torch pinned memory (rate, and main-thread ms per copy issued);
+  and N folders written from the arena to /dev/shm by W writer threads against W writer
+  processes (``--host-writers``) while the main thread runs a fixed loop of small tensor ops (a
+  train call's host work): the loop's slowdown against running alone is the writers' share of
+  the GIL.
 
     .venv/bin/python -m benchmarks.bench_publish --parts wire,round --out publish_cpu.json
     .venv/bin/python -m benchmarks.bench_publish --parts engine --out publish_engine.json
     .venv/bin/python -m benchmarks.bench_publish --parts round --round-modes background --publish-dtypes float32,bfloat16 --out publish_dtype.json
+    python -m benchmarks.bench_publish --parts host --rounds 64 --out publish_host.json    # on the GPU
 """
 
 from __future__ import annotations
@@ -325,6 +334,158 @@ async def _engine(args, out: dict) -> None:
     out["engine"] = rows
 
 
+def qwen3_8b_entries(rank: int = 16) -> list[tuple[str, tuple[int, ...]]]:
+    """qwen3_8b_lora's names and shapes in file order, without making the tensors."""
+    from trainer.safetensors_stream import file_order
+
+    s = QWEN3_8B
+    shapes = {"self_attn.q_proj": (s["hidden"], s["q"]), "self_attn.k_proj": (s["hidden"], s["kv"]),
+              "self_attn.v_proj": (s["hidden"], s["kv"]), "self_attn.o_proj": (s["q"], s["hidden"]),
+              "mlp.gate_proj": (s["hidden"], s["ffn"]), "mlp.up_proj": (s["hidden"], s["ffn"]), "mlp.down_proj": (s["ffn"], s["hidden"])}
+    out = {}
+    for layer in range(s["layers"]):
+        for module, (fan_in, fan_out) in shapes.items():
+            base = f"base_model.model.model.layers.{layer}.{module}"
+            out[f"{base}.lora_A.weight"], out[f"{base}.lora_B.weight"] = (rank, fan_in), (fan_out, rank)
+    return [(k, out[k]) for k in file_order({k: (torch.bfloat16, torch.Size(v)) for k, v in out.items()})]
+
+
+def part_host(args, out: dict) -> None:
+    """The ``host`` part (module docstring)."""
+    import threading
+
+    from trainer.peft_export import BackgroundExports, ExportRequest, make_snapshots
+    from trainer.safetensors_stream import packed_header
+
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    entries = qwen3_8b_entries()
+    elems = sum(torch.Size(s).numel() for _, s in entries)
+    if args.host_mb:  # a smaller adapter (CPU runs): the first tensors' worth
+        keep, total = [], 0
+        for name, shape in entries:
+            if total * 2 >= args.host_mb * 1e6:
+                break
+            keep.append((name, shape))
+            total += torch.Size(shape).numel()
+        entries, elems = keep, total
+    header = packed_header(entries, torch.bfloat16, metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "r": 16, "lora_alpha": 32}
+    n = max(args.rounds)
+    adapter_bytes = elems * 2
+    arena_bytes = (n + 1) * -(-adapter_bytes // 4096) * 4096
+    bodies = torch.randn(n, elems, device=dev).to(torch.bfloat16)
+    res: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu", "adapters": n, "adapter_mb": round(adapter_bytes / 1e6, 1)}
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    def issue_copies(bg):  # main-thread time to issue n copies, and until they are done
+        t0 = time.perf_counter()
+        hosts, blocks, done = bg.to_host(bodies)
+        issued = time.perf_counter() - t0
+        if done is not None:
+            done.synchronize()
+        return issued, time.perf_counter() - t0, hosts, blocks, done
+
+    bg = BackgroundExports(device=dev, threads=1, max_pending_bytes=arena_bytes)
+    t0 = time.perf_counter()
+    arena = bg.arena
+    res["arena_gb"], res["arena_register_s"] = round(arena.nbytes / 1e9, 2), round(time.perf_counter() - t0, 3)
+    for b in issue_copies(bg)[3]:  # warm: the arena's pages touched
+        b.release()
+    rows = {}
+    for kind in ("arena", "pinned"):
+        best = None
+        for _ in range(args.repeats):
+            if kind == "arena":
+                issued, total, hosts, blocks, _ = issue_copies(bg)
+                for b in blocks:
+                    b.release()
+            else:
+                stream = bg.copy_stream if cuda else None
+                t0 = time.perf_counter()
+                hosts = [torch.empty(elems, dtype=torch.bfloat16, pin_memory=cuda) for _ in range(n)]
+                if cuda:
+                    stream.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(stream):
+                        for i in range(n):
+                            hosts[i].copy_(bodies[i], non_blocking=True)
+                        ev = torch.cuda.Event()
+                        ev.record(stream)
+                    issued = time.perf_counter() - t0
+                    ev.synchronize()
+                else:
+                    for i in range(n):
+                        hosts[i].copy_(bodies[i])
+                    issued = time.perf_counter() - t0
+                total = time.perf_counter() - t0
+                del hosts
+            row = {"issue_ms_per_copy": round(1e3 * issued / n, 3), "copy_gb_s": round(n * adapter_bytes / total / 1e9, 2)}
+            best = row if best is None or row["copy_gb_s"] > best["copy_gb_s"] else best
+        rows[kind] = best
+        print("d2h", kind, best, flush=True)
+    res["d2h"] = rows
+    bg.close()
+
+    def host_loop(iters: int) -> float:  # the main thread's host work: small tensor ops (a train call's launches)
+        x = torch.zeros(64, device=dev)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            x.add_(1.0).mul_(0.5)
+        sync()
+        return time.perf_counter() - t0
+
+    host_loop(2000)
+    alone = min(host_loop(args.host_loop_iters) for _ in range(3))
+    res["host_loop_alone_s"] = round(alone, 4)
+    writes = {}
+    root = Path(tempfile.mkdtemp(prefix="bench-host-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    try:
+        for kind in ("thread", "process"):
+            for w in args.host_writers:
+                bgk = BackgroundExports(device=dev, threads=w, kind=kind, max_pending_bytes=arena_bytes)
+                bgk._arena = arena  # the registered arena, shared by the runs (registration is once per rank)
+                # warm the writers (a process starts on its first write)
+                hosts, blocks, done = bgk.to_host(bodies[:w])
+                reqs = [ExportRequest(i, str(root / f"warm-{kind}-{w}-{i}")) for i in range(w)]
+                bgk.submit(reqs, make_snapshots(hosts, blocks, done, [config] * w, entries, header))
+                for r in reqs:
+                    bgk.writer.wait(r.folder)
+                shutil.rmtree(root, ignore_errors=True)
+                root.mkdir(exist_ok=True)
+                hosts, blocks, done = bgk.to_host(bodies)
+                reqs = [ExportRequest(i, str(root / f"{kind}-{w}-{i}")) for i in range(n)]
+
+                def claim(reqs=reqs, bgk=bgk):  # the rollout worker's part: wait for each folder, then delete it
+                    for r in reqs:
+                        bgk.writer.wait(r.folder)
+                        shutil.rmtree(r.folder, ignore_errors=True)
+
+                claimer = threading.Thread(target=claim, daemon=True)
+                t0 = time.perf_counter()
+                bgk.submit(reqs, make_snapshots(hosts, blocks, done, [config] * n, entries, header))
+                claimer.start()
+                loops, loop_s = 0, 0.0
+                while claimer.is_alive():
+                    loop_s += host_loop(args.host_loop_iters)
+                    loops += 1
+                claimer.join()
+                total = time.perf_counter() - t0
+                row = {"write_gb_s": round(n * adapter_bytes / total / 1e9, 2), "loops_during": loops,
+                       "host_loop_slowdown": round(loop_s / loops / alone, 3) if loops else None}
+                writes[f"{kind}x{w}"] = row
+                print("writers", kind, w, row, flush=True)
+                bgk.close()
+                shutil.rmtree(root, ignore_errors=True)
+                root.mkdir(exist_ok=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    res["writers"] = writes
+    out["host"] = res
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", default="wire,round,engine")
@@ -340,8 +501,12 @@ def main() -> None:
     p.add_argument("--max-before-round", type=int, default=16, help="largest N run the old way (it is ~1 s per adapter)")
     p.add_argument("--ranks", default="16,256,1024,3870,7740", help="engine part: tiny-model ranks (3870: 87 MB, 7740: 174 MB fp32)")
     p.add_argument("--state-dir", default=os.environ.get("BENCH_STATE_DIR", tempfile.gettempdir()), help="where handoff folders go (disk)")
+    p.add_argument("--host-mb", type=float, default=None, help="host part: adapter size in MB (default: the 8B shape, 87 MB)")
+    p.add_argument("--host-writers", default="1,4", help="host part: writer threads / processes to compare")
+    p.add_argument("--host-loop-iters", type=int, default=2000, help="host part: small tensor ops per main-thread loop")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    args.host_writers = [int(x) for x in args.host_writers.split(",")]
     args.dtypes = args.dtypes.split(",")
     args.publish_dtypes = [d for d in args.publish_dtypes.split(",") if d]
     args.rounds = [int(x) for x in args.rounds.split(",")]
@@ -359,6 +524,8 @@ def main() -> None:
         part_round(args, out)
     if "engine" in parts:
         part_engine(args, out)
+    if "host" in parts:
+        part_host(args, out)
     out["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
     text = json.dumps(out, indent=2)
     print(text)

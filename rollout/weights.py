@@ -168,6 +168,12 @@ class AdapterWeights:
         self.__dict__.update(state)
 
 
+class VersionSuperseded(Exception):
+    """The trainer never wrote this version's handoff folder: a newer publish of the same adapter
+    replaced it while it waited for the writer (latest-wins, trainer/export_writer.py). Not a
+    failure: the version is simply never served."""
+
+
 class PendingFolder:
     """A handoff folder the trainer is still writing: its path and the trainer calls writing it
     (Ray ObjectRefs, or any awaitables). The coordinator sends this instead of AdapterWeights so
@@ -178,16 +184,24 @@ class PendingFolder:
         self.writers = list(writers)
 
     async def ready(self) -> AdapterWeights:
-        """The written folder as handoff weights; raises the trainer's error if a write failed
-        (the folder and any half-written temporary of it are then deleted: nothing will read them)."""
+        """The written folder as handoff weights. Raises VersionSuperseded when a writer answered
+        that a newer version superseded it (nothing was written), and the trainer's error if a
+        write failed (the folder and any half-written temporary of it are then deleted: nothing
+        will read them)."""
         import asyncio
 
-        try:
-            await asyncio.gather(*self.writers)
-            return AdapterWeights.from_folder(self.folder, handoff=True)
-        except BaseException:
-            from trainer.export_writer import remove_partial_writes
+        from trainer.export_writer import Superseded
+        from trainer.folder_io import remove_partial_writes
 
+        try:
+            results = await asyncio.gather(*self.writers)
+            superseded = [r for r in results if isinstance(r, Superseded)]
+            if superseded:
+                raise VersionSuperseded(f"{self.folder} was superseded by {superseded[0].by} before it was written")
+            return AdapterWeights.from_folder(self.folder, handoff=True)
+        except VersionSuperseded:
+            raise
+        except BaseException:
             shutil.rmtree(self.folder, ignore_errors=True)
             remove_partial_writes(self.folder)  # a trainer rank killed mid-write leaves its temporary
             raise

@@ -37,9 +37,13 @@ from rollout.data import DataCursor, DataSource, DataStatus, PromptRow
 from rollout.groups import AdapterBuffer, RolloutGroup, Sample, group_advantages
 from rollout.pool import EnginePool, GroupGeneration, NoHealthyEngine, UnknownAdapter
 from rollout.rewards import RewardFn, load_reward, score_async
-from rollout.weights import AdapterWeights, PendingFolder
+from rollout.weights import AdapterWeights, PendingFolder, VersionSuperseded
 
 log = logging.getLogger(__name__)
+
+# What publish_version reports (the coordinator settles on it: service/runtime_impl.py settle_publishes)
+PUBLISH_LOADED = "loaded"  # every engine in routing loaded the version (or none is in routing: it is current)
+PUBLISH_SUPERSEDED = "superseded"  # never loaded: a newer version of the adapter replaced it first
 
 
 class AdapterRollout(BaseModel):
@@ -209,20 +213,36 @@ class RolloutCore:
         run.buffer.drain()
         return aborted
 
-    async def publish_version(self, name: str, version: int, weights: AdapterWeights | PendingFolder) -> None:
-        """New weights for the adapter (or a handoff folder still being written: awaited first): new groups use them once every engine in routing loaded them;
-        stale buffered groups drop on pop.
+    async def publish_version(self, name: str, version: int, weights: AdapterWeights | PendingFolder) -> str:
+        """New weights for the adapter (or a handoff folder still being written: awaited first): new
+        groups use them once every engine in routing loaded them; stale buffered groups drop on pop.
+        Returns PUBLISH_LOADED, or PUBLISH_SUPERSEDED for a version that is never served.
 
         The buffer counts the version as published *before* the load (the trainer already holds these
         weights): a training step that pops groups while the engines still load it sees the groups of
         older weights one publish further behind, so no step takes groups staler than the adapter's
-        bound allows (issue 18 item 4). A failed load leaves that count one too high: conservative."""
+        bound allows (issue 18 item 4). A failed load leaves that count one too high: conservative.
+
+        Latest-wins (issue 28): a version is superseded, never loaded and never routed to, when the
+        trainer never wrote its folder (a newer publish of the adapter replaced it in the writer's
+        queue: PendingFolder.ready raises VersionSuperseded) or when a newer version is current by
+        the time its folder is ready (its folder is deleted). It still counts for staleness: it was
+        a step of the adapter, so groups of older weights are that much further behind the trainer."""
         run = self._run(name)
         run.buffer.note_published(version)
         try:
             if isinstance(weights, PendingFolder):  # the trainer is still writing it (the loop did not wait)
-                weights = await weights.ready()
+                try:
+                    weights = await weights.ready()
+                except VersionSuperseded as e:
+                    log.info("adapter %s v%d is never served: %s", name, version, e)
+                    return PUBLISH_SUPERSEDED
+            if version <= self.pool.current_version(name):  # a newer version was loaded first
+                log.info("adapter %s v%d is never served: v%d is current", name, version, self.pool.current_version(name))
+                weights.discard()
+                return PUBLISH_SUPERSEDED
             await self.pool.publish(name, version, weights)
+            return PUBLISH_LOADED
         finally:
             self._wake.set()
 

@@ -11,7 +11,7 @@ Interface for the service (all async):
   start() -> list[EngineHealth]                    launch engines (or connect to engine_urls), start the loop
   add_adapter(spec: AdapterRollout, weights: AdapterWeights) -> AdapterStats
   remove_adapter(name) -> int                      requests aborted
-  publish_version(name, version, weights) -> None
+  publish_version(name, version, weights) -> str   'loaded', or 'superseded' (never served: a newer version won)
   abort_adapter(name, pause=False) -> int          requests aborted; prompts re-queued
   resume_adapter(name) -> None
   pop_groups(name, max_groups) -> list[RolloutGroup]
@@ -125,8 +125,8 @@ class RolloutWorkerImpl:
     async def remove_adapter(self, name: str) -> int:
         return await self._need().remove_adapter(name)
 
-    async def publish_version(self, name: str, version: int, weights: AdapterWeights | PendingFolder) -> None:
-        await self._need().publish_version(name, version, weights)
+    async def publish_version(self, name: str, version: int, weights: AdapterWeights | PendingFolder) -> str:
+        return await self._need().publish_version(name, version, weights)
 
     async def abort_adapter(self, name: str, pause: bool = False) -> int:
         return await self._need().abort_adapter(name, pause=pause)

@@ -16,7 +16,12 @@ Invariants:
      most REPUBLISH_AT_MOST times in a row (then the run's next step publishes); a failed
      older version is not (a newer one is on its way);
   U3 a failed publish's handoff folder is removed (nothing reads it again); handoff folders of a
-     previous process are never read (the folder starts empty).
+     previous process are never read (the folder starts empty);
+  U4 latest-wins: a publish whose version a newer one of the same run superseded before it was
+     written (the trainer's writer drops it, trainer/export_writer.py) or loaded (the rollout worker
+     loaded the newer one first) is reported superseded by the rollout worker: it is left out of the
+     outcomes, so it is never marked served and never republished (it still counted for staleness:
+     it was a real step).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout.weights import AdapterWeights, PendingFolder
+from rollout.worker import PUBLISH_SUPERSEDED
 from service.batches import PublishOutcome
 from service.config import JobConfig, ServiceSettings
 
@@ -55,6 +61,7 @@ class Publisher:
         self.trainer = trainer
         self.rollout = rollout
         self._in_flight: list[_Publish] = []  # oldest first
+        self.superseded = 0  # settled publishes a newer version of their run superseded (never served, U4)
         self.handoff_dir = Path(settings.state_dir) / HANDOFF_DIR
         shutil.rmtree(self.handoff_dir, ignore_errors=True)  # U3
 
@@ -84,10 +91,12 @@ class Publisher:
 
     def publish(self, slot: int, name: str, registration_id: str, version: int) -> None:
         """Hand the slot's current weights to the engines as `version` (module doc); `settle` reports
-        the outcome."""
+        the outcome. Latest-wins (U4): the background export is keyed by the registration, so a newer
+        publish of the run supersedes one still queued in the trainer's writer."""
         if self.job.engines.weight_transfer == "disk":
             folder = self._folder(name, registration_id, version)
-            weights: AdapterWeights | PendingFolder = PendingFolder(folder, self.trainer.begin_export_peft(slot, folder, self.dtype))
+            weights: AdapterWeights | PendingFolder = PendingFolder(
+                folder, self.trainer.begin_export_peft(slot, folder, self.dtype, registration_id))
         else:
             cfg, tensors = self.trainer.peft_tensors(slot)
             weights = AdapterWeights(cfg, tensors=tensors)
@@ -108,7 +117,10 @@ class Publisher:
                 continue
             run = runs.get(p.registration_id)
             try:
-                self.rollout.outcome(p.ref)
+                if self.rollout.outcome(p.ref) == PUBLISH_SUPERSEDED:  # U4: neither served nor failed
+                    self.superseded += 1
+                    log.info("%s v%d was superseded by a newer version before the engines got it", p.name, p.version)
+                    continue
                 if run is not None:
                     run.publish_failures = 0
                 out.append(PublishOutcome(p.registration_id, p.name, p.version, None))

@@ -205,14 +205,16 @@ class TrainerGroup:
     def export_peft(self, slot: int, out_dir: str | Path, dtype: str = "float32") -> str:
         return self._all(lambda w: w.export_peft.remote(slot, str(out_dir), dtype), what="export_peft")
 
-    def begin_export_peft(self, slot: int, out_dir: str | Path, dtype: str = "float32") -> list[Any]:
+    def begin_export_peft(self, slot: int, out_dir: str | Path, dtype: str = "float32", key: str | None = None) -> list[Any]:
         """export_peft without waiting, in `dtype` (trainer.export_writer.EXPORT_DTYPES: a publish
         folder in the engines' dtype; the trainer casts before its copy to host): ObjectRefs that all resolve once rank 0 has written the folder
         (whoever needs it awaits them: the rollout worker's publish_version via PendingFolder; the loop
         does not wait, issue 18). Every rank snapshots the slot in its call order, so the folder holds
         the weights as they are now, whatever later calls change; the write runs on rank 0's writer
         thread while the next train call runs; `wait_export` (the last ref, in the actor's export
-        concurrency group) raises if the write failed. Submitted under the collective lock: the
+        concurrency group) raises if the write failed. `key` (latest-wins, issue 28): a queued,
+        unwritten export of the same key is superseded by this one and never written; its
+        `wait_export` then resolves to a trainer.export_writer.Superseded. Submitted under the collective lock: the
         snapshot is collective (TP gather), so no other thread's call may interleave its submissions."""
         from trainer.actor import EXPORT_GROUP
         from trainer.export_writer import export_dtype
@@ -222,7 +224,7 @@ class TrainerGroup:
         out = str(out_dir)
         export_dtype(dtype)  # refused here, before any rank starts a collective call
         with self._collective_lock:
-            refs = [w.export_peft_in_background.remote(slot, out, dtype) for w in self.workers]
+            refs = [w.export_peft_in_background.remote(slot, out, dtype, key) for w in self.workers]
             refs.append(self.workers[0].wait_export.options(concurrency_group=EXPORT_GROUP).remote(out))
         return refs
 

@@ -89,13 +89,15 @@ class TrainWorker:
     def export_peft(self, slot: int, out_dir: str | Path, dtype: str = "float32") -> str:
         return self._core().export.export_peft(slot, str(out_dir), dtype=dtype)
 
-    def export_peft_in_background(self, slot: int, out_dir: str | Path, dtype: str = "float32") -> str:
+    def export_peft_in_background(self, slot: int, out_dir: str | Path, dtype: str = "float32", key: str | None = None) -> str:
         """The export's snapshot now, in call order (default concurrency group, like train), cast
-        to `dtype`; the write on rank 0's writer thread. Returns before the folder is written: see wait_export."""
-        return self._core().export.export_peft_in_background(slot, str(out_dir), dtype=dtype)
+        to `dtype`; the write on rank 0's writer thread. Returns before the folder is written: see
+        wait_export. `key`: latest-wins (a queued export of the same key is superseded)."""
+        return self._core().export.export_peft_in_background(slot, str(out_dir), dtype=dtype, key=key)
 
-    def wait_export(self, out_dir: str | Path) -> str:
-        """Returns once the background export to `out_dir` is written; raises if it failed.
+    def wait_export(self, out_dir: str | Path):  # noqa: ANN201 - str, or trainer.export_writer.Superseded
+        """Returns once the background export to `out_dir` is written (the folder) or superseded (a
+        trainer.export_writer.Superseded: never written); raises if it failed.
         Dispatched in the EXPORT_GROUP concurrency group, so it waits beside train calls
         instead of ahead of them (service/trainer_group.py begin_export_peft)."""
         return self._core().export.wait_export(str(out_dir))

@@ -135,6 +135,14 @@ class TrainerConfig(StrictModel):
             "the next train call runs (measured rates: docs/BENCHMARKS.md, weight publishing)."
         ),
     )
+    export_writer: Literal["thread", "process"] = Field(
+        "process",
+        description=(
+            "Who writes publish folders on trainer rank 0: thread = the writer threads themselves; process = one "
+            "writer process per thread, reading the snapshot from shared host memory, so the file writes take no "
+            "GIL from the training thread (trainer/export_process.py; measured: docs/BENCHMARKS.md, weight publishing)."
+        ),
+    )
     seed: int = Field(0, description="Seed of the model-parallel RNG.")
 
     @model_validator(mode="after")

@@ -1,44 +1,55 @@
 """A trainer rank's background writer of PEFT folders (issue 18: the export write off the
-critical path).
+critical path; issue 28: latest-wins, and the writer off the GIL's path).
 
-An export has two halves (trainer/core.py): the *snapshot* (the TP gather and the copy of the
+An export has two halves (trainer/slot_export.py): the *snapshot* (the TP gather and the copy of the
 slot's live blocks to host memory) runs on the actor's main thread in call order, so it holds
 exactly the weights after the train call before it, already laid out as the safetensors
 file's data; the *write* (the header and that data in one call, adapter_config.json, the rename
 into place) runs here, on the rank's writer threads (TrainerConfig.export_writer_threads), while
-the next train call runs.
+the next train call runs. With `TrainerConfig.export_writer: process` each thread hands its
+writes to a writer process of its own (trainer/export_process.py), which reads the data from
+the shared host arena the snapshot was copied into (trainer/host_arena.py): the thread only
+waits on a pipe, so the file writes take no GIL from the main thread.
 
 Invariants:
 * Folders are started in submission order; with more than one thread several are written at
   once and may finish out of order (each publish waits for its own folder). A folder is written
   under a temporary sibling name and renamed into place, so a reader never sees a half-written
   folder.
-* `wait(folder)` returns only once that folder is fully written, and raises the write's (or the
-  snapshot's, see `fail`) error. It may be called before the folder is submitted (the awaiting
-  call runs in another Ray concurrency group than the snapshot: trainer/actor.py): it waits for
-  the submission.
+* `wait(folder)` returns only once that folder is fully written (the folder), or once it is
+  superseded (a `Superseded`: it is never written), and raises the write's (or the snapshot's,
+  see `fail`) error. It may be called before the folder is submitted (the awaiting call runs in
+  another Ray concurrency group than the snapshot: trainer/actor.py): it waits for the submission.
+* Latest-wins (issue 28): a submission with a `key` (the service's publishes: one key per
+  adapter registration) supersedes every *queued* job of the same key, which is then never
+  written: its waiters get `Superseded`, not an error, and its host memory is released at once.
+  A job being written is never superseded, and a job without a key never is (synchronous use,
+  checkpoints, tests that queue several versions on purpose). So of an adapter's publishes at
+  most one waits in the queue, and what the writer writes is always that adapter's newest
+  snapshot: the write rate bounds how fresh the served weights are, never the step.
 * Host memory of snapshots waiting to be written is bounded: `submit` blocks (the actor's main
   thread, hence the next train call: back-pressure) while the queued bytes plus the new
   snapshot's would exceed `max_pending_bytes`; a snapshot larger than the bound alone is still
-  admitted when the queue is empty (else it could never be written).
+  admitted when the queue is empty (else it could never be written). Superseding a job frees
+  its bytes before the new snapshot is counted.
+* A job's `release` (its host memory: an arena block) runs exactly once, after its write ended
+  (written or failed) or when it is superseded; never while a write may still read it.
 * A rank that dies loses its queued writes; their `wait` calls fail with the actor's death and the
   service's publish-failure path republishes (service/runtime_impl.py settle_publishes).
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from trainer.folder_io import remove_partial_writes, replace_folder_atomically  # noqa: F401 - their home; re-exported
 from trainer.safetensors_stream import PackedHeader, packed_header
 
 # Default bound of queued snapshot bytes per rank: 4 GiB of host memory is about 23 Qwen3-8B
@@ -64,7 +75,7 @@ def export_dtype(name: str) -> torch.dtype:
 @dataclass
 class ExportLayout:
     """A PEFT file's tensors for slots of one LoRA rank: names and shapes in file order, and
-    `index`: per element of the file's data, its position in a snapshot's row (trainer/core.py
+    `index`: per element of the file's data, its position in a snapshot's row (trainer/slot_export.py
     export_layout), on the trainer's device; with the PEFT config's module lists."""
 
     entries: list[tuple[str, tuple[int, ...]]]
@@ -83,7 +94,7 @@ class ExportLayout:
 
 @dataclass
 class PeftSnapshot:
-    """A slot's LoRA weights at one point of the call order (trainer/core.py snapshot_peft): the
+    """A slot's LoRA weights at one point of the call order (trainer/slot_export.py snapshot_peft): the
     data of its PEFT safetensors file (`body`: every tensor of `entries` back to back, in file
     order) in the export's dtype, on host memory or on its way there (`copied`: the CUDA event
     after the non-blocking device->host copy, pinned_host_copy), with the PEFT config. `body` is
@@ -94,6 +105,7 @@ class PeftSnapshot:
     body: torch.Tensor | None
     header: PackedHeader | None = None  # the file's header (ExportLayout.header); None where body is None
     copied: Any = None  # torch.cuda.Event, or None when the body is a host tensor already
+    block: Any = None  # the trainer.host_arena.ArenaBlock that `body` lies in (a writer process reads it there), or None
 
     def ready(self) -> None:
         """Wait for the device->host copy (the export's one synchronization, off the main thread)."""
@@ -104,6 +116,22 @@ class PeftSnapshot:
     @property
     def nbytes(self) -> int:
         return 0 if self.body is None else self.body.numel() * self.body.element_size()
+
+    def release(self) -> None:
+        """Give the body's host memory back (its arena block, once; a private tensor is freed when
+        the last reference goes). Called by the writer after the write or when superseded."""
+        block, self.block, self.body = self.block, None, None
+        if block is not None:
+            block.release()
+
+
+@dataclass(frozen=True)
+class Superseded:
+    """What `ExportWriter.wait` returns for an export that a newer one of the same key replaced
+    while it was queued: it is never written (the folder does not exist). Not an error."""
+
+    folder: str
+    by: str  # the folder of the export that superseded it
 
 
 def pinned_host_copy(t: torch.Tensor, stream: Any) -> tuple[torch.Tensor, Any]:
@@ -128,14 +156,16 @@ def pinned_host_copy(t: torch.Tensor, stream: Any) -> tuple[torch.Tensor, Any]:
 @dataclass
 class _Job:
     folder: str
-    payload: Any  # what `write(folder, payload)` writes (a trainer.core.PeftSnapshot)
+    payload: Any  # what `write(folder, payload)` writes (a PeftSnapshot)
     nbytes: int
+    key: str | None  # latest-wins key (None: never superseded)
+    release: Callable[[], None] | None  # runs once: after the write, or when superseded
 
 
 class ExportWriter:
     """Background threads (``threads`` of them) writing folders submitted by the actor's main thread.
     More than one pays because a write is mostly memory copies and system calls that release the
-    GIL (trainer/safetensors_stream.py)."""
+    GIL (trainer/safetensors_stream.py), or, with writer processes, waits on a pipe."""
 
     def __init__(self, write: Callable[[str, Any], None], *, max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
                  threads: int = 1, name: str = "peft-export-writer") -> None:
@@ -151,18 +181,23 @@ class ExportWriter:
         self.room_wait_seconds = 0.0  # time submits spent waiting for room (back-pressure on the caller)
         self.written = 0  # folders written (or failed) so far, and the seconds their writes took
         self.write_seconds = 0.0
-        self._outcome: dict[str, BaseException | None] = {}  # folder -> None (written) or its error
+        self.superseded = 0  # queued folders superseded by a newer one of their key (never written)
+        self._outcome: dict[str, BaseException | Superseded | None] = {}  # folder -> None (written), Superseded or error
         self._held = False  # fault injection: the writer takes no job while held (tests)
         self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(threads)]
         for thread in self._threads:
             thread.start()
 
-    def submit(self, folder: str, payload: Any, nbytes: int) -> None:
-        """Queue `payload` to be written as `folder`; blocks while the bound is exceeded."""
+    def submit(self, folder: str, payload: Any, nbytes: int, *, key: str | None = None,
+               release: Callable[[], None] | None = None) -> None:
+        """Queue `payload` to be written as `folder`; blocks while the bound is exceeded. With a
+        `key`, every queued job of that key is superseded first (module docstring). `release`
+        runs once the job is done with its payload (written, failed or superseded)."""
         folder = str(folder)
         with self._cond:
             if folder in self._outcome or any(j.folder == folder for j in self._queue):
                 raise ValueError(f"an export to {folder} is already queued or unclaimed; each export needs its own folder")
+            dropped = self._supersede_locked(key, folder)
             self.room_waiters += 1
             t0 = time.perf_counter()
             try:
@@ -170,9 +205,32 @@ class ExportWriter:
             finally:
                 self.room_waiters -= 1
                 self.room_wait_seconds += time.perf_counter() - t0
-            self._queue.append(_Job(folder, payload, nbytes))
+            self._queue.append(_Job(folder, payload, nbytes, key, release))
             self._pending_bytes += nbytes
             self._cond.notify_all()
+        _release_all(dropped)
+
+    def supersede(self, key: str, by: str) -> list[str]:
+        """Supersede every queued job of `key` now (their waiters get `Superseded(folder, by)`);
+        returns their folders. The snapshot calls it before it takes host memory for the newer
+        export, so the queued one's memory is free for it."""
+        with self._cond:
+            dropped = self._supersede_locked(key, str(by))
+        _release_all(dropped)
+        return [j.folder for j in dropped]
+
+    def _supersede_locked(self, key: str | None, by: str) -> list[_Job]:
+        if key is None:
+            return []
+        dropped = [j for j in self._queue if j.key == key]
+        if dropped:
+            self._queue = deque(j for j in self._queue if j.key != key)
+            for j in dropped:
+                self._pending_bytes -= j.nbytes
+                self._outcome[j.folder] = Superseded(j.folder, by)
+            self.superseded += len(dropped)
+            self._cond.notify_all()
+        return dropped
 
     def fail(self, folder: str, error: BaseException) -> None:
         """Record that the export to `folder` failed before it was queued (its snapshot raised), so
@@ -181,15 +239,16 @@ class ExportWriter:
             self._outcome[str(folder)] = error
             self._cond.notify_all()
 
-    def wait(self, folder: str) -> str:
-        """Block until `folder` is written (or its export failed: raises that error). Forgets it."""
+    def wait(self, folder: str) -> str | Superseded:
+        """Block until `folder` is written (returns it) or superseded (returns `Superseded`), or its
+        export failed (raises that error). Forgets it."""
         folder = str(folder)
         with self._cond:
             self._cond.wait_for(lambda: folder in self._outcome)
-            error = self._outcome.pop(folder)
-        if error is not None:
-            raise error
-        return folder
+            outcome = self._outcome.pop(folder)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return folder if outcome is None else outcome
 
     def pending(self) -> int:
         """Folders queued or being written."""
@@ -215,7 +274,8 @@ class ExportWriter:
             except BaseException as e:  # noqa: BLE001 - handed to the waiter, which raises it
                 error = e
             seconds = time.perf_counter() - t0
-            job.payload = None  # free the snapshot before making room for the next
+            job.payload = None
+            _release_all([job])  # free the snapshot before making room for the next
             with self._cond:
                 self._pending_bytes -= job.nbytes
                 self._writing -= 1
@@ -225,33 +285,11 @@ class ExportWriter:
                 self._cond.notify_all()
 
 
-def replace_folder_atomically(write: Callable[[Path], Any], folder: str | Path) -> Path:
-    """Run `write(tmp)` on a fresh temporary sibling of `folder`, then rename it to `folder` (an
-    existing `folder` is replaced). A reader sees no folder or the whole one, never a part; the
-    temporary is removed if the write fails."""
-    dest = Path(folder)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f"{_partial_prefix(dest)}{os.getpid()}-{threading.get_ident()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        write(tmp)
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return dest
+def _release_all(jobs: list[_Job]) -> None:
+    for job in jobs:
+        release, job.release = job.release, None
+        job.payload = None
+        if release is not None:
+            release()
 
 
-def _partial_prefix(dest: Path) -> str:
-    return f".{dest.name}.writing-"
-
-
-def remove_partial_writes(folder: str | Path) -> None:
-    """Delete what a write of `folder` left half done (a writer killed mid-write leaves its
-    temporary sibling; a live writer removes its own): for a publish that failed."""
-    dest = Path(folder)
-    if dest.parent.is_dir():
-        for tmp in dest.parent.glob(f"{_partial_prefix(dest)}*"):
-            shutil.rmtree(tmp, ignore_errors=True)

@@ -155,8 +155,13 @@ def _peft_folder(out_dir: str | Path, config: dict, write_weights) -> Path:  # n
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_weights(out / ADAPTER_WEIGHTS)
-    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    (out / ADAPTER_CONFIG).write_text(peft_config_text(config))
     return out
+
+
+def peft_config_text(config: dict) -> str:
+    """adapter_config.json's text (one format for every writer: the export writer process writes it as it is)."""
+    return json.dumps(config, indent=2) + "\n"
 
 
 @dataclass

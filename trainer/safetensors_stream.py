@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from trainer.folder_io import write_all
+
 # torch dtype -> safetensors dtype name (the ones an export or checkpoint writes)
 SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
@@ -38,11 +40,11 @@ def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metada
             raise ValueError(f"tensor {name}: dtype {t.dtype} is not one of {', '.join(map(str, SAFETENSORS_DTYPES))}")
     order = file_order({n: (t.dtype, t.shape) for n, t in tensors.items()})
     with open(path, "wb", buffering=0) as f:
-        _write_all(f, _header([(n, tensors[n].dtype, tensors[n].shape) for n in order], metadata))
+        write_all(f, _header([(n, tensors[n].dtype, tensors[n].shape) for n in order], metadata))
         for name in order:
             t = tensors[name]
             if t.numel():
-                _write_all(f, _bytes(t))
+                write_all(f, _bytes(t))
 
 
 @dataclass(frozen=True)
@@ -76,9 +78,9 @@ def write_packed(path: str | Path, header: PackedHeader, body: torch.Tensor) -> 
     if body.numel() * body.element_size() != header.body_nbytes:
         raise ValueError(f"entries hold {header.body_nbytes} bytes, body has {body.numel() * body.element_size()}")
     with open(path, "wb", buffering=0) as f:
-        _write_all(f, header.raw)
+        write_all(f, header.raw)
         if body.numel():
-            _write_all(f, _bytes(body))
+            write_all(f, _bytes(body))
 
 
 def file_order(specs: dict[str, tuple[torch.dtype, torch.Size]]) -> list[str]:
@@ -103,10 +105,3 @@ def _header(items: list[tuple[str, torch.dtype, torch.Size]], metadata: dict[str
 def _bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
-
-
-def _write_all(f, data) -> None:  # noqa: ANN001 - a raw (unbuffered) binary file
-    """FileIO.write may write less than asked (a signal, a full pipe); regular files rarely do."""
-    view = memoryview(data).cast("B")
-    while view:
-        view = view[f.write(view):]

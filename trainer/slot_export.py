@@ -1,9 +1,10 @@
 """A slot as a PEFT adapter: its snapshot, the export layout, and the folder's write (in order, or
-in the background on rank 0's writer threads, trainer/export_writer.py).
+in the background on rank 0's writers: trainer/peft_export.py, trainer/export_writer.py).
 
 Every method is collective over TP (all ranks call it with the same arguments); rank 0 writes.
-Invariant: a snapshot is a fresh tensor taken in call order, never a view of the live weights,
-so a later step cannot change what an export writes.
+Invariants: a snapshot is a fresh tensor taken in call order, never a view of the live weights,
+so a later step cannot change what an export writes; background exports are latest-wins per
+key (a queued, unwritten export is superseded by a newer one of its key: export_writer.py).
 """
 
 from __future__ import annotations
@@ -13,14 +14,14 @@ import threading
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from trainer.base_model import FrozenBase
 from trainer.config import TrainerConfig
 from trainer.distributed import ParallelLayout, tp_group
-from trainer.export_writer import ExportLayout, ExportWriter, PeftSnapshot, export_dtype, pinned_host_copy, replace_folder_atomically
+from trainer.export_writer import ExportLayout, ExportWriter, PeftSnapshot, Superseded, export_dtype, pinned_host_copy
 from trainer.moe_peft import expert_peft_tensors, expert_target_parameters
-from trainer.peft_io import hf_short_names, peft_config_dict, slot_to_hf, write_peft_folder_packed
+from trainer.peft_export import BackgroundExports, ExportRequest, chunks, gather_bodies, make_snapshots, write_peft_snapshot
+from trainer.peft_io import hf_short_names, peft_config_dict, slot_to_hf
 from trainer.safetensors_stream import file_order
 from trainer.slots import SlotTable
 
@@ -36,48 +37,44 @@ class SlotExporter:
         self.layout = layout
         self.config = config
         self.device = base.device
-        self._writer: ExportWriter | None = None  # rank 0's background writer (export_peft_in_background)
-        self._writer_lock = threading.Lock()  # the writer is made by whichever thread asks first
-        self._copy_stream = None  # CUDA stream of the snapshots' device->host copies (snapshot_peft)
+        self._background: BackgroundExports | None = None  # rank 0's background writing (export_peft_in_background)
+        self._background_lock = threading.Lock()  # made by whichever thread asks first
         self._layouts: dict[tuple[int, bool], ExportLayout] = {}  # export_layout's cache
 
     @torch.no_grad()
     def snapshot_peft(self, slot: int, *, to_host: bool = True, dtype: str = "float32") -> PeftSnapshot:
         """The slot's weights as they are now, as the data of its PEFT safetensors file, in
-        ``dtype`` (an EXPORT_DTYPES name: a publish folder in the engines' dtype): the in-order
-        half of an export.
+        ``dtype`` (an EXPORT_DTYPES name): the in-order half of a synchronous export.
 
         The whole slot is one row of the slot buffers (slot_buffers.py). The snapshot casts that
-        row, under TP all-gathers its TP-split columns, and gathers it by the export layout's
-        index (export_layout) into the file's data: every PEFT tensor back to back in file order,
-        q/k/v split and permuted, experts in PEFT's layout. That is three or four kernels per
-        adapter whatever the number of layers, and a fresh tensor (a gather), never a view of the
-        live weights, so a later step cannot change it. On CUDA it then goes to pinned host memory
-        by one non-blocking copy on a copy stream of its own, behind one event
-        (`PeftSnapshot.ready` waits for it): no synchronization on this thread, and the copy
-        overlaps the next train call. The writer thread only adds the header and writes the data
-        in one call. ``to_host=False``: a rank that writes nothing takes part in the gather only."""
+        row, under TP all-gathers its TP-split columns into place, and gathers it by the export
+        layout's index (export_layout) into the file's data: every PEFT tensor back to back in
+        file order, q/k/v split and permuted, experts in PEFT's layout (peft_export.gather_bodies,
+        the same gather as a background export). A fresh tensor, never a view of the live
+        weights, so a later step cannot change it. On CUDA it then goes to fresh pinned host
+        memory by one non-blocking copy on the rank's copy stream, behind one event
+        (`PeftSnapshot.ready` waits for it). ``to_host=False``: a rank that writes nothing takes
+        part in the gather only."""
         state = self.slots.state(slot)
         to = export_dtype(dtype)
-        row = self.buffers.weight[slot].to(to)
-        tp, split = self.layout.tp_size, self.buffers.split_cols
-        if tp > 1:
-            gathered = torch.empty(tp, split, dtype=to, device=self.device)
-            dist.all_gather(list(gathered), row[:split].contiguous(), group=tp_group())
-        if not to_host:  # this rank's part was the gather
-            return PeftSnapshot(config={}, entries=[], body=None)
-        if tp > 1:
-            row = torch.cat([gathered.view(-1), row[split:]])
         layout = self.export_layout(state.rank, state.hyper.lora_experts)
-        cfg = peft_config_dict(rank=state.rank, scale=state.scale, target_modules=layout.target_modules,
-                               base_model=self.config.base_model_path, target_parameters=layout.target_parameters)
-        body = row.index_select(0, layout.index)
-        copied = None
+        bodies = self._gather([slot], layout, to, gather_only=not to_host)
+        if bodies is None:  # this rank's part was the gather
+            return PeftSnapshot(config={}, entries=[], body=None)
+        body, copied = bodies[0], None
         if self.device.type == "cuda":
-            if self._copy_stream is None:
-                self._copy_stream = torch.cuda.Stream(self.device)
-            body, copied = pinned_host_copy(body, self._copy_stream)
-        return PeftSnapshot(config=cfg, entries=layout.entries, body=body, header=layout.header(to), copied=copied)
+            body, copied = pinned_host_copy(body, self.background.copy_stream)
+        return PeftSnapshot(config=self._peft_config(state, layout), entries=layout.entries, body=body,
+                            header=layout.header(to), copied=copied)
+
+    def _gather(self, slots: list[int], layout: ExportLayout, to: torch.dtype, *, gather_only: bool) -> torch.Tensor | None:
+        tp = self.layout.tp_size
+        return gather_bodies(self.buffers.weight, slots, layout.index, to, tp=tp, split=self.buffers.split_cols,
+                             group=tp_group() if tp > 1 else None, gather_only=gather_only)
+
+    def _peft_config(self, state, layout: ExportLayout) -> dict:  # noqa: ANN001 - a trainer.slots SlotState
+        return peft_config_dict(rank=state.rank, scale=state.scale, target_modules=layout.target_modules,
+                                base_model=self.config.base_model_path, target_parameters=layout.target_parameters)
 
     def export_layout(self, rank: int, lora_experts: bool) -> ExportLayout:
         """Where each element of a PEFT file's data comes from in a snapshot's row (the row cast,
@@ -140,48 +137,87 @@ class SlotExporter:
         writes = self.layout.rank == 0
         snap = self.snapshot_peft(slot, to_host=writes, dtype=dtype)
         if writes:
-            _write_peft(out_dir, snap)
+            write_peft_snapshot(out_dir, snap)
         return str(out_dir)
 
-    # Background export (issue 18): the snapshot in call order, the write off the critical path.
-    def export_peft_in_background(self, slot: int, out_dir: str | Path, *, dtype: str = "float32") -> str:
+    # Background export (issues 18, 28): the snapshot in call order, the write off the critical path.
+    def export_peft_in_background(self, slot: int, out_dir: str | Path, *, dtype: str = "float32", key: str | None = None) -> str:
         """Snapshot the slot now in ``dtype`` (collective, before any later call changes its weights) and queue
-        the folder's write on this rank's writer thread (rank 0; trainer/export_writer.py); returns
-        at once unless the writer's memory bound is full. `wait_export(out_dir)` waits for the
-        write. The folder appears whole (written under a temporary name, then renamed)."""
-        out_dir = str(out_dir)
-        writes = self.layout.rank == 0
-        try:
-            snap = self.snapshot_peft(slot, to_host=writes, dtype=dtype)
-        except BaseException as e:
-            if writes:
-                self.writer().fail(out_dir, e)  # its waiter raises this instead of waiting forever
-            raise
-        if writes:
-            self.writer().submit(out_dir, snap, snap.nbytes)
-        return out_dir
+        the folder's write on this rank's writer (rank 0; trainer/export_writer.py); returns at once
+        unless the host arena is full. `wait_export(out_dir)` waits for the write. The folder
+        appears whole (written under a temporary name, then renamed). ``key``: latest-wins (a
+        queued, unwritten export of the same key is superseded by this one, never written)."""
+        self.export_peft_in_background_many([ExportRequest(slot, str(out_dir), key)], dtype=dtype)
+        return str(out_dir)
 
-    def wait_export(self, out_dir: str | Path) -> str:
-        """Block until the background export to ``out_dir`` is written; raises its error (a failed
-        snapshot or write). Safe to call from another thread than the one that queued it, and
-        before it is queued. Ranks other than 0 write nothing and return at once."""
+    @torch.no_grad()
+    def export_peft_in_background_many(self, requests: list[ExportRequest], *, dtype: str = "float32") -> list[str]:
+        """Background exports of several slots in one call (a round's stepped slots): the snapshots
+        batched by export layout (trainer/peft_export.py: one cast per slot, one index_select per
+        chunk of slots, one copy per slot into the shared host arena, one event per chunk, no
+        synchronization with the device), then the writes queued in request order. Every rank
+        gets the same requests. A request whose slot is not in use fails the whole call before
+        any collective; a failure part-way fails every export not yet queued (their
+        `wait_export` raises it)."""
+        to = export_dtype(dtype)
+        requests = [ExportRequest(r.slot, str(r.folder), r.key) for r in requests]
+        background = self.background if self.layout.rank == 0 else None
+        queued: set[str] = set()
+        try:
+            states = [self.slots.state(r.slot) for r in requests]
+            tp, split = self.layout.tp_size, self.buffers.split_cols
+            width = tp * split + self.buffers.weight.shape[1] - split  # a gathered row: no file is larger
+            if background is not None:
+                background.size_for(width * to.itemsize, self.config.num_slots)  # a round never waits for room
+                background.supersede_all(requests)  # before taking host memory: a superseded export frees its block
+            by_layout: dict[tuple[int, bool], list[int]] = {}
+            for i, state in enumerate(states):
+                by_layout.setdefault((state.rank, state.hyper.lora_experts), []).append(i)
+            for (rank, experts), members in by_layout.items():
+                layout = self.export_layout(rank, experts)
+                for part in chunks(len(members), width, layout.index.numel(), to.itemsize):
+                    batch = [members[i] for i in part]
+                    bodies = self._gather([requests[i].slot for i in batch], layout, to, gather_only=background is None)
+                    if background is None:
+                        continue
+                    hosts, blocks, done = background.to_host(bodies)
+                    configs = [self._peft_config(states[i], layout) for i in batch]
+                    sub = [requests[i] for i in batch]
+                    background.submit(sub, make_snapshots(hosts, blocks, done, configs, layout.entries, layout.header(to)))
+                    queued.update(r.folder for r in sub)
+        except BaseException as e:
+            if background is not None:  # their waiters raise this instead of waiting forever
+                background.fail_all([r for r in requests if r.folder not in queued], e)
+            raise
+        return [r.folder for r in requests]
+
+    def wait_export(self, out_dir: str | Path) -> str | Superseded:
+        """Block until the background export to ``out_dir`` is written (returns the folder) or
+        superseded (returns a Superseded: never written); raises its error (a failed snapshot or
+        write). Safe to call from another thread than the one that queued it, and before it is
+        queued. Ranks other than 0 write nothing and return at once."""
         if self.layout.rank != 0:
             return str(out_dir)
         return self.writer().wait(str(out_dir))
 
+    @property
+    def background(self) -> BackgroundExports:
+        """This rank's background writing (the writer, the host arena, the copy stream), made on first use."""
+        with self._background_lock:
+            if self._background is None:
+                self._background = BackgroundExports(device=self.device, threads=self.config.export_writer_threads,
+                                                     kind=self.config.export_writer)
+            return self._background
+
     def writer(self) -> ExportWriter:
-        """This rank's writer thread (started on first use)."""
-        with self._writer_lock:
-            if self._writer is None:
-                self._writer = ExportWriter(_write_snapshot, threads=self.config.export_writer_threads)
-            return self._writer
+        """This rank's writer (its threads start on first use)."""
+        return self.background.writer
 
+    def use_writer(self, kind: str, threads: int | None = None) -> None:
+        """Write background exports with writer `kind` ('thread' or 'process') and `threads` from now on
+        (benchmarks compare them on one build). Only while no export is queued or being written."""
+        with self._background_lock:
+            threads = threads or self.config.export_writer_threads
+            self._background = (BackgroundExports(device=self.device, threads=threads, kind=kind) if self._background is None
+                                else self._background.with_writer(kind, threads))
 
-def _write_snapshot(out_dir: str, snap: PeftSnapshot) -> None:
-    replace_folder_atomically(lambda tmp: _write_peft(tmp, snap), out_dir)
-
-
-def _write_peft(out_dir: str | Path, snap: PeftSnapshot) -> None:
-    """The snapshot's folder: its header and packed data in one write, and the config."""
-    snap.ready()
-    write_peft_folder_packed(out_dir, snap.config, snap.header, snap.body)

@@ -746,3 +746,102 @@ def test_the_worker_loads_a_handoff_folder_once_the_trainer_wrote_it(sglang_serv
     assert waiting == (True, 0, 1)  # not loaded before the write; already counted for staleness
     assert served.version == 1 and served.results[0].token_ids == want[0]
     assert version_after_failure == 1 and not bad_exists and current_exists
+
+
+def test_a_burst_of_publishes_serves_the_newest_and_never_a_superseded_one(sglang_server, prompts, tiny_world, tmp_path):
+    """Latest-wins (issue 28) over the real trainer (one TrainerGroup rank on Ray, fp32 CPU) and the
+    real rollout worker on the module's server. With the trainer's writer held (the named fault
+    injection), four steps each publish the adapter keyed by its registration, as the service does:
+    v1..v3 are superseded in the writer's queue, so publish_version reports them superseded at once,
+    they are never written (no folder, no temporary) and never loaded by the engine; v4 is written
+    once the writer runs, loaded and served (== HF+PEFT greedy of its folder, which holds exactly the
+    weights of a synchronous export after step 4). The buffer counted all four publishes, so the v0
+    groups are 4 publishes behind and dropped (max_staleness 1), and the groups that come back are
+    v4's at staleness 0."""
+    import shutil
+
+    from rollout.weights import PendingFolder
+    from rollout.worker import PUBLISH_LOADED, PUBLISH_SUPERSEDED
+    from service.trainer_group import TrainerGroup
+    from tests.trainer_probes import hold_export_writes
+    from trainer.batch import TrainBatch, TrainSample
+    from trainer.config import SlotHyperParams, TrainerConfig
+
+    import torch
+    from safetensors.torch import load_file
+
+    def batch(seed):
+        gen = torch.Generator().manual_seed(seed)
+        return TrainBatch(samples=[TrainSample(slot=0, tokens=torch.randint(0, 400, (10,), generator=gen).tolist(),
+                                               loss_mask=[0, 0] + [1] * 8) for _ in range(2)])
+
+    root = tmp_path / "handoff"
+    rollout_cfg = RolloutConfig(max_inflight_per_adapter=4, max_inflight_total=4, max_staleness=1, max_buffered_groups_per_adapter=2)
+    start_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    group = TrainerGroup(TrainerConfig(base_model_path=str(tiny_world / "model"), num_slots=1, max_rank=4, micro_batch_tokens=64),
+                         setup_timeout_s=300, call_timeout_s=60)
+    try:
+        group.start()
+        group.init_slot(0, SlotHyperParams(rank=4, alpha=8, lr=3e-2, samples_per_step=2, objective="sft"), seed=0)
+        assert group.train(batch(0)).stepped == [0]  # B leaves its zero init: the versions differ
+        group.export_peft(0, tmp_path / "v0")
+
+        async def run():
+            async with started_worker(sglang_server, rollout_cfg, tiny_world, ["lw"]) as worker:
+                await worker.add_adapter(rollout_spec(tiny_world, "lw", "digits", "reg-lw", max_new_tokens=6),
+                                         AdapterWeights.from_folder(tmp_path / "v0"))
+                await wait_for(lambda: worker.core.stats("lw").buffered_groups >= 2, 120, "2 buffered groups of v0")
+                client = worker.pool.client(0)
+                loads, inner = [], client.load_adapter
+
+                async def recording_load(name, *args, **kwargs):
+                    loads.append(name)
+                    return await inner(name, *args, **kwargs)
+
+                client.load_adapter = recording_load
+                hold_export_writes(group, True)
+                try:
+                    publishes = []
+                    for v in range(1, 5):
+                        assert group.train(batch(v)).stepped == [0]
+                        folder = root / f"lw-v{v}"
+                        refs = group.begin_export_peft(0, folder, "float32", "reg-lw")
+                        publishes.append(asyncio.create_task(worker.publish_version("lw", v, PendingFolder(folder, refs))))
+                    early = await asyncio.wait_for(asyncio.gather(*publishes[:3]), 120)  # superseded while the writer is held
+                    still_waiting = not publishes[3].done()
+                    written_while_held = sorted(p.name for p in root.iterdir()) if root.exists() else []
+                finally:
+                    hold_export_writes(group, False)
+                last = await asyncio.wait_for(publishes[3], 120)
+                shutil.copytree(root / "lw-v4", tmp_path / "seen-v4")  # what the engine loaded (deleted with the adapter)
+                popped = await worker.pop_groups("lw", 10)  # the v0 groups (4 publishes behind) are dropped here
+                fresh = []
+
+                async def fresh_groups():
+                    fresh.extend(await worker.pop_groups("lw", 10))
+                    return bool(fresh)
+
+                await wait_for(fresh_groups, 120, "a group of v4")
+                served = await worker.pool.generate_group("lw", prompts[0], GREEDY, 1)
+                stats = worker.core.stats("lw")
+                published = list(worker.core._run("lw").buffer.published)
+                return early, still_waiting, written_while_held, last, popped, fresh, served, stats, published, loads
+
+        early, still_waiting, written_while_held, last, popped, fresh, served, stats, published, loads = asyncio.run(run())
+        group.export_peft(0, tmp_path / "sync-v4")
+    finally:
+        group.stop()
+        stop_ray()
+    assert early == [PUBLISH_SUPERSEDED] * 3 and still_waiting and written_while_held == []
+    assert last == PUBLISH_LOADED
+    assert loads == [lora_name("lw", 4)]  # the engine never loaded v1..v3
+    assert sorted(p.name for p in root.iterdir()) == []  # v4's handoff folder is gone with the adapter; v1..v3 never were
+    assert published == [2, 3, 4]  # every publish counted (the buffer keeps the last max_staleness + 2)
+    assert all(g.version == 4 for g in popped) and stats.dropped_stale >= 2  # no v0 group was handed out
+    assert fresh and all(g.version == 4 and g.staleness == 0 for g in fresh)
+    assert served.version == 4
+    want = hf_greedy(tiny_world / "model", tmp_path / "sync-v4", prompts[:1])
+    assert served.results[0].token_ids == want[0]  # the engine serves the step-4 weights
+    v0, seen, v4 = (load_file(str(tmp_path / x / "adapter_model.safetensors")) for x in ("v0", "seen-v4", "sync-v4"))
+    assert sorted(seen) == sorted(v4) and all(torch.equal(seen[k], v4[k]) for k in v4)  # v4 is the step-4 snapshot
+    assert any(not torch.equal(v0[k], v4[k]) for k in v0)  # so the greedy check can tell the versions apart

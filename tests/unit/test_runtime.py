@@ -343,3 +343,43 @@ def test_an_rl_run_over_an_estimated_file_gets_the_exact_total_before_its_schedu
     ref = controller.get("est")
     assert ref.state == S.ACTIVE and ref.total_steps == exact, ref
     assert [h.total_steps for h in hypers] == [exact]
+
+
+def test_a_superseded_publish_is_neither_served_nor_republished(fleet):
+    """Latest-wins (issue 28): the rollout worker reports a version that a newer one of the run
+    replaced before it was written or loaded as superseded. Settling leaves it out (the loop
+    neither marks it served nor publishes it again) and the newer one settles as served."""
+    from rollout.worker import PUBLISH_LOADED, PUBLISH_SUPERSEDED
+    from service.loop import LoopReport, _settle
+    from tests.fleet_fakes import FakeRef
+
+    controller, runtime, _, rollout, data = fleet
+    b = controller.register("b", rl(data))
+    controller.reconcile()
+    before = controller.get("b").weight_version
+    newer = FakeRef(value=PUBLISH_LOADED, done=False)  # the engines still load the newer version
+    answers = iter([FakeRef(value=PUBLISH_SUPERSEDED), newer])
+    calls = []
+
+    def publish_version(name, version, weights):
+        calls.append(version)
+        return next(answers)
+
+    rollout.publish_version = publish_version
+    report = LoopReport()
+    for _ in range(2):  # two steps, as the loop records them: served only once the publish settles
+        (s,) = round_of(runtime, b.registration_id).stepped
+        version = controller.next_version()
+        assert runtime.publish(b.registration_id, version) is True
+        controller.record_step(b.registration_id, step=s.step, samples=s.samples, metrics=s.metrics,
+                               weight_version=version, served=False)
+    assert runtime.settle_publishes() == []  # the superseded one is left out; the newer one still loads
+    assert runtime.publisher.superseded == 1 and runtime.publishes_in_flight() == 1
+    assert controller.get("b").weight_version == before  # the superseded version was never served
+    newer.done = True
+    settled = runtime.settle_publishes()
+    assert [(p.version, p.error) for p in settled] == [(calls[1], None)]
+    for p in settled:
+        _settle(controller, runtime, p, report)  # what the loop does with the outcomes
+    assert len(calls) == 2 and report.events == []  # nothing published again, nothing reported as failed
+    assert before < calls[0] < calls[1] == controller.get("b").weight_version

@@ -1,0 +1,210 @@
+"""bench_parallel_step's mode export: what publishing a round's stepped adapters costs the round
+(issues 18 and 28), on the real trainer at the benchmark's shape, once per writer kind.
+
+Per writer kind (--export-writer: thread, process; trainer/peft_export.py), after the case's
+mixed rounds, every one of the N slots stepped in each round:
+
+  order check   a background export of slot 0 followed at once by a mixed round equals, tensor
+                by tensor, a synchronous export just before it (background_equals_sync);
+  round         a mixed round followed by the N background exports as ONE batched call
+                (SlotExporter.export_peft_in_background_many, latest-wins keyed per slot as
+                the service keys them per run), against the mixed round alone: the publishing
+                cost a round pays. A claimer thread on rank 0 waits for each folder in order and
+                deletes it (the rollout worker's part); a folder that a newer export of its slot
+                superseded (the writer fell behind) is counted, never written.
+  export calls  the main thread's time in that call per round (median over the timed rounds,
+                warm-up excluded), and of it the wait for room in the host arena (back-pressure).
+
+--export-sync adds the synchronous export_peft of the N slots (the path before issue 18).
+Folders go to /dev/shm.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+
+import torch
+
+from benchmarks.bench_mixed_step import sync, timed
+
+
+def _gather(obj) -> list:
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def export_timings(trainer, n: int, run_mixed, opts: dict, kind: str) -> dict:
+    """Mode export with writer `kind` (module docstring); the slowest rank's numbers."""
+    import torch.distributed as dist
+
+    from safetensors.torch import load_file
+
+    from trainer.export_writer import Superseded
+    from trainer.peft_export import ExportRequest
+
+    rank0 = trainer.layout.rank == 0
+    dtype = opts.get("export_dtype", "bfloat16")
+    trainer.export.use_writer(kind, opts["export_threads"])
+    root = tempfile.mkdtemp(prefix="bench-export-", dir="/dev/shm") if rank0 else ""
+    out: dict = {"writer": kind, "threads": opts["export_threads"]}
+    try:
+        # warm: the arena (registered once per rank) and every writer thread's process, started by
+        # one held export per thread (each thread takes one when the hold ends)
+        t0 = time.perf_counter()
+        warm = [ExportRequest(0, os.path.join(root, f"warm{i}") if rank0 else f"unused-warm{i}") for i in range(opts["export_threads"])]
+        if rank0:
+            trainer.export.writer().hold(True)
+        trainer.export.export_peft_in_background_many(warm, dtype=dtype)
+        if rank0:
+            trainer.export.writer().hold(False)
+            for r in warm:
+                trainer.export.wait_export(r.folder)
+        out["warm_exports_s"] = time.perf_counter() - t0
+        sync_s = None
+        if opts.get("export_sync"):
+            sync()
+            dist.barrier()
+            t0 = time.perf_counter()
+            for k in range(n):
+                trainer.export.export_peft(k, os.path.join(root, "sync", f"s{k}") if rank0 else "unused")
+            sync()
+            dist.barrier()
+            sync_s = time.perf_counter() - t0
+            if rank0:
+                shutil.rmtree(os.path.join(root, "sync"), ignore_errors=True)
+
+        # the order check on this device: a background export followed at once by a train call
+        check = os.path.join(root, "check") if rank0 else "unused-check"
+        trainer.export.export_peft(0, os.path.join(check, "sync") if rank0 else "unused")
+        trainer.export.export_peft_in_background(0, os.path.join(check, "bg") if rank0 else "unused-bg", dtype=dtype)
+        run_mixed()
+        same = None
+        if rank0:
+            trainer.export.wait_export(os.path.join(check, "bg"))
+            a, b = (load_file(os.path.join(check, x, "adapter_model.safetensors")) for x in ("sync", "bg"))
+            same = sorted(a) == sorted(b) and all(torch.equal(a[k].to(b[k].dtype), b[k]) for k in a)  # sync is fp32
+            shutil.rmtree(check, ignore_errors=True)
+
+        claims: list[str | None] = []
+        claimed = threading.Condition()
+        failures: list[str] = []
+        superseded = [0]
+
+        def claimer():  # the rollout worker's part: wait for each folder in order, then discard it
+            i = 0
+            while True:
+                with claimed:
+                    claimed.wait_for(lambda: len(claims) > i)
+                    folder = claims[i]
+                i += 1
+                if folder is None:
+                    return
+                try:
+                    if isinstance(trainer.export.wait_export(folder), Superseded):
+                        superseded[0] += 1
+                except Exception as err:  # noqa: BLE001 - reported in the row
+                    failures.append(f"{type(err).__name__}: {err}"[:200])
+                shutil.rmtree(folder, ignore_errors=True)
+
+        claimer_thread = threading.Thread(target=claimer, daemon=True)
+        if rank0:
+            claimer_thread.start()
+        rounds = iter(range(10**9))
+        calls: list[float] = []  # main-thread seconds of each round's export call
+        waits: list[float] = []  # of it, waiting for room in the arena
+        exports = trainer.export.background
+
+        def mixed_then_exports():
+            run_mixed()
+            r = next(rounds)
+            requests = [ExportRequest(k, os.path.join(root, f"r{r}", f"s{k}") if rank0 else f"unused-{r}-{k}", key=f"slot{k}")
+                        for k in range(n)]
+            wait0 = exports.arena.wait_seconds if rank0 else 0.0
+            t_exports = time.perf_counter()
+            trainer.export.export_peft_in_background_many(requests, dtype=dtype)
+            calls.append(time.perf_counter() - t_exports)
+            waits.append((exports.arena.wait_seconds if rank0 else 0.0) - wait0)
+            if rank0:
+                with claimed:
+                    claims.extend(q.folder for q in requests)
+                    claimed.notify_all()
+
+        writer = exports.writer if rank0 else None
+        base_written, base_write_s = (writer.written, writer.write_seconds) if writer else (0, 0.0)
+        res = timed(mixed_then_exports, opts["iters"], opts["warmup"], None, end_round=dist.barrier,
+                    progress=dist.get_rank() == 0)
+        timed_calls, timed_waits = calls[-opts["iters"]:], waits[-opts["iters"]:]
+        t0 = time.perf_counter()
+        if rank0:
+            with claimed:
+                claims.append(None)
+                claimed.notify_all()
+            claimer_thread.join()
+        drain_s = time.perf_counter() - t0
+        written = writer.written - base_written if writer else 0
+        stats = _gather({"same": same, "sync": sync_s, "drain": drain_s, "written": written, "superseded": superseded[0],
+                         "write_s": (writer.write_seconds - base_write_s) / written if written else None,
+                         "failures": failures, "call_s": statistics.median(timed_calls), "wait_s": statistics.median(timed_waits),
+                         "mb": _adapter_bytes(trainer, dtype) / 1e6 if rank0 else 0.0,
+                         "register_s": exports.arena.register_seconds if rank0 else 0.0})
+        out.update({
+            "adapter_mb_on_rank0": round(stats[0]["mb"], 1),
+            "arena_register_s": stats[0]["register_s"],
+            "sync_export_ms_per_adapter": None if sync_s is None else 1e3 * max(x["sync"] for x in stats) / n,
+            "round_with_exports_ms": res["ms"], "round_with_exports_all_ms": res["all_ms"],
+            "round_with_exports_peak_gib": res["peak_gib"],
+            "writer_ms_per_adapter": None if stats[0]["write_s"] is None else 1e3 * stats[0]["write_s"],
+            "export_calls_ms_per_round": 1e3 * max(x["call_s"] for x in stats),
+            "room_wait_ms_per_round": 1e3 * stats[0]["wait_s"],
+            "written": stats[0]["written"], "superseded": stats[0]["superseded"],
+            "writes_left_after_rounds_s": stats[0]["drain"],
+            "write_failures": stats[0]["failures"],
+            "background_equals_sync": stats[0]["same"],
+        })
+    finally:
+        if rank0:
+            shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+def _adapter_bytes(trainer, dtype: str) -> int:
+    """Bytes of slot 0's publish file data (its export layout, in `dtype`)."""
+    from trainer.export_writer import export_dtype
+
+    state = trainer.slots.state(0)
+    return trainer.export.export_layout(state.rank, state.hyper.lora_experts).index.numel() * export_dtype(dtype).itemsize
+
+
+def export_table(layouts: list[dict]) -> str:
+    """Mode export's rows: per writer kind, the round's publishing cost."""
+    def fmt(x, spec=".1f"):
+        return "-" if x is None else format(x, spec)
+
+    lines = ["| layout | N adapters | writer | MB per adapter | mixed ms | mixed + N background exports ms | publishing / mixed "
+             "| export call ms / round (of it waiting for room) | writer ms / adapter | written / superseded | peak GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for lay in layouts:
+        for r in lay["results"]:
+            for e in (r.get("export") or {}).values():
+                name = f"{lay['layout']} {lay.get('path', 'fused')} ({lay['recompute']})"
+                if "error" in e:
+                    lines.append(f"| {name} | {r['n']} | {e.get('writer', '-')} | {e['error'][:80]} |||||||| ")
+                    continue
+                share = e.get("publish_share_of_mixed")
+                lines.append(
+                    f"| {name} | {r['n']} | {e['writer']} x {e['threads']} | {fmt(e['adapter_mb_on_rank0'])} | "
+                    f"{fmt(r.get('mixed', {}).get('ms'), '.0f')} | {fmt(e['round_with_exports_ms'], '.0f')} | "
+                    f"{'-' if share is None else f'{100 * share:.1f}%'} | "
+                    f"{fmt(e['export_calls_ms_per_round'])} ({fmt(e['room_wait_ms_per_round'])}) | "
+                    f"{fmt(e['writer_ms_per_adapter'])} | {e['written']} / {e['superseded']} | {fmt(e['round_with_exports_peak_gib'])} |"
+                    + (f" FAILED WRITES: {e['write_failures'][:2]}" if e.get("write_failures") else "")
+                    + ("" if e.get("background_equals_sync") else " BACKGROUND EXPORT DIFFERS FROM THE SYNCHRONOUS ONE"))
+    return "\n".join(lines)
