@@ -34,7 +34,6 @@ trainer handle; everything else (calls, checkpoints, restore on a failed load) i
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 from api.tinker.auth import TenantKeys
 from api.tinker.backend import InProcessBackend
@@ -152,8 +151,8 @@ def fleet_tinker_service(controller: Controller, settings: ServiceSettings) -> T
     if not isinstance(runtime, FleetRuntime):
         raise ValueError("the Tinker API needs the running fleet (a FleetRuntime attached to the controller)")
     job = runtime.job
-    backend = FleetBackend(runtime.trainer, controller, base_model=Path(job.base_model.path).name,
-                           tokenizer_id=settings.tinker_tokenizer_id or job.base_model.path,
+    backend = FleetBackend(runtime.trainer, controller, base_model=job.base_model.name,
+                           tokenizer_id=settings.tinker_tokenizer_id or job.base_model.served_name or job.base_model.path,
                            max_seq_len=settings.tinker_max_seq_len,
                            idle_evict_s=controller.capacity.evict_idle_s)  # the keep-warm knob, one for both kinds of run
     url = _engine_url(runtime)

@@ -15,18 +15,21 @@ from api.tinker.service import TinkerService
 
 
 def in_process_service(model_dir: str | Path, keys: TenantKeys, checkpoint_root: str | Path, *, num_slots: int = 8,
-                       max_rank: int = 16, base_model: str | None = None, window_s: float = 0.02,
+                       max_rank: int = 16, base_model: str | None = None, tokenizer_id: str | None = None,
+                       window_s: float = 0.02,
                        micro_batch_tokens: int = 16384, max_seq_len: int = 4096,
                        sglang_url: str | None = None, session_timeout_s: float | None = 300.0,
                        idle_evict_s: float | None = None, clock=None) -> TinkerService:  # noqa: ANN001
-    """``sglang_url``: an SGLang server of the same model with LoRA enabled, for sampling.
+    """``base_model``: the served name (default: the folder's name); ``tokenizer_id``: what get_info
+    tells clients to load (default: the folder). ``sglang_url``: an SGLang server of the same model
+    with LoRA enabled, for sampling.
     ``idle_evict_s``/``clock``: idle eviction of models (api/tinker/backend.py E1-E4)."""
     from trainer.config import TrainerConfig
     from trainer.core import MultiLoraTrainer
 
     trainer = MultiLoraTrainer(TrainerConfig(base_model_path=str(model_dir), num_slots=num_slots, max_rank=max_rank,
                                              micro_batch_tokens=micro_batch_tokens))
-    backend = InProcessBackend(trainer, base_model=base_model or Path(model_dir).name, tokenizer_id=str(model_dir),
+    backend = InProcessBackend(trainer, base_model=base_model or Path(model_dir).name, tokenizer_id=tokenizer_id or str(model_dir),
                                max_seq_len=max_seq_len, idle_evict_s=idle_evict_s,
                                **({"clock": clock} if clock is not None else {}))
     from api.tinker.sampling import SglangSampler
