@@ -15,6 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from fastapi import HTTPException
 
@@ -23,6 +24,7 @@ from api.tinker.auth import TenantKeys
 from api.tinker.backend import LoraSpec, TinkerBackend
 from api.tinker.coalescer import Coalescer, Op
 from api.tinker.futures import FutureStore, Outcome, user_error
+from api.tinker.runs import TrainingRuns, check_ttl, check_user_metadata
 from api.tinker.sampling import SglangSampler
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -61,6 +63,7 @@ class TinkerService:
         self.sampler = sampler
         self.keys = keys
         self.checkpoint_root = Path(checkpoint_root)
+        self.runs = TrainingRuns(self.checkpoint_root)  # training runs and checkpoints (RestClient; api/tinker/runs.py)
         self.futures = FutureStore(poll_s=poll_s)
         # Idle eviction (backend E1-E4) needs the coalescer's admit before each round and a tick
         # that retries models waiting for a slot; a backend that never evicts needs neither.
@@ -118,6 +121,7 @@ class TinkerService:
         while True:
             await asyncio.sleep(min(self.session_timeout_s / 4, 5.0))  # a periodic check, not a synchronization
             self.expire_sessions(time.monotonic())
+            self.runs.sweep()  # checkpoints past their TTL (runs.py R3)
 
     def expire_sessions(self, now: float) -> list[str]:
         """Sessions silent for longer than the timeout: save each model, free its slot, forget the session."""
@@ -145,6 +149,7 @@ class TinkerService:
         m = self.models.get(model_id)
         if m is None or m.tenant != tenant:
             raise HTTPException(404, f"unknown model {model_id}")
+        self.runs.touch(tenant, model_id)
         return m
 
     @staticmethod
@@ -171,7 +176,8 @@ class TinkerService:
             return f"optimizer {body.optimizer_config.get('type')!r} not supported; only adamw"
         return None
 
-    async def _create(self, tenant: str, session_id: str, model_id: str, lora: LoraSpec) -> Outcome | None:
+    async def _create(self, tenant: str, session_id: str, model_id: str, lora: LoraSpec,
+                      user_metadata: dict | None = None) -> Outcome | None:
         if model_id in self.models:
             return user_error(f"model {model_id} exists (model_seq_id reused in this session)")
         try:
@@ -179,14 +185,19 @@ class TinkerService:
         except ValueError as err:
             return user_error(str(err))
         self.models[model_id] = ModelRecord(tenant, session_id, model_id, lora.rank)
+        self.runs.record_run(tenant, model_id, base_model=self.backend.base_model, rank=lora.rank, user_metadata=user_metadata)
         return None
 
     async def create_model(self, tenant: str, body: wire.CreateModelRequest, model_id: str) -> Outcome:
         problem = self._lora_problem(body)
         if problem:
             return user_error(problem)
+        try:
+            meta = check_user_metadata(body.user_metadata)
+        except ValueError as err:
+            return user_error(str(err))
         seed = body.lora_config.seed if body.lora_config.seed is not None else secrets.randbits(31)
-        failed = await self._create(tenant, body.session_id, model_id, LoraSpec(body.lora_config.rank, seed))
+        failed = await self._create(tenant, body.session_id, model_id, LoraSpec(body.lora_config.rank, seed), meta)
         return failed or Outcome(json={"type": "create_model", "model_id": model_id})
 
     def unload(self, model_id: str) -> Outcome:
@@ -204,7 +215,7 @@ class TinkerService:
     # -- checkpoints -------------------------------------------------------------------------------------
 
     def _folder(self, tenant: str, model_id: str, kind: str, name: str) -> Path:
-        return self.checkpoint_root / tenant / model_id.replace(":", "_") / kind / name
+        return self.runs.folder(tenant, model_id, kind, name)
 
     def checkpoint_folder(self, tenant: str, tinker_path: str, kinds: tuple[str, ...]) -> Path:
         """The caller's checkpoint folder named by ``tinker://<model>/<kind>/<name>``; ValueError if none."""
@@ -212,12 +223,16 @@ class TinkerService:
         parts = tinker_path[len(prefix):].split("/") if tinker_path.startswith(prefix) else []
         if len(parts) != 3 or parts[1] not in kinds or not NAME_RE.match(parts[2]) or not parts[0] or ".." in parts[0]:
             raise ValueError(f"checkpoint path {tinker_path!r} invalid: expected tinker://<model_id>/{'|'.join(kinds)}/<name>")
+        self.runs.sweep(tenant)  # an expired checkpoint is never resolved (runs.py R3)
         folder = self._folder(tenant, parts[0], parts[1], parts[2])
         if not folder.is_dir():
             raise ValueError(f"no checkpoint {tinker_path} for this API key")
         return folder
 
-    def submit_save(self, tenant: str, body: wire.SaveWeightsRequest, kind: str) -> dict:
+    def submit_save(self, tenant: str, body: wire.SaveWeightsRequest, kind: str,
+                    write: Callable[[str, Path], dict] | None = None) -> dict:
+        """``write(model_id, folder)``: writes the checkpoint and returns extra answer fields (default:
+        the backend's save for ``kind``). The checkpoint is recorded with its TTL and metadata (runs.py)."""
         self.model(tenant, body.model_id)
         rid = self.futures.create(tenant, body.model_id)
         answer = {"request_id": rid, "model_id": body.model_id}
@@ -225,16 +240,26 @@ class TinkerService:
         if not NAME_RE.match(name):
             self.futures.resolve(rid, user_error(f"checkpoint name {name!r} invalid: letters, digits, '.', '_', '-' (at most 128)"))
             return answer
+        try:
+            check_ttl(body.ttl_seconds)
+            meta = check_user_metadata(body.user_metadata)
+        except ValueError as err:
+            self.futures.resolve(rid, user_error(str(err)))
+            return answer
         folder = self._folder(tenant, body.model_id, kind, name)
         path = f"tinker://{body.model_id}/{kind}/{name}"
-        save = self.backend.save_state if kind == "weights" else self.backend.save_sampler_weights
-        wire_type = "save_weights" if kind == "weights" else "save_weights_for_sampler"
+        if write is None:
+            save = self.backend.save_state if kind == "weights" else self.backend.save_sampler_weights
+            write = lambda model_id, to: save(model_id, to) or {}  # noqa: E731
+        wire_type = {"weights": "save_weights", "sampler_weights": "save_weights_for_sampler",
+                     "external_weights": "save_weights_external"}[kind]
 
         def run() -> Outcome:
             if folder.exists():
                 return user_error(f"checkpoint {path} exists; choose another name")
-            save(body.model_id, folder)
-            answer = {"type": wire_type, "path": path}
+            extra = write(body.model_id, folder)
+            self.runs.record_checkpoint(tenant, body.model_id, kind, name, ttl_seconds=body.ttl_seconds, user_metadata=meta)
+            answer = {"type": wire_type, "path": path, **extra}
             if kind == "sampler_weights" and body.sampling_session_seq_id is not None and self.sampler is not None:
                 answer["sampling_session_id"] = self.sampler.create_session(tenant, folder, path)
             return Outcome(json=answer)
@@ -255,7 +280,8 @@ class TinkerService:
         try:
             folder = self.checkpoint_folder(tenant, body.path, kinds=("weights",))
             if body.model_id is None:  # create-via-load: the model takes the checkpoint's LoRA shape
-                failed = await self._create(tenant, body.session_id, model_id, self.backend.checkpoint_lora(folder))
+                failed = await self._create(tenant, body.session_id, model_id, self.backend.checkpoint_lora(folder),
+                                            check_user_metadata(body.user_metadata))
                 if failed:
                     self.futures.resolve(rid, failed)
                     return answer
