@@ -31,6 +31,8 @@ NOT_SERVED = {
     ("POST", "/sessions/search"): "searching sessions is not served by lorafleet; list_training_runs lists your training runs",
     ("PUT", "/sessions/{session_id}/project"): "projects are not served by lorafleet",
     ("GET", "/sessions/{session_id}/trace_export"): "session traces are not served by lorafleet",
+    ("POST", "/create_custom_loss"): "server-side custom losses are not served by lorafleet: forward_backward_custom "
+                                     "runs your loss on the client, or use a built-in loss_fn",
     ("POST", "/copy_weights"): "copy_weights is not served by lorafleet: load the checkpoint "
                                 "(create_training_client_from_state) and save it under the new name",
     ("GET", "/audit"): "the audit log is not served by lorafleet",
