@@ -148,7 +148,7 @@ class TrainingRuns:
 
     def _checkpoint(self, tenant: str, run_id: str, kind: str, name: str) -> tuple[dict, Path]:
         record = self._known(tenant, run_id)
-        folder = self.folder(tenant, run_id, kind, name)
+        folder = self.folder(tenant, run_id, kind, name)  # kind and name are checked before the folder is
         if kind not in KIND_TYPES or not CHECKPOINT_NAME_RE.match(name) or not folder.is_dir():
             raise HTTPException(404, f"unknown checkpoint {kind}/{name} of training run {run_id}")
         return record, folder
@@ -205,8 +205,9 @@ class TrainingRuns:
                 "user_metadata": record.get("user_metadata")}
 
     def get_run(self, tenant: str, run_id: str) -> dict:
-        self.sweep(tenant)
-        return self._run_view(tenant, self._known(tenant, run_id))
+        with self._lock:  # reads hold the lock too: a sweep or delete never removes a folder mid-listing
+            self.sweep(tenant)
+            return self._run_view(tenant, self._known(tenant, run_id))
 
     def _records(self, tenant: str) -> list[dict]:
         tenant_dir = self.root / tenant
@@ -214,25 +215,28 @@ class TrainingRuns:
         return sorted(records, key=lambda r: (r.get("created", 0.0), r["training_run_id"]))
 
     def list_runs(self, tenant: str, limit: int, offset: int) -> dict:
-        self.sweep(tenant)
-        records = self._records(tenant)
-        page = records[offset: offset + limit]
-        return {"training_runs": [self._run_view(tenant, r) for r in page],
-                "cursor": {"offset": offset, "limit": limit, "total_count": len(records)}}
+        with self._lock:
+            self.sweep(tenant)
+            records = self._records(tenant)
+            page = [self._run_view(tenant, r) for r in records[offset: offset + limit]]
+        return {"training_runs": page, "cursor": {"offset": offset, "limit": limit, "total_count": len(records)}}
 
     def list_checkpoints(self, tenant: str, run_id: str) -> dict:
-        self.sweep(tenant)
-        return {"checkpoints": self._checkpoints(tenant, self._known(tenant, run_id))}
+        with self._lock:
+            self.sweep(tenant)
+            return {"checkpoints": self._checkpoints(tenant, self._known(tenant, run_id))}
 
     def list_user_checkpoints(self, tenant: str, limit: int, offset: int) -> dict:
         """Every checkpoint of the caller's runs, newest first."""
-        self.sweep(tenant)
-        everything = [c for r in self._records(tenant) for c in self._checkpoints(tenant, r)]
+        with self._lock:
+            self.sweep(tenant)
+            everything = [c for r in self._records(tenant) for c in self._checkpoints(tenant, r)]
         everything.sort(key=lambda c: (c["time"], c["tinker_path"]), reverse=True)
         return {"checkpoints": everything[offset: offset + limit],
                 "cursor": {"offset": offset, "limit": limit, "total_count": len(everything)}}
 
     def checkpoint_folder(self, tenant: str, run_id: str, kind: str, name: str) -> Path:
         """The folder of one of the caller's live checkpoints (404 otherwise)."""
-        self.sweep(tenant)
-        return self._checkpoint(tenant, run_id, kind, name)[1]
+        with self._lock:
+            self.sweep(tenant)
+            return self._checkpoint(tenant, run_id, kind, name)[1]

@@ -87,18 +87,24 @@ def _digits_env_types():  # noqa: ANN202 - classes defined once the cookbook is 
 
 
 @chz.chz
-class DigitsRL:
+class Run:
+    """What every run here takes (chz arguments, as the recipes' command lines)."""
+
     base_url: str
     log_path: str
-    data_path: str
     model_name: str
     lora_rank: int = 8
+    max_steps: int | None = None
+
+
+@chz.chz
+class DigitsRL(Run):
+    data_path: str
     learning_rate: float = 3e-3
     batch_size: int = 4
     group_size: int = 8
     max_tokens: int = 12
     save_every: int = 2
-    max_steps: int | None = None
 
 
 def digits_rl(cfg: DigitsRL) -> None:
@@ -116,15 +122,10 @@ def digits_rl(cfg: DigitsRL) -> None:
 
 
 @chz.chz
-class Dpo:
-    base_url: str
-    log_path: str
+class Dpo(Run):
     comparisons: str
-    model_name: str
-    lora_rank: int = 8
     learning_rate: float = 1e-3
     batch_size: int = 4
-    max_steps: int | None = None
 
 
 def dpo(cfg: Dpo) -> None:

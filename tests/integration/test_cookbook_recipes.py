@@ -28,13 +28,11 @@ they start passing, and the marks go when those branches land.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -43,7 +41,7 @@ import yaml
 
 from examples.tiny.build import SERVED_NAME, hf_env
 from tests.integration.sdk_clients import close_sdk_clients, open_client  # noqa: F401 - autouse fixture
-from tests.integration.service_world import REPO, Service, serve_job
+from tests.integration.service_world import REPO, running_service
 
 pytestmark = pytest.mark.integration
 
@@ -57,33 +55,17 @@ NEEDS_UNEMBED_AND_LOSSES = pytest.mark.xfail(strict=True, reason=(
     "stable_reinforce are refused until those branches land"))
 
 
-@contextlib.contextmanager
-def cookbook_service(tmp: Path, tiny_world: Path) -> Iterator[Service]:
-    from service.engine_pids import reap_engines
-
-    # Recipes end without unloading their models (their sessions time out): idle models give their
-    # slots to the next recipe's (evict_idle_s), and dead sessions are reaped within a test.
-    job_path = serve_job(tmp, tiny_world, slots={"num_slots": 4, "max_rank": 8, "evict_idle_s": 2.0})
-    keys = tmp / "tinker_keys.yaml"
-    keys.write_text(yaml.safe_dump(KEYS))
-    job = yaml.safe_load(job_path.read_text())
-    job["base_model"]["served_name"] = SERVED_NAME
-    job["service"].update({"tinker_keys_file": str(keys), "tinker_window_ms": 10, "tinker_max_seq_len": 256,
-                           "tinker_session_timeout_s": 60})
-    job_path.write_text(yaml.safe_dump(job))
-    svc = Service(job_path, tmp / "state", tmp / "serve.log")
-    try:
-        svc.start()
-        yield svc
-    finally:
-        if svc.proc is not None and svc.proc.poll() is None:
-            svc.proc.kill()
-        reap_engines(svc.state_dir)
-
-
 @pytest.fixture(scope="module")
 def service(tiny_world, tmp_path_factory):
-    with cookbook_service(tmp_path_factory.mktemp("cookbook-serve"), tiny_world) as svc:
+    tmp = tmp_path_factory.mktemp("cookbook-serve")
+    keys = tmp / "tinker_keys.yaml"
+    keys.write_text(yaml.safe_dump(KEYS))
+    # Recipes end without unloading their models (their sessions time out): idle models give their
+    # slots to the next recipe's (evict_idle_s), and dead sessions are reaped within a test.
+    with running_service(tmp, tiny_world, slots={"num_slots": 4, "max_rank": 8, "evict_idle_s": 2.0},
+                         base_model={"served_name": SERVED_NAME},
+                         service={"tinker_keys_file": str(keys), "tinker_window_ms": 10, "tinker_max_seq_len": 256,
+                                  "tinker_session_timeout_s": 60}) as svc:
         yield svc
 
 
@@ -158,6 +140,7 @@ def test_served_name_tokenizer_and_compute_logprobs(service, tiny_world, tmp_pat
     lps = sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result()
     assert lps[0] is None and len(lps) == len(tokens)
     engine = torch.tensor(lps[1:])
+    print("compute_logprobs - trainer forward: max abs", (engine - trainer).abs().max().item())
     assert torch.allclose(engine, trainer, atol=2e-3), (engine - trainer).abs().max()
     last = sampler.compute_logprobs(types.ModelInput.from_ints(tokens), prompt_logprobs_last_n=3).result()
     assert last[:-3] == [None] * (len(tokens) - 3) and torch.allclose(torch.tensor(last[-3:]), engine[-3:], atol=1e-5)
@@ -175,6 +158,7 @@ def test_chat_sl_learns_deletes_rolling_checkpoints_and_downloads(service, tiny_
          "infrequent_eval_every=0", "rolling_save_every=3", "rolling_ttl_seconds=7200",
          "behavior_if_log_dir_exists=delete"], tmp_path, tiny_world)
     nll = [m["train_mean_nll"] for m in metrics(log) if "train_mean_nll" in m]
+    print("chat_sl train_mean_nll", [round(x, 3) for x in nll])
     assert len(nll) == 12 and sum(nll[-3:]) / 3 < 0.8 * sum(nll[:3]) / 3, nll  # it learns the kinds task
 
     records = checkpoint_records(log)
@@ -200,6 +184,7 @@ def test_chat_sl_learns_deletes_rolling_checkpoints_and_downloads(service, tiny_
     tokens = AutoTokenizer.from_pretrained(tiny_world / "model").encode("User: 42 ae xk\n\nAssistant: digits vowels")
     engine = torch.tensor(sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result()[1:])
     peft = _peft_logprobs(hf_model, out, tokens)
+    print("compute_logprobs - HF+PEFT on the download: max abs", (engine - peft).abs().max().item())
     assert torch.allclose(engine, peft, atol=2e-3), (engine - peft).abs().max()
 
 
@@ -217,6 +202,7 @@ def test_rl_reward_rises_and_a_second_run_resumes(service, tiny_world, tmp_path)
     steps = [m["step"] for m in rows]
     assert steps == list(range(16)), steps  # the second run went on from step 8, no step twice
     reward = [m["env/all/reward/total"] for m in rows]
+    print("digits_rl reward", [round(x, 3) for x in reward])
     assert sum(reward[-4:]) / 4 > sum(reward[:4]) / 4 + 0.1, reward
 
 
@@ -232,6 +218,7 @@ def test_dpo_on_local_comparisons(service, tiny_world, tmp_path):
     run(["-m", "tests.integration.cookbook_runs", "dpo", f"base_url={service.url}", f"log_path={log}",
          f"comparisons={comparisons}", f"model_name={SERVED_NAME}", "max_steps=4"], tmp_path, tiny_world)
     losses = [m["dpo_loss"] for m in metrics(log) if "dpo_loss" in m]
+    print("dpo_loss", [round(x, 4) for x in losses])
     assert len(losses) == 4 and abs(losses[0] - math.log(2)) < 1e-3, losses  # policy == reference at step 0
 
 
@@ -252,6 +239,7 @@ def test_sl_loop_on_local_rows(service, tiny_world, tmp_path):
          f"log_path={log}", "batch_size=8", "learning_rate=5e-3", "lora_rank=8", "max_length=128", "max_steps=10",
          "save_every=0"], tmp_path, tiny_world)
     nll = [m["train_mean_nll"] for m in metrics(log) if "train_mean_nll" in m]
+    print("sl_loop train_mean_nll", [round(x, 3) for x in nll])
     assert len(nll) == 10 and sum(nll[-3:]) / 3 < 0.8 * sum(nll[:3]) / 3, nll
 
 
