@@ -141,7 +141,7 @@ def test_served_name_tokenizer_and_compute_logprobs(service, tiny_world, tmp_pat
     assert lps[0] is None and len(lps) == len(tokens)
     engine = torch.tensor(lps[1:])
     print("compute_logprobs - trainer forward: max abs", (engine - trainer).abs().max().item())
-    assert torch.allclose(engine, trainer, atol=2e-3), (engine - trainer).abs().max()
+    assert torch.allclose(engine, trainer, atol=1e-4), (engine - trainer).abs().max()  # measured 2.4e-7 (fp32 both)
     last = sampler.compute_logprobs(types.ModelInput.from_ints(tokens), prompt_logprobs_last_n=3).result()
     assert last[:-3] == [None] * (len(tokens) - 3) and torch.allclose(torch.tensor(last[-3:]), engine[-3:], atol=1e-5)
 
@@ -185,7 +185,7 @@ def test_chat_sl_learns_deletes_rolling_checkpoints_and_downloads(service, tiny_
     engine = torch.tensor(sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result()[1:])
     peft = _peft_logprobs(hf_model, out, tokens)
     print("compute_logprobs - HF+PEFT on the download: max abs", (engine - peft).abs().max().item())
-    assert torch.allclose(engine, peft, atol=2e-3), (engine - peft).abs().max()
+    assert torch.allclose(engine, peft, atol=1e-4), (engine - peft).abs().max()  # measured 4.8e-7
 
 
 @NEEDS_UNEMBED
