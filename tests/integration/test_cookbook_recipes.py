@@ -24,6 +24,11 @@ Every recipe creates its model with the SDK's default `train_unembed=True`, whic
 refuses until LoRA on the unembedding lands (branch unembed); `math_rl` defaults to
 `stable_reinforce` (branch losses). Those tests are marked xfail(strict): they fail loudly once
 they start passing, and the marks go when those branches land.
+
+Runtime on the shared 2-core machine (load 8-15): 215 s as committed (170 s of it starting the
+service; the marked tests stop at their first call); about 340 s with train_unembed accepted
+(measured with that one check switched off locally: chat_sl 44 s, RL 47 s, DPO 12 s, sl_loop and
+rl_loop about 20 s each).
 """
 
 from __future__ import annotations
@@ -192,15 +197,15 @@ def test_chat_sl_learns_deletes_rolling_checkpoints_and_downloads(service, tiny_
 def test_rl_reward_rises_and_a_second_run_resumes(service, tiny_world, tmp_path):
     log = tmp_path / "digits_rl"
     common = ["-m", "tests.integration.cookbook_runs", "digits_rl", f"base_url={service.url}", f"log_path={log}",
-              f"data_path={tiny_world / 'data' / 'digits.jsonl'}", f"model_name={SERVED_NAME}", "save_every=4"]
-    run([*common, "max_steps=8"], tmp_path, tiny_world)
+              f"data_path={tiny_world / 'data' / 'digits.jsonl'}", f"model_name={SERVED_NAME}", "save_every=3"]
+    run([*common, "max_steps=6"], tmp_path, tiny_world)
     first = checkpoint_records(log)
-    assert first and first[-1]["batch"] == 8, first
-    out = run([*common, "max_steps=16"], tmp_path, tiny_world)
+    assert first and first[-1]["batch"] == 6, first
+    out = run([*common, "max_steps=12"], tmp_path, tiny_world)
     assert "Resuming" in out or "resum" in out.lower(), out[-3000:]
     rows = [m for m in metrics(log) if "env/all/reward/total" in m]
     steps = [m["step"] for m in rows]
-    assert steps == list(range(16)), steps  # the second run went on from step 8, no step twice
+    assert steps == list(range(12)), steps  # the second run went on from step 6, no step twice
     reward = [m["env/all/reward/total"] for m in rows]
     print("digits_rl reward", [round(x, 3) for x in reward])
     assert sum(reward[-4:]) / 4 > sum(reward[:4]) / 4 + 0.1, reward
