@@ -8,6 +8,14 @@
 #     transformer-engine, ...) that cannot build here; it must go in with --no-deps.
 #   * the resolved set is pinned in deploy/requirements.lock (verified together),
 #     so a fresh machine gets exactly what the tests passed with.
+#   * the test dependency tinker-cookbook 0.6.1 (the field's recipes, run unmodified against a
+#     live service by tests/integration/test_cookbook_recipes.py) requires tml-renderers>=0.4.1,
+#     which the package registry does not have (0.2.1 at most), so pip cannot resolve it. The
+#     cookbook imports tml_renderers only for the Inkling and Kimi K3 tokenizers, which no test
+#     uses; the lock keeps sglang's own pin (tml-renderers==0.1.0) and the cookbook with its
+#     other requirements, and --no-deps installs them as they are. `pip check` then reports that
+#     one requirement ("tinker-cookbook 0.6.1 has requirement tml-renderers>=0.4.1") beside
+#     megatron-bridge's.
 # Idempotent: a stamp records the hash of the inputs; a second run with the same
 # inputs only checks the venv imports and exits.
 set -euo pipefail
@@ -75,7 +83,8 @@ fi
 log "checking imports"
 "$VENV/bin/python" -W ignore - <<'PY'
 import importlib
-for m in ("torch", "sglang", "megatron.core", "ray", "fastapi", "transformers", "peft", "trainer", "rollout", "service", "api"):
+for m in ("torch", "sglang", "megatron.core", "ray", "fastapi", "transformers", "peft", "trainer", "rollout", "service", "api",
+          "tinker", "tinker_cookbook", "pyrage"):
     importlib.import_module(m)
 print("[setup] imports ok")
 PY

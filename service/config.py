@@ -249,7 +249,7 @@ class ServiceSettings(BaseSettings):
     tinker_window_ms: float = Field(20.0, ge=0, le=10_000, description="Tinker: pending forward_backward calls of different models arriving within this window run as one mixed pass (milliseconds).")
     tinker_session_timeout_s: float = Field(300.0, gt=0, description="Tinker: a session without a heartbeat for this long has its models saved and their trainer slots freed (seconds).")
     tinker_max_seq_len: int = Field(4096, ge=1, description="Tinker: longest model_input of one datum (tokens); longer ones are refused in the future's result.")
-    tinker_tokenizer_id: str | None = Field(None, description="Tinker: the tokenizer id get_info tells clients (the SDK's get_tokenizer loads it with AutoTokenizer), e.g. the base model's Hugging Face hub id. Default: the base model's folder, which responses show cut to its last part (server paths are never shown), so clients off this machine need this set.")
+    tinker_tokenizer_id: str | None = Field(None, description="Tinker: the tokenizer id get_info tells clients (the SDK's get_tokenizer loads it with AutoTokenizer), e.g. the base model's Hugging Face hub id. Default: base_model.served_name when the job file sets it, else the base model's folder, which responses show cut to its last part (server paths are never shown), so clients off this machine need this set.")
     tinker_max_body_bytes: int = Field(64 << 20, ge=8 << 20, description="Largest request body of the Tinker API's data-carrying routes (forward, forward_backward); at least 8 MiB.")
 
     _split = field_validator("data_roots", "reward_import_roots", mode="before")(lambda cls, v: _split_list(v))
@@ -318,12 +318,23 @@ def load_settings(settings_file: Path | None = None, *, base: dict[str, Any] | N
 # --- the job file --------------------------------------------------------------------------------
 
 
+# A served base-model name: a Hugging Face hub id ("org/model") or one plain name.
+SERVED_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$"
+
+
 class BaseModelSpec(StrictModel):
     """The frozen base model every adapter trains against."""
 
     path: str = Field(description="Hugging Face model folder (config.json, weights, tokenizer).")
+    served_name: str | None = Field(None, pattern=SERVED_NAME_PATTERN, examples=["Qwen/Qwen3-8B"], description="The name clients use for the base model: the Tinker API's `base_model` (create_model, get_server_capabilities, get_info) and the tokenizer id it tells clients (loaded offline by that name from a Hugging Face cache; tinker_tokenizer_id overrides it). A Hugging Face hub id ('org/model') lets name-based clients (tinker-cookbook's renderer lookup) work. Default: the folder's name.")
 
     _rebase_path = field_validator("path")(_rebase)
+
+    @property
+    def name(self) -> str:
+        """What clients call the base model: ``served_name``, else the folder's last part
+        (the service never shows its paths)."""
+        return self.served_name or Path(self.path).name
 
 
 # Default bound on live runs (queued and evicted included) per trainer slot.

@@ -128,6 +128,11 @@ class TinkerModel:
     def save_sampler_weights(self, folder: Path, done: Done, **kw: Any) -> None:
         self.submit(TinkerOp(OpKind.ALONE, done, run=lambda slot: self._trainer.export_peft(slot, _new_folder(folder)), **kw))
 
+    def export_with(self, write: Callable[[Callable[[Path], str]], Any], done: Done, **kw: Any) -> None:
+        """`write(export)` on the scheduler's thread, where `export(to)` writes the model's PEFT folder
+        to `to` (the Tinker face's external weights: it encrypts and renames what export wrote)."""
+        self.submit(TinkerOp(OpKind.ALONE, done, run=lambda slot: write(lambda to: self._trainer.export_peft(slot, str(to))), **kw))
+
     def load_state(self, folder: Path, optimizer: bool, done: Done, **kw: Any) -> None:
         self.submit(TinkerOp(OpKind.ALONE, done, run=lambda slot: self._load(slot, Path(folder), optimizer), **kw))
 

@@ -3,7 +3,9 @@
 The wire face only (the scheduler in service/ runs the work). Modules: ``auth`` (API keys ->
 tenants), ``wire`` (JSON bodies) and ``proto_io`` (the SDK's protobuf bodies), ``futures``
 (request ids, long-poll retrieve), ``service`` (sessions, model records, checkpoint paths; a
-request -> an operation on its model's queue), ``routes`` (the APIRouter), ``sampling``
-(sampling sessions over SGLang), ``metrics``, ``fleet`` (the service over the running fleet) and
+request -> an operation on its model's queue), ``routes`` (the APIRouter), ``runs`` (training
+runs and checkpoints on disk: listing, deletion, TTL), ``external_weights`` (save_weights_external
+and its signed download URLs), ``runs_routes`` (the RestClient's routes), ``sampling`` (sampling
+sessions over SGLang), ``metrics``, ``fleet`` (the service over the running fleet) and
 ``standalone`` (a Tinker-only app over an in-process trainer).
 """

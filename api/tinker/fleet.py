@@ -49,8 +49,8 @@ def fleet_tinker_service(controller: Controller, settings: ServiceSettings) -> T
     if not isinstance(runtime, FleetRuntime) or runtime.scheduler is None:
         raise ValueError("the Tinker API needs the running fleet (a FleetRuntime attached to the controller)")
     job = runtime.job
-    models = TinkerModels(runtime.scheduler, base_model=Path(job.base_model.path).name,
-                          tokenizer_id=settings.tinker_tokenizer_id or job.base_model.path,
+    models = TinkerModels(runtime.scheduler, base_model=job.base_model.name,
+                          tokenizer_id=settings.tinker_tokenizer_id or job.base_model.served_name or job.base_model.path,
                           max_rank=controller.capacity.max_rank, max_seq_len=settings.tinker_max_seq_len,
                           dp=runtime.trainer.config.dp)
     url = _engine_url(runtime)

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 
 from api.tinker import wire
 from api.tinker.futures import Outcome, user_error
+from api.tinker.runs_routes import runs_router
 from api.tinker.proto_io import PROTO_CONTENT_TYPE, decode_forward_backward, encode_forward_backward_output
 from api.tinker.sampling import LogprobOptions
 from api.tinker.service import TinkerService
@@ -244,4 +245,5 @@ def tinker_router(service: TinkerService) -> APIRouter:
             raise HTTPException(404, f"unknown request id {body.request_id}") from None
         return {"cancelled": cancelled}
 
+    r.include_router(runs_router(service))  # training runs, checkpoints, external weights (api/tinker/runs_routes.py)
     return r

@@ -32,6 +32,7 @@ from fastapi import HTTPException
 from api.tinker import wire
 from api.tinker.auth import TenantKeys
 from api.tinker.futures import FutureStore, Outcome, server_error, user_error
+from api.tinker.runs import TrainingRuns, check_ttl, check_user_metadata
 from api.tinker.sampling import SglangSampler
 from service.errors import LorafleetError
 from service.tenant_tinker import LoraSpec, TinkerModel, checkpoint_lora
@@ -84,6 +85,7 @@ class TinkerService:
         self.sampler = sampler
         self.keys = keys
         self.checkpoint_root = Path(checkpoint_root)
+        self.runs = TrainingRuns(self.checkpoint_root)  # training runs and checkpoints (RestClient; api/tinker/runs.py)
         self.futures = FutureStore(poll_s=poll_s)
         self.futures.reason_of = self._waiting_reason
         self.sessions: dict[str, Session] = {}
@@ -166,6 +168,7 @@ class TinkerService:
         while True:
             await asyncio.sleep(min(self.session_timeout_s / 4, 5.0))  # a periodic check, not a synchronization
             self.expire_sessions(time.monotonic())
+            self.runs.sweep()  # checkpoints past their TTL (runs.py R3)
 
     def expire_sessions(self, now: float) -> list[str]:
         """Sessions silent for longer than the timeout: save each model, free its slot, forget the session."""
@@ -189,6 +192,7 @@ class TinkerService:
         m = self.models.get(model_id)
         if m is None or m.tenant != tenant:
             raise HTTPException(404, f"unknown model {model_id}")
+        self.runs.touch(tenant, model_id)
         return m
 
     @staticmethod
@@ -216,9 +220,10 @@ class TinkerService:
         return None
 
     def _create(self, tenant: str, session_id: str, model_id: str, lora: LoraSpec,
-                done: Callable[[BaseException | None], None]) -> ModelRecord | None:
+                done: Callable[[BaseException | None], None], user_metadata: dict | None = None) -> ModelRecord | None:
         """The model's record now, its admission at the scheduler's next placement (``done`` is told
-        how it went, on the scheduler's thread). None (and ``done`` not called) if the id is taken."""
+        how it went, on the scheduler's thread; an admitted model is recorded as a training run,
+        runs.py). None (and ``done`` not called) if the id is taken."""
         if model_id in self.models:
             return None
         record: ModelRecord | None = None
@@ -226,6 +231,9 @@ class TinkerService:
         def admitted(error: BaseException | None) -> None:
             if error is not None and record is not None:
                 self.models.pop(model_id, None)  # refused: nothing of it stays
+            elif error is None:
+                self.runs.record_run(tenant, model_id, base_model=self.fleet.base_model, rank=lora.rank,
+                                     user_metadata=user_metadata)
             done(error)
 
         record = ModelRecord(tenant, session_id, model_id, lora.rank, None)  # type: ignore[arg-type]
@@ -239,11 +247,16 @@ class TinkerService:
         if problem:
             self.futures.resolve(request_id, user_error(problem))
             return
+        try:
+            meta = check_user_metadata(body.user_metadata)
+        except ValueError as err:
+            self.futures.resolve(request_id, user_error(str(err)))
+            return
         seed = body.lora_config.seed if body.lora_config.seed is not None else secrets.randbits(31)
         finish = self.done(request_id, lambda _: Outcome(json={"type": "create_model", "model_id": model_id}))
         try:
             created = self._create(tenant, body.session_id, model_id, LoraSpec(body.lora_config.rank, seed),
-                                    lambda error: finish(None, error))
+                                    lambda error: finish(None, error), meta)
         except ValueError as err:
             self.futures.resolve(request_id, user_error(str(err)))
             return
@@ -293,7 +306,7 @@ class TinkerService:
     # -- checkpoints -------------------------------------------------------------------------------------
 
     def _folder(self, tenant: str, model_id: str, kind: str, name: str) -> Path:
-        return self.checkpoint_root / tenant / model_id.replace(":", "_") / kind / name
+        return self.runs.folder(tenant, model_id, kind, name)
 
     def checkpoint_folder(self, tenant: str, tinker_path: str, kinds: tuple[str, ...]) -> Path:
         """The caller's checkpoint folder named by ``tinker://<model>/<kind>/<name>``; ValueError if none."""
@@ -301,12 +314,19 @@ class TinkerService:
         parts = tinker_path[len(prefix):].split("/") if tinker_path.startswith(prefix) else []
         if len(parts) != 3 or parts[1] not in kinds or not NAME_RE.match(parts[2]) or not parts[0] or ".." in parts[0]:
             raise ValueError(f"checkpoint path {tinker_path!r} invalid: expected tinker://<model_id>/{'|'.join(kinds)}/<name>")
+        self.runs.sweep(tenant)  # an expired checkpoint is never resolved (runs.py R3)
         folder = self._folder(tenant, parts[0], parts[1], parts[2])
         if not folder.is_dir():
             raise ValueError(f"no checkpoint {tinker_path} for this API key")
         return folder
 
-    def submit_save(self, tenant: str, body: wire.SaveWeightsRequest, kind: str) -> dict:
+    def submit_save(self, tenant: str, body: wire.SaveWeightsRequest, kind: str,
+                    write_with: Callable[[Callable[[Path], str], Path], dict] | None = None) -> dict:
+        """Save a checkpoint of ``kind`` (weights, sampler_weights, external_weights) as an operation on
+        the model's queue. ``write_with(export, folder)`` (external weights): writes the checkpoint into
+        ``folder`` given ``export(to)``, which writes the model's PEFT folder to ``to`` on the
+        scheduler's thread, and returns extra answer fields. The checkpoint is recorded with its TTL
+        and metadata (runs.py)."""
         record = self.model(tenant, body.model_id)
         rid = self.futures.create(tenant, body.model_id)
         answer = {"request_id": rid, "model_id": body.model_id}
@@ -314,21 +334,34 @@ class TinkerService:
         if not NAME_RE.match(name):
             self.futures.resolve(rid, user_error(f"checkpoint name {name!r} invalid: letters, digits, '.', '_', '-' (at most 128)"))
             return answer
+        try:
+            check_ttl(body.ttl_seconds)
+            meta = check_user_metadata(body.user_metadata)
+        except ValueError as err:
+            self.futures.resolve(rid, user_error(str(err)))
+            return answer
         folder = self._folder(tenant, body.model_id, kind, name)
         path = f"tinker://{body.model_id}/{kind}/{name}"
         if folder.exists():
             self.futures.resolve(rid, user_error(f"checkpoint {path} exists; choose another name"))
             return answer
-        wire_type = "save_weights" if kind == "weights" else "save_weights_for_sampler"
+        wire_type = {"weights": "save_weights", "sampler_weights": "save_weights_for_sampler",
+                     "external_weights": "save_weights_external"}[kind]
 
-        def ok(_: Any) -> Outcome:
-            result = {"type": wire_type, "path": path}
+        def ok(extra: Any) -> Outcome:
+            self.runs.record_checkpoint(tenant, body.model_id, kind, name, ttl_seconds=body.ttl_seconds, user_metadata=meta)
+            result = {"type": wire_type, "path": path, **(extra if isinstance(extra, dict) else {})}
             if kind == "sampler_weights" and body.sampling_session_seq_id is not None and self.sampler is not None:
                 result["sampling_session_id"] = self.sampler.create_session(tenant, folder, path)
             return Outcome(json=result)
 
-        save = record.model.save_state if kind == "weights" else record.model.save_sampler_weights
-        save(folder, **self.op_kw(rid, ok))
+        kw = self.op_kw(rid, ok)
+        if kind == "weights":
+            record.model.save_state(folder, **kw)
+        elif kind == "sampler_weights":
+            record.model.save_sampler_weights(folder, **kw)
+        else:
+            record.model.export_with(lambda export: write_with(export, folder), **kw)
         return answer
 
     def submit_load(self, tenant: str, body: wire.LoadWeightsRequest) -> dict:
@@ -352,7 +385,7 @@ class TinkerService:
                     if error is not None:  # its queued load gets the reason too (the model's release)
                         return
 
-                record = self._create(tenant, body.session_id, model_id, lora, admitted)
+                record = self._create(tenant, body.session_id, model_id, lora, admitted, check_user_metadata(body.user_metadata))
                 if record is None:
                     raise ValueError(f"model {model_id} exists (model_seq_id reused in this session)")
         except ValueError as err:

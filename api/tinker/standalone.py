@@ -15,11 +15,14 @@ from api.tinker.service import TinkerService
 
 
 def in_process_service(model_dir: str | Path, keys: TenantKeys, checkpoint_root: str | Path, *, num_slots: int = 8,
-                       max_rank: int = 16, base_model: str | None = None, window_s: float = 0.02,
+                       max_rank: int = 16, base_model: str | None = None, tokenizer_id: str | None = None,
+                       window_s: float = 0.02,
                        micro_batch_tokens: int = 16384, max_seq_len: int = 4096,
                        sglang_url: str | None = None, session_timeout_s: float | None = 300.0,
                        idle_evict_s: float | None = None, clock=None) -> TinkerService:  # noqa: ANN001
-    """``sglang_url``: an SGLang server of the same model with LoRA enabled, for sampling.
+    """``base_model``: the served name (default: the folder's name); ``tokenizer_id``: what get_info
+    tells clients to load (default: the folder). ``sglang_url``: an SGLang server of the same model
+    with LoRA enabled, for sampling.
     ``idle_evict_s``/``clock``: keep-warm eviction of idle models (service/residency.py)."""
     from service.tinker_models import TinkerHost
     from trainer.config import TrainerConfig
@@ -27,7 +30,7 @@ def in_process_service(model_dir: str | Path, keys: TenantKeys, checkpoint_root:
 
     trainer = MultiLoraTrainer(TrainerConfig(base_model_path=str(model_dir), num_slots=num_slots, max_rank=max_rank,
                                              micro_batch_tokens=micro_batch_tokens))
-    host = TinkerHost(trainer, base_model=base_model or Path(model_dir).name, tokenizer_id=str(model_dir),
+    host = TinkerHost(trainer, base_model=base_model or Path(model_dir).name, tokenizer_id=tokenizer_id or str(model_dir),
                       window_s=window_s, max_seq_len=max_seq_len, idle_evict_s=idle_evict_s,
                       **({"clock": clock} if clock is not None else {}))
     from api.tinker.sampling import SglangSampler

@@ -67,6 +67,17 @@ class SaveWeightsRequest(_In):
     path: str | None = None
     seq_id: int | None = None
     sampling_session_seq_id: int | None = None  # save_weights_for_sampler: also open a sampling session
+    ttl_seconds: int | None = None  # api/tinker/runs.py: the checkpoint is deleted this long after the save
+    user_metadata: dict[str, Any] | None = None
+
+
+class SaveWeightsExternalRequest(SaveWeightsRequest):
+    path: str  # required, as in the SDK
+    age_encryption_recipients: list[str] | None = None
+
+
+class CheckpointTtlRequest(_In):
+    ttl_seconds: int | None
 
 
 class CreateSamplingSessionRequest(_In):
@@ -110,6 +121,7 @@ class LoadWeightsRequest(_In):
     session_id: str | None = None
     model_seq_id: int | None = None
     base_model: str | None = None
+    user_metadata: dict[str, Any] | None = None  # create-via-load: the new training run's metadata
     path: str
     optimizer: bool = False
 

@@ -23,9 +23,19 @@ says otherwise):
   The RL label is the target character set; the built-in reward
   ``target_share`` (rollout/rewards.py) scores it.
 
+* ``hf/``: the same model under a hub-style name, for clients that look models up
+  by name (the Tinker SDK's and tinker-cookbook's tokenizer and renderer lookups),
+  offline: ``hf/hub/`` is a Hugging Face hub cache (``HF_HUB_CACHE`` layout:
+  ``models--Qwen--Qwen3-8B-Base/snapshots/<rev>/`` + ``refs/main``) holding the tiny
+  model's files, and ``hf/datasets/`` a ``datasets`` cache (``HF_DATASETS_CACHE``)
+  holding tiny-world rows under the two hub datasets the cookbook's ``sl_loop`` and
+  ``rl_loop`` hard-code. ``hf_env()`` gives the environment that points a client there
+  (``HF_HUB_OFFLINE=1``). See ``SERVED_NAME`` for why that name.
+
 Everything is seeded and runs single-threaded, so two builds give the same
 bytes. A stamp file records the build version; ``ensure_tiny_world()`` builds
-only when it is missing or stale.
+only when it is missing or stale (the ``hf/`` folder has a stamp of its own, so
+adding it rebuilt nothing else).
 """
 
 from __future__ import annotations
@@ -62,6 +72,18 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
+
+
+# The tiny world's served name (base_model.served_name in a job file). tinker-cookbook picks
+# its renderer from a table of real hub ids, so the name must be one of them: a Qwen3 base
+# (non-chat) model, which the cookbook renders with `role_colon` (plain "User: ...\n\nAssistant: ..."
+# text that the tiny byte-level tokenizer encodes). Only a label: the weights are the tiny model.
+SERVED_NAME = "Qwen/Qwen3-8B-Base"
+HF_VERSION = "hf-v1"
+HF_REVISION = "0" * 40  # the snapshot's revision id (any 40 hex digits; refs/main names it)
+# Hub datasets that cookbook recipes load by name (sl_loop: no_robots; rl_loop: gsm8k "main"),
+# filled with tiny-world rows: (repo id, config, rows builder name).
+HF_DATASETS = (("HuggingFaceH4/no_robots", "default", "chat_rows"), ("openai/gsm8k", "main", "question_rows"))
 
 
 def tiny_dir() -> Path:
@@ -202,6 +224,84 @@ def build_datasets(out: Path) -> None:
     write("kinds_sft.jsonl", kinds)
 
 
+def chat_rows(data: Path) -> list[dict]:
+    """kinds_sft.jsonl as chat conversations (the no_robots schema: a ``messages`` list)."""
+    rows = [json.loads(line) for line in (data / "kinds_sft.jsonl").read_text().splitlines()]
+    return [{"prompt": r["prompt"], "prompt_id": str(r["metadata"]["i"]), "category": "kinds",
+             "messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["completion"].strip()}]}
+            for r in rows]
+
+
+def question_rows(data: Path) -> list[dict]:
+    """digits.jsonl prompts as gsm8k-style rows (question, answer ending in '#### <number>')."""
+    rows = [json.loads(line) for line in (data / "digits.jsonl").read_text().splitlines()]
+    return [{"question": r["prompt"], "answer": f"count the words\n#### {len(r['prompt'].split())}"} for r in rows]
+
+
+def hf_dirs(world: Path) -> tuple[Path, Path]:
+    """The hub cache and the datasets cache of the tiny world's ``hf/`` folder."""
+    return world / "hf" / "hub", world / "hf" / "datasets"
+
+
+def hf_env(world: Path) -> dict[str, str]:
+    """Environment variables that make a client resolve ``SERVED_NAME`` (and the recipes' hub
+    datasets) from the tiny world, offline. Set them before huggingface_hub is imported
+    (it reads them once)."""
+    hub, datasets_dir = hf_dirs(world)
+    return {"HF_HUB_CACHE": str(hub), "HF_DATASETS_CACHE": str(datasets_dir), "HF_HUB_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def build_hf_cache(world: Path) -> None:
+    """Fill ``<world>/hf/`` from the built model and data (see the module docstring); deterministic."""
+    import shutil
+
+    hub, datasets_dir = hf_dirs(world)
+    shutil.rmtree(world / "hf", ignore_errors=True)
+    repo = hub / ("models--" + SERVED_NAME.replace("/", "--"))
+    snapshot = repo / "snapshots" / HF_REVISION
+    snapshot.mkdir(parents=True)
+    for f in sorted((world / "model").iterdir()):
+        shutil.copyfile(f, snapshot / f.name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(HF_REVISION)
+    for repo_id, config, rows_fn in HF_DATASETS:
+        _cache_dataset(repo_id, config, globals()[rows_fn](world / "data"), datasets_dir)
+    (world / "hf" / "STAMP").write_text(HF_VERSION + "\n")
+
+
+def _cache_dataset(repo_id: str, config: str, rows: list[dict], cache: Path) -> None:
+    """``rows`` as the train split of ``repo_id``/``config`` in a ``datasets`` cache, in the layout
+    ``load_dataset(repo_id, config)`` falls back to offline (``<org>___<name>/<config>/0.0.0/<hash>``).
+    Written by datasets' own parquet builder under the dataset's short name, then moved under its org."""
+    import tempfile
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from datasets.packaged_modules.parquet.parquet import Parquet
+    from datasets.utils.logging import disable_progress_bar
+
+    disable_progress_bar()
+
+    org, name = repo_id.split("/")
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp) / "train.parquet"
+        pq.write_table(pa.Table.from_pylist(rows), source)
+        builder = Parquet(cache_dir=str(Path(tmp) / "cache"), dataset_name=name, config_name=config, config_id=config,
+                          data_files={"train": str(source)}, hash="tiny")
+        builder.download_and_prepare()
+        target = cache / f"{org}___{name}"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        (Path(tmp) / "cache" / name).rename(target)
+    for lock in target.rglob("*.lock"):
+        lock.unlink()
+
+
+def ensure_hf_cache(world: Path) -> None:
+    if not is_current(world / "hf", HF_VERSION):
+        build_hf_cache(world)
+
+
 def build_world(out: Path, build_model_fn, version: str, tag: str, *, steps: int, quiet: bool) -> Path:  # noqa: ANN001
     """Build a tiny world into `out`: the shared corpus and tokenizer, the model made by
     `build_model_fn(tokenizer, corpus, model_dir, steps, quiet) -> parameter count`, the
@@ -226,8 +326,8 @@ def is_current(out: Path, version: str) -> bool:
     return stamp.exists() and stamp.read_text().strip() == version
 
 
-def world_cli(description: str, default_dir, version: str, build_fn, tag: str) -> None:  # noqa: ANN001
-    """The `python -m examples.<world>.build` command of a tiny world."""
+def world_cli(description: str, default_dir, version: str, build_fn, tag: str) -> Path:  # noqa: ANN001
+    """The `python -m examples.<world>.build` command of a tiny world; returns the world's folder."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--out", type=Path, default=None, help=f"output folder (default {default_dir()})")
     ap.add_argument("--force", action="store_true", help="rebuild even when up to date")
@@ -236,13 +336,16 @@ def world_cli(description: str, default_dir, version: str, build_fn, tag: str) -
     out = a.out or default_dir()
     if not a.force and is_current(out, version):
         print(f"[{tag}] up to date: {out}")
-        return
+        return out
     build_fn(out, quiet=a.quiet)
     print(f"[{tag}] ready: {out}")
+    return out
 
 
 def build(out: Path | None = None, *, steps: int = 300, quiet: bool = False) -> Path:
-    return build_world(out or tiny_dir(), build_model, BUILD_VERSION, "tiny", steps=steps, quiet=quiet)
+    world = build_world(out or tiny_dir(), build_model, BUILD_VERSION, "tiny", steps=steps, quiet=quiet)
+    build_hf_cache(world)
+    return world
 
 
 def ensure_tiny_world(out: Path | None = None) -> Path:
@@ -250,11 +353,12 @@ def ensure_tiny_world(out: Path | None = None) -> Path:
     out = out or tiny_dir()
     if not is_current(out, BUILD_VERSION):
         build(out, quiet=True)
+    ensure_hf_cache(out)
     return out
 
 
 def main() -> None:
-    world_cli(__doc__.splitlines()[0], tiny_dir, BUILD_VERSION, build, "tiny")
+    ensure_hf_cache(world_cli(__doc__.splitlines()[0], tiny_dir, BUILD_VERSION, build, "tiny"))
 
 
 if __name__ == "__main__":

@@ -122,9 +122,11 @@ def retire_and_wait(client: LorafleetClient, state_dir: Path, *names: str) -> No
 
 
 
-def serve_job(tmp: Path, tiny_world: Path, slots: dict | None = None, engines: dict | None = None) -> Path:
+def serve_job(tmp: Path, tiny_world: Path, slots: dict | None = None, engines: dict | None = None,
+              service: dict | None = None, base_model: dict | None = None) -> Path:
     """The tiny job, without adapters, serving on a free port with its state under `tmp`
-    (`slots`: a `slots:` section replacing the tiny job's; `engines`: keys merged into its `engines:`)."""
+    (`slots`: a `slots:` section replacing the tiny job's; `engines`, `service`, `base_model`: keys
+    merged into its sections of those names)."""
     job = yaml.safe_load((REPO / "examples" / "tiny" / "job.yaml").read_text())
     if slots is not None:
         job["slots"] = slots
@@ -133,7 +135,8 @@ def serve_job(tmp: Path, tiny_world: Path, slots: dict | None = None, engines: d
     job["base_model"]["path"] = str(tiny_world / "model")
     job["adapters"] = []
     job["service"] = {"state_dir": str(tmp / "state"), "data_roots": [str(tiny_world / "data"), str(tmp)], "port": 0,
-                      "reward_import_roots": ["tests.integration.rewards_for_tests"]}
+                      "reward_import_roots": ["tests.integration.rewards_for_tests"], **(service or {})}
+    job["base_model"].update(base_model or {})
     path = tmp / "job.yaml"
     path.write_text(yaml.safe_dump(job))
     return path
@@ -157,11 +160,12 @@ def signal_processes(pids: list[int], sig: int = signal.SIGKILL, *, group: bool 
 
 
 @contextlib.contextmanager
-def running_service(tmp: Path, tiny_world: Path, slots: dict | None = None, engines: dict | None = None) -> Iterator[Service]:
-    """A started `lorafleet serve`; killed (and its engines reaped) however the tests end."""
+def running_service(tmp: Path, tiny_world: Path, slots: dict | None = None, engines: dict | None = None,
+                    service: dict | None = None, base_model: dict | None = None) -> Iterator[Service]:
+    """A started `lorafleet serve` (serve_job's sections); killed (and its engines reaped) however the tests end."""
     from service.engine_pids import reap_engines
 
-    svc = Service(serve_job(tmp, tiny_world, slots, engines), tmp / "state", tmp / "serve.log")
+    svc = Service(serve_job(tmp, tiny_world, slots, engines, service, base_model), tmp / "state", tmp / "serve.log")
     try:
         svc.start()
         yield svc

@@ -127,6 +127,12 @@ def test_load_job_rebases_relative_paths_and_derives_trainer_fields(tmp_path):
     assert job.rollout_config(settings).reward_import_roots == ["myorg.rewards"]
 
 
+def test_served_name_is_what_clients_call_the_base_model(tmp_path):
+    named = load_job(write_job(tmp_path, "base_model: {path: models/tiny, served_name: Qwen/Qwen3-8B}\n"))
+    assert (named.base_model.name, named.base_model.path) == ("Qwen/Qwen3-8B", str(tmp_path / "models" / "tiny"))
+    assert load_job(write_job(tmp_path, "base_model: {path: models/tiny}\n")).base_model.name == "tiny"  # the folder's name
+
+
 @pytest.mark.parametrize(
     "body, error",
     [
@@ -141,6 +147,8 @@ def test_load_job_rebases_relative_paths_and_derives_trainer_fields(tmp_path):
         ("base_model: {path: m}\ntrainer: {base_model_path: other}\n", "trainer.base_model_path (other) disagrees with base_model.path (m)"),
         ("base_model: {path: m}\ntrainer: {lora_kernel: fast}\n", "trainer.lora_kernel: Input should be 'auto', 'grouped_mm' or 'loop'"),
         ("base_model: {path: m}\nrollout: {reward_import_roots: [x]}\n", "rollout.reward_import_roots is taken from the service settings"),
+        ("base_model: {path: m, served_name: 'Qwen/Qwen3-8B/x'}\n", "base_model.served_name: String should match pattern"),
+        ("base_model: {path: m, served_name: '../m'}\n", "base_model.served_name: String should match pattern"),
         ("adapters: [\n", "is not valid YAML"),
         ("{}", "base_model: Field required"),
     ],

@@ -1,0 +1,152 @@
+"""``runs_router(service)``: the RestClient's routes under ``/api/v1``, beside routes.py's.
+
+Training runs (get, list, by tinker path: the SDK parses the path and gets the run),
+checkpoints (list per run, list per caller, delete, TTL), ``save_weights_external`` and the
+signed download URLs of its files (``tinker_cookbook.weights.download``). Thin handlers over
+``api/tinker/runs.py`` (the records, R1-R4) and ``api/tinker/external_weights.py`` (the export
+and its URLs, X1-X3). Every route but the signed download takes the caller's key and sees only
+the caller's runs: another tenant's id or path is 404. RestClient calls lorafleet does not serve
+(sessions search and listing, projects, traces, publishing, copies, audit, billing) answer 400
+with what is served instead, so a client learns it at once (the SDK does not retry a 400).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from fastapi import APIRouter, HTTPException, Query, Request
+from fastapi.responses import FileResponse
+
+from api.tinker import wire
+from api.tinker.external_weights import UrlSigner, file_in, parse_recipients, write_external
+from api.tinker.futures import user_error
+from api.tinker.service import TinkerService
+
+MAX_PAGE = 1000
+
+# RestClient / AdminClient calls that are not served: (method, path) -> why, and what to use.
+NOT_SERVED = {
+    ("GET", "/sessions"): "listing sessions is not served by lorafleet; list_training_runs lists your training runs",
+    ("GET", "/sessions/{session_id}"): "get_session is not served by lorafleet; list_training_runs lists your training runs",
+    ("POST", "/sessions/search"): "searching sessions is not served by lorafleet; list_training_runs lists your training runs",
+    ("PUT", "/sessions/{session_id}/project"): "projects are not served by lorafleet",
+    ("GET", "/sessions/{session_id}/trace_export"): "session traces are not served by lorafleet",
+    ("POST", "/create_custom_loss"): "server-side custom losses are not served by lorafleet: forward_backward_custom "
+                                     "runs your loss on the client, or use a built-in loss_fn",
+    ("POST", "/copy_weights"): "copy_weights is not served by lorafleet: load the checkpoint "
+                                "(create_training_client_from_state) and save it under the new name",
+    ("GET", "/audit"): "the audit log is not served by lorafleet",
+    ("GET", "/billing/usage/events"): "billing is not served by lorafleet",
+    ("GET", "/billing/usage/checkpoints/current"): "billing is not served by lorafleet; list_user_checkpoints shows "
+                                                   "each checkpoint's size_bytes",
+}
+PUBLISH = ("publishing checkpoints is not served by lorafleet: a checkpoint is private to its tenant; "
+           "download it (get_external_weights_urls) to share it")
+
+
+def runs_router(service: TinkerService, signer: UrlSigner | None = None) -> APIRouter:
+    r = APIRouter()
+    runs = service.runs
+    signer = signer or UrlSigner(clock=lambda: runs.clock())  # the records' wall clock (tests move it)
+
+    def tenant(request: Request) -> str:
+        return service.keys.authenticate(request)
+
+    # -- training runs --------------------------------------------------------------------------
+
+    @r.get("/training_runs")
+    async def list_training_runs(request: Request, limit: int = Query(20, ge=1, le=MAX_PAGE), offset: int = Query(0, ge=0),
+                                 access_scope: Literal["owned", "accessible"] = "owned") -> dict:
+        # "accessible" adds runs shared with the caller; nothing is shared here, so both are the caller's own.
+        return runs.list_runs(tenant(request), limit, offset)
+
+    @r.get("/training_runs/{run_id}")
+    async def get_training_run(run_id: str, request: Request, access_scope: Literal["owned", "accessible"] = "owned") -> dict:
+        return runs.get_run(tenant(request), run_id)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    @r.get("/training_runs/{run_id}/checkpoints")
+    async def list_checkpoints(run_id: str, request: Request) -> dict:
+        return runs.list_checkpoints(tenant(request), run_id)
+
+    @r.get("/checkpoints")
+    async def list_user_checkpoints(request: Request, limit: int = Query(100, ge=1, le=MAX_PAGE),
+                                    offset: int = Query(0, ge=0)) -> dict:
+        return runs.list_user_checkpoints(tenant(request), limit, offset)
+
+    @r.delete("/training_runs/{run_id}/checkpoints/{kind}/{name}")
+    async def delete_checkpoint(run_id: str, kind: str, name: str, request: Request) -> dict:
+        runs.delete(tenant(request), run_id, kind, name)
+        return {}
+
+    @r.put("/training_runs/{run_id}/checkpoints/{kind}/{name}/ttl")
+    async def set_checkpoint_ttl(run_id: str, kind: str, name: str, body: wire.CheckpointTtlRequest, request: Request) -> dict:
+        t = tenant(request)
+        try:
+            runs.set_ttl(t, run_id, kind, name, body.ttl_seconds)
+        except ValueError as err:
+            raise HTTPException(400, str(err)) from None
+        return {}
+
+    @r.post("/training_runs/{run_id}/checkpoints/{kind}/{name}/publish")
+    @r.delete("/training_runs/{run_id}/checkpoints/{kind}/{name}/publish")
+    async def publish(run_id: str, kind: str, name: str, request: Request) -> dict:
+        runs.checkpoint_folder(tenant(request), run_id, kind, name)  # another tenant's checkpoint stays 404
+        raise HTTPException(400, PUBLISH)
+
+    # -- external weights -----------------------------------------------------------------------
+
+    @r.post("/save_weights_external")
+    async def save_weights_external(body: wire.SaveWeightsExternalRequest, request: Request) -> dict:
+        t = tenant(request)
+        try:
+            recipients = parse_recipients(body.age_encryption_recipients)
+        except ValueError as err:
+            service.model(t, body.model_id)
+            rid = service.futures.create(t, body.model_id)
+            service.futures.resolve(rid, user_error(str(err)))
+            return {"request_id": rid, "model_id": body.model_id}
+
+        def write(export, folder) -> dict:  # noqa: ANN001 - the model's PEFT export, a Path
+            return {"size_bytes": write_external(export, folder, recipients)}
+
+        return service.submit_save(t, body, kind="external_weights", write_with=write)
+
+    @r.get("/training_runs/{run_id}/checkpoints/{kind}/{name}/external_weights_urls")
+    async def external_weights_urls(run_id: str, kind: str, name: str, request: Request) -> dict:
+        t = tenant(request)
+        folder = runs.checkpoint_folder(t, run_id, kind, name)
+        if kind != "external_weights":
+            raise HTTPException(400, f"only external_weights checkpoints have download URLs, not {kind}: save them with "
+                                     "save_weights_external")
+        return signer.urls(str(request.base_url), t, run_id, name, folder)
+
+    @r.get("/external_weights_files/{owner}/{run_id}/{name}/{file:path}")
+    async def external_weights_file(owner: str, run_id: str, name: str, file: str, expires: int = 0, sig: str = "") -> FileResponse:
+        # The URL is the credential (X1): no key; a bad signature, an expired URL and a missing file look alike.
+        missing = HTTPException(404, "no such file (the URL is wrong or expired: ask get_external_weights_urls again)")
+        if not signer.valid(owner, run_id, name, file, expires, sig):
+            raise missing
+        try:
+            folder = runs.checkpoint_folder(owner, run_id, "external_weights", name)
+        except HTTPException:
+            raise missing from None
+        path = file_in(folder, file)
+        if path is None:
+            raise missing
+        return FileResponse(path, media_type="application/octet-stream")
+
+    # -- not served -----------------------------------------------------------------------------
+
+    def refusal(why: str):  # noqa: ANN202 - a route handler
+        async def refuse(request: Request) -> dict:
+            tenant(request)
+            raise HTTPException(400, why)
+
+        return refuse
+
+    for (method, path), why in NOT_SERVED.items():
+        r.add_api_route(path, refusal(why), methods=[method], name=f"not_served:{method} {path}")
+
+    return r
