@@ -8,7 +8,8 @@ engines are processes the rollout worker launches.
 
 Order (each step waits for the one before, except engines and trainer, which
 start side by side because both are slow):
-  1. Ray: join the cluster named by RAY_ADDRESS, else start a local one
+  1. Ray: join the cluster named by RAY_ADDRESS or the job's ray.address, else start a private
+     local one (service/ray_connect.py: never an accidental join of whatever runs on the host)
   2. leftover engines of a previous process that was killed are reaped (pid file)
   3. placement: plan (refused before anything starts if it cannot fit) and reserve
   4. the controller, over the registry in settings.state_dir
@@ -36,6 +37,7 @@ from service.config import JobConfig, ServiceSettings, is_loopback_host
 from service.controller import Controller
 from service.engine_pids import reap_engines, record_engines
 from service.fleet_stats import FleetStats
+from service.ray_connect import connect_ray
 from service.placement import cluster_shape_from_ray, plan_placement, release_placement_groups, reserve_placement_groups
 from service.rollout_client import RolloutClient
 from service.runtime_impl import FleetRuntime
@@ -204,31 +206,16 @@ def check_state_dir_free(settings: ServiceSettings) -> None:
 
 
 def _init_ray(job: JobConfig, settings: ServiceSettings) -> bool:
-    """Join RAY_ADDRESS if set (a cluster started by `ray start`), else start a local Ray. True if started here.
-    A local Ray under a service bound to loopback listens on 127.0.0.1 only (docs/operations.md, Ports)."""
+    """Join the cluster RAY_ADDRESS or the job's ray.address names, else start a private local Ray
+    (service/ray_connect.py). True if Ray was initialized here. A private local Ray under a service
+    bound to loopback listens on 127.0.0.1 only (docs/operations.md, Ports)."""
     if ray.is_initialized():
         return False
     env = {"env_vars": {"TORCHDYNAMO_DISABLE": os.environ.get("TORCHDYNAMO_DISABLE", "1")}}
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=env, log_to_driver=False)
-        return True
-    if is_loopback_host(settings.host):
-        _ray_on_loopback()
     p = job.placement
     # Logical CPUs: what the placement groups reserve (the processes share the real cores).
     need = p.engines.count * p.engines.cpus + p.trainer.world_size * p.trainer.cpus_per_rank
-    ray.init(num_cpus=max(int(need + 0.999), os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
-             runtime_env=env)
+    line = connect_ray(job.ray, local_cpus=max(int(need + 0.999), os.cpu_count() or 1),
+                       loopback_service=is_loopback_host(settings.host), runtime_env=env)
+    log.info("%s", line)
     return True
-
-
-def _ray_on_loopback() -> None:
-    """Make the Ray started next a single-node Ray whose node IP is 127.0.0.1, so GCS, raylet, agents and
-    workers all listen on loopback (measured on Ray 2.60; without it they bind every interface).
-    Only for a Ray started here: never when joining a cluster (RAY_ADDRESS)."""
-    import ray._private.ray_constants as ray_constants
-
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # read by Ray's processes started after this
-    # ray_constants read the variable when first imported (already, by `import ray`): set the module's
-    # copy too. A private attribute of Ray: re-check on a Ray upgrade (docs/operations.md, Ports).
-    ray_constants.ENABLE_RAY_CLUSTER = False
