@@ -38,7 +38,7 @@ from service.controller import Controller
 from service.engine_pids import reap_engines, record_engines
 from service.fleet_stats import FleetStats
 from service.ray_connect import connect_ray
-from service.placement import cluster_shape_from_ray, plan_placement, release_placement_groups, reserve_placement_groups
+from service.placement import PlacementPlan, cluster_shape_from_ray, plan_placement, release_placement_groups, reserve_placement_groups
 from service.rollout_client import RolloutClient
 from service.runtime_impl import FleetRuntime
 from service.trainer_group import TrainerGroup, with_swap_dir
@@ -58,6 +58,7 @@ class Fleet:
     rollout_handle: Any
     trainer: TrainerGroup
     placement_groups: list[Any]
+    plan: PlacementPlan | None = None  # what runs on which node (printed at start; GET /v1/fleet shows each process's node)
     api: Any = None
     fleet_stats: FleetStats = field(default_factory=FleetStats)  # fed by the training loop, served by GET /v1/fleet/stats
     started_ray: bool = False
@@ -122,7 +123,9 @@ def start_fleet(job: JobConfig, settings: ServiceSettings, *, start_api: ApiStar
     trainer = TrainerGroup(job.trainer)
     try:
         gpu = job.placement.accelerator == "gpu"
-        plan = plan_placement(job.placement, cluster_shape_from_ray() if gpu else None)
+        plan = plan_placement(job.placement, cluster_shape_from_ray())
+        for line in plan.lines():
+            log.info("placement: %s", line)
         groups = reserve_placement_groups(plan, name_prefix="lorafleet")
         trainer_groups = groups[: job.placement.trainer.data_parallel]
         engine_groups = groups[job.placement.trainer.data_parallel :]
@@ -139,7 +142,7 @@ def start_fleet(job: JobConfig, settings: ServiceSettings, *, start_api: ApiStar
         record_engines(settings.state_dir, [e.url for e in engines])
         runtime = FleetRuntime(job, settings, trainer=trainer, rollout=rollout)
         controller.attach_runtime(runtime)
-        fleet = Fleet(job, settings, controller, runtime, rollout_handle, trainer, groups, started_ray=started_ray,
+        fleet = Fleet(job, settings, controller, runtime, rollout_handle, trainer, groups, plan=plan, started_ray=started_ray,
                       startup_seconds=times)
     except BaseException:
         if rollout_handle is not None:  # the rollout worker stops its engines
