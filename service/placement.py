@@ -115,8 +115,7 @@ class ClusterShape(StrictModel):
             raise ValueError(f"node_gpus must be >= 0 per node, got {list(self.node_gpus)}")
         if self.node_cpus is not None and any(c < 0 for c in self.node_cpus):
             raise ValueError(f"node_cpus must be >= 0 per node, got {list(self.node_cpus)}")
-        for name in ("node_cpus", "node_ids", "node_addresses"):
-            value = getattr(self, name)
+        for name, value in (("node_cpus", self.node_cpus), ("node_ids", self.node_ids), ("node_addresses", self.node_addresses)):
             if value is not None and len(value) != len(self.node_gpus):
                 raise ValueError(f"{name} has {len(value)} entries but node_gpus has {len(self.node_gpus)}")
         return self
