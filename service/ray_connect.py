@@ -17,9 +17,11 @@ Invariants:
   * joining never waits longer than `connect_timeout_s` for a head that does not answer: its port
     is probed first (Ray's own connect retries for minutes), and RayConnectError says what was
     tried, from where, and what to check;
-  * a loopback address (127.0.0.1: a test cluster, or a head on this host) keeps the driver on
-    loopback too, as a private local Ray under a loopback service does (`ray_on_loopback`): Ray
-    would otherwise rewrite 127.0.0.1 to the host's routable address and not find the GCS.
+  * joining changes nothing of Ray's own address handling: a head on this host reached as
+    127.0.0.1 is found at the host's routable address as Ray rewrites it (KubeRay's head pod); a
+    cluster whose nodes themselves are on loopback (a test cluster of ray.cluster_utils) needs
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 in this process's environment, as in the cluster's
+    (`ray_on_loopback` is what a private local Ray under a loopback service uses).
 
 `RayConfig` lives with the job file's other models (service/config.py); Ray is imported by the
 functions that need it.
@@ -34,7 +36,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from service.config import RAY_ADDRESS_FORMS, RayConfig, is_loopback_host, ray_host_port
+from service.config import RAY_ADDRESS_FORMS, RayConfig, ray_host_port
 
 RAY_ADDRESS_ENV = "RAY_ADDRESS"
 
@@ -71,11 +73,6 @@ def recorded_cluster_address() -> str | None:
     return text or None
 
 
-def is_loopback_address(address: str) -> bool:
-    host_port = ray_host_port(address)
-    return host_port is not None and is_loopback_host(host_port[0])
-
-
 def wait_for_head(address: str, timeout_s: float, source: str) -> None:
     """Return once the head's port accepts a TCP connection; RayConnectError after `timeout_s`."""
     host_port = ray_host_port(address)
@@ -100,10 +97,9 @@ def wait_for_head(address: str, timeout_s: float, source: str) -> None:
 
 
 def ray_on_loopback() -> None:
-    """Make the Ray started (or joined) next keep 127.0.0.1 as this process's node IP, so a local Ray's GCS,
-    raylet, agents and workers all listen on loopback and a loopback GCS address is not rewritten to the
-    host's routable one (measured on Ray 2.60; FINDINGS.md). Only for a private local Ray under a
-    loopback service, or an address on loopback."""
+    """Make the Ray started next keep 127.0.0.1 as this process's node IP, so its GCS, raylet, agents and
+    workers all listen on loopback (measured on Ray 2.60; FINDINGS.md). Only for a private local Ray under
+    a loopback service."""
     import ray._private.ray_constants as ray_constants
 
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # read by Ray's processes started after this
@@ -135,8 +131,6 @@ def connect_ray(config: RayConfig, *, local_cpus: int, loopback_service: bool,
         target = recorded
     else:
         target = address
-    if is_loopback_address(target):
-        ray_on_loopback()
     if ray_host_port(target) is not None:  # a recorded address is host:port too; anything else is Ray's to refuse
         wait_for_head(target, config.connect_timeout_s, source)
     ray.init(address=target, **common)
