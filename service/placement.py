@@ -84,6 +84,12 @@ class PlacementConfig(StrictModel):
     )
     engines: EnginePlacement = Field(default_factory=EnginePlacement)
     trainer: TrainerPlacement = Field(default_factory=TrainerPlacement)
+    node_loss_wait_s: float = Field(
+        600.0, gt=0, le=86400,
+        description="A node lost: its engines and trainer TP groups are placed anew on the nodes left, or on a node that "
+        "joins, for up to this many seconds (the trainer; the engines: while none is left in service); then the "
+        "service drains (checkpoints every live run it can) and stops, saying why (service/node_faults.py).",
+    )
 
     @property
     def engine_gpus(self) -> int:
@@ -223,6 +229,15 @@ class PlacementError(ValueError):
     """A plan that cannot run on the cluster; the message shows the arithmetic."""
 
 
+class NoPlacement(PlacementError):
+    """A lost node's groups found no room within placement.node_loss_wait_s: the service drains and stops
+    (service/node_faults.py raises it, service/loop.py stops on it)."""
+
+
+class NoRoomYet(PlacementError):
+    """Moving a lost engine found no room this time; the next engine check tries again."""
+
+
 def _demand(config: PlacementConfig) -> str:
     e, t = config.engines, config.trainer
     return (
@@ -299,11 +314,8 @@ def plan_placement(config: PlacementConfig, cluster: ClusterShape | None = None)
                 if free_gpus[n] >= width and (free_cpus is None or free_cpus[n] + _EPS >= ncpu)]
         if not fits:
             raise PlacementError(_no_room(config, cluster, role, index, width, ncpu, free_gpus, free_cpus))
-        if role == "trainer":
-            node = fits[0]
-        else:
-            room = free_gpus if gpu else (free_cpus if free_cpus is not None else [0.0] * cluster.nodes)
-            node = min(fits, key=lambda n: (has_trainer[n], -room[n], n))
+        room = free_gpus if gpu else (free_cpus if free_cpus is not None else [0.0] * cluster.nodes)
+        node = pick_node(role, fits, has_trainer, room)
         first = cluster.node_gpus[node] - free_gpus[node]
         placed[(role, index)] = (node, tuple(range(first, first + width)))
         free_gpus[node] -= width
@@ -323,6 +335,16 @@ def plan_placement(config: PlacementConfig, cluster: ClusterShape | None = None)
         trainer_ranks.append(TrainerRankAssignment(rank=r, tp_rank=tp_rank, dp_rank=dp_rank, node=node,
                                                    gpu=slots[tp_rank] if gpu else None))
     return PlacementPlan(config=config, cluster=cluster, engines=engines, trainer=tuple(trainer_ranks))
+
+
+def pick_node(role: str, fits: list[int], has_trainer: list[bool], room: list[float]) -> int:
+    """The planner's choice among the nodes that have room (`fits`, ascending): a trainer TP group takes the
+    first; an engine a node without trainer ranks, then the one with the most `room` (free GPUs on a GPU plan,
+    free CPUs on a CPU plan), then the lowest. The one home of this policy: the planner and the re-placement
+    of a lost node's groups (service/node_faults.py) both use it."""
+    if role == "trainer":
+        return fits[0]
+    return min(fits, key=lambda n: (has_trainer[n], -room[n], n))
 
 
 def _no_room(config: PlacementConfig, cluster: ClusterShape, role: str, index: int, width: int, ncpu: float,

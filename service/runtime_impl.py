@@ -46,7 +46,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
 import shutil
 import threading
 import time
@@ -63,6 +62,7 @@ from service.checkpoints import ADAPTER_SUBDIR, Checkpoint, PendingCheckpoint, l
 from service.config import AdapterConfig, JobConfig, ServiceSettings
 from service.config_checks import no_step_refusal, planned_steps
 from service.engine_pids import record_engines
+from service.fleet_nodes import fleet_processes
 from service.registry import AdapterRef
 from service.residency import Resident
 from service.rollout_client import RolloutClient
@@ -357,23 +357,9 @@ class FleetRuntime:
                             swap_out_seconds=swap_out, swap_in_seconds=swap_in)
 
     def processes(self) -> list[ProcessInfo]:
-        """Every process of the fleet with its id (the operator's GET /v1/fleet): the coordinator,
-        each trainer rank, the rollout worker and each engine. pid None: not running / unknown."""
-        out = [ProcessInfo("coordinator", "coordinator", os.getpid())]
-        try:
-            pids = self.trainer.pids() if self.trainer.running else []
-        except Exception as e:
-            log.info("trainer pids: %s: %s", type(e).__name__, e)
-            pids = []
-        out += [ProcessInfo(f"trainer-rank-{r}", "trainer", pid) for r, pid in enumerate(pids)]
-        if self.rollout is not None:
-            try:
-                procs = self.rollout.processes()
-                out.append(ProcessInfo("rollout-worker", "rollout", procs["worker"]))
-                out += [ProcessInfo(f"engine-{i}", "engine", pid) for i, pid in enumerate(procs["engines"])]
-            except Exception as e:
-                out.append(ProcessInfo("rollout-worker", "rollout", None, f"unreachable: {type(e).__name__}"))
-        return out
+        """Every process of the fleet with its id and node (the operator's GET /v1/fleet): the coordinator,
+        each trainer rank, the rollout worker and each engine (service/fleet_nodes.py)."""
+        return fleet_processes(self.trainer, self.rollout)
 
     # --- more tenants than slots (I5) --------------------------------------------------------------
 
@@ -774,7 +760,7 @@ class FleetRuntime:
                 done.append(f"engine {index} {r.why}: its restart failed after {took:.1f} s ({type(err).__name__}: {err}); "
                             f"the next check tries again"[:1000])
         if any("restarted (" in d for d in done):  # the new processes replace the dead ones in the record of what to reap
-            record_engines(self.settings.state_dir, [e.url for e in self.rollout.engine_health()])
+            record_engines(self.settings.state_dir, self.rollout.engine_health())  # each engine with its node (multinode)
         return done
 
     def restarting_engines(self) -> list[int]:
