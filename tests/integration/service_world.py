@@ -35,6 +35,7 @@ class Service:
     proc: subprocess.Popen | None = None
     url: str = ""
     ray_address: str = ""
+    env: dict[str, str] | None = None  # the service's environment (default: this process's)
 
     def start(self) -> None:
         info = self.state_dir / "service.json"
@@ -42,7 +43,7 @@ class Service:
         log = open(self.log_path, "a")
         # cwd: the repository, so the test rewards (tests.integration.rewards_for_tests) import in Ray's workers
         self.proc = subprocess.Popen([*LORAFLEET, "serve", str(self.job_path), "-v"], stdout=log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "LORAFLEET_API_TOKEN": TOKEN, "COLUMNS": "200"}, cwd=REPO)
+                                     env={**(self.env or os.environ), "LORAFLEET_API_TOKEN": TOKEN, "COLUMNS": "200"}, cwd=REPO)
         deadline = time.monotonic() + START_TIMEOUT_S
         while not info.is_file():
             if self.proc.poll() is not None:
