@@ -73,7 +73,6 @@ class NodeFaults:
         self.engine_hosts = engine_hosts
         self.trainer_specs = trainer_specs
         self.trainer_nodes: list[str | None] = [s.node_id for s in trainer_specs]
-        self.trainer_groups: list[Any] = []  # set by ensure_trainer_groups (the TrainerGroup's current ones)
         self._moves = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(engine_specs)), thread_name_prefix="engine-move")
         self._lock = threading.Lock()  # room accounting and group changes, one at a time
         self._unplaced_since: dict[int, float] = {}  # engine -> when its move first failed for lack of room
@@ -255,7 +254,6 @@ class NodeFaults:
                 out[d], self.trainer_nodes[d] = placed
                 log.warning("trainer dp%d: its node %s was lost; placed anew on node %s in %.1f s", d,
                             (node or "?")[:12], self.trainer_nodes[d][:12], time.monotonic() - t0)
-        self.trainer_groups = out
         return out
 
     def close(self) -> None:

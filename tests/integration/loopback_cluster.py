@@ -58,7 +58,10 @@ class LoopbackCluster:
     def _ask(self, **cmd) -> dict:
         self._proc.stdin.write(json.dumps(cmd) + "\n")
         self._proc.stdin.flush()
-        return self._read()
+        answer = self._read()
+        if "error" in answer:
+            raise ValueError(f"cluster keeper: {answer['error']}")
+        return answer
 
     def add(self, num_cpus: int) -> str:
         """A worker node joins; its Ray node id (in `workers` from now on)."""
@@ -111,8 +114,12 @@ def _serve(object_store_mb: int) -> None:
                 nodes[node.node_id] = node
                 out = {"node_id": node.node_id}
             elif cmd["op"] == "kill":
-                cluster.remove_node(nodes.pop(cmd["node_id"]), allow_graceful=False)
-                out = {"killed": cmd["node_id"]}
+                node = nodes.pop(cmd["node_id"], None)
+                if node is None:
+                    out = {"error": f"no live node {cmd['node_id']}"}
+                else:
+                    cluster.remove_node(node, allow_graceful=False)
+                    out = {"killed": cmd["node_id"]}
             elif cmd["op"] == "raylets":
                 out = {nid: n.all_processes["raylet"][0].process.pid for nid, n in nodes.items()}
             else:

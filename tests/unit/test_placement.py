@@ -235,3 +235,17 @@ def test_cpu_plans_that_do_not_fit_are_refused_with_the_arithmetic(cfg, cpus, me
 def test_bad_placement_section_names_what_is_allowed(section, allowed):
     with pytest.raises(ValidationError, match=allowed):
         PlacementConfig.model_validate(section)
+
+
+def test_loopback_engines_on_another_host_are_refused_at_start():
+    from service.cluster_checks import check_engines_reachable
+
+    cluster = ClusterShape(node_gpus=(0, 0), node_cpus=(2.0, 2.0), node_ids=("a" * 56, "b" * 56),
+                           node_addresses=("10.0.0.4", "10.0.0.5"))
+    plan = plan_placement(cpu_plan(), cluster)  # trainer on node 0, the engine on node 1 (another host)
+    with pytest.raises(PlacementError, match=r"engine 0 on node 1 \(10.0.0.5, bbbbbbbbbbbb\): engines.host is '127.0.0.1', "
+                                             r"which the rollout worker on the coordinator's host \(10.0.0.4\) cannot reach"):
+        check_engines_reachable(plan, "127.0.0.1", "10.0.0.4")
+    check_engines_reachable(plan, "node", "10.0.0.4")  # each engine binds its node's address: reachable
+    same_host = ClusterShape(node_gpus=(0, 0), node_cpus=(2.0, 2.0), node_addresses=("127.0.0.1", "127.0.0.1"))
+    check_engines_reachable(plan_placement(cpu_plan(), same_host), "127.0.0.1", "127.0.0.1")  # two raylets, one host
