@@ -155,15 +155,22 @@ def signal_processes(pids: list[int], sig: int = signal.SIGKILL, *, group: bool 
 
 
 @contextlib.contextmanager
-def running_service(tmp: Path, tiny_world: Path, slots: dict | None = None, engines: dict | None = None) -> Iterator[Service]:
-    """A started `lorafleet serve`; killed (and its engines reaped) however the tests end."""
+def serving(svc: Service) -> Iterator[Service]:
+    """`svc` started; killed (and its engines reaped) however the tests end."""
     from service.engine_pids import reap_engines
 
-    svc = Service(serve_job(tmp, tiny_world, slots, engines), tmp / "state", tmp / "serve.log")
     try:
         svc.start()
         yield svc
     finally:
         if svc.proc is not None and svc.proc.poll() is None:
             svc.proc.kill()
+            svc.proc.wait(60)
         reap_engines(svc.state_dir)
+
+
+@contextlib.contextmanager
+def running_service(tmp: Path, tiny_world: Path, slots: dict | None = None, engines: dict | None = None) -> Iterator[Service]:
+    """A started `lorafleet serve` over the tiny job without adapters (serve_job); killed however the tests end."""
+    with serving(Service(serve_job(tmp, tiny_world, slots, engines), tmp / "state", tmp / "serve.log")) as svc:
+        yield svc
