@@ -7,12 +7,14 @@ the whole module, in this order:
      different worker nodes by the planner's own choice; GET /v1/fleet shows each process's node, checked
      against where the processes really are (a Ray worker is a child of its node's raylet) and against the
      plan printed at start;
-  2. the engine node's Ray processes are SIGKILLed mid-run (a lost machine): the engine is placed anew on the
-     node left, every adapter republished on it, the SFT adapter steps meanwhile, and every run of the tiny job
-     ends COMPLETED with its export, each step trained once; then a node joins again;
-  3. the trainer node's Ray processes are SIGKILLed mid-run: the trainer is placed anew on the node left and
-     every live run resumes from its last checkpoint; every run ends COMPLETED with its export, each step
-     recorded once and samples_trained = steps x samples per step (nothing trained twice past a checkpoint).
+  2. a spare node joins, then the engine node's Ray processes are SIGKILLed mid-run (a lost machine): the
+     engine is placed anew on the spare node (the planner's choice: the node without trainer ranks, before the
+     trainer's), every adapter republished on it, the SFT adapter steps meanwhile, and every run of the tiny
+     job ends COMPLETED with its export, each step trained once;
+  3. the trainer node's Ray processes are SIGKILLed mid-run: the trainer is placed anew on the node left (the
+     engine's) and every live run resumes from its last checkpoint; every run ends COMPLETED with its export,
+     each step recorded once and samples_trained = steps x samples per step (nothing trained twice past a
+     checkpoint).
 The drills' timelines (kill, detection, recovery, runs resumed; seconds) are printed and written to
 <tmp>/timeline-*.json.
 """
@@ -154,6 +156,7 @@ def test_the_engine_node_lost_mid_run(service, cluster):
     with service.client() as c:
         before = processes(c)
         lost = before["engine-0"]["node_id"]
+        spare = cluster.add(2)  # joins before the loss: the engine has the trainer's node and this one to go to
         sft_at_kill = c.get("kinds_sft")
         assert sft_at_kill["state"] == "ACTIVE" and all(c.get(n)["state"] == "ACTIVE" for n in TINY_ADAPTERS), c.list()
         marks: dict[str, float | None] = {"kill": time.time()}
@@ -169,11 +172,10 @@ def test_the_engine_node_lost_mid_run(service, cluster):
     marks["rl_resumed"] = first_step_after(series["digits"], marks["serving_again"])
     write_timeline(service, "engine-node", marks)
 
-    assert moved["node_id"] != lost
+    assert moved["node_id"] == spare  # not the trainer's node: the planner's policy for engines
     assert sft_meanwhile > sft_at_kill["step"]  # the SFT adapter trained while no engine served
     check_completed(service, done, series)
     assert marks["detected"] is not None and marks["serving_again"] is not None
-    cluster.add(2)  # the node returns (a new machine joins): drill 3 has somewhere to go
 
 
 # --- 3 -------------------------------------------------------------------------------------------------
@@ -204,7 +206,7 @@ def test_the_trainer_node_lost_mid_run(service, cluster, tiny_world):
         marks[f"resumed_{n}"] = first_step_after(series[n], marks["prepared_again"])
     write_timeline(service, "trainer-node", marks)
 
-    assert moved["node_id"] != lost
+    assert moved["node_id"] != lost and moved["node_id"] == before["engine-0"]["node_id"]  # the node left with room
     check_completed(service, done, series)
     per_step = {"rl-after": 2 * 4, "sft-after": 4}  # prompts_per_step x group size; examples per step
     for name, ref in done.items():
