@@ -135,7 +135,8 @@ def create_app(controller_obj: Controller, settings: ServiceSettings, fleet_stat
             summary="The service's processes and their ids (operators; the admin token)")
     async def fleet() -> FleetOut:
         procs = await controller.processes()
-        return FleetOut(processes=[ProcessOut(name=p.name, role=p.role, pid=p.pid, detail=p.detail) for p in procs])
+        return FleetOut(processes=[ProcessOut(name=p.name, role=p.role, pid=p.pid, detail=p.detail, node_id=p.node_id,
+                                              node_ip=p.node_ip) for p in procs])
 
     app.include_router(v1)
     mount_ui(app, auth.caller, fleet_stats)  # the dashboard (/ui) and GET /v1/fleet/stats (no names): any caller

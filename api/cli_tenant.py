@@ -221,12 +221,13 @@ def abort(name: str, api_url: ApiUrl = DEFAULT_API_URL, token: Token = None, tim
 
 
 def fleet(api_url: ApiUrl = DEFAULT_API_URL, token: Token = None, timeout: Timeout = 30.0, as_json: AsJson = False) -> None:
-    """The service's processes and their ids: coordinator, trainer ranks, rollout worker, engines (GET /v1/fleet)."""
+    """The service's processes, their ids and nodes: coordinator, trainer ranks, rollout worker, engines (GET /v1/fleet)."""
     with api_client(api_url, token, timeout) as client:
         procs = client.fleet()
-    table = Table("NAME", "ROLE", "PID", "DETAIL")
+    table = Table("NAME", "ROLE", "PID", "NODE", "ADDRESS", "DETAIL")
     for p in procs:
-        table.add_row(p["name"], p["role"], _fmt(p["pid"]), p.get("detail") or "")
+        table.add_row(p["name"], p["role"], _fmt(p["pid"]), (p.get("node_id") or "")[:12], p.get("node_ip") or "",
+                      p.get("detail") or "")
     _print(procs, as_json, table)
 
 

@@ -165,6 +165,8 @@ class ProcessOut(_Out):
     role: str = Field(description="coordinator | trainer | rollout | engine")
     pid: int | None = Field(description="Process id on its node (None: not running, or an external engine).")
     detail: str = ""
+    node_id: str = Field("", description="The Ray node it runs on ('' when not known: an external engine, a process not running).")
+    node_ip: str = Field("", description="That node's address.")
 
 
 class FleetOut(_Out):

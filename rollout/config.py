@@ -104,7 +104,8 @@ class EngineConfig(StrictModel):
     host: str = Field(
         "127.0.0.1",
         description="Address the servers bind to and the client calls. Loopback by default: the servers' only "
-        "client is the rollout worker that starts them on its node. Must be loopback when the service is.",
+        "client is the rollout worker, on the coordinator's node. 'node': each server binds its node's address as "
+        "Ray knows it (engines on other hosts of a cluster). Must be loopback when the service is.",
     )
     ports: list[int] = Field(
         default_factory=list,

@@ -12,10 +12,16 @@ Invariants:
 * `wait_ready()` either returns with the server answering /health_generate (a
   real generation), or raises `EngineStartError` with the log's tail, after
   stopping the process.
+* With `die_with_parent` the server gets SIGKILL when the thread that started it
+  ends (Linux PR_SET_PDEATHSIG; SGLang's own children die with the server): an
+  engine launcher (rollout/engine_launcher.py) starts it from a thread that lives
+  as long as its process, so a lost launcher (its node's raylet died) leaves no
+  engine behind holding the node's GPUs and ports.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -58,8 +64,10 @@ def tail(path: Path, lines: int = 40) -> str:
 class EngineProcess:
     """One SGLang server process."""
 
-    def __init__(self, index: int, cfg: EngineConfig, model_path: str | Path, *, log_dir: str | Path | None = None):
+    def __init__(self, index: int, cfg: EngineConfig, model_path: str | Path, *, log_dir: str | Path | None = None,
+                 die_with_parent: bool = False):
         self.index = index
+        self.die_with_parent = die_with_parent
         self.cfg = cfg
         self.model_path = str(model_path)
         self.log_dir = Path(log_dir or cfg.log_dir or tempfile.mkdtemp(prefix="lorafleet-engines-"))
@@ -99,6 +107,7 @@ class EngineProcess:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # own process group: stop() reaches SGLang's children
+            preexec_fn=_die_with_parent if self.die_with_parent else None,
         )
         self.starts += 1
 
@@ -199,6 +208,17 @@ class EngineProcess:
         self.stop()
         self.start()
         return self.wait_ready(deadline_s)
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_LIBC = ctypes.CDLL(None, use_errno=True) if os.name == "posix" else None  # loaded before any fork
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the spawning thread ends. Only a C call (no allocation, no lock
+    taken), as code between fork and exec must be."""
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _signal_group(pgid: int, sig: int) -> None:

@@ -94,6 +94,9 @@ class EngineHealth(BaseModel):
     routable: bool  # the pool sends requests to it
     inflight: int
     starts: int = 1
+    pid: int | None = None  # the server's process id (managed engines)
+    node_id: str = ""  # the Ray node it runs on ("" unknown: an external engine)
+    node_ip: str = ""
 
 
 class RolloutError(ValueError):

@@ -1,14 +1,15 @@
 """The RolloutWorker Ray actor: owns the SGLang engines, the engine pool and the rollout loop.
 
-Create it with ``RolloutWorker.options(...).remote(engine_cfg, rollout_cfg, model_path)``
-(the service does that in service/actors.py, with the placement of service/placement.py),
+Create it with ``RolloutWorker.options(...).remote(engine_cfg, rollout_cfg, model_path, launchers=[...])``
+(the service does that in service/actors.py: the worker on the coordinator's node, one
+EngineLauncher per engine in that engine's placement group, rollout/engine_launcher.py),
 then ``await worker.start.remote()``; the service calls it through the typed
 service/rollout_client.py. It is an async actor: all methods run on one asyncio
 loop, so the rollout loop keeps going between calls and no call waits for
-training.
+training. Engines on other nodes are reached over HTTP at the URL their launcher reports.
 
 Interface for the service (all async):
-  start() -> list[EngineHealth]                    launch engines (or connect to engine_urls), start the loop
+  start() -> list[EngineHealth]                    start the engines (launchers, or its own, or connect to engine_urls), start the loop
   add_adapter(spec: AdapterRollout, weights: AdapterWeights) -> AdapterStats
   remove_adapter(name) -> int                      requests aborted
   publish_version(name, version, weights) -> str   'loaded', or 'superseded' (never served: a newer version won)
@@ -18,8 +19,9 @@ Interface for the service (all async):
   data_cursor(name) -> DataCursor
   stats(name=None) -> AdapterStats | dict[str, AdapterStats]
   engine_health() -> list[EngineHealth]
-  restart_engine(index) -> EngineHealth            managed engines only
-  processes() -> {"worker": pid, "engines": [pid]} process ids (the operator's GET /v1/fleet)
+  restart_engine(index) -> EngineHealth            managed engines only (EngineLost: its launcher is gone)
+  adopt_engine(index, launcher) -> EngineHealth    a new launcher for engine `index` (placed elsewhere by the coordinator)
+  processes() -> {"worker": pid, "node_id", "node_ip", "engines": [EngineInfo | None]} (GET /v1/fleet)
   shutdown() -> None                               abort everything, stop engines
 """
 
@@ -35,6 +37,8 @@ import ray
 from rollout.client import EngineClient
 from rollout.config import EngineConfig, RolloutConfig
 from rollout.engine import EngineProcess
+from rollout.engine_handles import LauncherEngine, LocalEngine, ManagedEngine, local_node
+from rollout.engine_launcher import EngineInfo
 from rollout.pool import EnginePool
 from rollout.weights import AdapterWeights, PendingFolder
 from rollout.worker import AdapterRollout, AdapterStats, EngineHealth, RolloutCore, RolloutError
@@ -47,19 +51,30 @@ class RolloutWorkerImpl:
 
     def __init__(self, engine_cfg: EngineConfig, rollout_cfg: RolloutConfig, model_path: str | Path,
                  engine_urls: list[str] | None = None, log_dir: str | None = None,
-                 engines: list[EngineProcess] | None = None):
-        """Engines, first match: `engines` (started EngineProcess objects to adopt: the worker
-        watches and restarts them but does not stop them at shutdown), `engine_urls` (external
-        servers: no restart), else the worker launches engine_cfg.num_engines servers itself."""
-        if engines is not None and engine_urls is not None:
-            raise RolloutError("give engines or engine_urls, not both")
+                 engines: list[EngineProcess] | None = None, launchers: list | None = None):
+        """Engines, first match: `launchers` (EngineLauncher actor handles, one per engine: the service),
+        `engines` (started EngineProcess objects to adopt: the worker watches and restarts them but does
+        not stop them at shutdown), `engine_urls` (external servers: no restart), else the worker launches
+        engine_cfg.num_engines servers itself."""
+        if sum(x is not None for x in (engines, engine_urls, launchers)) > 1:
+            raise RolloutError("give at most one of launchers, engines and engine_urls")
         self.engine_cfg = engine_cfg
         self.rollout_cfg = rollout_cfg
         self.model_path = str(model_path)
         self.engine_urls = engine_urls
         self.log_dir = log_dir
-        self.engines: list[EngineProcess] = list(engines or [])  # empty when connected to external engine_urls
-        self._owns_engines = engines is None
+        # Managed engines (empty when connected to external engine_urls), index = engine index.
+        self.engines: list[ManagedEngine]
+        if launchers is not None:
+            self.engines = [LauncherEngine(i, h) for i, h in enumerate(launchers)]
+        elif engines is not None:
+            self.engines = [LocalEngine(e, owned=False) for e in engines]
+        elif engine_urls is None:
+            self.engines = [LocalEngine(EngineProcess(i, engine_cfg, self.model_path, log_dir=log_dir), owned=True)
+                            for i in range(engine_cfg.num_engines)]
+        else:
+            self.engines = []
+        self._start_engines = launchers is not None or (engines is None and engine_urls is None)
         self.pool: EnginePool | None = None
         self.core: RolloutCore | None = None
         self._monitor: asyncio.Task | None = None
@@ -72,20 +87,15 @@ class RolloutWorkerImpl:
     async def start(self) -> list[EngineHealth]:
         from transformers import AutoTokenizer
 
-        if self.engines:
-            urls = [e.url for e in self.engines]
-        elif self.engine_urls is None:
-            self.engines = [EngineProcess(i, self.engine_cfg, self.model_path, log_dir=self.log_dir)
-                            for i in range(self.engine_cfg.num_engines)]
-            try:
-                for e in self.engines:
-                    await asyncio.to_thread(e.start)
-                await asyncio.gather(*(asyncio.to_thread(e.wait_ready) for e in self.engines))
-            except BaseException:
-                for e in self.engines:
-                    e.stop()
-                raise
-            urls = [e.url for e in self.engines]
+        if self._start_engines:
+            results = await asyncio.gather(*(e.start() for e in self.engines), return_exceptions=True)
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:
+                await asyncio.gather(*(e.stop() for e in self.engines), return_exceptions=True)
+                raise errors[0]
+            urls = [e.last.url for e in self.engines]
+        elif self.engines:
+            urls = [e.last.url for e in self.engines]
         else:
             urls = list(self.engine_urls)
         self.pool = EnginePool([self._client(u) for u in urls], weight_transfer=self.engine_cfg.weight_transfer)
@@ -97,17 +107,19 @@ class RolloutWorkerImpl:
         return await self.engine_health()
 
     async def _watch_engines(self, interval_s: float = 1.0) -> None:
-        """Every second: mark a managed engine whose process died as unroutable at once (its
-        requests fail and re-queue), and take back into routing an engine that a connection
-        error took out but that answers /health again (``EnginePool.readmit``)."""
+        """Every second: mark a managed engine whose process died (or whose launcher is gone) as
+        unroutable at once (its requests fail and re-queue), and take back into routing an engine
+        that a connection error took out but that answers /health again (``EnginePool.readmit``)."""
         while True:
             await asyncio.sleep(interval_s)
+            if self.engines:
+                await asyncio.gather(*(e.probe() for e in self.engines), return_exceptions=True)
             for i in range(self.pool.num_engines):
                 managed = self.engines[i] if self.engines else None
-                if managed is not None and not managed.is_alive():
+                if managed is not None and not managed.last.alive:
                     if self.pool.healthy(i):
                         self.pool.mark_unhealthy(i)
-                    continue  # dead: the service restarts it (restart_engine)
+                    continue  # dead: the service restarts it (restart_engine) or places a new one (adopt_engine)
                 if not self.pool.healthy(i):
                     try:
                         await self.pool.readmit(i)
@@ -151,30 +163,52 @@ class RolloutWorkerImpl:
         out = []
         for i in range(pool.num_engines):
             if self.engines:
-                e = self.engines[i]
-                alive, url, starts = e.is_alive(), e.url if e.port else "", e.starts
+                info = self.engines[i].last
+                alive, url, starts, pid, node_id, node_ip = info.alive, info.url, info.starts, info.pid, info.node_id, info.node_ip
             else:
                 url = self.engine_urls[i]
-                alive, starts = await pool.client(i).health(), 1
+                alive, starts, pid, node_id, node_ip = await pool.client(i).health(), 1, None, "", ""
             out.append(EngineHealth(index=i, url=url, alive=alive, routable=pool.healthy(i),
-                                    inflight=pool.inflight_by_engine()[i], starts=starts))
+                                    inflight=pool.inflight_by_engine()[i], starts=starts, pid=pid, node_id=node_id,
+                                    node_ip=node_ip))
         return out
 
-    async def restart_engine(self, index: int) -> EngineHealth:
-        """Restart a managed engine and load every adapter's current version on it."""
+    def _managed(self, index: int) -> ManagedEngine:
         if not self.engines:
-            raise RolloutError("restart_engine needs engines this worker launched (it was given engine_urls)")
+            raise RolloutError("restarting an engine needs engines this worker manages (it was given engine_urls)")
         if not 0 <= index < len(self.engines):
             raise RolloutError(f"no engine {index}; engines are 0..{len(self.engines) - 1}")
+        return self.engines[index]
+
+    async def restart_engine(self, index: int) -> EngineHealth:
+        """Restart a managed engine and load every adapter's current version on it. Raises EngineLost
+        (rollout/engine_handles.py) when its launcher is gone: the coordinator places a new one."""
+        e = self._managed(index)
         self.pool.mark_unhealthy(index)
-        e = self.engines[index]
-        await asyncio.to_thread(e.restart)
-        await self.pool.replace_engine(index, self._client(e.url))
+        info = await e.restart()
+        await self.pool.replace_engine(index, self._client(info.url))
+        return (await self.engine_health())[index]
+
+    async def adopt_engine(self, index: int, launcher) -> EngineHealth:
+        """Engine `index` from now on runs under `launcher` (an EngineLauncher the coordinator placed on
+        a node with room, after the old one was lost with its node): start it, load every adapter's
+        current version on it (republished), route to it."""
+        old = self._managed(index)
+        self.pool.mark_unhealthy(index)
+        new = LauncherEngine(index, launcher)
+        info = await new.start()
+        self.engines[index] = new
+        if not old.lost:
+            await old.stop()
+        await self.pool.replace_engine(index, self._client(info.url))
         return (await self.engine_health())[index]
 
     async def processes(self) -> dict:
-        """This worker's process id and each managed engine's (None: external or not running)."""
-        return {"worker": os.getpid(), "engines": [e.pid for e in self.engines] if self.engines else [None] * len(self.engine_urls or [])}
+        """This worker's process id and node, and each managed engine's EngineInfo (None: external)."""
+        node_id, node_ip = local_node()
+        engines: list[EngineInfo | None] = ([e.last for e in self.engines] if self.engines
+                                            else [None] * len(self.engine_urls or []))
+        return {"worker": os.getpid(), "node_id": node_id, "node_ip": node_ip, "engines": engines}
 
     async def shutdown(self) -> None:
         if self._monitor is not None:
@@ -183,10 +217,8 @@ class RolloutWorkerImpl:
             await self.core.stop()
         if self.pool is not None:
             await self.pool.aclose()
-        if self._owns_engines:
-            for e in self.engines:
-                await asyncio.to_thread(e.stop)
+        await asyncio.gather(*(e.stop() for e in self.engines), return_exceptions=True)
 
 
-# The Ray actor. One per rollout node; resources come from service.placement.
+# The Ray actor: one, on the coordinator's node (service/actors.py); its engines run under launchers.
 RolloutWorker = ray.remote(RolloutWorkerImpl)

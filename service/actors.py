@@ -1,15 +1,21 @@
 """Every Ray actor of the service, with its options, in one place.
 
-Two actor roles exist (DESIGN.md "Processes"); everything else runs in the
+Three actor roles exist (DESIGN.md "Processes"); everything else runs in the
 coordinator process (API, controller, runtime, loop) or is an SGLang process:
   * trainer ranks: `trainer.actor.TrainWorker`, one per device, tp * dp of them;
     rank r sits in bundle tp_rank of the trainer placement group of its dp_rank
     (service/placement.py plans and reserves the groups);
-  * the rollout worker: `rollout.worker_actor.RolloutWorker` (async), in engine 0's
-    placement group; it launches the SGLang engines.
-No actor restarts by itself (max_restarts=0): a lost trainer or rollout worker is
-replaced deliberately by the coordinator (service/trainer_group.py restarts the
-trainer; the loop re-prepares every live run from its checkpoint).
+  * engine launchers: `rollout.engine_launcher.EngineLauncher`, one per engine, in
+    that engine's placement group (its GPUs and CPUs, on the node the planner chose);
+    each starts its SGLang engine, which dies with it;
+  * the rollout worker: `rollout.worker_actor.RolloutWorker` (async), pinned to the
+    coordinator's node with no resources reserved (it routes HTTP requests, scores and
+    buffers; the engines do the work): it shares the coordinator's fate only, so losing
+    an engine or trainer node never loses the rollout state (data cursors, buffers).
+No actor restarts by itself (max_restarts=0): a lost trainer, engine launcher or rollout
+worker is replaced deliberately by the coordinator (service/trainer_group.py restarts the
+trainer; the loop re-prepares every live run from its checkpoint; service/node_faults.py
+places a lost engine anew).
 """
 
 from __future__ import annotations
@@ -54,15 +60,36 @@ def start_train_workers(world_size: int, tp: int, placement_groups: list[Any] | 
             for r in range(world_size)]
 
 
-def start_rollout_worker(job: JobConfig, settings: ServiceSettings, engine_group: Any) -> Any:
-    """The rollout worker actor (it launches the engines when its `start` is called). One worker
-    launches every engine; on GPU with several engines each engine's devices must be visible to it."""
+def engine_launcher_options(job: JobConfig, engine_group: Any) -> dict[str, Any]:
+    """Ray options of an engine's launcher: the whole bundle of the engine's placement group."""
+    gpu = job.placement.accelerator == "gpu"
+    return {
+        "num_cpus": job.placement.engines.cpus,
+        "num_gpus": job.placement.engines.tensor_parallel if gpu else 0,
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=engine_group, placement_group_bundle_index=0),
+        "max_restarts": 0,
+    }
+
+
+def start_engine_launcher(job: JobConfig, settings: ServiceSettings, index: int, engine_group: Any) -> Any:
+    """The launcher of engine `index` in its placement group (it starts the engine when its `start` is called)."""
+    from rollout.engine_launcher import EngineLauncher
+
+    return EngineLauncher.options(**engine_launcher_options(job, engine_group)).remote(
+        index, job.engine_config(settings), job.base_model.path, log_dir=str(settings.state_dir / "engines"))
+
+
+def start_rollout_worker(job: JobConfig, settings: ServiceSettings, launchers: list[Any]) -> Any:
+    """The rollout worker actor on this (the coordinator's) node; it starts the engines through their
+    `launchers` when its `start` is called, and routes to them wherever they run."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
     from rollout.worker_actor import RolloutWorker
 
-    gpu = job.placement.accelerator == "gpu"
+    here = ray.get_runtime_context().get_node_id()
     return RolloutWorker.options(
-        num_cpus=job.placement.engines.cpus,
-        num_gpus=job.placement.engines.tensor_parallel if gpu else 0,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=engine_group, placement_group_bundle_index=0),
+        num_cpus=0,  # no reservation: it must fit on a head node that offers no CPUs (KubeRay's num-cpus: 0)
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
         max_restarts=0,
-    ).remote(job.engine_config(settings), job.rollout_config(settings), job.base_model.path, log_dir=str(settings.state_dir / "engines"))
+    ).remote(job.engine_config(settings), job.rollout_config(settings), job.base_model.path,
+             log_dir=str(settings.state_dir / "engines"), launchers=launchers)

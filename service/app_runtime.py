@@ -8,12 +8,16 @@ engines are processes the rollout worker launches.
 
 Order (each step waits for the one before, except engines and trainer, which
 start side by side because both are slow):
-  1. Ray: join the cluster named by RAY_ADDRESS, else start a local one
+  1. Ray: join the cluster named by RAY_ADDRESS or the job's ray.address, else start a private
+     local one (service/ray_connect.py: never an accidental join of whatever runs on the host)
   2. leftover engines of a previous process that was killed are reaped (pid file)
   3. placement: plan (refused before anything starts if it cannot fit) and reserve
   4. the controller, over the registry in settings.state_dir
-  5. rollout worker (in the engine placement group; it launches the SGLang engines)
-     and trainer ranks (in the trainer placement groups), concurrently
+  4b. checks of the plan against the cluster: engines reachable from the coordinator's node, the
+     state dir shared with the nodes that use it (service/cluster_checks.py)
+  5. one engine launcher per engine (in its placement group), the rollout worker (on this node;
+     it starts the engines through the launchers) and the trainer ranks (in the trainer placement
+     groups): engines and trainer start concurrently
   6. the FleetRuntime over both, attached to the controller, whose reconcile now prepares runs
   7. the REST API, through the `start_api` the caller passes in (api/cli.py passes
      api.server.start_api_server; service/ never imports api/)
@@ -27,19 +31,30 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import ray
 
 from service.actors import start_rollout_worker
+from service.cluster_checks import check_engines_reachable, check_shared_state_dir, state_dir_users
 from service.config import JobConfig, ServiceSettings, is_loopback_host
 from service.controller import Controller
-from service.engine_pids import reap_engines, record_engines
+from service.engine_hosts import EngineHosts
+from service.engine_pids import reap_engines_everywhere, record_engines
 from service.fleet_stats import FleetStats
-from service.placement import cluster_shape_from_ray, plan_placement, release_placement_groups, reserve_placement_groups
+from service.ray_connect import connect_ray
+from service.node_faults import NodeFaults
+from service.placement import (
+    PlacementPlan,
+    cluster_shape_from_ray,
+    placement_group_specs,
+    plan_placement,
+    release_placement_groups,
+    reserve_placement_groups,
+)
 from service.rollout_client import RolloutClient
 from service.runtime_impl import FleetRuntime
-from service.shutdown import ray_processes_in_their_own_groups
 from service.trainer_group import TrainerGroup, with_swap_dir
 
 log = logging.getLogger(__name__)
@@ -56,7 +71,9 @@ class Fleet:
     runtime: FleetRuntime
     rollout_handle: Any
     trainer: TrainerGroup
-    placement_groups: list[Any]
+    plan: PlacementPlan | None = None  # what runs on which node (printed at start; GET /v1/fleet shows each process's node)
+    engine_hosts: EngineHosts | None = None  # each engine's placement group and launcher
+    node_faults: NodeFaults | None = None  # places a lost node's engines and trainer groups anew
     api: Any = None
     fleet_stats: FleetStats = field(default_factory=FleetStats)  # fed by the training loop, served by GET /v1/fleet/stats
     started_ray: bool = False
@@ -86,14 +103,20 @@ class Fleet:
                 fn()
             except Exception as e:
                 log.warning("%s: %s: %s", what, type(e).__name__, e)
-        reap_engines(self.settings.state_dir)
+        _reap(self.settings.state_dir)
         try:
             ray.kill(self.rollout_handle)
         except Exception:
             pass
+        if self.node_faults is not None:
+            self.node_faults.close()
+        if self.engine_hosts is not None:
+            self.engine_hosts.close()
         self.trainer.stop()
         try:
-            release_placement_groups(self.placement_groups)
+            # the groups in use now (a lost node's may have been replaced: service/node_faults.py)
+            release_placement_groups([g for g in self.trainer.placement_groups or [] if g is not None]
+                                     + (self.engine_hosts.live_groups() if self.engine_hosts else []))
         except Exception as e:
             log.warning("releasing placement groups: %s", e)
         if self.started_ray:
@@ -114,32 +137,44 @@ def start_fleet(job: JobConfig, settings: ServiceSettings, *, start_api: ApiStar
     check_state_dir_free(settings)  # before anything starts: a second service would only fail later
     started_ray = _init_ray(job, settings)
     times["ray"] = time.monotonic() - t0
-    reap_engines(settings.state_dir)
+    _reap(settings.state_dir)
     groups: list[Any] = []
     rollout_handle: Any = None
+    engine_hosts: EngineHosts | None = None
     controller: Controller | None = None
     trainer = TrainerGroup(job.trainer)
     try:
         gpu = job.placement.accelerator == "gpu"
-        plan = plan_placement(job.placement, cluster_shape_from_ray() if gpu else None)
+        plan = plan_placement(job.placement, cluster_shape_from_ray())
+        for line in plan.lines():
+            log.info("placement: %s", line)
+        here_ip = ray.util.get_node_ip_address()
+        check_engines_reachable(plan, job.engines.host, here_ip)
         groups = reserve_placement_groups(plan, name_prefix="lorafleet")
         trainer_groups = groups[: job.placement.trainer.data_parallel]
         engine_groups = groups[job.placement.trainer.data_parallel :]
+        labels = {plan.node_id(n): plan.cluster.node_label(n) for n in range(plan.cluster.nodes)} if plan.cluster else {}
+        check_shared_state_dir(settings.state_dir, state_dir_users(plan, job.engines.weight_transfer, here_ip), labels)
         controller = Controller(settings, job.capacity)
-        rollout_handle = start_rollout_worker(job, settings, engine_groups[0])
-        rollout = RolloutClient(rollout_handle, engine_restart_timeout_s=job.engines.startup_deadline_s + 60)
+        specs = placement_group_specs(plan, name_prefix="lorafleet")
+        trainer_specs, engine_specs = specs[: len(trainer_groups)], specs[len(trainer_groups) :]
+        engine_hosts = EngineHosts(job, settings, engine_groups, [s.node_id for s in engine_specs])
+        node_faults = NodeFaults(job, engine_specs, engine_hosts, trainer_specs)
+        rollout_handle = start_rollout_worker(job, settings, engine_hosts.launchers)
+        rollout = RolloutClient(rollout_handle, engine_restart_timeout_s=job.engines.startup_deadline_s + 60,
+                                node_faults=node_faults)
         t1 = time.monotonic()
         engines_started = rollout.start_engines()
         trainer = TrainerGroup(with_swap_dir(job.trainer, settings.state_dir), trainer_groups, cpus_per_rank=job.placement.trainer.cpus_per_rank,
-                               gpus_per_rank=1.0 if gpu else 0.0)
+                               gpus_per_rank=1.0 if gpu else 0.0, placer=node_faults.ensure_trainer_groups)
         times["trainer"] = trainer.start()  # builds the model while the engines start
         engines = ray.get(engines_started, timeout=job.engines.startup_deadline_s + 120)
         times["engines"] = time.monotonic() - t1
-        record_engines(settings.state_dir, [e.url for e in engines])
+        record_engines(settings.state_dir, engines)
         runtime = FleetRuntime(job, settings, trainer=trainer, rollout=rollout)
         controller.attach_runtime(runtime)
-        fleet = Fleet(job, settings, controller, runtime, rollout_handle, trainer, groups, started_ray=started_ray,
-                      startup_seconds=times)
+        fleet = Fleet(job, settings, controller, runtime, rollout_handle, trainer, plan=plan,
+                      engine_hosts=engine_hosts, node_faults=node_faults, started_ray=started_ray, startup_seconds=times)
     except BaseException:
         if rollout_handle is not None:  # the rollout worker stops its engines
             try:
@@ -150,10 +185,12 @@ def start_fleet(job: JobConfig, settings: ServiceSettings, *, start_api: ApiStar
                 ray.kill(rollout_handle)
             except Exception:
                 pass
+        if engine_hosts is not None:
+            engine_hosts.close()
         if controller is not None:
             controller.close()
         trainer.stop()
-        reap_engines(settings.state_dir)
+        _reap(settings.state_dir)
         if groups:
             try:
                 release_placement_groups(groups)
@@ -171,6 +208,14 @@ def start_fleet(job: JobConfig, settings: ServiceSettings, *, start_api: ApiStar
     times["total"] = time.monotonic() - t0
     log.info("service started in %.1f s (%s)", times["total"], ", ".join(f"{k} {v:.1f} s" for k, v in times.items()))
     return fleet
+
+
+def _reap(state_dir: Path) -> None:
+    """Engines a killed service left on any node (service/engine_pids.py); never fails the caller."""
+    try:
+        reap_engines_everywhere(state_dir)
+    except Exception as e:  # noqa: BLE001 - a cleanup: report, go on
+        log.warning("reaping leftover engines: %s: %s", type(e).__name__, e)
 
 
 class StateDirBusy(RuntimeError):
@@ -205,32 +250,16 @@ def check_state_dir_free(settings: ServiceSettings) -> None:
 
 
 def _init_ray(job: JobConfig, settings: ServiceSettings) -> bool:
-    """Join RAY_ADDRESS if set (a cluster started by `ray start`), else start a local Ray. True if started here.
-    A local Ray under a service bound to loopback listens on 127.0.0.1 only (docs/operations.md, Ports)."""
+    """Join the cluster RAY_ADDRESS or the job's ray.address names, else start a private local Ray
+    (service/ray_connect.py). True if Ray was initialized here. A private local Ray under a service
+    bound to loopback listens on 127.0.0.1 only (docs/operations.md, Ports)."""
     if ray.is_initialized():
         return False
     env = {"env_vars": {"TORCHDYNAMO_DISABLE": os.environ.get("TORCHDYNAMO_DISABLE", "1")}}
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=env, log_to_driver=False)
-        return True
-    if is_loopback_host(settings.host):
-        _ray_on_loopback()
     p = job.placement
     # Logical CPUs: what the placement groups reserve (the processes share the real cores).
     need = p.engines.count * p.engines.cpus + p.trainer.world_size * p.trainer.cpus_per_rank
-    with ray_processes_in_their_own_groups():  # a group SIGTERM reaches the coordinator only: it drains, then stops Ray
-        ray.init(num_cpus=max(int(need + 0.999), os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
-                 runtime_env=env)
+    line = connect_ray(job.ray, local_cpus=max(int(need + 0.999), os.cpu_count() or 1),
+                       loopback_service=is_loopback_host(settings.host), runtime_env=env)
+    log.info("%s", line)
     return True
-
-
-def _ray_on_loopback() -> None:
-    """Make the Ray started next a single-node Ray whose node IP is 127.0.0.1, so GCS, raylet, agents and
-    workers all listen on loopback (measured on Ray 2.60; without it they bind every interface).
-    Only for a Ray started here: never when joining a cluster (RAY_ADDRESS)."""
-    import ray._private.ray_constants as ray_constants
-
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # read by Ray's processes started after this
-    # ray_constants read the variable when first imported (already, by `import ray`): set the module's
-    # copy too. A private attribute of Ray: re-check on a Ray upgrade (docs/operations.md, Ports).
-    ray_constants.ENABLE_RAY_CLUSTER = False

@@ -60,16 +60,17 @@ def _load(job_path: Path | None, state_dir: Path | None, **explicit: Any):
 @contextmanager
 def _clear_errors() -> Iterator[None]:
     """Errors an operator can fix (a refused job adapter, a plan that does not fit, an engine
-    that does not start, a registry another service holds) end the command with their
+    that does not start, a registry another service holds, a Ray cluster that cannot be joined) end the command with their
     message and exit 2 instead of a traceback."""
     from rollout.engine import EngineStartError
     from service.app_runtime import StateDirBusy
     from service.errors import LorafleetError
     from service.placement import PlacementError
+    from service.ray_connect import RayConnectError
 
     try:
         yield
-    except (LorafleetError, PlacementError, EngineStartError, StateDirBusy) as e:
+    except (LorafleetError, PlacementError, EngineStartError, StateDirBusy, RayConnectError) as e:
         typer.echo(f"error: {type(e).__name__}: {e}", err=True)
         raise typer.Exit(2) from None
 

@@ -315,6 +315,47 @@ def load_settings(settings_file: Path | None = None, *, base: dict[str, Any] | N
         raise ConfigError(f"invalid service settings:\n{format_validation_error(e)}") from None
 
 
+# --- which Ray cluster (service/ray_connect.py connects) -------------------------------------------
+
+_RAY_HOST_PORT = re.compile(r"^(?:ray://)?(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>[0-9]{1,5})$")
+RAY_ADDRESS_FORMS = "'local', 'auto', or '[ray://]host:port' of the head node (e.g. 10.0.0.5:6379, ray://head:10001)"
+
+
+def ray_host_port(address: str) -> tuple[str, int] | None:
+    """(host, port) of a '[ray://]host:port' Ray address; None for 'local', 'auto' or anything else."""
+    m = _RAY_HOST_PORT.match(address)
+    return (m["host"].strip("[]"), int(m["port"])) if m else None
+
+
+class RayConfig(StrictModel):
+    """The job file's `ray:` section: which Ray cluster the service runs on."""
+
+    address: str | None = Field(
+        None,
+        description="The Ray cluster to join: '[ray://]host:port' of its head node, 'auto' (the cluster `ray start` "
+        "recorded on this host), or 'local' (a private local Ray). Unset: a private local Ray. The environment "
+        "variable RAY_ADDRESS, when set, takes precedence.",
+    )
+    connect_timeout_s: float = Field(
+        60.0, gt=0, le=3600,
+        description="Give up joining the cluster when its head has not answered for this many seconds (the service "
+        "then exits with an error naming the address).",
+    )
+
+    @field_validator("address")
+    @classmethod
+    def _known_form(cls, address: str | None) -> str | None:
+        if address is None:
+            return None
+        address = address.strip()
+        host_port = ray_host_port(address)
+        if host_port is not None and not 0 < host_port[1] <= 65535:
+            raise ValueError(f"ray.address {address!r}: port must be 1..65535")
+        if address in ("local", "auto") or host_port is not None:
+            return address
+        raise ValueError(f"ray.address {address!r} is not an address Ray can join; allowed: {RAY_ADDRESS_FORMS}")
+
+
 # --- the job file --------------------------------------------------------------------------------
 
 
@@ -396,6 +437,7 @@ class JobConfig(StrictModel):
     """A lorafleet job file: base model, placement, slots, trainer, engines, rollout, service and the adapters to run."""
 
     base_model: BaseModelSpec
+    ray: RayConfig = Field(default_factory=RayConfig, description="Which Ray cluster to run on: a cluster joined on purpose, else a private local Ray.")
     placement: PlacementConfig = Field(default_factory=PlacementConfig, description="Which devices engines and trainer get.")
     slots: SlotCapacity = Field(default_factory=SlotCapacity, description="Resident adapter slots and their max rank.")
     trainer: TrainerConfig = Field(description="Trainer settings; base_model_path, num_slots, max_rank, tp and dp come from base_model, slots and placement.")

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from service.engine_pids import record_engines
+from service.fleet_nodes import fleet_processes
 from service.runtime import ComponentHealth, ProcessInfo, RuntimeStats
 from service.trainer_group import TrainerState
 
@@ -106,7 +107,7 @@ class FleetHealth:
                 done.append(EngineRestarted(index, False, f"engine {index} {r.why}: its restart failed after {took:.1f} s "
                                                           f"({type(err).__name__}: {err}); the next check tries again"[:1000]))
         if any(d.ok for d in done):  # H3
-            record_engines(self.state_dir, [e.url for e in self.rollout.engine_health()])
+            record_engines(self.state_dir, self.rollout.engine_health())  # each engine with its node (multinode)
         return done
 
     def restarting_engines(self) -> list[int]:
@@ -161,20 +162,5 @@ class FleetHealth:
                             swap_out_seconds=dict(swap_out_s), swap_in_seconds=dict(swap_in_s))
 
     def processes(self) -> list[ProcessInfo]:
-        """Every process of the fleet with its id (the operator's GET /v1/fleet): the coordinator,
-        each trainer rank, the rollout worker and each engine. pid None: not running / unknown."""
-        out = [ProcessInfo("coordinator", "coordinator", os.getpid())]
-        try:
-            pids = self.trainer.pids() if self.trainer.running else []
-        except Exception as e:
-            log.info("trainer pids: %s: %s", type(e).__name__, e)
-            pids = []
-        out += [ProcessInfo(f"trainer-rank-{r}", "trainer", pid) for r, pid in enumerate(pids)]
-        if self.rollout is not None:
-            try:
-                procs = self.rollout.processes()
-                out.append(ProcessInfo("rollout-worker", "rollout", procs["worker"]))
-                out += [ProcessInfo(f"engine-{i}", "engine", pid) for i, pid in enumerate(procs["engines"])]
-            except Exception as e:
-                out.append(ProcessInfo("rollout-worker", "rollout", None, f"unreachable: {type(e).__name__}"))
-        return out
+        """Every process of the fleet with its id and node (the operator's GET /v1/fleet)."""
+        return fleet_processes(self.trainer, self.rollout)

@@ -63,6 +63,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from service.errors import Conflict
 from service.registry import AdapterState
 from service.batches import TrainerLost
+from service.placement import NoPlacement
 from service.fleet_stats import FleetStats, batch_token_counts
 from service.shutdown import StopSignal
 from service.tb_log import TrainingLog
@@ -181,6 +182,9 @@ def run_training_loop(controller: Any, runtime: Any, opts: LoopOptions, stop: St
             if on_round is not None:
                 on_round()
             errors = 0
+        except NoPlacement as e:  # multinode hook (service/node_faults.py): a lost node's groups found no room
+            report.events += _logged([f"stopping: {e}"])
+            stop.request(f"no room after a node was lost: {e}")  # drains below: every live run checkpointed
         except Exception as e:  # a round that failed (e.g. a worker call timed out): log, back off, retry
             errors += 1
             report.events += _logged([f"round failed ({errors} in a row): {type(e).__name__}: {e}"])

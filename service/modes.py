@@ -135,6 +135,7 @@ def run_batch(job: JobConfig, settings: ServiceSettings, *, resume: bool = False
     with _running(job, settings, start_api=start_api, resume=resume) as (fleet, stop):
         console.print(f"lorafleet: started in {fleet.startup_seconds.get('total', 0.0):.0f} s; training "
                       f"{len(job.adapters)} adapter(s), state in {settings.state_dir}", highlight=False, soft_wrap=True)
+        _print_plan(console, fleet)
         if fleet.api_url:
             console.print(f"dashboard: {fleet.api_url}/ui (REST API {fleet.api_url})", highlight=False, soft_wrap=True)
         with ProgressView(console, title=f"lorafleet run ({len(job.adapters)} adapters)") as view, \
@@ -150,6 +151,12 @@ def run_batch(job: JobConfig, settings: ServiceSettings, *, resume: bool = False
     else:
         code = EXIT_OK
     return BatchResult(code, summaries, report, fleet.startup_seconds)
+
+
+def _print_plan(console: Console, fleet: Fleet) -> None:
+    """The placement the planner chose, one line per group (service/placement.py PlacementPlan.lines)."""
+    for line in fleet.plan.lines() if fleet.plan is not None else []:
+        console.print(f"placement: {line}", highlight=False, soft_wrap=True)
 
 
 def job_summaries(fleet: Fleet, job: JobConfig) -> list[AdapterSummary]:
@@ -194,6 +201,7 @@ def run_service(job: JobConfig, settings: ServiceSettings, *, start_api: ApiStar
     with _running(job, settings, start_api=start_api, resume=True) as (fleet, stop):
         console.print(f"lorafleet serving on {fleet.api_url} (state {settings.state_dir}, Ray {fleet.ray_address}); "
                       "Ctrl-C drains and stops", highlight=False, soft_wrap=True)
+        _print_plan(console, fleet)
         info = settings.state_dir / SERVICE_INFO_FILE
         info.write_text(json.dumps({"api_url": fleet.api_url, "ray_address": fleet.ray_address, "pid": os.getpid()}))
         console.print(f"dashboard: {fleet.api_url}/ui · TensorBoard logs: {tensorboard_dir(settings.state_dir)}",

@@ -3,13 +3,16 @@ of rollout/worker_actor.py's RolloutWorker (an async actor: each call is one cor
 
 Blocking methods wait through service/remote.py `call` with a timeout chosen per method
 (tenant-facing reads are short); `start_engines`, `publish_version` and `begin_restart_engine`
-return the ObjectRef so the caller can go on while the engines start, load weights or restart
-(`finished` tells which are done without waiting, `outcome` gives the result or raises).
+return a handle on the call (a Ray ObjectRef; an engine moved off a lost node: a Future of the
+coordinator's move, service/node_faults.py) so the caller can go on while the engines start, load
+weights, restart or move (`finished` tells which are done without waiting, `outcome` gives the
+result or raises).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import concurrent.futures
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -19,13 +22,18 @@ from rollout.weights import AdapterWeights
 from rollout.worker import AdapterRollout, AdapterStats, EngineHealth
 from service.remote import call
 
+if TYPE_CHECKING:
+    from service.node_faults import NodeFaults
+
 DEFAULT_TIMEOUT_S = 120.0
 
 
 class RolloutClient:
-    def __init__(self, handle: Any, *, engine_restart_timeout_s: float = 600.0) -> None:
+    def __init__(self, handle: Any, *, engine_restart_timeout_s: float = 600.0, node_faults: NodeFaults | None = None) -> None:
+        """`node_faults`: where engines whose launcher was lost with its node are placed anew (None: restarts only)."""
         self.handle = handle
         self.engine_restart_timeout_s = engine_restart_timeout_s
+        self.node_faults = node_faults
 
     def start_engines(self) -> Any:
         """Launch the engines and start generating; an ObjectRef of list[EngineHealth]."""
@@ -64,7 +72,11 @@ class RolloutClient:
         """Start restarting managed engine `index`; an ObjectRef of its EngineHealth once it is back
         and every adapter's current version is loaded on it. The caller does not wait: training goes
         on while an engine restarts (issue 14 F6). The restart gives up on its own after the engine's
-        startup deadline (engines.startup_deadline_s), so the ref always finishes."""
+        startup deadline (engines.startup_deadline_s), so the ref always finishes. An engine whose
+        launcher is gone (its node was lost) is moved to a node with room instead (service/node_faults.py:
+        a Future; NoPlacement raised here when none has been in service for placement.node_loss_wait_s)."""
+        if self.node_faults is not None:
+            return self.node_faults.begin_engine_restart(index, self.handle)
         return self.handle.restart_engine.remote(index)
 
     def restart_engine(self, index: int) -> EngineHealth:
@@ -80,13 +92,18 @@ class RolloutClient:
 
     @staticmethod
     def finished(refs: list[Any]) -> set[Any]:
-        """Which of `refs` (publishes) have finished, without waiting."""
-        if not refs:
-            return set()
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        return set(done)
+        """Which of `refs` (publishes, engine restarts and moves) have finished, without waiting."""
+        futures = {r for r in refs if isinstance(r, concurrent.futures.Future)}
+        object_refs = [r for r in refs if r not in futures]
+        done: set[Any] = {f for f in futures if f.done()}
+        if object_refs:
+            ready, _ = ray.wait(object_refs, num_returns=len(object_refs), timeout=0)
+            done.update(ready)
+        return done
 
     @staticmethod
     def outcome(ref: Any, what: str = "rollout publish_version") -> Any:
-        """The result of a finished call (publish, engine restart), or raise its error."""
+        """The result of a finished call (publish, engine restart or move), or raise its error."""
+        if isinstance(ref, concurrent.futures.Future):
+            return ref.result(timeout=0)
         return call(ref, 0.0, what)

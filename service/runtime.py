@@ -57,12 +57,14 @@ class ComponentHealth:
 
 @dataclass(frozen=True)
 class ProcessInfo:
-    """One process of the fleet (GET /v1/fleet): what it is and its id on its node."""
+    """One process of the fleet (GET /v1/fleet): what it is, its id on its node, and that node."""
 
     name: str  # "coordinator", "trainer-rank-0", "rollout-worker", "engine-0", ...
     role: str  # coordinator | trainer | rollout | engine
     pid: int | None  # None: not running, or not known (an external engine)
     detail: str = ""
+    node_id: str = ""  # the Ray node it runs on ("" not known); service/fleet_nodes.py
+    node_ip: str = ""  # that node's address
 
 
 @dataclass(frozen=True)

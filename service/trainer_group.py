@@ -59,9 +59,13 @@ class TrainerState(StrEnum):
 
 class TrainerGroup:
     def __init__(self, config: TrainerConfig, placement_groups: list[Any] | None = None, *, cpus_per_rank: float = 1.0,
-                 gpus_per_rank: float = 0.0, setup_timeout_s: float = 900.0, call_timeout_s: float = 3600.0) -> None:
+                 gpus_per_rank: float = 0.0, setup_timeout_s: float = 900.0, call_timeout_s: float = 3600.0,
+                 placer: Callable[[list[Any]], list[Any]] | None = None) -> None:
+        """`placer`: called with the placement groups before a restart, returns the groups to restart in (a
+        group on a lost node placed anew: service/node_faults.py NodeFaults.ensure_trainer_groups)."""
         self.config = config
         self.placement_groups = placement_groups
+        self.placer = placer
         self.cpus_per_rank = cpus_per_rank
         self.gpus_per_rank = gpus_per_rank
         self.setup_timeout_s = setup_timeout_s
@@ -114,6 +118,8 @@ class TrainerGroup:
     def restart(self) -> float:
         self._kill_workers()
         self.state, self.stopped_reason = TrainerState.RESTARTING, "restarting"
+        if self.placer is not None and self.placement_groups:  # multinode hook: groups of a lost node placed anew
+            self.placement_groups = self.placer(self.placement_groups)
         return self.start()
 
     def _kill_workers(self) -> None:
@@ -165,6 +171,14 @@ class TrainerGroup:
     def pids(self) -> list[int]:
         """Process id of every rank, rank order (GET /v1/fleet); empty while not running."""
         return list(self._pids) if self.workers else []
+
+    def rank_nodes(self) -> list[str]:
+        """The Ray node id of every rank, rank order: its placement-group bundle's node ("" without groups)."""
+        from service.placement import group_node_ids
+
+        if not self.placement_groups:
+            return [""] * self.world_size
+        return [group_node_ids(self.placement_groups[r // self.config.tp])[r % self.config.tp] for r in range(self.world_size)]
 
     # --- the trainer's interface (trainer/actor.py TrainWorker), rank 0 answers ----------------------
 

@@ -91,6 +91,9 @@ class FakeTrainer:
     def pids(self) -> list[int]:
         return [4242]
 
+    def rank_nodes(self) -> list[str]:
+        return ["f" * 56]
+
     def lost(self) -> bool:
         return self.running and self.dead
 
@@ -277,7 +280,11 @@ class FakeRollout:
         self.restart_refs.clear()
 
     def processes(self, timeout_s=10.0) -> dict[str, Any]:
-        return {"worker": 4343, "engines": [4444]}
+        from rollout.engine_launcher import EngineInfo
+
+        return {"worker": 4343, "node_id": "a" * 56, "node_ip": "10.0.0.5",
+                "engines": [EngineInfo(index=0, url="http://10.0.0.6:30000", pid=4444, alive=self.engine_alive,
+                                       starts=self.engine_starts, node_id="b" * 56, node_ip="10.0.0.6")]}
 
     def shutdown(self, timeout_s=120.0) -> None:
         self.calls.append(("shutdown",))

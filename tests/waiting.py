@@ -7,11 +7,12 @@ import time
 from collections.abc import Callable
 
 
-def wait_until(condition: Callable[[], object], what: str = "the condition", timeout_s: float = 60.0) -> object:
-    """The condition's first true value."""
+def wait_until(condition: Callable[[], object], what: str = "the condition", timeout_s: float = 60.0,
+               interval_s: float = 0.005) -> object:
+    """The condition's first true value (asked every `interval_s`: longer for a condition that costs an HTTP call)."""
     deadline = time.monotonic() + timeout_s
     while not (got := condition()):
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} not reached within {timeout_s} s")
-        time.sleep(0.005)  # the poll interval
+        time.sleep(interval_s)  # the poll interval
     return got

@@ -35,6 +35,7 @@ class Service:
     proc: subprocess.Popen | None = None
     url: str = ""
     ray_address: str = ""
+    env: dict[str, str] | None = None  # the service's environment (default: this process's)
 
     def start(self, new_session: bool = False) -> None:
         """`new_session`: the service leads a session and process group of its own (as under systemd),
@@ -44,7 +45,7 @@ class Service:
         log = open(self.log_path, "a")
         # cwd: the repository, so the test rewards (tests.integration.rewards_for_tests) import in Ray's workers
         self.proc = subprocess.Popen([*LORAFLEET, "serve", str(self.job_path), "-v"], stdout=log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "LORAFLEET_API_TOKEN": TOKEN, "COLUMNS": "200"}, cwd=REPO,
+                                     env={**(self.env or os.environ), "LORAFLEET_API_TOKEN": TOKEN, "COLUMNS": "200"}, cwd=REPO,
                                      start_new_session=new_session)
         deadline = time.monotonic() + START_TIMEOUT_S
         while not info.is_file():
@@ -160,16 +161,25 @@ def signal_processes(pids: list[int], sig: int = signal.SIGKILL, *, group: bool 
 
 
 @contextlib.contextmanager
-def running_service(tmp: Path, tiny_world: Path, slots: dict | None = None, engines: dict | None = None,
-                    service: dict | None = None, base_model: dict | None = None) -> Iterator[Service]:
-    """A started `lorafleet serve` (serve_job's sections); killed (and its engines reaped) however the tests end."""
+def serving(svc: Service) -> Iterator[Service]:
+    """`svc` started; killed (and its engines reaped) however the tests end."""
     from service.engine_pids import reap_engines
 
-    svc = Service(serve_job(tmp, tiny_world, slots, engines, service, base_model), tmp / "state", tmp / "serve.log")
     try:
         svc.start()
         yield svc
     finally:
         if svc.proc is not None and svc.proc.poll() is None:
             svc.proc.kill()
+            svc.proc.wait(60)
         reap_engines(svc.state_dir)
+
+
+@contextlib.contextmanager
+def running_service(tmp: Path, tiny_world: Path, slots: dict | None = None, engines: dict | None = None,
+                    service: dict | None = None, base_model: dict | None = None) -> Iterator[Service]:
+    """A started `lorafleet serve` over the tiny job without adapters (serve_job's sections); killed however
+    the tests end."""
+    with serving(Service(serve_job(tmp, tiny_world, slots, engines, service, base_model), tmp / "state",
+                         tmp / "serve.log")) as svc:
+        yield svc

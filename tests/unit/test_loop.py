@@ -205,3 +205,60 @@ def test_the_loop_feeds_fleet_stats_and_the_training_log(fleet, tmp_path):
     assert scalars["loss"] == [(s.step, pytest.approx(s.metrics["loss"])) for s in controller.metrics("a").steps]
     fleet_scalars = read_scalars(tensorboard_dir(tmp_path / "tb_state") / FLEET_RUN)
     assert [v for _, v in fleet_scalars["round/steps"]] == [2.0, 2.0, 2.0]
+
+
+# --- a lost node's groups that find no room (service/node_faults.py raises NoPlacement; the hook in the loop) ---
+
+
+def test_no_room_for_a_lost_nodes_engines_stops_the_loop_and_drains_every_run(fleet):
+    """The engines' re-placement gave up (no engine in service for placement.node_loss_wait_s): FAKE of that
+    verdict (the real one needs a cluster without room: tests/integration/test_node_faults_ray.py). The loop
+    stops with the reason and drains: every live run checkpointed, still ACTIVE (resumable)."""
+    from service.placement import NoPlacement
+
+    controller, runtime, _, rollout, data = fleet
+    controller.register("a", sft(data, num_step=100))
+    controller.register("b", rl(data))
+    rounds = []
+
+    def lose_the_engine_node_at_step_2():
+        rounds.append(1)
+        if controller.get("a").step >= 2 and rollout.engine_alive:
+            rollout.engine_alive = False
+
+            def no_room(index):
+                raise NoPlacement("planted: no alive node has room for lorafleet-engine0")
+
+            rollout.begin_restart_engine = no_room
+
+    report = run(controller, runtime, LoopOptions(batch_mode=False, max_wait_s=0.01, engine_check_s=0.01),
+                 on_round=lose_the_engine_node_at_step_2)
+    assert report.stopped_by == "no room after a node was lost: planted: no alive node has room for lorafleet-engine0"
+    assert any(e.startswith("stopping: planted: no alive node has room") for e in report.events)
+    for name in ("a", "b"):
+        ref = controller.get(name)
+        assert ref.state == S.ACTIVE and ref.checkpoint_step == ref.step and ref.checkpoint_path, ref
+
+
+def test_no_room_for_the_trainer_stops_the_loop_saying_why(fleet):
+    """The trainer's node was lost and its re-placement found no room (FAKE of that verdict, as above): the loop
+    stops with the reason instead of failing rounds until it gives up; the run stays ACTIVE with the checkpoint
+    it had (the trainer that held its newer state is gone)."""
+    from service.placement import NoPlacement
+
+    controller, runtime, trainer, _, data = fleet
+    controller.register("a", sft(data, num_step=100, checkpoint_interval=2))
+
+    def no_room():
+        raise NoPlacement("planted: the trainer cannot be restarted: no alive node has room for lorafleet-trainer-dp0")
+
+    def lose_the_trainer_node_at_step_3():
+        if controller.get("a").step >= 3 and not trainer.dead:
+            trainer.restart = no_room
+            trainer.kill()
+
+    report = run(controller, runtime, LoopOptions(batch_mode=False, max_wait_s=0.01, engine_check_s=0.01),
+                 on_round=lose_the_trainer_node_at_step_3)
+    assert report.stopped_by.startswith("no room after a node was lost: planted: the trainer cannot be restarted")
+    ref = controller.get("a")
+    assert ref.state == S.ACTIVE and ref.checkpoint_step == 2 and ref.checkpoint_path

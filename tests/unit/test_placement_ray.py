@@ -14,6 +14,7 @@ from service.placement import (
     PlacementConfig,
     PlacementError,
     cluster_shape_from_ray,
+    group_node_ids,
     placement_group_specs,
     plan_placement,
     release_placement_groups,
@@ -47,15 +48,15 @@ def gpu_plan(engines: int, trainer_dp: int) -> PlacementConfig:
 
 def test_plan_from_the_live_cluster_is_reserved_and_pinned(local_ray):
     shape = cluster_shape_from_ray()
-    assert shape.node_gpus == (4,) and shape.node_addresses is not None
+    assert shape.node_gpus == (4,) and shape.node_cpus == (4.0,)
+    assert shape.node_ids == (ray.get_runtime_context().get_node_id(),) and shape.node_addresses is not None
     plan = plan_placement(gpu_plan(engines=2, trainer_dp=2), shape)
     groups = reserve_placement_groups(plan, timeout_s=30)
     try:
         table = {g.id.hex(): ray.util.placement_group_table(g) for g in groups}
         assert sorted(t["name"] for t in table.values()) == sorted(s.name for s in placement_group_specs(plan))
         assert all(t["state"] == "CREATED" and t["strategy"] == "STRICT_PACK" for t in table.values())
-        pin = f"node:{shape.node_addresses[0]}"
-        assert all(pin in bundle for t in table.values() for bundle in t["bundles"].values())
+        assert all(group_node_ids(g) == [shape.node_ids[0]] * len(g.bundle_specs) for g in groups)  # pinned by node id
         assert ray.available_resources().get("GPU", 0) == 0  # all four logical GPUs reserved
     finally:
         release_placement_groups(groups)

@@ -282,6 +282,9 @@ def test_processes_lists_every_component_with_its_pid(fleet):
     procs = {p.name: (p.role, p.pid) for p in controller.processes()}
     assert procs == {"coordinator": ("coordinator", os.getpid()), "trainer-rank-0": ("trainer", 4242),
                      "rollout-worker": ("rollout", 4343), "engine-0": ("engine", 4444)}
+    nodes = {p.name: (p.node_id, p.node_ip) for p in controller.processes()}  # each process with the node it reports
+    assert nodes["trainer-rank-0"][0] == "f" * 56 and nodes["rollout-worker"] == ("a" * 56, "10.0.0.5")
+    assert nodes["engine-0"] == ("b" * 56, "10.0.0.6")
     trainer.stop("stopped (test)")
     assert [p.name for p in controller.processes()] == ["coordinator", "rollout-worker", "engine-0"]
 
