@@ -27,21 +27,40 @@ import time
 from collections import deque
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from rollout.data import PromptRow
 
 
 class Sample(BaseModel):
+    """One trajectory of a group, flattened (rollout/trajectory.py): every token after the prompt,
+    the model's turns and, in a multi-turn rollout, the environment's between them."""
+
     model_config = ConfigDict(frozen=True)
 
     response_ids: list[int]
     response_text: str
-    logprobs: list[float]  # per response token, under the weights of `version`
+    logprobs: list[float]  # per response token: the sampler's on model tokens, 0.0 on environment tokens
     finish_reason: str
     reward: float
     reward_error: str | None = None  # the reward raised / timed out / returned no number: reward is 0
     advantage: float = 0.0
+    # 1 on tokens the model generated (learned), 0 on environment tokens; None = every token is the
+    # model's (a single-turn rollout).
+    response_mask: list[int] | None = None
+    turns: int = 1  # model turns
+    version: int | None = None  # weight version of the first turn (None: the group's version)
+
+    @model_validator(mode="after")
+    def _aligned(self) -> Sample:
+        n = len(self.response_ids)
+        if len(self.logprobs) != n or (self.response_mask is not None and len(self.response_mask) != n):
+            raise ValueError(f"logprobs ({len(self.logprobs)}) and response_mask must have one entry per response token ({n})")
+        return self
+
+    @property
+    def mask(self) -> list[int]:
+        return [1] * len(self.response_ids) if self.response_mask is None else list(self.response_mask)
 
 
 class RolloutGroup(BaseModel):
@@ -49,7 +68,7 @@ class RolloutGroup(BaseModel):
 
     adapter: str
     registration_id: str
-    version: int  # adapter version whose weights generated every sample
+    version: int  # the oldest first-turn version of its samples: staleness counts from it (issue 29: per trajectory)
     prompt_index: int  # row in the adapter's data file
     epoch: int
     prompt_text: str

@@ -227,7 +227,7 @@ class FleetRuntime:
             if run.is_rl:
                 spec = AdapterRollout(
                     name=ref.name, registration_id=ref.registration_id, data=cfg.data_config(), reward=cfg.reward,
-                    sampling=cfg.sampling, initial_version=version, cursor=cursor, max_staleness=cfg.max_staleness,
+                    sampling=cfg.sampling, rollout=cfg.rollout, initial_version=version, cursor=cursor, max_staleness=cfg.max_staleness,
                 )
                 self._need_rollout().add_adapter(spec, self._engine_weights(ref.slot, ref.name, ref.registration_id, version))
         except BaseException:
@@ -543,7 +543,7 @@ class FleetRuntime:
                 m["kl_mean"] = metrics.kl_mean
             stats = rl_stats.get(run.name) if run.is_rl else None
             if stats is not None and stats.registration_id == run.registration_id:
-                m.update(stats.data.skip_metrics())
+                m.update(stats.step_metrics())
             elif run.sft is not None:
                 m.update(run.sft.skip_metrics())
             if plan.reward_mean is not None:
@@ -552,6 +552,7 @@ class FleetRuntime:
                 m["staleness_mean"] = plan.staleness_mean
             if plan.version_min is not None:
                 m["sample_version_min"] = plan.version_min
+            m.update(plan.metrics)
             # Samples of another tenant of the slot: dropped by the trainer / refused here (both must stay 0).
             m["foreign_samples_dropped"] = result.dropped_foreign.get(run.slot, 0) + run.foreign_groups
             run.last_metrics = m
