@@ -49,7 +49,7 @@ from rollout.client import EngineError, EngineUnavailable
 from rollout.config import DataConfig, RewardConfig, RolloutConfig, RolloutSpec, SamplingConfig, check_adapter_name
 from rollout.context import RolloutAborted, RolloutContext
 from rollout.data import DataCursor, DataSource, DataStatus, PromptRow
-from rollout.groups import AdapterBuffer, RolloutGroup, Sample, group_advantages
+from rollout.groups import AdapterBuffer, RolloutGroup, trajectory_group
 from rollout.pool import EnginePool, NoHealthyEngine, UnknownAdapter
 from rollout.rewards import RewardFn, load_reward
 from rollout.rollouts import LoadedRollout, load_rollout
@@ -440,29 +440,6 @@ class RolloutCore:
         if run.failures_in_a_row >= limit and run.fatal_reason is None:
             self._fatal(run, f"its rollout failed on {run.failures_in_a_row} groups in a row; last: {run.last_error}")
 
-    def _group(self, run: _AdapterRun, row: PromptRow, ctx: RolloutContext, trajectories: list[Trajectory]) -> RolloutGroup:
-        """Group-relative advantages over the trajectories' rewards, and the stamped group. Its version is
-        the oldest first-turn version of its trajectories (staleness per trajectory, never understated)."""
-        advantages = group_advantages([t.reward for t in trajectories])
-        samples = []
-        for t, a in zip(trajectories, advantages):
-            flat = t.flat()
-            samples.append(Sample(
-                response_ids=flat.response_ids, response_text=flat.text, logprobs=flat.logprobs, finish_reason=t.finish_reason,
-                reward=t.reward, reward_error=t.reward_error, advantage=a,
-                response_mask=None if all(flat.response_mask) else flat.response_mask, turns=t.turns, version=t.version,
-            ))
-        prompt_ids = list(trajectories[0].prompt_ids)
-        first = ctx.generated[trajectories[0].segments[0].rid]
-        group = RolloutGroup(
-            adapter=run.spec.name, registration_id=run.spec.registration_id, version=min(t.version for t in trajectories),
-            prompt_index=row.index, epoch=row.epoch,
-            prompt_text=row.prompt_text if prompt_ids == list(row.input_ids) else self.tokenizer.decode(prompt_ids),
-            prompt_ids=prompt_ids, label=row.label, metadata=row.metadata, samples=samples, engine=first.engine,
-        )
-        group._row = row
-        return group
-
     def _context(self, run: _AdapterRun) -> RolloutContext:
         spec, aborts = run.spec.rollout, run.aborts
         return RolloutContext(
@@ -515,7 +492,12 @@ class RolloutCore:
             if self._runs.get(name) is not run:
                 return  # removed (and maybe re-added by a new tenant) while generating
             run.reward_failures += sum(t.reward_error is not None for t in trajectories)
-            group = self._group(run, row, ctx, trajectories)
+            prompt_ids = list(trajectories[0].prompt_ids)
+            group = trajectory_group(
+                trajectories, adapter=name, registration_id=run.spec.registration_id, row=row,
+                prompt_text=row.prompt_text if prompt_ids == list(row.input_ids) else self.tokenizer.decode(prompt_ids),
+                engine=ctx.generated[trajectories[0].segments[0].rid].engine,
+            )
             if not run.buffer.put(group):
                 return
             run.groups_completed += 1

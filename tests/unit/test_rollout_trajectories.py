@@ -145,3 +145,22 @@ def test_the_context_refuses_trajectories_it_did_not_generate():
         with pytest.raises(InvalidRollout, match=message.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(").replace(")", r"\)")):
             ctx.check(trajectories)
 
+
+
+def test_a_group_of_trajectories_is_as_old_as_its_oldest_first_turn():
+    """Staleness per trajectory: the group's version is the oldest first turn among its trajectories (later turns
+    may come from newer weights); advantages are group-relative over each trajectory's summed reward."""
+    from rollout.data import PromptRow
+    from rollout.groups import trajectory_group
+
+    row = PromptRow(index=3, epoch=1, prompt="p", prompt_text="<p>", input_ids=[1, 2, 3], label="L", metadata={"k": 1})
+    a = three_turns()  # first turn v3, later turns v5, v7
+    a.reward = 0.1 + 0.1 + 0.8
+    b = Trajectory(prompt_ids=[1, 2, 3], reward=0.0)
+    b.add_turn(gen("a::9", [30], version=4))
+    g = trajectory_group([a, b], adapter="a", registration_id="r", row=row, prompt_text="<p>", engine=2)
+    assert (g.version, g.prompt_index, g.epoch, g.label, g.engine, g.row) == (3, 3, 1, "L", 2, row)
+    assert [s.version for s in g.samples] == [3, 4] and [s.turns for s in g.samples] == [3, 1]
+    assert g.samples[0].response_mask == [1, 1, 0, 0, 0, 1, 0, 1, 1] and g.samples[1].response_mask is None  # single turn: all learned
+    assert g.samples[0].advantage == pytest.approx(1.0, abs=1e-5) and g.samples[1].advantage == pytest.approx(-1.0, abs=1e-5)
+    assert g.samples[0].reward == pytest.approx(1.0)
