@@ -351,15 +351,18 @@ def test_a_tool_using_run_trains_beside_single_turn_and_sft_in_one_mixed_step(sg
                                      served[0])
             await worker.add_adapter(rollout_spec(tiny_world, "single", "vowels", "reg-single", max_new_tokens=8), served[1])
 
-            async def a_tool_group_with_a_call():  # a group in which the environment appended a tool result
+            def called(group) -> bool:  # the environment's own log: a tool result was appended in one of its trajectories
+                return any(obs.startswith("\n<|system|>= ") for s in group.samples
+                           for obs in matching_episode(s, "calculator", tokenizer)["observations"])
+
+            async def a_tool_group_with_a_call():
                 staged.extend(await worker.pop_groups("tool", 1))
-                return any(s.response_mask is not None for g in staged for s in g.samples)
+                return any(called(g) for g in staged)
 
             staged: list = []
             await wait_for(a_tool_group_with_a_call, 300, "a tool group with a calculator call")
             await wait_for(lambda: worker.core.stats("single").buffered_groups >= 1, 120, "a single-turn group")
-            tool = next(g for g in staged if any(s.response_mask is not None for s in g.samples))
-            return tool, (await worker.pop_groups("single", 1))[0]
+            return next(g for g in staged if called(g)), (await worker.pop_groups("single", 1))[0]
 
     tool_group, single_group = asyncio.run(run())
     tool_samples, tool_plan = rl_step(0, regs[0], [tool_group])
@@ -371,7 +374,6 @@ def test_a_tool_using_run_trains_beside_single_turn_and_sft_in_one_mixed_step(sg
     random.Random(0).shuffle(batch)  # adapters interleaved on the wire
     result = trainer.train(TrainBatch(samples=batch))  # ONE mixed step of the three runs
     assert sorted(result.slots) == [0, 1, 2] and all(len(result.slots[s].steps) == 1 for s in hypers)
-    assert tool_plan.metrics["env_token_share"] > 0
 
     # The reference sees the tool run's samples as the environment's log says they are: prompt, then each
     # action (learned) and each tool result (in the context, not learned); the sampler's log-probabilities
@@ -410,6 +412,7 @@ def test_a_tool_using_run_trains_beside_single_turn_and_sft_in_one_mixed_step(sg
         wrong_report = wrong.step(rebuilt(tool_group, learn_env=True))
     ours = result.slots[0].steps[-1]
     assert abs(ours.grad_norm - wrong_report["grad_norm"]) > 100 * REL_TOL * abs(wrong_report["grad_norm"]), wrong_report
+    assert tool_plan.metrics["env_token_share"] > 0
     print(f"\none mixed step (tool {len(tool_samples)}, single-turn {len(single_samples)}, sft {len(sft_samples)} samples): "
           f"worst relative error vs the reference {worst:.2e}; env tokens {tool_plan.metrics['env_token_share']:.0%} of the "
           f"tool run's response; the env-learning control's grad norm {wrong_report['grad_norm']:.4g} vs ours {ours.grad_norm:.4g}")
