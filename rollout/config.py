@@ -319,7 +319,8 @@ class RolloutSpec(StrictModel):
         None, ge=2,
         description="Token budget of one trajectory: prompt + every model and environment turn. Each turn's "
         "max_new_tokens is cut to what is left; a trajectory with nothing left ends (truncated). Default: the model's "
-        "context (filled in at registration); at least max_prompt_tokens + sampling.max_new_tokens.",
+        "context (filled in at registration); more than sampling.max_new_tokens, and rows are read with room for one "
+        "turn (data.max_prompt_tokens at most max_tokens - sampling.max_new_tokens).",
     )
     timeout_s: float = Field(
         300.0, gt=0, le=86400,
