@@ -8,7 +8,8 @@ one into the other with `DataConfig.model_validate(spec.model_dump())`.
 
 Checks that need the filesystem (data file exists, has the keys) happen when a
 data source is opened (rollout.data.open_data_source); checks that need an
-import (custom reward) happen in rollout.rewards.load_reward.
+import (custom reward, custom rollout) happen in rollout.rewards.load_reward and
+rollout.rollouts.load_rollout.
 """
 
 from __future__ import annotations
@@ -84,6 +85,14 @@ def non_finite_numbers(value: Any, where: str) -> list[str]:
     if isinstance(value, (list, tuple)):
         return [p for i, v in enumerate(value) for p in non_finite_numbers(v, f"{where}.{i}")]
     return []
+
+
+def _finite(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`kwargs` (a tenant's keyword arguments) if every number in it is finite, else ValueError."""
+    bad = non_finite_numbers(kwargs, "kwargs")
+    if bad:
+        raise ValueError(f"numbers must be finite; {', '.join(bad)} is Infinity or NaN")
+    return kwargs
 
 
 def check_adapter_name(name: str) -> str:
@@ -279,10 +288,55 @@ class RewardConfig(StrictModel):
     @field_validator("kwargs")
     @classmethod
     def _finite_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
-        bad = non_finite_numbers(kwargs, "kwargs")
-        if bad:
-            raise ValueError(f"numbers must be finite; {', '.join(bad)} is Infinity or NaN")
-        return kwargs
+        return _finite(kwargs)
+
+
+class RolloutSpec(StrictModel):
+    """An adapter's rollout: how the trajectories of one prompt are made (rollout/rollouts.py).
+
+    Built-in: ``single_turn`` (one completion per sample, scored by the adapter's reward: GRPO).
+    Custom, by import path under one of RolloutConfig.rollout_import_roots: an environment class
+    (reset/step, rollout/environment.py; one instance per trajectory) or an async rollout function
+    ``fn(ctx, task, **kwargs) -> list[Trajectory]`` (ctx: rollout/context.py). The budgets bound
+    every trajectory, so one tenant's agent cannot stall the others."""
+
+    name: str = Field(
+        min_length=1,
+        description="Built-in: single_turn. Custom: 'package.module:EnvClass' (an environment with reset and step) or "
+        "'package.module:rollout_fn' (an async rollout function), under one of rollout_import_roots.",
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments given to the environment's constructor or to every call of the rollout function "
+        "(JSON values; numbers finite).",
+    )
+    max_turns: int = Field(
+        8, ge=1, le=1024,
+        description="Environments: model turns per trajectory at most; a trajectory that reaches it ends there "
+        "(truncated) and is trained on with the rewards it got.",
+    )
+    max_tokens: int | None = Field(
+        None, ge=2,
+        description="Token budget of one trajectory: prompt + every model and environment turn. Each turn's "
+        "max_new_tokens is cut to what is left; a trajectory with nothing left ends (truncated). Default: the model's "
+        "context (filled in at registration); more than sampling.max_new_tokens, and rows are read with room for one "
+        "turn (data.max_prompt_tokens at most max_tokens - sampling.max_new_tokens).",
+    )
+    timeout_s: float = Field(
+        300.0, gt=0, le=86400,
+        description="Time budget of one prompt's trajectories (seconds, from the first request to the last step): a "
+        "group past it is aborted, counted (groups_dropped_timeout) and dropped, never trained on.",
+    )
+    max_failures_in_a_row: int = Field(
+        8, ge=1, le=10_000,
+        description="Groups in a row whose rollout raised, returned something invalid or timed out before the adapter "
+        "stops generating and its run FAILS with the last reason.",
+    )
+
+    @field_validator("kwargs")
+    @classmethod
+    def _finite_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        return _finite(kwargs)
 
 
 class SamplingConfig(StrictModel):
@@ -324,6 +378,10 @@ class RolloutConfig(StrictModel):
     )
     reward_import_roots: list[str] = Field(
         default_factory=list, description="Package prefixes custom rewards may be imported from (e.g. 'myorg.rewards')."
+    )
+    rollout_import_roots: list[str] = Field(
+        default_factory=list,
+        description="Package prefixes custom rollouts (environments, rollout functions) may be imported from (e.g. 'myorg.envs').",
     )
     reward_timeout_s: float = Field(30.0, gt=0, description="A reward call running longer is a recorded failure, reward 0.")
     max_rejections_in_a_row: int = Field(

@@ -423,6 +423,11 @@ class DataSource:
         self._pop_outstanding(row)
         self._consumed += 1
 
+    def drop(self, row: PromptRow) -> None:
+        """The row's group was dropped for good (its rollout failed: rollout/worker.py): never served again
+        this epoch, not counted as consumed. A row that fails every time cannot keep a run from ending."""
+        self._pop_outstanding(row)
+
     def cursor(self) -> DataCursor:
         """Resume point: rows taken but not consumed come back first, in the order they were taken."""
         pending = [self._outstanding[s] for s in sorted(self._outstanding)] + list(self._requeued)

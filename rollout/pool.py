@@ -112,6 +112,7 @@ class EnginePool:
         self.spill_dir = spill_dir or tempfile.mkdtemp(prefix="lorafleet-spill-")
         self.abort_wait_s = abort_wait_s
         self._unload_tasks: set[asyncio.Task] = set()
+        self._abort_tasks: set[asyncio.Task] = set()  # aborts of requests whose caller was cancelled
         self._lock = asyncio.Lock()  # serializes publish / remove / engine replacement
 
     # --- introspection -----------------------------------------------------------------------
@@ -319,6 +320,11 @@ class EnginePool:
                 *(e.client.generate(rid=rid, input_ids=input_ids, sampling_params=sampling_params, lora_name=served) for rid in rids),
                 return_exceptions=True,
             )
+        except asyncio.CancelledError:
+            # The caller gave up (a rollout's time budget, a failed sibling trajectory): the server would
+            # otherwise finish these requests for nobody, holding its batch and KV cache.
+            self._abort_later(e, rids)
+            raise
         finally:
             for rid in rids:
                 e.inflight.pop(rid, None)
@@ -339,6 +345,21 @@ class EnginePool:
         return GroupGeneration(adapter=adapter, version=version, engine=e.index, results=results)
 
     # --- abort -------------------------------------------------------------------------------
+
+    def _abort_later(self, e: _Engine, rids: list[str]) -> None:
+        """Send an abort for each of `rids` to engine `e` from a task of its own (the caller is being cancelled)."""
+        if not e.healthy:
+            return
+
+        async def abort() -> None:
+            results = await asyncio.gather(*(e.client.abort(rid) for rid in rids), return_exceptions=True)
+            for r in results:
+                if isinstance(r, BaseException):
+                    log.info("engine %d: abort of a cancelled request: %s", e.index, r)
+
+        task = asyncio.get_running_loop().create_task(abort())
+        self._abort_tasks.add(task)
+        task.add_done_callback(self._abort_tasks.discard)
 
     async def abort_adapter(self, adapter: str) -> int:
         """Abort every in-flight request of `adapter`; return how many there were.
@@ -440,7 +461,7 @@ class EnginePool:
                 await old.client.aclose()
 
     async def aclose(self) -> None:
-        for t in list(self._unload_tasks):
+        for t in list(self._unload_tasks) + list(self._abort_tasks):
             t.cancel()
         for e in self._engines:
             await e.client.aclose()

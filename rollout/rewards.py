@@ -3,8 +3,9 @@
 A reward is ``fn(response: str, label, metadata: dict | None, **kwargs) -> float``.
 Custom rewards are named ``package.module:function`` (or
 ``package.module.function``) and may only be imported from the configured
-import roots (RolloutConfig.reward_import_roots): a tenant's config must not be
-able to import and call arbitrary code of the service host.
+import roots (RolloutConfig.reward_import_roots; rollout/tenant_code.py): a
+tenant's config must not be able to import and call arbitrary code of the
+service host.
 
 Scoring never raises: a reward that raises, times out, or returns something
 that is not a finite number gives that sample reward 0 and a recorded error.
@@ -13,7 +14,6 @@ that is not a finite number gives that sample reward 0 and a recorded error.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import math as _math
 import re
 from collections.abc import Callable
@@ -23,6 +23,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from rollout.config import RewardConfig
+from rollout.tenant_code import TenantCodeError, import_confined, is_import_path, split_import_path
 
 RewardFn = Callable[..., float]
 
@@ -124,42 +125,31 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
 # --- loading -----------------------------------------------------------------------------------
 
 
-class RewardLoadError(ValueError):
+class RewardLoadError(TenantCodeError):
     """The reward config names something that cannot be used; the message says what is allowed."""
 
 
-def _split_dotted(name: str) -> tuple[str, str]:
-    if ":" in name:
-        module, _, func = name.rpartition(":")
-    else:
-        module, _, func = name.rpartition(".")
-    if not module or not func:
-        raise RewardLoadError(f"custom reward {name!r} must look like 'package.module:function'")
-    return module, func
+def builtin_reward_names() -> list[str]:
+    return sorted(BUILTIN_REWARDS)
 
 
 def load_reward(cfg: RewardConfig, import_roots: list[str] | tuple[str, ...] = ()) -> RewardFn:
-    """The reward callable of `cfg`, with its kwargs bound."""
+    """The reward callable of `cfg`, with its kwargs bound. The one resolution of a reward name:
+    the registration check (service/config_checks.py) and the rollout worker both call it."""
     if cfg.name in BUILTIN_REWARDS:
         fn = BUILTIN_REWARDS[cfg.name]
-    elif "." not in cfg.name and ":" not in cfg.name:
+    elif not is_import_path(cfg.name):
         raise RewardLoadError(
-            f"unknown built-in reward {cfg.name!r}; built-ins: {sorted(BUILTIN_REWARDS)}, "
+            f"unknown built-in reward {cfg.name!r}; built-ins: {builtin_reward_names()}, "
             "or a custom 'package.module:function' under an allowed import root"
         )
     else:
-        module_name, func_name = _split_dotted(cfg.name)
-        if not any(module_name == r or module_name.startswith(r + ".") for r in import_roots):
-            allowed = list(import_roots) or "none configured"
-            raise RewardLoadError(
-                f"custom reward module {module_name!r} is not under an allowed reward import root; allowed: {allowed}"
-            )
         try:
-            module = importlib.import_module(module_name)
-        except Exception as e:
-            raise RewardLoadError(f"cannot import reward module {module_name!r}: {type(e).__name__}: {e}") from None
-        fn = getattr(module, func_name, None)
+            fn = import_confined(cfg.name, import_roots, "reward", "callable")
+        except TenantCodeError as e:
+            raise RewardLoadError(str(e)) from None
         if not callable(fn):
+            module_name, func_name = split_import_path(cfg.name, "reward")
             raise RewardLoadError(f"reward module {module_name!r} has no callable {func_name!r}")
     return partial(fn, **cfg.kwargs) if cfg.kwargs else fn
 

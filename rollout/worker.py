@@ -9,6 +9,12 @@ adapter, requests in flight overall, and groups buffered per adapter (a full
 buffer stops only that adapter). It never waits on training: training takes
 groups with `pop_groups` whenever it wants.
 
+A group is made by the adapter's rollout (rollout/rollouts.py: the built-in
+single-turn GRPO, an environment, or an async rollout function) in a
+`RolloutContext` (rollout/context.py) bound to the adapter: its requests carry
+the adapter's rid prefix and its budgets. The worker then checks the
+trajectories, computes group-relative advantages and buffers the group.
+
 Invariants:
 * Each group's prompt row is *pending* in its adapter's data source from
   `take` until training pops the group (then `consume`d) or the group is lost
@@ -20,6 +26,13 @@ Invariants:
   the length limits never leave its data source (skipped, counted), and after
   `max_rejections_in_a_row` refused requests (HTTP 4xx) it stops generating. Either
   way `AdapterStats.fatal_reason` says why, and the service fails the run.
+* Tenant code cannot stall the others: a custom rollout runs within its adapter's
+  time budget (RolloutSpec.timeout_s; its requests are aborted when it runs out) and its
+  plain functions in the adapter's own threads. A group whose custom rollout raises,
+  returns something invalid or runs out of time is counted (groups_dropped_error,
+  groups_dropped_timeout) and dropped with its row (never trained on, never served
+  again this epoch); after RolloutSpec.max_failures_in_a_row such groups in a row the
+  adapter stops generating with the reason (`fatal_reason`: the service fails the run).
 """
 
 from __future__ import annotations
@@ -27,16 +40,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict
 
 from rollout.client import EngineError, EngineUnavailable
-from rollout.config import DataConfig, RewardConfig, RolloutConfig, SamplingConfig, check_adapter_name
+from rollout.config import DataConfig, RewardConfig, RolloutConfig, RolloutSpec, SamplingConfig, check_adapter_name
+from rollout.context import RolloutAborted, RolloutContext
 from rollout.data import DataCursor, DataSource, DataStatus, PromptRow
-from rollout.groups import AdapterBuffer, RolloutGroup, Sample, group_advantages
-from rollout.pool import EnginePool, GroupGeneration, NoHealthyEngine, UnknownAdapter
-from rollout.rewards import RewardFn, load_reward, score_async
+from rollout.groups import AdapterBuffer, RolloutGroup, trajectory_group
+from rollout.pool import EnginePool, NoHealthyEngine, UnknownAdapter
+from rollout.rewards import RewardFn, load_reward
+from rollout.rollouts import LoadedRollout, load_rollout
+from rollout.trajectory import Trajectory
 from rollout.weights import AdapterWeights, PendingFolder, VersionSuperseded
 
 log = logging.getLogger(__name__)
@@ -54,8 +71,9 @@ class AdapterRollout(BaseModel):
     name: str
     registration_id: str
     data: DataConfig
-    reward: RewardConfig
+    reward: RewardConfig | None = None  # required by the built-in single_turn rollout; custom ones may use it (ctx.score)
     sampling: SamplingConfig
+    rollout: RolloutSpec | None = None  # None: the built-in single_turn, without budgets (rollout/rollouts.py)
     initial_version: int = 0
     cursor: DataCursor | None = None  # resume the data source here (from a checkpoint)
     max_staleness: int | None = None  # this adapter's bound (publishes behind); None = RolloutConfig.max_staleness
@@ -83,6 +101,15 @@ class AdapterStats(BaseModel):
     last_error: str | None
     fatal_reason: str | None  # set when the adapter can never make progress (no row fits, requests keep being refused)
     data: DataStatus
+    groups_dropped_error: int = 0  # custom rollout raised or returned invalid trajectories: dropped, row not served again
+    groups_dropped_timeout: int = 0  # custom rollout ran past RolloutSpec.timeout_s: aborted and dropped likewise
+    trajectories_truncated: int = 0  # ended by max_turns / max_tokens (trained on, with the rewards they got)
+
+    def step_metrics(self) -> dict[str, float]:
+        """Counters a step's metrics carry (cumulative): the data source's skips and the dropped groups."""
+        return {**self.data.skip_metrics(), "groups_dropped_error": float(self.groups_dropped_error),
+                "groups_dropped_timeout": float(self.groups_dropped_timeout),
+                "trajectories_truncated": float(self.trajectories_truncated)}
 
 
 class EngineHealth(BaseModel):
@@ -107,9 +134,12 @@ class RolloutError(ValueError):
 class _AdapterRun:
     spec: AdapterRollout
     data: DataSource
-    reward: RewardFn
+    reward: RewardFn | None
     buffer: AdapterBuffer
+    rollout: LoadedRollout
+    executor: ThreadPoolExecutor | None = None  # a custom rollout's plain functions run here (its own threads)
     paused: bool = False
+    aborts: int = 0  # abort_adapter calls so far: a group that started before one stops at its next request
     inflight_requests: int = 0
     inflight_groups: int = 0
     groups_completed: int = 0
@@ -120,10 +150,23 @@ class _AdapterRun:
     reward_failures: int = 0
     consecutive_failures: int = 0
     rejections_in_a_row: int = 0
+    groups_dropped_error: int = 0
+    groups_dropped_timeout: int = 0
+    trajectories_truncated: int = 0
+    failures_in_a_row: int = 0  # groups dropped in a row (custom rollouts)
     retry_at: float = 0.0
     last_error: str | None = None
     fatal_reason: str | None = None
     tasks: set = field(default_factory=set)
+
+    def end_tasks(self) -> list[asyncio.Task]:
+        """The group tasks to wait for at removal; a custom rollout's are cancelled first (its requests are
+        already aborted; tenant code in a thread must not hold the removal up)."""
+        tasks = list(self.tasks)
+        if self.rollout.custom:
+            for t in tasks:
+                t.cancel()
+        return tasks
 
     @property
     def n(self) -> int:
@@ -165,9 +208,12 @@ class RolloutCore:
             self._pump_task = None
         for name in list(self._runs):
             await self.pool.abort_adapter(name)
-        tasks = [t for r in self._runs.values() for t in r.tasks]
+        tasks = [t for r in self._runs.values() for t in r.end_tasks()]
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+        for r in self._runs.values():
+            if r.executor is not None:
+                r.executor.shutdown(wait=False, cancel_futures=True)
 
     # --- adapters ----------------------------------------------------------------------------
 
@@ -190,13 +236,17 @@ class RolloutCore:
                 f"adapter {spec.name}: n_samples_per_prompt ({n}) exceeds max_inflight_per_adapter "
                 f"({self.cfg.max_inflight_per_adapter}); a group could never start"
             )
+        rollout = load_rollout(spec.rollout, self.cfg.rollout_import_roots)
+        if spec.reward is None and not rollout.custom:
+            raise RolloutError(f"adapter {spec.name}: the built-in rollout {rollout.name!r} needs a reward")
+        reward = None if spec.reward is None else load_reward(spec.reward, self.cfg.reward_import_roots)
         data = await asyncio.to_thread(DataSource, spec.data, self.tokenizer, spec.cursor)
-        reward = load_reward(spec.reward, self.cfg.reward_import_roots)
         await self.pool.publish(spec.name, spec.initial_version, weights)
         staleness = self.cfg.max_staleness if spec.max_staleness is None else spec.max_staleness
         buffer = AdapterBuffer(spec.name, spec.registration_id, staleness)
         buffer.note_published(spec.initial_version)
-        self._runs[spec.name] = _AdapterRun(spec, data, reward, buffer)
+        executor = ThreadPoolExecutor(max_workers=max(4, n), thread_name_prefix=f"rollout-{spec.name}") if rollout.custom else None
+        self._runs[spec.name] = _AdapterRun(spec, data, reward, buffer, rollout, executor)
         self._rr.append(spec.name)
         self._wake.set()
         return self.stats(spec.name)
@@ -211,8 +261,11 @@ class RolloutCore:
             return 0
         self._rr.remove(name)
         aborted = await self.pool.remove_adapter(name)
-        if run.tasks:
-            await asyncio.gather(*list(run.tasks), return_exceptions=True)
+        tasks = run.end_tasks()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if run.executor is not None:
+            run.executor.shutdown(wait=False, cancel_futures=True)
         run.buffer.drain()
         return aborted
 
@@ -256,6 +309,7 @@ class RolloutCore:
         run = self._run(name)
         if pause:
             run.paused = True
+        run.aborts += 1  # groups under way stop at their next request (a multi-turn agent between turns)
         count = await self.pool.abort_adapter(name)
         self._wake.set()
         return count
@@ -310,6 +364,9 @@ class RolloutCore:
             last_error=run.last_error,
             fatal_reason=run.fatal_reason,
             data=run.data.status(),
+            groups_dropped_error=run.groups_dropped_error,
+            groups_dropped_timeout=run.groups_dropped_timeout,
+            trajectories_truncated=run.trajectories_truncated,
         )
 
     # --- the loop ----------------------------------------------------------------------------
@@ -392,55 +449,91 @@ class RolloutCore:
         run.retry_at = time.monotonic() + min(0.1 * 2 ** (run.consecutive_failures - 1), 5.0)
         self._requeue(run, row)
 
-    async def _score(self, run: _AdapterRun, row: PromptRow, gen: GroupGeneration) -> RolloutGroup:
-        """Rewards (failure-safe), group-relative advantages, and the stamped group."""
-        outcomes = await asyncio.gather(
-            *(score_async(run.reward, r.text, row.label, row.metadata, self.cfg.reward_timeout_s) for r in gen.results)
+    def _drop(self, run: _AdapterRun, row: PromptRow, reason: str, *, timed_out: bool) -> None:
+        """A custom rollout failed this group: counted and dropped with its row (see the module doc)."""
+        if timed_out:
+            run.groups_dropped_timeout += 1
+        else:
+            run.groups_dropped_error += 1
+        run.failures_in_a_row += 1
+        run.last_error = reason[:2000]
+        run.data.drop(row)
+        log.warning("adapter %s: group dropped: %s", run.spec.name, run.last_error)
+        limit = run.spec.rollout.max_failures_in_a_row if run.spec.rollout is not None else 1
+        if run.failures_in_a_row >= limit and run.fatal_reason is None:
+            self._fatal(run, f"its rollout failed on {run.failures_in_a_row} groups in a row; last: {run.last_error}")
+
+    def _context(self, run: _AdapterRun) -> RolloutContext:
+        spec, aborts = run.spec.rollout, run.aborts
+        return RolloutContext(
+            self.pool, run.spec.name, n=run.n, sampling=run.spec.sampling, tokenizer=self.tokenizer,
+            max_tokens=spec.max_tokens if spec is not None else None, max_turns=spec.max_turns if spec is not None else 1,
+            reward=run.reward, reward_timeout_s=self.cfg.reward_timeout_s, aborted=lambda: run.aborts != aborts,
+            executor=run.executor,
         )
-        run.reward_failures += sum(o.error is not None for o in outcomes)
-        advantages = group_advantages([o.value for o in outcomes])
-        samples = [
-            Sample(response_ids=r.token_ids, response_text=r.text, logprobs=r.logprobs, finish_reason=r.finish_reason,
-                   reward=o.value, reward_error=o.error, advantage=a)
-            for r, o, a in zip(gen.results, outcomes, advantages)
-        ]
-        group = RolloutGroup(
-            adapter=run.spec.name, registration_id=run.spec.registration_id, version=gen.version,
-            prompt_index=row.index, epoch=row.epoch, prompt_text=row.prompt_text, prompt_ids=row.input_ids,
-            label=row.label, metadata=row.metadata, samples=samples, engine=gen.engine,
-        )
-        group._row = row
-        return group
+
+    async def _rollout(self, run: _AdapterRun, ctx: RolloutContext, row: PromptRow) -> list[Trajectory]:
+        """The group's trajectories, checked; TimeoutError (only) when the adapter's time budget ran out."""
+        budget = run.spec.rollout.timeout_s if run.spec.rollout is not None else None
+        scope = asyncio.timeout(budget)
+        try:
+            async with scope:
+                out = await run.rollout.run(ctx, row)
+        except TimeoutError:
+            if scope.expired():
+                raise
+            raise _TenantTimeout("the rollout raised TimeoutError") from None  # the tenant's own, not the budget
+        if ctx.was_aborted:  # a rollout that caught RolloutAborted is still aborted
+            raise RolloutAborted(f"adapter {run.spec.name}: aborted")
+        return ctx.check(out)
 
     async def _run_group(self, run: _AdapterRun, row: PromptRow) -> None:
-        sampling = run.spec.sampling
         name = run.spec.name
         try:
+            ctx = self._context(run)
             try:
-                gen = await self.pool.generate_group(name, row.input_ids, sampling.sglang_params(), run.n)
+                trajectories = await self._rollout(run, ctx, row)
             except UnknownAdapter:
                 return  # removed meanwhile: its data source goes away with it
-            except (EngineUnavailable, NoHealthyEngine) as e:
-                self._fail(run, row, e)
-                return
-            except Exception as e:  # EngineError (e.g. a 400) or anything unexpected: never lose the row
-                log.warning("adapter %s: generation failed: %s", name, e)
-                self._fail(run, row, e)
+            except Exception as e:
+                if self._runs.get(name) is not run:
+                    return  # removed (and maybe re-added by a new tenant) while generating
+                if isinstance(e, RolloutAborted):
+                    run.groups_aborted += 1
+                    self._requeue(run, row)
+                elif isinstance(e, EngineError | NoHealthyEngine):
+                    self._fail(run, row, e)  # the engines' fault, not the rollout's: re-queued, backed off
+                elif isinstance(e, TimeoutError):
+                    self._drop(run, row, f"rollout {run.rollout.name} ran past its time budget of "
+                                         f"{run.spec.rollout.timeout_s:g} s (rollout.timeout_s)", timed_out=True)
+                elif run.rollout.custom:
+                    self._drop(run, row, f"rollout {run.rollout.name} failed: {type(e).__name__}: {e}", timed_out=False)
+                else:  # anything unexpected in a built-in rollout: never lose the row
+                    log.warning("adapter %s: generation failed: %s", name, e)
+                    self._fail(run, row, e)
                 return
             if self._runs.get(name) is not run:
                 return  # removed (and maybe re-added by a new tenant) while generating
-            if gen.aborted:
-                run.groups_aborted += 1
-                self._requeue(run, row)
-                return
-            group = await self._score(run, row, gen)
-            if self._runs.get(name) is not run or not run.buffer.put(group):
+            run.reward_failures += sum(t.reward_error is not None for t in trajectories)
+            prompt_ids = list(trajectories[0].prompt_ids)
+            group = trajectory_group(
+                trajectories, adapter=name, registration_id=run.spec.registration_id, row=row,
+                prompt_text=row.prompt_text if prompt_ids == list(row.input_ids) else self.tokenizer.decode(prompt_ids),
+                engine=ctx.generated[trajectories[0].segments[0].rid].engine,
+            )
+            if not run.buffer.put(group):
                 return
             run.groups_completed += 1
+            run.trajectories_truncated += sum(t.truncated for t in trajectories)
             run.consecutive_failures = 0
             run.rejections_in_a_row = 0
+            run.failures_in_a_row = 0
         finally:
             run.inflight_requests -= run.n
             run.inflight_groups -= 1
             self._inflight_total -= run.n
             self._wake.set()
+
+
+class _TenantTimeout(Exception):
+    """A TimeoutError the rollout raised itself (its own time limit), not the adapter's budget."""

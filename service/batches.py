@@ -2,8 +2,10 @@
 and how a whole RL step of rollout groups becomes train samples.
 
 Token alignment follows trainer/batch.py: tokens = prompt + response, loss on the response
-tokens only, rollout log-probabilities aligned with the tokens (0 on the prompt, where the
-mask is 0 and they are not read).
+tokens the model generated only (a multi-turn sample's environment tokens, tool results and
+the like, are in the response but masked: rollout/trajectory.py), rollout log-probabilities
+aligned with the tokens (0 on the prompt and on environment tokens, where the mask is 0 and
+they are not read).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class StepPlan:
     staleness_mean: float | None
     reward_failures: int
     version_min: int | None = None  # oldest weight version that generated a sample of this step (RL)
+    metrics: dict[str, float] = field(default_factory=dict)  # more per-step metrics (RL: turns_mean, env_token_share)
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,7 @@ class TrainerLost(RuntimeError):
 
 
 def rl_samples(slot: int, registration_id: str, group: RolloutGroup) -> list[TrainSample]:
-    """Prompt + response per sample; loss on the response; rollout logprobs aligned with tokens."""
+    """Prompt + response per sample; loss on the model's response tokens; rollout logprobs aligned with tokens."""
     out = []
     n_prompt = len(group.prompt_ids)
     for s in group.samples:
@@ -88,7 +91,7 @@ def rl_samples(slot: int, registration_id: str, group: RolloutGroup) -> list[Tra
         # empty response: it then has no learned token and adds nothing to the gradient.
         tokens = [*group.prompt_ids, *s.response_ids]
         out.append(TrainSample(
-            slot=slot, tokens=tokens, loss_mask=[0] * n_prompt + [1] * len(s.response_ids),
+            slot=slot, tokens=tokens, loss_mask=[0] * n_prompt + s.mask,
             advantage=s.advantage, rollout_logprobs=[0.0] * n_prompt + list(s.logprobs), registration=registration_id,
         ))
     return out
@@ -100,11 +103,16 @@ def rl_step(slot: int, registration_id: str, groups: list[RolloutGroup]) -> tupl
     samples = [s for g in groups for s in rl_samples(slot, registration_id, g)]
     rewards = [s.reward for g in groups for s in g.samples]
     stale = [g.staleness for g in groups if g.staleness is not None]
+    turns = [s.turns for g in groups for s in g.samples]
+    response = sum(len(s.response_ids) for g in groups for s in g.samples)
+    learned = sum(sum(s.mask) for g in groups for s in g.samples)
     plan = StepPlan(
         registration_id, len(samples),
         reward_mean=sum(rewards) / len(rewards) if rewards else None,
         staleness_mean=sum(stale) / len(stale) if stale else None,
         reward_failures=sum(s.reward_error is not None for g in groups for s in g.samples),
         version_min=min(g.version for g in groups),
+        # model turns per sample, and the share of response tokens the environment wrote (not learned)
+        metrics={"turns_mean": sum(turns) / len(turns), "env_token_share": (response - learned) / response if response else 0.0},
     )
     return samples, plan

@@ -29,7 +29,8 @@ import yaml
 from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict
 
-from rollout.config import ADAPTER_NAME_PATTERN, DataConfig, EngineConfig, RewardConfig, RolloutConfig, SamplingConfig
+from rollout.config import ADAPTER_NAME_PATTERN, DataConfig, EngineConfig, RewardConfig, RolloutConfig, RolloutSpec, SamplingConfig
+from rollout.tenant_code import is_import_path
 from service.placement import PlacementConfig
 from trainer.config import Objective, SlotHyperParams, StrictModel, TrainerConfig
 from trainer.model_folder import read_model_config
@@ -89,7 +90,8 @@ class AdapterConfig(StrictModel):
     max_grad_norm: float | None = Field(1.0, gt=0, description="Clip this adapter's gradient to this global norm; null = no clipping.")
     objective: Objective = Field("rl", description="rl: GRPO-style group rollouts scored by `reward`; sft: supervised prompt/completion pairs, no rollout.")
     data: DataSpec = Field(description="The adapter's data source.")
-    reward: RewardConfig | None = Field(None, description="RL only (required there): the reward function, a builtin name or 'package.module:function' under an allowed import root.")
+    reward: RewardConfig | None = Field(None, description="RL only: the reward function, a builtin name or 'package.module:function' under an allowed import root. Required unless `rollout` names a custom rollout (which then computes its own rewards, and may use this one).")
+    rollout: RolloutSpec | None = Field(None, description="RL only: how a prompt's trajectories are made: a multi-turn environment or an async rollout function by import path under an allowed rollout import root, with per-trajectory time and token budgets (docs/environments.md). Default: the built-in single_turn (one completion per sample, scored by `reward`).")
     prompts_per_step: int = Field(4, ge=1, le=65536, description="Prompts (RL) or examples (SFT) per optimizer step of this adapter.")
     num_step: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (the data repeats until then). At most one of num_step and num_epoch; neither = one epoch.")
     num_epoch: int | None = Field(None, ge=1, description="Stop after this many passes over the data: (rows x num_epoch) // prompts_per_step steps (the passes run on into each other; a final part shorter than a step is dropped).")
@@ -127,12 +129,14 @@ class AdapterConfig(StrictModel):
         if self.init_from is not None and self.resume_from is not None:
             raise ValueError("set at most one of init_from and resume_from: a checkpoint already holds the weights")
         if self.objective == "rl":
-            if self.reward is None:
-                raise ValueError("objective 'rl' needs a reward, e.g. {\"name\": \"target_share\"}")
+            if self.reward is None and not self.custom_rollout:
+                raise ValueError("objective 'rl' needs a reward, e.g. {\"name\": \"target_share\"} (or a custom rollout that computes its own)")
             if self.sampling.n_samples_per_prompt < 2:
                 raise ValueError("objective 'rl' needs sampling.n_samples_per_prompt >= 2: group-relative advantages of a group of one are always zero")
         elif self.reward is not None:
             raise ValueError("reward applies only to objective 'rl'; remove it for 'sft'")
+        elif self.rollout is not None:
+            raise ValueError("rollout applies only to objective 'rl'; remove it for 'sft'")
         if self.objective == "rl" and self.data.max_completion_tokens is not None:
             raise ValueError("data.max_completion_tokens applies only to objective 'sft'; rl completions are bounded by sampling.max_new_tokens")
         try:  # the rollout side's own data checks (file formats it can read), once, here
@@ -140,6 +144,11 @@ class AdapterConfig(StrictModel):
         except ValidationError as e:
             raise ValueError("; ".join(str(err["ctx"]["error"]) if "ctx" in err else err["msg"] for err in e.errors())) from None
         return self
+
+    @property
+    def custom_rollout(self) -> bool:
+        """Whether `rollout` names tenant code (an import path) rather than a built-in."""
+        return self.rollout is not None and is_import_path(self.rollout.name)
 
     @property
     def samples_per_step(self) -> int:
@@ -234,6 +243,7 @@ class ServiceSettings(BaseSettings):
     state_dir: Path = Field(Path("runs/service"), description="Folder for the registry database, checkpoints and exports.")
     data_roots: Annotated[list[Path], NoDecode] = Field(default_factory=lambda: [Path.cwd()], description="Folders that adapter data, init_from and resume_from must lie in (state_dir is also allowed for init_from/resume_from).")
     reward_import_roots: Annotated[list[str], NoDecode] = Field(default_factory=list, description="Python package prefixes custom reward functions may be imported from (e.g. 'myorg.rewards'); builtin rewards are always allowed.")
+    rollout_import_roots: Annotated[list[str], NoDecode] = Field(default_factory=list, description="Python package prefixes custom rollouts (environment classes, async rollout functions; an adapter's config.rollout) may be imported from (e.g. 'myorg.envs'); the built-in single_turn is always allowed.")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest request body the API accepts (bytes); larger ones get 413.")
     # Length limits of every adapter's rows (issue 14: one tenant's long rows must not stall the fleet).
     max_row_bytes: int = Field(1 << 20, ge=1024, description="Longest line of a data file (bytes); longer lines are skipped and counted, never loaded.")
@@ -252,7 +262,7 @@ class ServiceSettings(BaseSettings):
     tinker_tokenizer_id: str | None = Field(None, description="Tinker: the tokenizer id get_info tells clients (the SDK's get_tokenizer loads it with AutoTokenizer), e.g. the base model's Hugging Face hub id. Default: base_model.served_name when the job file sets it, else the base model's folder, which responses show cut to its last part (server paths are never shown), so clients off this machine need this set.")
     tinker_max_body_bytes: int = Field(64 << 20, ge=8 << 20, description="Largest request body of the Tinker API's data-carrying routes (forward, forward_backward); at least 8 MiB.")
 
-    _split = field_validator("data_roots", "reward_import_roots", mode="before")(lambda cls, v: _split_list(v))
+    _split = field_validator("data_roots", "reward_import_roots", "rollout_import_roots", mode="before")(lambda cls, v: _split_list(v))
 
     @field_validator("api_token", mode="after")
     @classmethod
@@ -490,11 +500,13 @@ class JobConfig(StrictModel):
                 f"engines.max_lora_rank ({self.engines.max_lora_rank}) must be >= slots.max_rank ({self.slots.max_rank}): "
                 "the engines could not load an adapter of the largest rank the trainer accepts"
             )
-        if self.rollout.reward_import_roots:
-            raise ValueError(
-                "rollout.reward_import_roots is taken from the service settings: set service.reward_import_roots "
-                "(or LORAFLEET_REWARD_IMPORT_ROOTS), the one place both the registration check and the rollout worker read"
-            )
+        for roots, given in (("reward_import_roots", self.rollout.reward_import_roots),
+                             ("rollout_import_roots", self.rollout.rollout_import_roots)):
+            if given:
+                raise ValueError(
+                    f"rollout.{roots} is taken from the service settings: set service.{roots} "
+                    f"(or LORAFLEET_{roots.upper()}), the one place both the registration check and the rollout worker read"
+                )
         too_big = [f"{a.name} (rank {a.config.rank})" for a in self.adapters if a.config.rank > self.slots.max_rank]
         if too_big:
             raise ValueError(f"adapter rank above slots.max_rank {self.slots.max_rank}: {', '.join(too_big)}")
@@ -519,8 +531,9 @@ class JobConfig(StrictModel):
         return self.slots.model_copy(update=update) if update else self.slots
 
     def rollout_config(self, settings: ServiceSettings) -> RolloutConfig:
-        """The rollout worker's config, with the reward import roots of the running service."""
-        return self.rollout.model_copy(update={"reward_import_roots": list(settings.reward_import_roots)})
+        """The rollout worker's config, with the reward and rollout import roots of the running service."""
+        return self.rollout.model_copy(update={"reward_import_roots": list(settings.reward_import_roots),
+                                               "rollout_import_roots": list(settings.rollout_import_roots)})
 
     def engine_config(self, settings: ServiceSettings) -> EngineConfig:
         """The engines' config for a service bound to `settings.host`. The engines' only client is the

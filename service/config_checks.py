@@ -18,7 +18,6 @@ Path confinement (the security boundary for tenant-supplied paths):
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import json
 import math
@@ -28,7 +27,10 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from rollout.config import RolloutSpec
 from rollout.data import read_line_bounded
+from rollout.rewards import RewardLoadError, load_reward
+from rollout.rollouts import RolloutLoadError, load_rollout
 from service.config import AdapterConfig, ServiceSettings, SlotCapacity
 from service.errors import BadValue
 
@@ -63,7 +65,9 @@ def check_adapter_config(config: AdapterConfig, settings: ServiceSettings, capac
     data_roots = list(settings.data_roots)
     model_roots = data_roots + [settings.state_dir]
     data_path = confine_path(config.data.path, data_roots, "config.data.path", want="file")
-    limits = row_limits(config, settings, capacity)
+    budget = _rollout_budget(config, settings, capacity) if config.rollout is not None else None
+    # A trajectory's token budget is its context: rows are read with limits that leave it room for a turn.
+    limits = row_limits(config, settings, capacity if budget is None else capacity.model_copy(update={"context_tokens": budget}))
     rows = _check_data_file(data_path, config, settings, limits["max_row_bytes"])
     update: dict = {"data": config.data.model_copy(update={"path": str(data_path), **limits})}
     if config.init_from is not None:
@@ -73,7 +77,12 @@ def check_adapter_config(config: AdapterConfig, settings: ServiceSettings, capac
     if config.resume_from is not None:
         update["resume_from"] = str(confine_path(config.resume_from, model_roots, "config.resume_from", want="dir"))
     if config.reward is not None:
-        _check_reward(config.reward.name, settings.reward_import_roots)
+        try:
+            load_reward(config.reward, settings.reward_import_roots)
+        except RewardLoadError as e:
+            raise BadValue(f"config.reward.name: {e}", field="config.reward.name") from None
+    if config.rollout is not None:
+        update["rollout"] = _check_rollout(config, settings, budget)
     checked = config.model_copy(update=update)
     total = planned_steps(config, rows)
     if total == 0:
@@ -304,29 +313,37 @@ def _check_peft_folder(folder: Path, rank: int) -> None:
         raise BadValue(f"{field}: the adapter in {folder} has rank {peft_cfg['r']} but config.rank is {rank}; make them equal", field=field)
 
 
-def _check_reward(name: str, import_roots: list[str]) -> None:
-    """Builtin names are always allowed; custom 'package.module:function' only under an import root."""
-    field = "config.reward.name"
-    if "." not in name and ":" not in name:
-        known = builtin_reward_names()
-        if name not in known:
-            raise BadValue(f"{field}: unknown builtin reward {name!r}; builtins: {known}, or 'package.module:function'", field=field)
-        return
-    module_name, _, func_name = name.rpartition(":") if ":" in name else name.rpartition(".")
-    roots = list(import_roots)
-    if not any(module_name == r or module_name.startswith(r + ".") for r in roots):
-        allowed = roots or "none configured (set LORAFLEET_REWARD_IMPORT_ROOTS)"
-        raise BadValue(f"{field}: module {module_name!r} is not under an allowed reward import root; allowed: {allowed}", field=field)
+def _rollout_budget(config: AdapterConfig, settings: ServiceSettings, capacity: SlotCapacity) -> int:
+    """The token budget of one trajectory (RolloutSpec.max_tokens; default: the model's context): within the
+    context, with room for one turn of sampling.max_new_tokens after a prompt."""
+    field = "config.rollout.max_tokens"
+    context = capacity.context_tokens
+    most = context if context is not None else settings.max_prompt_tokens + settings.max_completion_tokens
+    budget = config.rollout.max_tokens if config.rollout.max_tokens is not None else most
+    least = config.sampling.max_new_tokens + 1  # a one-token prompt and a whole turn
+    if not least <= budget <= most:
+        within = "the model's context" if context is not None else "max_prompt_tokens + max_completion_tokens"
+        raise BadValue(f"{field} {budget} does not fit: a trajectory must hold a prompt and one turn of sampling.max_new_tokens "
+                       f"({config.sampling.max_new_tokens}) and stay within {within} ({most}); allowed: {least}..{most}", field=field)
+    return budget
+
+
+def _check_rollout(config: AdapterConfig, settings: ServiceSettings, budget: int) -> RolloutSpec:
+    """The run's rollout with its token budget filled in, resolved the way the rollout worker will resolve it
+    (rollout.rollouts.load_rollout: import root, kind, kwargs); a step of trajectories of up to `budget`
+    tokens must stay within max_step_tokens."""
+    spec = config.rollout
     try:
-        module = importlib.import_module(module_name)
-    except Exception as e:
-        raise BadValue(f"{field}: cannot import {module_name!r}: {type(e).__name__}: {e}", field=field) from None
-    if not callable(getattr(module, func_name, None)):
-        raise BadValue(f"{field}: {module_name!r} has no callable {func_name!r}", field=field)
-
-
-def builtin_reward_names() -> list[str]:
-    """The builtin reward names, as the rollout side defines them (rollout.rewards.BUILTIN_REWARDS)."""
-    from rollout import rewards  # the rollout side owns the builtin set
-
-    return sorted(rewards.BUILTIN_REWARDS)
+        load_rollout(spec, settings.rollout_import_roots)
+    except RolloutLoadError as e:
+        field = f"config.rollout.{e.field}"
+        raise BadValue(f"{field}: {e}", field=field) from None
+    step_tokens = config.samples_per_step * budget
+    if step_tokens > settings.max_step_tokens:
+        raise BadValue(
+            f"a step of this adapter may hold {config.samples_per_step} trajectories of up to {budget} tokens = {step_tokens} "
+            f"tokens, above the service's per-step budget of {settings.max_step_tokens} tokens (max_step_tokens); lower "
+            "config.rollout.max_tokens, prompts_per_step or sampling.n_samples_per_prompt",
+            field="config.rollout.max_tokens",
+        )
+    return spec.model_copy(update={"max_tokens": budget})

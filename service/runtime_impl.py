@@ -156,7 +156,8 @@ class FleetRuntime:
             if isinstance(run, RlRun):
                 spec = AdapterRollout(
                     name=ref.name, registration_id=ref.registration_id, data=cfg.data_config(), reward=cfg.reward,
-                    sampling=cfg.sampling, initial_version=weight_version, cursor=cursor, max_staleness=cfg.max_staleness,
+                    sampling=cfg.sampling, rollout=cfg.rollout, initial_version=weight_version, cursor=cursor,
+                    max_staleness=cfg.max_staleness,
                 )
                 self._need_rollout().add_adapter(spec, self.publisher.weights_now(ref.slot, ref.name, ref.registration_id,
                                                                                   weight_version))
@@ -284,12 +285,8 @@ class FleetRuntime:
                 self.health.trainer_note = f"lost: {type(e).__name__}"
                 raise TrainerLost(f"trainer died during a train call: {type(e).__name__}: {e}") from e
             raise
-        if outcome.samples:
-            self.health.last_train_s = outcome.seconds
-        stepped = [x for x in outcome.settled if isinstance(x, SteppedRun)]
-        failed = {x.registration_id: x.reason for x in outcome.settled if isinstance(x, RunFailed)}
-        return CollectedRound(stepped=stepped, failed=failed, seconds=outcome.seconds, samples=outcome.samples,
-                              tenants=outcome.tenants)
+                    sampling=cfg.sampling, rollout=cfg.rollout, initial_version=weight_version, cursor=cursor,
+                    max_staleness=cfg.max_staleness,
 
     def fatal_runs(self) -> dict[str, str]:
         """Registration id -> why, for every prepared run that can never make another step: an SFT

@@ -123,6 +123,7 @@ class DatasetRun:
             m["staleness_mean"] = plan.staleness_mean
         if plan.version_min is not None:
             m["sample_version_min"] = plan.version_min
+        m.update(plan.metrics)  # the kind's own per-step metrics (RL: turns_mean, env_token_share)
         # Samples of another tenant of the slot: dropped by the trainer / refused here (both must stay 0).
         m["foreign_samples_dropped"] = train.dropped_foreign.get(slot, 0) + self.foreign_groups()
         self.last_metrics = m
@@ -263,7 +264,7 @@ class RlRun(DatasetRun):
         out = {"kl_mean": metrics.kl_mean}
         stats = ctx.rollout_stats(self.name)
         if stats is not None and stats.registration_id == self.key:
-            out.update(stats.data.skip_metrics())
+            out.update(stats.step_metrics())
         return out
 
     def data_done(self, ctx: RoundContext | None = None) -> bool:

@@ -136,7 +136,8 @@ def serve_job(tmp: Path, tiny_world: Path, slots: dict | None = None, engines: d
     job["base_model"]["path"] = str(tiny_world / "model")
     job["adapters"] = []
     job["service"] = {"state_dir": str(tmp / "state"), "data_roots": [str(tiny_world / "data"), str(tmp)], "port": 0,
-                      "reward_import_roots": ["tests.integration.rewards_for_tests"], **(service or {})}
+                      "reward_import_roots": ["tests.integration.rewards_for_tests"],
+                      "rollout_import_roots": ["tests.integration.envs_for_tests", "examples.tiny_agent"], **(service or {})}
     job["base_model"].update(base_model or {})
     path = tmp / "job.yaml"
     path.write_text(yaml.safe_dump(job))

@@ -16,8 +16,6 @@ from __future__ import annotations
 from tests.local_ray import start_ray, stop_ray
 
 import asyncio
-import contextlib
-import inspect
 import time
 
 import pytest
@@ -29,7 +27,7 @@ from rollout.pool import EnginePool
 from rollout.rewards import target_share
 from rollout.weights import AdapterWeights
 from rollout.worker import AdapterRollout
-from rollout.worker_actor import RolloutWorkerImpl
+from tests.integration.rollout_world import count_concurrent_requests, rollout_spec, started_worker, wait_for
 from tests.integration.sglang_fixtures import GREEDY, hf_greedy, make_peft_adapter, one_torch_thread, sglang_server_fixture
 
 pytestmark = pytest.mark.integration
@@ -267,67 +265,6 @@ def test_refused_update_changes_nothing(sglang_server, adapters, prompts, tiny_w
 
 
 # --- the rollout worker ------------------------------------------------------------------------
-
-
-def rollout_spec(tiny_world, name, task, registration_id, **sampling):
-    return AdapterRollout(
-        name=name,
-        registration_id=registration_id,
-        data=DataConfig(path=str(tiny_world / "data" / f"{task}.jsonl"), shuffle_seed=0),
-        reward=RewardConfig(name="target_share"),
-        sampling=SamplingConfig(**{"temperature": 1.0, "max_new_tokens": 12, "n_samples_per_prompt": 4, **sampling}),
-    )
-
-
-async def _truth(value) -> bool:
-    return bool(await value) if inspect.isawaitable(value) else bool(value)
-
-
-def count_concurrent_requests(client: EngineClient) -> dict[str, int]:
-    """Wrap ``client.generate`` to record the peak number of concurrent requests, in total and
-    per adapter (the rid's ``<adapter>::`` prefix); returns the live peak dict."""
-    inner, live, peak = client.generate, {}, {"total": 0}
-
-    async def generate(*, rid: str, **kwargs):
-        adapter = rid.split("::", 1)[0]
-        for key in ("total", adapter):
-            live[key] = live.get(key, 0) + 1
-            peak[key] = max(peak.get(key, 0), live[key])
-        try:
-            return await inner(rid=rid, **kwargs)
-        finally:
-            for key in ("total", adapter):
-                live[key] -= 1
-
-    client.generate = generate
-    return peak
-
-
-async def wait_for(predicate, timeout_s, what):
-    """Poll ``predicate`` (a function, or a coroutine function) until it is true; fail after
-    ``timeout_s`` naming ``what``. Deadlines are generous: this is a shared 2-core machine."""
-    deadline = time.monotonic() + timeout_s
-    while not await _truth(predicate()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
-@contextlib.asynccontextmanager
-async def started_worker(sglang_server, cfg, tiny_world, adapter_names, *, managed=False):
-    """A started rollout worker on the module's server. ``managed``: the worker watches the
-    engine process (it sees it die and can restart it); else it knows only the URL. On the
-    way out it removes ``adapter_names`` (unknown names are a no-op) and shuts down; the
-    server stays up."""
-    where = {"engines": [sglang_server.engine]} if managed else {"engine_urls": [sglang_server.url]}
-    worker = RolloutWorkerImpl(sglang_server.cfg, cfg, tiny_world / "model", **where)
-    await worker.start()
-    try:
-        yield worker
-    finally:
-        for name in adapter_names:
-            await worker.remove_adapter(name)
-        await worker.shutdown()
 
 
 def test_worker_groups_round_robin_stamped_and_scored(sglang_server, adapters, tiny_world):

@@ -9,6 +9,8 @@ worker; one SGLang CPU engine), shared by every test here, in this order:
       one with some over-long rows trains on the others (skips counted)          (issue 14 F1/F2)
   1d. an RL run over its data (num_epoch) ends COMPLETED at its registered total_steps, its schedule at
       its end (service/config_checks.planned_steps)
+  1e. a multi-turn run whose environment crashes on every trajectory is FAILED with the environment's
+      error; a multi-turn run beside it trains with the environment's tokens masked        (issue 29)
   2. `lorafleet smoke` passes against it                                    (issue 6 proof)
   3. load: 200 concurrent GETs + 50 register/retire cycles during training:
      no 5xx, no leaked slot, p99 of GET /v1/adapters printed                  (issue 6 proof)
@@ -198,6 +200,30 @@ def test_an_rl_epoch_run_ends_at_its_planned_total_with_its_schedule_finished(se
     assert [s["step"] for s in steps] == [1, 2, 3] and ref["samples_trained"] == 3 * 4 * 4, (ref, steps)
     assert steps[-1]["learning_rate"] == pytest.approx(min_ratio * lr, rel=1e-6)  # the schedule's last step
     assert ref["step"] == ref["total_steps"]  # the progress the tenant sees ends at its total
+
+
+# --- 1e ------------------------------------------------------------------------------------------
+
+ENVS = "tests.integration.envs_for_tests"
+
+
+def test_a_crashing_environment_fails_its_run_alone_with_the_reason(service, tiny_world):
+    with service.client() as c:
+        c.register("env-ok", rl(tiny_world, rollout={"name": f"{ENVS}:ThreeTurns", "max_turns": 3},
+                                sampling={"n_samples_per_prompt": 4, "max_new_tokens": 6}))
+        c.register("env-bad", rl(tiny_world, rollout={"name": f"{ENVS}:Broken", "max_failures_in_a_row": 3}, reward=None))
+        bad = wait_for(c, "env-bad", lambda r: r["state"] == "FAILED", "FAILED", may_fail=True)
+        assert bad["failure_reason"].startswith(f"its rollout failed on 3 groups in a row; last: rollout {ENVS}:Broken failed: "
+                                                "RuntimeError: environment crashed (on purpose, for the test)"), bad
+        assert bad["slot"] is None and bad["step"] == 0
+        ok = wait_for(c, "env-ok", lambda r: r["step"] >= 2, "2 steps of the multi-turn run beside it")
+        assert ok["state"] == "ACTIVE"
+        steps = c.metrics("env-ok")["steps"]
+        # three model turns per trajectory, the two system messages between them in the response but not learned
+        assert all(s["metrics"]["turns_mean"] == 3.0 and 0 < s["metrics"]["env_token_share"] < 1 for s in steps), steps
+        assert all(s["metrics"]["groups_dropped_error"] == 0 for s in steps)
+        retire_and_wait(c, service.state_dir, "env-ok")
+        assert c.ready()["slots"]["free"] == 4
 
 
 # --- 2 -------------------------------------------------------------------------------------------

@@ -215,7 +215,7 @@ def test_registration_checks(roots, tmp_path):
     refusals = [
         ({"data": {"path": "rows.jsonl"}}, "line 1 of .* lacks key\\(s\\) \\['label'\\]"),
         ({"data": {"path": "rows.jsonl", "label_key": "answer", "input_key": "question"}}, "lacks key\\(s\\) \\['question'\\]"),
-        ({"reward": {"name": "nosuch"}}, "unknown builtin reward 'nosuch'"),
+        ({"reward": {"name": "nosuch"}}, "unknown built-in reward 'nosuch'"),
         ({"reward": {"name": "os.path:join"}}, "module 'os.path' is not under an allowed reward import root; allowed: \\['json'\\]"),
         ({"reward": {"name": "json:nosuch"}}, "'json' has no callable 'nosuch'"),
         ({"init_from": "sub"}, "not a PEFT adapter folder: missing \\['adapter_config.json', 'adapter_model.safetensors'\\]"),
@@ -319,3 +319,59 @@ def test_relative_paths_as_records_show_them_resolve_under_any_root(roots, tmp_p
     assert confine_path("runs/a-1/ckpt", [root, state], "config.resume_from", want="dir") == (state / "runs" / "a-1" / "ckpt").resolve()
     with pytest.raises(BadValue, match="'runs/nope' does not exist"):
         confine_path("runs/nope", [root, state], "config.resume_from", want="dir")
+
+
+ENVS = "tests.integration.envs_for_tests"
+
+
+def test_rollout_rules_of_the_adapter_config():
+    custom = {"rollout": {"name": f"{ENVS}:ThreeTurns"}}
+    assert AdapterConfig.model_validate({**RL, **custom, "reward": None}).custom_rollout  # it computes its own rewards
+    with pytest.raises(ValidationError, match="objective 'rl' needs a reward"):
+        AdapterConfig.model_validate({**RL, "reward": None, "rollout": {"name": "single_turn"}})
+    with pytest.raises(ValidationError, match="rollout applies only to objective 'rl'"):
+        AdapterConfig.model_validate({"objective": "sft", "data": {"path": "e.jsonl"}, **custom})
+    with pytest.raises(ValidationError, match="rollout.timeout_s\n  Input should be greater than 0"):
+        AdapterConfig.model_validate({**RL, "rollout": {"name": "single_turn", "timeout_s": 0}})
+    with pytest.raises(ValidationError, match="numbers must be finite; kwargs.k is Infinity or NaN"):
+        AdapterConfig.model_validate({**RL, "rollout": {"name": f"{ENVS}:ThreeTurns", "kwargs": {"k": float("inf")}}})
+
+
+def test_registration_checks_a_rollout_as_the_worker_will_load_it(roots, tmp_path):
+    """Import path (confined to rollout_import_roots, never imported when refused), kind, kwargs and the
+    token budget; the checked config carries the budget in force (default: the model's context)."""
+    root, _ = roots
+    settings = load_settings(data_roots=[root], state_dir=tmp_path / "state", rollout_import_roots=[ENVS], max_step_tokens=20_000)
+    cap = SlotCapacity(num_slots=2, max_rank=16, context_tokens=512)
+
+    def check(rollout, **over):
+        config = {"data": {"path": "sub/ok.jsonl"}, "rollout": rollout, "prompts_per_step": 1,
+                  "sampling": {"n_samples_per_prompt": 4, "max_new_tokens": 16}, **over}
+        return check_adapter_config(AdapterConfig.model_validate(config), settings, cap)
+
+    checked = check({"name": f"{ENVS}:ThreeTurns", "kwargs": {"note": "hi"}})
+    assert checked.config.rollout.max_tokens == 512 and checked.config.reward is None
+    assert checked.config.data.max_prompt_tokens == 512 - 16
+    small = check({"name": f"{ENVS}:two_tries", "max_tokens": 100}).config
+    # the budget is the trajectory's context: prompts are read with room left for a turn
+    assert small.rollout.max_tokens == 100 and small.data.max_prompt_tokens == 100 - 16 and small.data.max_sample_tokens == 100
+    refusals = [
+        ({"name": "os:system"}, re.escape("config.rollout.name: custom rollout module 'os' is not under an allowed rollout import "
+                                          f"root; allowed: ['{ENVS}']")),
+        ({"name": f"{ENVS}:not_a_rollout"}, "config.rollout.name: 'not_a_rollout' in rollout module .* is neither an environment class"),
+        ({"name": f"{ENVS}:ThreeTurns", "kwargs": {"colour": 1}}, "config.rollout.kwargs: the kwargs do not fit the environment"),
+        ({"name": f"{ENVS}:ThreeTurns", "max_tokens": 513}, "config.rollout.max_tokens 513 does not fit: .* stay within the model's "
+                                                             "context \\(512\\); allowed: 17..512"),
+        ({"name": f"{ENVS}:ThreeTurns", "max_tokens": 16}, "config.rollout.max_tokens 16 does not fit: a trajectory must hold a prompt "
+                                                            "and one turn of sampling.max_new_tokens \\(16\\)"),
+    ]
+    for rollout, error in refusals:
+        with pytest.raises(BadValue, match=error) as e:
+            check(rollout)
+        assert e.value.field in ("config.rollout.name", "config.rollout.kwargs", "config.rollout.max_tokens")
+    with pytest.raises(BadValue, match="4 trajectories of up to 512 tokens = 2048 tokens, above the service's per-step budget of 2000"):
+        check_adapter_config(AdapterConfig.model_validate({"data": {"path": "sub/ok.jsonl"}, "prompts_per_step": 1,
+                                                           "rollout": {"name": f"{ENVS}:ThreeTurns"},
+                                                           "sampling": {"n_samples_per_prompt": 4, "max_new_tokens": 16}}),
+                             load_settings(data_roots=[root], state_dir=tmp_path / "state", rollout_import_roots=[ENVS],
+                                           max_step_tokens=2000, max_prompt_tokens=100), cap)

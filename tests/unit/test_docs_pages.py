@@ -85,3 +85,36 @@ def test_relative_links_and_anchors_resolve(page):
         assert dest.exists(), f"{page.relative_to(ROOT)} links to missing {target}"
         if anchor and dest.suffix == ".md":
             assert anchor in _anchors(dest.read_text()), f"{page.relative_to(ROOT)} links to missing anchor {target}"
+
+
+def _doc_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", (DOCS / "environments.md").read_text(), re.S)
+
+
+def test_the_docs_environment_is_under_50_lines_and_works(monkeypatch):
+    """docs/environments.md's environment and rollout function, run as written: the environment
+    resolves as one (import roots and all), calls its tool from the text and rewards the answer."""
+    import sys
+    import types
+
+    from rollout.config import RolloutSpec
+    from rollout.data import PromptRow
+    from rollout.environment import Action
+    from rollout.rollouts import load_rollout
+
+    env_code, fn_code = _doc_blocks()
+    assert len(env_code.splitlines()) < 50
+    for name, code in (("docs_envs.calc", env_code), ("docs_envs.fn", fn_code)):
+        module = types.ModuleType(name)
+        exec(compile(code, name, "exec"), module.__dict__)  # noqa: S102 - the page's own code
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setitem(sys.modules, "docs_envs", types.ModuleType("docs_envs"))
+    assert load_rollout(RolloutSpec(name="docs_envs.calc:Calculator", kwargs={"max_calls": 2}), ["docs_envs"]).kind == "environment"
+    assert load_rollout(RolloutSpec(name="docs_envs.fn:self_check"), ["docs_envs"]).kind == "function"
+    env = sys.modules["docs_envs.calc"].Calculator(max_calls=1)
+    assert env.reset(PromptRow(index=0, epoch=0, prompt="12*7?", prompt_text="12*7?", input_ids=[1], label=84)) is None
+    first = env.step(Action("let me see: calc(12*7)", (1,), "stop", 1))
+    assert first.observation == "\n<|tool|>84\n<|assistant|>" and not first.done
+    assert env.step(Action("calc(1+1)", (1,), "stop", 2)).done  # no calls left: that was the answer (wrong)
+    env.reset(PromptRow(index=0, epoch=0, prompt="", prompt_text="", input_ids=[1], label=84))
+    assert env.step(Action("it is 84", (1,), "stop", 1)).reward == 1.0

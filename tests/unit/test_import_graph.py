@@ -27,9 +27,7 @@ CORE_FORBIDDEN = ("ray", "fastapi", "sglang")
 # Calls whose first argument names the method to run: the dispatch wrappers issue 12 removed.
 DISPATCHERS = {"call", "_call", "_all", "_rollout", "remote_call", "call_method"}
 # Looked up by a name that is configuration, not a call between components: (file, source).
-ALLOWED_DYNAMIC = {
-    ("service/config_checks.py", "getattr(module, func_name, None)"),  # a custom reward function named in the job file
-}
+ALLOWED_DYNAMIC: set[tuple[str, str]] = set()  # tenant code named in a config resolves in rollout/tenant_code.py
 
 
 def module_name(path: Path, root: Path = REPO) -> str:
