@@ -285,8 +285,12 @@ class FleetRuntime:
                 self.health.trainer_note = f"lost: {type(e).__name__}"
                 raise TrainerLost(f"trainer died during a train call: {type(e).__name__}: {e}") from e
             raise
-                    sampling=cfg.sampling, rollout=cfg.rollout, initial_version=weight_version, cursor=cursor,
-                    max_staleness=cfg.max_staleness,
+        if outcome.samples:
+            self.health.last_train_s = outcome.seconds
+        stepped = [x for x in outcome.settled if isinstance(x, SteppedRun)]
+        failed = {x.registration_id: x.reason for x in outcome.settled if isinstance(x, RunFailed)}
+        return CollectedRound(stepped=stepped, failed=failed, seconds=outcome.seconds, samples=outcome.samples,
+                              tenants=outcome.tenants)
 
     def fatal_runs(self) -> dict[str, str]:
         """Registration id -> why, for every prepared run that can never make another step: an SFT
