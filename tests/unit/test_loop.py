@@ -232,7 +232,9 @@ def test_no_room_for_a_lost_nodes_engines_stops_the_loop_and_drains_every_run(fl
 
             rollout.begin_restart_engine = no_room
 
-    report = run(controller, runtime, LoopOptions(batch_mode=False, max_wait_s=0.01, engine_check_s=0.01),
+    # engine_check_s far below a round's length: the check runs at the start of every iteration, so the
+    # round after the loss is never run before the check sees it (with 0.01 s a fast round could slip in)
+    report = run(controller, runtime, LoopOptions(batch_mode=False, max_wait_s=0.01, engine_check_s=1e-6),
                  on_round=lose_the_engine_node_at_step_2)
     assert report.stopped_by == "no room after a node was lost: planted: no alive node has room for lorafleet-engine0"
     assert any(e.startswith("stopping: planted: no alive node has room") for e in report.events)
