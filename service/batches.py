@@ -40,6 +40,7 @@ class SteppedRun:
     metrics: dict[str, float]
     exhausted: bool
     due_checkpoint: bool
+    failure: str | None = None  # the step counts, and then the run is FAILED for this (its rewards kept failing)
 
 
 @dataclass(frozen=True)

@@ -289,6 +289,7 @@ class FleetRuntime:
             self.health.last_train_s = outcome.seconds
         stepped = [x for x in outcome.settled if isinstance(x, SteppedRun)]
         failed = {x.registration_id: x.reason for x in outcome.settled if isinstance(x, RunFailed)}
+        failed |= {x.registration_id: x.failure for x in stepped if x.failure is not None}  # committed, then FAILED
         return CollectedRound(stepped=stepped, failed=failed, seconds=outcome.seconds, samples=outcome.samples,
                               tenants=outcome.tenants)
 

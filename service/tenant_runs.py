@@ -101,10 +101,11 @@ class DatasetRun:
                 return RunFailed(self.key, f"{self.bad_steps} consecutive steps with a non-finite loss or gradient "
                                            f"(last at step {self.step + 1})")
             return None
+        failure = None  # a step whose every reward failed was still trained (each advantage 0): it counts
         if self.is_rl and plan.reward_failures == plan.samples:
             self.bad_steps += 1
             if self.bad_steps >= FAIL_AFTER_BAD_STEPS:
-                return RunFailed(self.key, f"the reward failed on every sample of {self.bad_steps} consecutive steps")
+                failure = f"the reward failed on every sample of {self.bad_steps} consecutive steps"
         else:
             self.bad_steps = 0
         report = reports[-1]
@@ -128,8 +129,8 @@ class DatasetRun:
         m["foreign_samples_dropped"] = train.dropped_foreign.get(slot, 0) + self.foreign_groups()
         self.last_metrics = m
         interval = self.config.checkpoint_interval
-        return SteppedRun(self.key, self.name, self.step, plan.samples, m, exhausted=self.exhausted(ctx),
-                          due_checkpoint=interval > 0 and self.step % interval == 0)
+        return SteppedRun(self.key, self.name, self.step, plan.samples, m, exhausted=failure is None and self.exhausted(ctx),
+                          due_checkpoint=interval > 0 and self.step % interval == 0, failure=failure)
 
     def finite_metrics(self) -> dict[str, float]:
         return {k: v for k, v in self.last_metrics.items() if math.isfinite(v)}

@@ -26,6 +26,7 @@ from tests.integration.export_check import export_matches_full_tensors
 from tests.integration.test_trainer_equivalence import (
     OBJECTIVES,
     _assert_nontrivial,
+    PADDED_TOL,
     assert_equivalent,
     make_batches,
     make_hypers,
@@ -355,5 +356,5 @@ def test_padded_micro_batches_route_each_sample_to_its_slot(moe_world, batches, 
     padded = MultiLoraTrainer(TrainerConfig(base_model_path=str(moe_world / "model"), num_slots=4, max_rank=8,
                                             micro_batch_tokens=40, packed=False))
     run = run_scenario(padded, moe_hypers("mixed"), batches)
-    assert_equivalent(run["mixed"], run["alone"])
-    assert_equivalent(run["mixed"], mixed_run["mixed"])  # padded computes what packed computes
+    assert_equivalent(run["mixed"], run["alone"], tol=PADDED_TOL)  # padded rows' own fp32 order
+    assert_equivalent(run["mixed"], mixed_run["mixed"], tol=PADDED_TOL)  # padded computes what packed computes

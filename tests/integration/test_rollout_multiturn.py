@@ -341,8 +341,8 @@ def test_a_tool_using_run_trains_beside_single_turn_and_sft_in_one_mixed_step(sg
     served = {}
     for slot in hypers:  # fresh slots (B = 0: the served adapter is the base), as a new run starts
         trainer.init_slot(slot, hypers[slot], seed=slot + 1, registration=regs[slot])
-        served[slot] = AdapterWeights.from_folder(trainer.export_peft(slot, tmp_path / f"slot{slot}"))
-    inits = {slot: trainer.peft_tensors(slot)[1] for slot in hypers}
+        served[slot] = AdapterWeights.from_folder(trainer.export.export_peft(slot, tmp_path / f"slot{slot}"))
+    inits = {slot: trainer.export.peft_tensors(slot)[1] for slot in hypers}
 
     async def run():
         async with started_worker(sglang_server, cfg(), tiny_world, ["tool", "single"]) as worker:
@@ -401,7 +401,7 @@ def test_a_tool_using_run_trains_beside_single_turn_and_sft_in_one_mixed_step(sg
             err = abs(got - want) / max(abs(want), 1.0)
             worst = max(worst, err)
             assert err <= REL_TOL, (slot, key, got, want)
-        weights = trainer.peft_tensors(slot)[1]
+        weights = trainer.export.peft_tensors(slot)[1]
         for name, w in ref.state().items():
             err = ((weights[name] - w).abs().max() / w.abs().max().clamp_min(1e-12)).item()
             worst = max(worst, err)

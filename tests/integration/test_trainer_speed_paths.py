@@ -94,7 +94,8 @@ def test_speed_path_trains_like_the_padded_path(tiny_world, reference, variant):
     scenario._assert_nontrivial(run, scenario.OBJECTIVES["mixed"])
     worst = scenario.assert_equivalent(run["mixed"], ref["mixed"], tol=SPEED_PATH_TOL)
     scenario.assert_equivalent(run["alone"], ref["alone"], tol=SPEED_PATH_TOL)
-    scenario.assert_equivalent(run["mixed"], run["alone"])  # and the proof's 1e-5 on the path itself
+    # and the proof's bound on the path itself (padded rows: their own fp32 order, scenario.PADDED_TOL)
+    scenario.assert_equivalent(run["mixed"], run["alone"], tol=scenario.PADDED_TOL if variant.startswith("padded") else scenario.REL_TOL)
     print(f"{variant}: worst relative error vs the padded path {worst:.2e}")
     assert worst > 0  # a different computation, not a copy
 
