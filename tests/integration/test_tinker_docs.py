@@ -18,7 +18,7 @@ def test_docs_example_runs(capsys):
     assert len(blocks) == 1
     namespace: dict = {"__name__": "docs_example"}
     exec(compile(blocks[0], str(PAGE), "exec"), namespace)  # noqa: S102 - our own page
-    losses, metrics = namespace["losses"], namespace["service"].metrics()
+    losses, metrics = namespace["losses"], namespace["metrics"]
     for tenant, values in losses.items():
         assert len(values) == 10 and values[-1] < 0.9 * values[0], (tenant, values)
     assert metrics["forward_backward_calls"] == 20 and metrics["mixed_steps"] < 20, metrics
