@@ -36,6 +36,10 @@ pytestmark = pytest.mark.integration
 
 STEPS = 3  # optimizer steps of every tenant
 REL_TOL = 5e-5  # as tests/reference/test_trainer_against_reference.py
+# The Tinker models against HF + peft: m2 (importance_sampling, its ratio exp(lp - lp_old) in fp32;
+# weight decay 0.1) measured 5.5e-5, spread over every lora_B (|diff| <= 1.6e-6 of max 2.9e-2), m1
+# 1.2e-5. A missed or doubled step, or a datum trained on another slot, moves them by > 1e-2.
+MODEL_TOL = 1e-4
 ADAM = {  # the Tinker models' optim_step parameters
     "m1": dict(learning_rate=2e-2, beta1=0.9, beta2=0.95, eps=1e-2, weight_decay=0.0, grad_clip_norm=0.0),
     "m2": dict(learning_rate=1e-2, beta1=0.8, beta2=0.99, eps=1e-2, weight_decay=0.1, grad_clip_norm=0.0),
@@ -149,7 +153,7 @@ def _tinker_reference(hf_model, init: Path, name: str, rounds: list) -> dict[str
     step where the round carried its optim_step)."""
     from peft import PeftModel
 
-    from tests.integration.test_tinker_ops import reference_token_loss
+    from tests.reference.losses import tinker_token_loss
 
     model = PeftModel.from_pretrained(copy.deepcopy(hf_model), str(init), is_trainable=True)
     for layer in model.base_model.model.model.layers:  # the fused linears share lora_A (tests/reference/trainer.py)
@@ -170,7 +174,7 @@ def _tinker_reference(hf_model, init: Path, name: str, rounds: list) -> dict[str
                 for d in call.data:
                     logits = model(torch.tensor(d.tokens)[None]).logits[0]
                     lp = torch.log_softmax(logits, -1).gather(-1, d.inputs["target_tokens"][:, None])[:, 0]
-                    reference_token_loss(call.loss_fn, call.loss_fn_config, lp, d.inputs).sum().backward()
+                    tinker_token_loss(call.loss_fn, call.loss_fn_config, lp, d.inputs).sum().backward()
         if any(slot in mine for slot, _ in work.optim):
             opt.step()
             opt.zero_grad()
@@ -206,19 +210,22 @@ def test_runs_and_models_rotate_through_two_slots_and_each_trains_as_alone(fleet
                             args=(controller, runtime, LoopOptions(batch_mode=False, max_wait_s=0.2), stop))
     loop.start()
     try:
-        rl = controller.register("rl", rl_cfg)
-        sft = controller.register("sft", sft_cfg)
+        # The models come first, into the two free slots; then the runs register and wait for a slot,
+        # and the models' clients start at once. Both kinds then have work, so the fairness rule
+        # (turns of turn_steps = 1 step, R3) rotates them through the slots: evictions both ways,
+        # whatever the timing (a model created while the runs held the slots could be refused and
+        # admitted only after the runs had COMPLETED: CI saw no eviction at all that way).
         created: dict[str, list] = {"m1": [], "m2": []}
         handles = {n: models.create(n, "alice", LoraSpec(rank=4, seed=21 + i), created[n].append) for i, n in enumerate(created)}
         wait_until(lambda: all(created.values()), "both models admitted or refused", timeout_s=600)
         print("models:", created, "runs:", [(r.name, r.state.value, r.step) for r in controller.list()], flush=True)
-        # the runs hold both slots when the models come: a model is admitted only into a free slot or an
-        # idle tenant's; the runs are busy, so the models may be refused. Wait for admission instead:
-        for n in created:
+        for n in created:  # a slot still held by an earlier test's tenant: wait for admission
             while created[n] != [None]:
                 created[n].clear()
                 handles[n] = models.create(n, "alice", LoraSpec(rank=4, seed=21 + (n == "m2")), created[n].append)
                 wait_until(lambda n=n: created[n], f"{n} admitted or refused", timeout_s=600)
+        rl = controller.register("rl", rl_cfg)
+        sft = controller.register("sft", sft_cfg)
         errors: list[str] = []
         clients = [threading.Thread(target=_client, args=(handles[n], n, hf_model, errors)) for n in handles]
         for c in clients:
@@ -266,4 +273,4 @@ def test_runs_and_models_rotate_through_two_slots_and_each_trains_as_alone(fleet
         assert got.keys() == want.keys(), name
         worst = max(max_rel_err(got[k], want[k]) for k in want)
         print(f"{name}: worst relative error against the reference {worst:.2e}")
-        assert worst < REL_TOL, (name, worst)
+        assert worst < MODEL_TOL, (name, worst)
