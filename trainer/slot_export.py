@@ -16,13 +16,13 @@ import torch
 import torch.distributed as dist
 
 from trainer.base_model import FrozenBase
-from trainer.config import TrainerConfig
+from trainer.config import SlotHyperParams, TrainerConfig
 from trainer.distributed import ParallelLayout, tp_group
 from trainer.export_writer import ExportLayout, ExportWriter, PeftSnapshot, export_dtype, pinned_host_copy, replace_folder_atomically
 from trainer.moe_peft import expert_peft_tensors, expert_target_parameters
 from trainer.peft_io import hf_short_names, peft_config_dict, slot_to_hf, write_peft_folder_packed
 from trainer.safetensors_stream import file_order
-from trainer.slots import SlotTable
+from trainer.slots import SlotTable, layer_trained, trains_experts
 
 
 class SlotExporter:
@@ -39,7 +39,7 @@ class SlotExporter:
         self._writer: ExportWriter | None = None  # rank 0's background writer (export_peft_in_background)
         self._writer_lock = threading.Lock()  # the writer is made by whichever thread asks first
         self._copy_stream = None  # CUDA stream of the snapshots' device->host copies (snapshot_peft)
-        self._layouts: dict[tuple[int, bool], ExportLayout] = {}  # export_layout's cache
+        self._layouts: dict[tuple, ExportLayout] = {}  # export_layout's cache
 
     @torch.no_grad()
     def snapshot_peft(self, slot: int, *, to_host: bool = True, dtype: str = "float32") -> PeftSnapshot:
@@ -68,7 +68,7 @@ class SlotExporter:
             return PeftSnapshot(config={}, entries=[], body=None)
         if tp > 1:
             row = torch.cat([gathered.view(-1), row[split:]])
-        layout = self.export_layout(state.rank, state.hyper.lora_experts)
+        layout = self.export_layout(state.rank, state.hyper)
         cfg = peft_config_dict(rank=state.rank, scale=state.scale, target_modules=layout.target_modules,
                                base_model=self.config.base_model_path, target_parameters=layout.target_parameters)
         body = row.index_select(0, layout.index)
@@ -79,7 +79,7 @@ class SlotExporter:
             body, copied = pinned_host_copy(body, self._copy_stream)
         return PeftSnapshot(config=cfg, entries=layout.entries, body=body, header=layout.header(to), copied=copied)
 
-    def export_layout(self, rank: int, lora_experts: bool) -> ExportLayout:
+    def export_layout(self, rank: int, hyper: SlotHyperParams) -> ExportLayout:
         """Where each element of a PEFT file's data comes from in a snapshot's row (the row cast,
         TP-split columns of every TP rank first, then the replicated ones), for slots of LoRA rank
         ``rank``. Built by taking apart a row of positions (0, 1, 2, ...) instead of weights with
@@ -87,36 +87,43 @@ class SlotExporter:
         expert_peft_tensors): the layout is by construction the one they define, and a gather by
         it does all their copies and permutations in one kernel. With it, the PEFT config's module
         lists (Bridge's name mappings: about 0.2 ms per layer, so worth computing once). Cached
-        per (rank, experts)."""
-        key = (rank, lora_experts)
+        per (rank, what the slot trains): only the layers of its targets are in the file (the others
+        are zero by the slot invariant, trainer/slots.py)."""
+        key = (rank, hyper.targets, trains_experts(hyper))
         layout = self._layouts.get(key)
         if layout is None:
             tp, split = self.layout.tp_size, self.buffers.split_cols
             positions = torch.arange(tp * split + self.buffers.weight.shape[1] - split, dtype=torch.int64)
-            tensors = self._peft_from_row(positions, tp, rank, lora_experts)
+            dense, experts = self._trained(hyper)
+            tensors = self._peft_from_row(positions, tp, rank, dense, experts)
             names = file_order({k: (torch.float32, t.shape) for k, t in tensors.items()})  # one dtype: by name
             index = torch.cat([tensors[k].reshape(-1) for k in names])
             small = index.numel() < 2**31 and positions.numel() < 2**31  # int32 indices: half the memory
             layout = ExportLayout(entries=[(k, tuple(tensors[k].shape)) for k in names],
                                   index=index.to(torch.int32 if small else torch.int64).to(self.device),
-                                  target_modules=hf_short_names(self.base, self.dense_layers),
-                                  target_parameters=expert_target_parameters(self.expert_layers if lora_experts else []))
+                                  target_modules=hf_short_names(self.base, dense),
+                                  target_parameters=expert_target_parameters(experts))
             if len(self._layouts) >= 8:  # a few distinct ranks in practice; bound the device memory anyway
                 self._layouts.pop(next(iter(self._layouts)))
             self._layouts[key] = layout
         return layout
 
-    def _peft_from_row(self, row: torch.Tensor, tp: int, rank: int, lora_experts: bool) -> dict[str, torch.Tensor]:
-        """PEFT-named TP=1 tensors of a slot's row (TP-split columns of each TP rank in rank order,
-        then the replicated): views where the layout allows, else copies. No collective."""
+    def _trained(self, hyper: SlotHyperParams) -> tuple[list, list]:
+        """(dense layers, expert layers) a slot with ``hyper`` trains: what its PEFT folder holds."""
+        return ([layer for layer in self.dense_layers if layer_trained(layer, hyper)],
+                [layer for layer in self.expert_layers if layer_trained(layer, hyper)])
+
+    def _peft_from_row(self, row: torch.Tensor, tp: int, rank: int, dense: list, experts: list) -> dict[str, torch.Tensor]:
+        """PEFT-named TP=1 tensors of the ``dense`` and ``experts`` layers of a slot's row (TP-split
+        columns of each TP rank in rank order, then the replicated): views where the layout allows,
+        else copies. No collective."""
         split = self.buffers.split_cols
         blocks = self.buffers.row_views(list(row[: tp * split].view(tp, split)), row[tp * split :])
         a_full, b_full = {}, {}
         for layer, a_shards, b_shards in zip(self.slots.layers, blocks[0::2], blocks[1::2]):
             a_full[layer.name] = layer.assemble_a([layer.a_block(x.unsqueeze(0), 0, rank) for x in a_shards])
             b_full[layer.name] = layer.assemble_b([layer.b_block(x.unsqueeze(0), 0, rank) for x in b_shards])
-        experts = self.expert_layers if lora_experts else []
-        return slot_to_hf(self.base, self.dense_layers, a_full, b_full) | expert_peft_tensors(self.base, experts, a_full, b_full)
+        return slot_to_hf(self.base, dense, a_full, b_full) | expert_peft_tensors(self.base, experts, a_full, b_full)
 
     @staticmethod
     def peft_from_snapshot(snap: PeftSnapshot) -> tuple[dict, dict[str, torch.Tensor]]:
