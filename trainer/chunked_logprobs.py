@@ -293,6 +293,10 @@ def chunked_token_logprobs(
         if lora.z.shape[0] != flat_h.shape[0] or lora.lora_b.shape[1] != weight.shape[0]:
             raise ValueError(f"lora z {tuple(lora.z.shape)} / B {tuple(lora.lora_b.shape)} do not fit "
                              f"{flat_h.shape[0]} tokens and a vocabulary shard of {weight.shape[0]}")
+        ends = [0] + [e for seg in lora.segments for e in seg[1:]]
+        if ends != sorted(ends) or ends[-1] > flat_h.shape[0] or any(not 0 <= k < lora.lora_b.shape[0] for k, _, _ in lora.segments):
+            raise ValueError(f"lora segments {lora.segments[:4]}...: need ascending, disjoint (slot, start, end) within "
+                             f"{flat_h.shape[0]} tokens and slots 0..{lora.lora_b.shape[0] - 1}")
         if not lora.segments:
             lora = None
     want_u = torch.is_grad_enabled() and hidden.requires_grad

@@ -160,6 +160,12 @@ class TrainerConfig(StrictModel):
     )
     seed: int = Field(0, description="Seed of the model-parallel RNG.")
 
+    @property
+    def target_groups(self) -> tuple[TargetGroup, ...]:
+        """The target groups slots of this trainer may train (those of its target_modules)."""
+        have = {target_group(m) for m in self.target_modules}
+        return tuple(g for g in TARGET_GROUPS if g in have)
+
     @model_validator(mode="after")
     def _check(self) -> "TrainerConfig":
         unknown = [m for m in self.target_modules if m not in LORA_TARGETS]

@@ -21,6 +21,8 @@ import json
 import pytest
 import torch
 
+from tests.integration.test_trainer_slots import batch  # random samples of the given slots, seeded
+
 pytestmark = pytest.mark.integration
 
 TARGETS = [("attention", "mlp", "unembed"), ("unembed",), ("mlp", "unembed"), ("attention", "mlp")]
@@ -47,18 +49,6 @@ def hyper(slot, **kw):
     base = dict(rank=RANKS[slot], alpha=2.0 * RANKS[slot], lr=3e-2, samples_per_step=2, eps=1e-2,
                 objective="sft" if slot % 2 else "rl", targets=TARGETS[slot])
     return SlotHyperParams(**(base | kw))
-
-
-def batch(slots, seed=0, vocab=400):
-    from trainer.batch import TrainBatch, TrainSample
-
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for slot in slots:
-        n = int(torch.randint(6, 14, (1,), generator=g))
-        out.append(TrainSample(slot=slot, tokens=torch.randint(0, vocab, (n,), generator=g).tolist(),
-                               loss_mask=[0, 0] + [1] * (n - 2), advantage=float(torch.randn(1, generator=g))))
-    return TrainBatch(samples=out)
 
 
 def train_scenario(trainer):

@@ -1,8 +1,15 @@
-"""Plant one of issue 13's four trainer bugs in the working tree, to watch the tests catch it.
+"""Plant one of issue 13's four trainer bugs (or one of the unembedding LoRA's four) in the working
+tree, to watch the tests catch it.
 
     python -m tests.reference.plant_mutation betas_swapped      # or kl_sign, first_betas_eps, first_weight_decay
     python -m pytest tests/reference tests/unit/test_losses.py -q  # must fail
     git checkout trainer/slot_steps.py trainer/losses.py                  # undo
+
+The unembedding's (issue 25): unembed_every_slot (each segment's delta added to every token of the
+chunk), unembed_scale (z without the slot's alpha / r), unembed_b_unsplit (B's columns counted as
+replicated over TP, not split over the vocabulary), unembed_chunk_off_by_one (a chunk's last row
+never gets the delta); undo with ``git checkout trainer/chunked_logprobs.py trainer/unembed_lora.py``.
+Which tests catch each: the report of the unembedding's branch (and docs/tinker.md's numbers).
 
 Measured (max relative error vs the reference per slot, REL_TOL 5e-5; clean run <= 1.2e-5):
 * betas_swapped (Adam beta1/beta2 exchanged): losses up to 4.5e-2, weights up to 8.6e-1;
@@ -21,7 +28,13 @@ from pathlib import Path
 
 ADAM_ROW = "hyper_rows.append((lr, h.weight_decay, h.betas[0], h.betas[1], h.eps, st.step))"
 FIRST = "h0 = states[due.index(stepping[0])].hyper; "
+IN_CHUNK = "return [(k, max(s, start) - start, min(e, end) - start) for k, s, e in self.segments if s < end and e > start]"
 MUTATIONS = {
+    "unembed_every_slot": ("trainer/chunked_logprobs.py", IN_CHUNK, "return [(k, 0, end - start) for k, s, e in self.segments]"),
+    "unembed_scale": ("trainer/unembed_lora.py", "LogitLora(z=z * r.scale_column(z.dtype, UNEMBED),", "LogitLora(z=z,"),
+    "unembed_b_unsplit": ("trainer/unembed_lora.py", "        self._output_weight = output_weight\n",
+                          "        self._output_weight = output_weight\n        self.b_is_tp_split = False\n"),
+    "unembed_chunk_off_by_one": ("trainer/chunked_logprobs.py", IN_CHUNK, IN_CHUNK.replace("min(e, end)", "min(e, end - 1)")),
     "betas_swapped": ("trainer/slot_steps.py", ADAM_ROW, ADAM_ROW.replace("h.betas[0], h.betas[1]", "h.betas[1], h.betas[0]")),
     "kl_sign": ("trainer/losses.py", "loss = loss + inp.kl_coef.unsqueeze(1) * kl", "loss = loss - inp.kl_coef.unsqueeze(1) * kl"),
     "first_betas_eps": ("trainer/slot_steps.py", ADAM_ROW,

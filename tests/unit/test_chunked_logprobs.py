@@ -122,15 +122,20 @@ def _tp_worker(rank, port, result_path):
         dist.destroy_process_group()
 
 
-def test_vocab_parallel_two_ranks_match_unsharded(tmp_path):
+def _two_ranks(worker, tmp_path) -> list[dict]:
+    """Run ``worker(rank, port, path)`` on two gloo processes; their saved results, by rank."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-    mp.start_processes(_tp_worker, args=(port, str(tmp_path / "r")), nprocs=2, start_method="spawn", join=True)
+    mp.start_processes(worker, args=(port, str(tmp_path / "r")), nprocs=2, start_method="spawn", join=True)
+    return [torch.load(tmp_path / f"r.{r}") for r in range(2)]
+
+
+def test_vocab_parallel_two_ranks_match_unsharded(tmp_path):
+    outs = _two_ranks(_tp_worker, tmp_path)
     h, w, t, up = _problem(vocab=100)
     ref_lp, ref_dh, ref_dw = _value_and_grads(full_token_logprobs, h, w, t, up)
-    outs = [torch.load(tmp_path / f"r.{r}") for r in range(2)]
     for out in outs:  # every rank has the full log-probs and the full hidden gradient
         assert (out["lp"] - ref_lp).abs().max().item() <= 2e-6
         assert rel_err(out["dh"], ref_dh) <= 2e-6
@@ -238,6 +243,9 @@ def test_unembed_lora_with_frozen_b_and_bad_shapes():
         chunked_token_logprobs(h, w, t, lora=LogitLora(z=z[:-1], lora_b=b, segments=SEGMENTS))
     with pytest.raises(ValueError, match="do not fit"):
         chunked_token_logprobs(h, w, t, lora=LogitLora(z=z, lora_b=b[:, :-1], segments=SEGMENTS))
+    for bad in ([(3, 0, 9)], [(0, 9, 20), (1, 0, 9)], [(0, 0, 38)]):
+        with pytest.raises(ValueError, match="need ascending, disjoint"):
+            chunked_token_logprobs(h, w, t, lora=LogitLora(z=z, lora_b=b, segments=bad))
 
 
 def _tp_lora_worker(rank, port, result_path):
@@ -258,15 +266,10 @@ def _tp_lora_worker(rank, port, result_path):
 
 
 def test_unembed_lora_vocab_parallel_two_ranks_match_unsharded(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-    mp.start_processes(_tp_lora_worker, args=(port, str(tmp_path / "r")), nprocs=2, start_method="spawn", join=True)
+    outs = _two_ranks(_tp_lora_worker, tmp_path)
     h, w, t, up = _problem(vocab=100)
     z, b = _lora_problem(vocab=100)
     ref_lp, ref_dh, ref_dw, ref_dz, ref_db = _lora_value_and_grads(_reference_logprobs, h, w, t, up, z, b, SEGMENTS)
-    outs = [torch.load(tmp_path / f"r.{r}") for r in range(2)]
     for out in outs:  # every rank: the full log-probs, hidden gradient and z gradient (summed over TP)
         assert (out["lp"] - ref_lp).abs().max().item() <= LP_TOL
         assert rel_err(out["dh"], ref_dh) <= 2e-6
