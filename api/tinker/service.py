@@ -218,8 +218,8 @@ class TinkerService:
             return "only LoRA training is supported: send a lora_config"
         if not (lc.train_attn or lc.train_mlp or lc.train_unembed):
             return "train_attn, train_mlp and train_unembed are all False: at least one must be True (LoRA needs a target)"
-        missing = [flag for flag, group in (("train_attn", "attention"), ("train_mlp", "mlp"), ("train_unembed", "unembed"))
-                   if getattr(lc, flag) and group not in m.target_groups]
+        flag_of = {"attention": "train_attn", "mlp": "train_mlp", "unembed": "train_unembed"}
+        missing = [flag_of[g] for g in lora_spec(lc, 0).targets if g not in m.target_groups]
         if missing:
             return (f"{', '.join(missing)}=True is not available on this server: its trainer has LoRA layers for "
                     f"{list(m.target_groups)} only (train_unembed needs output_layer in trainer.target_modules)")

@@ -9,7 +9,14 @@ The unembedding's (issue 25): unembed_every_slot (each segment's delta added to 
 chunk), unembed_scale (z without the slot's alpha / r), unembed_b_unsplit (B's columns counted as
 replicated over TP, not split over the vocabulary), unembed_chunk_off_by_one (a chunk's last row
 never gets the delta); undo with ``git checkout trainer/chunked_logprobs.py trainer/unembed_lora.py``.
-Which tests catch each: the report of the unembedding's branch (and docs/tinker.md's numbers).
+Measured (which test files fail):
+* unembed_every_slot: tests/unit/test_chunked_logprobs.py (19 tests), this reference test, test_unembed_lora.py
+  (2), test_trainer_equivalence.py's TP=2 test;
+* unembed_scale: this reference test, test_unembed_lora.py (2: HF+PEFT parity, full-logits path vs chunked);
+* unembed_b_unsplit: test_trainer_equivalence.py's TP=2 test (TP=2 vs TP=1: 6.1e-4, tolerance 3e-5);
+* unembed_chunk_off_by_one: tests/unit/test_chunked_logprobs.py (13 tests), test_unembed_lora.py (the packed
+  pass's log-probs vs HF+PEFT: 3.9e-3). This reference test does not see it: a packed stream's last
+  token has no target, and its chunks (2048 tokens) end there.
 
 Measured (max relative error vs the reference per slot, REL_TOL 5e-5; clean run <= 1.2e-5):
 * betas_swapped (Adam beta1/beta2 exchanged): losses up to 4.5e-2, weights up to 8.6e-1;
