@@ -219,3 +219,41 @@ def test_checkpoint_and_swap_carry_the_unembedding_exactly(trainer, tmp_path):
                 assert set(got[kind][side]) == set(before[kind][side])
                 assert all(torch.equal(got[kind][side][k], before[kind][side][k]) for k in before[kind][side]), kind
     assert "decoder.layers.0.self_attention.linear_qkv" not in before["weight"][0]  # attention is off for slot 2
+
+
+def test_untied_output_layer(tiny_world, tmp_path):
+    """A base whose lm_head is its own weight (Qwen3-8B's case; the tiny world ties it): the tiny
+    model with a separate, different lm_head. The trainer's unembedding LoRA wraps Megatron's own
+    output weight there; trained, exported and loaded by HF + peft it gives the trainer's logits
+    and chunked log-probs."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.trainer_probes import forward_logits
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_world / "model", dtype=torch.float32)
+    hf.config.tie_word_embeddings = False
+    untied = AutoModelForCausalLM.from_config(hf.config)
+    untied.load_state_dict(hf.state_dict(), strict=False)
+    with torch.no_grad():
+        untied.lm_head.weight.copy_(hf.lm_head.weight + 0.05 * torch.randn_like(hf.lm_head.weight,
+                                                                             generator=torch.Generator().manual_seed(3)))
+    untied.save_pretrained(tmp_path / "untied")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        if (tiny_world / "model" / f).exists():
+            (tmp_path / "untied" / f).write_bytes((tiny_world / "model" / f).read_bytes())
+    (tmp_path / "untied").rename(tmp_path / "model")
+    trainer = make_trainer(tmp_path)  # base_model_path: tmp_path / "model"
+    assert not trainer.base.model.share_embeddings_and_output_weights
+    train_scenario(trainer)
+    ids = torch.randint(0, 400, (2, 13), generator=torch.Generator().manual_seed(8))
+    for slot in (0, 1):  # attention + MLP + lm_head; lm_head alone
+        folder = trainer.export.export_peft(slot, tmp_path / f"slot{slot}")
+        model = hf_peft(AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32), folder)
+        with torch.no_grad():
+            ref = model(ids).logits
+        assert (forward_logits(trainer, ids, slot) - ref).abs().max().item() <= TOL, slot
+        seqs = ids.tolist()
+        targets = [s[1:] + [s[0]] for s in seqs]
+        lp = trainer.packed_lora_pass(seqs, [slot, slot], targets)
+        ref_lp = torch.log_softmax(ref.float(), -1).gather(-1, torch.tensor(targets).unsqueeze(-1)).reshape(-1)
+        assert (lp - ref_lp).abs().max().item() <= TOL, slot
