@@ -1,6 +1,8 @@
-"""One scheduler for every kind of tenant, on the real fleet: a REST RL run, a REST SFT run and two
-Tinker models share TWO trainer slots, rotating in turns (turn_steps 1) so that runs evict models
-and models evict runs, and each ends with exactly the weights it would have got alone.
+"""One scheduler for every kind of tenant, on the real fleet: a REST RL run (LoRA on attention, MLP
+and the unembedding, whose versions the SGLang engine loads and generates with), a REST SFT run and
+two Tinker models (the SDK's default targets: attention, MLP and lm_head) share TWO trainer slots,
+rotating in turns (turn_steps 1) so that runs evict models and models evict runs, and each ends
+with exactly the weights it would have got alone.
 
 Real parts: Ray, the fleet as `lorafleet run` starts it (service/app_runtime.py: one Megatron-Bridge
 trainer rank, fp32 CPU; the rollout worker with one SGLang CPU engine generating the RL run's
@@ -36,9 +38,16 @@ pytestmark = pytest.mark.integration
 
 STEPS = 3  # optimizer steps of every tenant
 REL_TOL = 5e-5  # as tests/reference/test_trainer_against_reference.py
+# The Tinker models against HF + peft: m2 (importance_sampling, its ratio exp(lp - lp_old) in fp32;
+# weight decay 0.1) measured 5.5e-5 at lr 1e-2 (5e-3 now: below), spread over every lora_B
+# (|diff| <= 1.6e-6 of max 2.9e-2), m1 1.2e-5. A missed or doubled step, or a datum trained on another slot, moves them by > 1e-2.
+MODEL_TOL = 1e-4
 ADAM = {  # the Tinker models' optim_step parameters
     "m1": dict(learning_rate=2e-2, beta1=0.9, beta2=0.95, eps=1e-2, weight_decay=0.0, grad_clip_norm=0.0),
-    "m2": dict(learning_rate=1e-2, beta1=0.8, beta2=0.99, eps=1e-2, weight_decay=0.1, grad_clip_norm=0.0),
+    # m2's lr: at 1e-2 (scale 32 / 4 = 8, importance sampling) the ratios grow so far that the fp32
+    # reference itself lands 7.4e-5 from an fp64 run of it on m2's calls alone (trainer 8.1e-5 from the
+    # fp32 reference), above REL_TOL; at 5e-3: 2.1e-5 and 2.7e-5, with or without lm_head LoRA.
+    "m2": dict(learning_rate=5e-3, beta1=0.8, beta2=0.99, eps=1e-2, weight_decay=0.1, grad_clip_norm=0.0),
 }
 LOSS = {"m1": "cross_entropy", "m2": "importance_sampling"}
 
@@ -149,7 +158,7 @@ def _tinker_reference(hf_model, init: Path, name: str, rounds: list) -> dict[str
     step where the round carried its optim_step)."""
     from peft import PeftModel
 
-    from tests.integration.test_tinker_ops import reference_token_loss
+    from tests.reference.losses import tinker_token_loss
 
     model = PeftModel.from_pretrained(copy.deepcopy(hf_model), str(init), is_trainable=True)
     for layer in model.base_model.model.model.layers:  # the fused linears share lora_A (tests/reference/trainer.py)
@@ -170,7 +179,7 @@ def _tinker_reference(hf_model, init: Path, name: str, rounds: list) -> dict[str
                 for d in call.data:
                     logits = model(torch.tensor(d.tokens)[None]).logits[0]
                     lp = torch.log_softmax(logits, -1).gather(-1, d.inputs["target_tokens"][:, None])[:, 0]
-                    reference_token_loss(call.loss_fn, call.loss_fn_config, lp, d.inputs).sum().backward()
+                    tinker_token_loss(call.loss_fn, call.loss_fn_config, lp, d.inputs).sum().backward()
         if any(slot in mine for slot, _ in work.optim):
             opt.step()
             opt.zero_grad()
@@ -197,7 +206,7 @@ def test_runs_and_models_rotate_through_two_slots_and_each_trains_as_alone(fleet
     rl_cfg = {"objective": "rl", "rank": 4, "alpha": 8, "learning_rate": 1e-2, "adam_eps": 1e-2, "adam_betas": [0.9, 0.98],
               "data": {"path": str(data / "digits.jsonl")}, "reward": {"name": "target_share"}, "prompts_per_step": 2,
               "max_staleness": 4, "sampling": {"n_samples_per_prompt": 2, "max_new_tokens": 8}, "num_step": STEPS,
-              "checkpoint_interval": 0, "seed": 11}
+              "checkpoint_interval": 0, "seed": 11, "target_modules": ["attention", "mlp", "unembed"]}  # lm_head served too
     sft_cfg = {"objective": "sft", "rank": 8, "alpha": 16, "learning_rate": 5e-3, "adam_eps": 5e-3, "weight_decay": 0.05,
                "data": {"path": str(data / "kinds_sft.jsonl")}, "prompts_per_step": 3, "num_step": STEPS,
                "checkpoint_interval": 0, "seed": 12}
@@ -206,19 +215,22 @@ def test_runs_and_models_rotate_through_two_slots_and_each_trains_as_alone(fleet
                             args=(controller, runtime, LoopOptions(batch_mode=False, max_wait_s=0.2), stop))
     loop.start()
     try:
-        rl = controller.register("rl", rl_cfg)
-        sft = controller.register("sft", sft_cfg)
+        # The models come first, into the two free slots; then the runs register and wait for a slot,
+        # and the models' clients start at once. Both kinds then have work, so the fairness rule
+        # (turns of turn_steps = 1 step, R3) rotates them through the slots: evictions both ways,
+        # whatever the timing (a model created while the runs held the slots could be refused and
+        # admitted only after the runs had COMPLETED: CI saw no eviction at all that way).
         created: dict[str, list] = {"m1": [], "m2": []}
         handles = {n: models.create(n, "alice", LoraSpec(rank=4, seed=21 + i), created[n].append) for i, n in enumerate(created)}
         wait_until(lambda: all(created.values()), "both models admitted or refused", timeout_s=600)
         print("models:", created, "runs:", [(r.name, r.state.value, r.step) for r in controller.list()], flush=True)
-        # the runs hold both slots when the models come: a model is admitted only into a free slot or an
-        # idle tenant's; the runs are busy, so the models may be refused. Wait for admission instead:
-        for n in created:
+        for n in created:  # a slot still held by an earlier test's tenant: wait for admission
             while created[n] != [None]:
                 created[n].clear()
                 handles[n] = models.create(n, "alice", LoraSpec(rank=4, seed=21 + (n == "m2")), created[n].append)
                 wait_until(lambda n=n: created[n], f"{n} admitted or refused", timeout_s=600)
+        rl = controller.register("rl", rl_cfg)
+        sft = controller.register("sft", sft_cfg)
         errors: list[str] = []
         clients = [threading.Thread(target=_client, args=(handles[n], n, hf_model, errors)) for n in handles]
         for c in clients:
@@ -266,4 +278,4 @@ def test_runs_and_models_rotate_through_two_slots_and_each_trains_as_alone(fleet
         assert got.keys() == want.keys(), name
         worst = max(max_rel_err(got[k], want[k]) for k in want)
         print(f"{name}: worst relative error against the reference {worst:.2e}")
-        assert worst < REL_TOL, (name, worst)
+        assert worst < MODEL_TOL, (name, worst)
