@@ -51,6 +51,7 @@ from service.config import ServiceSettings, api_token_problem
 from service.controller import Controller
 from service.fleet_stats import FleetStats
 from service.registry import AdapterState
+from service.registry_views import DEFAULT_PAGE, MAX_PAGE, ListQuery
 
 if TYPE_CHECKING:  # the Tinker modules (and torch) load only when the Tinker API is served
     from api.tinker.service import TinkerService
@@ -95,11 +96,18 @@ def create_app(controller_obj: Controller, settings: ServiceSettings, fleet_stat
     async def register(body: AdapterCreate, caller: Caller = who) -> AdapterOut:
         return AdapterOut.from_ref(await controller.register(body.name, body.config, caller.tenant))
 
-    @v1.get("/adapters", response_model=AdapterList, summary="List adapters (newest run per name; a tenant: its own)")
+    @v1.get("/adapters", response_model=AdapterList,
+            summary="List adapters, a page at a time (newest run per name, oldest first; a tenant: its own)")
     async def list_adapters(state: AdapterState | None = Query(None, description="Only adapters in this state."),
+                            owner: str | None = Query(None, description="The admin only: only runs of this tenant (an empty value: the admin's own runs)."),
+                            q: str | None = Query(None, max_length=64, description="Only adapters whose name contains this (case-insensitive)."),
+                            limit: int = Query(DEFAULT_PAGE, ge=1, le=MAX_PAGE, description="Adapters per page."),
+                            offset: int = Query(0, ge=0, description="Skip this many matching adapters (or continue with cursor)."),
+                            cursor: str | None = Query(None, description="The next_cursor of the previous page."),
                             caller: Caller = who) -> AdapterList:
-        refs = await controller.list(state, caller.tenant)
-        return AdapterList(adapters=[AdapterOut.from_ref(r) for r in refs])
+        query = ListQuery(state=state, owner=owner, name_contains=q, limit=limit, offset=offset, cursor=cursor)
+        page = await controller.list_page(query, caller.tenant)
+        return AdapterList(adapters=[AdapterOut.from_ref(r) for r in page.refs], total=page.total, next_cursor=page.next_cursor)
 
     @v1.get("/adapters/{name}", response_model=AdapterOut, summary="One adapter (its newest run)")
     async def get_adapter(name: str, caller: Caller = who) -> AdapterOut:
