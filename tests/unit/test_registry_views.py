@@ -30,7 +30,7 @@ def reg(tmp_path):
     """A registry of 3 slots and 40 names: 3 resident, the rest queued; some ACTIVE, some evicted,
     some ended, two names registered twice."""
     r = Registry(tmp_path / "reg.sqlite", num_slots=3)
-    refs = [r.register(f"{'ab'[i % 2]}-run{i:02d}", CONFIG, total_steps=3, owner=OWNERS[i % 3]) for i in range(40)]
+    refs = [r.register(f"{'aB'[i % 2]}-run{i:02d}", CONFIG, total_steps=3, owner=OWNERS[i % 3]) for i in range(40)]
     for ref in refs[:3]:  # resident: trained, one step each
         r.mark_prepared(ref.registration_id, weight_version=r.next_version())
         r.record_step(ref.registration_id, step=1, samples=4, metrics={"loss": 1.0})
@@ -59,7 +59,7 @@ def _pages(reg, tenant=None, **query):
 
 
 @pytest.mark.parametrize("tenant", [None, "alice", "bob"])
-@pytest.mark.parametrize("filters", [{}, {"state": S.PENDING}, {"state": S.COMPLETED}, {"name_contains": "A-RUN1"},
+@pytest.mark.parametrize("filters", [{}, {"state": S.PENDING}, {"state": S.COMPLETED}, {"name_contains": "A-RUN1"}, {"name_contains": "b-RUN0"},
                                      {"owner": "bob"}, {"owner": ""}])
 @pytest.mark.parametrize("limit", [1, 7, 1000])
 def test_pages_concatenated_are_the_filtered_list(reg, tenant, filters, limit):
