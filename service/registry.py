@@ -166,8 +166,8 @@ class Registry(RegistryViews):
         QuotaExceeded when the owner's `quota` (live runs, queued runs) is used up: checked in the
         same transaction as the insert, so concurrent registrations never pass it together.
         A COMPLETED/FAILED name registers again, by any owner: a new run, the old ones stay."""
-        now = time.time()
         with self._tx():
+            now = time.time()  # inside the transaction: queue order (queued_at) is registration order (run_id)
             live = self._db.execute(
                 "SELECT state, owner FROM runs WHERE name = ? AND state IN ('PENDING','ACTIVE','RETIRING','CLEANUP')", (name,)
             ).fetchone()

@@ -17,8 +17,10 @@ runs at every round boundary (between two mixed train calls, never inside one):
      recently active first, so that none waits forever (the bound: docs/concepts.md "Fair turns");
   P4 at most as many evictions as waiting tenants beyond the free slots; a tenant that came in
      this round (steps_in == 0 and not idle) is never evicted by P3 (turn_steps >= 1).
-A tenant being created (a Tinker model, which needs its slot now or never) may take only a free
-slot or an idle resident's (P2: `choose_idle`), never a turn.
+A tenant being created (a Tinker model, which needs its slot now or never) takes a free slot, or
+one resident's by the same rule (P2, then P3: an idle one, else one whose turn is over), or is
+refused; with a thousand tenants rotating, some resident's turn is over at every placement, so a
+creation is refused only while every resident is new in its slot or busy in its turn.
 
 The engines' side follows the same rule of recency (`AdapterLru`): a served adapter is loaded on
 demand, and the least recently used one that no request is using is unloaded to make room; a load
@@ -67,12 +69,6 @@ def choose_evictions(residents: list[Resident], wanting: int, free_slots: int, k
     taken = {r.registration_id for r in idle}
     turns = [r for r in lru if r.registration_id not in taken and r.steps_in >= (r.turn_steps or knobs.turn_steps)]  # P3
     return [r.registration_id for r in (idle + turns)[:need]]  # P4
-
-
-def choose_idle(residents: list[Resident], knobs: ResidencyKnobs, need: int) -> list[str]:
-    """Up to `need` idle residents (P2 only), least recently active first: what a tenant being
-    created may take a slot from."""
-    return [r.registration_id for r in _idle(sorted(residents, key=lambda r: (r.last_active, r.registration_id)), knobs)][:need]
 
 
 def _idle(lru: list[Resident], knobs: ResidencyKnobs) -> list[Resident]:

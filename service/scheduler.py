@@ -13,7 +13,8 @@ one query per round) and changes it only here, right after the trainer side effe
 
 Each round (the loop's steps 1a and 2-3):
   place()     S1 creations first: a Tinker model being created gets a free slot now, or one
-                 freed by evicting an idle resident (keep-warm, P2), or is refused (NoSlot);
+                 freed by evicting an idle resident (keep-warm, P2) or one whose turn is over
+                 (P3), or is refused (NoSlot);
               S2 waiters: runs queued in the registry (new, or evicted) and evicted models with
                  a queued call, oldest first (one FIFO across both kinds); while they outnumber
                  the free slots, residents are evicted by ONE policy (service/residency.py:
@@ -61,7 +62,7 @@ from typing import Any, Callable
 from service.errors import Conflict, NoFreeSlot
 from service.quotas import TokenLedger
 from service.registry import AdapterState, Registry
-from service.residency import Resident, ResidencyKnobs, choose_evictions, choose_idle
+from service.residency import Resident, ResidencyKnobs, choose_evictions
 from service.round_parts import RoundContextOnce, RoundPart, Span, offer_tokens  # noqa: F401 - RoundPart: the tenants' view
 from service.tenants import Offer, Tenant, TenantKind
 from trainer.batch import TrainBatch
@@ -129,6 +130,7 @@ class Scheduler:
         self.swap_tiers: dict[str, dict] = {}
         self._spilled: set[str] = set()  # evicted keys whose snapshot went to disk (S4)
         self._prefetched: set[str] = set()  # of those, prefetches asked for
+        self._tiers_stale = False  # a snapshot was dropped since the last read (release): read again
         self.tokens = TokenLedger(clock=clock)  # trained tokens per owner (token shares: service/quotas.py)
         # rounds; mixed steps with Tinker calls, and those that also trained dataset runs (joined);
         # the calls in them; evictions and restores of every kind
@@ -250,7 +252,7 @@ class Scheduler:
                 continue
             events += self._restore(tenant, slot)
         events += self._prefetch([key for key, _ in waiters[len(free): len(free) + self.registry.num_slots]])
-        if events:
+        if events or self._tiers_stale:
             self._read_swap_tiers()
         return events
 
@@ -271,6 +273,7 @@ class Scheduler:
         return events
 
     def _read_swap_tiers(self) -> None:
+        self._tiers_stale = False
         try:
             self.swap_tiers = dict(self.trainer.swap_tiers())
         except Exception as e:  # a gauge: the next placement that changes something reads it again
@@ -331,7 +334,7 @@ class Scheduler:
         free = self.registry.free_slots()
         if not free:
             residents = self._resident_view(self.slot_holders())
-            for key in choose_idle(list(residents.values()), self.knobs, need=1):
+            for key in choose_evictions(list(residents.values()), 1, 0, self.knobs):  # idle first, else a turn used up
                 events += self._evict(self._tenants[key], residents[key].slot)
             free = self.registry.free_slots()
         if not free:
@@ -407,6 +410,7 @@ class Scheduler:
             self.trainer.clear_slot(slot)
         elif tenant is not None:
             self.trainer.drop_swapped(key)
+            self._tiers_stale = True
         if tenant is not None:
             if tenant.kind == TenantKind.TINKER:
                 self.registry.release_lease(key)
