@@ -51,9 +51,13 @@ def render_prometheus(snap: MetricsSnapshot, tinker: dict[str, float] | None = N
         size.labels(tier).set(t.get("bytes", 0))
         if "budget_bytes" in t:
             budget.labels(tier).set(t["budget_bytes"])
-    counters = gauge("lorafleet_scheduler_events", "Scheduler events since start: evictions, restores, prefetches", ("event",))
-    for event in ("evictions", "restores", "prefetches"):
+    counters = gauge("lorafleet_scheduler_events", "Scheduler events since start: evictions, restores, prefetches, placements", ("event",))
+    for event in ("evictions", "restores", "prefetches", "placements"):
         counters.labels(event).set(snap.scheduler_counters.get(event, 0))
+    gauge("lorafleet_reconciles", "Reconcile passes since start (one per loop round)").set(snap.reconciles)
+    spent = gauge("lorafleet_coordinator_seconds", "Coordinator time since start in the loop's per-round work: place (the trainer's swaps included), reconcile", ("part",))
+    for part in ("place", "reconcile"):
+        spent.labels(part).set(snap.coordinator_seconds.get(part, 0.0))
     inflight = gauge("lorafleet_engine_inflight_requests", "Generation requests in flight", ("engine",))
     if snap.runtime is not None:
         for engine, n in snap.runtime.engine_inflight.items():

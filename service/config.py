@@ -247,6 +247,7 @@ class ServiceSettings(BaseSettings):
     quotas: Quotas = Field(default_factory=Quotas, description="Per-tenant quotas: live and queued runs per tenant key (429 beyond), a share of trained tokens, a priority (service/quotas.py).")
     metrics_adapter_series: Literal["none", "top", "all"] = Field("top", description="Per-adapter series of /metrics: none, the metrics_top_k adapters updated most recently (top: a step or a state change), or every adapter (all: one series per adapter name ever registered).")
     metrics_top_k: int = Field(20, ge=1, le=10_000, description="With metrics_adapter_series 'top': how many adapters get per-adapter series.")
+    read_cache_s: float = Field(1.0, ge=0, le=60, description="GET /v1/adapters, /metrics and /v1/fleet/stats: concurrent identical requests share one answer, and requests within this many seconds of it get the same answer (steps and states the loop changes show within it; the caller's own writes at once). 0 = share only among concurrent requests.")
     settings_file: Path | None = Field(None, description="YAML file with any of these settings (lower priority than the environment).")
     # The Tinker API (docs/tinker.md): served under /api/v1 only when a keys file is given.
     tinker_keys_file: Path | None = Field(None, description="YAML file of 'tenant: key' lines (keys start with 'tml-'); when set, the service also serves the Tinker API under /api/v1.")

@@ -87,6 +87,8 @@ class MetricsSnapshot:
     residency: dict[str, int] = field(default_factory=dict)
     swap_tiers: dict[str, dict] = field(default_factory=dict)  # the scheduler's last read of the trainer's tiers
     scheduler_counters: dict[str, int] = field(default_factory=dict)
+    coordinator_seconds: dict[str, float] = field(default_factory=dict)  # place, reconcile: time since start
+    reconciles: int = 0
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,7 @@ class Controller:
         self._prepared: set[str] = set()
         self._knobs = ResidencyKnobs(idle_evict_s=capacity.evict_idle_s, turn_steps=capacity.turn_steps, quotas=settings.quotas)
         self._reconcile_lock = threading.Lock()  # one reconcile pass at a time
+        self.reconcile_seconds, self.reconciles = 0.0, 0  # time in reconcile since start (/metrics: the per-round cost)
         self._started_at = time.time()
         if runtime is not None:
             self.attach_runtime(runtime)
@@ -278,6 +281,9 @@ class Controller:
             residency=self.registry.residency_counts(),
             swap_tiers=dict(scheduler.swap_tiers) if scheduler is not None else {},
             scheduler_counters=dict(scheduler.counters) if scheduler is not None else {},
+            coordinator_seconds={"reconcile": self.reconcile_seconds,
+                                 **(dict(scheduler.seconds) if scheduler is not None else {})},
+            reconciles=self.reconciles,
         )
 
     # --- progress from the training loop --------------------------------------------------
@@ -316,6 +322,14 @@ class Controller:
         """One pass over the runs; returns the state changes it made. Releases
         come before preparations, so a slot freed in this pass is clean before
         its next tenant is prepared."""
+        t0 = time.perf_counter()
+        try:
+            return self._reconcile()
+        finally:
+            self.reconcile_seconds += time.perf_counter() - t0
+            self.reconciles += 1
+
+    def _reconcile(self) -> list[Change]:
         with self._reconcile_lock:
             runtime = self._runtime
             if runtime is None:

@@ -135,7 +135,8 @@ class Scheduler:
         # rounds; mixed steps with Tinker calls, and those that also trained dataset runs (joined);
         # the calls in them; evictions and restores of every kind
         self.counters = dict(rounds=0, mixed_steps=0, joined_steps=0, joined_calls=0, forward_backward_calls=0,
-                             largest_step=0, evictions=0, restores=0, prefetches=0)
+                             largest_step=0, evictions=0, restores=0, prefetches=0, placements=0)
+        self.seconds = {"place": 0.0}  # coordinator time in placement since start (the trainer's swaps included)
 
     # --- tenants --------------------------------------------------------------------------------
 
@@ -217,8 +218,11 @@ class Scheduler:
 
     def place(self) -> list[str]:
         """Admit, evict and swap back in (module doc); returns what it did, one line each (each also
-        logged here)."""
+        logged here). Its wall time adds to `seconds["place"]` (the per-round cost, /metrics)."""
+        t0 = time.perf_counter()
         events = self._place()
+        self.seconds["place"] += time.perf_counter() - t0
+        self.counters["placements"] += 1
         for e in events:
             log.info("%s", e)
         return events
