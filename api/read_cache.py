@@ -60,11 +60,10 @@ class ReadCache:
             generation, started = self._generation, self.clock()
             body = await build()
             self.builds += 1
-            if generation == self._generation:
-                self._answers[key] = (started, generation, body)
-                self._answers.move_to_end(key)
-                while len(self._answers) > self.max_entries:
-                    self._answers.popitem(last=False)
+            self._answers[key] = (started, generation, body)  # of an older generation: never served (_fresh)
+            self._answers.move_to_end(key)
+            while len(self._answers) > self.max_entries:
+                self._answers.popitem(last=False)
         if not flight.locked():
             self._flights.pop(key, None)
         return body

@@ -2,7 +2,7 @@
 tenants on one node").
 
 One `lorafleet serve` (a subprocess, as an operator starts it: Ray, one trainer rank, one SGLang CPU
-engine, the coordinator) with S trainer slots and turns of 1 step. Tenants are SFT runs of two
+engine, the coordinator) with S trainer slots and turns of `--turn-steps` steps. Tenants are SFT runs of two
 tenant keys (2 rows a step, endless: num_step 10^6), registered in phases up to N = 8, 200 and
 1,024 live at once (the 1,024 phase's registrations come from 200 concurrent clients). After each
 phase's warm-up (every tenant prepared once: none queued for a first slot), for `--window-s`
@@ -157,6 +157,7 @@ def _longest_wait(log_path: Path, since: float) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--slots", type=int, default=8)
+    ap.add_argument("--turn-steps", type=int, default=4, help="slots.turn_steps (the default of a job file)")
     ap.add_argument("--phases", default="8,200,1024", help="tenants live at once, ascending")
     ap.add_argument("--window-s", type=float, default=60.0)
     ap.add_argument("--readers", type=int, default=100)
@@ -171,7 +172,8 @@ def main() -> None:
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as d:
         tmp = Path(d)
-        job_path = serve_job(tmp, tiny, slots={"num_slots": args.slots, "max_rank": 8, "turn_steps": 1, "evict_idle_s": 30.0})
+        job_path = serve_job(tmp, tiny, slots={"num_slots": args.slots, "max_rank": 8, "turn_steps": args.turn_steps,
+                                                      "evict_idle_s": 30.0})
         job = yaml.safe_load(job_path.read_text())
         keys = tmp / "keys.yaml"
         keys.write_text(yaml.safe_dump(KEYS))
