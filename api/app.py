@@ -31,6 +31,7 @@ from api.body_limit import BodySizeLimit
 from api.controller_client import ControllerClient
 from api.errors import install_error_handlers
 from api.metrics import render_prometheus
+from api.public_paths import PUBLIC_HEADER, PublicPaths
 from api.read_cache import ReadCache
 from api.rest_auth import Caller, RestAuth
 from api.tenant_keys import TenantKeys
@@ -72,6 +73,7 @@ def create_app(controller_obj: Controller, settings: ServiceSettings, fleet_stat
         raise ValueError(f"refusing to serve on {settings.host!r} without an API token that can protect it: {problem}")
     controller = ControllerClient(controller_obj, settings.controller_timeout_s)
     reads = ReadCache(settings.read_cache_s)  # list pages, /metrics, fleet stats: one build per burst (api/read_cache.py)
+    paths = PublicPaths.from_settings(settings)  # a cached JSON answer is made public once, when built
 
     app = FastAPI(
         title="lorafleet",
@@ -115,8 +117,8 @@ def create_app(controller_obj: Controller, settings: ServiceSettings, fleet_stat
 
         async def build() -> bytes:
             page = await controller.list_page(query, caller.tenant)
-            return AdapterList(adapters=[AdapterOut.from_ref(r) for r in page.refs], total=page.total,
-                               next_cursor=page.next_cursor).model_dump_json().encode()
+            return paths.json_bytes(AdapterList(adapters=[AdapterOut.from_ref(r) for r in page.refs], total=page.total,
+                                                next_cursor=page.next_cursor).model_dump_json().encode())
 
         return _json(await reads.get(("adapters", caller.tenant, query), build))
 
@@ -192,8 +194,8 @@ def create_app(controller_obj: Controller, settings: ServiceSettings, fleet_stat
 
 
 def _json(body: bytes) -> Response:
-    """An answer built (and validated) once as JSON bytes (ReadCache), sent as it is."""
-    return Response(body, media_type="application/json")
+    """An answer built (validated, its paths made public) once as JSON bytes (ReadCache), sent as it is."""
+    return Response(body, media_type="application/json", headers={PUBLIC_HEADER.decode(): "1"})
 
 
 def _tinker_service(controller: Controller, settings: ServiceSettings) -> "TinkerService | None":

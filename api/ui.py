@@ -29,6 +29,7 @@ from fastapi.responses import FileResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 from api.models import FleetStatsOut
+from api.public_paths import PUBLIC_HEADER
 from api.read_cache import ReadCache
 from service.fleet_stats import FleetStats
 
@@ -50,7 +51,9 @@ def mount_ui(app: FastAPI, require_token: Callable[..., Any], fleet_stats: Fleet
         async def build() -> bytes:
             return FleetStatsOut(**stats.snapshot()).model_dump_json().encode()
 
-        return Response(await cache.get(("fleet_stats",), build), media_type="application/json")
+        # numbers only, no path in it: public as built (api/public_paths.py)
+        return Response(await cache.get(("fleet_stats",), build), media_type="application/json",
+                        headers={PUBLIC_HEADER.decode(): "1"})
 
     app.include_router(router)
 

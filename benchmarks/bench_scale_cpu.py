@@ -11,8 +11,8 @@ seconds each:
   quiet   tenant-steps per minute (GET /v1/fleet/stats `steps`), the coordinator's time per round
           (place + reconcile, from /metrics lorafleet_coordinator_seconds over
           lorafleet_reconciles), the coordinator's resident memory (/proc/<pid>/status VmRSS);
-  reads   the same while 100 concurrent readers send bursts of GET /v1/adapters?limit=100 and
-          GET /metrics back to back (their p50/p99 and sizes);
+  reads   the same while bursts of 100 concurrent GETs (half /v1/adapters?limit=100, half /metrics)
+          come every --burst-every-s seconds (their p50/p99 and sizes; 0: back to back, a stress);
 then the longest wait for a turn, read from the scheduler's own log (evicted -> restored: seconds,
 and placements of others between). Registration latency: p50/p99 of the 1,024 phase's POSTs.
 
@@ -88,16 +88,25 @@ def _register(service: Service, tiny: Path, names: list[str], threads: int) -> l
     return latencies
 
 
-def _window(service: Service, seconds: float, readers: int = 0) -> dict:
-    """Steps per minute and coordinator time per round over `seconds`, with `readers` concurrent read clients."""
+def _window(service: Service, seconds: float, readers: int = 0, burst_every_s: float = 0.0) -> dict:
+    """Steps per minute and coordinator time per round over `seconds`, with `readers` concurrent read
+    clients: each sends its GET at every burst (all together, every `burst_every_s`), or back to back
+    when that is 0 (a stress beyond bursts)."""
     stop = threading.Event()
     reads: dict[str, list[float]] = {"page": [], "metrics": []}
     sizes: dict[str, int] = {}
     lock = threading.Lock()
+    t_first = time.monotonic() + 0.5
 
     def reader(i: int) -> None:
         with httpx.Client(base_url=service.url, timeout=120, headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+            burst = 0
             while not stop.is_set():
+                if burst_every_s > 0:  # the next burst's start, shared by every reader
+                    at = t_first + burst * burst_every_s
+                    burst += 1
+                    if stop.wait(max(0.0, at - time.monotonic())):
+                        return
                 kind = ("page", "metrics")[i % 2]
                 t0 = time.perf_counter()
                 r = http.get("/v1/adapters?limit=100" if kind == "page" else "/metrics")
@@ -160,7 +169,8 @@ def main() -> None:
     ap.add_argument("--turn-steps", type=int, default=4, help="slots.turn_steps (the default of a job file)")
     ap.add_argument("--phases", default="8,200,1024", help="tenants live at once, ascending")
     ap.add_argument("--window-s", type=float, default=60.0)
-    ap.add_argument("--readers", type=int, default=100)
+    ap.add_argument("--readers", type=int, default=100, help="readers of a burst (half list pages, half /metrics)")
+    ap.add_argument("--burst-every-s", type=float, default=2.0, help="a burst every this many seconds (the dashboard's poll); 0: back to back")
     ap.add_argument("--clients", type=int, default=200, help="concurrent registering clients of the largest phase")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -200,7 +210,7 @@ def main() -> None:
                     warm = time.monotonic() - t0
                     since = time.time()
                     quiet = _window(svc, args.window_s)
-                    reads = _window(svc, args.window_s, readers=args.readers)
+                    reads = _window(svc, args.window_s, readers=args.readers, burst_every_s=args.burst_every_s)
                     row = {"tenants": n, "slots": args.slots, "register_s": reg_s, "warm_s": warm,
                            "register_p50_ms": 1e3 * _pct(lat, 0.5), "register_p99_ms": 1e3 * _pct(lat, 0.99),
                            "register_clients": args.clients if n == phases[-1] else 8,

@@ -74,6 +74,7 @@ def test_pages_cover_the_list_once_in_order(world):
         assert names == every and totals == {RUNS}
         body = c.get("/v1/adapters").json()
         assert len(body["adapters"]) == 100 and body["total"] == RUNS  # the default page
+        assert {a["config"]["data"]["path"] for a in body["adapters"]} == {"rl.jsonl"}  # no server path (public_paths.py)
         r = c.get("/v1/adapters", params={"limit": 5, "offset": 1000}).json()
         assert [a["name"] for a in r["adapters"]] == every[1000:1005]
         assert _all_pages(c, limit=250, q="RUN10")[0] == [n for n in every if "run10" in n]

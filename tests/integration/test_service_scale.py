@@ -23,17 +23,14 @@ import math
 import re
 import threading
 import time
-from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
-from api.client import ApiError, LorafleetClient
+from api.client import LorafleetClient
 from tests.integration.sdk_clients import close_sdk_clients, open_client  # noqa: F401 - autouse fixture
-from tests.integration.service_world import Service, rl, serve_job, sft, wait_for
+from tests.integration.service_world import Service, register_from_threads, rl, running_service, sft, wait_for
 from tests.integration.test_tinker_serve import BASE, sft_data
 
 pytestmark = pytest.mark.integration
@@ -48,23 +45,9 @@ _LOG = re.compile(r"^(\S+ \S+) \w+ [\w.]+: (.*)$")
 
 @pytest.fixture(scope="module")
 def service(tiny_world, tmp_path_factory):
-    from service.engine_pids import reap_engines
-
-    tmp = tmp_path_factory.mktemp("scale")
-    job_path = serve_job(tmp, tiny_world, slots=SLOTS)
-    keys = tmp / "keys.yaml"
-    keys.write_text(yaml.safe_dump(KEYS))
-    job = yaml.safe_load(job_path.read_text())
-    job["service"].update({"tinker_keys_file": str(keys), "tinker_window_ms": 20, "tinker_max_seq_len": 128})
-    job_path.write_text(yaml.safe_dump(job))
-    svc = Service(job_path, tmp / "state", tmp / "serve.log")
-    try:
-        svc.start()
+    with running_service(tmp_path_factory.mktemp("scale"), tiny_world, slots=SLOTS, keys=KEYS,
+                         service={"tinker_window_ms": 20, "tinker_max_seq_len": 128}) as svc:
         yield svc
-    finally:
-        if svc.proc is not None and svc.proc.poll() is None:
-            svc.proc.kill()
-        reap_engines(svc.state_dir)
 
 
 def rest(service: Service, tenant: str, timeout_s: float = 60.0) -> LorafleetClient:
@@ -75,24 +58,10 @@ def _register_all(service: Service, tiny_world: Path) -> dict[str, tuple[str, in
     """name -> (tenant, steps) of every run, registered from THREADS threads; asserts every one got 201."""
     plan = {f"s{i:03d}": ("alice" if i % 2 else "bob", 1 + i % 2) for i in range(SFT_RUNS)}
     plan.update({f"r{i:02d}": ("alice" if i % 2 else "bob", 1) for i in range(RL_RUNS)})
-    statuses: list[int] = []
-    lock = threading.Lock()
-
-    def register(item: tuple[str, tuple[str, int]]) -> None:
-        name, (tenant, steps) = item
-        cfg = (rl(tiny_world, num_step=steps) if name.startswith("r") else sft(tiny_world, num_step=steps, prompts_per_step=2))
-        with rest(service, tenant) as c:
-            try:
-                c.register(name, cfg)
-                status = 201
-            except ApiError as e:
-                status = e.status
-        with lock:
-            statuses.append(status)
-
-    with ThreadPoolExecutor(THREADS) as pool:
-        list(pool.map(register, plan.items()))
-    assert Counter(statuses) == {201: len(plan)}, Counter(statuses)
+    configs = {name: (rl(tiny_world, num_step=steps) if name.startswith("r") else sft(tiny_world, num_step=steps, prompts_per_step=2))
+               for name, (_, steps) in plan.items()}
+    statuses = register_from_threads(service.url, lambda name: KEYS[plan[name][0]], configs, THREADS)
+    assert statuses == {201: len(plan)}, statuses
     return plan
 
 
