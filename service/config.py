@@ -32,6 +32,7 @@ from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, Setting
 from rollout.config import ADAPTER_NAME_PATTERN, DataConfig, EngineConfig, RewardConfig, RolloutConfig, RolloutSpec, SamplingConfig
 from rollout.tenant_code import is_import_path
 from service.placement import PlacementConfig
+from service.quotas import Quotas
 from service.ray_config import RayConfig
 from trainer.config import TARGET_GROUPS, Objective, SlotHyperParams, StrictModel, TargetGroup, TrainerConfig
 from trainer.model_folder import read_model_config
@@ -267,6 +268,10 @@ class ServiceSettings(BaseSettings):
     data_check_bytes: int = Field(64 << 20, ge=1024, description="Registration reads at most this many bytes of a data file to check its rows (a bounded prefix).")
     data_check_s: float = Field(10.0, gt=0, description="Registration spends at most this many seconds checking a data file; rows beyond are counted from the file size.")
     controller_timeout_s: float = Field(30.0, gt=0, description="Timeout of one API -> controller call (seconds).")
+    quotas: Quotas = Field(default_factory=Quotas, description="Per-tenant quotas: live and queued runs per tenant key (429 beyond), a share of trained tokens, a priority (service/quotas.py).")
+    metrics_adapter_series: Literal["none", "top", "all"] = Field("top", description="Per-adapter series of /metrics: none, the metrics_top_k adapters updated most recently (top: a step or a state change), or every adapter (all: one series per adapter name ever registered).")
+    metrics_top_k: int = Field(20, ge=1, le=10_000, description="With metrics_adapter_series 'top': how many adapters get per-adapter series.")
+    read_cache_s: float = Field(1.0, ge=0, le=60, description="GET /v1/adapters, /metrics and /v1/fleet/stats: concurrent identical requests share one answer, and requests within this many seconds of it get the same answer (steps and states the loop changes show within it; the caller's own writes at once). 0 = share only among concurrent requests.")
     settings_file: Path | None = Field(None, description="YAML file with any of these settings (lower priority than the environment).")
     # The Tinker API (docs/tinker.md): served under /api/v1 only when a keys file is given.
     tinker_keys_file: Path | None = Field(None, description="YAML file of 'tenant: key' lines (keys start with 'tml-'); when set, the service also serves the Tinker API under /api/v1.")
@@ -361,8 +366,15 @@ class BaseModelSpec(StrictModel):
         return self.served_name or Path(self.path).name
 
 
-# Default bound on live runs (queued and evicted included) per trainer slot.
+# Default bound on live runs (queued and evicted included): DEFAULT_MAX_LIVE_RUNS, or this many per
+# trainer slot where that is more (the coordinator's memory per tenant: benchmarks/bench_scale_cpu.py
+# measures it); per-key bounds are the quotas (service/quotas.py).
+DEFAULT_MAX_LIVE_RUNS = 4096
 DEFAULT_LIVE_RUNS_PER_SLOT = 4
+
+
+def default_live_runs(num_slots: int) -> int:
+    return max(DEFAULT_MAX_LIVE_RUNS, DEFAULT_LIVE_RUNS_PER_SLOT * num_slots)
 
 
 class SlotCapacity(StrictModel):
@@ -372,7 +384,7 @@ class SlotCapacity(StrictModel):
 
     num_slots: int = Field(4, ge=1, le=1024, description="Adapter slots resident on the trainer; live runs beyond them wait in a queue (see max_live_runs).")
     max_rank: int = Field(16, ge=1, le=1024, description="Largest LoRA rank a slot holds.")
-    max_live_runs: int | None = Field(None, ge=1, description="Most adapter runs live at once (resident, queued for a slot, or evicted); registrations beyond get 409. Default: 4 x num_slots; at least num_slots.")
+    max_live_runs: int | None = Field(None, ge=1, description="Most adapter runs live at once (resident, queued for a slot, or evicted), every tenant together; registrations beyond get 409 (per-tenant bounds: the service's quotas, 429). Default: 4,096, or 4 x num_slots where that is more; at least num_slots.")
     evict_idle_s: float = Field(30.0, gt=0, description="While runs wait for a slot, a resident run with no ready step that has not stepped for this many seconds is swapped out (keep-warm eviction, least recently active first).")
     turn_steps: int = Field(4, ge=1, description="While runs wait for a slot, a resident run that has taken this many steps since it came in gives its slot up at the next round boundary (turns: none waits forever).")
 
@@ -384,8 +396,8 @@ class SlotCapacity(StrictModel):
 
     @property
     def live_run_bound(self) -> int:
-        """The bound in force: max_live_runs, or its default of DEFAULT_LIVE_RUNS_PER_SLOT x num_slots."""
-        return self.max_live_runs if self.max_live_runs is not None else DEFAULT_LIVE_RUNS_PER_SLOT * self.num_slots
+        """The bound in force: max_live_runs, or its default (default_live_runs)."""
+        return self.max_live_runs if self.max_live_runs is not None else default_live_runs(self.num_slots)
     context_tokens: int | None = Field(None, ge=2, description="Longest sample (prompt + completion, tokens) engines and trainer take. Default: the base model's max_position_embeddings (config.json); set it lower when the engines run with a shorter --context-length.")
     rl_expert_lora: bool = Field(True, description="Whether RL adapters may train expert LoRA (lora_experts: true). The service sets it false on an MoE base on a cpu placement (SGLang serves expert LoRA only on CUDA); a job file may only turn it off.")
     target_groups: list[TargetGroup] = Field(list(TARGET_GROUPS), description="What adapters may train (their target_modules). The service sets it from trainer.target_modules (unembed needs output_layer there, which is the default); a job file may only narrow it.")

@@ -7,13 +7,9 @@ Short SFT runs (2 steps of 2 rows) keep it cheap; turns of 1 step keep the queue
 
 from __future__ import annotations
 
-import threading
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 
-from api.client import ApiError
-from tests.integration.service_world import running_service, sft, wait_for
+from tests.integration.service_world import TOKEN, register_from_threads, running_service, sft, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -30,22 +26,9 @@ def service(tiny_world, tmp_path_factory):
 
 def test_forty_registrations_against_four_slots_from_eight_threads(service, tiny_world):
     names = [f"load{i:02d}" for i in range(RUNS)]
-    statuses: list[int] = []
-    lock = threading.Lock()
-
-    def register(name: str) -> None:
-        with service.client(timeout_s=60) as c:
-            try:
-                c.register(name, sft(tiny_world, num_step=STEPS, prompts_per_step=2))
-                status = 201
-            except ApiError as e:
-                status = e.status
-        with lock:
-            statuses.append(status)
-
-    with ThreadPoolExecutor(THREADS) as pool:
-        list(pool.map(register, names))
-    assert statuses == [201] * RUNS, sorted(statuses)
+    statuses = register_from_threads(service.url, lambda _: TOKEN, {n: sft(tiny_world, num_step=STEPS, prompts_per_step=2)
+                                                                    for n in names}, THREADS)
+    assert statuses == {201: RUNS}, statuses
     with service.client() as c:
         listed = {a["name"] for a in c.list()}
         assert set(names) <= listed  # none lost
