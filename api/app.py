@@ -25,11 +25,14 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from api.body_limit import BodySizeLimit
 from api.controller_client import ControllerClient
 from api.errors import install_error_handlers
 from api.metrics import render_prometheus
+from api.public_paths import PUBLIC_HEADER, PublicPaths
+from api.read_cache import ReadCache
 from api.rest_auth import Caller, RestAuth
 from api.tenant_keys import TenantKeys
 from api.ui import mount_ui
@@ -51,6 +54,7 @@ from service.config import ServiceSettings, api_token_problem
 from service.controller import Controller
 from service.fleet_stats import FleetStats
 from service.registry import AdapterState
+from service.registry_views import DEFAULT_PAGE, MAX_PAGE, ListQuery
 
 if TYPE_CHECKING:  # the Tinker modules (and torch) load only when the Tinker API is served
     from api.tinker.service import TinkerService
@@ -68,6 +72,8 @@ def create_app(controller_obj: Controller, settings: ServiceSettings, fleet_stat
     if problem:
         raise ValueError(f"refusing to serve on {settings.host!r} without an API token that can protect it: {problem}")
     controller = ControllerClient(controller_obj, settings.controller_timeout_s)
+    reads = ReadCache(settings.read_cache_s)  # list pages, /metrics, fleet stats: one build per burst (api/read_cache.py)
+    paths = PublicPaths.from_settings(settings)  # a cached JSON answer is made public once, when built
 
     app = FastAPI(
         title="lorafleet",
@@ -93,13 +99,28 @@ def create_app(controller_obj: Controller, settings: ServiceSettings, fleet_stat
 
     @v1.post("/adapters", status_code=201, response_model=AdapterOut, summary="Register an adapter run (PENDING)")
     async def register(body: AdapterCreate, caller: Caller = who) -> AdapterOut:
-        return AdapterOut.from_ref(await controller.register(body.name, body.config, caller.tenant))
+        try:
+            return AdapterOut.from_ref(await controller.register(body.name, body.config, caller.tenant))
+        finally:
+            reads.clear()  # the caller reads its own write at once
 
-    @v1.get("/adapters", response_model=AdapterList, summary="List adapters (newest run per name; a tenant: its own)")
+    @v1.get("/adapters", response_model=AdapterList,
+            summary="List adapters, a page at a time (newest run per name, oldest first; a tenant: its own)")
     async def list_adapters(state: AdapterState | None = Query(None, description="Only adapters in this state."),
+                            owner: str | None = Query(None, description="The admin only: only runs of this tenant (an empty value: the admin's own runs)."),
+                            q: str | None = Query(None, max_length=64, description="Only adapters whose name contains this (case-insensitive)."),
+                            limit: int = Query(DEFAULT_PAGE, ge=1, le=MAX_PAGE, description="Adapters per page."),
+                            offset: int = Query(0, ge=0, description="Skip this many matching adapters (or continue with cursor)."),
+                            cursor: str | None = Query(None, description="The next_cursor of the previous page."),
                             caller: Caller = who) -> AdapterList:
-        refs = await controller.list(state, caller.tenant)
-        return AdapterList(adapters=[AdapterOut.from_ref(r) for r in refs])
+        query = ListQuery(state=state, owner=owner, name_contains=q, limit=limit, offset=offset, cursor=cursor)
+
+        async def build() -> bytes:
+            page = await controller.list_page(query, caller.tenant)
+            return paths.json_bytes(AdapterList(adapters=[AdapterOut.from_ref(r) for r in page.refs], total=page.total,
+                                                next_cursor=page.next_cursor).model_dump_json().encode())
+
+        return _json(await reads.get(("adapters", caller.tenant, query), build))
 
     @v1.get("/adapters/{name}", response_model=AdapterOut, summary="One adapter (its newest run)")
     async def get_adapter(name: str, caller: Caller = who) -> AdapterOut:
@@ -116,7 +137,10 @@ def create_app(controller_obj: Controller, settings: ServiceSettings, fleet_stat
 
     @v1.delete("/adapters/{name}", status_code=202, response_model=AdapterOut, summary="Retire gracefully (RETIRING, then COMPLETED with export)")
     async def retire(name: str, caller: Caller = who) -> AdapterOut:
-        return AdapterOut.from_ref(await controller.retire(name, caller.tenant))
+        try:
+            return AdapterOut.from_ref(await controller.retire(name, caller.tenant))
+        finally:
+            reads.clear()
 
     @v1.post("/adapters/{name}/abort", response_model=AbortOut, summary="Abort in-flight generation without retiring")
     async def abort(name: str, caller: Caller = who) -> AbortOut:
@@ -139,7 +163,7 @@ def create_app(controller_obj: Controller, settings: ServiceSettings, fleet_stat
                                               node_ip=p.node_ip) for p in procs])
 
     app.include_router(v1)
-    mount_ui(app, auth.caller, fleet_stats)  # the dashboard (/ui) and GET /v1/fleet/stats (no names): any caller
+    mount_ui(app, auth.caller, fleet_stats, reads)  # the dashboard (/ui) and GET /v1/fleet/stats (no names): any caller
 
     @app.get("/health", response_model=HealthOut, summary="Process alive")
     async def health() -> HealthOut:
@@ -155,9 +179,11 @@ def create_app(controller_obj: Controller, settings: ServiceSettings, fleet_stat
     @app.get("/metrics", dependencies=[Depends(auth.admin_only)], response_class=Response,
              summary="Prometheus metrics (operators; the admin token)")
     async def metrics() -> Response:
-        body, content_type = render_prometheus(await controller.snapshot(),
-                                               tinker.metrics() if tinker is not None else None)
-        return Response(body, media_type=content_type)
+        async def build() -> bytes:
+            body, _ = render_prometheus(await controller.snapshot(), tinker.metrics() if tinker is not None else None)
+            return body
+
+        return Response(await reads.get(("metrics",), build), media_type=CONTENT_TYPE_LATEST)
 
     if tinker is not None:  # the Tinker wire protocol under /api/v1, its own key auth (docs/tinker.md)
         from api.tinker.routes import tinker_router
@@ -166,6 +192,11 @@ def create_app(controller_obj: Controller, settings: ServiceSettings, fleet_stat
 
     install_error_handlers(app, settings)
     return app
+
+
+def _json(body: bytes) -> Response:
+    """An answer built (validated, its paths made public) once as JSON bytes (ReadCache), sent as it is."""
+    return Response(body, media_type="application/json", headers={PUBLIC_HEADER.decode(): "1"})
 
 
 def _tinker_service(controller: Controller, settings: ServiceSettings) -> "TinkerService | None":

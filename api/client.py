@@ -67,9 +67,20 @@ class LorafleetClient:
     def register(self, name: str, config: dict[str, Any]) -> dict[str, Any]:
         return self.request("POST", "/v1/adapters", ok=(201,), json={"name": name, "config": config})
 
-    def list(self, state: str | None = None) -> list[dict[str, Any]]:
-        params = {"state": state} if state else None
-        return self.request("GET", "/v1/adapters", params=params)["adapters"]
+    def list(self, state: str | None = None, **filters: Any) -> list[dict[str, Any]]:
+        """Every adapter (the newest run of each name), page after page; `filters`: owner, q."""
+        out: list[dict[str, Any]] = []
+        params: dict[str, Any] = {"limit": 1000, **({"state": state} if state else {}), **filters}
+        while True:
+            page = self.list_page(**params)
+            out += page["adapters"]
+            if page["next_cursor"] is None:
+                return out
+            params["cursor"] = page["next_cursor"]
+
+    def list_page(self, **params: Any) -> dict[str, Any]:
+        """One page of GET /v1/adapters (limit, offset or cursor; state, owner, q): adapters, total, next_cursor."""
+        return self.request("GET", "/v1/adapters", params=params or None)
 
     def get(self, name: str) -> dict[str, Any]:
         return self.request("GET", f"/v1/adapters/{name}")

@@ -42,6 +42,9 @@ class ControllerClient:
     async def list(self, state: Any = None, tenant: str | None = None) -> list[AdapterRef]:
         return await self._run(self._controller.list, state, tenant)
 
+    async def list_page(self, query: Any, tenant: str | None = None) -> Any:
+        return await self._run(self._controller.list_page, query, tenant)
+
     async def get(self, name: str, tenant: str | None = None) -> AdapterRef:
         return await self._run(self._controller.get, name, tenant)
 

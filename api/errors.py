@@ -5,6 +5,7 @@ The mapping lives here only:
     bad_value 400 (BadValue) · bad_request 400 (a body that cannot be read) · unauthorized 401
     · forbidden 403 (a tenant key on an operator route, api/rest_auth.py)
     · not_found 404 (NotFound, unknown route) · method_not_allowed 405 · conflict / no_free_slot 409
+    · quota_exceeded 429 (QuotaExceeded: a tenant's quota, with its usage)
     · too_large 413 (api.body_limit) · unsupported_media_type 415 · schema 422 · internal 500
     · unavailable 503 (the controller did not answer)
 
@@ -33,11 +34,12 @@ from starlette.routing import Match
 from api.controller_client import ControllerUnavailable
 from api.models import ErrorOut
 from api.public_paths import PublicPaths, PublicPathsMiddleware
-from service.errors import BadValue, Conflict, LorafleetError, NoFreeSlot, NotFound
+from service.errors import BadValue, Conflict, LorafleetError, NoFreeSlot, NotFound, QuotaExceeded
 
 log = logging.getLogger(__name__)
 
-STATUS_OF_ERROR: dict[type[LorafleetError], int] = {BadValue: 400, NotFound: 404, NoFreeSlot: 409, Conflict: 409}
+STATUS_OF_ERROR: dict[type[LorafleetError], int] = {BadValue: 400, NotFound: 404, NoFreeSlot: 409, Conflict: 409,
+                                                  QuotaExceeded: 429}
 
 # Statuses the framework raises itself (routing, body parsing), by ErrorOut code.
 CODE_OF_STATUS = {400: "bad_request", 404: "not_found", 405: "method_not_allowed", 413: "too_large", 415: "unsupported_media_type"}

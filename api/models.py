@@ -85,7 +85,11 @@ class AdapterOut(_Out):
 
 
 class AdapterList(_Out):
+    """One page of the adapter list (GET /v1/adapters: limit, offset or cursor; filters state, owner, q)."""
+
     adapters: list[AdapterOut]
+    total: int = Field(description="Adapters matching the filters, in all pages.")
+    next_cursor: str | None = Field(None, description="Pass as `cursor` for the next page; null on the last page.")
 
 
 class RunList(_Out):
@@ -178,7 +182,7 @@ class FleetOut(_Out):
 class ErrorOut(_Out):
     """Body of every error response."""
 
-    error: str = Field(description="Machine-readable code: bad_value, bad_request, unauthorized, forbidden, not_found, method_not_allowed, conflict, no_free_slot, too_large, unsupported_media_type, schema, unavailable, internal.")
+    error: str = Field(description="Machine-readable code: bad_value, bad_request, unauthorized, forbidden, not_found, method_not_allowed, conflict, no_free_slot, quota_exceeded, too_large, unsupported_media_type, schema, unavailable, internal.")
     detail: str = Field(description="What was wrong and what is allowed.")
     field: str | None = Field(None, description="The offending field, when there is one.")
     errors: list[dict[str, Any]] | None = Field(None, description="422 only: every schema error.")
@@ -194,6 +198,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         405: "Method not allowed on this route (the Allow header lists the allowed ones)",
         409: "Name in use, still retiring, already retiring, or no free slot",
         413: "Body larger than the service allows",
+        429: "A tenant quota is used up (live or queued runs per key); the detail gives the quota and the tenant's usage",
         415: "Body is not sent as JSON (Content-Type must be application/json)",
         422: "Body does not match the schema (including numbers that are not finite)",
         503: "The controller did not answer in time",

@@ -92,11 +92,16 @@ def _spellings(root: Path) -> list[str]:
     return out
 
 
+PUBLIC_HEADER = b"x-lorafleet-public"  # on a response whose body went through json_bytes already
+
+
 class PublicPathsMiddleware:
     """ASGI middleware: every JSON response body goes through `PublicPaths.json_bytes`.
 
     JSON responses of this API are small (records, lists, errors), so the body is
-    buffered; other media types (the Prometheus text, the docs page) stream through."""
+    buffered; other media types (the Prometheus text, the docs page) stream through. A
+    response that carries PUBLIC_HEADER was made public when it was built (a list page built
+    once for a burst of readers, api/read_cache.py): it passes as it is, the header removed."""
 
     def __init__(self, app: Any, paths: PublicPaths) -> None:
         self.app = app
@@ -113,6 +118,9 @@ class PublicPathsMiddleware:
             nonlocal start
             if message["type"] == "http.response.start":
                 headers = dict(message.get("headers") or [])
+                if PUBLIC_HEADER in headers:
+                    await send({**message, "headers": [(k, v) for k, v in message["headers"] if k != PUBLIC_HEADER]})
+                    return
                 if headers.get(b"content-type", b"").split(b";")[0].strip() == b"application/json":
                     start = message  # held until the whole body is here
                     return

@@ -25,25 +25,35 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 from api.models import FleetStatsOut
+from api.public_paths import PUBLIC_HEADER
+from api.read_cache import ReadCache
 from service.fleet_stats import FleetStats
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 UI_PATH = "/ui"
 
 
-def mount_ui(app: FastAPI, require_token: Callable[..., Any], fleet_stats: FleetStats | None = None) -> None:
+def mount_ui(app: FastAPI, require_token: Callable[..., Any], fleet_stats: FleetStats | None = None,
+             reads: ReadCache | None = None) -> None:
     """Add the dashboard page and the fleet statistics route to `app`. `fleet_stats` is the
-    recorder the training loop feeds; None (an API without a loop) serves empty statistics."""
+    recorder the training loop feeds; None (an API without a loop) serves empty statistics.
+    `reads`: the app's read cache (every dashboard polling at once gets one answer)."""
     stats = fleet_stats if fleet_stats is not None else FleetStats()
+    cache = reads if reads is not None else ReadCache(0.0)
     router = APIRouter(prefix="/v1", dependencies=[Depends(require_token)])
 
     @router.get("/fleet/stats", response_model=FleetStatsOut, summary="Fleet-wide training statistics (dashboard)")
-    async def fleet_stats_route() -> FleetStatsOut:
-        return FleetStatsOut(**stats.snapshot())
+    async def fleet_stats_route() -> Response:
+        async def build() -> bytes:
+            return FleetStatsOut(**stats.snapshot()).model_dump_json().encode()
+
+        # numbers only, no path in it: public as built (api/public_paths.py)
+        return Response(await cache.get(("fleet_stats",), build), media_type="application/json",
+                        headers={PUBLIC_HEADER.decode(): "1"})
 
     app.include_router(router)
 

@@ -180,7 +180,7 @@ def _adapter_bytes(trainer, dtype: str) -> int:
     from trainer.export_writer import export_dtype
 
     state = trainer.slots.state(0)
-    return trainer.export.export_layout(state.rank, state.hyper.lora_experts).index.numel() * export_dtype(dtype).itemsize
+    return trainer.export.export_layout(state.rank, state.hyper).index.numel() * export_dtype(dtype).itemsize
 
 
 def export_table(layouts: list[dict]) -> str:

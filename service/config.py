@@ -32,7 +32,9 @@ from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, Setting
 from rollout.config import ADAPTER_NAME_PATTERN, DataConfig, EngineConfig, RewardConfig, RolloutConfig, RolloutSpec, SamplingConfig
 from rollout.tenant_code import is_import_path
 from service.placement import PlacementConfig
-from trainer.config import Objective, SlotHyperParams, StrictModel, TrainerConfig
+from service.quotas import Quotas
+from service.ray_config import RayConfig
+from trainer.config import TARGET_GROUPS, Objective, SlotHyperParams, StrictModel, TargetGroup, TrainerConfig
 from trainer.model_folder import read_model_config
 
 AdapterName = Annotated[
@@ -102,8 +104,20 @@ class AdapterConfig(StrictModel):
     checkpoint_interval: int = Field(10, ge=0, description="Save a checkpoint every this many steps; 0 = only at retirement.")
     seed: int = Field(0, ge=0, le=2**63 - 1, description="Seed for the adapter's initial weights, data order and sampling.")
     lora_experts: bool = Field(True, description="MoE bases: LoRA on every routed expert as well as on attention; false = attention only (servable by SGLang on CPU). No effect on a dense base.")
+    target_modules: list[TargetGroup] = Field(
+        ["attention", "mlp"],  # pydantic copies a mutable default per instance
+        description="What the adapter trains: any non-empty set of attention (q/k/v/o_proj), mlp (gate/up/down_proj, and the routed experts of an MoE base with lora_experts) and unembed (the output projection, lm_head; with tied embeddings the LoRA is on the output projection only). The exported PEFT folder lists the HF modules. A target off has exactly zero LoRA.",
+    )
 
     _rebase_paths = field_validator("init_from", "resume_from")(_rebase)
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, v: list[str]) -> list[str]:
+        if not v or len(set(v)) != len(v):
+            raise ValueError(f"target_modules {list(v)} invalid: need a non-empty set without repeats of "
+                             f"{', '.join(TARGET_GROUPS)}")
+        return [g for g in TARGET_GROUPS if g in v]  # one order: what the trainer and the export use
 
     @field_validator("adam_betas")
     @classmethod
@@ -174,6 +188,7 @@ class AdapterConfig(StrictModel):
             samples_per_step=self.samples_per_step,
             objective=self.objective,
             lora_experts=self.lora_experts,
+            targets=tuple(self.target_modules),
         )
 
     def data_config(self) -> DataConfig:
@@ -253,6 +268,10 @@ class ServiceSettings(BaseSettings):
     data_check_bytes: int = Field(64 << 20, ge=1024, description="Registration reads at most this many bytes of a data file to check its rows (a bounded prefix).")
     data_check_s: float = Field(10.0, gt=0, description="Registration spends at most this many seconds checking a data file; rows beyond are counted from the file size.")
     controller_timeout_s: float = Field(30.0, gt=0, description="Timeout of one API -> controller call (seconds).")
+    quotas: Quotas = Field(default_factory=Quotas, description="Per-tenant quotas: live and queued runs per tenant key (429 beyond), a share of trained tokens, a priority (service/quotas.py).")
+    metrics_adapter_series: Literal["none", "top", "all"] = Field("top", description="Per-adapter series of /metrics: none, the metrics_top_k adapters updated most recently (top: a step or a state change), or every adapter (all: one series per adapter name ever registered).")
+    metrics_top_k: int = Field(20, ge=1, le=10_000, description="With metrics_adapter_series 'top': how many adapters get per-adapter series.")
+    read_cache_s: float = Field(1.0, ge=0, le=60, description="GET /v1/adapters, /metrics and /v1/fleet/stats: concurrent identical requests share one answer, and requests within this many seconds of it get the same answer (steps and states the loop changes show within it; the caller's own writes at once). 0 = share only among concurrent requests.")
     settings_file: Path | None = Field(None, description="YAML file with any of these settings (lower priority than the environment).")
     # The Tinker API (docs/tinker.md): served under /api/v1 only when a keys file is given.
     tinker_keys_file: Path | None = Field(None, description="YAML file of 'tenant: key' lines (keys start with 'tml-'); when set, the service also serves the Tinker API under /api/v1.")
@@ -325,47 +344,6 @@ def load_settings(settings_file: Path | None = None, *, base: dict[str, Any] | N
         raise ConfigError(f"invalid service settings:\n{format_validation_error(e)}") from None
 
 
-# --- which Ray cluster (service/ray_connect.py connects) -------------------------------------------
-
-_RAY_HOST_PORT = re.compile(r"^(?:ray://)?(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>[0-9]{1,5})$")
-RAY_ADDRESS_FORMS = "'local', 'auto', or '[ray://]host:port' of the head node (e.g. 10.0.0.5:6379, ray://head:10001)"
-
-
-def ray_host_port(address: str) -> tuple[str, int] | None:
-    """(host, port) of a '[ray://]host:port' Ray address; None for 'local', 'auto' or anything else."""
-    m = _RAY_HOST_PORT.match(address)
-    return (m["host"].strip("[]"), int(m["port"])) if m else None
-
-
-class RayConfig(StrictModel):
-    """The job file's `ray:` section: which Ray cluster the service runs on."""
-
-    address: str | None = Field(
-        None,
-        description="The Ray cluster to join: '[ray://]host:port' of its head node, 'auto' (the cluster `ray start` "
-        "recorded on this host), or 'local' (a private local Ray). Unset: a private local Ray. The environment "
-        "variable RAY_ADDRESS, when set, takes precedence.",
-    )
-    connect_timeout_s: float = Field(
-        60.0, gt=0, le=3600,
-        description="Give up joining the cluster when its head has not answered for this many seconds (the service "
-        "then exits with an error naming the address).",
-    )
-
-    @field_validator("address")
-    @classmethod
-    def _known_form(cls, address: str | None) -> str | None:
-        if address is None:
-            return None
-        address = address.strip()
-        host_port = ray_host_port(address)
-        if host_port is not None and not 0 < host_port[1] <= 65535:
-            raise ValueError(f"ray.address {address!r}: port must be 1..65535")
-        if address in ("local", "auto") or host_port is not None:
-            return address
-        raise ValueError(f"ray.address {address!r} is not an address Ray can join; allowed: {RAY_ADDRESS_FORMS}")
-
-
 # --- the job file --------------------------------------------------------------------------------
 
 
@@ -388,8 +366,15 @@ class BaseModelSpec(StrictModel):
         return self.served_name or Path(self.path).name
 
 
-# Default bound on live runs (queued and evicted included) per trainer slot.
+# Default bound on live runs (queued and evicted included): DEFAULT_MAX_LIVE_RUNS, or this many per
+# trainer slot where that is more (the coordinator's memory per tenant: benchmarks/bench_scale_cpu.py
+# measures it); per-key bounds are the quotas (service/quotas.py).
+DEFAULT_MAX_LIVE_RUNS = 4096
 DEFAULT_LIVE_RUNS_PER_SLOT = 4
+
+
+def default_live_runs(num_slots: int) -> int:
+    return max(DEFAULT_MAX_LIVE_RUNS, DEFAULT_LIVE_RUNS_PER_SLOT * num_slots)
 
 
 class SlotCapacity(StrictModel):
@@ -399,7 +384,7 @@ class SlotCapacity(StrictModel):
 
     num_slots: int = Field(4, ge=1, le=1024, description="Adapter slots resident on the trainer; live runs beyond them wait in a queue (see max_live_runs).")
     max_rank: int = Field(16, ge=1, le=1024, description="Largest LoRA rank a slot holds.")
-    max_live_runs: int | None = Field(None, ge=1, description="Most adapter runs live at once (resident, queued for a slot, or evicted); registrations beyond get 409. Default: 4 x num_slots; at least num_slots.")
+    max_live_runs: int | None = Field(None, ge=1, description="Most adapter runs live at once (resident, queued for a slot, or evicted), every tenant together; registrations beyond get 409 (per-tenant bounds: the service's quotas, 429). Default: 4,096, or 4 x num_slots where that is more; at least num_slots.")
     evict_idle_s: float = Field(30.0, gt=0, description="While runs wait for a slot, a resident run with no ready step that has not stepped for this many seconds is swapped out (keep-warm eviction, least recently active first).")
     turn_steps: int = Field(4, ge=1, description="While runs wait for a slot, a resident run that has taken this many steps since it came in gives its slot up at the next round boundary (turns: none waits forever).")
 
@@ -411,10 +396,12 @@ class SlotCapacity(StrictModel):
 
     @property
     def live_run_bound(self) -> int:
-        """The bound in force: max_live_runs, or its default of DEFAULT_LIVE_RUNS_PER_SLOT x num_slots."""
-        return self.max_live_runs if self.max_live_runs is not None else DEFAULT_LIVE_RUNS_PER_SLOT * self.num_slots
+        """The bound in force: max_live_runs, or its default (default_live_runs)."""
+        return self.max_live_runs if self.max_live_runs is not None else default_live_runs(self.num_slots)
     context_tokens: int | None = Field(None, ge=2, description="Longest sample (prompt + completion, tokens) engines and trainer take. Default: the base model's max_position_embeddings (config.json); set it lower when the engines run with a shorter --context-length.")
     rl_expert_lora: bool = Field(True, description="Whether RL adapters may train expert LoRA (lora_experts: true). The service sets it false on an MoE base on a cpu placement (SGLang serves expert LoRA only on CUDA); a job file may only turn it off.")
+    target_groups: list[TargetGroup] = Field(list(TARGET_GROUPS), description="What adapters may train (their target_modules). The service sets it from trainer.target_modules (unembed needs output_layer there, which is the default); a job file may only narrow it.")
+    rl_unembed_lora: bool = Field(True, description="Whether RL adapters may train the unembedding (target_modules: unembed): the engines must load LoRA on lm_head. The service sets it false when engines.lora_target_modules names neither all nor lm_head; a job file may only turn it off.")
 
 
 def model_context_tokens(model_path: str | Path) -> int | None:
@@ -510,6 +497,20 @@ class JobConfig(StrictModel):
         too_big = [f"{a.name} (rank {a.config.rank})" for a in self.adapters if a.config.rank > self.slots.max_rank]
         if too_big:
             raise ValueError(f"adapter rank above slots.max_rank {self.slots.max_rank}: {', '.join(too_big)}")
+        unembed_rl = [a.name for a in self.adapters if a.config.objective == "rl" and "unembed" in a.config.target_modules]
+        if unembed_rl and not _engines_serve_lm_head(self.engines):
+            raise ValueError(
+                f"RL adapters {', '.join(unembed_rl)} train the unembedding (target_modules: unembed), which the engines "
+                f"must serve, but engines.lora_target_modules {self.engines.lora_target_modules} has neither all nor "
+                "lm_head: add lm_head there, or drop unembed from those adapters' target_modules"
+            )
+        untrainable = [f"{a.name} ({g})" for a in self.adapters for g in a.config.target_modules
+                       if g not in self.trainer.target_groups]
+        if untrainable:
+            raise ValueError(
+                f"adapters train targets the trainer has no LoRA layers for: {', '.join(untrainable)}; trainer.target_modules "
+                f"{list(self.trainer.target_modules)} allows {list(self.trainer.target_groups)} (unembed needs output_layer)"
+            )
         served_experts = [a.name for a in self.adapters if a.config.objective == "rl" and a.config.lora_experts]
         if served_experts and self.placement.accelerator == "cpu" and _is_moe(self.base_model.path):
             raise ValueError(
@@ -528,6 +529,11 @@ class JobConfig(StrictModel):
             update["context_tokens"] = model_context_tokens(self.base_model.path)
         if self.slots.rl_expert_lora and self.placement.accelerator == "cpu" and _is_moe(self.base_model.path):
             update["rl_expert_lora"] = False
+        groups = [g for g in self.slots.target_groups if g in self.trainer.target_groups]
+        if groups != list(self.slots.target_groups):
+            update["target_groups"] = groups
+        if self.slots.rl_unembed_lora and not _engines_serve_lm_head(self.engines):
+            update["rl_unembed_lora"] = False
         return self.slots.model_copy(update=update) if update else self.slots
 
     def rollout_config(self, settings: ServiceSettings) -> RolloutConfig:
@@ -550,6 +556,12 @@ class JobConfig(StrictModel):
     def service_settings(self, **explicit: Any) -> ServiceSettings:
         """The job's service section under the usual precedence (explicit > env > this section)."""
         return load_settings(base=self.service, **explicit)
+
+
+def _engines_serve_lm_head(engines: EngineConfig) -> bool:
+    """Whether the SGLang engines load LoRA on lm_head (--lora-target-modules all or lm_head;
+    SGLang 0.5.23 serves it, on the CPU torch_native backend too: docs/tinker.md)."""
+    return bool({"all", "lm_head"} & set(engines.lora_target_modules))
 
 
 def _is_moe(model_path: str) -> bool:

@@ -62,6 +62,15 @@ def check_adapter_config(config: AdapterConfig, settings: ServiceSettings, capac
             "(LoRA on attention only) for rl, or objective sft",
             field="config.lora_experts",
         )
+    untrainable = [g for g in config.target_modules if g not in capacity.target_groups]
+    if untrainable:
+        raise BadValue(f"target_modules {untrainable} cannot be trained here: this service's trainer has LoRA layers "
+                       f"for {list(capacity.target_groups)} (unembed needs output_layer in trainer.target_modules); "
+                       f"allowed: a non-empty subset of {list(capacity.target_groups)}", field="config.target_modules")
+    if config.objective == "rl" and "unembed" in config.target_modules and not capacity.rl_unembed_lora:
+        raise BadValue("target_modules unembed on an rl adapter trains LoRA on lm_head, which this service's engines do "
+                       "not load (engines.lora_target_modules has neither all nor lm_head); allowed for rl: attention, "
+                       "mlp (or objective sft)", field="config.target_modules")
     data_roots = list(settings.data_roots)
     model_roots = data_roots + [settings.state_dir]
     data_path = confine_path(config.data.path, data_roots, "config.data.path", want="file")
@@ -72,7 +81,7 @@ def check_adapter_config(config: AdapterConfig, settings: ServiceSettings, capac
     update: dict = {"data": config.data.model_copy(update={"path": str(data_path), **limits})}
     if config.init_from is not None:
         init_dir = confine_path(config.init_from, model_roots, "config.init_from", want="dir")
-        _check_peft_folder(init_dir, config.rank)
+        _check_peft_folder(init_dir, config.rank, config.target_modules)
         update["init_from"] = str(init_dir)
     if config.resume_from is not None:
         update["resume_from"] = str(confine_path(config.resume_from, model_roots, "config.resume_from", want="dir"))
@@ -300,7 +309,12 @@ def _check_data_file(path: Path, config: AdapterConfig, settings: ServiceSetting
     return rows
 
 
-def _check_peft_folder(folder: Path, rank: int) -> None:
+# HF module names of a PEFT folder -> the target group that trains them (AdapterConfig.target_modules).
+HF_MODULE_GROUPS = {"q_proj": "attention", "k_proj": "attention", "v_proj": "attention", "o_proj": "attention",
+                    "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp", "lm_head": "unembed"}
+
+
+def _check_peft_folder(folder: Path, rank: int, targets: list[str]) -> None:
     field = "config.init_from"
     missing = [n for n in PEFT_FILES if not (folder / n).is_file()]
     if missing:
@@ -311,6 +325,13 @@ def _check_peft_folder(folder: Path, rank: int) -> None:
         raise BadValue(f"{field}: {folder}/adapter_config.json is not JSON ({e})", field=field) from None
     if peft_cfg.get("r") is not None and peft_cfg["r"] != rank:
         raise BadValue(f"{field}: the adapter in {folder} has rank {peft_cfg['r']} but config.rank is {rank}; make them equal", field=field)
+    modules = peft_cfg.get("target_modules")
+    if isinstance(modules, list):
+        off = sorted({m for m in modules if HF_MODULE_GROUPS.get(m, targets[0]) not in targets})
+        if off:
+            need = sorted({HF_MODULE_GROUPS[m] for m in off})
+            raise BadValue(f"{field}: the adapter in {folder} has LoRA on {off}, which config.target_modules {targets} "
+                           f"does not train; add {need} to target_modules", field=field)
 
 
 def _rollout_budget(config: AdapterConfig, settings: ServiceSettings, capacity: SlotCapacity) -> int:

@@ -41,8 +41,7 @@ import logging
 import os
 import threading
 import time
-from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +52,7 @@ from service.config_checks import PEFT_FILES, check_adapter_config
 from service.errors import BadValue, Conflict
 from service.ownership import check_tenant_start_paths
 from service.registry import AdapterRef, AdapterState, Registry, StepRecord
+from service.registry_views import ListQuery, Page, RunQuota
 from service.residency import ResidencyKnobs
 from service.runtime import ProcessInfo, Runtime, RuntimeStats, run_dir
 from rollout.config import check_adapter_name
@@ -75,12 +75,20 @@ class Change:
 
 @dataclass(frozen=True)
 class MetricsSnapshot:
-    """What GET /metrics renders: the newest run of every name, slots, and the runtime's gauges."""
+    """What GET /metrics renders: counts (by state: the newest run of every name; live runs by
+    residency), the adapters that get series of their own (settings.metrics_adapter_series: none,
+    the metrics_top_k updated most recently, or all), slots, the runtime's and the scheduler's gauges."""
 
     adapters: list[AdapterRef]
     num_slots: int
     free_slots: int
     runtime: RuntimeStats | None
+    by_state: dict[AdapterState, int] = field(default_factory=dict)
+    residency: dict[str, int] = field(default_factory=dict)
+    swap_tiers: dict[str, dict] = field(default_factory=dict)  # the scheduler's last read of the trainer's tiers
+    scheduler_counters: dict[str, int] = field(default_factory=dict)
+    coordinator_seconds: dict[str, float] = field(default_factory=dict)  # place, reconcile: time since start
+    reconciles: int = 0
 
 
 @dataclass(frozen=True)
@@ -103,8 +111,9 @@ class Controller:
         # process. After a restart it is empty, so live runs trained before are
         # prepared again (from their last checkpoint) before anything else.
         self._prepared: set[str] = set()
-        self._knobs = ResidencyKnobs(idle_evict_s=capacity.evict_idle_s, turn_steps=capacity.turn_steps)
+        self._knobs = ResidencyKnobs(idle_evict_s=capacity.evict_idle_s, turn_steps=capacity.turn_steps, quotas=settings.quotas)
         self._reconcile_lock = threading.Lock()  # one reconcile pass at a time
+        self.reconcile_seconds, self.reconciles = 0.0, 0  # time in reconcile since start (/metrics: the per-round cost)
         self._started_at = time.time()
         if runtime is not None:
             self.attach_runtime(runtime)
@@ -149,18 +158,29 @@ class Controller:
             except ValidationError as e:
                 raise BadValue(f"invalid adapter config:\n{format_validation_error(e, 'config')}", field="config") from None
         checked = check_adapter_config(config, self.settings, self.capacity)
+        quota = None
         if tenant is not None:
-            own = [run_dir(self.settings.state_dir, r) for r in self.registry.owned_runs(tenant)]
-            own.append(self.settings.tinker_dir / tenant)  # its Tinker checkpoints (docs/tinker.md)
-            check_tenant_start_paths(checked.config, state_dir=self.settings.state_dir,
-                                     data_roots=self.settings.data_roots, own_dirs=own)
-        ref = self.registry.register(name, checked.config, total_steps=checked.total_steps, owner=tenant)
+            if checked.config.init_from is not None or checked.config.resume_from is not None:
+                own = [run_dir(self.settings.state_dir, r) for r in self.registry.owned_runs(tenant)]
+                own.append(self.settings.tinker_dir / tenant)  # its Tinker checkpoints (docs/tinker.md)
+                check_tenant_start_paths(checked.config, state_dir=self.settings.state_dir,
+                                         data_roots=self.settings.data_roots, own_dirs=own)
+            q = self.settings.quotas.of(tenant)
+            quota = RunQuota(q.max_live_runs, q.max_queued_runs, self.settings.quotas.source(tenant))
+        ref = self.registry.register(name, checked.config, total_steps=checked.total_steps, owner=tenant, quota=quota)
         log.info("registered %s (registration %s, slot %s, version %s, owner %s)", name, ref.registration_id, ref.slot,
                  ref.slot_version, tenant or "admin")
         return ref
 
     def list(self, state: str | AdapterState | None = None, tenant: str | None = None) -> list[AdapterRef]:
         return self.registry.list(_parse_state(state) if state is not None else None, tenant)
+
+    def list_page(self, query: ListQuery, tenant: str | None = None) -> Page:
+        """One page of the list (service/registry_views.py); `query.owner` is the admin's filter only
+        (a tenant sees its own runs whatever it asks)."""
+        if tenant is not None and query.owner not in (None, tenant):
+            raise BadValue("owner filters the admin's list only; a tenant's list holds its own runs", field="owner")
+        return self.registry.list_page(query, tenant)
 
     def get(self, name: str, tenant: str | None = None) -> AdapterRef:
         return self.registry.get(name, tenant)
@@ -212,7 +232,7 @@ class Controller:
         return int(runtime.abort(ref))
 
     def health(self) -> dict[str, Any]:
-        counts = Counter(r.state.value for r in self.registry.list())
+        counts = {s.value: n for s, n in self.registry.state_counts().items()}
         return {"status": "ok", "uptime_s": round(time.time() - self._started_at, 3), "adapters": dict(sorted(counts.items()))}
 
     def ready(self) -> dict[str, Any]:
@@ -248,17 +268,32 @@ class Controller:
                 stats = self._runtime.stats()
             except Exception:
                 log.exception("runtime.stats() failed")
+        scheduler = getattr(self._runtime, "scheduler", None)  # FleetRuntime's (service/scheduler.py)
+        series = self.settings.metrics_adapter_series
+        adapters = (self.registry.list() if series == "all" else
+                    self.registry.recently_updated(self.settings.metrics_top_k) if series == "top" else [])
         return MetricsSnapshot(
-            adapters=self.registry.list(),
+            adapters=adapters,
             num_slots=self.capacity.num_slots,
             free_slots=len(self.registry.free_slots()),
             runtime=stats,
+            by_state=self.registry.state_counts(),
+            residency=self.registry.residency_counts(),
+            swap_tiers=dict(scheduler.swap_tiers) if scheduler is not None else {},
+            scheduler_counters=dict(scheduler.counters) if scheduler is not None else {},
+            coordinator_seconds={"reconcile": self.reconcile_seconds,
+                                 **(dict(scheduler.seconds) if scheduler is not None else {})},
+            reconciles=self.reconciles,
         )
 
     # --- progress from the training loop --------------------------------------------------
 
     def live_runs(self) -> list[AdapterRef]:
         return self.registry.live()
+
+    def live_states(self) -> dict[str, AdapterState]:
+        """registration id -> state of every live run, without their refs (the loop reads it every round)."""
+        return self.registry.live_states()
 
     def record_step(self, registration_id: str, *, step: int, samples: int, metrics: dict[str, float], weight_version: int | None = None,
                     served: bool = True) -> AdapterRef:
@@ -287,16 +322,26 @@ class Controller:
         """One pass over the runs; returns the state changes it made. Releases
         come before preparations, so a slot freed in this pass is clean before
         its next tenant is prepared."""
+        t0 = time.perf_counter()
+        try:
+            return self._reconcile()
+        finally:
+            self.reconcile_seconds += time.perf_counter() - t0
+            self.reconciles += 1
+
+    def _reconcile(self) -> list[Change]:
         with self._reconcile_lock:
             runtime = self._runtime
             if runtime is None:
                 return []
-            for registration_id in sorted(self._prepared):
-                ref = self.registry.get_run(registration_id)
-                if not ref.live:
-                    self._release_quietly(runtime, ref)
+            # Per-round cost: one two-column read of the live runs, the refs of the prepared runs that
+            # ended, and the refs of the runs not waiting in the queue (slots + ending): queued and
+            # evicted runs have nothing to reconcile, however many are registered.
+            live = self.registry.live_states()
+            for registration_id in sorted(self._prepared - live.keys()):
+                self._release_quietly(runtime, self.registry.get_run(registration_id))
             changes: list[Change] = []
-            for ref in self.registry.live():
+            for ref in self.registry.unqueued_live():
                 changes.extend(self._advance(runtime, ref))
             return changes
 

@@ -56,3 +56,10 @@ class NoFreeSlot(Conflict):
     """Every trainer slot is held by a live adapter run."""
 
     code = "no_free_slot"
+
+
+class QuotaExceeded(LorafleetError):
+    """A tenant's quota is used up (live or queued runs per key: service/config.py `quotas`); the
+    message gives the quota and the tenant's usage. Nothing was recorded (HTTP 429)."""
+
+    code = "quota_exceeded"

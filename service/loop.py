@@ -116,7 +116,7 @@ def run_training_loop(controller: Any, runtime: Any, opts: LoopOptions, stop: St
                     log.info("fail %s: %s", registration_id, e)
             for change in controller.reconcile():                                               # 1b
                 log.info("%s: %s -> %s%s", change.name, change.from_state, change.to_state, f" ({change.reason})" if change.reason else "")
-            live = controller.live_runs()
+            live = controller.live_states()  # registration id -> state: no refs (per-round cost, issue 26)
             if opts.batch_mode and not live:
                 break
             if time.monotonic() >= next_engine_check:
@@ -125,7 +125,7 @@ def run_training_loop(controller: Any, runtime: Any, opts: LoopOptions, stop: St
                     _restart_trainer(controller, runtime, report, "a trainer rank is gone")
                     continue
                 next_engine_check = time.monotonic() + opts.engine_check_s
-            active = [r.registration_id for r in live if r.state == AdapterState.ACTIVE]
+            active = [registration_id for registration_id, state in live.items() if state == AdapterState.ACTIVE]
             t_round = time.monotonic()
             try:
                 outcome = runtime.round(opts.max_wait_s, stop)                                  # 2, 3

@@ -23,7 +23,7 @@ Invariants:
     RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 in this process's environment, as in the cluster's
     (`ray_on_loopback` is what a private local Ray under a loopback service uses).
 
-`RayConfig` lives with the job file's other models (service/config.py); Ray is imported by the
+`RayConfig` is the job file's `ray:` section (service/ray_config.py); Ray is imported by the
 functions that need it.
 """
 
@@ -36,7 +36,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from service.config import RAY_ADDRESS_FORMS, RayConfig, ray_host_port
+from service.ray_config import RAY_ADDRESS_FORMS, RayConfig, ray_host_port
 from service.shutdown import ray_processes_in_their_own_groups
 
 RAY_ADDRESS_ENV = "RAY_ADDRESS"

@@ -55,8 +55,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from service.config import DEFAULT_LIVE_RUNS_PER_SLOT, AdapterConfig
-from service.errors import Conflict, NoFreeSlot, NotFound
+from service.config import AdapterConfig, default_live_runs
+from service.errors import Conflict, NoFreeSlot, NotFound, QuotaExceeded
+from service.registry_views import RegistryViews, RunQuota
 from service.registry_records import (  # noqa: F401 - the records' names are the registry's interface too
     _QUEUE_WHERE,
     _QUEUED_SQL,
@@ -67,6 +68,7 @@ from service.registry_records import (  # noqa: F401 - the records' names are th
     TERMINAL_STATES,
     AdapterRef,
     AdapterState,
+    ConfigCache,
     QueuedRun,
     SlotHolder,
     StepRecord,
@@ -77,8 +79,9 @@ from service.registry_records import (  # noqa: F401 - the records' names are th
 )
 
 
-class Registry:
-    """SQLite-backed registry. Thread-safe (one lock around one connection)."""
+class Registry(RegistryViews):
+    """SQLite-backed registry. Thread-safe (one lock around one connection). Its reads for lists,
+    counts and the loop are its views (service/registry_views.py)."""
 
     def __init__(self, db_path: str | Path, num_slots: int, max_live_runs: int | None = None) -> None:
         if num_slots < 1:
@@ -87,7 +90,7 @@ class Registry:
             raise ValueError(f"max_live_runs must be >= num_slots ({num_slots}), got {max_live_runs}")
         self.db_path = Path(db_path)
         self.num_slots = num_slots
-        self.max_live_runs = max_live_runs if max_live_runs is not None else DEFAULT_LIVE_RUNS_PER_SLOT * num_slots
+        self.max_live_runs = max_live_runs if max_live_runs is not None else default_live_runs(num_slots)
         self.db_path.parent.mkdir(parents=True, exist_ok=True)
         self._lock_file = open(self.db_path.with_name(self.db_path.name + ".lock"), "a+")
         try:
@@ -98,6 +101,7 @@ class Registry:
                 f"registry {self.db_path} is already open in another process; one controller owns it at a time"
             ) from None
         self._lock = threading.Lock()
+        self._configs = ConfigCache()  # parsed configs by registration id (immutable): refs parse none twice
         # isolation_level=None: we issue BEGIN IMMEDIATE ourselves, so each method is one transaction.
         self._db = sqlite3.connect(self.db_path, isolation_level=None, check_same_thread=False, timeout=10.0)
         self._db.row_factory = sqlite3.Row
@@ -112,6 +116,8 @@ class Registry:
         if "owner" not in columns:  # a registry file written before owners (I8): its runs are the admin's
             self._db.execute("ALTER TABLE runs ADD COLUMN owner TEXT")
         self._db.execute("CREATE INDEX IF NOT EXISTS runs_by_owner ON runs(owner, name, run_id)")
+        self._db.execute("CREATE INDEX IF NOT EXISTS runs_by_owner_state ON runs(owner, state)")  # quotas, filters
+        self._db.execute("CREATE INDEX IF NOT EXISTS runs_queue ON runs(queued_at, run_id) WHERE slot IS NULL")
 
     def close(self) -> None:
         with self._lock:
@@ -149,16 +155,19 @@ class Registry:
 
     # --- tenant operations ------------------------------------------------------------------
 
-    def register(self, name: str, config: AdapterConfig, *, total_steps: int | None, owner: str | None = None) -> AdapterRef:
+    def register(self, name: str, config: AdapterConfig, *, total_steps: int | None, owner: str | None = None,
+                 quota: RunQuota | None = None) -> AdapterRef:
         """New PENDING run of `owner` (a tenant; None = the admin) with a fresh version, holding
         the lowest free slot, or queued (no slot, a queue position) when every slot is held or
         others wait already.
 
         Conflict when the name has a live run (a retiring one gets a retry hint; a live run of
-        another owner is named only as taken, I8); NoFreeSlot when `max_live_runs` runs are live.
+        another owner is named only as taken, I8); NoFreeSlot when `max_live_runs` runs are live;
+        QuotaExceeded when the owner's `quota` (live runs, queued runs) is used up: checked in the
+        same transaction as the insert, so concurrent registrations never pass it together.
         A COMPLETED/FAILED name registers again, by any owner: a new run, the old ones stay."""
-        now = time.time()
         with self._tx():
+            now = time.time()  # inside the transaction: queue order (queued_at) is registration order (run_id)
             live = self._db.execute(
                 "SELECT state, owner FROM runs WHERE name = ? AND state IN ('PENDING','ACTIVE','RETIRING','CLEANUP')", (name,)
             ).fetchone()
@@ -190,6 +199,8 @@ class Registry:
             # A free slot goes to the queue first (FIFO): a newcomer never overtakes a waiting run.
             waiting = self._db.execute(_QUEUED_SQL).fetchone() is not None
             slot = free[0] if free and not waiting else None
+            if quota is not None:
+                quota.check(owner, *self._usage(owner), queued=slot is None)
             registration_id = uuid.uuid4().hex
             self._db.execute(
                 "INSERT INTO runs (name, registration_id, state, slot, slot_version, config_json, total_steps,"
@@ -212,16 +223,17 @@ class Registry:
         """Every run of `name` the caller may see, oldest first; NotFound when there is none (I8)."""
         where, args = _visible(tenant)
         with self._lock:
-            queue = self._queue()
             rows = self._db.execute(f"SELECT * FROM runs WHERE name = ? AND {where} ORDER BY run_id", (name, *args)).fetchall()
             if not rows:
                 self._latest_row(name, tenant)  # raises the one NotFound message of a name
-            return [self._ref(r, queue) for r in rows]
+            positions = self._queue_positions()
+        return [self._ref(r, positions) for r in rows]
 
     def owned_runs(self, tenant: str) -> list[AdapterRef]:
         """Every run `tenant` registered, any state, oldest first (whose folders it may start from)."""
         with self._lock:
-            return [self._ref(r, []) for r in self._db.execute("SELECT * FROM runs WHERE owner = ? ORDER BY run_id", (tenant,))]
+            rows = self._db.execute("SELECT * FROM runs WHERE owner = ? ORDER BY run_id", (tenant,)).fetchall()
+        return [self._ref(r, {}) for r in rows]
 
     def list(self, state: AdapterState | None = None, tenant: str | None = None) -> list[AdapterRef]:
         """The newest run of every name, oldest name first; optionally only those in `state`.
@@ -234,17 +246,18 @@ class Registry:
             sql += " AND state = ?"
             args = (*args, AdapterState(state))
         with self._lock:
-            queue = self._queue()
-            return [self._ref(r, queue) for r in self._db.execute(sql + " ORDER BY run_id", args)]
+            rows = self._db.execute(sql + " ORDER BY run_id", args).fetchall()
+            positions = self._queue_positions()
+        return [self._ref(r, positions) for r in rows]
 
     def live(self) -> list[AdapterRef]:
         """Every live run, in registration order."""
         with self._lock:
-            queue = self._queue()
             rows = self._db.execute(
                 "SELECT * FROM runs WHERE state IN ('PENDING','ACTIVE','RETIRING','CLEANUP') ORDER BY run_id"
-            )
-            return [self._ref(r, queue) for r in rows]
+            ).fetchall()
+            positions = self._queue_positions()
+        return [self._ref(r, positions) for r in rows]
 
     def free_slots(self) -> list[int]:
         with self._lock:
@@ -266,16 +279,16 @@ class Registry:
                 out[r["slot"]] = SlotHolder(r["holder"], None, r["tenant"])
             return out
 
-    def queue_heads(self, limit: int) -> list[QueuedRun]:
-        """The first `limit` runs of the queue, in order, without building their refs (the scheduler
-        reads this every round: its cost grows with `limit`, not with the queue)."""
+    def queue_heads(self, limit: int, offset: int = 0) -> list[QueuedRun]:
+        """`limit` runs of the queue from `offset`, in order, without building their refs (the scheduler
+        reads this every round, page by page: its cost grows with what it reads, not with the queue)."""
         if limit <= 0:
             return []
         with self._lock:
-            rows = self._db.execute(f"SELECT registration_id, state, queued_at, activated_at FROM runs WHERE {_QUEUE_WHERE} LIMIT ?",
-                                    (limit,)).fetchall()
-            return [QueuedRun(r["registration_id"], AdapterState(r["state"]), r["queued_at"] or 0.0, r["activated_at"] is not None)
-                    for r in rows]
+            rows = self._db.execute(f"SELECT registration_id, state, queued_at, activated_at, owner FROM runs WHERE {_QUEUE_WHERE}"
+                                    " LIMIT ? OFFSET ?", (limit, offset)).fetchall()
+        return [QueuedRun(r["registration_id"], AdapterState(r["state"]), r["queued_at"] or 0.0, r["activated_at"] is not None,
+                          r["owner"]) for r in rows]
 
     def queue_length(self) -> int:
         with self._lock:
@@ -483,7 +496,8 @@ class Registry:
         """Live runs waiting for a slot, first in line first."""
         with self._lock:
             queue = self._queue()
-            return [self._ref(self._run_row(rid), queue) for rid in queue]
+            positions = {rid: i + 1 for i, rid in enumerate(queue)}
+            return [self._ref(self._run_row(rid), positions) for rid in queue]
 
     def bind_queued(self, skip: set[str] | frozenset[str] = frozenset()) -> list[AdapterRef]:
         """Give the free slots (lowest first) to the runs at the head of the queue, in order;
@@ -498,7 +512,7 @@ class Registry:
             for registration_id, slot in zip(queue, free):
                 self._update(registration_id, {"slot": slot, "queued_at": None, "updated_at": now})
             for registration_id in queue[: len(free)]:
-                bound.append(self._ref(self._run_row(registration_id), []))
+                bound.append(self._ref(self._run_row(registration_id), {}))
         return bound
 
     def bind(self, registration_id: str, slot: int) -> AdapterRef:
@@ -511,7 +525,7 @@ class Registry:
             if slot not in self._free_slots():
                 raise Conflict(f"slot {slot} is not free")
             self._update(registration_id, {"slot": slot, "queued_at": None, "updated_at": time.time()})
-            return self._ref(self._run_row(registration_id), [])
+            return self._ref(self._run_row(registration_id), {})
 
     def release_slot(self, registration_id: str, *, expect_slot: int) -> AdapterRef:
         """An evicted run gives its slot back and joins the end of the queue (I2). Only a trained
@@ -525,7 +539,7 @@ class Registry:
             if row["slot"] != expect_slot:
                 raise Conflict(f"adapter {row['name']!r} holds slot {row['slot']}, not {expect_slot}; its slot changed meanwhile")
             self._update(registration_id, {"slot": None, "queued_at": now, "updated_at": now})
-            return self._ref(self._run_row(registration_id), self._queue())
+            return self._ref(self._run_row(registration_id))
 
     # --- helpers ----------------------------------------------------------------------------
 
@@ -533,12 +547,16 @@ class Registry:
         """Registration ids of the queued runs, in queue order (caller holds the lock)."""
         return [r[0] for r in self._db.execute(_QUEUED_SQL)]
 
-    def _ref(self, row: sqlite3.Row, queue: list[str] | None = None) -> AdapterRef:
-        """The ref of `row`; its queue position from `queue` (read now when not given)."""
-        if queue is None:
-            queue = self._queue() if row["slot"] is None and row["state"] in LIVE_STATES else []
-        position = queue.index(row["registration_id"]) + 1 if row["registration_id"] in queue else None
-        return _ref(row, position)
+    def _queue_positions(self) -> dict[str, int]:
+        """registration id -> 1-based queue position (caller holds the lock)."""
+        return {rid: i + 1 for i, rid in enumerate(self._queue())}
+
+    def _ref(self, row: sqlite3.Row, positions: dict[str, int] | None = None) -> AdapterRef:
+        """The ref of `row`; its queue position from `positions` (read now when not given: the
+        caller holds the lock then)."""
+        if positions is None:
+            positions = self._queue_positions() if row["slot"] is None and row["state"] in LIVE_STATES else {}
+        return _ref(row, positions.get(row["registration_id"]), self._configs)
 
     def _progress_row(self, registration_id: str) -> sqlite3.Row:
         row = self._run_row(registration_id)

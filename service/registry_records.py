@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -39,8 +40,9 @@ PROGRESS_STATES = frozenset({AdapterState.ACTIVE, AdapterState.RETIRING})
 # The queue: live runs without a slot, first come first served. CLEANUP never waits
 # (it has nothing left to train), so it is not in the queue.
 # A never-trained run retired while queued is not in it either: it ends without a slot.
-_QUEUE_WHERE = ("slot IS NULL AND (state = 'PENDING' OR (state IN ('ACTIVE','RETIRING') AND activated_at IS NOT NULL))"
-                " ORDER BY queued_at, run_id")
+_LIVE_WHERE = "state IN ('PENDING','ACTIVE','RETIRING','CLEANUP')"
+_WAITING = "slot IS NULL AND (state = 'PENDING' OR (state IN ('ACTIVE','RETIRING') AND activated_at IS NOT NULL))"
+_QUEUE_WHERE = f"{_WAITING} ORDER BY queued_at, run_id"
 _QUEUED_SQL = f"SELECT registration_id FROM runs WHERE {_QUEUE_WHERE}"
 
 
@@ -109,6 +111,7 @@ class QueuedRun:
     state: AdapterState
     queued_at: float  # time.time() it began waiting (registration or eviction)
     trained: bool  # activated before: evicted (restored when bound) rather than new (prepared)
+    owner: str | None = None  # its tenant (token shares); None = the admin
 
 
 @dataclass(frozen=True)
@@ -152,6 +155,9 @@ CREATE UNIQUE INDEX IF NOT EXISTS one_live_run_per_name ON runs(name)
     WHERE state IN ('PENDING', 'ACTIVE', 'RETIRING', 'CLEANUP');
 CREATE UNIQUE INDEX IF NOT EXISTS one_run_per_slot ON runs(slot) WHERE slot IS NOT NULL;
 CREATE INDEX IF NOT EXISTS runs_by_name ON runs(name, run_id);
+-- The reads that run at every round or every list (issue 26): live runs by state (and, made once
+-- the columns exist in a file of an older schema: registry.py, a tenant's runs by state and the queue).
+CREATE INDEX IF NOT EXISTS runs_by_state ON runs(state, run_id);
 CREATE TABLE IF NOT EXISTS steps (
     registration_id TEXT NOT NULL REFERENCES runs(registration_id),
     step INTEGER NOT NULL,
@@ -203,7 +209,34 @@ def _visible(tenant: str | None) -> tuple[str, tuple]:
     return "owner = ?", (tenant,)
 
 
-def _ref(row: sqlite3.Row, queue_position: int | None) -> AdapterRef:
+class ConfigCache:
+    """registration id -> its parsed AdapterConfig. A run's config_json never changes after
+    registration, so a parsed config is reused by every ref of that run: building a list of
+    1,024 refs then parses no JSON config (the validators cost about 50 us a config). Bounded
+    (least recently used out first); thread-safe."""
+
+    def __init__(self, capacity: int = 8192) -> None:
+        self.capacity = capacity
+        self._configs: OrderedDict[str, AdapterConfig] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, registration_id: str, config_json: str) -> AdapterConfig:
+        with self._lock:
+            config = self._configs.get(registration_id)
+            if config is not None:
+                self._configs.move_to_end(registration_id)
+                return config
+        config = AdapterConfig.model_validate_json(config_json)
+        with self._lock:
+            self._configs[registration_id] = config
+            while len(self._configs) > self.capacity:
+                self._configs.popitem(last=False)
+        return config
+
+
+def _ref(row: sqlite3.Row, queue_position: int | None, configs: ConfigCache | None = None) -> AdapterRef:
+    config = (configs.get(row["registration_id"], row["config_json"]) if configs is not None
+              else AdapterConfig.model_validate_json(row["config_json"]))
     return AdapterRef(
         queue_position=queue_position,
         owner=row["owner"],
@@ -212,7 +245,7 @@ def _ref(row: sqlite3.Row, queue_position: int | None) -> AdapterRef:
         state=AdapterState(row["state"]),
         slot=row["slot"],
         slot_version=row["slot_version"],
-        config=AdapterConfig.model_validate_json(row["config_json"]),
+        config=config,
         total_steps=row["total_steps"],
         step=row["step"],
         samples_trained=row["samples_trained"],

@@ -13,14 +13,21 @@ one query per round) and changes it only here, right after the trainer side effe
 
 Each round (the loop's steps 1a and 2-3):
   place()     S1 creations first: a Tinker model being created gets a free slot now, or one
-                 freed by evicting an idle resident (keep-warm, P2), or is refused (NoSlot);
+                 freed by evicting an idle resident (keep-warm, P2) or one whose turn is over
+                 (P3), or is refused (NoSlot);
               S2 waiters: runs queued in the registry (new, or evicted) and evicted models with
                  a queued call, oldest first (one FIFO across both kinds); while they outnumber
                  the free slots, residents are evicted by ONE policy (service/residency.py:
                  idle first, then turns, least recently active first): the trainer's bit-exact
                  swap_out under the tenant's key, then the record gives the slot back;
               S3 free slots go to the waiters in order: a new run is bound (the controller's
-                 reconcile prepares it next), an evicted tenant is swapped back in.
+                 reconcile prepares it next), an evicted tenant is swapped back in;
+              S4 the next waiters (those the next placements will restore, up to one per slot)
+                 whose snapshot was spilled to disk are prefetched: the trainer reads their
+                 files into host memory while the next round runs, so their swap-in is a copy.
+              The queue is read in pages until enough waiters are found for this placement
+                 (the free slots plus one per slot to evict for), so its cost grows with the
+                 slots, not with the tenants registered (issue 26).
   gather()    G1 waits until every resident dataset run has a whole step, or `max_wait_s` after
                  the first tenant became ready; a Tinker call waits at most `window_s` once
                  ready (calls arriving together still share one step) and never for an idle
@@ -53,8 +60,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from service.errors import Conflict, NoFreeSlot
+from service.quotas import TokenLedger
 from service.registry import AdapterState, Registry
-from service.residency import Resident, ResidencyKnobs, choose_evictions, choose_idle
+from service.residency import Resident, ResidencyKnobs, choose_evictions
+from service.round_parts import RoundContextOnce, RoundPart, Span, offer_tokens  # noqa: F401 - RoundPart: the tenants' view
 from service.tenants import Offer, Tenant, TenantKind
 from trainer.batch import TrainBatch
 from trainer.rounds import RoundResult, RoundWork
@@ -91,24 +100,6 @@ class RoundRefused(RuntimeError):
     """The trainer refused a round's dataset batch (nothing of it ran); the loop retries the round."""
 
 
-class _Context:
-    """service.tenants.RoundContext: one rollout stats call per round, on first use."""
-
-    def __init__(self, seconds: float, stats: Callable[[], dict[str, Any]] | None) -> None:
-        self.seconds = seconds
-        self._fetch = stats
-        self._stats: dict[str, Any] | None = None
-
-    def rollout_stats(self, name: str) -> Any:
-        if self._stats is None:
-            try:
-                self._stats = self._fetch() if self._fetch is not None else {}
-            except Exception as e:  # the round has run: a slow answer must not lose its accounting (R2)
-                log.info("rollout stats after a round: %s: %s", type(e).__name__, e)
-                self._stats = {}
-        return self._stats.get(name)
-
-
 class Scheduler:
     def __init__(self, registry: Registry, trainer: Any, knobs: ResidencyKnobs, *, max_seq_len: int = 4096,
                  window_s: float = 0.02, clock: Callable[[], float] = time.monotonic,
@@ -133,10 +124,19 @@ class Scheduler:
         self._failures: dict[str, str] = {}
         self.swap_out_s: dict[str, float] = {}  # tenant name -> its last swap-out's seconds (a gauge; kept after it ends)
         self.swap_in_s: dict[str, float] = {}
+        # Rank 0's swap tiers after the last placement that changed them (TrainerGroup.swap_tiers:
+        # {"host"|"disk"|"prefetched": {"count", "bytes"[, "budget_bytes"]}}): read here, on the loop's
+        # thread, so /metrics never waits for the trainer's collective lock.
+        self.swap_tiers: dict[str, dict] = {}
+        self._spilled: set[str] = set()  # evicted keys whose snapshot went to disk (S4)
+        self._prefetched: set[str] = set()  # of those, prefetches asked for
+        self._tiers_stale = False  # a snapshot was dropped since the last read (release): read again
+        self.tokens = TokenLedger(clock=clock)  # trained tokens per owner (token shares: service/quotas.py)
         # rounds; mixed steps with Tinker calls, and those that also trained dataset runs (joined);
         # the calls in them; evictions and restores of every kind
         self.counters = dict(rounds=0, mixed_steps=0, joined_steps=0, joined_calls=0, forward_backward_calls=0,
-                             largest_step=0, evictions=0, restores=0)
+                             largest_step=0, evictions=0, restores=0, prefetches=0, placements=0)
+        self.seconds = {"place": 0.0}  # coordinator time in placement since start (the trainer's swaps included)
 
     # --- tenants --------------------------------------------------------------------------------
 
@@ -165,6 +165,9 @@ class Scheduler:
         for t in gone:
             if t.kind == TenantKind.TINKER:
                 self.registry.release_lease(t.key)
+        self._spilled.clear()  # the lost trainer's swap store is gone: nothing of it to prefetch
+        self._prefetched.clear()
+        self._tiers_stale = True  # the new trainer's tiers are read at the next placement
         while self._admissions:
             self._admissions.popleft().done(RuntimeError("the trainer restarted; create the model again"))
         return gone
@@ -223,8 +226,11 @@ class Scheduler:
 
     def place(self) -> list[str]:
         """Admit, evict and swap back in (module doc); returns what it did, one line each (each also
-        logged here)."""
+        logged here). Its wall time adds to `seconds["place"]` (the per-round cost, /metrics)."""
+        t0 = time.perf_counter()
         events = self._place()
+        self.seconds["place"] += time.perf_counter() - t0
+        self.counters["placements"] += 1
         for e in events:
             log.info("%s", e)
         return events
@@ -234,8 +240,8 @@ class Scheduler:
         while self._admissions:
             events += self._admit_now(self._admissions.popleft())
         holders = self.slot_holders()
-        waiters = self._waiters(holders)
         free = self.registry.free_slots()
+        waiters = self._waiters(holders, want=len(free) + 2 * self.registry.num_slots)
         if len(waiters) > len(free):
             residents = self._resident_view(holders)
             for key in choose_evictions(list(residents.values()), len(waiters), len(free), self.knobs):
@@ -257,37 +263,82 @@ class Scheduler:
                     log.info("bind %s: %s", key, e)
                 continue
             events += self._restore(tenant, slot)
+        events += self._prefetch([key for key, _ in waiters[len(free): len(free) + self.registry.num_slots]])
+        if events or self._tiers_stale:
+            self._read_swap_tiers()
         return events
+
+    def _prefetch(self, upcoming: list[str]) -> list[str]:
+        """S4: start reading the spilled snapshots of the next waiters into host memory (each once)."""
+        events = []
+        for key in upcoming:
+            if key not in self._spilled or key in self._prefetched:
+                continue
+            self._prefetched.add(key)
+            try:
+                answer = self.trainer.prefetch_swapped(key)
+            except Exception as e:  # a prefetch only saves time: its swap-in reads the file itself
+                log.info("prefetch of %s: %s: %s", key, type(e).__name__, e)
+                continue
+            self.counters["prefetches"] += 1
+            events.append(f"prefetching {self._tenants[key].name} from disk ({answer})")
+        return events
+
+    def _read_swap_tiers(self) -> None:
+        self._tiers_stale = False
+        try:
+            self.swap_tiers = dict(self.trainer.swap_tiers())
+        except Exception as e:  # a gauge: the next placement that changes something reads it again
+            log.info("swap tiers: %s: %s", type(e).__name__, e)
 
     def placement_pending(self) -> bool:
         """Whether placing now would change something: a tenant to admit, or a free slot and a waiter."""
         if self._admissions:
             return True
-        return bool(self.registry.free_slots()) and bool(self._waiters(self.slot_holders()))
+        return bool(self.registry.free_slots()) and bool(self._waiters(self.slot_holders(), want=1))
 
-    def _waiters(self, holders: dict[int, Any]) -> list[tuple[str, bool]]:
-        """(key, trained) of the tenants waiting for a slot that want one, oldest first (S2). A queued
-        run this process has not prepared always wants one (new, or trained before a restart: it is
-        prepared from its checkpoint); an evicted run wants one when it has a step ready or is
-        retiring (its final checkpoint); an evicted model when a call of it is queued."""
+    def _waiters(self, holders: dict[int, Any], want: int) -> list[tuple[str, bool]]:
+        """(key, trained) of the tenants waiting for a slot that want one, in placement order (S2):
+        oldest first, except that tenants over their token share (service/quotas.py) go after the
+        others. A queued run this process has not prepared always wants one (new, or trained before a
+        restart: it is prepared from its checkpoint); an evicted run wants one when it has a step ready
+        or is retiring (its final checkpoint); an evicted model when a call of it is queued.
+
+        Runs are read from the queue in pages until `want` of them want a slot (or the queue ends):
+        a placement needs no more. Every evicted model is looked at (they are in memory; C4)."""
         resident = {h.key for h in holders.values()}
-        out: list[tuple[float, str, bool]] = []
-        for q in self.registry.queue_heads(len(self._tenants) + self.registry.num_slots + 1):
-            tenant = self._tenants.get(q.registration_id)
-            if tenant is None:  # new, or trained in an earlier process: prepared (from its checkpoint) once bound
-                out.append((q.queued_at, q.registration_id, q.trained))
-                continue
-            if q.state == AdapterState.RETIRING or tenant.wants_slot():
-                out.append((q.queued_at, tenant.key, True))
-        out += [(m.waiting_since(), m.key, True) for m in self.tenants(TenantKind.TINKER)
+        out: list[tuple[bool, float, str, bool]] = []
+        page, offset, found = max(want, 16), 0, 0
+        while found < want:
+            heads = self.registry.queue_heads(page, offset)
+            for q in heads:
+                tenant = self._tenants.get(q.registration_id)
+                if tenant is None:  # new, or trained in an earlier process: prepared (from its checkpoint) once bound
+                    out.append((self._over_share(q.owner), q.queued_at, q.registration_id, q.trained))
+                elif q.state == AdapterState.RETIRING or tenant.wants_slot():
+                    out.append((self._over_share(tenant.owner), q.queued_at, tenant.key, True))
+                else:
+                    continue
+                found += 1
+            if len(heads) < page:
+                break
+            offset += page
+        out += [(self._over_share(m.owner), m.waiting_since(), m.key, True) for m in self.tenants(TenantKind.TINKER)
                 if m.key not in resident and m.wants_slot()]
-        return [(key, trained) for _, key, trained in sorted(out, key=lambda e: e[0])]
+        return [(key, trained) for _, _, key, trained in sorted(out, key=lambda e: (e[0], e[1]))]
+
+    def _over_share(self, owner: str | None) -> bool:
+        """Whether `owner` trained more than its token share of the last window (service/quotas.py)."""
+        quotas = self.knobs.quotas
+        share = quotas.token_share(owner) if quotas is not None else None
+        return share is not None and self.tokens.share(owner) > share
 
     def _resident_view(self, holders: dict[int, Any]) -> dict[str, Resident]:
         """What the policy needs of each resident tenant that may be evicted: ACTIVE runs and Tinker
         models (a PENDING run has nothing to swap out, a retiring one is about to end)."""
         now = self.clock()
-        return {t.key: Resident(t.key, now - t.last_active, t.ready(), t.steps_in, t.last_active, slot)
+        return {t.key: Resident(t.key, now - t.last_active, t.ready(), t.steps_in, t.last_active, slot,
+                                self.knobs.turn_of(t.owner))
                 for t, slot, state in self.residents(holders) if state in (None, AdapterState.ACTIVE)}
 
     def _admit_now(self, a: Admission) -> list[str]:
@@ -295,7 +346,7 @@ class Scheduler:
         free = self.registry.free_slots()
         if not free:
             residents = self._resident_view(self.slot_holders())
-            for key in choose_idle(list(residents.values()), self.knobs, need=1):
+            for key in choose_evictions(list(residents.values()), 1, 0, self.knobs):  # idle first, else a turn used up
                 events += self._evict(self._tenants[key], residents[key].slot)
             free = self.registry.free_slots()
         if not free:
@@ -322,6 +373,8 @@ class Scheduler:
             return self._evict_failed(tenant, e)
         self._vacate(tenant, slot)
         tenant.on_evicted()
+        if out.get("where") == "disk":
+            self._spilled.add(tenant.key)
         self.counters["evictions"] += 1
         self.swap_out_s[tenant.name] = float(out.get("seconds", 0.0))
         return [f"evicted {tenant.name} from slot {slot} ({out.get('where', '?')}, {out.get('bytes', 0) / 1e6:.1f} MB, "
@@ -342,10 +395,15 @@ class Scheduler:
         except Exception as e:  # the snapshot stays stored for another try (C3)
             self._vacate_quietly(tenant, slot)
             return [f"restoring {tenant.name} failed: {type(e).__name__}: {e}"]
+        self._forget_swap(tenant.key)
         tenant.on_restored()
         self.counters["restores"] += 1
         self.swap_in_s[tenant.name] = float(back.get("seconds", 0.0))
         return [f"restored {tenant.name} into slot {slot} ({back.get('seconds', 0.0):.4f} s)"]
+
+    def _forget_swap(self, key: str) -> None:
+        self._spilled.discard(key)
+        self._prefetched.discard(key)
 
     def _vacate_quietly(self, tenant: Tenant, slot: int) -> None:
         try:
@@ -358,11 +416,13 @@ class Scheduler:
         The record's slot is freed by the caller's state change (a run's terminal transition) or
         here (a model's lease)."""
         tenant = self.remove(key)
+        self._forget_swap(key)
         slot = self.slot_of(key)
         if slot is not None:
             self.trainer.clear_slot(slot)
         elif tenant is not None:
             self.trainer.drop_swapped(key)
+            self._tiers_stale = True
         if tenant is not None:
             if tenant.kind == TenantKind.TINKER:
                 self.registry.release_lease(key)
@@ -459,13 +519,14 @@ class Scheduler:
                     tenant.give_back(offer, f"{type(e).__name__}: {e}")
                 raise
         seconds = time.monotonic() - t0
-        ctx = _Context(seconds, self.rollout_stats)
+        ctx = RoundContextOnce(seconds, self.rollout_stats)
         outcome = RoundOutcome(seconds=seconds, samples=list(work.batch.samples) if work.batch else [], tenants=len(offers),
                                calls=sum(1 for r in result.calls if r.error is None))
         for (tenant, slot, offer), span in zip(offers, spans):
             if result.refused is not None and offer.samples:  # the batch changed nothing (trainer/rounds.py)
                 tenant.give_back(offer, result.refused)
                 continue
+            self.tokens.add(tenant.owner, offer_tokens(offer))
             settled = tenant.settle(offer, span.part(result), slot, ctx)
             if settled is not None:
                 outcome.settled.append(settled)
@@ -496,10 +557,10 @@ class Scheduler:
             if offer is not None:
                 self._run_single(m, None, offer)
 
-    def _work(self, offers: list[tuple[Tenant, int, Offer]]) -> tuple[RoundWork, list["_Span"]]:
+    def _work(self, offers: list[tuple[Tenant, int, Offer]]) -> tuple[RoundWork, list[Span]]:
         samples, calls, forwards, optim, spans = [], [], [], [], []
         for _, slot, offer in offers:
-            spans.append(_Span(len(calls), len(offer.calls), len(forwards), len(offer.forwards),
+            spans.append(Span(len(calls), len(offer.calls), len(forwards), len(offer.forwards),
                                len(optim) if offer.optim is not None else None))
             samples += offer.samples
             calls += offer.calls
@@ -519,33 +580,3 @@ class Scheduler:
             if work.batch is not None:
                 c["joined_steps"] += 1
                 c["joined_calls"] += outcome.calls
-
-
-@dataclass(frozen=True)
-class _Span:
-    """Where one tenant's offer sits in the round's work (and so in its result)."""
-
-    calls_at: int
-    calls_n: int
-    forwards_at: int
-    forwards_n: int
-    optim_at: int | None
-
-    def part(self, result: RoundResult) -> "RoundPart":
-        return RoundPart(
-            train=result.train, refused=result.refused,
-            calls=result.calls[self.calls_at: self.calls_at + self.calls_n],
-            forwards=result.forwards[self.forwards_at: self.forwards_at + self.forwards_n],
-            optim=result.optim[self.optim_at] if self.optim_at is not None and self.optim_at < len(result.optim) else None,
-        )
-
-
-@dataclass(frozen=True)
-class RoundPart:
-    """One tenant's part of a round's result."""
-
-    train: Any  # trainer.core.TrainResult of the round's batch (dataset runs read their slot's metrics)
-    refused: str | None
-    calls: list
-    forwards: list
-    optim: Any  # metrics dict, or the error message; None when it sent no step

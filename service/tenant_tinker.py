@@ -69,6 +69,9 @@ class TinkerOp:
 class LoraSpec:
     rank: int
     seed: int
+    # What the model trains (trainer.config.TARGET_GROUPS order): the SDK's train_attn, train_mlp
+    # and train_unembed.
+    targets: tuple[str, ...] = ("attention", "mlp", "unembed")
 
 
 def checkpoint_lora(folder: str | Path) -> LoraSpec:
@@ -77,7 +80,8 @@ def checkpoint_lora(folder: str | Path) -> LoraSpec:
     if not meta_file.is_file():
         raise ValueError("no training checkpoint at that path (save_state makes one)")
     meta = json.loads(meta_file.read_text())
-    return LoraSpec(rank=int(meta["hyper"]["rank"]), seed=int(meta["seed"]))
+    targets = tuple(meta["hyper"].get("targets") or ("attention", "mlp"))  # states saved before targets: attention + MLP
+    return LoraSpec(rank=int(meta["hyper"]["rank"]), seed=int(meta["seed"]), targets=targets)
 
 
 class TinkerModel:
@@ -246,6 +250,9 @@ class TinkerModel:
         lora = checkpoint_lora(folder)
         if lora.rank != self.lora.rank:
             raise ValueError(f"checkpoint has LoRA rank {lora.rank}, the model has rank {self.lora.rank}")
+        if lora.targets != self.lora.targets:
+            raise ValueError(f"checkpoint trains {list(lora.targets)}, the model trains {list(self.lora.targets)} "
+                             "(train_attn / train_mlp / train_unembed must match)")
         backup = Path(tempfile.mkdtemp(prefix="tinker-restore-"))
         t = self._trainer
         t.save_slot_state(slot, backup)

@@ -30,20 +30,22 @@ from service.residency import ResidencyKnobs
 from service.scheduler import Admission, Scheduler
 from service.tenant_tinker import LoraSpec, TinkerModel
 from service.tenants import TenantKind
-from trainer.config import SlotHyperParams
+from trainer.config import TARGET_GROUPS, SlotHyperParams
 
 log = logging.getLogger(__name__)
 
 
 class TinkerModels:
     def __init__(self, scheduler: Scheduler, *, base_model: str, tokenizer_id: str, max_rank: int, lora_alpha: float = 32.0,
-                 max_seq_len: int = 4096, dp: int = 1) -> None:
+                 max_seq_len: int = 4096, dp: int = 1, target_groups: tuple[str, ...] = TARGET_GROUPS) -> None:
+        """``target_groups``: what the trainer has LoRA layers for (TrainerConfig.target_groups)."""
         if dp != 1:
             raise ValueError(f"the Tinker API needs trainer dp == 1 (per-model optim_step), this job has dp={dp}")
         self.scheduler = scheduler
         self.base_model = base_model  # the served base model's name (get_server_capabilities, create_model)
         self.tokenizer_id = tokenizer_id  # what AutoTokenizer.from_pretrained loads offline
         self.max_rank = max_rank
+        self.target_groups = tuple(target_groups)
         self.lora_alpha = lora_alpha
         self.max_seq_len = max_seq_len
 
@@ -53,12 +55,16 @@ class TinkerModels:
         Operations may be queued on the returned model at once: they run after it is admitted."""
         if not 1 <= lora.rank <= self.max_rank:
             raise ValueError(f"LoRA rank {lora.rank} not supported: 1..{self.max_rank} on this server")
+        missing = [t for t in lora.targets if t not in self.target_groups]
+        if missing:
+            raise ValueError(f"LoRA on {missing} is not available on this server: its trainer has LoRA layers for "
+                             f"{list(self.target_groups)} (train_unembed needs output_layer in trainer.target_modules)")
         s = self.scheduler
         model = TinkerModel(model_id, owner, lora, trainer=s.trainer, clock=s.clock, wake=s.notify, end=s.release)
 
         def enter(slot: int) -> None:
-            s.trainer.init_slot(slot, SlotHyperParams(rank=lora.rank, alpha=self.lora_alpha), seed=lora.seed,
-                                registration=model_id)
+            s.trainer.init_slot(slot, SlotHyperParams(rank=lora.rank, alpha=self.lora_alpha, targets=lora.targets),
+                                seed=lora.seed, registration=model_id)
 
         def admitted(error: BaseException | None) -> None:
             if error is not None:  # its queued operations get the reason, as the caller's error
@@ -110,6 +116,7 @@ class TinkerHost:
         self.scheduler = Scheduler(self.registry, TrainWorker(trainer), knobs, max_seq_len=max_seq_len, window_s=window_s,
                                    clock=clock)
         self.models = TinkerModels(self.scheduler, base_model=base_model, tokenizer_id=tokenizer_id, max_rank=cfg.max_rank,
+                                   target_groups=cfg.target_groups,
                                    max_seq_len=max_seq_len, dp=cfg.dp)
         self.trainer = trainer  # trainer.core.MultiLoraTrainer
         self.poll_s = poll_s

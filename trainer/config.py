@@ -21,11 +21,32 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer")
 # What an adapter run trains on, the one declaration (service/config.py's AdapterConfig uses it too).
 Objective = Literal["rl", "sft"]
+
+# What a slot may train (SlotHyperParams.targets), and which group each Megatron module is in.
+# "unembed" is the output projection (the unembedding, ``output_layer`` / HF ``lm_head``): with
+# tied embeddings its LoRA is on the output projection only, never on the input embedding.
+TARGET_GROUPS = ("attention", "mlp", "unembed")
+TargetGroup = Literal["attention", "mlp", "unembed"]
+_GROUP_OF_MODULE = {"linear_qkv": "attention", "linear_proj": "attention", "linear_fc1": "mlp", "linear_fc2": "mlp",
+                    "output_layer": "unembed"}
+
+
+def is_target_module(module: str) -> bool:
+    """Whether a Megatron module name (its last part) is one of the LoRA target modules."""
+    return module.rsplit(".", 1)[-1] in _GROUP_OF_MODULE
+
+
+def target_group(module: str) -> TargetGroup:
+    """The target group of a Megatron LoRA module, by its last name part (``linear_qkv`` -> attention)."""
+    try:
+        return _GROUP_OF_MODULE[module.rsplit(".", 1)[-1]]  # type: ignore[return-value]
+    except KeyError:
+        raise ValueError(f"{module!r} is in no LoRA target group; known modules: {sorted(_GROUP_OF_MODULE)}") from None
 
 
 class StrictModel(BaseModel):
@@ -46,7 +67,12 @@ class TrainerConfig(StrictModel):
     num_slots: int = Field(8, ge=1, le=4096, description="Resident adapter slots.")
     max_rank: int = Field(16, ge=1, le=1024, description="Largest LoRA rank a slot holds.")
     target_modules: tuple[str, ...] = Field(
-        LORA_TARGETS, description=f"Megatron linears that get LoRA slots; any of {', '.join(LORA_TARGETS)}."
+        LORA_TARGETS,
+        description=(
+            f"Megatron modules that get LoRA slots (what slots MAY train); any of {', '.join(LORA_TARGETS)}. "
+            "output_layer is the unembedding (HF lm_head; LoRA on the output projection only, also with tied "
+            "embeddings); each slot chooses its own target groups among these (SlotHyperParams.targets)."
+        ),
     )
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="Base compute dtype: auto = float32 without CUDA, bfloat16 with CUDA."
@@ -145,6 +171,12 @@ class TrainerConfig(StrictModel):
     )
     seed: int = Field(0, description="Seed of the model-parallel RNG.")
 
+    @property
+    def target_groups(self) -> tuple[TargetGroup, ...]:
+        """The target groups slots of this trainer may train (those of its target_modules)."""
+        have = {target_group(m) for m in self.target_modules}
+        return tuple(g for g in TARGET_GROUPS if g in have)
+
     @model_validator(mode="after")
     def _check(self) -> "TrainerConfig":
         unknown = [m for m in self.target_modules if m not in LORA_TARGETS]
@@ -185,6 +217,14 @@ class SlotHyperParams(StrictModel):
     loss_norm_tokens: int | None = Field(
         None, ge=1, description="constant normalization: tokens per sample in the denominator."
     )
+    targets: tuple[TargetGroup, ...] = Field(
+        ("attention", "mlp"),
+        description=(
+            "What the adapter trains, any non-empty set of attention (q/k/v/o), mlp (gate/up/down, and the "
+            "routed experts of an MoE base with lora_experts) and unembed (the output projection, HF lm_head). "
+            "A target off has exactly zero LoRA and gets no update."
+        ),
+    )
     lora_experts: bool = Field(
         True,
         description=(
@@ -192,6 +232,15 @@ class SlotHyperParams(StrictModel):
             "false = attention (and any dense MLP) only. No effect on a dense base."
         ),
     )
+
+    @field_validator("targets")
+    @classmethod
+    def _targets(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if not v:
+            raise ValueError(f"targets is empty: at least one target must be on, of {', '.join(TARGET_GROUPS)}")
+        if len(set(v)) != len(v):
+            raise ValueError(f"targets {list(v)} has duplicates")
+        return tuple(g for g in TARGET_GROUPS if g in v)  # one canonical order: equal sets compare equal
 
     @model_validator(mode="after")
     def _check(self) -> "SlotHyperParams":

@@ -37,20 +37,21 @@ import torch.distributed as dist
 
 from trainer.base_model import build_frozen_base, trainer_layer_spec
 from trainer.batch import RiderSequence, TrainBatch, assign_phases, dp_shard
-from trainer.config import SlotHyperParams, TrainerConfig
+from trainer.config import TARGET_GROUPS, SlotHyperParams, TrainerConfig, target_group
 from trainer.distributed import dp_group, init_parallel, tp_group
 from trainer.lora_passes import LoraPasses
 from trainer.micro_batch import forward_backward, micro_batches
 from trainer.moe_lora import install_moe_lora, is_expert_layer, kaiming_a, moe_layers
 from trainer.moe_peft import read_expert_peft
-from trainer.multi_lora import SlotRouting, install_multi_lora
+from trainer.multi_lora import UNEMBED_MODULE, SlotRouting, install_multi_lora
 from trainer.peft_io import json_target_parameters, read_peft_folder
 from trainer.slot_buffers import SlotBuffers
 from trainer.slot_export import SlotExporter
 from trainer.slot_steps import StepReport, TrainResult, adam_step, slot_metrics, step_due_slots
 from trainer.slot_swap import SlotSwap
-from trainer.slots import N_STATS, SlotState, SlotTable, zero_stats
+from trainer.slots import N_STATS, SlotState, SlotTable, layer_trained, zero_stats
 from trainer.swap_store import SwapStore
+from trainer.unembed_lora import UnembedLora, install_unembed_lora
 
 
 class MultiLoraTrainer:
@@ -68,6 +69,12 @@ class MultiLoraTrainer:
             self.base, target_modules=config.target_modules, num_slots=config.num_slots,
             max_rank=config.max_rank, routing=self.routing, tp_group=tp_group() if config.tp > 1 else None,
         )
+        # The unembedding (output_layer, HF lm_head): slots like any other target (unembed_lora.py).
+        self.unembed: UnembedLora | None = None
+        if UNEMBED_MODULE in config.target_modules:
+            self.unembed = install_unembed_lora(self.base, num_slots=config.num_slots, max_rank=config.max_rank,
+                                                routing=self.routing, tp_group=tp_group() if config.tp > 1 else None)
+            self.layers.append(self.unembed)
         # MoE bases: every routed expert's fc1/fc2 gets slots too, grouped by (expert, slot)
         # (moe_lora.py); a slot's expert scale is 0 when its adapter trains attention only.
         self.layers += install_moe_lora(
@@ -97,21 +104,23 @@ class MultiLoraTrainer:
 
     @torch.no_grad()
     def init_slot(self, slot: int, hyper: SlotHyperParams, seed: int, init_from: str | Path | None = None, registration: str | None = None) -> dict:
-        """A random (seeded, PEFT's kaiming-uniform), B zero; or the weights of a PEFT folder."""
+        """A random (seeded, PEFT's kaiming-uniform), B zero, in the layers of the slot's targets
+        (every other layer stays exactly zero); or the weights of a PEFT folder."""
         self.slots.require_free(slot, "clear it before initializing it again")
         if hyper.rank > self.config.max_rank:
             raise ValueError(f"rank {hyper.rank} exceeds the trainer's max_rank {self.config.max_rank}")
+        self.check_targets(hyper)
         g = torch.Generator().manual_seed(seed)
-        # None: the block stays as the zeroing below leaves it (B, and an attention-only
-        # adapter's expert A), so no host tensor is built or copied for it (at the 8B shape the
+        # None: the block stays as the zeroing below leaves it (B, and every layer of a target the
+        # slot does not train), so no host tensor is built or copied for it (at the 8B shape the
         # B blocks alone are 22 M zeros per slot).
         a_full: dict[str, torch.Tensor | None] = {}
         b_full: dict[str, torch.Tensor | None] = {}
         for layer in self.layers:  # the full (TP=1) A, so every TP layout gets the same init
-            if is_expert_layer(layer) and not hyper.lora_experts:
-                a_full[layer.name] = None  # attention-only adapter: experts stay exactly zero
-            else:
+            if layer_trained(layer, hyper):
                 a_full[layer.name] = kaiming_a(layer.a_full_shape(hyper.rank), layer.in_full, g)
+            else:
+                a_full[layer.name] = None  # a target off (or experts off): exactly zero
             b_full[layer.name] = None
         rank, scale = hyper.rank, hyper.scale
         if init_from is not None:
@@ -119,7 +128,9 @@ class MultiLoraTrainer:
                 raise ValueError(f"init_from {init_from}: the adapter has expert LoRA (target_parameters) but "
                                  "this base has no expert layers with LoRA")
             expert_a, expert_b, expert_modules = read_expert_peft(init_from, self.base, self.expert_layers, hyper)
-            peft_cfg, imported = read_peft_folder(init_from, self.base, self.dense_layers, expert_modules)
+            trained = [layer for layer in self.dense_layers if layer_trained(layer, hyper)]
+            peft_cfg, imported = read_peft_folder(init_from, self.base, trained, expert_modules,
+                                                  untrained=[layer for layer in self.dense_layers if layer not in trained])
             if int(peft_cfg["r"]) != hyper.rank or not math.isclose(float(peft_cfg["lora_alpha"]), hyper.alpha):
                 raise ValueError(
                     f"init_from adapter has r={peft_cfg['r']}, lora_alpha={peft_cfg['lora_alpha']}; "
@@ -130,6 +141,11 @@ class MultiLoraTrainer:
                     f"init_from adapter needs rank {imported.rank} in the slot (different lora_A per fused "
                     f"projection are stacked), above max_rank {self.config.max_rank}"
                 )
+            if imported.base_output_weight is not None:  # HF peft saved the (tied) base lm_head with it
+                if self.unembed is None:
+                    raise ValueError(f"init_from {init_from}: the adapter targets lm_head but this trainer has no "
+                                     f"LoRA on the output layer (trainer target_modules)")
+                self.unembed.check_base_copy(imported.base_output_weight, str(init_from))
             rank = imported.rank
             a_full.update(imported.a_full | expert_a)
             b_full.update(imported.b_full | expert_b)
@@ -137,6 +153,18 @@ class MultiLoraTrainer:
         self.slots.write_full(slot, "weight", rank, a_full, b_full)
         self.slots.occupy(slot, SlotState(hyper=hyper, rank=rank, scale=scale, seed=seed, registration=registration))
         return self.slots.status(slot)
+
+    def check_targets(self, hyper: SlotHyperParams) -> None:
+        """ValueError unless every target group the slot asks for has LoRA layers in this trainer
+        (TrainerConfig.target_modules: what slots MAY train)."""
+        have = {target_group(layer.name) for layer in self.dense_layers}
+        if self.expert_layers:
+            have.add("mlp")
+        missing = [t for t in hyper.targets if t not in have]
+        if missing:
+            raise ValueError(f"targets {missing} have no LoRA layers in this trainer (its target_modules are "
+                             f"{list(self.config.target_modules)}); allowed targets here: "
+                             f"{[t for t in TARGET_GROUPS if t in have]}")
 
     def clear_slot(self, slot: int) -> None:
         """Weights, gradients, optimizer state and pending samples of the slot, all gone."""

@@ -20,15 +20,15 @@ from trainer.batch import RiderSequence, TrainSample
 from trainer.chunked_logprobs import IGNORE_TARGET
 from trainer.config import TrainerConfig
 from trainer.distributed import tp_group
-from trainer.multi_lora import SlotRouting
+from trainer.multi_lora import SlotRouting, SlotScales
 from trainer.packing import PackedBatch, pack_sequences
 
 
 class LoraPasses:
-    def __init__(self, base: FrozenBase, routing: SlotRouting, scales: torch.Tensor, config: TrainerConfig) -> None:
+    def __init__(self, base: FrozenBase, routing: SlotRouting, scales: SlotScales, config: TrainerConfig) -> None:
         self.base = base
         self.routing = routing
-        self.scales = scales  # per-slot LoRA scale (trainer/slots.py SlotTable.scales), read at each pass
+        self.scales = scales  # per-slot LoRA scales by target group (trainer/slots.py SlotTable.scales), read at each pass
         self.config = config
         self.device = base.device
 

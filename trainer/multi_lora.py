@@ -43,11 +43,42 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer import triton_lora
+from trainer.config import TARGET_GROUPS, is_target_module, target_group
 from trainer.fused_lora import ComputeWeights, FusedLoraLinear, SlotSpan, TensorParallel
 from trainer.segmented_mm import grouped_operand, pick_kernel, segmented_matmul
 
 FusedKind = Literal["qkv", "gate_up", "plain"]
+UNEMBED_MODULE = "output_layer"  # GPTModel's output projection (the unembedding); its LoRA: trainer/unembed_lora.py
 ParallelMode = Literal["column", "row"]
+
+
+class SlotScales:
+    """Every slot's LoRA scale (alpha / r) per target group (config.TARGET_GROUPS: attention, mlp,
+    unembed): ``table`` [G, N] fp32 on the device, read by the layers through the routing, and
+    ``host``, the same numbers as lists (which slots train a group, known without a device sync).
+
+    Invariant: a slot's scale in a group is 0 exactly when the slot is free or does not train that
+    group; its LoRA weights there are then exactly zero too (trainer/slots.py)."""
+
+    def __init__(self, num_slots: int, device: torch.device) -> None:
+        self.table = torch.zeros(len(TARGET_GROUPS), num_slots, dtype=torch.float32, device=device)
+        self.host = [[0.0] * num_slots for _ in TARGET_GROUPS]
+
+    @classmethod
+    def of(cls, scales: "SlotScales | torch.Tensor") -> "SlotScales":
+        """``scales`` itself, or an [N] tensor as the same scale in every group."""
+        if isinstance(scales, SlotScales):
+            return scales
+        out = cls(scales.shape[0], scales.device)
+        out.table = scales.to(torch.float32).unsqueeze(0).expand(len(TARGET_GROUPS), -1).contiguous()
+        out.host = [scales.tolist() for _ in TARGET_GROUPS]
+        return out
+
+    def set(self, slot: int, per_group: list[float]) -> None:
+        """The slot's scale in each group, in TARGET_GROUPS order."""
+        self.table[:, slot] = torch.tensor(per_group, dtype=torch.float32)
+        for g, value in enumerate(per_group):
+            self.host[g][slot] = float(value)
 
 
 class SlotRouting:
@@ -69,9 +100,10 @@ class SlotRouting:
         self.seq_len = 0
         self.offsets: torch.Tensor | None = None  # int32 [N] cumulative segment ends
         self.counts: list[int] = []  # tokens per slot (host copy, for the loop kernel)
-        self.token_scale: torch.Tensor | None = None  # fp32 [b*s]
+        self.token_scale: torch.Tensor | None = None  # fp32 [G, b*s]: each token's slot's scale per target group
         self.token_slots: torch.Tensor | None = None  # int64 [b*s]: each token's slot (MoE dispatch, moe_lora.py)
-        self._scale_columns: dict[torch.dtype, torch.Tensor] = {}  # token_scale as [b*s, 1] per dtype
+        self.scales: SlotScales | None = None  # the slots' scales this routing was set from (host flags)
+        self._scale_columns: dict[tuple[torch.dtype, int], torch.Tensor] = {}  # token_scale[g] as [b*s, 1]
         self._span: SlotSpan | None = None
 
     @property
@@ -81,16 +113,28 @@ class SlotRouting:
             self._span = SlotSpan.of(self.offsets, self.counts)
         return self._span
 
-    def scale_column(self, dtype: torch.dtype) -> torch.Tensor:
-        """The per-token scales as a [b*s, 1] column in ``dtype`` (made once per routing, not
-        once per layer)."""
-        col = self._scale_columns.get(dtype)
+    def scale_column(self, dtype: torch.dtype, group: int) -> torch.Tensor:
+        """The per-token scales of target group ``group`` (an index into TARGET_GROUPS) as a
+        [b*s, 1] column in ``dtype`` (made once per routing, not once per layer)."""
+        col = self._scale_columns.get((dtype, group))
         if col is None:
-            col = self._scale_columns[dtype] = self.token_scale.to(dtype).unsqueeze(1)
+            col = self._scale_columns[(dtype, group)] = self.token_scale[group].to(dtype).unsqueeze(1)
         return col
 
-    def set(self, slot_of_sample: torch.Tensor, seq_len: int, slot_scales: torch.Tensor) -> None:
-        """Route a micro-batch: ``slot_of_sample`` [b] (non-decreasing), ``slot_scales`` [N] fp32."""
+    def segments_training(self, group: int) -> list[tuple[int, int, int]]:
+        """(slot, first token, end token) of every non-empty segment whose slot trains ``group``
+        (scale != 0), in token order; host data only."""
+        out, start = [], 0
+        for slot, n in enumerate(self.counts):
+            if n and self.scales.host[group][slot] != 0.0:
+                out.append((slot, start, start + n))
+            start += n
+        return out
+
+    def set(self, slot_of_sample: torch.Tensor, seq_len: int, slot_scales: SlotScales | torch.Tensor) -> None:
+        """Route a micro-batch: ``slot_of_sample`` [b] (non-decreasing), ``slot_scales`` the slots'
+        scales (or one [N] fp32 tensor: the same scale in every target group)."""
+        slot_scales = SlotScales.of(slot_scales)
         slots = slot_of_sample.tolist()
         if any(a > b for a, b in zip(slots, slots[1:])):
             raise ValueError(f"samples must be sorted by slot, got slot order {slots}")
@@ -98,16 +142,18 @@ class SlotRouting:
             raise ValueError(f"slot ids {slots} outside 0..{self.num_slots - 1}")
         per_slot = torch.bincount(slot_of_sample.cpu(), minlength=self.num_slots) * seq_len
         self.counts = per_slot.tolist()
-        self.offsets = torch.cumsum(per_slot, 0).to(torch.int32).to(slot_scales.device)
-        self.token_slots = slot_of_sample.to(slot_scales.device).repeat_interleave(seq_len)
-        self.token_scale = slot_scales[self.token_slots]
+        device = slot_scales.table.device
+        self.offsets = torch.cumsum(per_slot, 0).to(torch.int32).to(device)
+        self.token_slots = slot_of_sample.to(device).repeat_interleave(seq_len)
+        self.token_scale = slot_scales.table[:, self.token_slots]
+        self.scales = slot_scales
         self._scale_columns = {}
         self._span = None
         self.batch = len(slots)
         self.seq_len = seq_len
         self.enabled = True
 
-    def set_packed(self, packed, slot_scales: torch.Tensor) -> None:  # noqa: ANN001 - trainer.packing.PackedBatch
+    def set_packed(self, packed, slot_scales: SlotScales | torch.Tensor) -> None:  # noqa: ANN001 - trainer.packing.PackedBatch
         """Route one packed stream (Megatron ``thd``: activations [T, 1, h], so b = 1, s = T).
 
         Packing orders sequences by slot, so each slot's tokens are one contiguous
@@ -116,13 +162,16 @@ class SlotRouting:
         """
         if packed.num_slots != self.num_slots:
             raise ValueError(f"stream packed for {packed.num_slots} slots, routing has {self.num_slots}")
+        slot_scales = SlotScales.of(slot_scales)
         slots = list(packed.sample_slots)
         if any(a > b for a, b in zip(slots, slots[1:])):
             raise ValueError(f"packed sequences must be sorted by slot, got slot order {slots}")
         self.counts = packed.slot_token_counts.tolist()
-        self.offsets = packed.slot_offsets.to(slot_scales.device)
-        self.token_slots = packed.token_slots.to(slot_scales.device)
-        self.token_scale = slot_scales[self.token_slots]
+        device = slot_scales.table.device
+        self.offsets = packed.slot_offsets.to(device)
+        self.token_slots = packed.token_slots.to(device)
+        self.token_scale = slot_scales.table[:, self.token_slots]
+        self.scales = slot_scales
         self._scale_columns = {}
         self._span = None
         self.batch = 1
@@ -132,7 +181,7 @@ class SlotRouting:
     def disable(self) -> None:
         """LoRA off: every layer returns the base output (reference policy, frozen base)."""
         self.enabled = False
-        self.offsets = self.token_scale = self.token_slots = None
+        self.offsets = self.token_scale = self.token_slots = self.scales = None
         self.counts = []
         self._scale_columns = {}
         self._span = None
@@ -153,17 +202,24 @@ class MultiLoraLinear(nn.Module):
         routing: SlotRouting,
         tp_group,  # noqa: ANN001 - torch ProcessGroup
         device: torch.device,
+        weight_shape: tuple[int, int] | None = None,
     ) -> None:
+        """``weight_shape``: the base weight's local [out, in] where the base holds none of its own
+        (the output layer of tied embeddings); default ``base.weight.shape``."""
         super().__init__()
         self.base = base
         self.name = name
+        # Which of the slot's scales applies here: the target group of the module's name; a bare
+        # linear outside a model (unit tests, benchmarks: routed with one [N] scale for every
+        # group) reads the first row.
+        self.group = TARGET_GROUPS.index(target_group(name)) if is_target_module(name) else 0
         self.kind = kind
         self.parallel = parallel
         self.routing = routing
         self.tp_group = tp_group
         self.tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
         self.tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
-        out_local, in_local = base.weight.shape
+        out_local, in_local = weight_shape if weight_shape is not None else base.weight.shape
         self.in_local, self.out_local = in_local, out_local
         self.in_full = in_local * self.tp_size if parallel == "row" else in_local
         self.out_full = out_local * self.tp_size if parallel == "column" else out_local
@@ -217,7 +273,7 @@ class MultiLoraLinear(nn.Module):
         if kernel == "grouped_mm":
             x_tok = grouped_operand(x_tok)
         y = FusedLoraLinear.apply(x_tok, self.base.weight, self.lora_A, self.lora_B, a_c, b_c, r.span,
-                                  r.scale_column(x.dtype), kernel,
+                                  r.scale_column(x.dtype, self.group), kernel,
                                   triton_lora.pick(r.rank_kernels, x_tok, r.span.segments), self._fused_tp)
         return y.view(x.shape[0], 1, -1)
 
@@ -239,7 +295,7 @@ class MultiLoraLinear(nn.Module):
                 h = copy_to_tensor_model_parallel_region(h, group=self.tp_group)
             else:  # forward: sum the partial h of the split inputs
                 h = reduce_from_tensor_model_parallel_region(h, group=self.tp_group)
-        h = h * r.scale_column(h.dtype)
+        h = h * r.scale_column(h.dtype, self.group)
         kernel_b = pick_kernel(r.kernel, h, self.lora_B)
         y = segmented_matmul(h, self.lora_B, r.offsets, r.counts, kernel_b)
         return y.view(b, s, -1).transpose(0, 1)
@@ -399,8 +455,9 @@ def install_multi_lora(
         for name, module in base.model.named_modules()
         if name.rsplit(".", 1)[-1] in target_modules and not isinstance(module, MultiLoraLinear)
         and ".experts.local_experts." not in name  # routed experts: grouped expert LoRA (moe_lora.py)
+        and name != UNEMBED_MODULE  # the unembedding: trainer/unembed_lora.py
     ]
-    if not targets:
+    if not targets and UNEMBED_MODULE not in target_modules:
         raise ValueError(f"no module of the model matches target_modules {list(target_modules)}")
     layers = []
     for name, module in targets:

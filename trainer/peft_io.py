@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from trainer.config import target_group
 from trainer.multi_lora import MultiLoraLinear
 from trainer.safetensors_stream import PackedHeader, write_packed, write_safetensors
 
@@ -43,6 +44,9 @@ class HfTarget:
 
 
 def hf_targets(base, layer: MultiLoraLinear) -> list[HfTarget]:  # noqa: ANN001 - FrozenBase
+    own = getattr(layer, "hf_module", None)  # the unembedding names its HF module itself (unembed_lora.py)
+    if own is not None:
+        return [HfTarget(module=own, part="")]
     hf = base.hf_mapping(f"{layer.name}.weight").hf_param
     names = {"": hf} if isinstance(hf, str) else hf
     return [HfTarget(module=names[p].removesuffix(".weight"), part=p) for p in PART_ORDER[layer.kind]]
@@ -170,12 +174,21 @@ class ImportedAdapter:
     scale: float  # lora_alpha / r of the file
     a_full: dict[str, torch.Tensor]  # per Megatron layer, [rank, in] fp32
     b_full: dict[str, torch.Tensor]  # per Megatron layer, [out, rank] fp32
+    # HF peft's copy of the base output weight, saved beside lm_head LoRA (save_embedding_layers
+    # "auto"); the trainer takes the folder only if it equals its base (UnembedLora.check_base_copy).
+    base_output_weight: torch.Tensor | None = None
+
+
+HF_BASE_OUTPUT = "lm_head.base_layer.weight"
 
 
 def read_peft_folder(folder: str | Path, base, layers: list[MultiLoraLinear],  # noqa: ANN001
-                     other_modules: frozenset[str] = frozenset()) -> tuple[dict, ImportedAdapter]:
+                     other_modules: frozenset[str] = frozenset(),
+                     untrained: list[MultiLoraLinear] = ()) -> tuple[dict, ImportedAdapter]:
     """Read a PEFT LoRA folder and express it in full Megatron layout for these layers.
-    ``other_modules``: modules of the file another reader takes (MoE experts, moe_lora.py)."""
+    ``other_modules``: modules of the file another reader takes (MoE experts, moe_lora.py).
+    ``untrained``: layers of the trainer that the slot does not train (a target off): LoRA on
+    them in the file is refused, naming the modules."""
     from safetensors.torch import load_file
 
     folder = Path(folder)
@@ -192,6 +205,7 @@ def read_peft_folder(folder: str | Path, base, layers: list[MultiLoraLinear],  #
         raise ValueError(f"{folder}: modules_to_save / rank_pattern / alpha_pattern are not supported")
     r, alpha = int(cfg["r"]), float(cfg["lora_alpha"])
     raw = load_file(str(w_path))
+    base_output = raw.pop(f"{PEFT_PREFIX}{HF_BASE_OUTPUT}", None)
     tensors: dict[tuple[str, str], torch.Tensor] = {}
     for key, value in raw.items():
         name = key.removeprefix(PEFT_PREFIX)
@@ -239,12 +253,22 @@ def read_peft_folder(folder: str | Path, base, layers: list[MultiLoraLinear],  #
         b_full[layer.name] = merge_full_b(base.config, layer.kind, blocks)
         need = max(need, a.shape[0])
     unknown = sorted({m for m, _ in tensors} - used - other_modules)
+    off = {t.module for layer in untrained for t in hf_targets(base, layer)}
+    if any(m in off for m in unknown):
+        groups = sorted({target_group(layer.name) for layer in untrained
+                         if any(t.module in unknown for t in hf_targets(base, layer))})
+        raise ValueError(f"{folder}: adapter has LoRA on {[m for m in unknown if m in off][:5]}, which the slot does "
+                         f"not train (target groups off: {groups}); turn those targets on or drop the modules")
     if unknown:
         raise ValueError(f"{folder}: adapter has modules this trainer does not target: {unknown[:5]}")
+    if base_output is not None and not any(t.module == HF_BASE_OUTPUT.removesuffix(".base_layer.weight")
+                                           for layer in layers for t in hf_targets(base, layer)):
+        raise ValueError(f"{folder}: {HF_BASE_OUTPUT} is there but no lm_head LoRA is imported")
     if not a_full:
         raise ValueError(f"{folder}: no lora weights for any targeted module")
     for name in list(a_full):  # pad every layer to the slot's effective rank
         a, b = a_full[name], b_full[name]
         a_full[name] = torch.cat([a, a.new_zeros(need - a.shape[0], a.shape[1])])
         b_full[name] = torch.cat([b, b.new_zeros(b.shape[0], need - b.shape[1])], dim=1)
-    return cfg, ImportedAdapter(rank=need, scale=alpha / r, a_full=a_full, b_full=b_full)
+    return cfg, ImportedAdapter(rank=need, scale=alpha / r, a_full=a_full, b_full=b_full,
+                                base_output_weight=None if base_output is None else base_output.float())

@@ -5,7 +5,9 @@ Folder layout:
   registration, step (the schedule is a pure function of it), pending sample
   count and pending loss statistics, and the model identity it was saved for.
 * ``slot_state.safetensors``: ``<megatron layer>.{A,B}.{weight,exp_avg,exp_avg_sq,grad}``,
-  full tensors in TP=1 Megatron layout (tp/dp independent), fp32.
+  full tensors in TP=1 Megatron layout (tp/dp independent), fp32, for the layers the slot trains
+  (its targets: trainer/slots.py ``layer_trained``; the others are exactly zero, so nothing is
+  lost). A state loads into any trainer that has LoRA on those layers.
 
 The service adds its own data cursor and seed next to these files. No generator state
 is stored because none affects a continuation: the trainer draws no random numbers
@@ -25,11 +27,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainer.config import TrainerConfig
+from trainer.config import SlotHyperParams, TrainerConfig
 from trainer.core import MultiLoraTrainer
 from trainer.distributed import dp_group
 from trainer.slot_buffers import BUFFER_KINDS as KINDS
-from trainer.slots import SlotState, zero_stats
+from trainer.slots import SlotState, layer_trained, zero_stats
 
 FORMAT = "lorafleet-slot-state-v1"
 META = "slot_state.json"
@@ -41,7 +43,8 @@ def slot_state_tensors(trainer: MultiLoraTrainer, slot: int) -> dict[str, tuple[
     blocks gathered to TP=1 Megatron layout, fp32 on CPU (grad = this DP rank's pending part).
     Collective over TP."""
     state = trainer.slots.state(slot)
-    return {kind: trainer.slots.read_full(slot, kind, state.rank) for kind in KINDS}
+    layers = trainer.slots.trained_layers(state.hyper)
+    return {kind: trainer.slots.read_full(slot, kind, state.rank, layers) for kind in KINDS}
 
 
 def save_slot_state(trainer: MultiLoraTrainer, slot: int, out_dir: str | Path) -> str:
@@ -121,17 +124,23 @@ def load_slot_checkpoint(in_dir: str | Path, layers: list, config: TrainerConfig
         raise ValueError(f"{folder}: format {meta.get('format')!r}, expected {FORMAT!r}")
     if meta["rank"] > config.max_rank:
         raise ValueError(f"{folder}: slot rank {meta['rank']} exceeds the trainer's max_rank {config.max_rank}")
-    if list(meta["target_modules"]) != list(config.target_modules):
-        raise ValueError(f"{folder}: saved for target_modules {meta['target_modules']}, trainer has {list(config.target_modules)}")
     raw = load_file(str(folder / TENSORS))
+    trained = [layer for layer in layers if layer_trained(layer, SlotHyperParams(**meta["hyper"]))]
+    known = {f"{layer.name}.{ab}.{kind}" for layer in trained for ab in "AB" for kind in KINDS}
+    foreign = sorted({k.split(".A.")[0].split(".B.")[0] for k in raw if k not in known})
+    if foreign:
+        raise ValueError(f"{folder}: the state has LoRA on {foreign[:4]}, which this trainer has none of for the "
+                         f"slot's targets {list(meta['hyper'].get('targets', ['attention', 'mlp']))} (saved by a trainer "
+                         f"with target_modules {meta['target_modules']}; this one has {list(config.target_modules)})")
     parts = {}
     rank = meta["rank"]
     for kind in KINDS:
         a_full, b_full = {}, {}
-        for layer in layers:
+        for layer in trained:
             a, b = raw.get(f"{layer.name}.A.{kind}"), raw.get(f"{layer.name}.B.{kind}")
             if a is None or b is None:
-                raise ValueError(f"{folder}: missing {layer.name} {kind} tensors")
+                raise ValueError(f"{folder}: missing {layer.name} {kind} tensors (saved by a trainer with "
+                                 f"target_modules {meta['target_modules']}; this one has {list(config.target_modules)})")
             if tuple(a.shape) != layer.a_full_shape(rank) or tuple(b.shape) != layer.b_full_shape(rank):
                 raise ValueError(
                     f"{folder}: {layer.name} {kind} has shapes {tuple(a.shape)}/{tuple(b.shape)}, "

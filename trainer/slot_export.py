@@ -16,14 +16,20 @@ from pathlib import Path
 import torch
 
 from trainer.base_model import FrozenBase
-from trainer.config import TrainerConfig
+from trainer.config import SlotHyperParams, TrainerConfig
 from trainer.distributed import ParallelLayout, tp_group
 from trainer.export_writer import ExportLayout, ExportWriter, PeftSnapshot, Superseded, export_dtype, pinned_host_copy
 from trainer.moe_peft import expert_peft_tensors, expert_target_parameters
 from trainer.peft_export import BackgroundExports, ExportRequest, chunks, gather_bodies, make_snapshots, write_peft_snapshot
 from trainer.peft_io import hf_short_names, peft_config_dict, slot_to_hf
 from trainer.safetensors_stream import file_order
-from trainer.slots import SlotTable
+from trainer.slots import SlotTable, layer_trained, trains_experts
+
+
+def layout_key(rank: int, hyper: SlotHyperParams) -> tuple:
+    """What decides a slot's export layout: its LoRA rank and what it trains (its target groups,
+    and whether it trains the routed experts). Slots with equal keys share one layout."""
+    return (rank, hyper.targets, trains_experts(hyper))
 
 
 class SlotExporter:
@@ -39,7 +45,7 @@ class SlotExporter:
         self.device = base.device
         self._background: BackgroundExports | None = None  # rank 0's background writing (export_peft_in_background)
         self._background_lock = threading.Lock()  # made by whichever thread asks first
-        self._layouts: dict[tuple[int, bool], ExportLayout] = {}  # export_layout's cache
+        self._layouts: dict[tuple, ExportLayout] = {}  # export_layout's cache, by layout_key
 
     @torch.no_grad()
     def snapshot_peft(self, slot: int, *, to_host: bool = True, dtype: str = "float32") -> PeftSnapshot:
@@ -57,7 +63,7 @@ class SlotExporter:
         part in the gather only."""
         state = self.slots.state(slot)
         to = export_dtype(dtype)
-        layout = self.export_layout(state.rank, state.hyper.lora_experts)
+        layout = self.export_layout(state.rank, state.hyper)
         bodies = self._gather([slot], layout, to, gather_only=not to_host)
         if bodies is None:  # this rank's part was the gather
             return PeftSnapshot(config={}, entries=[], body=None)
@@ -76,7 +82,7 @@ class SlotExporter:
         return peft_config_dict(rank=state.rank, scale=state.scale, target_modules=layout.target_modules,
                                 base_model=self.config.base_model_path, target_parameters=layout.target_parameters)
 
-    def export_layout(self, rank: int, lora_experts: bool) -> ExportLayout:
+    def export_layout(self, rank: int, hyper: SlotHyperParams) -> ExportLayout:
         """Where each element of a PEFT file's data comes from in a snapshot's row (the row cast,
         TP-split columns of every TP rank first, then the replicated ones), for slots of LoRA rank
         ``rank``. Built by taking apart a row of positions (0, 1, 2, ...) instead of weights with
@@ -84,36 +90,43 @@ class SlotExporter:
         expert_peft_tensors): the layout is by construction the one they define, and a gather by
         it does all their copies and permutations in one kernel. With it, the PEFT config's module
         lists (Bridge's name mappings: about 0.2 ms per layer, so worth computing once). Cached
-        per (rank, experts)."""
-        key = (rank, lora_experts)
+        per (rank, what the slot trains): only the layers of its targets are in the file (the others
+        are zero by the slot invariant, trainer/slots.py)."""
+        key = layout_key(rank, hyper)
         layout = self._layouts.get(key)
         if layout is None:
             tp, split = self.layout.tp_size, self.buffers.split_cols
             positions = torch.arange(tp * split + self.buffers.weight.shape[1] - split, dtype=torch.int64)
-            tensors = self._peft_from_row(positions, tp, rank, lora_experts)
+            dense, experts = self._trained(hyper)
+            tensors = self._peft_from_row(positions, tp, rank, dense, experts)
             names = file_order({k: (torch.float32, t.shape) for k, t in tensors.items()})  # one dtype: by name
             index = torch.cat([tensors[k].reshape(-1) for k in names])
             small = index.numel() < 2**31 and positions.numel() < 2**31  # int32 indices: half the memory
             layout = ExportLayout(entries=[(k, tuple(tensors[k].shape)) for k in names],
                                   index=index.to(torch.int32 if small else torch.int64).to(self.device),
-                                  target_modules=hf_short_names(self.base, self.dense_layers),
-                                  target_parameters=expert_target_parameters(self.expert_layers if lora_experts else []))
+                                  target_modules=hf_short_names(self.base, dense),
+                                  target_parameters=expert_target_parameters(experts))
             if len(self._layouts) >= 8:  # a few distinct ranks in practice; bound the device memory anyway
                 self._layouts.pop(next(iter(self._layouts)))
             self._layouts[key] = layout
         return layout
 
-    def _peft_from_row(self, row: torch.Tensor, tp: int, rank: int, lora_experts: bool) -> dict[str, torch.Tensor]:
-        """PEFT-named TP=1 tensors of a slot's row (TP-split columns of each TP rank in rank order,
-        then the replicated): views where the layout allows, else copies. No collective."""
+    def _trained(self, hyper: SlotHyperParams) -> tuple[list, list]:
+        """(dense layers, expert layers) a slot with ``hyper`` trains: what its PEFT folder holds."""
+        return ([layer for layer in self.dense_layers if layer_trained(layer, hyper)],
+                [layer for layer in self.expert_layers if layer_trained(layer, hyper)])
+
+    def _peft_from_row(self, row: torch.Tensor, tp: int, rank: int, dense: list, experts: list) -> dict[str, torch.Tensor]:
+        """PEFT-named TP=1 tensors of the ``dense`` and ``experts`` layers of a slot's row (TP-split
+        columns of each TP rank in rank order, then the replicated): views where the layout allows,
+        else copies. No collective."""
         split = self.buffers.split_cols
         blocks = self.buffers.row_views(list(row[: tp * split].view(tp, split)), row[tp * split :])
         a_full, b_full = {}, {}
         for layer, a_shards, b_shards in zip(self.slots.layers, blocks[0::2], blocks[1::2]):
             a_full[layer.name] = layer.assemble_a([layer.a_block(x.unsqueeze(0), 0, rank) for x in a_shards])
             b_full[layer.name] = layer.assemble_b([layer.b_block(x.unsqueeze(0), 0, rank) for x in b_shards])
-        experts = self.expert_layers if lora_experts else []
-        return slot_to_hf(self.base, self.dense_layers, a_full, b_full) | expert_peft_tensors(self.base, experts, a_full, b_full)
+        return slot_to_hf(self.base, dense, a_full, b_full) | expert_peft_tensors(self.base, experts, a_full, b_full)
 
     @staticmethod
     def peft_from_snapshot(snap: PeftSnapshot) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -170,11 +183,12 @@ class SlotExporter:
             if background is not None:
                 background.size_for(width * to.itemsize, self.config.num_slots)  # a round never waits for room
                 background.supersede_all(requests)  # before taking host memory: a superseded export frees its block
-            by_layout: dict[tuple[int, bool], list[int]] = {}
+            by_layout: dict[tuple, list[int]] = {}  # slots of one export layout (rank and targets) batch together
             for i, state in enumerate(states):
-                by_layout.setdefault((state.rank, state.hyper.lora_experts), []).append(i)
-            for (rank, experts), members in by_layout.items():
-                layout = self.export_layout(rank, experts)
+                by_layout.setdefault(layout_key(state.rank, state.hyper), []).append(i)
+            for members in by_layout.values():
+                first = states[members[0]]
+                layout = self.export_layout(first.rank, first.hyper)
                 for part in chunks(len(members), width, layout.index.numel(), to.itemsize):
                     batch = [members[i] for i in part]
                     bodies = self._gather([requests[i].slot for i in batch], layout, to, gather_only=background is None)

@@ -6,6 +6,12 @@
 "use strict";
 (() => {
   const POLL_MS = 2000;
+  // A page of the table (GET /v1/adapters?limit=&offset=&q=): the page, not the fleet, is fetched,
+  // so the dashboard stays usable with thousands of adapters; curves are drawn for the first
+  // CURVE_SERIES adapters of the page (one metrics request each).
+  const PAGE_SIZE = 50;
+  const CURVE_SERIES = 10;
+  const view = { offset: 0, q: "" };
   const TOKEN_KEY = "lorafleet.token";
   const COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22"];
   const PART_COLORS = { collect: "#5b8def", train: "#27865b", publish: "#e0a030", checkpoint: "#9467bd" };
@@ -31,7 +37,12 @@
   let timer = null;
 
   function takeTokenFromFragment() {
+    // #token=...&q=...&offset=... (scripted use): the token is kept in this tab, the view is taken once.
     const m = location.hash.match(/(?:^#|&)token=([^&]*)/);
+    const q = location.hash.match(/(?:^#|&)q=([^&]*)/);
+    const offset = location.hash.match(/(?:^#|&)offset=(\d+)/);
+    if (q) { view.q = decodeURIComponent(q[1]); $("#search").value = view.q; }
+    if (offset) view.offset = Number(offset[1]);
     if (m) {
       sessionStorage.setItem(TOKEN_KEY, decodeURIComponent(m[1]));
       history.replaceState(null, "", location.pathname + location.search); // keep it out of the address bar
@@ -179,9 +190,17 @@
 
   async function poll() {
     try {
-      const [list, stats] = await Promise.all([api("v1/adapters"), api("v1/fleet/stats")]);
+      const query = new URLSearchParams({ limit: PAGE_SIZE, offset: view.offset });
+      if (view.q) query.set("q", view.q);
+      const [list, stats] = await Promise.all([api(`v1/adapters?${query}`), api("v1/fleet/stats")]);
       const adapters = list.adapters;
-      const metrics = await Promise.all(adapters.map((a) => api(`v1/adapters/${encodeURIComponent(a.name)}/metrics`)));
+      if (!adapters.length && view.offset > 0 && list.total > 0) {  // the page emptied (runs ended): go back
+        view.offset = Math.max(0, Math.floor((list.total - 1) / PAGE_SIZE) * PAGE_SIZE);
+        return poll();
+      }
+      renderPager(list.total, adapters.length);
+      const curved = adapters.slice(0, CURVE_SERIES);
+      const metrics = await Promise.all(curved.map((a) => api(`v1/adapters/${encodeURIComponent(a.name)}/metrics`)));
       const series = Object.fromEntries(metrics.map((m) => [m.name, m.steps]));
       $("#login").hidden = true;
       $("#main").hidden = false;
@@ -189,7 +208,7 @@
       renderCurves(series);
       renderFleet(stats);
       polls += 1;
-      setStatus(`${adapters.length} adapter(s) · updated ${new Date().toLocaleTimeString()}`, "ok");
+      setStatus(`${list.total} adapter(s) · updated ${new Date().toLocaleTimeString()}`, "ok");
     } catch (e) {
       if (e instanceof Unauthorized) {
         stop();
@@ -204,6 +223,24 @@
       setStatus(`error: ${e.message} (retrying)`, "error");
     }
   }
+
+  function renderPager(total, shown) {
+    const el = $("#page");
+    el.dataset.offset = view.offset;
+    el.dataset.total = total;
+    el.textContent = total ? `${view.offset + 1}-${view.offset + shown} of ${total}` : "none";
+    $("#prev").disabled = view.offset === 0;
+    $("#next").disabled = view.offset + shown >= total;
+  }
+
+  function goTo(offset) { view.offset = Math.max(0, offset); poll(); }
+  $("#prev").addEventListener("click", () => goTo(view.offset - PAGE_SIZE));
+  $("#next").addEventListener("click", () => goTo(view.offset + PAGE_SIZE));
+  let searchTimer = null;
+  $("#search").addEventListener("input", (ev) => {
+    clearTimeout(searchTimer);
+    searchTimer = setTimeout(() => { view.q = ev.target.value.trim(); goTo(0); }, 250);
+  });
 
   function start() { stop(); poll(); timer = setInterval(poll, POLL_MS); }
   function stop() { if (timer !== null) clearInterval(timer); timer = null; }

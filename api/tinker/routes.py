@@ -18,7 +18,7 @@ from api.tinker.futures import Outcome, user_error
 from api.tinker.runs_routes import runs_router
 from api.tinker.proto_io import PROTO_CONTENT_TYPE, decode_forward_backward, encode_forward_backward_output
 from api.tinker.sampling import LogprobOptions
-from api.tinker.service import TinkerService
+from api.tinker.service import TinkerService, lora_flags
 from service.tenant_tinker import checkpoint_lora
 from trainer.rounds import AdamStep, CallResult
 
@@ -167,8 +167,7 @@ def tinker_router(service: TinkerService) -> APIRouter:
             lora = checkpoint_lora(folder)
         except ValueError as err:
             raise HTTPException(404, str(err)) from None
-        return {"base_model": service.fleet.base_model, "is_lora": True, "lora_rank": lora.rank,
-                "train_unembed": False, "train_mlp": True, "train_attn": True}
+        return {"base_model": service.fleet.base_model, "is_lora": True, "lora_rank": lora.rank, **lora_flags(lora)}
 
     # -- sampling ---------------------------------------------------------------------------------
 

@@ -27,7 +27,6 @@ import asyncio
 import math
 import secrets
 import uuid
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,6 +71,7 @@ class LogprobOptions:
         return 0 if self.last_n is None else prompt_len - self.last_n
 from rollout.client import EngineClient, EngineError
 from rollout.weights import AdapterWeights
+from service.residency import AdapterLru
 
 
 @dataclass
@@ -85,22 +85,56 @@ class SamplingSession:
 
 class SglangSampler:
     def __init__(self, engine_url: str, *, request_timeout_s: float = 600.0, max_loaded: int = 6):
-        """``max_loaded``: adapters kept loaded in the engine (below its max_loaded_loras); the least
-        recently used session's adapter is unloaded to make room, and loaded again when used."""
+        """``max_loaded``: adapters kept loaded in the engine (below its max_loaded_loras), across every
+        tenant's sessions, by the one rule of recency (service/residency.py AdapterLru): a session's
+        adapter is loaded when it samples; to make room, the least recently used one that no request
+        is sampling from is unloaded (loaded again when its session samples next). A request that
+        finds every loaded adapter in use waits for one to be released: it never fails for room."""
         self.engine_url = engine_url
         self.max_loaded = max_loaded
-        self._loaded: OrderedDict[str, SamplingSession] = OrderedDict()
+        self._lru = AdapterLru(max_loaded)
+        self._in_use: dict[str, int] = {}  # lora name -> requests sampling from it now
+        self._by_name: dict[str, SamplingSession] = {}
         self.request_timeout_s = request_timeout_s
         self.sessions: dict[str, SamplingSession] = {}
         self._client: EngineClient | None = None
-        self._load_lock: asyncio.Lock | None = None
+        self._room: asyncio.Condition | None = None  # guards loads and unloads; notified when a request ends
         self._seeded: bool | None = None  # the engine honours sampling_seed (asked on the first seeded request)
 
     def _engine(self) -> EngineClient:
         if self._client is None:  # created on the serving loop (httpx clients bind to it)
             self._client = EngineClient(self.engine_url, request_timeout_s=self.request_timeout_s)
-            self._load_lock = asyncio.Lock()
+            self._room = asyncio.Condition()
         return self._client
+
+    async def _acquire(self, engine: EngineClient, session: SamplingSession) -> None:
+        """The session's adapter loaded and counted in use (unloading least recently used idle ones
+        first; waiting while every loaded one is in use)."""
+        name = session.lora_name
+        async with self._room:
+            while True:
+                victims = self._lru.room_for(name, lambda n: self._in_use.get(n, 0) > 0)
+                if victims is not None:
+                    break
+                await self._room.wait()  # every loaded adapter is sampling: the next to finish makes room
+            for old in victims:
+                await engine.unload_adapter(old)
+                self._lru.forget(old)
+                self._by_name.pop(old).loaded = False
+            if name not in self._lru:
+                await engine.load_adapter(name, AdapterWeights.from_folder(session.folder), transfer="disk")
+                session.loaded = True
+                self._lru.loaded(name)
+                self._by_name[name] = session
+            self._lru.touch(name)
+            self._in_use[name] = self._in_use.get(name, 0) + 1
+
+    async def _release(self, name: str) -> None:
+        async with self._room:
+            self._in_use[name] -= 1
+            if not self._in_use[name]:
+                del self._in_use[name]
+            self._room.notify_all()
 
     def create_session(self, tenant: str, folder: Path | None, model_path: str | None = None) -> str:
         sid = f"samp-{uuid.uuid4().hex[:16]}"
@@ -157,18 +191,11 @@ class SglangSampler:
             return user_error(str(err))
         except EngineError as err:
             return Outcome(json={"error": str(err), "category": "server"})
+        acquired = False
         try:
             if session.lora_name is not None:
-                async with self._load_lock:
-                    if not session.loaded:
-                        while len(self._loaded) >= self.max_loaded:
-                            _, old = self._loaded.popitem(last=False)
-                            await engine.unload_adapter(old.lora_name)
-                            old.loaded = False
-                        await engine.load_adapter(session.lora_name, AdapterWeights.from_folder(session.folder), transfer="disk")
-                        session.loaded = True
-                        self._loaded[session.lora_name] = session
-                    self._loaded.move_to_end(session.lora_name)
+                await self._acquire(engine, session)
+                acquired = True
             results = await asyncio.gather(*(
                 engine.generate(rid=f"tinker::{uuid.uuid4().hex}", input_ids=prompt,
                                 sampling_params=sp if s is None else {**sp, "sampling_seed": s}, lora_name=session.lora_name,
@@ -177,6 +204,9 @@ class SglangSampler:
                 for s in seeds))
         except EngineError as err:
             return user_error(f"sampling failed: {err}") if err.status == 400 else Outcome(json={"error": str(err), "category": "server"})
+        finally:
+            if acquired:
+                await self._release(session.lora_name)
         msg = pb.SampleResponse()
         for r in results:
             seq = msg.sequences.add()

@@ -72,6 +72,18 @@ def outcome_of(value: Any, error: BaseException | None, ok: Callable[[Any], Outc
     return server_error(f"{type(error).__name__}: {error}")
 
 
+def lora_spec(lc: wire.LoraConfigIn, seed: int) -> LoraSpec:
+    """The model's LoRA: rank, seed, and what it trains (the SDK's train_attn, train_mlp, train_unembed)."""
+    targets = tuple(g for flag, g in ((lc.train_attn, "attention"), (lc.train_mlp, "mlp"), (lc.train_unembed, "unembed")) if flag)
+    return LoraSpec(lc.rank, seed, targets)
+
+
+def lora_flags(lora: LoraSpec) -> dict[str, bool]:
+    """The SDK's view of what a model (or checkpoint) trains: weights_info's fields."""
+    return {"train_unembed": "unembed" in lora.targets, "train_mlp": "mlp" in lora.targets,
+            "train_attn": "attention" in lora.targets}
+
+
 class TinkerService:
     def __init__(self, fleet: TinkerModels, keys: TenantKeys, checkpoint_root: str | Path, *,
                  poll_s: float = 10.0, sampler: SglangSampler | None = None, session_timeout_s: float | None = 300.0,
@@ -208,11 +220,13 @@ class TinkerService:
         lc = body.lora_config
         if lc is None:
             return "only LoRA training is supported: send a lora_config"
-        if lc.train_unembed:
-            return ("train_unembed=True is not supported: lorafleet puts LoRA on the attention and MLP "
-                    "linears only; pass train_unembed=False")
-        if not (lc.train_attn and lc.train_mlp):
-            return "LoRA goes on both attention and MLP linears here: train_attn and train_mlp must be True"
+        if not (lc.train_attn or lc.train_mlp or lc.train_unembed):
+            return "train_attn, train_mlp and train_unembed are all False: at least one must be True (LoRA needs a target)"
+        flag_of = {"attention": "train_attn", "mlp": "train_mlp", "unembed": "train_unembed"}
+        missing = [flag_of[g] for g in lora_spec(lc, 0).targets if g not in m.target_groups]
+        if missing:
+            return (f"{', '.join(missing)}=True is not available on this server: its trainer has LoRA layers for "
+                    f"{list(m.target_groups)} only (train_unembed needs output_layer in trainer.target_modules)")
         if not 1 <= lc.rank <= m.max_rank:
             return f"LoRA rank {lc.rank} not supported: 1..{m.max_rank} on this server"
         if body.optimizer_config and body.optimizer_config.get("type", "adamw") not in ("adam", "adamw"):
@@ -255,7 +269,7 @@ class TinkerService:
         seed = body.lora_config.seed if body.lora_config.seed is not None else secrets.randbits(31)
         finish = self.done(request_id, lambda _: Outcome(json={"type": "create_model", "model_id": model_id}))
         try:
-            created = self._create(tenant, body.session_id, model_id, LoraSpec(body.lora_config.rank, seed),
+            created = self._create(tenant, body.session_id, model_id, lora_spec(body.lora_config, seed),
                                     lambda error: finish(None, error), meta)
         except ValueError as err:
             self.futures.resolve(request_id, user_error(str(err)))

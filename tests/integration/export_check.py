@@ -33,9 +33,11 @@ def export_matches_full_tensors(trainer, hypers, batch, folder) -> dict:  # noqa
     refs = {}
     for slot, h in enumerate(hypers):
         _, got = trainer.export.peft_tensors(slot)
-        a_full, b_full = slot_state_tensors(trainer, slot)["weight"]
-        experts = trainer.expert_layers if h.lora_experts else []
-        ref = slot_to_hf(trainer.base, trainer.dense_layers, a_full, b_full) | expert_peft_tensors(trainer.base, experts, a_full, b_full)
+        a_full, b_full = slot_state_tensors(trainer, slot)["weight"]  # the layers the slot trains
+        trained = trainer.slots.trained_layers(h)
+        dense = [layer for layer in trained if layer in trainer.dense_layers]
+        experts = [layer for layer in trained if layer in trainer.expert_layers]
+        ref = slot_to_hf(trainer.base, dense, a_full, b_full) | expert_peft_tensors(trainer.base, experts, a_full, b_full)
         refs[slot] = ref
         if sorted(got) != sorted(ref):
             mismatches.append((slot, "names", sorted(set(got) ^ set(ref))[:4]))

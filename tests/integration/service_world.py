@@ -10,14 +10,17 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from api.client import LorafleetClient
+from api.client import ApiError, LorafleetClient
 
 REPO = Path(__file__).resolve().parents[2]
 # The `lorafleet` entry point (api/cli.py), run by this interpreter: independent of how the
@@ -113,6 +116,28 @@ def export_dir(state_dir: Path, ref: dict) -> Path:
     return state_dir / ref["export_path"]
 
 
+def register_from_threads(url: str, token_of: Callable[[str], str], configs: dict[str, dict], threads: int) -> Counter:
+    """POST every name -> config from `threads` concurrent clients (each name with the token
+    `token_of(name)`); the statuses answered, counted."""
+    statuses: Counter = Counter()
+    lock = threading.Lock()
+
+    def register(item: tuple[str, dict]) -> None:
+        name, cfg = item
+        with LorafleetClient(url, token_of(name), 60.0) as c:
+            try:
+                c.register(name, cfg)
+                status = 201
+            except ApiError as e:
+                status = e.status
+        with lock:
+            statuses[status] += 1
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(register, configs.items()))
+    return statuses
+
+
 def retire_and_wait(client: LorafleetClient, state_dir: Path, *names: str) -> None:
     for n in names:
         client.retire(n)
@@ -124,10 +149,11 @@ def retire_and_wait(client: LorafleetClient, state_dir: Path, *names: str) -> No
 
 
 def serve_job(tmp: Path, tiny_world: Path, slots: dict | None = None, engines: dict | None = None,
-              service: dict | None = None, base_model: dict | None = None) -> Path:
+              service: dict | None = None, base_model: dict | None = None, keys: dict | None = None) -> Path:
     """The tiny job, without adapters, serving on a free port with its state under `tmp`
     (`slots`: a `slots:` section replacing the tiny job's; `engines`, `service`, `base_model`: keys
-    merged into its sections of those names)."""
+    merged into its sections of those names; `keys`: tenant -> key, written to a keys file the
+    service serves: tenant keys on REST and the Tinker API on)."""
     job = yaml.safe_load((REPO / "examples" / "tiny" / "job.yaml").read_text())
     if slots is not None:
         job["slots"] = slots
@@ -139,6 +165,9 @@ def serve_job(tmp: Path, tiny_world: Path, slots: dict | None = None, engines: d
                       "reward_import_roots": ["tests.integration.rewards_for_tests"],
                       "rollout_import_roots": ["tests.integration.envs_for_tests", "examples.tiny_agent"], **(service or {})}
     job["base_model"].update(base_model or {})
+    if keys is not None:
+        (tmp / "keys.yaml").write_text(yaml.safe_dump(keys))
+        job["service"]["tinker_keys_file"] = str(tmp / "keys.yaml")
     path = tmp / "job.yaml"
     path.write_text(yaml.safe_dump(job))
     return path
@@ -178,9 +207,10 @@ def serving(svc: Service) -> Iterator[Service]:
 
 @contextlib.contextmanager
 def running_service(tmp: Path, tiny_world: Path, slots: dict | None = None, engines: dict | None = None,
-                    service: dict | None = None, base_model: dict | None = None) -> Iterator[Service]:
-    """A started `lorafleet serve` over the tiny job without adapters (serve_job's sections); killed however
-    the tests end."""
-    with serving(Service(serve_job(tmp, tiny_world, slots, engines, service, base_model), tmp / "state",
+                    service: dict | None = None, base_model: dict | None = None,
+                    keys: dict | None = None) -> Iterator[Service]:
+    """A started `lorafleet serve` over the tiny job without adapters (serve_job's sections and keys);
+    killed (and its engines reaped) however the tests end."""
+    with serving(Service(serve_job(tmp, tiny_world, slots, engines, service, base_model, keys), tmp / "state",
                          tmp / "serve.log")) as svc:
         yield svc

@@ -21,7 +21,11 @@ import pytest
 
 from tests.integration.cli_jobs import LORAFLEET, reaped_job_dir, rows
 
-pytestmark = pytest.mark.integration
+# Opt-in (-m slow): the whole 30-step example is several minutes on CI's 2 cores, over its 45-minute
+# budget with everything else. The default tier covers issue 29's done-when with
+# test_rollout_multiturn.py (a tool-using run beside single-turn and SFT in ONE mixed step, against
+# the HF reference) and test_service_fleet.py 1e (multi-turn runs on the live service).
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 JOB = REPO / "examples" / "tiny_agent" / "job.yaml"

@@ -201,7 +201,7 @@ def test_oversized_body_is_413_and_changes_nothing(served):
 
         r = http.post("/v1/adapters", content=chunks(), headers={"content-type": "application/json"})
         assert r.status_code == 413, r.text
-        assert http.get("/v1/adapters").json() == {"adapters": []}
+        assert http.get("/v1/adapters").json() == {"adapters": [], "total": 0, "next_cursor": None}
 
 
 def test_prometheus_metrics_and_docs(served):

@@ -20,15 +20,13 @@ offline). Tiny sizes, local data. What each shows:
 * Without any recipe: the SDK's get_tokenizer() loads the served name offline, and the engine's
   compute_logprobs equals the trainer's forward on the same (untrained) model.
 
-Every recipe creates its model with the SDK's default `train_unembed=True`, which lorafleet
-refuses until LoRA on the unembedding lands (branch unembed); `math_rl` defaults to
-`stable_reinforce` (branch losses). Those tests are marked xfail(strict): they fail loudly once
-they start passing, and the marks go when those branches land.
+Every recipe creates its model with the SDK's defaults (`train_unembed=True`: LoRA on the
+unembedding too, which lorafleet trains and serves). `math_rl` defaults to `stable_reinforce`, which
+lorafleet refuses (docs/tinker.md says why): that test is marked xfail(strict), so it fails loudly
+once it starts passing.
 
-Runtime on the shared 2-core machine (load 8-15): 215 s as committed (170 s of it starting the
-service; the marked tests stop at their first call); about 340 s with train_unembed accepted
-(measured with that one check switched off locally: chat_sl 44 s, RL 47 s, DPO 12 s, sl_loop and
-rl_loop about 20 s each).
+Runtime on the shared 2-core machine (load 3-6): 191 s, 74 s of it starting the service (chat_sl
+19 s, RL 37 s, DPO 10 s, sl_loop 13 s, rl_loop 14 s, math_rl 10 s to its refusal).
 """
 
 from __future__ import annotations
@@ -52,12 +50,9 @@ pytestmark = pytest.mark.integration
 
 KEYS = {"alice": "tml-alice-cookbook-key-1", "bob": "tml-bob-cookbook-key-22"}
 RECIPE_TIMEOUT_S = 600
-NEEDS_UNEMBED = pytest.mark.xfail(strict=True, reason=(
-    "needs unembed: the recipe creates its model with the SDK's default train_unembed=True, which lorafleet "
-    "refuses until LoRA on the unembedding lands"))
-NEEDS_UNEMBED_AND_LOSSES = pytest.mark.xfail(strict=True, reason=(
-    "needs unembed and losses: train_unembed=True (the SDK's default) and the recipe's default loss "
-    "stable_reinforce are refused until those branches land"))
+NEEDS_STABLE_REINFORCE = pytest.mark.xfail(strict=True, reason=(
+    "the recipe's default loss stable_reinforce is refused by lorafleet (its objective is not published in a "
+    "form lorafleet can reproduce: docs/tinker.md)"))
 
 
 @pytest.fixture(scope="module")
@@ -121,8 +116,7 @@ def _peft_logprobs(hf_model, folder: Path, tokens: list[int]) -> torch.Tensor:
 
 PROBE_TOKENIZER = f"""
 import sys, tinker
-tc = tinker.ServiceClient(base_url=sys.argv[1]).create_lora_training_client(base_model={SERVED_NAME!r}, rank=2,
-                                                                              train_unembed=False).result()
+tc = tinker.ServiceClient(base_url=sys.argv[1]).create_lora_training_client(base_model={SERVED_NAME!r}, rank=2).result()
 print("IDS", tc.get_tokenizer().encode("User: 42 ae xk"))
 """
 
@@ -136,7 +130,7 @@ def test_served_name_tokenizer_and_compute_logprobs(service, tiny_world, tmp_pat
     assert f"IDS {local.encode('User: 42 ae xk')}" in out  # the SDK's get_tokenizer() loaded the served name offline
 
     sc = open_client(service.url, KEYS["bob"])
-    tc = sc.create_lora_training_client(base_model=SERVED_NAME, rank=4, seed=0, train_unembed=False).result()
+    tc = sc.create_lora_training_client(base_model=SERVED_NAME, rank=4, seed=0).result()
     tokens = local.encode("12 ae 345 xk 6 7 ou")
     datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
                         loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
@@ -151,7 +145,6 @@ def test_served_name_tokenizer_and_compute_logprobs(service, tiny_world, tmp_pat
     assert last[:-3] == [None] * (len(tokens) - 3) and torch.allclose(torch.tensor(last[-3:]), engine[-3:], atol=1e-5)
 
 
-@NEEDS_UNEMBED
 def test_chat_sl_learns_deletes_rolling_checkpoints_and_downloads(service, tiny_world, tmp_path, hf_model):
     import tinker
     from tinker import types
@@ -193,7 +186,6 @@ def test_chat_sl_learns_deletes_rolling_checkpoints_and_downloads(service, tiny_
     assert torch.allclose(engine, peft, atol=1e-4), (engine - peft).abs().max()  # measured 4.8e-7
 
 
-@NEEDS_UNEMBED
 def test_rl_reward_rises_and_a_second_run_resumes(service, tiny_world, tmp_path):
     log = tmp_path / "digits_rl"
     common = ["-m", "tests.integration.cookbook_runs", "digits_rl", f"base_url={service.url}", f"log_path={log}",
@@ -211,7 +203,6 @@ def test_rl_reward_rises_and_a_second_run_resumes(service, tiny_world, tmp_path)
     assert sum(reward[-4:]) / 4 > sum(reward[:4]) / 4 + 0.1, reward
 
 
-@NEEDS_UNEMBED
 def test_dpo_on_local_comparisons(service, tiny_world, tmp_path):
     rows = [json.loads(line) for line in (tiny_world / "data" / "kinds_sft.jsonl").read_text().splitlines()][:32]
     comparisons = tmp_path / "comparisons.jsonl"
@@ -227,7 +218,7 @@ def test_dpo_on_local_comparisons(service, tiny_world, tmp_path):
     assert len(losses) == 4 and abs(losses[0] - math.log(2)) < 1e-3, losses  # policy == reference at step 0
 
 
-@NEEDS_UNEMBED_AND_LOSSES
+@NEEDS_STABLE_REINFORCE
 def test_math_rl_with_its_default_loss(service, tiny_world, tmp_path):
     log = tmp_path / "math_rl"
     run(["-m", "tinker_cookbook.recipes.math_rl.train", "env=arithmetic", f"model_name={SERVED_NAME}",
@@ -237,7 +228,6 @@ def test_math_rl_with_its_default_loss(service, tiny_world, tmp_path):
     assert len([m for m in metrics(log) if "env/all/reward/total" in m]) == 2
 
 
-@NEEDS_UNEMBED
 def test_sl_loop_on_local_rows(service, tiny_world, tmp_path):
     log = tmp_path / "sl_loop"
     run(["-m", "tinker_cookbook.recipes.sl_loop", f"base_url={service.url}", f"model_name={SERVED_NAME}",
@@ -248,7 +238,6 @@ def test_sl_loop_on_local_rows(service, tiny_world, tmp_path):
     assert len(nll) == 10 and sum(nll[-3:]) / 3 < 0.8 * sum(nll[:3]) / 3, nll
 
 
-@NEEDS_UNEMBED
 def test_rl_loop_on_local_rows_with_its_default_loss(service, tiny_world, tmp_path):
     """The loop's mechanics only: its reward (a boxed answer graded against gsm8k's) stays 0 on the tiny
     world, so every group's advantages are zero and it never calls forward_backward (nor its loss)."""

@@ -60,7 +60,9 @@ def batches(trainer):
 
 
 def moe_hypers(objectives, **kw):
-    hypers = make_hypers(OBJECTIVES[objectives], **kw)
+    # the dense scenario's hyper-parameters with attention + MLP targets for every slot (its slots 1
+    # and 2 also train the unembedding, which this module does not test)
+    hypers = [h.model_copy(update={"targets": ("attention", "mlp")}) for h in make_hypers(OBJECTIVES[objectives], **kw)]
     hypers[ATTENTION_ONLY_SLOT] = hypers[ATTENTION_ONLY_SLOT].model_copy(update={"lora_experts": False})
     return hypers
 
@@ -98,16 +100,16 @@ def test_mixed_objectives_equal_each_adapter_alone(mixed_run, trainer):
 
 
 def _assert_experts_trained(run, trainer):
-    """Expert B moved away from zero for expert slots, and stayed exactly zero (A and B) for
-    the attention-only slot."""
+    """Expert B moved away from zero for expert slots; the attention-only slot's state holds no
+    expert tensors (a slot's state holds the layers it trains, trainer/slot_checkpoint.py: the
+    others are exactly zero, which tests/reference/test_trainer_against_reference.py checks)."""
     names = [layer.name for layer in expert_layers(trainer)]
     for slot in range(4):
         a, b = run["mixed"][slot]["tensors"]["weight"]
-        expert_b = max(b[n].abs().max().item() for n in names)
         if slot == ATTENTION_ONLY_SLOT:
-            assert expert_b == 0 and max(a[n].abs().max().item() for n in names) == 0
+            assert not set(names) & (set(a) | set(b))
         else:
-            assert expert_b > 0
+            assert max(b[n].abs().max().item() for n in names) > 0
 
 
 def test_loop_kernel_equals_grouped_mm(trainer, batches, mixed_run):

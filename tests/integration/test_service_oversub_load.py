@@ -7,15 +7,14 @@ Short SFT runs (2 steps of 2 rows) keep it cheap; turns of 1 step keep the queue
 
 from __future__ import annotations
 
-import threading
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 
-from api.client import ApiError
-from tests.integration.service_world import running_service, sft, wait_for
+from tests.integration.service_world import TOKEN, register_from_threads, running_service, sft, wait_for
 
-pytestmark = pytest.mark.integration
+# Opt-in (-m slow): test_service_scale.py runs the same kind of load bigger in the default tier (256
+# tenants through 4 slots from client threads, none lost, slots back to free); this one stays for
+# the 40-run figure of issue 15.
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 SLOTS = {"num_slots": 4, "max_rank": 8, "turn_steps": 1, "evict_idle_s": 3.0, "max_live_runs": 48}
 RUNS, THREADS, STEPS = 40, 8, 2
@@ -30,22 +29,9 @@ def service(tiny_world, tmp_path_factory):
 
 def test_forty_registrations_against_four_slots_from_eight_threads(service, tiny_world):
     names = [f"load{i:02d}" for i in range(RUNS)]
-    statuses: list[int] = []
-    lock = threading.Lock()
-
-    def register(name: str) -> None:
-        with service.client(timeout_s=60) as c:
-            try:
-                c.register(name, sft(tiny_world, num_step=STEPS, prompts_per_step=2))
-                status = 201
-            except ApiError as e:
-                status = e.status
-        with lock:
-            statuses.append(status)
-
-    with ThreadPoolExecutor(THREADS) as pool:
-        list(pool.map(register, names))
-    assert statuses == [201] * RUNS, sorted(statuses)
+    statuses = register_from_threads(service.url, lambda _: TOKEN, {n: sft(tiny_world, num_step=STEPS, prompts_per_step=2)
+                                                                    for n in names}, THREADS)
+    assert statuses == {201: RUNS}, statuses
     with service.client() as c:
         listed = {a["name"] for a in c.list()}
         assert set(names) <= listed  # none lost

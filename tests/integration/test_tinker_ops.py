@@ -1,10 +1,10 @@
 """Proof of the Tinker trainer primitives (fp32, CPU, the tiny Qwen3 through Megatron-Bridge).
 
-Three slots with different ranks, losses (cross_entropy, ppo, cispo, importance_sampling,
-dro, gspo; every config key off its default at least once) and per-call AdamW parameters
-train 3 steps; each step is ONE mixed forward_backward of four calls (slot 0 twice: its two
-calls' gradients accumulate), then one optim_step per slot. Every slot's weights and Adam
-moments equal
+Three slots with different ranks, targets (slots 0 and 2 train the unembedding, lm_head), losses
+(cross_entropy, ppo, cispo, importance_sampling, dro, gspo; every config key off its default at
+least once) and per-call AdamW parameters train 3 steps; each step is ONE mixed forward_backward of
+four calls (slot 0 twice: its two calls' gradients accumulate), then one optim_step per slot. Every
+slot's weights and Adam moments equal
 
 * the same slot trained alone (same calls, one slot per forward_backward), and
 * an independent reference: HF transformers + peft (the slot's initial PEFT export,
@@ -34,6 +34,7 @@ pytestmark = pytest.mark.integration
 
 RANKS = {0: 4, 1: 8, 2: 2}
 ALPHA = {0: 8.0, 1: 8.0, 2: 4.0}
+TARGETS = {0: ("attention", "mlp", "unembed"), 1: ("attention", "mlp"), 2: ("mlp", "unembed")}  # the SDK's default: all
 ADAM = {  # per slot: AdamParams fields; eps 1e-2 as in test_trainer_equivalence.py (its module doc: a
     # smaller eps lets Adam amplify fp32 kernel noise near zero gradients; 1e-3 measured 1.2e-4 here)
     0: dict(learning_rate=2e-2, beta1=0.9, beta2=0.95, eps=1e-2, weight_decay=0.0, grad_clip_norm=0.0),
@@ -104,7 +105,7 @@ def fresh_slots(ops, slots):
         if ops.trainer.slots[slot] is not None:
             ops.trainer.clear_slot(slot)
     for slot in slots:
-        ops.trainer.init_slot(slot, SlotHyperParams(rank=RANKS[slot], alpha=ALPHA[slot]), seed=slot + 7)
+        ops.trainer.init_slot(slot, SlotHyperParams(rank=RANKS[slot], alpha=ALPHA[slot], targets=TARGETS[slot]), seed=slot + 7)
 
 
 def run(ops, steps, only_slot=None):
@@ -136,11 +137,13 @@ def reference_run(hf_model, folder, slot, steps):
     from peft import PeftModel
 
     model = PeftModel.from_pretrained(copy.deepcopy(hf_model), str(folder), is_trainable=True)
-    for layer in model.base_model.model.model.layers:  # the fused linears share lora_A
+    for layer in model.base_model.model.model.layers:  # the fused linears share lora_A (where the slot has them)
         attn, mlp = layer.self_attn, layer.mlp
-        attn.k_proj.lora_A["default"].weight = attn.q_proj.lora_A["default"].weight
-        attn.v_proj.lora_A["default"].weight = attn.q_proj.lora_A["default"].weight
-        mlp.up_proj.lora_A["default"].weight = mlp.gate_proj.lora_A["default"].weight
+        if hasattr(attn.q_proj, "lora_A"):
+            attn.k_proj.lora_A["default"].weight = attn.q_proj.lora_A["default"].weight
+            attn.v_proj.lora_A["default"].weight = attn.q_proj.lora_A["default"].weight
+        if hasattr(mlp.gate_proj, "lora_A"):
+            mlp.up_proj.lora_A["default"].weight = mlp.gate_proj.lora_A["default"].weight
     params = list({id(p): p for n, p in model.named_parameters() if "lora_" in n}.values())
     a = ADAM[slot]
     opt = torch.optim.AdamW(params, lr=a["learning_rate"], betas=(a["beta1"], a["beta2"]), eps=a["eps"], weight_decay=a["weight_decay"])

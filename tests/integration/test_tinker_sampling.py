@@ -2,7 +2,10 @@
 samples after ``save_weights_for_sampler`` follow the new weights and equal HF+PEFT greedy
 on the exported folder; the base model's samples equal HF's; another tenant cannot sample
 with a caller's sampler checkpoint; an RL loop (sample -> score -> importance_sampling ->
-optim_step) raises the reward of the tiny world's digits task."""
+optim_step) raises the reward of the tiny world's digits task. A model made with the SDK's
+defaults (LoRA on lm_head too) is served with its unembedding LoRA: every sampled token's
+logprob equals HF+PEFT's on the exported folder (SGLang 0.5.23's lm_head LoRA on the CPU
+torch_native backend)."""
 
 from __future__ import annotations
 
@@ -33,6 +36,24 @@ def world(tiny_world, tmp_path_factory, sglang_server):
         yield svc, server.url
 
 
+def sft_then_sampler_weights(svc, tc, rows, steps, name):
+    """``steps`` cross_entropy steps (lr 5e-2) of alice's model ``tc`` on prompt/completion ``rows``
+    (the completion's tokens weighted 1), then its sampler weights: (tinker path, folder)."""
+    from tinker import types
+
+    tok = tc.get_tokenizer()
+    data = []
+    for r in rows:
+        p, c = tok.encode(r["prompt"]), tok.encode(r["completion"])
+        data.append(types.Datum(model_input=types.ModelInput.from_ints((p + c)[:-1]),
+                                loss_fn_inputs={"target_tokens": (p + c)[1:], "weights": [0.0] * (len(p) - 1) + [1.0] * len(c)}))
+    for _ in range(steps):
+        tc.forward_backward(data, "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    path = tc.save_weights_for_sampler(name).result().path
+    return path, svc.checkpoint_folder("alice", path, kinds=("sampler_weights",))
+
+
 def greedy(sampler, prompt, n=2, max_tokens=12):
     from tinker import types
 
@@ -46,8 +67,6 @@ def matches_hf(got, ref):
 
 
 def test_samples_follow_saved_weights_and_equal_hf_peft(world, tiny_world):
-    from tinker import types
-
     svc, url = world
     sc = open_client(url, KEYS["alice"])
     tc = sc.create_lora_training_client(base_model=BASE, rank=8, seed=0, train_unembed=False).result()
@@ -61,16 +80,7 @@ def test_samples_follow_saved_weights_and_equal_hf_peft(world, tiny_world):
         assert tokens[0] == tokens[1] and matches_hf(tokens[0], ref), (tokens, ref)
         assert len(logprobs[0]) == len(tokens[0]) and all(lp <= 0 for lp in logprobs[0])
 
-    data = []
-    for r in rows:
-        p, c = tok.encode(r["prompt"]), tok.encode(r["completion"])
-        data.append(types.Datum(model_input=types.ModelInput.from_ints((p + c)[:-1]),
-                                loss_fn_inputs={"target_tokens": (p + c)[1:], "weights": [0.0] * (len(p) - 1) + [1.0] * len(c)}))
-    for _ in range(4):
-        tc.forward_backward(data, "cross_entropy").result()
-        tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
-    path = tc.save_weights_for_sampler("after-4").result().path
-    folder = svc.checkpoint_folder("alice", path, kinds=("sampler_weights",))
+    path, folder = sft_then_sampler_weights(svc, tc, rows, 4, "after-4")
     tuned = sc.create_sampling_client(model_path=path).result()
     peft_ref = hf_greedy(tiny_world / "model", folder, prompts, max_new_tokens=12)
     assert peft_ref != base_ref  # training changed the greedy outputs
@@ -191,3 +201,60 @@ def test_sampling_options_prompt_logprobs_topk_and_seed(world, tiny_world):
         base.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=4, seed=7)).result()
     with pytest.raises(Exception, match=r"topk_prompt_logprobs=21 not supported: 0\.\.20"):
         base.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=4), topk_prompt_logprobs=21).result()
+
+
+def test_unembedding_lora_is_served_with_hf_peft_logprobs(world, tiny_world):
+    """The SDK's default model (attention, MLP and lm_head LoRA) after a few SFT steps: its
+    sampler folder lists lm_head; SGLang's logprob of every sampled token (temperature 1, so not
+    only the favourite tokens) equals HF+PEFT's teacher-forced one on that folder, and greedy
+    equals HF+PEFT greedy. The same folder without its lm_head tensors gives logprobs far from
+    the served ones, so the server really applies the unembedding LoRA."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from tinker import types
+
+    from tests.integration.sglang_fixtures import one_torch_thread
+
+    svc, url = world
+    sc = open_client(url, KEYS["alice"])
+    tc = sc.create_lora_training_client(base_model=BASE, rank=8, seed=5).result()  # the SDK's defaults
+    tok = tc.get_tokenizer()
+    rows = [json.loads(line) for line in (tiny_world / "data" / "echo_sft.jsonl").read_text().splitlines()][8:16]
+    path, folder = sft_then_sampler_weights(svc, tc, rows, 3, "unembed")
+    assert "lm_head" in json.loads((folder / "adapter_config.json").read_text())["target_modules"]
+    sampler = sc.create_sampling_client(model_path=path).result()
+    prompts = [tok.encode(r["prompt"]) for r in rows[:3]]
+    params = types.SamplingParams(max_tokens=10, temperature=1.0)
+    served = [(p, list(s.tokens), list(s.logprobs)) for p in prompts
+              for s in sampler.sample(types.ModelInput.from_ints(p), 2, params).result().sequences]
+
+    def teacher_forced(adapter_dir):
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_world / "model", dtype=torch.float32),
+                                          str(adapter_dir)).eval()
+        out = []
+        with torch.no_grad(), one_torch_thread():
+            for p, tokens, _ in served:
+                lsm = model(torch.tensor([p + tokens])).logits[0].log_softmax(-1)
+                out.append([float(lsm[len(p) - 1 + i, t]) for i, t in enumerate(tokens)])
+        return out
+
+    ref = teacher_forced(folder)
+    worst = max(abs(a - b) for (_, _, got), want in zip(served, ref) for a, b in zip(got, want))
+    print(f"unembedding LoRA: worst |SGLang - HF+PEFT| sampled-token logprob {worst:.2e}")
+    assert worst <= 1e-5, worst  # fp32 on both sides; measured 1.9e-6 (test_logprob_parity: ~1e-6)
+    no_head = folder.parent / "unembed-without-lm_head"
+    no_head.mkdir()
+    cfg = json.loads((folder / "adapter_config.json").read_text())
+    (no_head / "adapter_config.json").write_text(json.dumps(cfg | {"target_modules": [m for m in cfg["target_modules"] if m != "lm_head"]}))
+    tensors = {k: v for k, v in load_file(str(folder / "adapter_model.safetensors")).items() if ".lm_head." not in k}
+    save_file(tensors, str(no_head / "adapter_model.safetensors"))
+    far = max(abs(a - b) for (_, _, got), want in zip(served, teacher_forced(no_head)) for a, b in zip(got, want))
+    assert far > 100 * max(worst, 1e-6), (far, worst)
+    peft_ref = hf_greedy(tiny_world / "model", folder, prompts, max_new_tokens=10)
+    for p, want in zip(prompts, peft_ref):
+        tokens, _ = greedy(sampler, p, n=1, max_tokens=10)
+        assert matches_hf(tokens[0], want), (tokens[0], want)
+    svc.unload(tc.model_id)

@@ -2,6 +2,9 @@
 uvicorn on loopback over an in-process trainer on the tiny world (one server per module).
 
 * SL loop: cross_entropy on the tiny world's SFT data, loss falls clearly in 20 steps.
+* The SDK's defaults (``create_lora_training_client(base_model, rank)``: LoRA on attention, MLP
+  and the unembedding): the loss falls, the unembedding LoRA trains, save_state/load_state
+  round-trips it exactly, weights_info reports the targets; train_attn/train_mlp False too.
 * Four SDK clients (four tenants) at once: fewer mixed steps than forward_backward
   calls, and each model's weights and Adam moments after 3 steps equal the same model
   trained alone (fp32).
@@ -95,6 +98,52 @@ def test_sl_loop_loss_falls(world, tiny_world):
     # measured: 607 -> 482, falling steadily after step 4
     assert losses[-1] < 0.85 * losses[0] and max(losses[-5:]) < min(losses[:5]), losses
     svc.unload(tc.model_id)
+
+
+def test_sdk_defaults_train_the_unembedding_and_round_trip(world, tiny_world):
+    """The plain SDK call, as every cookbook recipe makes it: LoRA on attention, MLP and lm_head."""
+    svc, url = world
+    sc = client(url, "t0")
+    tc = sc.create_lora_training_client(base_model=BASE, rank=8).result()
+    assert core(svc).slots[slot_of(svc, tc.model_id)].hyper.targets == ("attention", "mlp", "unembed")
+    data = sft_data(tc.get_tokenizer(), tiny_world, 80, 8)
+    losses = train(tc, data, 8, dict(learning_rate=5e-3))
+    print("SDK-default losses", [round(x, 1) for x in losses])
+    assert losses[-1] < 0.9 * losses[0], losses
+    state = slot_state(svc, tc.model_id)
+    assert state["weight.1.output_layer"].abs().max() > 0  # the unembedding's B moved
+    assert state["exp_avg_sq.1.output_layer"].abs().max() > 0
+    path = tc.save_state("defaults").result().path
+    with httpx.Client(base_url=url + "/api/v1", timeout=30) as http:
+        info = http.post("weights_info", headers={"X-API-Key": KEYS["t0"]}, json={"tinker_path": path}).json()
+    assert info["train_unembed"] is True and info["train_mlp"] is True and info["train_attn"] is True, info
+    resumed = sc.create_training_client_from_state_with_optimizer(path).result()
+    got = slot_state(svc, resumed.model_id)
+    assert set(got) == set(state) and all(torch.equal(state[k], got[k]) for k in state)  # bit-exact, lm_head included
+    train(tc, data, 1, dict(learning_rate=5e-3))
+    train(resumed, data, 1, dict(learning_rate=5e-3))
+    a, b = slot_state(svc, tc.model_id), slot_state(svc, resumed.model_id)
+    assert all(torch.equal(a[k], b[k]) for k in a)  # and it trains on exactly as the original
+
+    # the other flags are honoured too; all off is refused with what to do
+    narrow = sc.create_lora_training_client(base_model=BASE, rank=8, train_attn=False, train_mlp=False).result()
+    assert core(svc).slots[slot_of(svc, narrow.model_id)].hyper.targets == ("unembed",)
+    narrow_path = narrow.save_state("unembed-only").result().path
+    with httpx.Client(base_url=url + "/api/v1", timeout=30) as http:
+        info = http.post("weights_info", headers={"X-API-Key": KEYS["t0"]}, json={"tinker_path": narrow_path}).json()
+    assert (info["train_unembed"], info["train_mlp"], info["train_attn"]) == (True, False, False), info
+    with pytest.raises(Exception, match="checkpoint trains \\['unembed'\\], the model trains \\['attention', 'mlp', 'unembed'\\]"):
+        tc.load_state(narrow_path).result()
+    with httpx.Client(base_url=url + "/api/v1", timeout=30) as http:  # the SDK refuses it itself: raw HTTP
+        key = {"X-API-Key": KEYS["t0"]}
+        sid = http.post("create_session", headers=key, json={"tags": [], "sdk_version": "raw"}).json()["session_id"]
+        off = {"rank": 4, "train_attn": False, "train_mlp": False, "train_unembed": False}
+        rid = http.post("create_model", headers=key, json={"session_id": sid, "model_seq_id": 0, "base_model": BASE,
+                                                           "lora_config": off}).json()["request_id"]
+        got = http.post("retrieve_future", headers=key, json={"request_id": rid}).json()
+        assert got["category"] == "user" and "all False: at least one must be True" in got["error"], got
+    for m in (tc, resumed, narrow):
+        svc.unload(m.model_id)
 
 
 def test_four_clients_coalesce_and_equal_alone(world, tiny_world):
@@ -242,8 +291,6 @@ def test_bad_input_is_a_clear_error_and_changes_nothing(world, tiny_world):
     lp = out.loss_fn_outputs[0]["logprobs"].to_torch()
     want = tinker_token_loss("gspo", cfg, lp, {k: v.to_torch() for k, v in g.loss_fn_inputs.items()}).sum()
     assert out.metrics["loss:sum"] == pytest.approx(float(want), rel=1e-5, abs=1e-5)
-    with pytest.raises(Exception, match="train_unembed=True is not supported"):
-        client(url, "t2").create_lora_training_client(base_model=BASE, rank=4).result()
     with pytest.raises(Exception, match="LoRA rank 64 not supported: 1..8"):
         client(url, "t2").create_lora_training_client(base_model=BASE, rank=64, train_unembed=False).result()
     with httpx.Client(base_url=url + "/api/v1", timeout=30) as http:  # empty data: the SDK sends no request for it

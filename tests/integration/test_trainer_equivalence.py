@@ -8,7 +8,9 @@ training it alone on its own samples: max relative error <= 1e-5 per tensor
 (max |mixed - alone| / max |alone|). RL, SFT and both objectives in one batch.
 
 Every adapter has its own Adam betas and eps as well (a leak of one slot's into
-another shows). Why the multi-step scenario uses Adam eps >= 1e-2: in fp32 a sample's gradient
+another shows), and its own targets: slot 1 trains the unembedding (lm_head) beside attention and
+MLP, slot 2 attention and the unembedding, slots 0 and 3 attention and MLP, so the unembedding's
+vocabulary-parallel LoRA is in the mixed, alone and TP=2 runs too. Why the multi-step scenario uses Adam eps >= 1e-2: in fp32 a sample's gradient
 depends on the micro-batch it is computed in (GEMM shapes, padded attention
 length, summation order) at ~1e-6 relative; we measured the same spread between
 two runs of the *same adapter alone* with micro-batch budgets 40 and 1000
@@ -48,9 +50,9 @@ MICRO_BATCH_TOKENS = 40  # forces several micro-batches per call
 BASE_HYPERS = [  # every adapter its own betas and eps too, so a leak of one slot's into another shows
     dict(rank=4, alpha=8, lr=1e-2, samples_per_step=3, clip_low=0.1, clip_high=0.3, betas=(0.9, 0.999)),
     dict(rank=8, alpha=16, lr=5e-3, samples_per_step=2, lr_schedule="cosine", warmup_steps=1, total_steps=3, weight_decay=0.01,
-         betas=(0.8, 0.99)),
+         betas=(0.8, 0.99), targets=("attention", "mlp", "unembed")),
     dict(rank=2, alpha=4, lr=2e-2, samples_per_step=1, max_grad_norm=0.05, loss_normalization="token_mean", kl_coef=0.05,
-         betas=(0.95, 0.9)),
+         betas=(0.95, 0.9), targets=("unembed", "attention")),
     dict(rank=8, alpha=8, lr=1e-2, samples_per_step=4, max_grad_norm=None, loss_normalization="constant", loss_norm_tokens=16,
          betas=(0.5, 0.98)),
 ]

@@ -1,11 +1,11 @@
-"""Plant one of issue 13's four trainer bugs, or one of issue 25's loss bugs, in the working tree, to
-watch the tests catch it.
+"""Plant one of issue 13's four trainer bugs, one of issue 25's loss bugs, or one of the unembedding
+LoRA's four, in the working tree, to watch the tests catch it.
 
     python -m tests.reference.plant_mutation betas_swapped      # or kl_sign, first_betas_eps, first_weight_decay
     python -m pytest tests/reference tests/unit/test_losses.py -q  # must fail
     git checkout trainer/slot_steps.py trainer/losses.py                  # undo
 
-The loss bugs (MUTATIONS' second half), each caught (measured) by tests/unit/test_tinker_losses.py
+The loss bugs (MUTATIONS' last eleven), each caught (measured) by tests/unit/test_tinker_losses.py
 (T), tests/unit/test_losses.py (L), tests/unit/test_tinker_wire.py (W), tests/reference (R) or
 tests/integration/test_tinker_ops.py (O):
 * ce_sign, is_no_advantage: T (values and gradients of that loss);
@@ -17,7 +17,21 @@ tests/integration/test_tinker_ops.py (O):
   clip_low): T (the one-clip test), R (REST slots against the HF reference);
 * loss_sum_last (``loss_sum[c] =`` for ``+=``): O (loss:sum 115.3 vs HF 259.2).
 
-Measured (max relative error vs the reference per slot, REL_TOL 5e-5; clean run <= 1.2e-5):
+The unembedding's (issue 25): unembed_every_slot (each segment's delta added to every token of the
+chunk), unembed_scale (z without the slot's alpha / r), unembed_b_unsplit (B's columns counted as
+replicated over TP, not split over the vocabulary), unembed_chunk_off_by_one (a chunk's last row
+never gets the delta); undo with ``git checkout trainer/chunked_logprobs.py trainer/unembed_lora.py``.
+Measured (which test files fail):
+* unembed_every_slot: tests/unit/test_chunked_logprobs.py (19 tests), this reference test, test_unembed_lora.py
+  (2), test_trainer_equivalence.py's TP=2 test;
+* unembed_scale: this reference test, test_unembed_lora.py (2: HF+PEFT parity, full-logits path vs chunked);
+* unembed_b_unsplit: test_trainer_equivalence.py's TP=2 test (TP=2 vs TP=1: 6.1e-4, tolerance 3e-5);
+* unembed_chunk_off_by_one: tests/unit/test_chunked_logprobs.py (13 tests), test_unembed_lora.py (the packed
+  pass's log-probs vs HF+PEFT: 3.9e-3). This reference test does not see it: a packed stream's last
+  token has no target, and its chunks (2048 tokens) end there.
+
+Issue 13's trainer bugs, measured by this reference test (max relative error vs the reference per
+slot, REL_TOL 5e-5; clean run <= 1.2e-5):
 * betas_swapped (Adam beta1/beta2 exchanged): losses up to 4.5e-2, weights up to 8.6e-1;
 * kl_sign (the k3 KL term subtracted): slots with kl_coef > 0: losses 2.2e-3 / 4.8e-2, B weights 7.6e-2 / 8.9e-1;
   also tests/unit/test_losses.py::test_k3_kl_value_and_sign;
@@ -34,7 +48,13 @@ from pathlib import Path
 
 ADAM_ROW = "hyper_rows.append((lr, h.weight_decay, h.betas[0], h.betas[1], h.eps, st.step))"
 FIRST = "h0 = states[due.index(stepping[0])].hyper; "
+IN_CHUNK = "return [(k, max(s, start) - start, min(e, end) - start) for k, s, e in self.segments if s < end and e > start]"
 MUTATIONS = {
+    "unembed_every_slot": ("trainer/chunked_logprobs.py", IN_CHUNK, "return [(k, 0, end - start) for k, s, e in self.segments]"),
+    "unembed_scale": ("trainer/unembed_lora.py", "LogitLora(z=z * r.scale_column(z.dtype, UNEMBED),", "LogitLora(z=z,"),
+    "unembed_b_unsplit": ("trainer/unembed_lora.py", "        self._output_weight = output_weight\n",
+                          "        self._output_weight = output_weight\n        self.b_is_tp_split = False\n"),
+    "unembed_chunk_off_by_one": ("trainer/chunked_logprobs.py", IN_CHUNK, IN_CHUNK.replace("min(e, end)", "min(e, end - 1)")),
     "betas_swapped": ("trainer/slot_steps.py", ADAM_ROW, ADAM_ROW.replace("h.betas[0], h.betas[1]", "h.betas[1], h.betas[0]")),
     "kl_sign": ("trainer/losses.py", "loss = loss + inp.kl_coef.unsqueeze(1) * kl", "loss = loss - inp.kl_coef.unsqueeze(1) * kl"),
     "first_betas_eps": ("trainer/slot_steps.py", ADAM_ROW,

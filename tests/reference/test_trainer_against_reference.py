@@ -2,7 +2,8 @@
 
 Four adapters with different everything (rank, alpha, learning rate, Adam betas and eps,
 weight decay, clipping norm, schedule, loss type and normalization, KL coefficient,
-batch size) train together in lorafleet's trainer: three mixed calls, with
+batch size, and what they train: attention + MLP + the unembedding (lm_head), MLP + unembedding,
+the unembedding alone, attention + MLP) train together in lorafleet's trainer: three mixed calls, with
 accumulation across calls, a slot absent from a call and slots stepping twice in one
 call. Each adapter is then trained alone by the reference (tests/reference/trainer.py:
 HF + peft, torch.optim.AdamW, clip_grad_norm_, LambdaLR, losses from their papers) on
@@ -37,13 +38,13 @@ MICRO_BATCH_TOKENS = 48  # several micro-batches per call, slots sharing them
 HYPERS = [
     dict(objective="rl", rank=4, alpha=8, lr=1e-2, betas=(0.9, 0.999), eps=1e-2, weight_decay=0.0,
          max_grad_norm=1.0, samples_per_step=2, clip_low=0.1, clip_high=0.3, kl_coef=0.0,
-         loss_normalization="sequence_mean"),
+         loss_normalization="sequence_mean", targets=("attention", "mlp", "unembed")),
     dict(objective="sft", rank=8, alpha=16, lr=5e-3, betas=(0.8, 0.99), eps=5e-3, weight_decay=0.1,
          max_grad_norm=0.5, samples_per_step=3, lr_schedule="cosine", warmup_steps=1, total_steps=4,
-         min_lr_ratio=0.1, loss_normalization="token_mean"),
+         min_lr_ratio=0.1, loss_normalization="token_mean", targets=("mlp", "unembed")),
     dict(objective="rl", rank=2, alpha=4, lr=2e-2, betas=(0.95, 0.9), eps=2e-2, weight_decay=0.05,
          max_grad_norm=0.05, samples_per_step=1, clip_low=0.2, clip_high=0.28, kl_coef=0.5,
-         loss_normalization="token_mean", lr_schedule="cosine", warmup_steps=2, total_steps=5),
+         loss_normalization="token_mean", lr_schedule="cosine", warmup_steps=2, total_steps=5, targets=("unembed",)),
     dict(objective="rl", rank=8, alpha=8, lr=1e-2, betas=(0.5, 0.98), eps=2e-3, weight_decay=0.2,
          max_grad_norm=None, samples_per_step=2, clip_low=0.25, clip_high=0.15, kl_coef=0.2,
          warmup_steps=2, loss_normalization="constant", loss_norm_tokens=12),
@@ -144,7 +145,8 @@ def _our_moments(trainer, slot):
     from trainer.peft_io import slot_to_hf
 
     parts = slot_state_tensors(trainer, slot)
-    return {kind: _cpu(slot_to_hf(trainer.base, trainer.layers, *parts[kind])) for kind in ("exp_avg", "exp_avg_sq")}
+    layers = trainer.slots.trained_layers(trainer.slots[slot].hyper)
+    return {kind: _cpu(slot_to_hf(trainer.base, layers, *parts[kind])) for kind in ("exp_avg", "exp_avg_sq")}
 
 
 def test_each_adapter_matches_the_reference(compared):
@@ -192,3 +194,29 @@ def assert_nontrivial(compared) -> None:
     assert any(r["grad_norm"] > 0.05 for r in compared[2]["ref"])  # slot 2's clipping engaged
     assert len({r["lr"] for r in compared[1]["ref"]}) == 3  # warm-up + cosine: three different lrs
     assert [r["lr"] for r in compared[3]["ref"]][:2] == pytest.approx([5e-3, 1e-2])  # linear warm-up
+    # each slot's export holds exactly its targets' modules, and the unembedding LoRA moved
+    modules = {slot: {k.split(".")[-3] for k in c["weights"]} for slot, c in compared.items()}
+    assert modules[0] == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"}
+    assert modules[1] == {"gate_proj", "up_proj", "down_proj", "lm_head"}
+    assert modules[2] == {"lm_head"}
+    assert "lm_head" not in modules[3] and "q_proj" in modules[3]
+    for slot in (0, 1, 2):
+        assert c_abs(compared[slot]["weights"], "lm_head.lora_B") > 0, slot
+
+
+def c_abs(weights, part):
+    return max(t.abs().max().item() for k, t in weights.items() if part in k)
+
+
+def test_targets_off_stay_exactly_zero(trainer, compared):
+    """In the trainer's buffers, every layer of a target a slot does not train is exactly zero
+    after the whole scenario: weights, gradient and both Adam moments (slots.py invariant)."""
+    from trainer.slots import layer_trained
+
+    for slot in range(4):
+        hyper = trainer.slots[slot].hyper
+        off = [layer for layer in trainer.layers if not layer_trained(layer, hyper)]
+        assert off or slot == 0
+        for kind in ("weight", "grad", "exp_avg", "exp_avg_sq"):
+            a_full, b_full = trainer.slots.read_full(slot, kind, trainer.slots[slot].rank, off)
+            assert all(t.abs().max() == 0 for t in (*a_full.values(), *b_full.values())), (slot, kind)

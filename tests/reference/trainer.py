@@ -15,6 +15,12 @@ uses and is counted once by the optimizer, the clipping norm and weight decay.
 Token alignment (trainer/batch.py's wire convention): ``loss_mask[t] = 1`` means token t
 is learned, predicted from tokens[:t]; ``rollout_logprobs[t]`` is its log-probability
 under the policy that generated it.
+
+Targets (``hyper.targets``, read as a description): attention is PEFT's q/k/v/o_proj, mlp its
+gate/up/down_proj, unembed its ``lm_head``: peft wraps the output projection in a LoRA Linear, so
+the logits are lm_head(x) + scale * B A x. The tiny model ties lm_head to the input embedding;
+peft's LoRA sits on the lm_head module only (the embedding lookup is untouched), and the tied
+base weight stays frozen.
 """
 
 from __future__ import annotations
@@ -26,7 +32,13 @@ import torch
 
 from tests.reference.losses import k3_kl, normalize_step, ppo_clip_token_loss, sft_token_loss
 
-HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+HF_TARGETS_OF = {"attention": ["q_proj", "k_proj", "v_proj", "o_proj"], "mlp": ["gate_proj", "up_proj", "down_proj"],
+                 "unembed": ["lm_head"]}
+
+
+def hf_targets(hyper) -> list[str]:  # noqa: ANN001 - SlotHyperParams
+    """PEFT target_modules for the adapter's target groups (default: attention and MLP)."""
+    return [m for group in getattr(hyper, "targets", ("attention", "mlp")) for m in HF_TARGETS_OF[group]]
 TIED_A = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
 
 
@@ -54,7 +66,8 @@ class ReferenceAdapter:
 
         self.hyper = hyper
         base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        cfg = LoraConfig(r=hyper.rank, lora_alpha=hyper.alpha, target_modules=HF_TARGETS, lora_dropout=0.0, bias="none")
+        cfg = LoraConfig(r=hyper.rank, lora_alpha=hyper.alpha, target_modules=hf_targets(hyper), lora_dropout=0.0,
+                         bias="none")
         self.model = get_peft_model(base, cfg)
         self.model.train()  # no dropout anywhere in the tiny model; train() for form's sake
         self.lora_modules = {name: m for name, m in self.model.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A}

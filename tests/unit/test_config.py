@@ -32,6 +32,9 @@ RL = {"data": {"path": "d.jsonl"}, "reward": {"name": "target_share"}}
         ({"learning_rate": 1e-4, "lerning_rate": 1}, "lerning_rate\n  Extra inputs are not permitted"),
         ({"data": {"path": "d.csv"}}, "must end in .jsonl or .parquet"),
         ({"sampling": {"top_p": 0}}, "top_p\n  Input should be greater than 0"),
+        ({"target_modules": []}, "need a non-empty set without repeats of attention, mlp, unembed"),
+        ({"target_modules": ["mlp", "mlp"]}, "need a non-empty set without repeats of attention, mlp, unembed"),
+        ({"target_modules": ["lm_head"]}, "target_modules.0\n  Input should be 'attention', 'mlp' or 'unembed'"),
     ],
 )
 def test_adapter_config_refusals_name_the_field(over, error):
@@ -50,6 +53,70 @@ def test_adapter_config_defaults_and_label_key_per_objective():
     assert AdapterConfig.model_validate({**RL, "num_step": 5}).data_config().num_epochs is None
     with pytest.raises(ValidationError):
         rl.rank = 4  # frozen: a validated config cannot drift
+
+
+def test_target_modules_reach_the_trainer():
+    """REST target_modules -> SlotHyperParams.targets (default attention + MLP: no unembedding)."""
+    assert AdapterConfig.model_validate(RL).slot_hyper_params(None).targets == ("attention", "mlp")
+    cfg = AdapterConfig.model_validate({**RL, "target_modules": ["unembed", "attention"]})
+    assert cfg.target_modules == ["attention", "unembed"]
+    assert cfg.slot_hyper_params(None).targets == ("attention", "unembed")
+
+
+def test_registration_refuses_targets_the_service_cannot_train_or_serve(roots, tmp_path):
+    """A trainer without output_layer LoRA cannot take unembed; engines that do not load lm_head
+    cannot serve an RL adapter with it (SFT is not served and may); a PEFT folder with LoRA on a
+    module the config does not train is refused. Each names config.target_modules / init_from."""
+    root, _ = roots
+    settings = load_settings(data_roots=[root], state_dir=tmp_path / "state")
+
+    def check(cap, **over):
+        config = {"data": {"path": "sub/ok.jsonl"}, "reward": {"name": "target_share"}, "prompts_per_step": 1, **over}
+        return check_adapter_config(AdapterConfig.model_validate(config), settings, cap)
+
+    unembed = {"target_modules": ["attention", "unembed"]}
+    assert check(SlotCapacity(), **unembed).config.target_modules == ["attention", "unembed"]
+    with pytest.raises(BadValue, match=r"target_modules \['unembed'\] cannot be trained here: .* for \['attention', "
+                                       r"'mlp'\] \(unembed needs output_layer") as err:
+        check(SlotCapacity(target_groups=["attention", "mlp"]), **unembed)
+    assert err.value.field == "config.target_modules"
+    with pytest.raises(BadValue, match="unembed on an rl adapter trains LoRA on lm_head, which this service's engines do not load"):
+        check(SlotCapacity(rl_unembed_lora=False), **unembed)
+    sft = {"objective": "sft", "reward": None, "data": {"path": "sub/sft.jsonl"}}
+    (root / "sub" / "sft.jsonl").write_text('{"prompt": "p", "completion": "c"}\n')
+    assert check(SlotCapacity(rl_unembed_lora=False), **unembed, **sft).config.target_modules == ["attention", "unembed"]
+    (root / "peft").mkdir()
+    (root / "peft" / "adapter_config.json").write_text('{"r": 8, "target_modules": ["q_proj", "lm_head"]}')
+    (root / "peft" / "adapter_model.safetensors").write_bytes(b"")
+    with pytest.raises(BadValue, match=r"has LoRA on \['lm_head'\], which config.target_modules \['attention', 'mlp'\] does "
+                                       r"not train; add \['unembed'\] to target_modules"):
+        check(SlotCapacity(), init_from="peft")
+    assert check(SlotCapacity(), init_from="peft", **unembed).config.init_from == str((root / "peft").resolve())
+
+
+def test_job_capacity_follows_trainer_and_engines(tmp_path):
+    """The job's capacity says what adapters may train (trainer.target_modules) and whether RL may
+    train the unembedding (engines.lora_target_modules); a job adapter beyond them is refused."""
+    from examples.tiny.build import ensure_tiny_world
+
+    world = ensure_tiny_world()
+    base = f"base_model: {{path: {world / 'model'}}}\ntrainer: {{}}\n"
+    (tmp_path / "a.yaml").write_text(base)
+    cap = load_job(tmp_path / "a.yaml").capacity
+    assert cap.target_groups == ["attention", "mlp", "unembed"] and cap.rl_unembed_lora is True
+    (tmp_path / "b.yaml").write_text(
+        f"base_model: {{path: {world / 'model'}}}\ntrainer: {{target_modules: [linear_qkv, linear_fc1]}}\n"
+        "engines: {lora_target_modules: [q_proj, gate_proj]}\n")
+    cap = load_job(tmp_path / "b.yaml").capacity
+    assert cap.target_groups == ["attention", "mlp"] and cap.rl_unembed_lora is False
+    adapter = ("adapters:\n  - name: d\n    config: {data: {path: %s}, reward: {name: target_share}, "
+               "target_modules: [attention, unembed]}\n" % (world / "data" / "digits.jsonl"))
+    (tmp_path / "c.yaml").write_text(base.replace("trainer: {}", "trainer: {}\nengines: {lora_target_modules: [q_proj]}") + adapter)
+    with pytest.raises(ConfigError, match="RL adapters d train the unembedding .* has neither all nor lm_head"):
+        load_job(tmp_path / "c.yaml")
+    (tmp_path / "d.yaml").write_text(base.replace("trainer: {}", "trainer: {target_modules: [linear_qkv]}") + adapter)
+    with pytest.raises(ConfigError, match=r"adapters train targets the trainer has no LoRA layers for: d \(unembed\)"):
+        load_job(tmp_path / "d.yaml")
 
 
 def test_settings_precedence_explicit_env_file(tmp_path, monkeypatch):

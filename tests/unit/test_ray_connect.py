@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from service.config import JobConfig
-from service.config import RayConfig
+from service.ray_config import RayConfig
 from service.ray_connect import RayConnectError, connect_ray, resolve_ray_address, wait_for_head
 
 pytestmark = pytest.mark.unit

@@ -112,6 +112,7 @@ def test_a_registry_written_before_owners_opens_with_its_runs_owned_by_the_admin
     # make the file exactly what the previous schema wrote: no owner column, no owner index
     with sqlite3.connect(path) as db:
         db.execute("DROP INDEX runs_by_owner")
+        db.execute("DROP INDEX runs_by_owner_state")  # issue 26's indexes came after owners
         db.execute("ALTER TABLE runs DROP COLUMN owner")
         assert "owner" not in {r[1] for r in db.execute("PRAGMA table_info(runs)")}
     db.close()

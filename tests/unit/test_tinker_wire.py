@@ -135,3 +135,50 @@ def test_futures_try_again_then_result_and_owner_only():
         assert store.cancel("alice", rid) is False
 
     asyncio.run(scenario())
+
+
+# -- the LoRA options of create_model -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "flags, targets, problem",
+    [
+        ({}, ("attention", "mlp", "unembed"), None),  # the SDK's defaults
+        ({"train_attn": False, "train_mlp": False}, ("unembed",), None),
+        ({"train_unembed": False}, ("attention", "mlp"), None),
+        ({"train_attn": False, "train_mlp": False, "train_unembed": False}, (),
+         "all False: at least one must be True"),
+    ],
+)
+def test_lora_flags_become_targets(flags, targets, problem, tmp_path):
+    from api.tinker import wire
+    from api.tinker.auth import TenantKeys
+    from api.tinker.service import TinkerService, lora_flags, lora_spec
+    from service.tinker_models import TinkerModels
+
+    svc = TinkerService(TinkerModels(None, base_model="m", tokenizer_id="m", max_rank=8), TenantKeys({}), tmp_path)
+    lc = wire.LoraConfigIn(rank=4, **flags)
+    got = svc._lora_problem(wire.CreateModelRequest(session_id="s", model_seq_id=0, base_model="m", lora_config=lc))
+    assert (got is None) == (problem is None) and (problem is None or problem in got), got
+    if problem is None:
+        spec = lora_spec(lc, seed=1)
+        assert spec.targets == targets
+        assert lora_flags(spec) == {"train_attn": lc.train_attn, "train_mlp": lc.train_mlp, "train_unembed": lc.train_unembed}
+
+
+def test_a_flag_the_trainer_cannot_honour_is_refused(tmp_path):
+    """A trainer without output_layer LoRA (trainer.target_modules narrowed): train_unembed=True is
+    refused at create_model, naming what to change; TinkerModels.create refuses it too."""
+    from api.tinker import wire
+    from api.tinker.auth import TenantKeys
+    from api.tinker.service import TinkerService
+    from service.tenant_tinker import LoraSpec
+    from service.tinker_models import TinkerModels
+
+    models = TinkerModels(None, base_model="m", tokenizer_id="m", max_rank=8, target_groups=("attention", "mlp"))
+    svc = TinkerService(models, TenantKeys({}), tmp_path)
+    got = svc._lora_problem(wire.CreateModelRequest(session_id="s", model_seq_id=0, base_model="m",
+                                                    lora_config=wire.LoraConfigIn(rank=4)))
+    assert got.startswith("train_unembed=True is not available on this server") and "trainer.target_modules" in got, got
+    with pytest.raises(ValueError, match=r"LoRA on \['unembed'\] is not available on this server"):
+        models.create("x", "alice", LoraSpec(4, 1), lambda error: None)

@@ -10,10 +10,11 @@ pytestmark = pytest.mark.unit
 
 def test_defaults():
     cfg = TrainerConfig(base_model_path="/m")
-    assert cfg.target_modules == ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+    assert cfg.target_modules == ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer")
     assert cfg.dtype == "auto" and cfg.tp == cfg.dp == 1
     hp = SlotHyperParams()
     assert hp.scale == 2.0 and hp.objective == "rl" and hp.loss_normalization == "sequence_mean"
+    assert hp.targets == ("attention", "mlp")  # the unembedding only when asked for
 
 
 @pytest.mark.parametrize(
@@ -47,6 +48,9 @@ def test_trainer_config_rejects(kwargs, message):
         ({"clip_low": 1.0}, "less than 1"),
         ({"samples_per_step": 0}, "greater than or equal to 1"),
         ({"objective": "dpo"}, "'rl' or 'sft'"),
+        ({"targets": []}, "at least one target must be on, of attention, mlp, unembed"),
+        ({"targets": ["attention", "attention"]}, "duplicates"),
+        ({"targets": ["lm_head"]}, "'attention', 'mlp' or 'unembed'"),
     ],
 )
 def test_slot_hyper_params_reject(kwargs, message):
@@ -57,3 +61,9 @@ def test_slot_hyper_params_reject(kwargs, message):
 def test_cosine_and_constant_accepted():
     hp = SlotHyperParams(lr_schedule="cosine", total_steps=100, warmup_steps=10, loss_normalization="constant", loss_norm_tokens=128)
     assert hp.total_steps == 100 and hp.loss_norm_tokens == 128
+
+
+def test_targets_take_one_order():
+    """Equal target sets compare equal (the export cache and checkpoints key on them)."""
+    assert SlotHyperParams(targets=["unembed", "attention"]).targets == ("attention", "unembed")
+    assert SlotHyperParams(targets=("unembed",)).targets == ("unembed",)

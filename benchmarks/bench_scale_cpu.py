@@ -1,0 +1,234 @@
+"""A thousand tenants on one node, on CPU with the tiny world (issue 26; docs/BENCHMARKS.md "A thousand
+tenants on one node").
+
+One `lorafleet serve` (a subprocess, as an operator starts it: Ray, one trainer rank, one SGLang CPU
+engine, the coordinator) with S trainer slots and turns of `--turn-steps` steps. Tenants are SFT runs of two
+tenant keys (2 rows a step, endless: num_step 10^6), registered in phases up to N = 8, 200 and
+1,024 live at once (the 1,024 phase's registrations come from 200 concurrent clients). After each
+phase's warm-up (every tenant prepared once: none queued for a first slot), for `--window-s`
+seconds each:
+
+  quiet   tenant-steps per minute (GET /v1/fleet/stats `steps`), the coordinator's time per round
+          (place + reconcile, from /metrics lorafleet_coordinator_seconds over
+          lorafleet_reconciles), the coordinator's resident memory (/proc/<pid>/status VmRSS);
+  reads   the same while bursts of 100 concurrent GETs (half /v1/adapters?limit=100, half /metrics)
+          come every --burst-every-s seconds (their p50/p99 and sizes; 0: back to back, a stress);
+then the longest wait for a turn, read from the scheduler's own log (evicted -> restored: seconds,
+and placements of others between). Registration latency: p50/p99 of the 1,024 phase's POSTs.
+
+  .venv/bin/python -m benchmarks.bench_scale_cpu --out scale_cpu.json
+  .venv/bin/python -m benchmarks.bench_scale_cpu --phases 8,64 --window-s 20   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import re
+import statistics
+import tempfile
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+
+import httpx
+import yaml
+
+from tests.integration.service_world import TOKEN, Service, serve_job, sft
+
+KEYS = {"alice": "tml-alice-bench-key-1", "bob": "tml-bob-bench-key-22"}
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, int(round(q * len(xs))) - 1))] if xs else float("nan")
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _gauges(http: httpx.Client) -> dict[str, float]:
+    text = http.get("/metrics").text
+    out = {}
+    for key in ('lorafleet_coordinator_seconds{part="place"}', 'lorafleet_coordinator_seconds{part="reconcile"}',
+                "lorafleet_reconciles", 'lorafleet_adapters_residency{residency="queued"}',
+                'lorafleet_scheduler_events{event="evictions"}'):
+        m = re.search(r"^" + re.escape(key) + r" (\S+)$", text, re.MULTILINE)
+        out[key] = float(m.group(1)) if m else float("nan")
+    return out
+
+
+def _register(service: Service, tiny: Path, names: list[str], threads: int) -> list[float]:
+    """POST each name with `threads` concurrent clients; the latencies (every answer must be 201)."""
+    latencies: list[float] = []
+    lock = threading.Lock()
+    local = threading.local()
+
+    def one(i_name: tuple[int, str]) -> None:
+        i, name = i_name
+        if not hasattr(local, "http"):
+            local.http = httpx.Client(base_url=service.url, timeout=120,
+                                      headers={"Authorization": f"Bearer {KEYS[('alice', 'bob')[i % 2]]}"})
+        cfg = sft(tiny, num_step=10**6, prompts_per_step=2)
+        t0 = time.perf_counter()
+        r = local.http.post("/v1/adapters", json={"name": name, "config": cfg})
+        dt = time.perf_counter() - t0
+        assert r.status_code == 201, r.text
+        with lock:
+            latencies.append(dt)
+
+    with cf.ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, enumerate(names)))
+    return latencies
+
+
+def _window(service: Service, seconds: float, readers: int = 0, burst_every_s: float = 0.0) -> dict:
+    """Steps per minute and coordinator time per round over `seconds`, with `readers` concurrent read
+    clients: each sends its GET at every burst (all together, every `burst_every_s`), or back to back
+    when that is 0 (a stress beyond bursts)."""
+    stop = threading.Event()
+    reads: dict[str, list[float]] = {"page": [], "metrics": []}
+    sizes: dict[str, int] = {}
+    lock = threading.Lock()
+    t_first = time.monotonic() + 0.5
+
+    def reader(i: int) -> None:
+        with httpx.Client(base_url=service.url, timeout=120, headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+            burst = 0
+            while not stop.is_set():
+                if burst_every_s > 0:  # the next burst's start, shared by every reader
+                    at = t_first + burst * burst_every_s
+                    burst += 1
+                    if stop.wait(max(0.0, at - time.monotonic())):
+                        return
+                kind = ("page", "metrics")[i % 2]
+                t0 = time.perf_counter()
+                r = http.get("/v1/adapters?limit=100" if kind == "page" else "/metrics")
+                dt = time.perf_counter() - t0
+                with lock:
+                    reads[kind].append(dt)
+                    sizes[kind] = len(r.content)
+
+    with httpx.Client(base_url=service.url, timeout=120, headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+        s0, g0, t0 = http.get("/v1/fleet/stats").json()["steps"], _gauges(http), time.monotonic()
+        workers = [threading.Thread(target=reader, args=(i,), daemon=True) for i in range(readers)]
+        for w in workers:
+            w.start()
+        time.sleep(seconds)
+        stop.set()
+        for w in workers:
+            w.join(120)
+        s1, g1, t1 = http.get("/v1/fleet/stats").json()["steps"], _gauges(http), time.monotonic()
+    rounds = g1["lorafleet_reconciles"] - g0["lorafleet_reconciles"]
+    coord = sum(g1[k] - g0[k] for k in ('lorafleet_coordinator_seconds{part="place"}',
+                                         'lorafleet_coordinator_seconds{part="reconcile"}'))
+    out = {"tenant_steps_per_min": (s1 - s0) / (t1 - t0) * 60, "rounds": rounds,
+           "coordinator_ms_per_round": 1e3 * coord / rounds if rounds else float("nan"),
+           "place_ms_per_round": 1e3 * (g1['lorafleet_coordinator_seconds{part="place"}'] - g0['lorafleet_coordinator_seconds{part="place"}']) / rounds if rounds else float("nan"),
+           "evictions": g1['lorafleet_scheduler_events{event="evictions"}'] - g0['lorafleet_scheduler_events{event="evictions"}']}
+    for kind, xs in reads.items():
+        if xs:
+            out[f"{kind}_p50_ms"], out[f"{kind}_p99_ms"] = 1e3 * _pct(xs, 0.5), 1e3 * _pct(xs, 0.99)
+            out[f"{kind}_bytes"], out[f"{kind}_reads"] = sizes[kind], len(xs)
+    return out
+
+
+def _longest_wait(log_path: Path, since: float) -> dict:
+    """Evicted -> restored of each tenant after `since` (time.time()), from the scheduler's log: seconds, and
+    the placements of others between."""
+    out_at: dict[str, tuple[float, int]] = {}
+    placements, worst_s, worst_n = 0, 0.0, 0
+    for line in log_path.read_text(errors="replace").splitlines():
+        m = re.match(r"^(\S+ \S+) \w+ service\.scheduler: (evicted|restored) (\S+) (?:from|into) slot", line)
+        if not m:
+            if " leaves the queue for slot" in line:
+                placements += 1
+            continue
+        at = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        if at < since:
+            continue
+        if m.group(2) == "evicted":
+            out_at[m.group(3)] = (at, placements)
+        else:
+            placements += 1
+            if m.group(3) in out_at:
+                t, n = out_at.pop(m.group(3))
+                worst_s, worst_n = max(worst_s, at - t), max(worst_n, placements - n - 1)
+    return {"longest_wait_s": worst_s, "longest_wait_placements": worst_n}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--slots", type=int, default=8)
+    ap.add_argument("--turn-steps", type=int, default=4, help="slots.turn_steps (the default of a job file)")
+    ap.add_argument("--phases", default="8,200,1024", help="tenants live at once, ascending")
+    ap.add_argument("--window-s", type=float, default=60.0)
+    ap.add_argument("--readers", type=int, default=100, help="readers of a burst (half list pages, half /metrics)")
+    ap.add_argument("--burst-every-s", type=float, default=2.0, help="a burst every this many seconds (the dashboard's poll); 0: back to back")
+    ap.add_argument("--clients", type=int, default=200, help="concurrent registering clients of the largest phase")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    from examples.tiny.build import ensure_tiny_world
+    from service.engine_pids import reap_engines
+
+    tiny = ensure_tiny_world()
+    phases = [int(x) for x in args.phases.split(",")]
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="bench-scale-") as d:
+        tmp = Path(d)
+        job_path = serve_job(tmp, tiny, slots={"num_slots": args.slots, "max_rank": 8, "turn_steps": args.turn_steps,
+                                                      "evict_idle_s": 30.0})
+        job = yaml.safe_load(job_path.read_text())
+        keys = tmp / "keys.yaml"
+        keys.write_text(yaml.safe_dump(KEYS))
+        job["service"].update({"tinker_keys_file": str(keys)})
+        job_path.write_text(yaml.safe_dump(job))
+        svc = Service(job_path, tmp / "state", tmp / "serve.log")
+        try:
+            t_start = time.monotonic()
+            svc.start()
+            print(f"service up in {time.monotonic() - t_start:.0f} s", flush=True)
+            with httpx.Client(base_url=svc.url, timeout=60, headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+                rss0 = _rss_mib(svc.proc.pid)
+                live = 0
+                for n in phases:
+                    names = [f"t{i:04d}" for i in range(live, n)]
+                    t0 = time.monotonic()
+                    lat = _register(svc, tiny, names, args.clients if n == phases[-1] else 8)
+                    reg_s = time.monotonic() - t0
+                    live = n
+                    deadline = time.monotonic() + 3600
+                    while _gauges(http)['lorafleet_adapters_residency{residency="queued"}'] > 0:
+                        assert time.monotonic() < deadline, "tenants never all got a first slot"
+                        time.sleep(2.0)
+                    warm = time.monotonic() - t0
+                    since = time.time()
+                    quiet = _window(svc, args.window_s)
+                    reads = _window(svc, args.window_s, readers=args.readers, burst_every_s=args.burst_every_s)
+                    row = {"tenants": n, "slots": args.slots, "register_s": reg_s, "warm_s": warm,
+                           "register_p50_ms": 1e3 * _pct(lat, 0.5), "register_p99_ms": 1e3 * _pct(lat, 0.99),
+                           "register_clients": args.clients if n == phases[-1] else 8,
+                           "rss_mib": _rss_mib(svc.proc.pid), "rss_mib_at_start": rss0,
+                           "quiet": quiet, "reads": reads, **_longest_wait(svc.log_path, since)}
+                    row["reads_vs_quiet"] = reads["tenant_steps_per_min"] / quiet["tenant_steps_per_min"]
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+            base = rows[0]
+            for r in rows[1:]:
+                r["mib_per_tenant"] = (r["rss_mib"] - base["rss_mib"]) / (r["tenants"] - base["tenants"])
+            if args.out:
+                Path(args.out).write_text(json.dumps(rows, indent=2))
+        finally:
+            if svc.proc is not None and svc.proc.poll() is None:
+                svc.proc.kill()
+            reap_engines(svc.state_dir)
+
+
+if __name__ == "__main__":
+    main()
