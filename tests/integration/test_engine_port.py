@@ -47,6 +47,9 @@ def test_configured_port_in_use_is_refused_with_the_setting_named(tiny_world, tm
         engine.stop()
 
 
+# Opt-in (-m slow, CI budget: about 100 s on 2 cores for two engine starts); the refusal case above
+# stays in the default tier.
+@pytest.mark.slow
 def test_picked_port_taken_before_bind_is_replaced(tiny_world, tmp_path, held_port, monkeypatch):
     picks = iter([held_port])
     real_pick = engine_mod.pick_free_port
