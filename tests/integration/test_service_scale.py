@@ -201,9 +201,18 @@ def test_kill_9_halfway_and_restart_every_run_resumes_from_its_checkpoint(servic
         while sum(a["step"] for a in c.list() if a["name"] in names) < target:
             assert time.monotonic() < deadline, "the runs did not get halfway"
             time.sleep(0.5)
-        before = {a["name"]: a["checkpoint_step"] or 0 for a in c.list() if a["name"] in names}  # read, then killed at once
     service.kill()
     killed_at = time.time()
+    # each run's last checkpoint as the killed service left it (read from its SQLite registry while
+    # nothing runs: an API read before the kill could miss a step checkpointed between read and kill)
+    from service.config import ServiceSettings
+    from service.registry import Registry
+
+    registry = Registry(ServiceSettings(state_dir=service.state_dir).db_path, SLOTS["num_slots"])
+    try:
+        before = {ref.name: ref.checkpoint_step or 0 for ref in registry.list() if ref.name in names}
+    finally:
+        registry.close()
     service.start()  # the same job and state dir: engines of the killed one reaped, live runs prepared again
     with rest(service, "alice") as c:
         for n in names:

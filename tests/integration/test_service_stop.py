@@ -24,6 +24,22 @@ from tests.waiting import wait_until
 pytestmark = pytest.mark.integration
 
 
+def _cmd(p: psutil.Process) -> str:
+    """Its command line; "" once it has ended (a zombie's command line cannot be read)."""
+    try:
+        return " ".join(p.cmdline())
+    except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+        return ""
+
+
+def _alive(p: psutil.Process) -> bool:
+    """Running and not a zombie (a zombie has ended; only its parent's wait is missing)."""
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return False
+
+
 def _tree(pid: int) -> list[psutil.Process]:
     root = psutil.Process(pid)
     return [root, *root.children(recursive=True)]
@@ -43,7 +59,7 @@ def test_sigterm_drains_exits_0_and_leaves_no_process(how, tiny_world, tmp_path)
             client.register("s", sft(tiny_world, checkpoint_interval=0))
             wait_for(client, "s", lambda r: r["step"] >= 2, "two steps")
         procs = _tree(svc.proc.pid)
-        roles = " ".join(" ".join(p.cmdline()) for p in procs if p.is_running())
+        roles = " ".join(_cmd(p) for p in procs)
         assert "raylet" in roles and "gcs_server" in roles and "sglang_server" in roles, roles  # what must be gone after
         t0 = time.monotonic()
         if how == "process group":
@@ -54,12 +70,12 @@ def test_sigterm_drains_exits_0_and_leaves_no_process(how, tiny_world, tmp_path)
         took = time.monotonic() - t0
         print(f"SIGTERM to the {how}: exit {rc} after {took:.1f} s")
         assert rc == 0, svc.log_tail()
-        wait_until(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs),
+        wait_until(lambda: not any(_alive(p) for p in procs),
                    "every process of the service gone", timeout_s=120)
     finally:
         if svc.proc.poll() is None:
             os.killpg(os.getpgid(svc.proc.pid), signal.SIGKILL)
-        for p in [p for p in psutil.process_iter() if "sglang_server" in " ".join(p.cmdline()) and str(tmp_path) in " ".join(p.cmdline())]:
+        for p in [p for p in psutil.process_iter() if "sglang_server" in _cmd(p) and str(tmp_path) in _cmd(p)]:
             p.kill()
     registry = Registry(ServiceSettings(state_dir=tmp_path / "state").db_path, 4)
     try:

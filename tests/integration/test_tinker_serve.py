@@ -154,20 +154,23 @@ def test_sdk_trains_beside_a_dataset_run_and_holds_a_slot(service, tiny_world):
         print(f"joined steps {gauge('joined_steps'):g}, joined calls {gauge('joined_calls'):g} of "
               f"{gauge('forward_backward_calls'):g} forward_backward calls; Tinker losses {losses[0]:.2f} -> {losses[-1]:.2f}")
 
-        # Tinker models take the remaining slots; one more is refused (holders unnamed: I8); a
-        # REST registration queues behind them (it never takes a model's slot); unloading gives
-        # the slots back and the queued run gets one.
+        # Tinker models take the remaining slots. One more model still gets one: the fairness rule
+        # (service/residency.py choose_evictions: an idle tenant first, else one whose turn of
+        # turn_steps steps is used up) swaps the REST run out, which has trained past its turn;
+        # it queues, not lost. A REST registration queues too (it never takes a model's slot);
+        # unloading the models gives the slots back and both runs get one.
         bob = sdk(service.url, "bob")
         extra = [bob.create_lora_training_client(base_model=BASE, rank=4, seed=2 + i, train_unembed=False).result()
                  for i in range(NUM_SLOTS - 2)]
         loaded += [("bob", m.model_id) for m in extra]
         assert free_slots(service.url) == 0
-        with pytest.raises(Exception, match=f"no free trainer slot: all {NUM_SLOTS} slots are held") as refused:
-            bob.create_lora_training_client(base_model=BASE, rank=4, seed=9, train_unembed=False).result()
-        assert "rest-sft" not in str(refused.value) and "alice" not in str(refused.value), refused.value
+        extra.append(bob.create_lora_training_client(base_model=BASE, rank=4, seed=9, train_unembed=False).result())
+        loaded.append(("bob", extra[-1].model_id))
+        swapped = wait_for(rest, "rest-sft", lambda r: r["slot"] is None, "the REST run swapped out for the fifth model")
+        assert swapped["state"] == "ACTIVE", swapped
         with httpx.Client(base_url=service.url, timeout=30, headers={"Authorization": f"Bearer {TOKEN}"}) as http:
             resp = http.post("/v1/adapters", json={"name": "late", "config": sft(tiny_world)})
-        assert resp.status_code == 201 and resp.json()["queue_position"] == 1, resp.text
+        assert resp.status_code == 201 and resp.json()["queue_position"] >= 1, resp.text
         for m in extra:
             unload(service.url, "bob", m.model_id)
             loaded.remove(("bob", m.model_id))
