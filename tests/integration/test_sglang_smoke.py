@@ -15,7 +15,9 @@ import pytest
 from rollout.sglang_cpu import resolve_device
 from tests.integration.sglang_fixtures import GREEDY, hf_greedy, make_peft_adapter, running_sglang_server
 
-pytestmark = pytest.mark.integration
+# Opt-in (-m slow, CI budget): test_logprob_parity.py proves more in the default tier (every sampled
+# token of three PEFT adapters, by tensors and from disk, and the base, against HF + PEFT).
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 class Planned(Exception):
