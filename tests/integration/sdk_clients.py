@@ -32,3 +32,20 @@ def close_sdk_clients():
             client.close("success").result(timeout=30)
         except Exception:  # noqa: BLE001 - the server is gone (the test stopped it): nothing left to finish
             pass
+
+
+def unload_model(url: str, api_key: str, model_id: str, timeout_s: float = 120.0) -> None:
+    """unload_model over raw HTTP (what the SDK sends; SDK 0.38 has no call for it), waiting on its future."""
+    import httpx
+
+    from tests.waiting import wait_until
+
+    with httpx.Client(base_url=url + "/api/v1", timeout=60, headers={"X-API-Key": api_key}) as http:
+        rid = http.post("unload_model", json={"model_id": model_id}).json()["request_id"]
+
+        def answered() -> dict | None:
+            body = http.post("retrieve_future", json={"request_id": rid}).json()
+            return None if body.get("type") == "try_again" else body
+
+        body = wait_until(answered, f"unload_model of {model_id} answered", timeout_s=timeout_s, interval_s=0.2)
+    assert body == {"type": "unload_model", "model_id": model_id}, body

@@ -206,6 +206,20 @@ def serving(svc: Service) -> Iterator[Service]:
 
 
 @contextlib.contextmanager
+def registry_left_in(state_dir: Path, num_slots: int) -> Iterator["Registry"]:  # noqa: F821 - service.registry
+    """The SQLite registry a stopped or killed service left in `state_dir`, opened while nothing
+    else uses it (what the service had committed, with no API read racing its last round)."""
+    from service.config import ServiceSettings
+    from service.registry import Registry
+
+    registry = Registry(ServiceSettings(state_dir=state_dir).db_path, num_slots)
+    try:
+        yield registry
+    finally:
+        registry.close()
+
+
+@contextlib.contextmanager
 def running_service(tmp: Path, tiny_world: Path, slots: dict | None = None, engines: dict | None = None,
                     service: dict | None = None, base_model: dict | None = None,
                     keys: dict | None = None) -> Iterator[Service]:

@@ -25,13 +25,14 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from api.client import LorafleetClient
-from tests.integration.sdk_clients import close_sdk_clients, open_client  # noqa: F401 - autouse fixture
-from tests.integration.service_world import Service, register_from_threads, rl, running_service, sft, wait_for
+from tests.integration.sdk_clients import close_sdk_clients, open_client, unload_model  # noqa: F401 - autouse fixture
+from tests.integration.service_world import (Service, register_from_threads, registry_left_in, rl, running_service, sft,
+                                             wait_for)
 from tests.integration.test_tinker_serve import BASE, sft_data
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -94,14 +95,7 @@ def _tinker_model(service: Service, client, data: list, i: int, out: dict, error
 
 
 def unload(url: str, tenant: str, model_id: str) -> None:
-    """unload_model over raw HTTP (the SDK 0.38 has no call for it), waiting on its future."""
-    with httpx.Client(base_url=url + "/api/v1", timeout=60, headers={"X-API-Key": KEYS[tenant]}) as http:
-        rid = http.post("unload_model", json={"model_id": model_id}).json()["request_id"]
-        deadline = time.monotonic() + DONE_TIMEOUT_S
-        while (r := http.post("retrieve_future", json={"request_id": rid})).json().get("type") == "try_again":
-            assert time.monotonic() < deadline, r.text
-            time.sleep(0.2)
-        assert r.json() == {"type": "unload_model", "model_id": model_id}, r.text
+    unload_model(url, KEYS[tenant], model_id, timeout_s=DONE_TIMEOUT_S)
 
 
 def _placements(log_path: Path) -> tuple[list[tuple[str, str]], dict[str, str]]:
@@ -197,22 +191,14 @@ def test_kill_9_halfway_and_restart_every_run_resumes_from_its_checkpoint(servic
         for n in names:
             c.register(n, sft(tiny_world, num_step=RESTART_STEPS, prompts_per_step=2, checkpoint_interval=1))
         target = RESTART_RUNS * RESTART_STEPS // 2
-        deadline = time.monotonic() + DONE_TIMEOUT_S
-        while sum(a["step"] for a in c.list() if a["name"] in names) < target:
-            assert time.monotonic() < deadline, "the runs did not get halfway"
-            time.sleep(0.5)
+        wait_until(lambda: sum(a["step"] for a in c.list() if a["name"] in names) >= target, "the runs halfway",
+                   timeout_s=DONE_TIMEOUT_S, interval_s=0.5)
     service.kill()
     killed_at = time.time()
-    # each run's last checkpoint as the killed service left it (read from its SQLite registry while
-    # nothing runs: an API read before the kill could miss a step checkpointed between read and kill)
-    from service.config import ServiceSettings
-    from service.registry import Registry
-
-    registry = Registry(ServiceSettings(state_dir=service.state_dir).db_path, SLOTS["num_slots"])
-    try:
+    # each run's last checkpoint as the killed service left it (an API read before the kill could
+    # miss a step checkpointed between read and kill)
+    with registry_left_in(service.state_dir, SLOTS["num_slots"]) as registry:
         before = {ref.name: ref.checkpoint_step or 0 for ref in registry.list() if ref.name in names}
-    finally:
-        registry.close()
     service.start()  # the same job and state dir: engines of the killed one reaped, live runs prepared again
     with rest(service, "alice") as c:
         for n in names:

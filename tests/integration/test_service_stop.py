@@ -18,7 +18,7 @@ import time
 import psutil
 import pytest
 
-from tests.integration.service_world import Service, serve_job, sft, wait_for
+from tests.integration.service_world import Service, registry_left_in, serve_job, sft, wait_for
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -49,9 +49,6 @@ def _tree(pid: int) -> list[psutil.Process]:
 # whole process group, the same drain with every child signalled too, opt-in (-m slow: CI budget).
 @pytest.mark.parametrize("how", [pytest.param("process group", marks=pytest.mark.slow), "main process"])
 def test_sigterm_drains_exits_0_and_leaves_no_process(how, tiny_world, tmp_path):
-    from service.config import ServiceSettings
-    from service.registry import Registry
-
     svc = Service(serve_job(tmp_path, tiny_world), tmp_path / "state", tmp_path / "serve.log")
     svc.start(new_session=True)
     try:
@@ -77,9 +74,6 @@ def test_sigterm_drains_exits_0_and_leaves_no_process(how, tiny_world, tmp_path)
             os.killpg(os.getpgid(svc.proc.pid), signal.SIGKILL)
         for p in [p for p in psutil.process_iter() if "sglang_server" in _cmd(p) and str(tmp_path) in _cmd(p)]:
             p.kill()
-    registry = Registry(ServiceSettings(state_dir=tmp_path / "state").db_path, 4)
-    try:
+    with registry_left_in(tmp_path / "state", 4) as registry:
         ref = registry.get("s")
-        assert ref.state.value == "ACTIVE" and ref.checkpoint_step == ref.step >= 2, ref  # drained at its last step
-    finally:
-        registry.close()
+    assert ref.state.value == "ACTIVE" and ref.checkpoint_step == ref.step >= 2, ref  # drained at its last step

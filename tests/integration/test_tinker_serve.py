@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,7 +27,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.integration.sdk_clients import close_sdk_clients, open_client  # noqa: F401 - autouse fixture
+from tests.integration.sdk_clients import close_sdk_clients, open_client, unload_model  # noqa: F401 - autouse fixture
 from tests.integration.service_world import TOKEN, Service, serve_job, sft, wait_for
 
 pytestmark = pytest.mark.integration
@@ -78,13 +77,7 @@ def free_slots(url: str) -> int:
 
 
 def unload(url: str, tenant: str, model_id: str) -> None:
-    """unload_model over raw HTTP (what the SDK sends), waiting on its future."""
-    with httpx.Client(base_url=url + "/api/v1", timeout=60, headers={"X-API-Key": KEYS[tenant]}) as http:
-        rid = http.post("unload_model", json={"model_id": model_id}).json()["request_id"]
-        deadline = time.monotonic() + 120
-        while (r := http.post("retrieve_future", json={"request_id": rid})).json().get("type") == "try_again":
-            assert time.monotonic() < deadline, r.text
-        assert r.json() == {"type": "unload_model", "model_id": model_id}, r.text
+    unload_model(url, KEYS[tenant], model_id)
 
 
 def sft_data(tok, tiny_world: Path, n: int):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from tests.local_ray import start_ray, stop_ray
 
-import time
+from tests.waiting import wait_until
 
 import pytest
 
@@ -59,10 +59,7 @@ def test_plan_from_the_live_cluster_is_reserved_and_pinned(local_ray):
         assert all(group_node_ids(g) == [shape.node_ids[0]] * len(g.bundle_specs) for g in groups)  # pinned by node id
         # all four logical GPUs reserved (Ray's resource view catches up within a few reports: a
         # read right after creation saw them free once in a full run)
-        deadline = time.monotonic() + 10
-        while ray.available_resources().get("GPU", 0) != 0 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert ray.available_resources().get("GPU", 0) == 0
+        wait_until(lambda: ray.available_resources().get("GPU", 0) == 0, "every GPU reserved", timeout_s=10, interval_s=0.1)
     finally:
         release_placement_groups(groups)
 
@@ -75,10 +72,7 @@ def test_reservation_is_all_or_nothing(local_ray):
         reserve_placement_groups(plan, timeout_s=2)
     assert "pending: lorafleet-" in str(err.value)
     # nothing left reserved (Ray's resource view catches up with removals within a few reports)
-    deadline = time.monotonic() + 10
-    while ray.available_resources().get("GPU", 0) != 4 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert ray.available_resources().get("GPU", 0) == 4
+    wait_until(lambda: ray.available_resources().get("GPU", 0) == 4, "every GPU free again", timeout_s=10, interval_s=0.1)
 
 
 def test_cpu_default_plan_reserves_cpu_bundles(local_ray):
