@@ -12,7 +12,12 @@ re-registered name gets a folder of its own (its registration id), so TensorBoar
 shows each tenant of a name as its own run. `log_round(record)` writes the fleet's
 round times (service.fleet_stats.RoundRecord) under `_fleet`, x = round number.
 
-Written with TensorBoard's own writer (`tensorboard.summary.Writer`); view with
+Written with TensorBoard's own writer (`tensorboard.summary.Writer`, scalars in the scalars
+plugin's format) over `AppendingEventFile`, an output of this module that appends each flush's
+records to the run's one event file in the calling thread: TensorBoard's own DirectoryOutput starts
+a writer thread per run and keeps its file open, so 1,024 tenants held 1,024 threads and files in
+the coordinator, and every step's flush waited for a thread handoff (issue 26: per-round cost
+proportional to resident tenants, not registered ones). View with
 `tensorboard --logdir <state_dir>/tensorboard`.
 
 W&B: when the `wandb` package is installed and `WANDB_PROJECT` is set, each adapter
@@ -32,7 +37,10 @@ import importlib.util
 import logging
 import math
 import os
+import socket
+import struct
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
@@ -140,10 +148,10 @@ class TrainingLog:
 
     @staticmethod
     def _writer(folder: Path) -> Any:
-        from tensorboard.summary import Writer
+        from tensorboard.summary import Output, Writer
 
-        folder.mkdir(parents=True, exist_ok=True)
-        return Writer(str(folder))
+        Output.register(AppendingEventFile)  # its interface, without importing TensorBoard with this module
+        return Writer(AppendingEventFile(folder))
 
     def _open(self, key: tuple[str, str]) -> Any:
         writer = self._writers[key] = self._writer(run_dir(self.state_dir, *key))
@@ -163,3 +171,53 @@ class TrainingLog:
                 reinit="create_new", config={"adapter": name, "registration_id": registration_id},
             )
         run.log({k: v for k, v in values.items() if isinstance(v, (int, float)) and math.isfinite(v)}, step=step)
+
+
+_UIDS = iter(range(1 << 62))  # event files this process made (a suffix, as TensorBoard's writer has)
+
+
+class AppendingEventFile:
+    """A `tensorboard.summary.Output`: one event file in `folder`, named and framed as TensorBoard's
+    EventFileWriter does (``events.out.tfevents.<time>.<host>.<pid>.<uid>``, TFRecord framing with
+    masked CRC-32C), written with no thread and no file held open: `emit_scalar` keeps the record,
+    `flush` appends the kept records in one write and closes the file again. Holds a few bytes per
+    run between flushes, so any number of runs can have one."""
+
+    def __init__(self, folder: Path) -> None:
+        from tensorboard.compat.proto import event_pb2
+
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_UIDS)}"
+        self._records: list[bytes] = []
+        self._add(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2",
+                                  source_metadata=event_pb2.SourceMetadata(writer="lorafleet.service.tb_log")))
+        self.flush()
+
+    def emit_scalar(self, *, plugin_name: str, tag: str, data: Any, step: Any, wall_time: float,
+                    tag_metadata: bytes | None = None, description: str | None = None) -> None:
+        from tensorboard.compat.proto import event_pb2, summary_pb2
+        from tensorboard.util import tensor_util
+
+        metadata = summary_pb2.SummaryMetadata(
+            plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name=plugin_name, content=tag_metadata),
+            summary_description=description, data_class=summary_pb2.DataClass.DATA_CLASS_SCALAR)
+        event = event_pb2.Event(wall_time=wall_time, step=step)
+        event.summary.value.add(tag=tag, tensor=tensor_util.make_tensor_proto(data), metadata=metadata)
+        self._add(event)
+
+    def _add(self, event: Any) -> None:
+        from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+
+        data = event.SerializeToString()
+        header = struct.pack("<Q", len(data))
+        self._records.append(header + struct.pack("<I", masked_crc32c(header)) + data
+                             + struct.pack("<I", masked_crc32c(data)))
+
+    def flush(self) -> None:
+        if self._records:
+            with open(self.path, "ab") as f:
+                f.write(b"".join(self._records))
+            self._records.clear()
+
+    def close(self) -> None:
+        self.flush()

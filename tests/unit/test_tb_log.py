@@ -118,3 +118,22 @@ def test_a_write_failure_does_not_raise(tmp_path):
     with TrainingLog(tmp_path, use_wandb=False) as tlog:
         assert not tlog.log_step("a", "r" * 32, 1, {"loss": 1.0}, samples=1)
         tlog.log_round(FleetStats().record_round(collect_s=0.0, train_s=0.0, steps=0, samples=0))
+
+
+def test_many_runs_hold_no_thread_and_no_open_file(tmp_path, registry):
+    """A thousand tenants must not cost a thousand writer threads and open files in the coordinator
+    (issue 26): each run's events are appended in the caller's thread, and nothing stays open."""
+    import os
+    import threading
+
+    fds_before = len(os.listdir("/proc/self/fd"))
+    threads_before = threading.active_count()
+    with TrainingLog(tmp_path) as tlog:
+        rids = {f"r{i:03d}": active_run(registry, f"r{i:03d}") for i in range(60)}
+        for step in (1, 2):
+            for name, rid in rids.items():
+                assert tlog.log_step(name, rid, step, {"loss": float(step)}, samples=2)
+        assert threading.active_count() == threads_before
+        assert len(os.listdir("/proc/self/fd")) <= fds_before
+    for name, rid in list(rids.items())[::20]:
+        assert read_scalars(run_dir(tmp_path, name, rid))["loss"] == [(1, 1.0), (2, 2.0)]
