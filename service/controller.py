@@ -111,6 +111,7 @@ class Controller:
         # process. After a restart it is empty, so live runs trained before are
         # prepared again (from their last checkpoint) before anything else.
         self._prepared: set[str] = set()
+        self._state_changes_seen = -1  # registry.state_changes when reconcile last looked for ended runs
         self._knobs = ResidencyKnobs(idle_evict_s=capacity.evict_idle_s, turn_steps=capacity.turn_steps, quotas=settings.quotas)
         self._reconcile_lock = threading.Lock()  # one reconcile pass at a time
         self.reconcile_seconds, self.reconciles = 0.0, 0  # time in reconcile since start (/metrics: the per-round cost)
@@ -292,8 +293,16 @@ class Controller:
         return self.registry.live()
 
     def live_states(self) -> dict[str, AdapterState]:
-        """registration id -> state of every live run, without their refs (the loop reads it every round)."""
+        """registration id -> state of every live run, without their refs."""
         return self.registry.live_states()
+
+    def live_count(self) -> int:
+        """How many runs are live (the loop reads it every round: one count, no rows)."""
+        return self.registry.live_count()
+
+    def active_ids(self) -> list[str]:
+        """Registration ids of the ACTIVE runs, oldest first."""
+        return self.registry.ids_in_state(AdapterState.ACTIVE)
 
     def record_step(self, registration_id: str, *, step: int, samples: int, metrics: dict[str, float], weight_version: int | None = None,
                     served: bool = True) -> AdapterRef:
@@ -334,12 +343,16 @@ class Controller:
             runtime = self._runtime
             if runtime is None:
                 return []
-            # Per-round cost: one two-column read of the live runs, the refs of the prepared runs that
-            # ended, and the refs of the runs not waiting in the queue (slots + ending): queued and
-            # evicted runs have nothing to reconcile, however many are registered.
-            live = self.registry.live_states()
-            for registration_id in sorted(self._prepared - live.keys()):
-                self._release_quietly(runtime, self.registry.get_run(registration_id))
+            # Per-round cost: the refs of the runs not waiting in the queue (slots + ending): queued and
+            # evicted runs have nothing to reconcile, however many are registered. The prepared runs
+            # that ended are looked for only after a state changed (`state_changes`): a read of every
+            # live run each round grew with the registered tenants (issue 26).
+            changes_seen = self.registry.state_changes
+            if changes_seen != self._state_changes_seen:
+                live = self.registry.live_states()
+                for registration_id in sorted(self._prepared - live.keys()):
+                    self._release_quietly(runtime, self.registry.get_run(registration_id))
+                self._state_changes_seen = changes_seen
             changes: list[Change] = []
             for ref in self.registry.unqueued_live():
                 changes.extend(self._advance(runtime, ref))

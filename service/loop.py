@@ -61,7 +61,6 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from service.errors import Conflict
-from service.registry import AdapterState
 from service.batches import TrainerLost
 from service.placement import NoPlacement
 from service.fleet_stats import FleetStats, batch_token_counts
@@ -116,8 +115,7 @@ def run_training_loop(controller: Any, runtime: Any, opts: LoopOptions, stop: St
                     log.info("fail %s: %s", registration_id, e)
             for change in controller.reconcile():                                               # 1b
                 log.info("%s: %s -> %s%s", change.name, change.from_state, change.to_state, f" ({change.reason})" if change.reason else "")
-            live = controller.live_states()  # registration id -> state: no refs (per-round cost, issue 26)
-            if opts.batch_mode and not live:
+            if opts.batch_mode and not controller.live_count():  # one count a round, no rows (per-round cost, issue 26)
                 break
             if time.monotonic() >= next_engine_check:
                 report.events += _logged(runtime.check_engines())                               # fault: dead engine, failed publish
@@ -125,7 +123,6 @@ def run_training_loop(controller: Any, runtime: Any, opts: LoopOptions, stop: St
                     _restart_trainer(controller, runtime, report, "a trainer rank is gone")
                     continue
                 next_engine_check = time.monotonic() + opts.engine_check_s
-            active = [registration_id for registration_id, state in live.items() if state == AdapterState.ACTIVE]
             t_round = time.monotonic()
             try:
                 outcome = runtime.round(opts.max_wait_s, stop)                                  # 2, 3
@@ -135,7 +132,7 @@ def run_training_loop(controller: Any, runtime: Any, opts: LoopOptions, stop: St
             collect_s = time.monotonic() - t_round - outcome.seconds
             report.collect_seconds += collect_s
             if outcome.empty:
-                for ref in runtime.exhausted_runs(active):                                      # 7 (a tail shorter than a step)
+                for ref in runtime.exhausted_runs(controller.active_ids()):                     # 7 (a tail shorter than a step)
                     _retire(controller, ref)
                 errors = 0
                 continue

@@ -60,6 +60,7 @@ from service.errors import Conflict, NoFreeSlot, NotFound, QuotaExceeded
 from service.registry_views import RegistryViews, RunQuota
 from service.registry_records import (  # noqa: F401 - the records' names are the registry's interface too
     _QUEUE_WHERE,
+    _WAITING,
     _QUEUED_SQL,
     _SCHEMA,
     LEGAL_TRANSITIONS,
@@ -101,6 +102,7 @@ class Registry(RegistryViews):
                 f"registry {self.db_path} is already open in another process; one controller owns it at a time"
             ) from None
         self._lock = threading.Lock()
+        self.state_changes = 0  # state writes through this registry (`_update`): a reader that saw N has nothing new to see
         self._configs = ConfigCache()  # parsed configs by registration id (immutable): refs parse none twice
         # isolation_level=None: we issue BEGIN IMMEDIATE ourselves, so each method is one transaction.
         self._db = sqlite3.connect(self.db_path, isolation_level=None, check_same_thread=False, timeout=10.0)
@@ -520,7 +522,7 @@ class Registry(RegistryViews):
         tenant: service/scheduler.py). Conflict when the run is not queued or the slot not free."""
         with self._tx():
             row = self._run_row(registration_id)
-            if registration_id not in self._queue():
+            if not self._waiting(registration_id):
                 raise Conflict(f"adapter {row['name']!r} is not waiting for a slot (state {row['state']}, slot {row['slot']})")
             if slot not in self._free_slots():
                 raise Conflict(f"slot {slot} is not free")
@@ -551,11 +553,31 @@ class Registry(RegistryViews):
         """registration id -> 1-based queue position (caller holds the lock)."""
         return {rid: i + 1 for i, rid in enumerate(self._queue())}
 
+    def _waiting(self, registration_id: str) -> bool:
+        """Whether the run waits in the queue (one row's test; caller holds the lock)."""
+        return self._db.execute(f"SELECT 1 FROM runs WHERE registration_id = ? AND {_WAITING}", (registration_id,)).fetchone() is not None
+
+    def _queue_position(self, row: sqlite3.Row) -> int | None:
+        """The 1-based queue position of one run, None when it does not wait: one count in SQLite
+        (queue order is `ORDER BY queued_at, run_id`, NULLs first), no Python per queued run: the
+        slot changes of every turn build a ref, and the queue holds every registered tenant
+        (issue 26: per-round cost proportional to the residents). Caller holds the lock."""
+        if not self._waiting(row["registration_id"]):
+            return None
+        if row["queued_at"] is None:
+            ahead = self._db.execute(f"SELECT COUNT(*) FROM runs WHERE {_WAITING} AND queued_at IS NULL AND run_id < ?",
+                                     (row["run_id"],))
+        else:
+            ahead = self._db.execute(f"SELECT COUNT(*) FROM runs WHERE {_WAITING} AND (queued_at IS NULL OR queued_at < ?"
+                                     " OR (queued_at = ? AND run_id < ?))", (row["queued_at"], row["queued_at"], row["run_id"]))
+        return ahead.fetchone()[0] + 1
+
     def _ref(self, row: sqlite3.Row, positions: dict[str, int] | None = None) -> AdapterRef:
-        """The ref of `row`; its queue position from `positions` (read now when not given: the
-        caller holds the lock then)."""
+        """The ref of `row`; its queue position from `positions` (a list's refs), or read for this
+        one row when not given (the caller holds the lock then)."""
         if positions is None:
-            positions = self._queue_positions() if row["slot"] is None and row["state"] in LIVE_STATES else {}
+            position = self._queue_position(row) if row["slot"] is None and row["state"] in LIVE_STATES else None
+            return _ref(row, position, self._configs)
         return _ref(row, positions.get(row["registration_id"]), self._configs)
 
     def _progress_row(self, registration_id: str) -> sqlite3.Row:
@@ -570,3 +592,5 @@ class Registry(RegistryViews):
     def _update(self, registration_id: str, sets: dict[str, Any]) -> None:
         cols = ", ".join(f"{k} = ?" for k in sets)
         self._db.execute(f"UPDATE runs SET {cols} WHERE registration_id = ?", (*sets.values(), registration_id))
+        if "state" in sets:  # the one write of a run's state: a change a reader of live_states may not have seen
+            self.state_changes += 1

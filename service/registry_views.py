@@ -168,6 +168,14 @@ class RegistryViews:
             sql = f"SELECT registration_id, state FROM runs WHERE {_LIVE_WHERE} ORDER BY run_id"
             return {r[0]: AdapterState(r[1]) for r in self._db.execute(sql)}
 
+    def live_count(self) -> int:
+        with self._lock:
+            return self._db.execute(f"SELECT COUNT(*) FROM runs WHERE {_LIVE_WHERE}").fetchone()[0]
+
+    def ids_in_state(self, state: AdapterState) -> list[str]:
+        with self._lock:
+            return [r[0] for r in self._db.execute("SELECT registration_id FROM runs WHERE state = ? ORDER BY run_id", (state.value,))]
+
     def unqueued_live(self) -> list[AdapterRef]:
         """The live runs not waiting in the queue (holding a slot, or ending without one): what
         reconcile acts on; as many as the slots plus the runs ending now, whatever the queue."""

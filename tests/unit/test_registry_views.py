@@ -155,3 +155,21 @@ def test_concurrent_registrations_never_pass_a_quota_together(tmp_path):
         t.join(60)
     assert Counter(outcomes) == {"ok": 25, "refused": 55} and r.usage("alice") == (25, 21)
     r.close()
+
+
+def test_one_runs_queue_position_is_its_place_in_the_whole_queue(reg):
+    """A single ref's queue position (one count in SQLite: the slot changes of every turn build
+    one) equals its place in the queue read whole, for every run: queued, evicted (requeued
+    behind the others), resident and ended ones (None), with equal queued_at times broken by
+    run id."""
+    evicted = reg.live()[1]
+    assert evicted.slot is not None
+    reg.release_slot(evicted.registration_id, expect_slot=evicted.slot)  # to the end of the queue
+    with reg._lock:
+        reg._db.execute("UPDATE runs SET queued_at = (SELECT MIN(queued_at) FROM runs WHERE slot IS NULL) "
+                        "WHERE run_id IN (SELECT run_id FROM runs WHERE slot IS NULL ORDER BY run_id LIMIT 3 OFFSET 5)")
+    with reg._lock:
+        whole = reg._queue_positions()
+    assert len(whole) > 30
+    for ref in reg.list():
+        assert reg.get_run(ref.registration_id).queue_position == whole.get(ref.registration_id), ref.name
