@@ -72,7 +72,7 @@ def create_app(controller_obj: Controller, settings: ServiceSettings, fleet_stat
     if problem:
         raise ValueError(f"refusing to serve on {settings.host!r} without an API token that can protect it: {problem}")
     controller = ControllerClient(controller_obj, settings.controller_timeout_s)
-    reads = ReadCache(settings.read_cache_s)  # list pages, /metrics, fleet stats: one build per burst (api/read_cache.py)
+    reads = ReadCache(settings.read_cache_s, stale_s=settings.read_stale_s)  # list pages, /metrics, fleet stats: one build per burst (api/read_cache.py)
     paths = PublicPaths.from_settings(settings)  # a cached JSON answer is made public once, when built
 
     app = FastAPI(

@@ -11,6 +11,13 @@ request came; with ttl_s 0, one whose build started after it came: a burst then 
 A write through the API (register, retire, abort) clears the cache: a
 caller reads its own writes at once; what the loop changes (steps, states) shows within `ttl_s`.
 
+Stale while refreshing (`stale_s` > 0): a request that finds an answer older than `ttl_s` but whose
+build started at most `ttl_s + stale_s` before it is answered at once with those bytes, and one
+build of a new answer starts in the background (one per key at a time). So a burst that comes
+every few seconds waits for no build: a dashboard's poll every 2 s against ttl_s 1 s used to make
+every burst wait for the build its first request started (issue 26: p99 under bursts). What the loop
+changes then shows within `ttl_s + stale_s`; a write still clears everything (nothing stale after it).
+
 Bounded: at most `max_entries` answers are kept (least recently stored out first). Event-loop
 only (asyncio locks): no thread.
 """
@@ -18,14 +25,20 @@ only (asyncio locks): no thread.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Hashable
 
+log = logging.getLogger(__name__)
+
 
 class ReadCache:
-    def __init__(self, ttl_s: float, max_entries: int = 256, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, ttl_s: float, max_entries: int = 256, clock: Callable[[], float] = time.monotonic, *,
+                 stale_s: float = 0.0) -> None:
         self.ttl_s = ttl_s
+        self.stale_s = stale_s
+        self._refreshing: dict[Hashable, asyncio.Task] = {}  # background builds (stale_s), one per key
         self.max_entries = max_entries
         self.clock = clock
         self._answers: OrderedDict[Hashable, tuple[float, int, bytes]] = OrderedDict()
@@ -48,10 +61,29 @@ class ReadCache:
         """The answer for `key`: one whose build started at most `ttl_s` before this request came (a
         stored one, or the one a concurrent request is building), else a new one from `build()`
         (whose exception reaches its own request only, and is not stored)."""
-        since = self.clock() - self.ttl_s
+        now = self.clock()
+        since = now - self.ttl_s
         hit = self._fresh(key, since)
         if hit is not None:
             return hit
+        if self.stale_s > 0:
+            stale = self._fresh(key, since - self.stale_s)
+            if stale is not None:
+                if key not in self._refreshing:
+                    task = asyncio.get_running_loop().create_task(self._refresh(key, build))
+                    self._refreshing[key] = task
+                    task.add_done_callback(lambda _t, k=key: self._refreshing.pop(k, None))
+                return stale
+        return await self._build(key, build, since)
+
+    async def _refresh(self, key: Hashable, build: Callable[[], Awaitable[bytes]]) -> None:
+        """A background build (stale_s); its failure is logged, the stale answer ages out as usual."""
+        try:
+            await self._build(key, build, self.clock())
+        except Exception:
+            log.warning("refreshing the cached answer of %r failed", key, exc_info=True)
+
+    async def _build(self, key: Hashable, build: Callable[[], Awaitable[bytes]], since: float) -> bytes:
         flight = self._flights.setdefault(key, asyncio.Lock())
         async with flight:
             hit = self._fresh(key, since)  # built while this request waited: it is as new as needed

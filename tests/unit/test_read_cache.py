@@ -99,3 +99,66 @@ def test_a_failed_build_is_not_stored_and_the_cache_is_bounded():
         return calls
 
     assert len(asyncio.run(scenario())) == 5
+
+
+def test_stale_answers_come_at_once_while_one_new_one_is_built():
+    """stale_s: past the ttl but within ttl + stale_s, a burst gets the stored bytes without waiting
+    (the build is held by the test's gate) and starts ONE build; the next request after it gets
+    the new answer. Past ttl + stale_s, a request waits for a build as without stale_s."""
+    async def scenario():
+        clock, gate = Clock(), asyncio.Event()
+        cache = ReadCache(1.0, clock=clock, stale_s=2.0)
+        build, calls = _builder(gate)
+        gate.set()
+        assert await cache.get("k", build) == b"answer 1"
+        gate.clear()
+        clock.now += 2.5  # stale, within 1 + 2 s
+        answers = await asyncio.gather(*(cache.get("k", build) for _ in range(100)))  # the gate is shut: no wait
+        assert answers == [b"answer 1"] * 100
+        await asyncio.sleep(0)
+        assert len(calls) == 2  # one background build for the whole burst
+        gate.set()
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert await cache.get("k", build) == b"answer 2"
+        clock.now += 3.5  # older than ttl + stale_s: wait for the new answer
+        assert await cache.get("k", build) == b"answer 3"
+
+    asyncio.run(scenario())
+
+
+def test_nothing_stale_is_sent_after_a_write():
+    async def scenario():
+        clock = Clock()
+        cache = ReadCache(1.0, clock=clock, stale_s=5.0)
+        build, calls = _builder()
+        assert await cache.get("k", build) == b"answer 1"
+        clock.now += 2.0
+        cache.clear()  # a register or retire through the API
+        assert await cache.get("k", build) == b"answer 2"  # built for this request, not the stale one
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_background_build_keeps_the_stale_answer_until_it_ages_out():
+    async def scenario():
+        clock = Clock()
+        cache = ReadCache(1.0, clock=clock, stale_s=2.0)
+        fail = [False]
+
+        async def build() -> bytes:
+            if fail[0]:
+                raise RuntimeError("registry busy")
+            return b"ok"
+
+        assert await cache.get("k", build) == b"ok"
+        fail[0] = True
+        clock.now += 1.5
+        assert await cache.get("k", build) == b"ok"
+        for _ in range(5):
+            await asyncio.sleep(0)
+        clock.now += 2.0  # past ttl + stale_s: the request builds, and sees the failure
+        with pytest.raises(RuntimeError, match="registry busy"):
+            await cache.get("k", build)
+
+    asyncio.run(scenario())
