@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture
 def served(tmp_path):
     """The real app over a real Controller (SQLite registry), with a recorder the test feeds."""
-    # read_cache_s 0: the test feeds the recorder and reads at once (the cache's own test: test_read_cache.py)
-    settings = load_settings(state_dir=tmp_path / "state", data_roots=[tmp_path], api_token=TOKEN, read_cache_s=0)
+    # read_cache_s 0, read_stale_s 0: the test feeds the recorder and reads at once (the cache's own test: test_read_cache.py)
+    settings = load_settings(state_dir=tmp_path / "state", data_roots=[tmp_path], api_token=TOKEN, read_cache_s=0, read_stale_s=0)
     controller = Controller(settings, SlotCapacity(num_slots=2, max_rank=8))
     stats = FleetStats()
     try:

@@ -65,7 +65,7 @@ def live_api(tmp_path):
 
     # The test records steps through the controller, not the API: with the read cache a page would show
     # them only after read_cache_s (api/read_cache.py); 0 builds each poll's page after it came.
-    world = make_world(tmp_path, read_cache_s=0)
+    world = make_world(tmp_path, read_cache_s=0, read_stale_s=0)
     controller = Controller(world.settings, CAPACITY)
     try:
         rid = controller.register("digits", world.rl_config(num_step=30)).registration_id
