@@ -151,8 +151,10 @@ def export_timings(trainer, n: int, run_mixed, opts: dict, kind: str) -> dict:
 
         writer = exports.writer if rank0 else None
         base_written, base_write_s = (writer.written, writer.write_seconds) if writer else (0, 0.0)
+        alloc0 = _allocator_counts()
         res = timed(mixed_then_exports, opts["iters"], opts["warmup"], None, end_round=dist.barrier,
                     progress=dist.get_rank() == 0)
+        allocs = {k: v - alloc0[k] for k, v in _allocator_counts().items()}
         timed_calls, timed_waits, timed_waited = calls[-opts["iters"]:], waits[-opts["iters"]:], waited[-opts["iters"]:]
         first_wait = next((w[0] for w in timed_waited if w), None)
         t0 = time.perf_counter()
@@ -169,7 +171,8 @@ def export_timings(trainer, n: int, run_mixed, opts: dict, kind: str) -> dict:
                          "mb": _adapter_bytes(trainer, dtype) / 1e6 if rank0 else 0.0,
                          "register_s": exports.arena.register_seconds if rank0 else 0.0,
                          "plan": _plan(trainer, exports, dtype) if rank0 else None,
-                         "waited_allocs": statistics.median(len(w) for w in timed_waited), "first_wait": first_wait})
+                         "waited_allocs": statistics.median(len(w) for w in timed_waited), "first_wait": first_wait,
+                         "allocs": allocs})
         out.update({
             "adapter_mb_on_rank0": round(stats[0]["mb"], 1),
             "arena_register_s": stats[0]["register_s"],
@@ -181,6 +184,7 @@ def export_timings(trainer, n: int, run_mixed, opts: dict, kind: str) -> dict:
             "room_wait_ms_per_round": 1e3 * stats[0]["wait_s"],
             "room_plan": stats[0]["plan"], "waited_allocs_per_round": stats[0]["waited_allocs"],
             "room_at_first_wait": stats[0]["first_wait"],
+            "cuda_allocator_over_rounds": stats[0]["allocs"],
             "written": stats[0]["written"], "superseded": stats[0]["superseded"],
             "writes_left_after_rounds_s": stats[0]["drain"],
             "write_failures": stats[0]["failures"],
@@ -198,6 +202,16 @@ def _adapter_bytes(trainer, dtype: str) -> int:
 
     state = trainer.slots.state(0)
     return trainer.export.export_layout(state.rank, state.hyper).index.numel() * export_dtype(dtype).itemsize
+
+
+def _allocator_counts() -> dict:
+    """CUDA caching-allocator counters ({} without CUDA): a retry frees cached blocks after a
+    synchronization of the device, a main-thread stall an export call could hide (its chunk
+    temporaries are held by the copy stream until their copies end). Warm-up rounds included."""
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {k: stats.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc", "num_sync_all_streams")}
 
 
 def _plan(trainer, exports, dtype: str) -> dict:
@@ -218,6 +232,8 @@ def room_line(e: dict) -> str:
                 f"{plan['planned_block_bytes'] / 1e6:.1f} MB planned (slots {plan['slots']} + threads {plan['threads']}), "
                 f"snapshot {plan['snapshot_bytes'] / 1e6:.1f} MB")
     text += f"; allocations that waited per round {e.get('waited_allocs_per_round', 0):g}"
+    if e.get("cuda_allocator_over_rounds"):
+        text += f"; CUDA allocator over the rounds {e['cuda_allocator_over_rounds']}"
     if first:
         text += (f"; at the first wait: {first['blocks_in_use']} blocks in use of {first['arena_holds_blocks']} "
                  f"({first['queued']} queued, {first['writing']} being written, {first['taken_by_this_call']} taken by "
