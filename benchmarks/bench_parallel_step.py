@@ -77,7 +77,7 @@ import torch  # noqa: E402
 
 from benchmarks.bench_mixed_step import GIB, PhaseTimer, TINY, cases, init_slots, make_samples, sync, timed, write_config  # noqa: E402
 from benchmarks.failures import describe_failure, is_oom  # noqa: E402
-from benchmarks.publish_round import export_table, export_timings  # noqa: E402
+from benchmarks.publish_round import export_table, export_timings, room_line  # noqa: E402
 
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1e6)
@@ -291,7 +291,8 @@ def _short(res: dict) -> str:
                 "arena_register_s", "round_with_exports_peak_gib")
         return " ".join(f"{k}={res[k]:.3g}" for k in keys if res.get(k) is not None) + (
             f" FAILED WRITES {res['write_failures']}" if res.get("write_failures") else "") + (
-            f" background_equals_sync={res['background_equals_sync']} rounds={res['round_with_exports_all_ms']}")
+            f" background_equals_sync={res['background_equals_sync']} rounds={res['round_with_exports_all_ms']}"
+            f"\n  room: {room_line(res)}")
     keys = ("ms", "fwd_bwd_ms", "step_ms", "other_ms", "tokens_per_s_per_gpu", "mfu", "peak_gib")
     return " ".join(f"{k}={res[k]:.3g}" for k in keys if res.get(k) is not None) + f" rounds={res['all_ms']}"
 

@@ -13,7 +13,14 @@ mixed rounds, every one of the N slots stepped in each round:
                 deletes it (the rollout worker's part); a folder that a newer export of its slot
                 superseded (the writer fell behind) is counted, never written.
   export calls  the main thread's time in that call per round (median over the timed rounds,
-                warm-up excluded), and of it the wait for room in the host arena (back-pressure).
+                warm-up excluded), and of it the wait for room (back-pressure: in the host arena,
+                or under the writer's byte bound).
+  room          the arena's plan (BackgroundExports.size_for: blocks of the largest file's size,
+                slots + writer threads of them) against a snapshot's size; allocations that found
+                no room per round, and for the first that did in a timed round, what held the
+                arena then (BackgroundExports.room_report: blocks in use, queued jobs, jobs being
+                written, blocks this call took, the block size against the planned one), so a
+                run that waits says why.
 
 --export-sync adds the synchronous export_peft of the N slots (the path before issue 18).
 Folders go to /dev/shm.
@@ -119,19 +126,24 @@ def export_timings(trainer, n: int, run_mixed, opts: dict, kind: str) -> dict:
             claimer_thread.start()
         rounds = iter(range(10**9))
         calls: list[float] = []  # main-thread seconds of each round's export call
-        waits: list[float] = []  # of it, waiting for room in the arena
+        waits: list[float] = []  # of it, waiting for room (the arena, or the writer's byte bound)
+        waited: list[list[dict]] = []  # room_report()s of the round's allocations that found no room
         exports = trainer.export.background
+
+        def room_wait_s() -> float:
+            return exports.arena.wait_seconds + exports.writer.room_wait_seconds
 
         def mixed_then_exports():
             run_mixed()
             r = next(rounds)
             requests = [ExportRequest(k, os.path.join(root, f"r{r}", f"s{k}") if rank0 else f"unused-{r}-{k}", key=f"slot{k}")
                         for k in range(n)]
-            wait0 = exports.arena.wait_seconds if rank0 else 0.0
+            wait0, seq0 = (room_wait_s(), exports.room_wait_count) if rank0 else (0.0, 0)
             t_exports = time.perf_counter()
             trainer.export.export_peft_in_background_many(requests, dtype=dtype)
             calls.append(time.perf_counter() - t_exports)
-            waits.append((exports.arena.wait_seconds if rank0 else 0.0) - wait0)
+            waits.append((room_wait_s() if rank0 else 0.0) - wait0)
+            waited.append([w for w in exports.room_waits if w["seq"] > seq0] if rank0 else [])
             if rank0:
                 with claimed:
                     claims.extend(q.folder for q in requests)
@@ -139,9 +151,12 @@ def export_timings(trainer, n: int, run_mixed, opts: dict, kind: str) -> dict:
 
         writer = exports.writer if rank0 else None
         base_written, base_write_s = (writer.written, writer.write_seconds) if writer else (0, 0.0)
+        alloc0 = _allocator_counts()
         res = timed(mixed_then_exports, opts["iters"], opts["warmup"], None, end_round=dist.barrier,
                     progress=dist.get_rank() == 0)
-        timed_calls, timed_waits = calls[-opts["iters"]:], waits[-opts["iters"]:]
+        allocs = {k: v - alloc0[k] for k, v in _allocator_counts().items()}
+        timed_calls, timed_waits, timed_waited = calls[-opts["iters"]:], waits[-opts["iters"]:], waited[-opts["iters"]:]
+        first_wait = next((w[0] for w in timed_waited if w), None)
         t0 = time.perf_counter()
         if rank0:
             with claimed:
@@ -154,7 +169,10 @@ def export_timings(trainer, n: int, run_mixed, opts: dict, kind: str) -> dict:
                          "write_s": (writer.write_seconds - base_write_s) / written if written else None,
                          "failures": failures, "call_s": statistics.median(timed_calls), "wait_s": statistics.median(timed_waits),
                          "mb": _adapter_bytes(trainer, dtype) / 1e6 if rank0 else 0.0,
-                         "register_s": exports.arena.register_seconds if rank0 else 0.0})
+                         "register_s": exports.arena.register_seconds if rank0 else 0.0,
+                         "plan": _plan(trainer, exports, dtype) if rank0 else None,
+                         "waited_allocs": statistics.median(len(w) for w in timed_waited), "first_wait": first_wait,
+                         "allocs": allocs})
         out.update({
             "adapter_mb_on_rank0": round(stats[0]["mb"], 1),
             "arena_register_s": stats[0]["register_s"],
@@ -164,6 +182,9 @@ def export_timings(trainer, n: int, run_mixed, opts: dict, kind: str) -> dict:
             "writer_ms_per_adapter": None if stats[0]["write_s"] is None else 1e3 * stats[0]["write_s"],
             "export_calls_ms_per_round": 1e3 * max(x["call_s"] for x in stats),
             "room_wait_ms_per_round": 1e3 * stats[0]["wait_s"],
+            "room_plan": stats[0]["plan"], "waited_allocs_per_round": stats[0]["waited_allocs"],
+            "room_at_first_wait": stats[0]["first_wait"],
+            "cuda_allocator_over_rounds": stats[0]["allocs"],
             "written": stats[0]["written"], "superseded": stats[0]["superseded"],
             "writes_left_after_rounds_s": stats[0]["drain"],
             "write_failures": stats[0]["failures"],
@@ -181,6 +202,45 @@ def _adapter_bytes(trainer, dtype: str) -> int:
 
     state = trainer.slots.state(0)
     return trainer.export.export_layout(state.rank, state.hyper).index.numel() * export_dtype(dtype).itemsize
+
+
+def _allocator_counts() -> dict:
+    """CUDA caching-allocator counters ({} without CUDA): a retry frees cached blocks after a
+    synchronization of the device, a main-thread stall an export call could hide (its chunk
+    temporaries are held by the copy stream until their copies end). Warm-up rounds included."""
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {k: stats.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc", "num_sync_all_streams")}
+
+
+def _plan(trainer, exports, dtype: str) -> dict:
+    """The arena's plan against this case's snapshot (rank 0; after the rounds)."""
+    snapshot = _adapter_bytes(trainer, dtype)
+    return {"snapshot_bytes": snapshot, "planned_block_bytes": exports.planned_block, "arena_bytes": exports.arena.nbytes,
+            "arena_holds_planned_blocks": exports.arena.nbytes // max(1, exports.planned_block),
+            "slots": trainer.config.num_slots, "threads": exports.threads,
+            "writer_bound_bytes": exports.writer.max_pending_bytes}
+
+
+def room_line(e: dict) -> str:
+    """The room columns of a mode export result in words: the plan, and what held the arena at the first wait."""
+    plan, first = e.get("room_plan") or {}, e.get("room_at_first_wait")
+    text = ""
+    if plan:
+        text = (f"arena {plan['arena_bytes'] / 1e9:.2f} GB = {plan['arena_holds_planned_blocks']} blocks of "
+                f"{plan['planned_block_bytes'] / 1e6:.1f} MB planned (slots {plan['slots']} + threads {plan['threads']}), "
+                f"snapshot {plan['snapshot_bytes'] / 1e6:.1f} MB")
+    text += f"; allocations that waited per round {e.get('waited_allocs_per_round', 0):g}"
+    if e.get("cuda_allocator_over_rounds"):
+        text += f"; CUDA allocator over the rounds {e['cuda_allocator_over_rounds']}"
+    if first:
+        text += (f"; at the first wait: {first['blocks_in_use']} blocks in use of {first['arena_holds_blocks']} "
+                 f"({first['queued']} queued, {first['writing']} being written, {first['taken_by_this_call']} taken by "
+                 f"this call, {first['held_otherwise']} otherwise), block {first['block_bytes'] / 1e6:.1f} MB for a "
+                 f"{first['snapshot_bytes'] / 1e6:.1f} MB snapshot, planned {first['planned_block_bytes'] / 1e6:.1f} MB, "
+                 f"largest free range {first['largest_free_bytes'] / 1e6:.1f} MB")
+    return text
 
 
 def export_table(layouts: list[dict]) -> str:
@@ -206,5 +266,6 @@ def export_table(layouts: list[dict]) -> str:
                     f"{fmt(e['export_calls_ms_per_round'])} ({fmt(e['room_wait_ms_per_round'])}) | "
                     f"{fmt(e['writer_ms_per_adapter'])} | {e['written']} / {e['superseded']} | {fmt(e['round_with_exports_peak_gib'])} |"
                     + (f" FAILED WRITES: {e['write_failures'][:2]}" if e.get("write_failures") else "")
+                    + (f" WAITED FOR ROOM: {room_line(e)}" if e.get("room_at_first_wait") else "")
                     + ("" if e.get("background_equals_sync") else " BACKGROUND EXPORT DIFFERS FROM THE SYNCHRONOUS ONE"))
     return "\n".join(lines)

@@ -10,7 +10,10 @@ torch's pinned memory, with no allocation per snapshot.
 
 Invariants:
 * Blocks are disjoint ranges of the arena, aligned to ALIGN bytes; a block is handed out by
-  `alloc` and returned exactly once by `ArenaBlock.release` (a second release is refused).
+  `alloc` and returned exactly once by `ArenaBlock.release` (a second release is refused). A
+  block may take more of the arena than its data (`alloc(..., reserve=)`): callers that give
+  every block one size keep the free ranges multiples of it, so k blocks fit in k blocks' bytes
+  whatever the order of allocations and releases (no fragmentation).
 * The arena is the bound on snapshot memory: `alloc` waits (the caller's thread: back-pressure)
   until a free range of the size exists; a request larger than the whole arena is refused at
   once (`fits` says so first; the caller then uses private memory).
@@ -46,6 +49,7 @@ class ArenaBlock:
     offset: int
     nbytes: int
     tensor: torch.Tensor
+    size: int  # arena bytes it takes (block_bytes of nbytes, or of the reserve when larger)
     _released: bool = False
 
     def release(self) -> None:
@@ -53,7 +57,7 @@ class ArenaBlock:
             raise RuntimeError(f"arena block at {self.offset} ({self.nbytes} bytes) released twice")
         self._released = True
         self.tensor = None  # type: ignore[assignment]  # no view outlives the block
-        self.arena._free_range(self.offset, block_bytes(self.nbytes))
+        self.arena._free_range(self.offset, self.size)
 
 
 class HostArena:
@@ -80,16 +84,28 @@ class HostArena:
         self._cond = threading.Condition()
         self._free: list[tuple[int, int]] = [(0, self.nbytes)]  # (offset, size), sorted, coalesced
         self.used = 0  # bytes in blocks handed out
+        self.blocks = 0  # blocks handed out and not yet released
         self.wait_seconds = 0.0  # time `alloc` calls waited for room (back-pressure)
         self.waiters = 0  # alloc calls waiting now (tests observe it)
 
-    def fits(self, nbytes: int) -> bool:
-        """Whether a block of `nbytes` can ever be handed out (it is no larger than the arena)."""
-        return block_bytes(nbytes) <= self.nbytes
+    def fits(self, nbytes: int, *, reserve: int = 0) -> bool:
+        """Whether a block of `nbytes` (taking `reserve`, if larger) can ever be handed out (it is no larger than the arena)."""
+        return block_bytes(max(nbytes, reserve)) <= self.nbytes
 
-    def alloc(self, nbytes: int) -> ArenaBlock:
-        """A block of `nbytes`, waiting until a free range of that size exists."""
-        size = block_bytes(nbytes)
+    def room_for(self, nbytes: int, *, reserve: int = 0) -> bool:
+        """Whether `alloc(nbytes, reserve=reserve)` would return now without waiting."""
+        size = block_bytes(max(nbytes, reserve))
+        with self._cond:
+            return self._fits_now(size)
+
+    def largest_free(self) -> int:
+        with self._cond:
+            return max((n for _, n in self._free), default=0)
+
+    def alloc(self, nbytes: int, *, reserve: int = 0) -> ArenaBlock:
+        """A block of `nbytes` that takes max(nbytes, reserve) of the arena (rounded up to ALIGN),
+        waiting until a free range of that size exists."""
+        size = block_bytes(max(nbytes, reserve))
         if size > self.nbytes:
             raise ArenaFull(f"a {nbytes}-byte snapshot does not fit the {self.nbytes}-byte export arena")
         with self._cond:
@@ -104,7 +120,8 @@ class HostArena:
                     self.wait_seconds += time.perf_counter() - t0
                 offset = self._take(size)
             self.used += size
-        return ArenaBlock(self, offset, nbytes, self.tensor[offset : offset + nbytes])
+            self.blocks += 1
+        return ArenaBlock(self, offset, nbytes, self.tensor[offset : offset + nbytes], size)
 
     def _fits_now(self, size: int) -> bool:
         return any(n >= size for _, n in self._free)
@@ -136,6 +153,7 @@ class HostArena:
                 free[i - 1] = (free[i - 1][0], free[i - 1][1] + free[i][1])
                 del free[i]
             self.used -= size
+            self.blocks -= 1
             self._cond.notify_all()
 
     def free_bytes(self) -> int:

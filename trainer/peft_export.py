@@ -29,18 +29,29 @@ Invariants:
   host_arena.py); a copy stream waits for the current stream before its copies.
 * A snapshot too large for the whole arena gets private pinned memory and is written in its
   writer thread (a writer process can only read the arena).
-* Sizing (`size_for`, before the arena's first use): the arena holds one snapshot of every slot
-  plus one per writer thread, or the writer's bound when that is larger. With latest-wins keys
-  (the service keys by run, so at most one key per slot) a slot has at most one queued export
-  (a newer one supersedes it before taking memory) and each writer thread writes one, so a
-  round's publishes never wait for room; only keyless exports can (back-pressure, bounded).
-  Measured why (2026-12-01, H200, 8B, 64 slots): a 4 GiB arena holds 46 of a round's 64 bf16
-  snapshots (87 MB each), and the other 18 waited 174 ms for the writers to make room.
+* Sizing (`size_for`, before the arena's first use): the arena holds `slots + threads` blocks of
+  the planned size, or the writer's bound when that is larger. The planned size is that of the
+  largest file any slot can have (SlotExporter.largest_file_elems: the trainer's max rank, every
+  target), not of a buffer row: the file is larger than the row it is gathered from (q/k/v and
+  gate/up each carry a copy of their fused linear's one A; 8B: 87.3 MB against a 78.1 MB row).
+  Every block of a planned snapshot takes exactly the planned size (`reserve`), whatever the
+  slot's rank and targets, so free ranges stay multiples of it: no mix of layouts fragments the
+  arena. With latest-wins keys (the service keys by run, so at most one key per slot) a slot
+  has at most one queued export (a newer one supersedes it before taking memory) and each
+  writer thread writes one, so a round's publishes never wait for room; only keyless exports
+  can (back-pressure, bounded). The writer's byte bound is never below the arena's size (a
+  bound below it would make the round wait in `submit` instead).
+  Measured why (2026-12-01/02, H200, 8B, 64 slots): a 4 GiB arena held 46 of a round's 64 bf16
+  snapshots (87 MB each), and the other 18 waited 174 ms for the writers to make room; planned
+  per row (68 x 78.1 MB) it held 60, and the last 4 waited 57 ms for the writers' first folders.
+* `room_report` says what holds the arena: recorded for every allocation that found no room
+  (`room_waits`), so a run that waits explains itself.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -57,6 +68,7 @@ from trainer.peft_io import peft_config_text, write_peft_folder_packed
 WriterKind = Literal["thread", "process"]
 
 CHUNK_BYTES = 1 << 30  # device temporaries per gather (the cast rows and the gathered bodies)
+ROOM_REPORTS = 64  # room_report()s kept of allocations that waited (the latest)
 
 
 @dataclass(frozen=True)
@@ -122,6 +134,9 @@ class BackgroundExports:
         self._procs = threading.local()  # each writer thread's WriterProcess
         self.processes: list[WriterProcess] = []
         self._wanted = 0  # arena bytes asked for by size_for (a round's snapshots)
+        self.planned_block = 0  # arena bytes every planned snapshot's block takes (size_for; 0: none planned)
+        self.room_wait_count = 0  # allocations that found no room in the arena (each waited)
+        self.room_waits: deque[dict] = deque(maxlen=ROOM_REPORTS)  # their room_report()s, the latest kept
 
     @property
     def copy_stream(self):  # noqa: ANN201 - torch.cuda.Stream
@@ -147,25 +162,30 @@ class BackgroundExports:
             return self._arena
 
     def size_for(self, snapshot_bytes: int, slots: int) -> None:
-        """Before the arena's first use: make room for one snapshot of `snapshot_bytes` per slot plus
+        """Before the arena's first use: make room for one snapshot of at most `snapshot_bytes` (the
+        largest any slot can have, in the first call's dtype: a publish job has one) per slot plus
         one per writer thread (module docstring); no effect once the arena exists."""
         with self._lock:
             if self._arena is None:
-                self._wanted = max(self._wanted, (slots + self.threads) * block_bytes(snapshot_bytes))
+                self.planned_block = max(self.planned_block, block_bytes(snapshot_bytes))
+                self._wanted = max(self._wanted, (slots + self.threads) * self.planned_block)
                 if self._writer is not None:
                     self._writer.max_pending_bytes = max(self._writer.max_pending_bytes, self._bound())
 
     def _bound(self) -> int:
-        return max(self.max_pending_bytes, self._wanted)
+        """The writer's bound and the arena's size: never below what the arena holds."""
+        return max(self.max_pending_bytes, self._wanted, 0 if self._arena is None else self._arena.nbytes)
 
-    def with_writer(self, kind: WriterKind, threads: int) -> "BackgroundExports":
+    def with_writer(self, kind: WriterKind, threads: int, *, max_pending_bytes: int | None = None) -> "BackgroundExports":
         """Background writing with writer `kind` and `threads` over this one's arena and copy stream
         (registered once per rank); this one's writer processes stop. Only while nothing is queued
         or being written (benchmarks compare writers on one build)."""
         if self._writer is not None and self._writer.pending():
             raise RuntimeError("exports are still queued or being written; switch writers when idle")
-        new = BackgroundExports(device=self.device, threads=threads, kind=kind, max_pending_bytes=self.max_pending_bytes)
+        bound = self.max_pending_bytes if max_pending_bytes is None else max_pending_bytes
+        new = BackgroundExports(device=self.device, threads=threads, kind=kind, max_pending_bytes=bound)
         new._arena, new._copy_stream = self._arena, self._copy_stream
+        new._wanted, new.planned_block = self._wanted, self.planned_block  # the plan the shared arena was sized by
         self.close()
         return new
 
@@ -174,8 +194,16 @@ class BackgroundExports:
         arena blocks (None: private memory), and the CUDA event after the copies (None on the CPU)."""
         n, f = bodies.shape
         nbytes = f * bodies.element_size()
-        arena = self.arena
-        blocks = [arena.alloc(nbytes) if arena.fits(nbytes) else None for _ in range(n)]
+        arena, reserve = self.arena, self.planned_block
+        blocks: list[ArenaBlock | None] = []
+        for _ in range(n):
+            if not arena.fits(nbytes, reserve=reserve):
+                blocks.append(None)
+                continue
+            if not arena.room_for(nbytes, reserve=reserve):  # it will wait: say what holds the arena
+                self.room_wait_count += 1
+                self.room_waits.append(self.room_report(nbytes, taken_by_this_call=len(blocks)) | {"seq": self.room_wait_count})
+            blocks.append(arena.alloc(nbytes, reserve=reserve))
         hosts = [None if b is None else b.tensor.view(bodies.dtype) for b in blocks]
         if bodies.is_cuda:
             stream = self.copy_stream
@@ -195,6 +223,31 @@ class BackgroundExports:
             else:
                 hosts[i].copy_(bodies[i])
         return hosts, blocks, None
+
+    @property
+    def room_waiters(self) -> int:
+        """Calls waiting for room now, in the arena or under the writer's bound (creates neither:
+        an arena made before `size_for` would be too small)."""
+        with self._lock:
+            arena, writer = self._arena, self._writer
+        return (0 if arena is None else arena.waiters) + (0 if writer is None else writer.room_waiters)
+
+    def room_report(self, snapshot_bytes: int = 0, *, taken_by_this_call: int = 0) -> dict:
+        """What holds the arena now: its blocks in use, of them the writer's queued jobs and those
+        being written (one per busy writer thread) and the blocks this call took so far; the block
+        a snapshot of `snapshot_bytes` takes against the planned one, and how many such the arena
+        holds. {} before the arena exists (it is not made here)."""
+        arena = self._arena
+        if arena is None:
+            return {}
+        queued, queued_bytes, writing = (0, 0, 0) if self._writer is None else self._writer.load()
+        block = block_bytes(max(snapshot_bytes, self.planned_block))
+        return {"arena_bytes": arena.nbytes, "blocks_in_use": arena.blocks, "used_bytes": arena.used,
+                "largest_free_bytes": arena.largest_free(), "queued": queued, "queued_bytes": queued_bytes,
+                "writing": writing, "taken_by_this_call": taken_by_this_call,
+                "held_otherwise": arena.blocks - queued - writing - taken_by_this_call,
+                "snapshot_bytes": snapshot_bytes, "block_bytes": block, "planned_block_bytes": self.planned_block,
+                "arena_holds_blocks": arena.nbytes // block, "threads": self.threads}
 
     def submit(self, requests: list[ExportRequest], snaps: list[PeftSnapshot]) -> None:
         """Queue the snapshots' writes (after `supersede_all` and the snapshot)."""

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from trainer.base_model import FrozenBase
-from trainer.config import SlotHyperParams, TrainerConfig
+from trainer.config import TARGET_GROUPS, SlotHyperParams, TrainerConfig
 from trainer.distributed import ParallelLayout, tp_group
 from trainer.export_writer import ExportLayout, ExportWriter, PeftSnapshot, Superseded, export_dtype, pinned_host_copy
 from trainer.moe_peft import expert_peft_tensors, expert_target_parameters
@@ -46,6 +46,7 @@ class SlotExporter:
         self._background: BackgroundExports | None = None  # rank 0's background writing (export_peft_in_background)
         self._background_lock = threading.Lock()  # made by whichever thread asks first
         self._layouts: dict[tuple, ExportLayout] = {}  # export_layout's cache, by layout_key
+        self._largest_file_elems: int | None = None  # largest_file_elems' cache
 
     @torch.no_grad()
     def snapshot_peft(self, slot: int, *, to_host: bool = True, dtype: str = "float32") -> PeftSnapshot:
@@ -110,6 +111,21 @@ class SlotExporter:
                 self._layouts.pop(next(iter(self._layouts)))
             self._layouts[key] = layout
         return layout
+
+    def largest_file_elems(self) -> int:
+        """Elements of the largest PEFT file any slot of this trainer can have: the trainer's max rank,
+        every target (routed experts too): a file's tensors only grow with the rank and the targets.
+        What the host arena is planned by (BackgroundExports.size_for): a file is larger than the
+        buffer row it is gathered from (q/k/v and gate/up each carry a copy of their fused linear's
+        one A), so a row's width would plan too little. Taken apart on the meta device: the shapes
+        of export_layout's tensors, with no memory and no index."""
+        if self._largest_file_elems is None:
+            tp, split = self.layout.tp_size, self.buffers.split_cols
+            row = torch.empty(tp * split + self.buffers.weight.shape[1] - split, dtype=torch.int64, device="meta")
+            rank = self.config.max_rank
+            dense, experts = self._trained(SlotHyperParams(rank=rank, targets=TARGET_GROUPS, lora_experts=True))
+            self._largest_file_elems = sum(t.numel() for t in self._peft_from_row(row, tp, rank, dense, experts).values())
+        return self._largest_file_elems
 
     def _trained(self, hyper: SlotHyperParams) -> tuple[list, list]:
         """(dense layers, expert layers) a slot with ``hyper`` trains: what its PEFT folder holds."""
@@ -179,9 +195,9 @@ class SlotExporter:
         try:
             states = [self.slots.state(r.slot) for r in requests]
             tp, split = self.layout.tp_size, self.buffers.split_cols
-            width = tp * split + self.buffers.weight.shape[1] - split  # a gathered row: no file is larger
-            if background is not None:
-                background.size_for(width * to.itemsize, self.config.num_slots)  # a round never waits for room
+            width = tp * split + self.buffers.weight.shape[1] - split  # a gathered row (a file may be larger: largest_file_elems)
+            if background is not None:  # a round never waits for room: planned by the largest file, not the row
+                background.size_for(self.largest_file_elems() * to.itemsize, self.config.num_slots)
                 background.supersede_all(requests)  # before taking host memory: a superseded export frees its block
             by_layout: dict[tuple, list[int]] = {}  # slots of one export layout (rank and targets) batch together
             for i, state in enumerate(states):
@@ -227,11 +243,14 @@ class SlotExporter:
         """This rank's writer (its threads start on first use)."""
         return self.background.writer
 
-    def use_writer(self, kind: str, threads: int | None = None) -> None:
+    def use_writer(self, kind: str, threads: int | None = None, *, max_pending_bytes: int | None = None) -> None:
         """Write background exports with writer `kind` ('thread' or 'process') and `threads` from now on
-        (benchmarks compare them on one build). Only while no export is queued or being written."""
+        (benchmarks compare them on one build), under a bound of `max_pending_bytes` of queued
+        snapshots (default DEFAULT_MAX_PENDING_BYTES; tests make it small so that the arena is what
+        `size_for` plans). Only while no export is queued or being written."""
         with self._background_lock:
             threads = threads or self.config.export_writer_threads
-            self._background = (BackgroundExports(device=self.device, threads=threads, kind=kind) if self._background is None
-                                else self._background.with_writer(kind, threads))
+            bound = {} if max_pending_bytes is None else {"max_pending_bytes": max_pending_bytes}
+            self._background = (BackgroundExports(device=self.device, threads=threads, kind=kind, **bound)
+                                if self._background is None else self._background.with_writer(kind, threads, **bound))
 

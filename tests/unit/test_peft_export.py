@@ -156,3 +156,25 @@ def test_with_latest_wins_a_round_of_every_slot_never_waits_for_room(tmp_path: P
             bg.writer.wait(str(tmp_path / f"r{r}" / f"s{k}"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r2", "r3", "r4"]  # r0 and r1 were never written
     bg.close()
+
+
+def test_every_planned_snapshot_takes_the_planned_block_so_a_mix_of_layouts_cannot_fragment_the_arena():
+    """size_for plans 3 blocks of the largest file (4 pages; 2 slots + 1 writer thread). Slots of a
+    smaller layout (3 pages) still take 4: so with one snapshot being written and one of this round
+    taken, the third always fits. Were blocks their own size, this sequence (first fit) leaves 3 + 2
+    free pages around the written one, and the big snapshot would wait with 5 pages free."""
+    bg = BackgroundExports(device=torch.device("cpu"), threads=1, kind="thread", max_pending_bytes=4096)
+    bg.size_for(4 * 4096, slots=2)
+    small = torch.zeros(1, 3 * 4096 // 2, dtype=torch.bfloat16)  # a smaller rank's file: 3 pages
+    big = torch.zeros(1, 4 * 4096 // 2, dtype=torch.bfloat16)  # the largest: 4 pages
+    (_, [a], _), (_, [b], _), (_, [c], _) = bg.to_host(small), bg.to_host(small), bg.to_host(big)
+    assert bg.arena.nbytes == 3 * bg.planned_block == 3 * 4 * 4096 and {x.size for x in (a, b, c)} == {bg.planned_block}
+    a.release(), b.release()  # written or superseded; c is being written
+    _, [d], _ = bg.to_host(small)  # this round's first
+    assert bg.arena.room_for(big.numel() * 2, reserve=bg.planned_block), bg.room_report(big.numel() * 2)
+    _, [e], _ = bg.to_host(big)
+    assert bg.room_wait_count == 0 and bg.arena.blocks == 3
+    for x in (c, d, e):
+        x.release()
+    assert bg.arena.used == 0
+    bg.close()
