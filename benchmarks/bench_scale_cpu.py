@@ -18,6 +18,7 @@ and placements of others between). Registration latency: p50/p99 of the 1,024 ph
 
   .venv/bin/python -m benchmarks.bench_scale_cpu --out scale_cpu.json
   .venv/bin/python -m benchmarks.bench_scale_cpu --phases 8,64 --window-s 20   # a quick look
+  .venv/bin/python -m benchmarks.bench_scale_cpu --phases "" --complete 1024   # 1,024 two-step runs from 8 clients, to the end
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def _gauges(http: httpx.Client) -> dict[str, float]:
     return out
 
 
-def _register(service: Service, tiny: Path, names: list[str], threads: int) -> list[float]:
+def _register(service: Service, tiny: Path, names: list[str], threads: int, num_step: int = 10**6) -> list[float]:
     """POST each name with `threads` concurrent clients; the latencies (every answer must be 201)."""
     latencies: list[float] = []
     lock = threading.Lock()
@@ -75,7 +76,7 @@ def _register(service: Service, tiny: Path, names: list[str], threads: int) -> l
         if not hasattr(local, "http"):
             local.http = httpx.Client(base_url=service.url, timeout=120,
                                       headers={"Authorization": f"Bearer {KEYS[('alice', 'bob')[i % 2]]}"})
-        cfg = sft(tiny, num_step=10**6, prompts_per_step=2)
+        cfg = sft(tiny, num_step=num_step, prompts_per_step=2)
         t0 = time.perf_counter()
         r = local.http.post("/v1/adapters", json={"name": name, "config": cfg})
         dt = time.perf_counter() - t0
@@ -139,6 +140,44 @@ def _window(service: Service, seconds: float, readers: int = 0, burst_every_s: f
     return out
 
 
+def _to_completion(service: Service, tiny: Path, n: int, steps: int, threads: int, deadline_s: float = 7200) -> dict:
+    """Register `n` runs of `steps` steps at once from `threads` clients, then read every run's
+    record (pages of 1,000, admin) until none is live: how long, how many COMPLETED, FAILED or
+    missing ("lost"), the 5xx answers seen by anyone, and the longest wait for a first step."""
+    names = [f"c{i:04d}" for i in range(n)]
+    t0 = time.monotonic()
+    lat = _register(service, tiny, names, threads, num_step=steps)
+    register_s = time.monotonic() - t0
+    server_errors = 0
+    with httpx.Client(base_url=service.url, timeout=120, headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+        while True:
+            runs, cursor = {}, None
+            while True:
+                r = http.get("/v1/adapters", params={"limit": 1000, "q": "c", **({"cursor": cursor} if cursor else {})})
+                if r.status_code >= 500:
+                    server_errors += 1
+                    break
+                body = r.json()
+                runs.update({a["name"]: a for a in body["adapters"] if a["name"] in set(names)})
+                cursor = body["next_cursor"]
+                if cursor is None:
+                    break
+            live = [a for a in runs.values() if a["state"] in ("PENDING", "ACTIVE", "RETIRING", "CLEANUP")]
+            if len(runs) == n and not live:
+                break
+            assert time.monotonic() - t0 < deadline_s, f"{len(live)} of {n} still live after {deadline_s} s"
+            time.sleep(2.0)
+    total_s = time.monotonic() - t0
+    states = [a["state"] for a in runs.values()]
+    return {"runs": n, "steps_each": steps, "clients": threads, "register_s": register_s,
+            "register_p50_ms": 1e3 * _pct(lat, 0.5), "register_p99_ms": 1e3 * _pct(lat, 0.99), "total_s": total_s,
+            "completed": states.count("COMPLETED"), "failed": states.count("FAILED"),
+            "lost": n - states.count("COMPLETED") - states.count("FAILED"),
+            "with_export": sum(1 for a in runs.values() if a.get("export_path")),
+            "steps_recorded": sum(a["step"] for a in runs.values()), "server_errors": server_errors,
+            "longest_register_to_end_s": max((a["finished_at"] - a["created_at"] for a in runs.values() if a["finished_at"]), default=None)}
+
+
 def _longest_wait(log_path: Path, since: float) -> dict:
     """Evicted -> restored of each tenant after `since` (time.time()), from the scheduler's log: seconds, and
     the placements of others between."""
@@ -172,13 +211,16 @@ def main() -> None:
     ap.add_argument("--readers", type=int, default=100, help="readers of a burst (half list pages, half /metrics)")
     ap.add_argument("--burst-every-s", type=float, default=2.0, help="a burst every this many seconds (the dashboard's poll); 0: back to back")
     ap.add_argument("--clients", type=int, default=200, help="concurrent registering clients of the largest phase")
+    ap.add_argument("--complete", type=int, default=0, help="then register this many runs of --complete-steps steps at once and wait until all end")
+    ap.add_argument("--complete-steps", type=int, default=2)
+    ap.add_argument("--complete-clients", type=int, default=8)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from examples.tiny.build import ensure_tiny_world
     from service.engine_pids import reap_engines
 
     tiny = ensure_tiny_world()
-    phases = [int(x) for x in args.phases.split(",")]
+    phases = [int(x) for x in args.phases.split(",") if x]
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as d:
         tmp = Path(d)
@@ -219,9 +261,18 @@ def main() -> None:
                     row["reads_vs_quiet"] = reads["tenant_steps_per_min"] / quiet["tenant_steps_per_min"]
                     rows.append(row)
                     print(json.dumps(row), flush=True)
-            base = rows[0]
+            base = rows[0] if rows else None
             for r in rows[1:]:
                 r["mib_per_tenant"] = (r["rss_mib"] - base["rss_mib"]) / (r["tenants"] - base["tenants"])
+            if args.complete:
+                if rows:  # the endless tenants of the phases end first: the runs to completion have the slots alone
+                    with httpx.Client(base_url=svc.url, timeout=120, headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+                        for name in (f"t{i:04d}" for i in range(live)):
+                            http.delete(f"/v1/adapters/{name}")
+                done = _to_completion(svc, tiny, args.complete, args.complete_steps, args.complete_clients)
+                done["longest_wait_for_a_turn"] = _longest_wait(svc.log_path, 0.0)
+                print(json.dumps(done), flush=True)
+                rows.append({"to_completion": done})
             if args.out:
                 Path(args.out).write_text(json.dumps(rows, indent=2))
         finally:
