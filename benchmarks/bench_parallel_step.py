@@ -287,7 +287,8 @@ def _short(res: dict) -> str:
         return res["error"]
     if "round_with_exports_ms" in res:  # mode export (one writer kind)
         keys = ("adapter_mb_on_rank0", "export_calls_ms_per_round", "room_wait_ms_per_round", "writer_ms_per_adapter",
-                "round_with_exports_ms", "publish_share_of_mixed", "written", "superseded", "writes_left_after_rounds_s",
+                "round_with_exports_ms", "publish_share_of_mixed", "back_to_back_mixed_ms", "back_to_back_with_exports_ms",
+                "back_to_back_publish_share", "written", "superseded", "writes_left_after_rounds_s",
                 "arena_register_s", "round_with_exports_peak_gib")
         return " ".join(f"{k}={res[k]:.3g}" for k in keys if res.get(k) is not None) + (
             f" FAILED WRITES {res['write_failures']}" if res.get("write_failures") else "") + (

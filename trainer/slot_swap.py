@@ -103,8 +103,7 @@ def copy_rows_out(buffers: dict[str, torch.Tensor], slot: int) -> dict[str, torc
         host = torch.empty(row.shape, dtype=row.dtype, pin_memory=row.is_cuda)
         host.copy_(row, non_blocking=row.is_cuda)
         out[kind] = host
-    if any(buffers[k].is_cuda for k in BUFFER_KINDS):
-        torch.cuda.synchronize()
+    _wait_for_copies(buffers)
     return out
 
 
@@ -119,5 +118,14 @@ def copy_rows_in(buffers: dict[str, torch.Tensor], slot: int, rows: dict[str, to
     with torch.no_grad():
         for kind in BUFFER_KINDS:
             buffers[kind][slot].copy_(rows[kind], non_blocking=rows[kind].is_pinned())
-    if any(buffers[k].is_cuda for k in BUFFER_KINDS):
-        torch.cuda.synchronize()
+    _wait_for_copies(buffers)
+
+
+def _wait_for_copies(buffers: dict[str, torch.Tensor]) -> None:
+    """Wait for the row copies just issued: they run on the current stream, so that stream is
+    what is waited for, not the whole device (a device-wide sync also waited for the publish
+    snapshots' device->host copies on the export copy stream, trainer/peft_export.py: up to 5.6 GB
+    at N = 64 at 8B, about 100 ms, at every turn)."""
+    cuda = next((buffers[k] for k in BUFFER_KINDS if buffers[k].is_cuda), None)
+    if cuda is not None:
+        torch.cuda.current_stream(cuda.device).synchronize()
