@@ -293,7 +293,8 @@ def _short(res: dict) -> str:
         return " ".join(f"{k}={res[k]:.3g}" for k in keys if res.get(k) is not None) + (
             f" FAILED WRITES {res['write_failures']}" if res.get("write_failures") else "") + (
             f" background_equals_sync={res['background_equals_sync']} rounds={res['round_with_exports_all_ms']}"
-            f"\n  room: {room_line(res)}")
+            f"\n  room: {room_line(res)}") + (
+            f"\n  parts, back to back ms: {res['back_to_back_parts_ms']}" if res.get("back_to_back_parts_ms") else "")
     keys = ("ms", "fwd_bwd_ms", "step_ms", "other_ms", "tokens_per_s_per_gpu", "mfu", "peak_gib")
     return " ".join(f"{k}={res[k]:.3g}" for k in keys if res.get(k) is not None) + f" rounds={res['all_ms']}"
 
@@ -466,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--export-writer", default="process,thread",
                     help="mode export: comma list of writer kinds to time, each on the same build "
                          "(TrainerConfig.export_writer: thread, process)")
+    ap.add_argument("--export-parts", action="store_true",
+                    help="mode export: also time the mixed round plus the snapshot's gathers alone and plus gathers and copies without writes (tp1)")
     ap.add_argument("--export-sync", action="store_true",
                     help="mode export: also time the synchronous export_peft of the N slots (the path before issue 18)")
     ap.add_argument("--recompute", default="none,full",
@@ -529,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         opts = {"folder": write_untied_config(shape, os.path.join(tmp, "model"), args.tied), "shape": shape,
                 "export_dtype": args.export_dtype, "export_threads": args.export_threads,
-                "export_writers": args.export_writer.split(","), "export_sync": args.export_sync,
+                "export_writers": args.export_writer.split(","), "export_sync": args.export_sync, "export_parts": args.export_parts,
                 "tokens": tokens, "plan": plan, "modes": modes, "slots": args.slots, "rank": args.rank,
                 "micro_batch_tokens": args.micro_batch_tokens if not args.tiny else min(args.micro_batch_tokens, tokens),
                 "collective_timeout_s": args.collective_timeout_s, "serialized_n": {int(x) for x in args.serialized_n.split(",")},

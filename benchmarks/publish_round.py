@@ -160,6 +160,11 @@ def export_timings(trainer, n: int, run_mixed, opts: dict, kind: str) -> dict:
         b2b_rounds = opts.get("back_to_back_rounds", 8)
         b2b_exports_ms = back_to_back_ms(mixed_then_exports, b2b_rounds, dist.barrier)
         b2b_mixed_ms = back_to_back_ms(run_mixed, b2b_rounds, dist.barrier)
+        parts = None
+        if opts.get("export_parts"):
+            while rank0 and exports.writer.pending():  # the exports above hold arena blocks until written
+                time.sleep(0.05)
+            parts = publish_parts_ms(trainer, n, run_mixed, dtype, b2b_rounds)
         t0 = time.perf_counter()
         if rank0:
             with claimed:
@@ -193,6 +198,7 @@ def export_timings(trainer, n: int, run_mixed, opts: dict, kind: str) -> dict:
             "back_to_back_rounds": b2b_rounds, "back_to_back_mixed_ms": b2b_mixed_ms,
             "back_to_back_with_exports_ms": b2b_exports_ms,
             "back_to_back_publish_share": (b2b_exports_ms - b2b_mixed_ms) / b2b_mixed_ms,
+            "back_to_back_parts_ms": parts,
             "write_failures": stats[0]["failures"],
             "background_equals_sync": stats[0]["same"],
         })
@@ -220,6 +226,46 @@ def back_to_back_ms(fn, rounds: int, end_round) -> float:
     sync()
     end_round()
     return (time.perf_counter() - t0) * 1e3 / rounds
+
+
+def publish_parts_ms(trainer, n: int, run_mixed, dtype: str, rounds: int) -> dict:
+    """Where a round's publishing time goes (--export-parts; back to back, rank 0 of tp1 only): ms
+    per round of the mixed round followed by (a) the snapshot's gathers alone, (b) the gathers
+    and their device->host copies into the arena, blocks released when the copies end (no
+    writer), against (c) the mixed round alone. The full export (gathers, copies, writes) is the
+    row's back-to-back column."""
+    from trainer.export_writer import export_dtype
+
+    exporter, background = trainer.export, trainer.export.background
+    to = export_dtype(dtype)
+    state = trainer.slots.state(0)
+    layout = exporter.export_layout(state.rank, state.hyper)
+    slots = list(range(n))
+    pending: list = []
+
+    def gathers(copy: bool):
+        def fn():
+            run_mixed()
+            for blocks, done in pending:  # the previous round's copies: ended long ago, normally
+                if done is not None:
+                    done.synchronize()
+                for b in blocks:
+                    if b is not None:
+                        b.release()
+            pending.clear()
+            bodies = exporter._gather(slots, layout, to, gather_only=False)
+            if copy:
+                _, blocks, done = background.to_host(bodies)
+                pending.append((blocks, done))
+        return fn
+
+    import torch.distributed as dist
+
+    out = {"mixed": back_to_back_ms(run_mixed, rounds, dist.barrier),
+           "mixed_gathers": back_to_back_ms(gathers(False), rounds, dist.barrier),
+           "mixed_gathers_copies": back_to_back_ms(gathers(True), rounds, dist.barrier)}
+    gathers(False)()  # releases the last round's blocks
+    return out
 
 
 def _adapter_bytes(trainer, dtype: str) -> int:

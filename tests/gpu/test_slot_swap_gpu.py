@@ -47,15 +47,25 @@ def _side_copy():
     return big, host, side
 
 
+def _queue_work(buffers: dict[str, torch.Tensor], slot: int, times: int = 200) -> None:
+    """In-place elementwise ops queued on the current stream, each changing every element of the
+    slot's rows (fp32 multiply and add: the same bits on the host and the device)."""
+    for _ in range(times):
+        for kind in BUFFER_KINDS:
+            buffers[kind][slot].mul_(1.0001).add_(0.5)
+
+
 def test_rows_out_are_the_rows_after_the_queued_work():
     buffers = _buffers()
-    side = _side_copy()
-    for _ in range(200):  # queued on the current stream; each changes every element of slot 2's rows
-        for kind in BUFFER_KINDS:
-            buffers[kind][2].mul_(1.0001).add_(0.5)
-    out = copy_rows_out(buffers, 2)
+    expected = {kind: buffers[kind][2].cpu() for kind in BUFFER_KINDS}
     for kind in BUFFER_KINDS:
-        assert torch.equal(out[kind], buffers[kind][2].cpu()), kind
+        for _ in range(200):
+            expected[kind].mul_(1.0001).add_(0.5)
+    side = _side_copy()
+    _queue_work(buffers, 2)
+    out = copy_rows_out(buffers, 2)
+    for kind in BUFFER_KINDS:  # compared at once, with no device sync in between
+        assert torch.equal(out[kind], expected[kind]), kind
     if side is not None:
         side[2].synchronize()
 
@@ -64,6 +74,7 @@ def test_rows_in_are_copied_before_it_returns():
     buffers = _buffers()
     side = _side_copy()
     rows = {kind: torch.full((W,), 3.25, pin_memory=DEV.type == "cuda") for kind in BUFFER_KINDS}
+    _queue_work(buffers, 0)  # the copies start only after this work: a missing wait would see the fill below
     copy_rows_in(buffers, 1, rows)
     for kind in BUFFER_KINDS:
         rows[kind].fill_(-1.0)  # the caller reuses its host memory at once
