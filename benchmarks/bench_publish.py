@@ -385,8 +385,9 @@ def part_host(args, out: dict) -> None:
         t0 = time.perf_counter()
         hosts, blocks, done = bg.to_host(bodies)
         issued = time.perf_counter() - t0
-        if done is not None:
-            done.synchronize()
+        for d in done if isinstance(done, list) else [done]:  # one CopyDone per row on CUDA (trainer/copy_feeder.py)
+            if d is not None:
+                d.synchronize()
         return issued, time.perf_counter() - t0, hosts, blocks, done
 
     bg = BackgroundExports(device=dev, threads=1, max_pending_bytes=arena_bytes)

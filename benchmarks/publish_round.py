@@ -247,8 +247,9 @@ def publish_parts_ms(trainer, n: int, run_mixed, dtype: str, rounds: int) -> dic
         def fn():
             run_mixed()
             for blocks, done in pending:  # the previous round's copies: ended long ago, normally
-                if done is not None:
-                    done.synchronize()
+                for d in done if isinstance(done, list) else [done]:
+                    if d is not None:
+                        d.synchronize()
                 for b in blocks:
                     if b is not None:
                         b.release()

@@ -8,12 +8,13 @@ from the slot's one buffer row by the export layout's index (trainer/slot_export
   slot; under TP its split columns go straight into their place in the buffer by one
   all-gather per slot, so no concatenation follows);
 * ONE index_select by the layout's index makes every slot's file data, [n, F];
-* `BackgroundExports.to_host` then gives each slot ONE non-blocking device->host copy, on the
-  rank's copy stream, into a block of the shared host arena (trainer/host_arena.py, registered
-  with CUDA once: no pinned allocation per snapshot), and records ONE event for the batch.
+* `BackgroundExports.to_host` then records ONE event after the gather and hands the batch to the
+  rank's copy feeder (trainer/copy_feeder.py), which gives each slot ONE non-blocking
+  device->host copy on the rank's copy stream, a few at a time, into a block of the shared host
+  arena (trainer/host_arena.py, registered with CUDA once: no pinned allocation per snapshot).
 
 Nothing on this path synchronizes the main thread with the device: the writer thread waits for
-the event (PeftSnapshot.ready) before it writes. Slots are taken in chunks of at most
+its snapshot's copy (PeftSnapshot.ready: the row's CopyDone) before it writes. Slots are taken in chunks of at most
 CHUNK_BYTES of device memory, so a round of 64 8B adapters does not need 11 GB of temporaries.
 
 `BackgroundExports` is rank 0's writing side: the ExportWriter (threads), the arena, the copy
@@ -59,6 +60,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from trainer.copy_feeder import CopyFeeder
 from trainer.export_process import WriterProcess
 from trainer.export_writer import DEFAULT_MAX_PENDING_BYTES, ExportWriter, PeftSnapshot
 from trainer.folder_io import replace_folder_atomically
@@ -131,6 +133,7 @@ class BackgroundExports:
         self._writer: ExportWriter | None = None
         self._arena: HostArena | None = None
         self._copy_stream = None
+        self._feeder: CopyFeeder | None = None
         self._procs = threading.local()  # each writer thread's WriterProcess
         self.processes: list[WriterProcess] = []
         self._wanted = 0  # arena bytes asked for by size_for (a round's snapshots)
@@ -144,6 +147,14 @@ class BackgroundExports:
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.device)
         return self._copy_stream
+
+    @property
+    def copy_feeder(self) -> CopyFeeder:
+        """The rank's one issuer of snapshot copies onto the copy stream (CUDA only)."""
+        with self._lock:
+            if self._feeder is None:
+                self._feeder = CopyFeeder(self.copy_stream)
+            return self._feeder
 
     @property
     def writer(self) -> ExportWriter:
@@ -184,14 +195,15 @@ class BackgroundExports:
             raise RuntimeError("exports are still queued or being written; switch writers when idle")
         bound = self.max_pending_bytes if max_pending_bytes is None else max_pending_bytes
         new = BackgroundExports(device=self.device, threads=threads, kind=kind, max_pending_bytes=bound)
-        new._arena, new._copy_stream = self._arena, self._copy_stream
+        new._arena, new._copy_stream, new._feeder = self._arena, self._copy_stream, self._feeder
         new._wanted, new.planned_block = self._wanted, self.planned_block  # the plan the shared arena was sized by
         self.close()
         return new
 
     def to_host(self, bodies: torch.Tensor) -> tuple[list[torch.Tensor], list[ArenaBlock | None], Any]:
         """One host copy per row of `bodies` [n, F] (module docstring): the host tensors, their
-        arena blocks (None: private memory), and the CUDA event after the copies (None on the CPU)."""
+        arena blocks (None: private memory), and one CopyDone per row (CUDA: the copies are the
+        feeder's; None on the CPU, where they are done when this returns)."""
         n, f = bodies.shape
         nbytes = f * bodies.element_size()
         arena, reserve = self.arena, self.planned_block
@@ -206,17 +218,14 @@ class BackgroundExports:
             blocks.append(arena.alloc(nbytes, reserve=reserve))
         hosts = [None if b is None else b.tensor.view(bodies.dtype) for b in blocks]
         if bodies.is_cuda:
-            stream = self.copy_stream
-            stream.wait_stream(torch.cuda.current_stream(bodies.device))
-            with torch.cuda.stream(stream):
-                for i in range(n):
-                    if hosts[i] is None:
-                        hosts[i] = torch.empty(f, dtype=bodies.dtype, pin_memory=True)
-                    hosts[i].copy_(bodies[i], non_blocking=True)
-                bodies.record_stream(stream)  # its memory is not reused before the copies read it
-                done = torch.cuda.Event()
-                done.record(stream)
-            return hosts, blocks, done
+            for i in range(n):
+                if hosts[i] is None:
+                    hosts[i] = torch.empty(f, dtype=bodies.dtype, pin_memory=True)
+            gathered = torch.cuda.Event()
+            gathered.record(torch.cuda.current_stream(bodies.device))
+            # the copies are fed to the copy stream a few at a time (trainer/copy_feeder.py: at once,
+            # they held up the next train call's own device->host copies for about 100 ms)
+            return hosts, blocks, self.copy_feeder.submit(bodies, hosts, gathered)
         for i in range(n):
             if hosts[i] is None:
                 hosts[i] = bodies[i]  # a row of a fresh gather: nothing else writes it
@@ -306,6 +315,8 @@ def write_snapshot(folder: str, snap: PeftSnapshot) -> None:
 
 def make_snapshots(hosts: list[torch.Tensor], blocks: list[ArenaBlock | None], done: Any,
                    configs: list[dict], entries: list, header: Any) -> list[PeftSnapshot]:
-    return [PeftSnapshot(config=cfg, entries=entries, body=h, header=header, copied=done, block=b)
-            for h, b, cfg in zip(hosts, blocks, configs)]
+    """`done`: what to_host returned (one CopyDone per row on CUDA, None on the CPU)."""
+    dones = done if isinstance(done, list) else [done] * len(hosts)
+    return [PeftSnapshot(config=cfg, entries=entries, body=h, header=header, copied=d, block=b)
+            for h, b, cfg, d in zip(hosts, blocks, configs, dones)]
 

@@ -156,9 +156,14 @@ def test_default_path_is_packed_fused_chunked(trainer):
         assert isinstance(core, FusedCoreAttention)
         backend = resolve_packed_backend(core.packed_backend, trainer.device, 0.0)
         assert backend == ("varlen" if trainer.device.type == "cuda" else "dense"), backend
-    # TP 1, packed: every LoRA linear takes the fused node; on CUDA RoPE is the Triton kernel
-    # and every base parameter (norm weights included) is in the compute dtype.
-    assert cfg.fused_lora and trainer.routing.fused and all(layer.fusable for layer in trainer.layers)
+    # TP 1, packed: every decoder LoRA linear takes the fused node (the output layer's LoRA runs
+    # inside the chunked log-probs, trainer/unembed_lora.py, never fused); on CUDA RoPE is the
+    # Triton kernel and every base parameter (norm weights included) is in the compute dtype.
+    from trainer.unembed_lora import UnembedLora
+
+    decoder = [layer for layer in trainer.layers if not isinstance(layer, UnembedLora)]
+    assert decoder and len(decoder) < len(trainer.layers)
+    assert cfg.fused_lora and trainer.routing.fused and all(layer.fusable for layer in decoder)
     if trainer.device.type == "cuda":
         assert trainer.base.model.config.apply_rope_fusion
     lora = {id(p) for p in trainer.buffers.params}
