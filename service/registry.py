@@ -120,6 +120,8 @@ class Registry(RegistryViews):
         self._db.execute("CREATE INDEX IF NOT EXISTS runs_by_owner ON runs(owner, name, run_id)")
         self._db.execute("CREATE INDEX IF NOT EXISTS runs_by_owner_state ON runs(owner, state)")  # quotas, filters
         self._db.execute("CREATE INDEX IF NOT EXISTS runs_queue ON runs(queued_at, run_id) WHERE slot IS NULL")
+        # the slot record's reads (free slots, holders: several a round) scan the slots, not every run
+        self._db.execute("CREATE INDEX IF NOT EXISTS runs_holding ON runs(slot) WHERE slot IS NOT NULL")
 
     def close(self) -> None:
         with self._lock:
