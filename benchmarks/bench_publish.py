@@ -385,7 +385,7 @@ def part_host(args, out: dict) -> None:
         t0 = time.perf_counter()
         hosts, blocks, done = bg.to_host(bodies)
         issued = time.perf_counter() - t0
-        for d in done if isinstance(done, list) else [done]:  # one CopyDone per row on CUDA (trainer/copy_feeder.py)
+        for d in done:  # one CopyDone per row on CUDA (trainer/copy_feeder.py), None on the CPU
             if d is not None:
                 d.synchronize()
         return issued, time.perf_counter() - t0, hosts, blocks, done

@@ -145,6 +145,7 @@ def _to_completion(service: Service, tiny: Path, n: int, steps: int, threads: in
     record (pages of 1,000, admin) until none is live: how long, how many COMPLETED, FAILED or
     missing ("lost"), the 5xx answers seen by anyone, and the longest wait for a first step."""
     names = [f"c{i:04d}" for i in range(n)]
+    wanted = set(names)
     t0 = time.monotonic()
     lat = _register(service, tiny, names, threads, num_step=steps)
     register_s = time.monotonic() - t0
@@ -158,7 +159,7 @@ def _to_completion(service: Service, tiny: Path, n: int, steps: int, threads: in
                     server_errors += 1
                     break
                 body = r.json()
-                runs.update({a["name"]: a for a in body["adapters"] if a["name"] in set(names)})
+                runs.update({a["name"]: a for a in body["adapters"] if a["name"] in wanted})
                 cursor = body["next_cursor"]
                 if cursor is None:
                     break

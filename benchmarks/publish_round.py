@@ -243,17 +243,19 @@ def publish_parts_ms(trainer, n: int, run_mixed, dtype: str, rounds: int) -> dic
     slots = list(range(n))
     pending: list = []
 
+    def settle():  # the previous round's copies (ended long ago, normally), then their blocks back
+        for blocks, done in pending:
+            for d, b in zip(done, blocks):
+                if d is not None:
+                    d.synchronize()
+                if b is not None:
+                    b.release()
+        pending.clear()
+
     def gathers(copy: bool):
         def fn():
             run_mixed()
-            for blocks, done in pending:  # the previous round's copies: ended long ago, normally
-                for d in done if isinstance(done, list) else [done]:
-                    if d is not None:
-                        d.synchronize()
-                for b in blocks:
-                    if b is not None:
-                        b.release()
-            pending.clear()
+            settle()
             bodies = exporter._gather(slots, layout, to, gather_only=False)
             if copy:
                 _, blocks, done = background.to_host(bodies)
@@ -265,7 +267,7 @@ def publish_parts_ms(trainer, n: int, run_mixed, dtype: str, rounds: int) -> dic
     out = {"mixed": back_to_back_ms(run_mixed, rounds, dist.barrier),
            "mixed_gathers": back_to_back_ms(gathers(False), rounds, dist.barrier),
            "mixed_gathers_copies": back_to_back_ms(gathers(True), rounds, dist.barrier)}
-    gathers(False)()  # releases the last round's blocks
+    settle()
     return out
 
 
@@ -333,7 +335,7 @@ def export_table(layouts: list[dict]) -> str:
             for e in (r.get("export") or {}).values():
                 name = f"{lay['layout']} {lay.get('path', 'fused')} ({lay['recompute']})"
                 if "error" in e:
-                    lines.append(f"| {name} | {r['n']} | {e.get('writer', '-')} | {e['error'][:80]} |||||||| ")
+                    lines.append(f"| {name} | {r['n']} | {e.get('writer', '-')} | {e['error'][:80]} ||||||||| ")
                     continue
                 share = e.get("publish_share_of_mixed")  # rounds synced device-wide: an upper bound
                 lines.append(

@@ -292,10 +292,6 @@ class Controller:
     def live_runs(self) -> list[AdapterRef]:
         return self.registry.live()
 
-    def live_states(self) -> dict[str, AdapterState]:
-        """registration id -> state of every live run, without their refs."""
-        return self.registry.live_states()
-
     def live_count(self) -> int:
         """How many runs are live (the loop reads it every round: one count, no rows)."""
         return self.registry.live_count()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections import deque
 from typing import Any
 
 import torch
@@ -84,16 +85,22 @@ class CopyFeeder:
                 host.copy_(bodies[i])
                 done[i]._set()
             return
-        in_flight: list[tuple[int, Any]] = []
+        in_flight: deque[tuple[CopyDone, Any]] = deque()
+
+        def finish_oldest() -> None:
+            row_done, event = in_flight.popleft()
+            event.synchronize()  # releases the GIL while it waits
+            row_done._set()
+
         with torch.cuda.stream(self.stream):
             if after is not None:
                 self.stream.wait_event(after)
             for i, host in enumerate(hosts):
+                if len(in_flight) >= self.window:
+                    finish_oldest()
                 host.copy_(bodies[i], non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self.stream)
-                in_flight.append((i, event))
-                while len(in_flight) >= self.window or (in_flight and i == len(hosts) - 1):
-                    j, ev = in_flight.pop(0)
-                    ev.synchronize()  # releases the GIL while it waits
-                    done[j]._set()
+                in_flight.append((done[i], event))
+            while in_flight:
+                finish_oldest()

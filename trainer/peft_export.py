@@ -202,8 +202,8 @@ class BackgroundExports:
 
     def to_host(self, bodies: torch.Tensor) -> tuple[list[torch.Tensor], list[ArenaBlock | None], Any]:
         """One host copy per row of `bodies` [n, F] (module docstring): the host tensors, their
-        arena blocks (None: private memory), and one CopyDone per row (CUDA: the copies are the
-        feeder's; None on the CPU, where they are done when this returns)."""
+        arena blocks (None: private memory), and one entry per row for its copy: a CopyDone on CUDA
+        (the copies are the feeder's), None on the CPU (they are done when this returns)."""
         n, f = bodies.shape
         nbytes = f * bodies.element_size()
         arena, reserve = self.arena, self.planned_block
@@ -231,7 +231,7 @@ class BackgroundExports:
                 hosts[i] = bodies[i]  # a row of a fresh gather: nothing else writes it
             else:
                 hosts[i].copy_(bodies[i])
-        return hosts, blocks, None
+        return hosts, blocks, [None] * n
 
     @property
     def room_waiters(self) -> int:
@@ -313,10 +313,9 @@ def write_snapshot(folder: str, snap: PeftSnapshot) -> None:
     replace_folder_atomically(lambda tmp: write_peft_snapshot(tmp, snap), folder)
 
 
-def make_snapshots(hosts: list[torch.Tensor], blocks: list[ArenaBlock | None], done: Any,
+def make_snapshots(hosts: list[torch.Tensor], blocks: list[ArenaBlock | None], done: list,
                    configs: list[dict], entries: list, header: Any) -> list[PeftSnapshot]:
-    """`done`: what to_host returned (one CopyDone per row on CUDA, None on the CPU)."""
-    dones = done if isinstance(done, list) else [done] * len(hosts)
+    """`hosts`, `blocks`, `done`: what to_host returned (one entry per row each)."""
     return [PeftSnapshot(config=cfg, entries=entries, body=h, header=header, copied=d, block=b)
-            for h, b, cfg, d in zip(hosts, blocks, configs, dones)]
+            for h, b, cfg, d in zip(hosts, blocks, configs, done)]
 
