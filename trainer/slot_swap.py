@@ -63,7 +63,7 @@ class SlotSwap:
         same layout), bit-exact (S2); then the store forgets it."""
         self.slots.require_free(slot, f"clear or swap it out before swapping {key!r} in")
         t0 = time.perf_counter()
-        tier = "disk" if key in self.store.spilled_keys() else "host"
+        tier = "disk" if self.store.spill_path(key) is not None else "host"
         snap, how = self.store.load(key)
         try:
             copy_rows_in(self.slots.buffers.by_kind(), slot, snap.rows)

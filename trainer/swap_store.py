@@ -78,6 +78,10 @@ class SwapStore:
         self.rank = rank
         self.pin = pin  # read spilled files into pinned memory (CUDA)
         self._snapshots: dict[str, SlotSnapshot] = {}
+        # tier -> [snapshots, bytes], kept by `_account` at every change of what is held: a swap asks
+        # for the host budget's use at each put, and summing every snapshot's rows then cost a placement
+        # about 3 ms per call with 1,000 tenants evicted (issue 26: per-round cost grew with tenants)
+        self._held: dict[str, list[int]] = {"host": [0, 0], "disk": [0, 0], "prefetched": [0, 0]}
         self._lock = threading.Lock()  # the snapshot table: the rank's calls and the prefetch thread
         self._reader: ThreadPoolExecutor | None = None
         self._folder_lock = None
@@ -136,20 +140,30 @@ class SwapStore:
 
     def host_bytes(self) -> int:
         """Host memory held: host snapshots and prefetches (done or under way)."""
-        return sum(s.nbytes for s in self._snapshots.values() if s.spill_path is None or s.prefetch is not None)
+        return self._held["host"][1] + self._held["prefetched"][1]
 
     def disk_bytes(self) -> int:
-        return sum(s.file_bytes for s in self._snapshots.values() if s.spill_path is not None)
+        return self._held["disk"][1]
 
     def usage(self) -> dict:
-        """Per tier: snapshots, bytes and budget (the service's gauges)."""
-        snaps = list(self._snapshots.values())
-        host = [s for s in snaps if s.spill_path is None]
-        disk = [s for s in snaps if s.spill_path is not None]
-        fetched = [s for s in disk if s.prefetch is not None]
-        return {"host": {"count": len(host), "bytes": sum(s.nbytes for s in host), "budget_bytes": self.host_budget_bytes},
-                "disk": {"count": len(disk), "bytes": sum(s.file_bytes for s in disk), "budget_bytes": self.disk_budget_bytes},
-                "prefetched": {"count": len(fetched), "bytes": sum(s.nbytes for s in fetched)}}
+        """Per tier: snapshots, bytes and budget (the service's gauges). A disk snapshot being or
+        having been prefetched counts in "disk" and in "prefetched" (its rows take host memory)."""
+        (nh, bh), (nd, bd), (nf, bf) = (self._held[t] for t in ("host", "disk", "prefetched"))
+        return {"host": {"count": nh, "bytes": bh, "budget_bytes": self.host_budget_bytes},
+                "disk": {"count": nd, "bytes": bd, "budget_bytes": self.disk_budget_bytes},
+                "prefetched": {"count": nf, "bytes": bf}}
+
+    def _account(self, snap: SlotSnapshot, sign: int) -> None:
+        """Add (+1) or take away (-1) what ``snap`` holds, by its state now: called under the lock
+        just after a snapshot comes into the table and just before it leaves or changes tier state
+        (a prefetch started or forgotten), so `_held` is always the sum over the table."""
+        if snap.spill_path is None:
+            parts = [("host", snap.nbytes)]
+        else:
+            parts = [("disk", snap.file_bytes)] + ([("prefetched", snap.row_bytes)] if snap.prefetch is not None else [])
+        for tier, nbytes in parts:
+            self._held[tier][0] += sign
+            self._held[tier][1] += sign * nbytes
 
     # -- in and out -------------------------------------------------------------------------
 
@@ -162,6 +176,7 @@ class SwapStore:
             need = snap.nbytes
             if self.host_bytes() + need <= self.host_budget_bytes:
                 self._snapshots[key] = snap
+                self._account(snap, +1)
                 return "host"
             if self.spill_dir is None:
                 raise SwapError(f"host-memory budget of {self.host_budget_bytes} bytes is used up ({self.host_bytes()} held, "
@@ -177,8 +192,10 @@ class SwapStore:
         except OSError as e:
             raise SwapError(f"spilling slot snapshot {key!r} to {self.spill_dir} failed: {type(e).__name__}: {e}") from e
         with self._lock:
-            self._snapshots[key] = SlotSnapshot(meta=snap.meta, pending=snap.pending.clone(), rows=None, spill_path=path,
-                                                file_bytes=spill.size, row_bytes=need)
+            stored = SlotSnapshot(meta=snap.meta, pending=snap.pending.clone(), rows=None, spill_path=path,
+                                  file_bytes=spill.size, row_bytes=need)
+            self._snapshots[key] = stored
+            self._account(stored, +1)
         return "disk"
 
     def load(self, key: str) -> tuple[SlotSnapshot, str]:
@@ -197,8 +214,10 @@ class SwapStore:
                 return pending.result(), "prefetched"
             except (OSError, SpillFileError) as e:
                 with self._lock:
-                    if snap.prefetch is pending:
+                    if snap.prefetch is pending and self._snapshots.get(key) is snap:
+                        self._account(snap, -1)
                         snap.prefetch = None  # a later swap-in reads the file again
+                        self._account(snap, +1)
                 raise SwapError(f"reading spilled snapshot {key!r} from {snap.spill_path}: {type(e).__name__}: {e}") from e
         try:
             return self._read(key, snap), "disk"
@@ -226,13 +245,17 @@ class SwapStore:
                 return "no room"
             if self._reader is None:
                 self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"swap-prefetch-rank{self.rank}")
+            self._account(snap, -1)
             snap.prefetch = self._reader.submit(self._read, key, snap)
+            self._account(snap, +1)
         return "started"
 
     def drop(self, key: str) -> bool:
         """Forget the snapshot and remove its file (T2, T3). False when there was none."""
         with self._lock:
             snap = self._snapshots.pop(key, None)
+            if snap is not None:
+                self._account(snap, -1)
         if snap is not None and snap.spill_path is not None:
             snap.spill_path.unlink(missing_ok=True)  # a prefetch still reading keeps its open file
         return snap is not None
