@@ -62,6 +62,7 @@ from service.registry_records import (  # noqa: F401 - the records' names are th
     _QUEUE_WHERE,
     _WAITING,
     _QUEUED_SQL,
+    _QUEUE_INDEXES,
     _SCHEMA,
     LEGAL_TRANSITIONS,
     LIVE_STATES,
@@ -119,7 +120,9 @@ class Registry(RegistryViews):
             self._db.execute("ALTER TABLE runs ADD COLUMN owner TEXT")
         self._db.execute("CREATE INDEX IF NOT EXISTS runs_by_owner ON runs(owner, name, run_id)")
         self._db.execute("CREATE INDEX IF NOT EXISTS runs_by_owner_state ON runs(owner, state)")  # quotas, filters
-        self._db.execute("CREATE INDEX IF NOT EXISTS runs_queue ON runs(queued_at, run_id) WHERE slot IS NULL")
+        self._db.execute("DROP INDEX IF EXISTS runs_queue")  # an earlier, wider queue index the planner did not pick
+        for sql in _QUEUE_INDEXES:
+            self._db.execute(sql)
         # the slot record's reads (free slots, holders: several a round) scan the slots, not every run
         self._db.execute("CREATE INDEX IF NOT EXISTS runs_holding ON runs(slot) WHERE slot IS NOT NULL")
 
@@ -289,7 +292,8 @@ class Registry(RegistryViews):
         if limit <= 0:
             return []
         with self._lock:
-            rows = self._db.execute(f"SELECT registration_id, state, queued_at, activated_at, owner FROM runs WHERE {_QUEUE_WHERE}"
+            rows = self._db.execute("SELECT registration_id, state, queued_at, activated_at, owner FROM runs INDEXED BY runs_waiting"
+                                    f" WHERE {_QUEUE_WHERE}"
                                     " LIMIT ? OFFSET ?", (limit, offset)).fetchall()
         return [QueuedRun(r["registration_id"], AdapterState(r["state"]), r["queued_at"] or 0.0, r["activated_at"] is not None,
                           r["owner"]) for r in rows]
@@ -566,12 +570,15 @@ class Registry(RegistryViews):
         (issue 26: per-round cost proportional to the residents). Caller holds the lock."""
         if not self._waiting(row["registration_id"]):
             return None
+        # Ahead of it, in the queue index's order: every run queued at NULL (first) with a lower run id
+        # or, when it has a time, all NULLs, every earlier time, and its own time's lower run ids; each
+        # part a range of runs_waiting (one OR over them made SQLite scan the table instead).
+        count = "SELECT COUNT(*) FROM runs INDEXED BY runs_waiting WHERE " + _WAITING
         if row["queued_at"] is None:
-            ahead = self._db.execute(f"SELECT COUNT(*) FROM runs WHERE {_WAITING} AND queued_at IS NULL AND run_id < ?",
-                                     (row["run_id"],))
+            ahead = self._db.execute(f"{count} AND queued_at IS NULL AND run_id < ?", (row["run_id"],))
         else:
-            ahead = self._db.execute(f"SELECT COUNT(*) FROM runs WHERE {_WAITING} AND (queued_at IS NULL OR queued_at < ?"
-                                     " OR (queued_at = ? AND run_id < ?))", (row["queued_at"], row["queued_at"], row["run_id"]))
+            ahead = self._db.execute(f"SELECT ({count} AND queued_at IS NULL) + ({count} AND queued_at < ?) +"
+                                     f" ({count} AND queued_at = ? AND run_id < ?)", (row["queued_at"], row["queued_at"], row["run_id"]))
         return ahead.fetchone()[0] + 1
 
     def _ref(self, row: sqlite3.Row, positions: dict[str, int] | None = None) -> AdapterRef:

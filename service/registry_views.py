@@ -23,7 +23,7 @@ import sqlite3
 import threading
 
 from service.errors import BadValue, QuotaExceeded
-from service.registry_records import _LIVE_WHERE, _WAITING, AdapterRef, AdapterState, _visible
+from service.registry_records import _LIVE_WHERE, _UNQUEUED, _WAITING, AdapterRef, AdapterState, _visible
 
 MAX_PAGE = 1000  # rows a page may ask for
 DEFAULT_PAGE = 100
@@ -180,7 +180,7 @@ class RegistryViews:
         """The live runs not waiting in the queue (holding a slot, or ending without one): what
         reconcile acts on; as many as the slots plus the runs ending now, whatever the queue."""
         with self._lock:
-            rows = self._db.execute(f"SELECT * FROM runs WHERE {_LIVE_WHERE} AND NOT ({_WAITING}) ORDER BY run_id").fetchall()
+            rows = self._db.execute(f"SELECT * FROM runs INDEXED BY runs_unqueued WHERE {_UNQUEUED} ORDER BY run_id").fetchall()
         return [self._ref(r, {}) for r in rows]
 
     def usage(self, owner: str | None) -> tuple[int, int]:

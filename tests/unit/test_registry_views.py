@@ -173,3 +173,33 @@ def test_one_runs_queue_position_is_its_place_in_the_whole_queue(reg):
     assert len(whole) > 30
     for ref in reg.list():
         assert reg.get_run(ref.registration_id).queue_position == whole.get(ref.registration_id), ref.name
+
+
+def test_the_schedulers_reads_search_indexes_not_the_table(reg):
+    """The reads a placement and a reconcile make every round (the slot record, the queue's head, a
+    run's queue position when its slot changes, the unqueued live runs) each search an index: none
+    scans the runs table or sorts it (SQLite's plan for each statement they run, captured as run).
+    Issue 26: with 1,024 registered runs the planner's own choice for the queue read every live run
+    and sorted them, 0.8 ms a read, several a round."""
+    PARTIAL = ("runs_waiting", "runs_unqueued", "runs_holding")
+    evicted = reg.live()[1]  # a resident run (listing every run is not a per-round read)
+    statements: list[str] = []
+    reg._db.set_trace_callback(statements.append)
+    try:
+        reg.slot_holders()
+        reg.free_slots()
+        reg.queue_heads(8, 0)
+        reg.queue_heads(8, 8)
+        reg.unqueued_live()
+        reg.release_slot(evicted.registration_id, expect_slot=evicted.slot)  # builds the evicted run's ref: its position
+    finally:
+        reg._db.set_trace_callback(None)
+    reads = [s for s in statements if s.lstrip().upper().startswith("SELECT") and " runs" in s]
+    assert len(reads) >= 6, statements
+    for sql in reads:
+        with reg._lock:
+            plan = [row[3] for row in reg._db.execute("EXPLAIN QUERY PLAN " + sql)]
+        # a SCAN may walk only a partial index (whose rows are the waiting, unqueued or holding runs)
+        scans = [p for p in plan if p.startswith("SCAN runs") and not any(f"INDEX {i}" in p for i in PARTIAL)
+                 or "TEMP B-TREE FOR ORDER BY" in p or "runs_by_state" in p]  # by state: every live run
+        assert not scans, (sql, plan)
