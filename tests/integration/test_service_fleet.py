@@ -17,7 +17,7 @@ worker; one SGLang CPU engine), shared by every test here, in this order:
   4. the trainer's process frozen (SIGSTOP to the pid from GET /v1/fleet, as an operator would):
      `lorafleet smoke` fails with a clear message; SIGCONT: ready again          (issue 6 proof)
   5. restart: SIGKILL the service mid-run, start it again over the same state dir:
-     the runs resume from their checkpoints and finish
+     the runs resume from their checkpoints and finish (opt-in, -m slow: test_service_scale.py has it)
   6. the SGLang engine process group is SIGKILLed (pid from GET /v1/fleet): the service restarts the engine,
      republishes every adapter's current weights, and the RL adapter keeps training;
      a tenant registered while the engine is dead starts once it is back; an SFT tenant
@@ -339,6 +339,10 @@ def test_smoke_fails_clearly_when_the_trainer_does_not_answer(service):
 # --- 5 -------------------------------------------------------------------------------------------
 
 
+# Opt-in (-m slow, CI budget: 106 s on 2 cores, a second service start): in the default tier
+# test_service_scale.py kills -9 and restarts its service with 24 SFT runs and an RL run checkpointing
+# every step, each resuming from its checkpoint with every step once; here two runs checkpoint every 3.
+@pytest.mark.slow
 def test_restart_resumes_runs_from_their_checkpoints(service, tiny_world):
     total, interval = 9, 3
     with service.client() as c:

@@ -13,7 +13,10 @@ import pytest
 
 from tests.integration.service_world import rl, running_service, sft, wait_for
 
-pytestmark = pytest.mark.integration
+# Opt-in (-m slow, CI budget: 130 s on 2 cores, most of it its own service's start). In the default
+# tier, test_service_scale.py covers the same on its shared service: 256 tenants queue, take turns and
+# all finish with each step once, and a run retired while queued ends with no export.
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 SLOTS = {"num_slots": 2, "max_rank": 8, "turn_steps": 2, "evict_idle_s": 3.0, "max_live_runs": 48}
 DONE_TIMEOUT_S = 600

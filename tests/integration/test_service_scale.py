@@ -9,8 +9,10 @@ tenant keys and the Tinker API with a third), 4 trainer slots, turns of 1 step.
    back from the scheduler's own log: new runs leave the queue in registration order, and no run
    evicted after an SFT run is restored before it); at the end no slot, queue entry, evicted
    snapshot or Tinker model is left (/ready, /metrics).
-2. kill -9 halfway and a restart on the same state dir: 24 SFT runs checkpointing every step; the
-   service is killed while they train and started again; every run resumes from its checkpoint
+2. registrations beyond the slots queue; one retired while queued ends with no export and leaves the
+   queue, the others finish; the turns' swap gauges are on /metrics;
+3. kill -9 halfway and a restart on the same state dir: 24 SFT runs checkpointing every step; the
+   service is killed while they train and started again (an RL run beside them); every run resumes from its checkpoint
    (the steps up to it keep their first records) and finishes, none lost, none with a step counted
    twice (samples_trained is its steps' samples). It kills the module's service: it runs last.
 
@@ -185,9 +187,38 @@ def test_256_tenants_through_4_slots_all_finish_none_lost_first_come_first_serve
     print(f"256 tenants: {wall:.0f} s; longest wait {fairness['placements']} placements ({fairness['turns']} turns of 4 slots)")
 
 
+def test_a_run_retired_while_queued_ends_without_an_export_and_leaves_the_queue(service, tiny_world):
+    """Registrations beyond the slots queue (201 with a queue position); one retired while it waits
+    completes with no export (nothing trained) and leaves the queue; the others take their turns and
+    finish; the swap gauges of the turns are on /metrics. (test_service_oversub_live.py, opt-in, has
+    the same on two slots with RL runs too.)"""
+    with rest(service, "bob") as c:
+        busy = [f"q{i}" for i in range(SLOTS["num_slots"] + 1)]
+        for n in busy:
+            c.register(n, sft(tiny_world, num_step=3, prompts_per_step=2))
+        waiting = c.register("never", sft(tiny_world, num_step=3, prompts_per_step=2))
+        assert waiting["state"] == "PENDING" and waiting["residency"] == "queued" and waiting["slot"] is None
+        assert waiting["queue_position"] >= 1, waiting
+        c.retire("never")
+        gone = wait_for(c, "never", lambda r: r["state"] == "COMPLETED", "COMPLETED", timeout_s=DONE_TIMEOUT_S)
+        if gone["step"] == 0:  # retired while still queued (a turn may have come first: then it trained and exported)
+            assert gone["export_path"] is None
+        assert gone["queue_position"] is None and gone["slot"] is None
+        for n in busy:
+            ref = wait_for(c, n, lambda r: r["state"] == "COMPLETED", "COMPLETED", timeout_s=DONE_TIMEOUT_S)
+            assert ref["step"] == 3 and ref["queue_position"] is None, ref
+    with service.client() as c:
+        text = c.prometheus()
+        assert c.ready()["slots"]["free"] == SLOTS["num_slots"]
+    assert 'lorafleet_adapters_residency{residency="queued"} 0.0' in text
+    assert "lorafleet_adapter_swap_out_seconds{" in text and "lorafleet_adapter_swap_in_seconds{" in text
+
+
 def test_kill_9_halfway_and_restart_every_run_resumes_from_its_checkpoint(service, tiny_world):
     names = [f"k{i:02d}" for i in range(RESTART_RUNS)]
     with rest(service, "alice") as c:
+        # an RL run too (its rollout state is rebuilt after the restart; first, so it holds a slot early)
+        c.register("k-rl", rl(tiny_world, num_step=RESTART_STEPS, checkpoint_interval=1))
         for n in names:
             c.register(n, sft(tiny_world, num_step=RESTART_STEPS, prompts_per_step=2, checkpoint_interval=1))
         target = RESTART_RUNS * RESTART_STEPS // 2
@@ -198,7 +229,7 @@ def test_kill_9_halfway_and_restart_every_run_resumes_from_its_checkpoint(servic
     # each run's last checkpoint as the killed service left it (an API read before the kill could
     # miss a step checkpointed between read and kill)
     with registry_left_in(service.state_dir, SLOTS["num_slots"]) as registry:
-        before = {ref.name: ref.checkpoint_step or 0 for ref in registry.list() if ref.name in names}
+        before = {ref.name: ref.checkpoint_step or 0 for ref in registry.list() if ref.name in names + ["k-rl"]}
     service.start()  # the same job and state dir: engines of the killed one reaped, live runs prepared again
     with rest(service, "alice") as c:
         for n in names:
@@ -210,4 +241,10 @@ def test_kill_9_halfway_and_restart_every_run_resumes_from_its_checkpoint(servic
             assert all(s["recorded_at"] < killed_at for s in kept), (n, "a step up to its checkpoint was trained again")
             assert all(s["recorded_at"] > killed_at for s in steps if s["step"] > before[n])
         assert sum(1 for n in names if 0 < before[n] < RESTART_STEPS) >= 1  # some run really was halfway
+        ref = wait_for(c, "k-rl", lambda r: r["state"] == "COMPLETED", "COMPLETED", timeout_s=DONE_TIMEOUT_S)
+        steps = c.metrics("k-rl")["steps"]
+        assert [s["step"] for s in steps] == list(range(1, RESTART_STEPS + 1)) and ref["step"] == RESTART_STEPS, steps
+        assert ref["samples_trained"] == sum(s["samples"] for s in steps)  # no step counted twice
+        assert all(s["recorded_at"] < killed_at for s in steps if s["step"] <= before["k-rl"])
+        assert all(s["recorded_at"] > killed_at for s in steps if s["step"] > before["k-rl"])
         assert c.list_page(limit=1000)["total"] >= RESTART_RUNS  # none lost
