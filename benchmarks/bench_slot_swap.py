@@ -28,6 +28,7 @@ import os
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -130,6 +131,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     runs, slots = (int(x) for x in args.rotate.split("x"))
+    if args.spill_dir is not None:  # a folder named on the command line is made, as the trainer makes its own
+        Path(args.spill_dir).mkdir(parents=True, exist_ok=True)
     rows = []
     for shape in args.shapes.split(","):
         with tempfile.TemporaryDirectory(dir=args.spill_dir) as d:
