@@ -59,10 +59,7 @@ from service.config import AdapterConfig, default_live_runs
 from service.errors import Conflict, NoFreeSlot, NotFound, QuotaExceeded
 from service.registry_views import RegistryViews, RunQuota
 from service.registry_records import (  # noqa: F401 - the records' names are the registry's interface too
-    _QUEUE_WHERE,
-    _WAITING,
-    _QUEUED_SQL,
-    _QUEUE_INDEXES,
+    _QUEUE_WHERE, _WAITING, _QUEUED_SQL, _QUEUE_INDEXES, _AHEAD_OF_TIMED, _AHEAD_OF_UNTIMED,  # the queue's SQL
     _SCHEMA,
     LEGAL_TRANSITIONS,
     LIVE_STATES,
@@ -570,15 +567,10 @@ class Registry(RegistryViews):
         (issue 26: per-round cost proportional to the residents). Caller holds the lock."""
         if not self._waiting(row["registration_id"]):
             return None
-        # Ahead of it, in the queue index's order: every run queued at NULL (first) with a lower run id
-        # or, when it has a time, all NULLs, every earlier time, and its own time's lower run ids; each
-        # part a range of runs_waiting (one OR over them made SQLite scan the table instead).
-        count = "SELECT COUNT(*) FROM runs INDEXED BY runs_waiting WHERE " + _WAITING
         if row["queued_at"] is None:
-            ahead = self._db.execute(f"{count} AND queued_at IS NULL AND run_id < ?", (row["run_id"],))
+            ahead = self._db.execute(_AHEAD_OF_UNTIMED, (row["run_id"],))
         else:
-            ahead = self._db.execute(f"SELECT ({count} AND queued_at IS NULL) + ({count} AND queued_at < ?) +"
-                                     f" ({count} AND queued_at = ? AND run_id < ?)", (row["queued_at"], row["queued_at"], row["run_id"]))
+            ahead = self._db.execute(_AHEAD_OF_TIMED, (row["queued_at"], row["queued_at"], row["run_id"]))
         return ahead.fetchone()[0] + 1
 
     def _ref(self, row: sqlite3.Row, positions: dict[str, int] | None = None) -> AdapterRef:

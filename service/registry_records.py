@@ -52,6 +52,14 @@ _UNQUEUED = f"{_LIVE_WHERE} AND NOT ({_WAITING})"
 _QUEUE_INDEXES = (f"CREATE INDEX IF NOT EXISTS runs_waiting ON runs(queued_at, run_id) WHERE {_WAITING}",
                   f"CREATE INDEX IF NOT EXISTS runs_unqueued ON runs(run_id) WHERE {_UNQUEUED}")
 _QUEUED_SQL = f"SELECT registration_id FROM runs INDEXED BY runs_waiting WHERE {_QUEUE_WHERE}"
+# How many wait ahead of a run, in the queue's order (NULL times first, then by time, then run id):
+# for a run queued at NULL, the NULLs with a lower run id; for one with a time, all NULLs, every
+# earlier time and its own time's lower run ids. Each part is a range of runs_waiting (one OR over
+# them made SQLite scan the table instead).
+_COUNT_WAITING = f"SELECT COUNT(*) FROM runs INDEXED BY runs_waiting WHERE {_WAITING}"
+_AHEAD_OF_UNTIMED = f"{_COUNT_WAITING} AND queued_at IS NULL AND run_id < ?"
+_AHEAD_OF_TIMED = (f"SELECT ({_COUNT_WAITING} AND queued_at IS NULL) + ({_COUNT_WAITING} AND queued_at < ?) +"
+                   f" ({_COUNT_WAITING} AND queued_at = ? AND run_id < ?)")
 
 
 @dataclass(frozen=True)
