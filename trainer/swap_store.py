@@ -165,6 +165,13 @@ class SwapStore:
             self._held[tier][0] += sign
             self._held[tier][1] += sign * nbytes
 
+    def _set_prefetch(self, snap: SlotSnapshot, prefetch: Future | None) -> None:
+        """A stored snapshot's prefetch started (a future) or forgotten (None), its totals moved with
+        it (caller holds the lock)."""
+        self._account(snap, -1)
+        snap.prefetch = prefetch
+        self._account(snap, +1)
+
     # -- in and out -------------------------------------------------------------------------
 
     def put(self, key: str, snap: SlotSnapshot) -> str:
@@ -215,9 +222,7 @@ class SwapStore:
             except (OSError, SpillFileError) as e:
                 with self._lock:
                     if snap.prefetch is pending and self._snapshots.get(key) is snap:
-                        self._account(snap, -1)
-                        snap.prefetch = None  # a later swap-in reads the file again
-                        self._account(snap, +1)
+                        self._set_prefetch(snap, None)  # a later swap-in reads the file again
                 raise SwapError(f"reading spilled snapshot {key!r} from {snap.spill_path}: {type(e).__name__}: {e}") from e
         try:
             return self._read(key, snap), "disk"
@@ -245,9 +250,7 @@ class SwapStore:
                 return "no room"
             if self._reader is None:
                 self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"swap-prefetch-rank{self.rank}")
-            self._account(snap, -1)
-            snap.prefetch = self._reader.submit(self._read, key, snap)
-            self._account(snap, +1)
+            self._set_prefetch(snap, self._reader.submit(self._read, key, snap))
         return "started"
 
     def drop(self, key: str) -> bool:
