@@ -22,7 +22,8 @@ Cases (N adapters x sequences per adapter x length): 1x16x1024, 4x4x1024,
 16x1x1024, 64x1x256 and 32x1x512. Prints a markdown table and writes --out JSON.
 --profile-out DIR writes torch.profiler tables (device time per kernel, and the round's wall
 time against the device's busy time) of one mixed and one frozen-base round of every case
-run (issue 28: where 64 x 256 loses against 16 x 1024).
+run (issue 28: where 64 x 256 loses against 16 x 1024), and the host-device syncs of each round
+by call site (benchmarks/sync_census.py).
 
   python -m benchmarks.bench_mixed_step --out mixed.json        # GPU, bf16 (the config default: 16384-token micro-batches)
   python -m benchmarks.bench_mixed_step --tiny                  # CPU smoke test (tiny shape)
@@ -263,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"N={n:3d} x {seqs:2d} x {length:5d}  {mode:10s} {row[mode]}", flush=True)
         if args.profile_out:
             row["profile"] = profile_round(trainer, mixed, args.profile_out, f"n{n}x{seqs}x{length}")
+            from benchmarks.sync_census import sync_sites
+
+            row["syncs"] = sync_sites(trainer, mixed, args.profile_out, f"n{n}x{seqs}x{length}")
         results.append(row)
 
     print()

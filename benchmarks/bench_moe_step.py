@@ -30,7 +30,7 @@ probes the grouped GEMM group-count limit on the device (one call with 1023, 102
 pydantic (no ray, fastapi, sglang).
 
   python -m benchmarks.bench_moe_step --out moe.json     # GPU, bf16 (about 3 minutes on an H200)
-  python -m benchmarks.bench_moe_step --only mixed,base --profile-out prof  # + torch.profiler tables per case
+  python -m benchmarks.bench_moe_step --only mixed,base --profile-out prof  # + torch.profiler tables and host syncs per case
   python -m benchmarks.bench_moe_step --tiny             # CPU smoke test (tiny shape)
 """
 
@@ -56,6 +56,7 @@ from benchmarks.bench_mixed_step import (  # noqa: E402
     with_library_kernels,
 )
 from benchmarks.failures import attempt, describe_failure  # noqa: E402
+from benchmarks.sync_census import sync_sites  # noqa: E402
 
 QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                      num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, intermediate_size=6144,
@@ -172,7 +173,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"N={n:3d} x {seqs:2d} x {length:5d}  {mode:13s} {row[mode]}", flush=True)
         results.append(row)
         if args.profile_out:
-            profile_round(trainer, mixed, args.profile_out, f"moe_n{n}x{seqs}x{length}")
+            tag = f"moe_n{n}x{seqs}x{length}"
+            profile_round(trainer, mixed, args.profile_out, tag)
+            row["syncs"] = sync_sites(trainer, mixed, args.profile_out, tag)
 
     print()
     print(table(results))

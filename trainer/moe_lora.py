@@ -268,7 +268,7 @@ class MoeLoraLayer(nn.Module):
         s, b, h = hidden_states.shape
         x = hidden_states.reshape(s * b, h)  # token t = position * b + sample (Megatron's s-major order)
         probs, routing_map = self.base.router(hidden_states)  # [T, E] each; probs 0 where not routed
-        tok, exp = routing_map.nonzero(as_tuple=True)
+        tok, exp = routed_pairs(routing_map, self.base.router.topk)
         r = self.routing
         lora = r.enabled and bool(self.lora_weights())
         lo, n_slots = 0, 1  # the slots taking part: lo .. lo + n_slots - 1 (only those present)
@@ -284,7 +284,7 @@ class MoeLoraLayer(nn.Module):
             key = exp
         order = torch.argsort(key, stable=True)
         rows = tok[order]
-        group_counts = torch.bincount(key, minlength=self.num_experts * n_slots)
+        group_counts = key_counts(key, self.num_experts * n_slots)
         expert_counts = group_counts.view(self.num_experts, n_slots).sum(1)
         xp = x[rows]  # [M, h] sorted by (expert, slot)
         # Expert TP: the input is replicated; the base's partial input gradients are summed over
@@ -294,7 +294,8 @@ class MoeLoraLayer(nn.Module):
         kernel = pick_kernel(r.kernel, xp, self.w1)
         if kernel == "grouped_mm" and pick_kernel(r.kernel, xp, self.w2) == "loop":
             kernel = "loop"
-        e_counts = expert_counts.tolist()
+        # grouped_mm reads the device offsets only: no host copy of the counts (a sync per layer)
+        e_counts = expert_counts.tolist() if kernel == "loop" else None
         e_offsets = torch.cumsum(expert_counts, 0).to(torch.int32)
         w1, w2 = self.w1.to(xp.dtype), self.w2.to(xp.dtype)
         plan = None
@@ -323,6 +324,29 @@ class MoeLoraLayer(nn.Module):
         if self.base.shared_experts is not None:
             out = out + self.base.shared_experts(hidden_states)
         return out, None
+
+
+def routed_pairs(routing_map: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token, expert) of every routed pair of ``routing_map`` [T, E] (bool): token-major, the
+    experts of a token ascending; exactly ``routing_map.nonzero(as_tuple=True)``, without its
+    host sync (nonzero must copy its count to the host to size its output).
+
+    Invariant used: every token is routed to exactly ``topk`` experts (Megatron's top-k router;
+    dropless, no capacity factor: moe_provider_overrides), so there are T * topk pairs. A token
+    with fewer would leave the sentinel E among its experts, which every later index by expert
+    (the routing probabilities, the group counts) refuses with a device-side index error."""
+    t, e = routing_map.shape
+    ids = torch.arange(e, device=routing_map.device)
+    exp = torch.where(routing_map, ids, e).sort(dim=1).values[:, :topk]  # routed experts first, ascending
+    tok = torch.arange(t * topk, device=routing_map.device) // topk
+    return tok, exp.reshape(-1)
+
+
+def key_counts(key: torch.Tensor, groups: int) -> torch.Tensor:
+    """int64 [groups]: how many entries of ``key`` (values in 0 .. groups - 1) hold each value;
+    ``torch.bincount`` without its host syncs (on CUDA it reads the key's min and max on the host).
+    Integer atomics: the counts are exact and the same run to run."""
+    return torch.zeros(groups, dtype=torch.int64, device=key.device).scatter_add_(0, key, torch.ones_like(key))
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,18 @@ def pick_kernel(requested: Literal["auto", "grouped_mm", "loop"], x: torch.Tenso
     return "grouped_mm" if ok else "loop"
 
 
+def _one_group(counts: list[int] | None, w: torch.Tensor) -> bool:
+    return (len(counts) if counts is not None else w.shape[0]) == 1
+
+
+def _host_counts(counts: list[int] | None) -> list[int]:
+    """The loop kernel walks the segments on the host; grouped_mm reads only the device offsets,
+    so a caller on that kernel may pass ``counts=None`` (no device-to-host copy, no sync)."""
+    if counts is None:
+        raise ValueError("the loop kernel needs the segment counts on the host (counts=None is for grouped_mm)")
+    return counts
+
+
 def _bounds(counts: list[int]):
     start = 0
     for g, n in enumerate(counts):
@@ -77,27 +89,30 @@ def _bounds(counts: list[int]):
         start += n
 
 
-def segment_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, counts: list[int], kernel: Kernel) -> torch.Tensor:
-    """y[t] = x[t] @ w[g(t)].T: x [T, K], w [G, N, K] in x's dtype -> [T, N] (no autograd)."""
-    if len(counts) == 1:  # one segment: a plain GEMM (cuBLAS picks its split-K and tiles)
+def segment_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, counts: list[int] | None,
+               kernel: Kernel) -> torch.Tensor:
+    """y[t] = x[t] @ w[g(t)].T: x [T, K], w [G, N, K] in x's dtype -> [T, N] (no autograd).
+    ``counts`` (the G segment lengths on the host) may be None on grouped_mm."""
+    if _one_group(counts, w):  # one segment: a plain GEMM (cuBLAS picks its split-K and tiles)
         return x @ w[0].t()
     if kernel == "grouped_mm":
         return F.grouped_mm(x, w.transpose(-2, -1), offs=offsets)
     y = x.new_zeros(x.shape[0], w.shape[1])
-    for g, s, e in _bounds(counts):
+    for g, s, e in _bounds(_host_counts(counts)):
         torch.matmul(x[s:e], w[g].t(), out=y[s:e])
     return y
 
 
-def segment_mm_nt(gy: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, counts: list[int], kernel: Kernel) -> torch.Tensor:
+def segment_mm_nt(gy: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, counts: list[int] | None,
+                  kernel: Kernel) -> torch.Tensor:
     """gx[t] = gy[t] @ w[g(t)]: gy [T, N], w [G, N, K] in gy's dtype -> [T, K] (the input
-    gradient of ``segment_mm``; no autograd)."""
-    if len(counts) == 1:
+    gradient of ``segment_mm``; no autograd; ``counts`` as there)."""
+    if _one_group(counts, w):
         return gy @ w[0]
     if kernel == "grouped_mm":
         return F.grouped_mm(gy, w, offs=offsets)
     gx = gy.new_zeros(gy.shape[0], w.shape[2])
-    for g, s, e in _bounds(counts):
+    for g, s, e in _bounds(_host_counts(counts)):
         torch.matmul(gy[s:e], w[g], out=gx[s:e])
     return gx
 
@@ -107,6 +122,7 @@ def segment_weight_grad(gy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor
     """dW[g] = gy[seg g].T @ x[seg g]: gy [T, N], x [T, K] -> [G, N, K] (zeros for empty
     groups), accumulated in fp32 by the GEMM and returned in ``dtype`` (default the inputs')."""
     dtype = dtype or gy.dtype
+    counts = _host_counts(counts)
     if len(counts) == 1:
         return (gy.t() @ x).to(dtype).unsqueeze(0)
     if kernel == "grouped_mm":
@@ -164,10 +180,11 @@ def _grouped_weight_grad(gy: torch.Tensor, x: torch.Tensor, offsets: torch.Tenso
 
 
 def segmented_matmul(
-    x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, counts: list[int], kernel: Kernel
+    x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, counts: list[int] | None, kernel: Kernel
 ) -> torch.Tensor:
-    """x [T, K], w [G, N, K], offsets int32 [G] (cumulative ends, offsets[-1] == T) -> [T, N]."""
-    if x.shape[0] != sum(counts):
+    """x [T, K], w [G, N, K], offsets int32 [G] (cumulative ends, offsets[-1] == T) -> [T, N].
+    ``counts`` None (grouped_mm only): the offsets are trusted as they are, unchecked on the host."""
+    if counts is not None and x.shape[0] != sum(counts):
         raise ValueError(f"segments cover {sum(counts)} tokens but x has {x.shape[0]}")
     if kernel == "grouped_mm":
         x = grouped_operand(x)

@@ -51,6 +51,9 @@ SHRINK_COLS = 128  # BK: wide columns per inner step of the shrink
 EXPAND_COLS = 128  # BN: output columns per inner step of the expand
 WGRAD_ROWS = 64  # rows per inner step of the weight gradient
 WGRAD_COLS = 64  # BM: wide columns per weight-gradient program
+# Launch options per kernel (num_warps, num_stages); empty: Triton's defaults. Read at each launch,
+# so benchmarks/bench_expert_kernels.py can sweep them (with the block sizes above).
+LAUNCH: dict[str, dict[str, int]] = {"shrink": {}, "expand": {}, "wgrad": {}}
 
 
 @dataclass(frozen=True)
@@ -230,7 +233,7 @@ def shrink(x: torch.Tensor, w: torch.Tensor, tiles: GroupTiles, scale: torch.Ten
                         x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(wide_dim), w.stride(rank_dim),
                         out.stride(0), out.stride(1),
                         BT=tiles.tile_rows, BK=SHRINK_COLS, BR=_rank_block(r), HAS_SCALE=scale is not None,
-                        PREC=_prec(x.dtype))
+                        PREC=_prec(x.dtype), **LAUNCH["shrink"])
     return out
 
 
@@ -253,7 +256,7 @@ def expand_into(y: torch.Tensor, h: torch.Tensor, w: torch.Tensor, tiles: GroupT
                         h.stride(0), h.stride(1), w.stride(0), w.stride(1), w.stride(rank_dim), w.stride(out_dim),
                         y.stride(0), y.stride(1),
                         BT=tiles.tile_rows, BN=EXPAND_COLS, BR=_rank_block(r), ACCUMULATE=accumulate,
-                        PREC=_prec(h.dtype))
+                        PREC=_prec(h.dtype), **LAUNCH["expand"])
     torch.autograd.graph.increment_version(y)  # written through a pointer
     return y
 
@@ -280,5 +283,5 @@ def weight_grad_into(grad: torch.Tensor, wide: torch.Tensor, side: torch.Tensor,
     wgrad_kernel[grid](wide, side, grad, tiles.ends, m, r, tiles.groups_per_expert,
                        wide.stride(0), wide.stride(1), side.stride(0), side.stride(1),
                        grad.stride(0), grad.stride(1), grad.stride(wide_dim), grad.stride(rank_dim),
-                       BT=WGRAD_ROWS, BM=WGRAD_COLS, BR=_rank_block(r), PREC=_prec(wide.dtype))
+                       BT=WGRAD_ROWS, BM=WGRAD_COLS, BR=_rank_block(r), PREC=_prec(wide.dtype), **LAUNCH["wgrad"])
     torch.autograd.graph.increment_version(grad)

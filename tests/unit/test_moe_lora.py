@@ -22,7 +22,7 @@ from trainer.expert_lora_nodes import (
     LibraryExpertOps,
     TritonExpertOps,
 )
-from trainer.moe_lora import _expert_major
+from trainer.moe_lora import _expert_major, key_counts, routed_pairs
 from trainer.triton_expert_lora import GroupTiles
 
 pytestmark = pytest.mark.unit
@@ -124,3 +124,49 @@ def test_group_chunks_cover_rows_and_groups():
     assert [o.tolist() for *_, o in layout.chunks] == [[3, 3, 5], [0, 0, 5], [1]]
     with pytest.raises(ValueError, match="max_groups must be >= 1"):
         GroupLayout.of(counts, torch.device("cpu"), max_groups=0)
+
+
+@pytest.mark.parametrize("tokens, experts, topk", [(1, 8, 1), (37, 8, 2), (300, 128, 8), (5, 4, 4)])
+def test_routed_pairs_equal_nonzero_without_a_sync(tokens, experts, topk):
+    """The MoE layer's pairs come from the routing map without ``nonzero`` (whose output size needs
+    a host sync): same pairs, same order (token-major, experts ascending), for top-k maps of any
+    shape, one expert per token and every expert per token included."""
+    g = torch.Generator().manual_seed(tokens + topk)
+    top = torch.rand(tokens, experts, generator=g).topk(topk, dim=1).indices
+    routing_map = torch.zeros(tokens, experts, dtype=torch.bool).scatter(1, top, True)
+    tok, exp = routed_pairs(routing_map, topk)
+    ref_tok, ref_exp = routing_map.nonzero(as_tuple=True)
+    assert torch.equal(tok, ref_tok) and torch.equal(exp, ref_exp)
+
+
+def test_routed_pairs_mark_a_token_with_too_few_experts():
+    """The invariant (exactly top-k experts a token) broken: the missing expert is the sentinel E,
+    which indexing by expert refuses (no pair lands silently on a wrong expert)."""
+    routing_map = torch.tensor([[True, False, True], [False, True, False]])
+    _, exp = routed_pairs(routing_map, 2)
+    assert exp.tolist() == [0, 2, 1, 3]
+    with pytest.raises(IndexError):
+        torch.zeros(2, 3)[torch.tensor([0, 0, 1, 1]), exp]
+
+
+def test_key_counts_equal_bincount():
+    g = torch.Generator().manual_seed(3)
+    key = torch.randint(0, 40, (500,), generator=g) * 2  # odd values never occur: empty groups
+    assert torch.equal(key_counts(key, 81), torch.bincount(key, minlength=81))
+    assert key_counts(key[:0], 5).tolist() == [0] * 5
+
+
+def test_expert_gemm_without_host_counts():
+    """The MoE layer passes no host counts to the expert GEMM on grouped_mm (offsets on the device
+    suffice): the same result as with them; the loop kernel, which needs them, refuses None."""
+    from trainer.segmented_mm import segment_mm, segment_mm_nt, segmented_matmul
+
+    counts = [3, 0, 5, 2]
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    x, w, gy = torch.randn(10, 16), torch.randn(4, 8, 16), torch.randn(10, 8)
+    assert torch.equal(segment_mm(x, w, offs, None, "grouped_mm"), segment_mm(x, w, offs, counts, "grouped_mm"))
+    assert torch.equal(segment_mm_nt(gy, w, offs, None, "grouped_mm"), segment_mm_nt(gy, w, offs, counts, "grouped_mm"))
+    assert torch.allclose(segmented_matmul(x, w, offs, None, "grouped_mm"), segment_mm(x, w, offs, counts, "loop"),
+                          rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="loop kernel needs the segment counts"):
+        segment_mm(x, w, offs, None, "loop")

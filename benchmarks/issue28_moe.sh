@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Issue 28's MoE runs on the device machine, in one call (docs/BENCHMARKS.md, "MoE step at the
+# limit"). Usage (repo root, megatron wheels on PYTHONPATH): bash benchmarks/issue28_moe.sh OUT [PARTS]
+# PARTS: comma list of
+#   tests    the GPU tier (tests/gpu) and the Triton kernels' unit tests compiled on the device
+#   moetests only the MoE / Triton unit tests and tests/gpu/test_moe_kernels_gpu.py (after a kernel change)
+#   after    bench_moe_step, mixed and frozen base, N = 1, 8, 32, with profiles and the host-sync census
+#   before   the same without profiles from BEFORE (a copy of an older tree with trainer/ and benchmarks/)
+#   kernels  bench_expert_kernels: the expert-LoRA Triton kernels over tile and launch variants
+set -uo pipefail
+out=${1:?output folder}
+parts=${2:-tests,after,before,kernels}
+before=${BEFORE:-.before}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 TORCHDYNAMO_DISABLE=1 NCCL_NVLS_ENABLE=0
+has() { [[ ",$parts," == *",$1,"* ]]; }
+quiet() { grep -v -i -E "warn|deprecat|^\s*$|megatron\.|transformers\]|import_utils|Traceback|^\s+(File|return|\^)|AttributeError: module|FlexAttention|Evict LRU" ; }
+triton_units="tests/unit/test_triton_adamw.py tests/unit/test_triton_rope.py tests/unit/test_triton_lora.py
+  tests/unit/test_triton_expert_lora.py tests/unit/test_moe_lora.py"
+nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv,noheader
+if has tests; then
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu --durations=5 2>&1 | tee "$out/gpu_tests.log" \
+    | grep -E "passed|failed|error|^[0-9.]+s " | tail -8
+  timeout 120 python3 -m pytest -q -p no:cacheprovider $triton_units 2>&1 | tee "$out/triton_tests.log" | grep -E "passed|failed|error" | tail -3
+fi
+if has moetests; then
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m "gpu or unit" tests/gpu/test_moe_kernels_gpu.py $triton_units 2>&1 \
+    | tee "$out/moe_tests.log" | grep -E "passed|failed|error" | tail -3
+fi
+if has after; then
+  timeout 200 python3 -m benchmarks.bench_moe_step --only mixed,base --out "$out/moe_after.json" --profile-out /tmp/prof 2>&1 \
+    | quiet | tee "$out/moe_after.log" | grep -E "^\||^# syncs|^# profile" | sed 's#/tmp/prof/##'
+  tar czf "$out/prof_after.tgz" -C /tmp prof
+fi
+if has before; then
+  (cd "$before" && timeout 150 python3 -m benchmarks.bench_moe_step --only mixed,base --out "$out/moe_before.json" 2>&1) \
+    | quiet | tee "$out/moe_before.log" | grep -E "^\|"
+fi
+if has kernels; then
+  timeout 200 python3 -m benchmarks.bench_expert_kernels --out "$out/kernels.json" 2>&1 | tee "$out/kernels.log" \
+    | grep -E "sum|reproduce" | sed -E 's/  fc1 .*//'
+fi
