@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -330,9 +331,19 @@ def profile_round(trainer, batch, folder: str, tag: str) -> dict:
             families[family] = families.get(family, 0.0) + device_us(e) / 1e3
         top = dict(sorted(((k, round(v, 2)) for k, v in families.items()), key=lambda kv: -kv[1])[:25])
         summary[name] = {"wall_ms": round(wall_ms, 1), "device_busy_ms": round(busy_ms, 1), "kernel_families_ms": top}
+        idle = ""
+        if cuda:  # the device's idle gaps and the host ops behind them (trace_gaps.py); the trace kept, gzipped
+            from benchmarks.trace_gaps import gaps, load, report
+
+            trace = os.path.join(folder, f"trace_{tag}_{name}.json")
+            prof.export_chrome_trace(trace)
+            idle = report(gaps(load(trace)))
+            subprocess.run(["gzip", "-f", trace], check=False)
+            print("# " + "\n#   ".join(idle.splitlines()[:8]), flush=True)
         with open(os.path.join(folder, f"profile_{tag}_{name}.txt"), "w") as f:
             f.write(f"wall {wall_ms:.1f} ms, device busy {busy_ms:.1f} ms\n")
             f.write(json.dumps(top, indent=1) + "\n")
+            f.write(idle + "\n")
             f.write(text)
         print(f"# profile {name} ({tag}): wall {wall_ms:.1f} ms, device busy {busy_ms:.1f} ms; "
               f"{os.path.join(folder, f'profile_{tag}_{name}.txt')}", flush=True)

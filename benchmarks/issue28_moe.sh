@@ -28,12 +28,12 @@ if has moetests; then
     | tee "$out/moe_tests.log" | grep -E "passed|failed|error" | tail -3
 fi
 if has after; then
-  timeout 200 python3 -m benchmarks.bench_moe_step --only mixed,base --out "$out/moe_after.json" --profile-out /tmp/prof 2>&1 \
-    | quiet | tee "$out/moe_after.log" | grep -E "^\||^# syncs|^# profile" | sed 's#/tmp/prof/##'
-  tar czf "$out/prof_after.tgz" -C /tmp prof
+  timeout 240 python3 -m benchmarks.bench_moe_step --only mixed,base --iters 10 --warmup 2 --out "$out/moe_after.json" --profile-out /tmp/prof 2>&1 \
+    | quiet | tee "$out/moe_after.log" | grep -E "^\||^# syncs|^# profile|^# device span|^#   " | cut -c1-260
+  tar czf "$out/prof_after.tgz" -C /tmp --exclude='trace_moe_n8*' --exclude='trace_moe_n32*' prof
 fi
 if has before; then
-  (cd "$before" && timeout 150 python3 -m benchmarks.bench_moe_step --only mixed,base --out "$out/moe_before.json" 2>&1) \
+  (cd "$before" && timeout 150 python3 -m benchmarks.bench_moe_step --only mixed,base --iters 10 --warmup 2 --out "$out/moe_before.json" 2>&1) \
     | quiet | tee "$out/moe_before.log" | grep -E "^\|"
 fi
 if has kernels; then
