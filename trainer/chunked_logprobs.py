@@ -120,12 +120,21 @@ def _chunk_forward(h, weight, tgt, inv_temperature, tp_group, vocab_start, want_
     del logits
     u = None
     if want_u:
-        rows = torch.nonzero(owned).squeeze(1)
         # softmax - onehot: the target column becomes p_t - 1, taken from the fp32 log-prob.
-        probs[rows, local_tgt[rows]] = (torch.exp(lp[rows]) - 1.0).to(probs.dtype)
+        _set_at_targets(probs, idx.squeeze(1), owned, lambda cur: (torch.exp(lp) - 1.0).to(probs.dtype))
         u = probs.to(h.dtype) @ weight
         del probs
     return lp, lse, u
+
+
+def _set_at_targets(m: torch.Tensor, col: torch.Tensor, owned: torch.Tensor, value) -> None:  # noqa: ANN001
+    """m[t, col[t]] = value(m[t, col[t]]) for the rows t whose target this rank ``owned``, in place;
+    the other rows are written back unchanged. Every row is indexed (``col`` clamped into the
+    shard), so no ``nonzero`` of the owned rows: its output size would need a host sync per chunk.
+    One (row, column) pair per row: the writes never collide."""
+    rows = torch.arange(m.shape[0], device=m.device)
+    cur = m[rows, col]
+    m[rows, col] = torch.where(owned, value(cur), cur)
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
@@ -204,8 +213,8 @@ def _grad_logits(h, weight, targets, lse, gc, start, end, ctx, delta=()) -> torc
     probs = torch.exp(_chunk_logits(h, weight, ctx.inv_temperature, delta).float() - lse[start:end].unsqueeze(1))
     grad_logits = probs.mul_(-gc.unsqueeze(1))
     local_tgt = targets[start:end] - ctx.vocab_start
-    rows = torch.nonzero((local_tgt >= 0) & (local_tgt < vocab_local)).squeeze(1)
-    grad_logits[rows, local_tgt[rows]] += gc[rows]
+    owned = (local_tgt >= 0) & (local_tgt < vocab_local)
+    _set_at_targets(grad_logits, local_tgt.clamp(0, vocab_local - 1), owned, lambda cur: cur + gc)
     return grad_logits.mul_(ctx.inv_temperature)
 
 

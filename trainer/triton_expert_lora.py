@@ -49,7 +49,9 @@ import torch
 TILE_ROWS = 64  # BT of the shrink and the expand: rows of one group per program
 SHRINK_COLS = 128  # BK: wide columns per inner step of the shrink
 EXPAND_COLS = 128  # BN: output columns per inner step of the expand
-WGRAD_ROWS = 64  # rows per inner step of the weight gradient
+WGRAD_ROWS = 32  # rows per inner step of the weight gradient (32, not 64: at 32 slots a group holds
+# about 32 rows, and 64-row steps loaded half masked; H200, benchmarks/bench_expert_kernels.py: the four
+# weight gradients of a layer 1.70 -> 1.42 ms at N = 32, 0.52 -> 0.51 at N = 1, equal at N = 8)
 WGRAD_COLS = 64  # BM: wide columns per weight-gradient program
 # Launch options per kernel (num_warps, num_stages); empty: Triton's defaults. Read at each launch,
 # so benchmarks/bench_expert_kernels.py can sweep them (with the block sizes above).
