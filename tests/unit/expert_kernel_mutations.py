@@ -3,8 +3,8 @@
     python -m tests.unit.expert_kernel_mutations            # every mutation (a few minutes on the CPU)
     python -m tests.unit.expert_kernel_mutations wgrad_no_accumulate expand_no_accumulate
 
-Each mutation replaces one exact piece of trainer/triton_expert_lora.py or
-trainer/expert_lora_nodes.py, runs the kernel and node tests (Triton's interpreter on the
+Each mutation replaces one exact piece of trainer/triton_expert_lora.py,
+trainer/expert_lora_nodes.py or the MoE layer's routing helpers (trainer/moe_lora.py), runs the kernel and node tests (Triton's interpreter on the
 CPU) in a subprocess, and restores the file (also when interrupted). A mutation that no
 test catches is printed as SURVIVED and the exit status is 1.
 """
@@ -18,6 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = "trainer/triton_expert_lora.py"
 NODES = "trainer/expert_lora_nodes.py"
+LAYER = "trainer/moe_lora.py"
 TESTS = ["tests/unit/test_triton_expert_lora.py", "tests/unit/test_moe_lora.py"]
 
 # name: (file, exact text, replacement, what the bug is)
@@ -56,6 +57,15 @@ MUTATIONS = {
     "fused_grads_swapped": (NODES, "tx.weight_grad_into(grad_b, gy, h, tiles, wide_dim=2)\n        tx.weight_grad_into(grad_a, x, gh, tiles, wide_dim=3)",
                             "tx.weight_grad_into(grad_b, gy, h, tiles, wide_dim=2)\n        tx.weight_grad_into(grad_a, x, gh * 0.5, tiles, wide_dim=3)",
                             "the fused node's dA from a wrong gh"),
+    "pairs_token_order": (LAYER, "tok = torch.arange(t * topk, device=routing_map.device) // topk",
+                          "tok = torch.arange(t * topk, device=routing_map.device) % t",
+                          "routed pairs: the token ids interleaved instead of token-major"),
+    "pairs_expert_order": (LAYER, "exp = torch.where(routing_map, ids, e).sort(dim=1).values[:, :topk]",
+                           "exp = torch.where(routing_map, ids, e).sort(dim=1, descending=True).values[:, -topk:]",
+                           "routed pairs: a token's experts descending (nonzero's order is ascending)"),
+    "counts_last_group_lost": (LAYER, "scatter_add_(0, key, torch.ones_like(key))",
+                               "scatter_add_(0, key.clamp(max=groups - 2), torch.ones_like(key))",
+                               "group counts: the last group's pairs counted in the group before it"),
 }
 
 
