@@ -331,14 +331,20 @@ def routed_pairs(routing_map: torch.Tensor, topk: int) -> tuple[torch.Tensor, to
     experts of a token ascending; exactly ``routing_map.nonzero(as_tuple=True)``, without its
     host sync (nonzero must copy its count to the host to size its output).
 
-    Invariant used: every token is routed to exactly ``topk`` experts (Megatron's top-k router;
-    dropless, no capacity factor: moe_provider_overrides), so there are T * topk pairs. A token
-    with fewer would leave the sentinel E among its experts, which every later index by expert
-    (the routing probabilities, the group counts) refuses with a device-side index error."""
+    Invariant: every token is routed to exactly ``topk`` experts (Megatron's top-k router;
+    dropless, no capacity factor: moe_provider_overrides), so there are T * topk pairs; checked
+    on the device (``_assert_async``: a CUDA error at the next sync, no host wait). Each row's
+    experts are placed by a permutation of its E columns: a routed expert at its rank among the
+    routed ones (0 .. topk - 1), an unrouted one after them; the first topk columns are the
+    routed experts in ascending order (one cumsum and one scatter: no sort of the row)."""
     t, e = routing_map.shape
-    ids = torch.arange(e, device=routing_map.device)
-    exp = torch.where(routing_map, ids, e).sort(dim=1).values[:, :topk]  # routed experts first, ascending
-    tok = torch.arange(t * topk, device=routing_map.device) // topk
+    dev = routing_map.device
+    routed_upto = routing_map.cumsum(1)  # [T, E]: routed experts among 0 .. j
+    torch._assert_async((routed_upto[:, -1] == topk).all(), "MoE routing: a token not routed to exactly top-k experts")
+    ids = torch.arange(e, device=dev)
+    place = torch.where(routing_map, routed_upto - 1, topk + ids - routed_upto)  # a permutation of 0 .. E - 1
+    exp = torch.empty(t, e, dtype=torch.int64, device=dev).scatter_(1, place, ids.expand(t, e))[:, :topk]
+    tok = torch.arange(t * topk, device=dev) // topk
     return tok, exp.reshape(-1)
 
 

@@ -139,14 +139,13 @@ def test_routed_pairs_equal_nonzero_without_a_sync(tokens, experts, topk):
     assert torch.equal(tok, ref_tok) and torch.equal(exp, ref_exp)
 
 
-def test_routed_pairs_mark_a_token_with_too_few_experts():
-    """The invariant (exactly top-k experts a token) broken: the missing expert is the sentinel E,
-    which indexing by expert refuses (no pair lands silently on a wrong expert)."""
-    routing_map = torch.tensor([[True, False, True], [False, True, False]])
-    _, exp = routed_pairs(routing_map, 2)
-    assert exp.tolist() == [0, 2, 1, 3]
-    with pytest.raises(IndexError):
-        torch.zeros(2, 3)[torch.tensor([0, 0, 1, 1]), exp]
+@pytest.mark.parametrize("row", [[True, False, False], [True, True, True]])
+def test_routed_pairs_refuse_a_token_without_exactly_topk_experts(row):
+    """The invariant (exactly top-k experts a token) broken, with fewer or more: refused (on the
+    device an asynchronous assert; on the CPU at once), no pair lands silently on a wrong expert."""
+    routing_map = torch.tensor([[True, False, True], row])
+    with pytest.raises(RuntimeError, match="exactly top-k"):
+        routed_pairs(routing_map, 2)
 
 
 def test_key_counts_equal_bincount():
