@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Issue 28's MoE runs on the device machine, in one call (docs/BENCHMARKS.md, "MoE step at the
 # limit"). Usage (repo root, megatron wheels on PYTHONPATH): bash benchmarks/issue28_moe.sh OUT [PARTS]
+# The GPU tier needs the tiny world: carry .cache/tiny (built here by examples/tiny/build.py; building
+# it there needs the datasets package, which the device lacks).
 # PARTS: comma list of
 #   tests    the GPU tier (tests/gpu) and the Triton kernels' unit tests compiled on the device
 #   moetests only the MoE / Triton unit tests and tests/gpu/test_moe_kernels_gpu.py (after a kernel change)
@@ -15,11 +17,12 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TORCHDYNAMO_DISABLE=1 NCCL_NVLS_ENABLE=0
 has() { [[ ",$parts," == *",$1,"* ]]; }
 quiet() { grep -v -i -E "warn|deprecat|^\s*$|megatron\.|transformers\]|import_utils|Traceback|^\s+(File|return|\^)|AttributeError: module|FlexAttention|Evict LRU" ; }
-triton_units="tests/unit/test_triton_adamw.py tests/unit/test_triton_rope.py tests/unit/test_triton_lora.py
-  tests/unit/test_triton_expert_lora.py tests/unit/test_moe_lora.py"
+# the Triton kernels' unit tests compiled on the device (TRITON_UNITS to run fewer)
+triton_units=${TRITON_UNITS:-"tests/unit/test_triton_adamw.py tests/unit/test_triton_rope.py tests/unit/test_triton_lora.py
+  tests/unit/test_triton_expert_lora.py tests/unit/test_moe_lora.py"}
 nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv,noheader
 if has tests; then
-  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu --durations=5 2>&1 | tee "$out/gpu_tests.log" \
+  timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu --durations=5 2>&1 | tee "$out/gpu_tests.log" \
     | grep -E "passed|failed|error|^[0-9.]+s " | tail -8
   timeout 120 python3 -m pytest -q -p no:cacheprovider $triton_units 2>&1 | tee "$out/triton_tests.log" | grep -E "passed|failed|error" | tail -3
 fi
