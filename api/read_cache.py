@@ -29,11 +29,14 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Hashable
+from typing import Generic, TypeVar
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")  # an answer: the API's JSON bytes, the front's whole response (api/read_front.py)
 
-class ReadCache:
+
+class ReadCache(Generic[T]):
     def __init__(self, ttl_s: float, max_entries: int = 256, clock: Callable[[], float] = time.monotonic, *,
                  stale_s: float = 0.0) -> None:
         self.ttl_s = ttl_s
@@ -41,7 +44,7 @@ class ReadCache:
         self._refreshing: dict[Hashable, asyncio.Task] = {}  # background builds (stale_s), one per key
         self.max_entries = max_entries
         self.clock = clock
-        self._answers: OrderedDict[Hashable, tuple[float, int, bytes]] = OrderedDict()
+        self._answers: OrderedDict[Hashable, tuple[float, int, T]] = OrderedDict()
         self._flights: dict[Hashable, asyncio.Lock] = {}
         self._generation = 0  # bumped by clear(): an answer built before a write is never stored after it
         self.builds = 0  # answers built (the rest were shared): for tests and benchmarks
@@ -50,14 +53,14 @@ class ReadCache:
         self._generation += 1
         self._answers.clear()
 
-    def _fresh(self, key: Hashable, since: float) -> bytes | None:
+    def _fresh(self, key: Hashable, since: float) -> T | None:
         """The stored answer if its build started at `since` or later (and no write came after it)."""
         hit = self._answers.get(key)
         if hit is not None and hit[1] == self._generation and hit[0] >= since:
             return hit[2]
         return None
 
-    async def get(self, key: Hashable, build: Callable[[], Awaitable[bytes]]) -> bytes:
+    async def get(self, key: Hashable, build: Callable[[], Awaitable[T]]) -> T:
         """The answer for `key`: one whose build started at most `ttl_s` before this request came (a
         stored one, or the one a concurrent request is building), else a new one from `build()`
         (whose exception reaches its own request only, and is not stored)."""
@@ -76,14 +79,14 @@ class ReadCache:
                 return stale
         return await self._build(key, build, since)
 
-    async def _refresh(self, key: Hashable, build: Callable[[], Awaitable[bytes]]) -> None:
+    async def _refresh(self, key: Hashable, build: Callable[[], Awaitable[T]]) -> None:
         """A background build (stale_s); its failure is logged, the stale answer ages out as usual."""
         try:
             await self._build(key, build, self.clock())
         except Exception:
             log.warning("refreshing the cached answer of %r failed", key, exc_info=True)
 
-    async def _build(self, key: Hashable, build: Callable[[], Awaitable[bytes]], since: float) -> bytes:
+    async def _build(self, key: Hashable, build: Callable[[], Awaitable[T]], since: float) -> T:
         flight = self._flights.setdefault(key, asyncio.Lock())
         async with flight:
             hit = self._fresh(key, since)  # built while this request waited: it is as new as needed

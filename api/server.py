@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import subprocess
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -81,12 +82,50 @@ class ApiServer:
         self.stop()
 
 
-def start_api_server(controller: Any, settings: ServiceSettings, fleet_stats: Any = None) -> ApiServer:
+def start_api_server(controller: Any, settings: ServiceSettings, fleet_stats: Any = None) -> ApiServer | FrontedApi:
     """The REST API over `controller` on settings.host:port, started (what `lorafleet serve` runs);
-    `fleet_stats` (service.fleet_stats.FleetStats, fed by the training loop) backs GET /v1/fleet/stats."""
+    `fleet_stats` (service.fleet_stats.FleetStats, fed by the training loop) backs GET /v1/fleet/stats.
+    With settings.api_front (the default) a front process owns settings.host:port and the app listens
+    on a loopback port behind it (api/read_front.py: the polled reads answered off the loop's
+    interpreter)."""
     from api.app import create_app
 
-    app = create_app(controller, settings, fleet_stats)
-    server = ApiServer(app, settings.host, settings.port, token_configured=settings.api_token is not None,
-                       on_stop=app.state.on_stop)
-    return server.start()
+    if not settings.api_front:
+        app = create_app(controller, settings, fleet_stats)
+        server = ApiServer(app, settings.host, settings.port, token_configured=settings.api_token is not None,
+                           on_stop=app.state.on_stop)
+        return server.start()
+    from api.read_front import bind_public, start_front
+
+    # The front caches the reads (read_cache_s / read_stale_s); behind it the app only merges concurrent
+    # builds, so an answer is never stale twice over.
+    app = create_app(controller, settings.model_copy(update={"read_cache_s": 0.0, "read_stale_s": 0.0}), fleet_stats)
+    sock = bind_public(settings.host, settings.port)  # a port in use fails here, before anything starts
+    try:
+        inner = ApiServer(app, "127.0.0.1", 0, on_stop=app.state.on_stop).start()
+        try:
+            front = start_front(sock, inner.url, settings.read_cache_s, settings.read_stale_s)
+        except BaseException:
+            inner.stop()
+            raise
+        host = f"[{settings.host}]" if ":" in settings.host else settings.host
+        return FrontedApi(inner, front, f"http://{host}:{sock.getsockname()[1]}")
+    finally:
+        sock.close()  # the front holds it now
+
+
+class FrontedApi:
+    """The API behind its front process (api/read_front.py): `url` is the front's, `stop()` stops both."""
+
+    def __init__(self, inner: ApiServer, front: subprocess.Popen, url: str) -> None:
+        self.inner, self.front, self.url = inner, front, url
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.front.poll() is None:  # the front first: no request reaches a stopping app
+            self.front.terminate()
+            try:
+                self.front.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.front.kill()
+                self.front.wait(5)
+        self.inner.stop(timeout_s)
