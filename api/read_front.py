@@ -84,7 +84,10 @@ class FrontApp:
     def http(self) -> httpx.AsyncClient:
         if self._http is None:  # made on the serving loop, where it is used
             self._http = httpx.AsyncClient(base_url=self.upstream, timeout=httpx.Timeout(None, connect=10.0),
-                                           limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
+                                           # idle connections dropped here before the app's server drops them
+                                           # (uvicorn: 5 s), or a request could go out on one being closed
+                                           limits=httpx.Limits(max_connections=256, max_keepalive_connections=64,
+                                                               keepalive_expiry=2.0))
         return self._http
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:

@@ -39,6 +39,9 @@ import yaml
 
 from tests.integration.service_world import TOKEN, Service, serve_job, sft
 
+# Idle connections are dropped by the client before the server drops them (uvicorn: after 5 s): the
+# main client idles while the phase registers, and reusing a connection the server is closing fails.
+IDLE_FIRST = httpx.Limits(keepalive_expiry=2.0)
 KEYS = {"alice": "tml-alice-bench-key-1", "bob": "tml-bob-bench-key-22"}
 
 
@@ -237,7 +240,7 @@ def main() -> None:
             t_start = time.monotonic()
             svc.start()
             print(f"service up in {time.monotonic() - t_start:.0f} s", flush=True)
-            with httpx.Client(base_url=svc.url, timeout=60, headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+            with httpx.Client(base_url=svc.url, timeout=60, headers={"Authorization": f"Bearer {TOKEN}"}, limits=IDLE_FIRST) as http:
                 rss0 = _rss_mib(svc.proc.pid)
                 live = 0
                 for n in phases:
