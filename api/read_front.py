@@ -200,7 +200,12 @@ def start_front(sock: socket.socket, upstream: str, ttl_s: float, stale_s: float
 def bind_public(host: str, port: int) -> socket.socket:
     """The public listening socket, bound here so that a port in use fails the start (OSError)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    return socket.create_server((host.strip("[]"), port), family=family, backlog=2048)
+    try:
+        return socket.create_server((host.strip("[]"), port), family=family, backlog=2048)
+    except OSError as err:
+        raise OSError(err.errno, f"the API cannot listen on {host}:{port} ({err.strerror}): another process holds "
+                                 "that port; choose another with LORAFLEET_PORT (the setting 'port'), or 0 for any "
+                                 "free port") from None
 
 
 def _die_with_parent() -> None:

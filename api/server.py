@@ -100,7 +100,7 @@ def start_api_server(controller: Any, settings: ServiceSettings, fleet_stats: An
     # The front caches the reads (read_cache_s / read_stale_s); behind it the app only merges concurrent
     # builds, so an answer is never stale twice over.
     app = create_app(controller, settings.model_copy(update={"read_cache_s": 0.0, "read_stale_s": 0.0}), fleet_stats)
-    sock = bind_public(settings.host, settings.port)  # a port in use fails here, before anything starts
+    sock = bind_public(settings.host, settings.port)  # a port in use fails here, naming the setting
     try:
         inner = ApiServer(app, "127.0.0.1", 0, on_stop=app.state.on_stop).start()
         try:

@@ -8,7 +8,7 @@ real app (uvicorn on loopback) over a real controller and SQLite registry with t
   * answers are never shared between credentials, and a refused one is never stored (F1);
   * a write through the front is read at once (F2);
   * the front exits when its parent is killed (F4), and says 503 with a reason when the app does
-    not answer.
+    not answer; a port in use is refused naming the setting.
 """
 
 from __future__ import annotations
@@ -174,6 +174,15 @@ def test_answers_are_never_shared_across_credentials_and_refusals_are_not_stored
     with _client(front, "tml-not-a-key-000000") as f:
         assert [f.get("/v1/adapters?limit=100").status_code for _ in range(3)] == [401] * 3
     assert app.seen[("GET", "/v1/adapters")] - seen == 3  # every refusal asked the app: none stored
+
+
+def test_a_port_in_use_is_refused_naming_the_setting():
+    held = bind_public("127.0.0.1", 0)
+    try:
+        with pytest.raises(OSError, match=r"cannot listen on 127\.0\.0\.1:\d+ .*LORAFLEET_PORT"):
+            bind_public("127.0.0.1", held.getsockname()[1])
+    finally:
+        held.close()
 
 
 def test_an_app_that_does_not_answer_gets_503_with_a_reason():
