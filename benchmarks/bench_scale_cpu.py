@@ -13,11 +13,13 @@ seconds each:
           lorafleet_reconciles), the coordinator's resident memory (/proc/<pid>/status VmRSS);
   reads   the same while bursts of 100 concurrent GETs (half /v1/adapters?limit=100, half /metrics)
           come every --burst-every-s seconds (their p50/p99 and sizes; 0: back to back, a stress);
-then the longest wait for a turn, read from the scheduler's own log (evicted -> restored: seconds,
+the two alternate `--pairs` times (the rates are summed over each kind's windows); then the
+longest wait for a turn, read from the scheduler's own log (evicted -> restored: seconds,
 and placements of others between). Registration latency: p50/p99 of the 1,024 phase's POSTs.
 
   .venv/bin/python -m benchmarks.bench_scale_cpu --out scale_cpu.json
   .venv/bin/python -m benchmarks.bench_scale_cpu --phases 8,64 --window-s 20   # a quick look
+  .venv/bin/python -m benchmarks.bench_scale_cpu --phases 200,1024 --window-s 20 --pairs 3   # quiet and reads alternating
   .venv/bin/python -m benchmarks.bench_scale_cpu --phases "" --complete 1024   # 1,024 two-step runs from 8 clients, to the end
 """
 
@@ -129,17 +131,29 @@ def _window(service: Service, seconds: float, readers: int = 0, burst_every_s: f
         for w in workers:
             w.join(120)
         s1, g1, t1 = http.get("/v1/fleet/stats").json()["steps"], _gauges(http), time.monotonic()
-    rounds = g1["lorafleet_reconciles"] - g0["lorafleet_reconciles"]
-    coord = sum(g1[k] - g0[k] for k in ('lorafleet_coordinator_seconds{part="place"}',
-                                         'lorafleet_coordinator_seconds{part="reconcile"}'))
-    out = {"tenant_steps_per_min": (s1 - s0) / (t1 - t0) * 60, "rounds": rounds,
-           "coordinator_ms_per_round": 1e3 * coord / rounds if rounds else float("nan"),
-           "place_ms_per_round": 1e3 * (g1['lorafleet_coordinator_seconds{part="place"}'] - g0['lorafleet_coordinator_seconds{part="place"}']) / rounds if rounds else float("nan"),
-           "evictions": g1['lorafleet_scheduler_events{event="evictions"}'] - g0['lorafleet_scheduler_events{event="evictions"}']}
-    for kind, xs in reads.items():
+    place = 'lorafleet_coordinator_seconds{part="place"}'
+    raw = {"steps": s1 - s0, "seconds": t1 - t0, "rounds": g1["lorafleet_reconciles"] - g0["lorafleet_reconciles"],
+           "coordinator_s": sum(g1[k] - g0[k] for k in (place, 'lorafleet_coordinator_seconds{part="reconcile"}')),
+           "place_s": g1[place] - g0[place],
+           "evictions": g1['lorafleet_scheduler_events{event="evictions"}'] - g0['lorafleet_scheduler_events{event="evictions"}'],
+           "latencies": reads, "sizes": sizes}
+    return raw
+
+
+def _summary(windows: list[dict]) -> dict:
+    """Windows of one kind (quiet, or with readers) taken together: steps per minute over their whole
+    time, the coordinator's time per round over all their rounds, read percentiles over all reads."""
+    total = {k: sum(w[k] for w in windows) for k in ("steps", "seconds", "rounds", "coordinator_s", "place_s", "evictions")}
+    rounds = total["rounds"]
+    out = {"tenant_steps_per_min": total["steps"] / total["seconds"] * 60, "rounds": rounds, "windows": len(windows),
+           "coordinator_ms_per_round": 1e3 * total["coordinator_s"] / rounds if rounds else float("nan"),
+           "place_ms_per_round": 1e3 * total["place_s"] / rounds if rounds else float("nan"),
+           "evictions": total["evictions"]}
+    for kind in ("page", "metrics"):
+        xs = [x for w in windows for x in w["latencies"].get(kind, [])]
         if xs:
             out[f"{kind}_p50_ms"], out[f"{kind}_p99_ms"] = 1e3 * _pct(xs, 0.5), 1e3 * _pct(xs, 0.99)
-            out[f"{kind}_bytes"], out[f"{kind}_reads"] = sizes[kind], len(xs)
+            out[f"{kind}_bytes"], out[f"{kind}_reads"] = max(w["sizes"][kind] for w in windows if kind in w["sizes"]), len(xs)
     return out
 
 
@@ -212,6 +226,7 @@ def main() -> None:
     ap.add_argument("--turn-steps", type=int, default=4, help="slots.turn_steps (the default of a job file)")
     ap.add_argument("--phases", default="8,200,1024", help="tenants live at once, ascending")
     ap.add_argument("--window-s", type=float, default=60.0)
+    ap.add_argument("--pairs", type=int, default=1, help="quiet and read windows, alternating, this many of each")
     ap.add_argument("--readers", type=int, default=100, help="readers of a burst (half list pages, half /metrics)")
     ap.add_argument("--burst-every-s", type=float, default=2.0, help="a burst every this many seconds (the dashboard's poll); 0: back to back")
     ap.add_argument("--clients", type=int, default=200, help="concurrent registering clients of the largest phase")
@@ -255,8 +270,13 @@ def main() -> None:
                         time.sleep(2.0)
                     warm = time.monotonic() - t0
                     since = time.time()
-                    quiet = _window(svc, args.window_s)
-                    reads = _window(svc, args.window_s, readers=args.readers, burst_every_s=args.burst_every_s)
+                    # quiet and read windows alternate (--pairs): the fleet's rate drifts as turns rotate,
+                    # and one quiet window before one read window measured that drift as much as the reads
+                    windows = [(_window(svc, args.window_s),
+                                _window(svc, args.window_s, readers=args.readers, burst_every_s=args.burst_every_s))
+                               for _ in range(args.pairs)]
+                    quiet, reads = _summary([q for q, _ in windows]), _summary([r for _, r in windows])
+                    reads["pair_ratios"] = [r["steps"] / r["seconds"] / (q["steps"] / q["seconds"]) for q, r in windows]
                     row = {"tenants": n, "slots": args.slots, "register_s": reg_s, "warm_s": warm,
                            "register_p50_ms": 1e3 * _pct(lat, 0.5), "register_p99_ms": 1e3 * _pct(lat, 0.99),
                            "register_clients": args.clients if n == phases[-1] else 8,
