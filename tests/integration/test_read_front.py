@@ -199,13 +199,13 @@ def test_an_app_that_does_not_answer_gets_503_with_a_reason():
 def test_the_front_exits_when_its_parent_is_killed(tmp_path):
     """The coordinator killed with SIGKILL (no clean-up runs): its front goes too, and the port is free."""
     script = textwrap.dedent("""
-        import sys, time
+        import signal
         from api.read_front import bind_public, start_front
         sock = bind_public("127.0.0.1", 0)
         proc = start_front(sock, "http://127.0.0.1:9", 1.0, 0.0)
         print(proc.pid, sock.getsockname()[1], flush=True)
         sock.close()
-        time.sleep(600)
+        signal.pause()  # a coordinator that lives until the test kills it
     """)
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
     try:
