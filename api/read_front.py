@@ -77,7 +77,6 @@ class FrontApp:
     def __init__(self, upstream: str, ttl_s: float, stale_s: float) -> None:
         self.upstream = upstream
         self.cache = ReadCache(ttl_s, stale_s=stale_s)
-        self.passed = 0  # requests passed to the coordinator (reads built included): for tests
         self._http: httpx.AsyncClient | None = None
 
     @property
@@ -113,7 +112,6 @@ class FrontApp:
             return _unavailable(err)
 
     async def _read(self, scope: dict) -> Answer:
-        self.passed += 1
         r = await self.http.get(_target(scope), headers=_forwarded(scope["headers"]))
         answer = Answer(r.status_code, _answer_headers(r), r.content)
         if r.status_code != 200:
@@ -121,7 +119,6 @@ class FrontApp:
         return answer
 
     async def _pass(self, scope: dict, receive: Any, send: Any) -> None:
-        self.passed += 1
         headers = _forwarded(scope["headers"])
         has_body = any(k in (b"content-length", b"transfer-encoding") for k, _ in scope["headers"])
         request = self.http.build_request(scope["method"], _target(scope), headers=headers,
