@@ -56,8 +56,7 @@ class ApiServer:
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return http_url(self.host, self.port)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         if self.on_stop and self._server.started and self._thread is not None and self._thread.is_alive():
@@ -80,6 +79,11 @@ class ApiServer:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def http_url(host: str, port: int) -> str:
+    """The URL of a server on host:port (an IPv6 address in brackets)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def start_api_server(controller: Any, settings: ServiceSettings, fleet_stats: Any = None) -> ApiServer | FrontedApi:
@@ -108,8 +112,7 @@ def start_api_server(controller: Any, settings: ServiceSettings, fleet_stats: An
         except BaseException:
             inner.stop()
             raise
-        host = f"[{settings.host}]" if ":" in settings.host else settings.host
-        return FrontedApi(inner, front, f"http://{host}:{sock.getsockname()[1]}")
+        return FrontedApi(inner, front, http_url(settings.host, sock.getsockname()[1]))
     finally:
         sock.close()  # the front holds it now
 
