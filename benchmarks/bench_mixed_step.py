@@ -135,20 +135,80 @@ def timed(fn, iters: int, warmup: int, phases: PhaseTimer | None = None, *,
     return out
 
 
+def timed_back_to_back(fn, iters: int, warmup: int, phases: PhaseTimer | None = None) -> dict:
+    """Mean ms of fn() over ``iters`` rounds run as the service loop runs them: no device sync
+    between rounds (the phase timer's syncs off), one at the end. A round's work that outlives
+    its call (the optimizer step on its own stream, trainer/step_overlap.py) overlaps the next
+    round's here, and only here."""
+    was = phases.enabled if phases else None
+    if phases:
+        phases.enabled = False
+    try:
+        for _ in range(warmup):
+            fn()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        sync()
+        return {"ms": (time.perf_counter() - t0) * 1e3 / iters, "rounds": iters}
+    finally:
+        if phases:
+            phases.enabled = was
+
+
+def back_to_back_modes(trainer, run_mixed: Callable[[], None], run_base: Callable[[], None]) -> dict:
+    """The back-to-back modes: mixed with the step overlapped (the default on CUDA), mixed with
+    the step in order on the main stream, and the frozen base."""
+
+    def in_order() -> None:
+        kept, trainer.step_overlap.active = trainer.step_overlap.active, False
+        try:
+            run_mixed()
+        finally:
+            trainer.step_overlap.active = kept
+
+    return {"mixed_b2b": run_mixed, "mixed_b2b_in_order": in_order, "base_b2b": run_base}
+
+
+def back_to_back_table(results: list[dict]) -> str:
+    """Rows of the back-to-back modes: ms per round and their ratios to the frozen base."""
+
+    def ms(row, mode):
+        return row.get(mode, {}).get("ms")
+
+    def fmt(x, spec=".1f"):
+        return "-" if x is None else format(x, spec)
+
+    lines = ["| N adapters x seqs x len | back to back: mixed ms (step overlapped) | mixed ms (step in order) "
+             "| frozen base ms | mixed / base (overlapped; in order) |", "|---|---|---|---|---|"]
+    for r in results:
+        m, o, b = ms(r, "mixed_b2b"), ms(r, "mixed_b2b_in_order"), ms(r, "base_b2b")
+        if m is None and o is None:
+            continue
+        ratios = f"{fmt(m / b if m and b else None, '.2f')}; {fmt(o / b if o and b else None, '.2f')}"
+        lines.append(f"| {r['n']} x {r['seqs']} x {r['len']} | {fmt(m)} | {fmt(o)} | {fmt(b)} | {ratios} |")
+    return "\n".join(lines)
+
+
 class PhaseTimer:
     """Times the trainer's forward+backward and optimizer-step phases (device-synced).
 
     Benchmark instrumentation only: wraps, for this process, the two phase functions that
-    MultiLoraTrainer.train calls (trainer/core.py's forward_backward and step_due_slots)."""
+    MultiLoraTrainer.train calls (trainer/core.py's forward_backward and step_due_slots).
+    ``enabled`` False: the wrapped functions run as they are (no syncs: back-to-back rounds)."""
 
     def __init__(self, trainer) -> None:  # noqa: ARG002 - the trainer whose train call is timed
         import trainer.core as core
 
         self.fwd_bwd = self.step = 0.0
+        self.enabled = True
         for name, attr in (("forward_backward", "fwd_bwd"), ("step_due_slots", "step")):
             inner = getattr(core, name)
 
             def timed_call(*args, _inner=inner, _attr=attr, **kwargs):
+                if not self.enabled:
+                    return _inner(*args, **kwargs)
                 sync()
                 t0 = time.perf_counter()
                 out = _inner(*args, **kwargs)
@@ -193,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
     ap.add_argument("--iters", type=int, default=None, help="timed rounds per mode (default 5; tiny 2)")
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--only", default=None, help="comma list of modes: serialized,mixed,base,mixed_library "
+    ap.add_argument("--only", default=None, help="comma list of modes: serialized,mixed,base,mixed_library,"
+                    "mixed_b2b,mixed_b2b_in_order,base_b2b (the last three: rounds back to back, timed_back_to_back) "
                     "(mixed_library: the mixed step with lora_rank_kernels='library')")
     ap.add_argument("--n", default="all", help="comma list of the cases' N to run (default all: 1,4,16,64,32)")
     ap.add_argument("--serialized-n", default="all",
@@ -257,11 +318,13 @@ def main(argv: list[str] | None = None) -> int:
 
         runners = {"serialized": run_serialized, "mixed": run_mixed, "base": lambda: frozen_base_pass(trainer, mixed),
                    "mixed_library": with_library_kernels(trainer, run_mixed)}
+        runners.update(back_to_back_modes(trainer, run_mixed, runners["base"]))
         for mode in modes:
             if mode == "serialized" and serialized_n is not None and n not in serialized_n:
                 continue
             n_iters = args.serialized_iters or iters if mode == "serialized" else iters
-            row[mode] = attempt(lambda m=mode: timed(runners[m], n_iters, args.warmup, phases if m != "base" else None))
+            timer = timed_back_to_back if mode.endswith(("_b2b", "_b2b_in_order")) else timed
+            row[mode] = attempt(lambda m=mode, f=timer: f(runners[m], n_iters, args.warmup, phases if m != "base" else None))
             print(f"N={n:3d} x {seqs:2d} x {length:5d}  {mode:10s} {row[mode]}", flush=True)
         if args.profile_out:
             row["profile"] = profile_round(trainer, mixed, args.profile_out, f"n{n}x{seqs}x{length}")
@@ -272,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print()
     print(table(results))
+    print()
+    print(back_to_back_table(results))
     print(f"\nreproduce: python -m benchmarks.bench_mixed_step {' '.join(argv if argv is not None else sys.argv[1:])}")
     if args.out:
         with open(args.out, "w") as f:

@@ -49,6 +49,9 @@ import torch  # noqa: E402
 
 from benchmarks.bench_mixed_step import (  # noqa: E402
     PhaseTimer,
+    back_to_back_modes,
+    back_to_back_table,
+    timed_back_to_back,
     init_slots,
     make_samples,
     profile_round,
@@ -111,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--n", default="1,8,32", help="comma list of N (adapters)")
     ap.add_argument("--only", default="serialized,mixed,mixed_library,base",
-                    help="comma list of modes: serialized,mixed,mixed_library,base")
+                    help="comma list of modes: serialized,mixed,mixed_library,base,mixed_b2b,mixed_b2b_in_order,base_b2b "
+                         "(the last three: rounds back to back, bench_mixed_step.timed_back_to_back)")
     ap.add_argument("--attention-only", action="store_true", help="adapters without expert LoRA (lora_experts false)")
     ap.add_argument("--profile-out", default=None, help="folder for torch.profiler tables (mixed and base) of each case")
     ap.add_argument("--out", default=None, help="write results JSON here")
@@ -168,8 +172,10 @@ def main(argv: list[str] | None = None) -> int:
 
         runners = {"serialized": run_serialized, "mixed": run_mixed, "mixed_library": with_library_kernels(trainer, run_mixed),
                    "base": lambda: frozen_base_pass(trainer, mixed)}
+        runners.update(back_to_back_modes(trainer, run_mixed, runners["base"]))
         for mode in modes:
-            row[mode] = attempt(lambda m=mode: timed(runners[m], iters, args.warmup, phases if m != "base" else None))
+            timer = timed_back_to_back if mode.endswith(("_b2b", "_b2b_in_order")) else timed
+            row[mode] = attempt(lambda m=mode, f=timer: f(runners[m], iters, args.warmup, phases if m != "base" else None))
             print(f"N={n:3d} x {seqs:2d} x {length:5d}  {mode:13s} {row[mode]}", flush=True)
         results.append(row)
         if args.profile_out:
@@ -179,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print()
     print(table(results))
+    print()
+    print(back_to_back_table(results))
     print(f"\nreproduce: python -m benchmarks.bench_moe_step {' '.join(argv if argv is not None else sys.argv[1:])}")
     if args.out:
         with open(args.out, "w") as f:

@@ -9,6 +9,8 @@
 #   after    bench_moe_step, mixed and frozen base, N = 1, 8, 32, with profiles and the host-sync census
 #   before   the same without profiles from BEFORE (a copy of an older tree with trainer/ and benchmarks/)
 #   kernels  bench_expert_kernels: the expert-LoRA Triton kernels over tile and launch variants
+#   overlap  the optimizer step on its own stream (trainer/step_overlap.py): its GPU test, then MoE
+#            (N = 1, 8, 32) and dense (N = 16, 64) rounds back to back, step overlapped and in order
 set -uo pipefail
 out=${1:?output folder}
 parts=${2:-tests,after,before,kernels}
@@ -21,9 +23,18 @@ quiet() { grep -v -i -E "warn|deprecat|^\s*$|megatron\.|transformers\]|import_ut
 triton_units=${TRITON_UNITS:-"tests/unit/test_triton_adamw.py tests/unit/test_triton_rope.py tests/unit/test_triton_lora.py
   tests/unit/test_triton_expert_lora.py tests/unit/test_moe_lora.py"}
 nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv,noheader
+if has overlap; then
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_step_overlap_gpu.py -rf 2>&1 \
+    | tee "$out/overlap_tests.log" | grep -E "passed|failed|error|^FAILED" | tail -8
+  b2b=mixed_b2b,mixed_b2b_in_order,base_b2b,mixed,base
+  timeout 200 python3 -m benchmarks.bench_moe_step --only $b2b --iters 10 --warmup 2 --out "$out/moe_b2b.json" 2>&1 \
+    | quiet | tee "$out/moe_b2b.log" | grep -E "^\|" | cut -c1-220
+  timeout 150 python3 -m benchmarks.bench_mixed_step --n 16,64 --only $b2b --iters 10 --warmup 2 --out "$out/dense_b2b.json" 2>&1 \
+    | quiet | tee "$out/dense_b2b.log" | grep -E "^\|" | cut -c1-220
+fi
 if has tests; then
-  timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu --durations=5 2>&1 | tee "$out/gpu_tests.log" \
-    | grep -E "passed|failed|error|^[0-9.]+s " | tail -8
+  timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu --durations=5 -rf 2>&1 | tee "$out/gpu_tests.log" \
+    | grep -E "passed|failed|error|^[0-9.]+s |^FAILED" | cut -c1-400 | tail -12
   timeout 120 python3 -m pytest -q -p no:cacheprovider $triton_units 2>&1 | tee "$out/triton_tests.log" | grep -E "passed|failed|error" | tail -3
 fi
 if has moetests; then

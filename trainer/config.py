@@ -132,6 +132,14 @@ class TrainerConfig(StrictModel):
             "H200), library otherwise."
         ),
     )
+    overlap_step: bool = Field(
+        True,
+        description=(
+            "CUDA: run the optimizer step on a stream of its own, one decoder layer at a time, so the next "
+            "call's forward starts on the first layers while later ones are still updated (same results; "
+            "trainer/step_overlap.py). false: the whole step on the main stream before train returns."
+        ),
+    )
     swap_host_budget_mb: float = Field(
         16384, ge=0,
         description=(

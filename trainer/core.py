@@ -46,6 +46,7 @@ from trainer.moe_peft import read_expert_peft
 from trainer.multi_lora import UNEMBED_MODULE, SlotRouting, install_multi_lora
 from trainer.peft_io import json_target_parameters, read_peft_folder
 from trainer.slot_buffers import SlotBuffers
+from trainer.step_overlap import StepOverlap
 from trainer.slot_export import SlotExporter
 from trainer.slot_steps import StepReport, TrainResult, adam_step, slot_metrics, step_due_slots
 from trainer.slot_swap import SlotSwap
@@ -87,6 +88,9 @@ class MultiLoraTrainer:
         # every layer's tensors views into them (slot_buffers.py). Lists in layer order.
         self.buffers = SlotBuffers(self.layers, config.num_slots, self.device)
         self.slots = SlotTable(self.layers, self.buffers, self.device)
+        # The optimizer step may outlive train() on a CUDA stream of its own; readers wait for it.
+        self.step_overlap = StepOverlap(self.layers, self.buffers, self.device, enabled=config.overlap_step)
+        self.buffers.settle = self.step_overlap.settle
         for moe in moe_layers(self.base.model):
             moe.slot_expert_scales = self.slots.expert_scales
         self.vocab_size: int = self.base.model.vocab_size
@@ -177,6 +181,7 @@ class MultiLoraTrainer:
     def reset_optimizer(self, slot: int) -> None:
         """Adam moments, update count and pending gradient of the slot to zero (weights kept)."""
         state = self._state(slot)
+        self.buffers.settle()
         idx = torch.tensor([slot], device=self.device)
         for t in (self.buffers.exp_avg, self.buffers.exp_avg_sq, self.buffers.grad):
             t.index_fill_(0, idx, 0.0)
@@ -235,7 +240,8 @@ class MultiLoraTrainer:
                     due.append(slot)
             if due:
                 states = [self.slots[slot] for slot in due]
-                for slot, report in step_due_slots(self.buffers, due, states, self.layout, self.device).items():
+                for slot, report in step_due_slots(self.buffers, due, states, self.layout, self.device,
+                                                      self.step_overlap).items():
                     reports.setdefault(slot, []).append(report)
         if self.layout.dp_size > 1:
             stats_dev = call_stats.to(self.device)

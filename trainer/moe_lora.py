@@ -110,6 +110,7 @@ class ExpertLoraWeights(nn.Module):
     (tensor parallel 1: the local layout is the full one)."""
 
     is_expert = True
+    step_overlap = None  # as MultiLoraLinear's: MoeLoraLayer.forward waits for it
 
     def __init__(self, *, name: str, kind: str, parallel: str, num_experts: int, in_local: int, out_local: int,
                  num_slots: int, max_rank: int, device: torch.device, tp_group=None) -> None:  # noqa: ANN001
@@ -265,6 +266,9 @@ class MoeLoraLayer(nn.Module):
     def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask=None):  # noqa: ANN001
         if intermediate_tensors is not None:
             raise NotImplementedError("MoeLoraLayer does not run partial (CUDA-graph) MoE forwards")
+        for weights in self.lora_weights():  # the last optimizer step's rows (trainer/step_overlap.py)
+            if weights.step_overlap is not None:
+                weights.step_overlap.wait(weights)
         s, b, h = hidden_states.shape
         x = hidden_states.reshape(s * b, h)  # token t = position * b + sample (Megatron's s-major order)
         probs, routing_map = self.base.router(hidden_states)  # [T, E] each; probs 0 where not routed

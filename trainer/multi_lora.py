@@ -190,6 +190,13 @@ class SlotRouting:
 class MultiLoraLinear(nn.Module):
     """A Megatron linear plus N stacked LoRA slots. Returns what the base returns."""
 
+    step_overlap = None  # trainer/step_overlap.StepOverlap when the step may still be writing the slots
+
+    def await_step(self) -> None:
+        """Wait (on the current stream) until the last optimizer step has written this layer's rows."""
+        if self.step_overlap is not None:
+            self.step_overlap.wait(self)
+
     def __init__(
         self,
         base: nn.Module,
@@ -249,6 +256,7 @@ class MultiLoraLinear(nn.Module):
     # -- forward ---------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor, *args, **kwargs):
+        self.await_step()
         r = self.routing
         if r.enabled and r.fused and self.fusable and not args and not kwargs and x.shape[1] == 1 \
                 and not self.base.weight.requires_grad:

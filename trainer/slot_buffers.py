@@ -14,12 +14,18 @@ every tensor (gradient norms, the AdamW update, zeroing, clearing a slot, the DP
 all-reduce of stepping slots) is then a few ops on whole rows, whatever the number
 of layers.
 
+On CUDA the optimizer step may still be writing these buffers on a stream of its own after
+``train`` returns (trainer/step_overlap.py): every accessor below first makes the current
+stream wait for it (``settle``, a device-side wait; the layers' forwards wait per layer).
+
 Columns hold the tensors split over tensor parallelism first (``split_cols`` of
 them), then the replicated ones, so a slot's squared gradient norm is
 ``|row[:split_cols]|^2`` summed over TP plus ``|row[split_cols:]|^2`` counted once.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -39,6 +45,7 @@ class SlotBuffers:
         total = sum(sizes.values())
         self.split_cols = sum(sizes[id(getattr(layer, name))] for layer, name, split in entries if split)
         dtype = layers[0].lora_A.dtype
+        self.settle: Callable[[], None] = lambda: None  # StepOverlap.settle once the trainer has one
         self.weight, self.grad, self.exp_avg, self.exp_avg_sq = (
             torch.zeros(num_slots, total, dtype=dtype, device=device) for _ in range(4)
         )
@@ -70,12 +77,19 @@ class SlotBuffers:
             self.exp_avg_sq_views.append(view(self.exp_avg_sq))
             self.row_layout.append((start, old.shape[1:], split))
 
+    def layer_columns(self) -> list[list[tuple[int, int]]]:
+        """Per layer (the constructor's order), the half-open column ranges of its A and B in a row."""
+        blocks = [(start, start + shape.numel()) for start, shape, _ in self.row_layout]
+        return [blocks[i : i + 2] for i in range(0, len(blocks), 2)]
+
     def by_kind(self) -> dict[str, torch.Tensor]:
         """The four [N, P] buffers by their BUFFER_KINDS names."""
+        self.settle()
         return {"weight": self.weight, "grad": self.grad, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
 
     def views(self, kind: str) -> list[torch.Tensor]:
         """Every parameter's [N, ...] view of the ``kind`` buffer, in layer order (A, B per layer)."""
+        self.settle()
         if kind == "weight":
             return [p.data for p in self.params]
         if kind == "grad":
@@ -108,12 +122,14 @@ class SlotBuffers:
 
     def rows(self, buf: torch.Tensor, slots: list[int]) -> torch.Tensor:
         """The rows of ``slots`` (ascending): a view for one contiguous range, else a gathered copy."""
+        self.settle()
         lo, hi = slots[0], slots[-1] + 1
         if slots == list(range(lo, hi)):
             return buf[lo:hi]
         return buf.index_select(0, torch.tensor(slots, device=buf.device))
 
     def put_rows(self, buf: torch.Tensor, slots: list[int], values: torch.Tensor) -> None:
+        self.settle()
         lo, hi = slots[0], slots[-1] + 1
         if slots == list(range(lo, hi)):
             if values.data_ptr() != buf[lo:hi].data_ptr():
@@ -123,5 +139,6 @@ class SlotBuffers:
 
     @torch.no_grad()
     def zero_slot(self, slot: int) -> None:
+        self.settle()
         for buf in (self.weight, self.grad, self.exp_avg, self.exp_avg_sq):
             buf[slot].zero_()

@@ -76,6 +76,7 @@ class SlotExporter:
 
     def _gather(self, slots: list[int], layout: ExportLayout, to: torch.dtype, *, gather_only: bool) -> torch.Tensor | None:
         tp = self.layout.tp_size
+        self.buffers.settle()  # the last optimizer step may still be writing the rows (step_overlap.py)
         return gather_bodies(self.buffers.weight, slots, layout.index, to, tp=tp, split=self.buffers.split_cols,
                              group=tp_group() if tp > 1 else None, gather_only=gather_only)
 

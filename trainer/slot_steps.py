@@ -22,6 +22,7 @@ from pydantic import BaseModel
 from trainer.distributed import ParallelLayout, dp_group, tp_group
 from trainer.per_slot_optim import AdamwColumns, adamw_apply, clip_coefficient, lr_at
 from trainer.slot_buffers import SlotBuffers
+from trainer.step_overlap import StepOverlap
 from trainer.slots import CLIPPED, KL, NUM, RATIO, RL_TOKENS, SAMPLES, TOKENS, SlotState, zero_stats
 
 
@@ -83,9 +84,10 @@ def slot_metrics(state: SlotState, stats: torch.Tensor, steps: list[StepReport])
 
 @torch.no_grad()
 def step_due_slots(buf: SlotBuffers, due: list[int], states: list[SlotState], layout: ParallelLayout,
-                   device: torch.device) -> dict[int, StepReport]:
+                   device: torch.device, overlap: StepOverlap | None = None) -> dict[int, StepReport]:
     """Reduce over DP, normalize, check, clip and update the ``due`` slots (ascending; ``states``
-    theirs, in that order), then reset their pending samples and statistics."""
+    theirs, in that order), then reset their pending samples and statistics. ``overlap``: the
+    update itself may run on the trainer's step stream and outlive this call (step_overlap.py)."""
     pending = torch.stack([st.pending for st in states])
     grads = buf.rows(buf.grad, due)  # a view when the due slots are one contiguous range
     if layout.dp_size > 1:  # only the due slots' gradients (and counters) cross DP
@@ -116,11 +118,17 @@ def step_due_slots(buf: SlotBuffers, due: list[int], states: list[SlotState], la
                                    loss=loss, skipped_nonfinite=not finite)
     if stepping:
         hp = torch.tensor(hyper_rows, dtype=torch.float64)
-        cols = AdamwColumns.build(
-            buf.weight.dtype, device, grad_scale=torch.tensor(scale, dtype=torch.float64),
-            lr=hp[:, 0], weight_decay=hp[:, 1], beta1=hp[:, 2], beta2=hp[:, 3], eps=hp[:, 4], step=hp[:, 5],
-        )
-        adamw_apply(buf.weight, buf.grad, buf.exp_avg, buf.exp_avg_sq, stepping, cols)  # zeroes their grads
+
+        def make_cols() -> AdamwColumns:
+            return AdamwColumns.build(
+                buf.weight.dtype, device, grad_scale=torch.tensor(scale, dtype=torch.float64),
+                lr=hp[:, 0], weight_decay=hp[:, 1], beta1=hp[:, 2], beta2=hp[:, 3], eps=hp[:, 4], step=hp[:, 5],
+            )
+
+        if overlap is not None:
+            overlap.apply(buf, stepping, make_cols)  # zeroes their grads
+        else:
+            adamw_apply(buf.weight, buf.grad, buf.exp_avg, buf.exp_avg_sq, stepping, make_cols())
     stepped = set(stepping)
     skipped = [slot for slot in due if slot not in stepped]
     if skipped:  # a non-finite slot's accumulated batch is discarded

@@ -56,6 +56,7 @@ class UnembedLora(MultiLoraLinear):
                 runtime_gather_output: bool | None = None):
         """Full logits: the base's vocab-local logits plus each routed token's slot delta, then the
         gather over TP that Megatron would have done (``runtime_gather_output``, else the layer's own)."""
+        self.await_step()
         gather = runtime_gather_output if runtime_gather_output is not None else self.base.gather_output
         logits, bias = self.base(x, weight=weight, runtime_gather_output=False)
         r = self.routing
@@ -76,6 +77,7 @@ class UnembedLora(MultiLoraLinear):
         over the vocabulary, so each rank sees only its shard's part of it)."""
         from trainer.chunked_logprobs import LogitLora
 
+        self.await_step()
         r = self.routing
         if not r.enabled:
             return None

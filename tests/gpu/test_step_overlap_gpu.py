@@ -1,0 +1,116 @@
+"""GPU tier: the optimizer step on a stream of its own (trainer/step_overlap.py), dense and MoE.
+
+The step is held back on its stream by a spin of the GPU (``StepOverlap.delay_cycles``, a fault
+injected for the test: on these tiny worlds the step would otherwise finish before the host
+gets to the next forward, and a missing wait could not show). With it:
+* the equivalence scenario (four adapters, three mixed calls, then each alone) gives bit-identical
+  losses, norms, weights, moments and gradients with the overlap on and off;
+* ``train`` returns while the step still runs (the overlap is real, not a sync in disguise), and
+  an export taken right then equals one taken after the device is idle;
+* with the layers' waits switched off the same run differs: the held-back step is observable, so
+  the first check can fail.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+DELAY_CYCLES = 200_000_000  # about 0.1 s at the H200's clock: far longer than a tiny world's forward
+
+
+def _scenario():
+    path = Path(__file__).resolve().parents[1] / "integration" / "test_trainer_equivalence.py"
+    spec = importlib.util.spec_from_file_location("trainer_equivalence_scenario", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+scenario = _scenario()
+
+
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def world(request, tiny_world):
+    """(world folder, the scenario's hypers there): the MoE scenario trains attention and mlp (its
+    experts), as tests/integration/test_moe_trainer.py does."""
+    hypers = scenario.make_hypers(scenario.OBJECTIVES["mixed"])
+    if request.param == "dense":
+        return tiny_world, hypers
+    from examples.tiny_moe.build import ensure_tiny_moe_world
+
+    return ensure_tiny_moe_world(), [h.model_copy(update={"targets": ("attention", "mlp")}) for h in hypers]
+
+
+def _trainer(world, overlap: bool):
+    from trainer.config import TrainerConfig
+    from trainer.core import MultiLoraTrainer
+
+    t = MultiLoraTrainer(TrainerConfig(base_model_path=str(world / "model"), num_slots=4, max_rank=8,
+                                       micro_batch_tokens=scenario.MICRO_BATCH_TOKENS, dtype="float32",
+                                       overlap_step=overlap))
+    assert t.step_overlap.active is overlap
+    return t
+
+
+@pytest.fixture(scope="module")
+def pair(world):
+    folder, hypers = world
+    on, off = _trainer(folder, True), _trainer(folder, False)
+    on.step_overlap.delay_cycles = DELAY_CYCLES
+    return on, off, scenario.make_batches(off), hypers
+
+
+def _assert_identical(a: dict, b: dict) -> None:
+    for slot in b:
+        assert a[slot]["losses"] == b[slot]["losses"] and a[slot]["steps"] == b[slot]["steps"], slot
+        for kind, sides in b[slot]["tensors"].items():
+            for side, tensors in enumerate(sides):
+                for name, t in tensors.items():
+                    assert torch.equal(a[slot]["tensors"][kind][side][name], t), (slot, kind, name)
+
+
+def test_overlapped_step_is_bit_identical(pair):
+    on, off, batches, hypers = pair
+    got, want = scenario.run_scenario(on, hypers, batches), scenario.run_scenario(off, hypers, batches)
+    for run in ("mixed", "alone"):
+        _assert_identical(got[run], want[run])
+
+
+def test_train_returns_before_the_step_ends_and_exports_wait_for_it(pair, tmp_path):
+    on, off, batches, hypers = pair
+    for t in (on, off):
+        for slot, h in enumerate(hypers):
+            if t.slot_status(slot)["active"]:
+                t.clear_slot(slot)
+            t.init_slot(slot, h, seed=100 + slot)
+        t.train(batches[0])
+    assert on.step_overlap.pending()  # train returned with the step still running on its stream
+    on.export.export_peft(0, tmp_path / "early")
+    torch.cuda.synchronize()
+    on.export.export_peft(0, tmp_path / "late")
+    off.export.export_peft(0, tmp_path / "off")
+    from safetensors.torch import load_file
+
+    early, late, plain = (load_file(str(tmp_path / d / "adapter_model.safetensors")) for d in ("early", "late", "off"))
+    assert sorted(early) == sorted(late) == sorted(plain)
+    for k in early:
+        assert torch.equal(early[k], late[k]) and torch.equal(early[k], plain[k]), k
+    for t in (on, off):
+        for slot in range(len(hypers)):
+            t.clear_slot(slot)
+
+
+def test_without_the_waits_the_held_back_step_shows(pair, monkeypatch):
+    from trainer.step_overlap import StepOverlap
+
+    on, off, batches, hypers = pair
+    monkeypatch.setattr(StepOverlap, "wait", lambda self, layer: None)
+    got, want = scenario.run_scenario(on, hypers, batches), scenario.run_scenario(off, hypers, batches)
+    with pytest.raises(AssertionError):
+        _assert_identical(got["mixed"], want["mixed"])
