@@ -51,6 +51,7 @@ from benchmarks.bench_mixed_step import (  # noqa: E402
     PhaseTimer,
     back_to_back_modes,
     back_to_back_table,
+    measure_modes,
     timed_back_to_back,
     init_slots,
     make_samples,
@@ -112,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--iters", type=int, default=None, help="timed rounds per mode (default 3; tiny 2)")
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=1, help="measure every mode this many times, alternating")
     ap.add_argument("--n", default="1,8,32", help="comma list of N (adapters)")
     ap.add_argument("--only", default="serialized,mixed,mixed_library,base",
                     help="comma list of modes: serialized,mixed,mixed_library,base,mixed_b2b,mixed_b2b_in_order,base_b2b "
@@ -173,10 +175,11 @@ def main(argv: list[str] | None = None) -> int:
         runners = {"serialized": run_serialized, "mixed": run_mixed, "mixed_library": with_library_kernels(trainer, run_mixed),
                    "base": lambda: frozen_base_pass(trainer, mixed)}
         runners.update(back_to_back_modes(trainer, run_mixed, runners["base"]))
-        for mode in modes:
+        def measure(mode: str) -> dict:
             timer = timed_back_to_back if mode.endswith(("_b2b", "_b2b_in_order")) else timed
-            row[mode] = attempt(lambda m=mode, f=timer: f(runners[m], iters, args.warmup, phases if m != "base" else None))
-            print(f"N={n:3d} x {seqs:2d} x {length:5d}  {mode:13s} {row[mode]}", flush=True)
+            return timer(runners[mode], iters, args.warmup, phases if mode != "base" else None)
+
+        measure_modes(row, modes, args.repeats, measure, f"N={n:3d} x {seqs:2d} x {length:5d}")
         results.append(row)
         if args.profile_out:
             tag = f"moe_n{n}x{seqs}x{length}"

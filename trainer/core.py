@@ -89,7 +89,8 @@ class MultiLoraTrainer:
         self.buffers = SlotBuffers(self.layers, config.num_slots, self.device)
         self.slots = SlotTable(self.layers, self.buffers, self.device)
         # The optimizer step may outlive train() on a CUDA stream of its own; readers wait for it.
-        self.step_overlap = StepOverlap(self.layers, self.buffers, self.device, enabled=config.overlap_step)
+        self.step_overlap = StepOverlap(self.layers, self.buffers, self.device, enabled=config.overlap_step,
+                                        min_params=config.overlap_step_min_params)
         self.buffers.settle = self.step_overlap.settle
         for moe in moe_layers(self.base.model):
             moe.slot_expert_scales = self.slots.expert_scales

@@ -24,7 +24,10 @@ Invariants:
   stream while the step still reads it; both are copied from the host before the first launch
   (a pageable copy makes the host wait for the stream: never between launches).
 Without CUDA, without Triton or with ``TrainerConfig.overlap_step`` off, ``apply`` is the
-whole-row update on the current stream and ``wait`` / ``settle`` do nothing.
+whole-row update on the current stream and ``wait`` / ``settle`` do nothing. A step smaller than
+``min_params`` LoRA parameters also runs in order, after the last overlapped one: with little to
+hide, the launches per layer and the contention with the forward cost more than they save
+(measured, TrainerConfig.overlap_step_min_params).
 """
 
 from __future__ import annotations
@@ -73,8 +76,10 @@ def plan_chunks(names: list[str], columns: list[list[tuple[int, int]]]) -> tuple
 class StepOverlap:
     """The trainer's optimizer step, overlapped with the next forward on CUDA (module doc)."""
 
-    def __init__(self, layers: list, buffers, device: torch.device, *, enabled: bool) -> None:  # noqa: ANN001 - SlotBuffers
+    def __init__(self, layers: list, buffers, device: torch.device, *, enabled: bool,  # noqa: ANN001 - SlotBuffers
+                 min_params: int = 0) -> None:
         self.device = device
+        self.min_params = min_params
         self.active = bool(enabled and device.type == "cuda" and triton_adamw.available(buffers.weight))
         ranges, chunk_of = plan_chunks([layer.name for layer in layers], buffers.layer_columns())
         self._chunk_of = {id(layer): c for layer, c in zip(layers, chunk_of)}
@@ -89,7 +94,8 @@ class StepOverlap:
     def apply(self, buf, slots: list[int], make_cols: Callable[[], AdamwColumns]) -> None:  # noqa: ANN001 - SlotBuffers
         """AdamW on rows ``slots`` with the factors ``make_cols()`` builds (on the device it is
         called for); their gradient rows are left zero."""
-        if not self.active:
+        if not self.active or len(slots) * buf.weight.shape[1] < self.min_params:
+            self.settle()
             adamw_apply(buf.weight, buf.grad, buf.exp_avg, buf.exp_avg_sq, slots, make_cols())
             return
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the gradients, the norms

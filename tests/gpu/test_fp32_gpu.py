@@ -2,7 +2,12 @@
 tensor parallel 2 and data parallel 2 over NCCL on two GPUs.
 
 The proof scenario of tests/integration/test_trainer_equivalence.py in fp32 on the device,
-at the CPU's tolerance (REL_TOL there, 1e-5). fp32 on CUDA takes the exact kernels: TF32
+at the CPU's tolerance for two fp32 reduction orders (PADDED_TOL there, 3e-5): cuBLAS picks its
+GEMM kernels by shape, so a batch of four adapters and one adapter's batch reduce in another
+order. Measured on one H200 (benchmarks/fp32_deviation.py, 2026-12-04, every suspect below
+switched off in turn, and all at once): 2.6e-6 to 1.1e-5, the largest always a second moment
+of a near-zero gradient (slot 0's layer-3 linear_proj: max 4.2e-10, off by 4.6e-15); the
+planted routing bugs give about 1e-1. fp32 on CUDA takes the exact kernels: TF32
 is off (PyTorch's default; checked below), Triton's tl.dot runs with input_precision
 "ieee" for fp32 (trainer/triton_lora.py), and packed attention goes to the per-document
 SDPA path because flash/varlen kernels take 16-bit inputs only (fused_attention.py).
@@ -73,12 +78,12 @@ def test_fp32_runs_without_tf32(trainer):
 @pytest.mark.parametrize("objectives", ["rl", "sft"])
 def test_fp32_mixed_step_equals_each_adapter_alone_on_cuda(trainer, batches, scenario, objectives):
     run = scenario.run_scenario(trainer, scenario.make_hypers(scenario.OBJECTIVES[objectives]), batches)
-    worst = scenario.assert_equivalent(run["mixed"], run["alone"])
+    worst = scenario.assert_equivalent(run["mixed"], run["alone"], tol=scenario.PADDED_TOL)
     print(f"fp32 CUDA {objectives}: worst relative error {worst:.2e}")
 
 
 def test_fp32_mixed_objectives_on_cuda(tp1_mixed_run, scenario):
-    worst = scenario.assert_equivalent(tp1_mixed_run["mixed"], tp1_mixed_run["alone"])
+    worst = scenario.assert_equivalent(tp1_mixed_run["mixed"], tp1_mixed_run["alone"], tol=scenario.PADDED_TOL)
     print(f"fp32 CUDA mixed objectives: worst relative error {worst:.2e}")
 
 

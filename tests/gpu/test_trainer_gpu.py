@@ -177,23 +177,37 @@ SPEED_VARIANTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def fp32_first_call(trainer, batches, scenario):
+    """The first call of the scenario in fp32 on the same world: what every bf16 path approximates."""
+    from trainer.config import TrainerConfig
+    from trainer.core import MultiLoraTrainer
+
+    fp32 = MultiLoraTrainer(TrainerConfig(**trainer.config.model_copy(update={"dtype": "float32"}).model_dump()))
+    return scenario.run_scenario(fp32, scenario.make_hypers(scenario.OBJECTIVES["mixed"], eps=1e-8), batches[:1])
+
+
 @pytest.mark.parametrize("variant", sorted(SPEED_VARIANTS))
-def test_bf16_speed_path_equals_other_paths(trainer, batches, scenario, tiny_world, variant):
+def test_bf16_speed_path_equals_other_paths(trainer, batches, scenario, fp32_first_call, variant):
+    """The default path and the other one, each against the fp32 run of the same call (not
+    against each other: two bf16 kernel sets each round their own way, and an RL slot's loss
+    is a sum of terms of both signs, so their difference measured relative to it doubles each
+    path's error: 0.054 between the padded path and the default one on the device, 2026-12-03)."""
     from trainer.config import TrainerConfig
     from trainer.core import MultiLoraTrainer
 
     overrides = SPEED_VARIANTS[variant]
     cfg = trainer.config.model_copy(update=overrides)
     other = MultiLoraTrainer(TrainerConfig(**cfg.model_dump()))
-    # First call only, default eps: two different bf16 kernel sets (attention, logits) drift
-    # apart over several Adam steps far more than mixed vs alone on one path, so the check
-    # is on what one call yields: losses, grad norms, moments and pending gradients.
+    # First call only, default eps: bf16 and fp32 drift apart over several Adam steps far more
+    # than mixed vs alone on one path, so the check is on what one call yields: losses, grad
+    # norms, moments and pending gradients.
     hypers = scenario.make_hypers(scenario.OBJECTIVES["mixed"], eps=1e-8)
-    ours = scenario.run_scenario(trainer, hypers, batches[:1])
-    theirs = scenario.run_scenario(other, hypers, batches[:1])
-    worst = _worst(scenario, ours["mixed"], theirs["mixed"], ("exp_avg", "exp_avg_sq", "grad"))
-    print(f"bf16 default path vs {variant}: {worst}")
-    assert worst["loss"] <= LOSS_TOL and worst["grad_norm"] <= GRAD_NORM_TOL and worst["tensor"] <= TENSOR_TOL, worst
+    for name, t in (("default", trainer), (variant, other)):
+        run = scenario.run_scenario(t, hypers, batches[:1])
+        worst = _worst(scenario, run["mixed"], fp32_first_call["mixed"], ("exp_avg", "exp_avg_sq", "grad"))
+        print(f"bf16 {name} path vs fp32: {worst}")
+        assert worst["loss"] <= LOSS_TOL and worst["grad_norm"] <= GRAD_NORM_TOL and worst["tensor"] <= TENSOR_TOL, (name, worst)
 
 
 def test_kernel_choice_on_device(trainer):
