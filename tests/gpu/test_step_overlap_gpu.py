@@ -13,26 +13,14 @@ gets to the next forward, and a missing wait could not show). With it:
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
+
+from tests.integration import test_trainer_equivalence as scenario
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 DELAY_CYCLES = 200_000_000  # about 0.1 s at the H200's clock: far longer than a tiny world's forward
-
-
-def _scenario():
-    path = Path(__file__).resolve().parents[1] / "integration" / "test_trainer_equivalence.py"
-    spec = importlib.util.spec_from_file_location("trainer_equivalence_scenario", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-scenario = _scenario()
 
 
 @pytest.fixture(scope="module", params=["dense", "moe"])
