@@ -72,16 +72,16 @@ MUTATIONS = {
 }
 
 
-def run(name: str) -> bool:
-    """Plant ``name``, run the tests, restore; True when some test failed (the bug was caught)."""
-    rel, old, new, _ = MUTATIONS[name]
+def run(name: str, mutations: dict = MUTATIONS, tests: list[str] = TESTS) -> bool:
+    """Plant ``mutations[name]``, run ``tests`` in a subprocess, restore the file; True when caught."""
+    rel, old, new, _ = mutations[name]
     path = ROOT / rel
     text = path.read_text()
     if text.count(old) != 1:
         raise SystemExit(f"{name}: the text to mutate is not in {rel} exactly once (the code moved?)")
     try:
         path.write_text(text.replace(old, new))
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *TESTS],
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
                               cwd=ROOT, capture_output=True, text=True)
     finally:
         path.write_text(text)
@@ -90,9 +90,14 @@ def run(name: str) -> bool:
     return proc.returncode != 0
 
 
-if __name__ == "__main__":
-    names = sys.argv[1:] or list(MUTATIONS)
-    unknown = [n for n in names if n not in MUTATIONS]
+def main(argv: list[str], mutations: dict = MUTATIONS, tests: list[str] = TESTS) -> int:
+    """Every mutation named in ``argv`` (default all), one at a time; 1 if any survived."""
+    names = argv or list(mutations)
+    unknown = [n for n in names if n not in mutations]
     if unknown:
-        raise SystemExit(f"unknown mutations {unknown}: choose from {', '.join(MUTATIONS)}")
-    raise SystemExit(0 if all([run(n) for n in names]) else 1)
+        raise SystemExit(f"unknown mutations {unknown}: choose from {', '.join(mutations)}")
+    return 0 if all([run(n, mutations, tests) for n in names]) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

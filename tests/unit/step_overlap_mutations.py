@@ -1,0 +1,36 @@
+"""Plant bugs in the step overlap's plan and its AdamW block kernel one at a time; a test must fail
+for each (the runner of tests/unit/expert_kernel_mutations.py; Triton's interpreter on the CPU).
+
+    python -m tests.unit.step_overlap_mutations            # every mutation (about a minute)
+
+The waits themselves (each layer's forward waits for its rows) need CUDA streams: their planted
+bug is a test of its own, tests/gpu/test_step_overlap_gpu.py (the waits switched off)."""
+
+from __future__ import annotations
+
+import sys
+
+from tests.unit.expert_kernel_mutations import main
+
+KERNEL = "trainer/triton_adamw.py"
+PLAN = "trainer/step_overlap.py"
+TESTS = ["tests/unit/test_step_overlap.py", "tests/unit/test_triton_adamw.py"]
+
+MUTATIONS = {  # name: (file, exact text, replacement, what the bug is)
+    "block_mask_one_past": (KERNEL, "mask = lanes < tl.load(widths_ptr + blk)", "mask = lanes <= tl.load(widths_ptr + blk)",
+                            "a block updates one column past its range"),
+    "block_width_full": (KERNEL, "widths.append(min(BLOCK, hi - c))", "widths.append(BLOCK)",
+                         "a range's last block runs on into the next range"),
+    "block_row_from_program": (KERNEL, "row = tl.load(slots_ptr + d).to(tl.int64)", "row = d.to(tl.int64)",
+                               "the d-th stepping slot's factors applied to row d, not to its slot"),
+    "merge_across_gaps": (PLAN, "if out and lo <= out[-1][1]:", "if out and lo <= out[-1][1] + 2:",
+                          "ranges two columns apart merged: the gap's columns stepped twice"),
+    "one_chunk_for_all": (PLAN, 'return int(found.group(1)) if found else float("inf")', 'return float("inf")',
+                          "every layer in one chunk: layer 0's forward waits for the whole step"),
+    "chunks_not_in_forward_order": (PLAN, "keys = sorted({decoder_index(n) for n in names})",
+                                    "keys = sorted({decoder_index(n) for n in names}, reverse=True)",
+                                    "the last layer's rows updated first"),
+}
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:], MUTATIONS, TESTS))
