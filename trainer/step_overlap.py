@@ -94,7 +94,7 @@ class StepOverlap:
     def apply(self, buf, slots: list[int], make_cols: Callable[[], AdamwColumns]) -> None:  # noqa: ANN001 - SlotBuffers
         """AdamW on rows ``slots`` with the factors ``make_cols()`` builds (on the device it is
         called for); their gradient rows are left zero."""
-        if not self.active or len(slots) * buf.weight.shape[1] < self.min_params:
+        if not self.active or not self.chunks or len(slots) * buf.weight.shape[1] < self.min_params:
             self.settle()
             adamw_apply(buf.weight, buf.grad, buf.exp_avg, buf.exp_avg_sq, slots, make_cols())
             return
