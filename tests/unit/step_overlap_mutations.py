@@ -30,6 +30,8 @@ MUTATIONS = {  # name: (file, exact text, replacement, what the bug is)
     "chunks_not_in_forward_order": (PLAN, "keys = sorted({decoder_index(n) for n in names})",
                                     "keys = sorted({decoder_index(n) for n in names}, reverse=True)",
                                     "the last layer's rows updated first"),
+    "threshold_inclusive": (PLAN, "len(slots) * buf.weight.shape[1] < self.min_params", "len(slots) * buf.weight.shape[1] <= self.min_params",
+                            "a step of exactly min_params parameters runs in order"),
 }
 
 if __name__ == "__main__":

@@ -106,3 +106,22 @@ def test_cpu_step_is_the_plain_update_and_waits_are_noops():
     overlap.wait(layers[0])
     overlap.settle()
     assert not overlap.pending()
+
+
+def test_steps_below_min_params_run_in_order():
+    """A step of fewer LoRA parameters than ``min_params`` takes the plain update even where the
+    overlap is on (forced here: on the CPU the stream path would fail, so taking it shows)."""
+    layers = _layers()
+    buf = SlotBuffers(layers, 3, torch.device("cpu"))
+    width = buf.weight.shape[1]
+    overlap = StepOverlap(layers, buf, torch.device("cpu"), enabled=True, min_params=2 * width + 1)
+    overlap.active, overlap.chunks = True, ["the stream path"]  # as on CUDA
+    buf.grad.normal_()
+    ref = [t.clone() for t in (buf.weight, buf.grad, buf.exp_avg, buf.exp_avg_sq)]
+    cols = lambda: AdamwColumns(*(torch.full((2,), 0.1 * (i + 1)) for i in range(8)))  # noqa: E731
+    overlap.apply(buf, [0, 2], cols)  # 2 x width < min_params: in order
+    adamw_apply(*ref, [0, 2], cols())
+    assert all(torch.equal(got, want) for got, want in zip((buf.weight, buf.grad, buf.exp_avg, buf.exp_avg_sq), ref))
+    overlap.min_params = 2 * width
+    with pytest.raises((AssertionError, RuntimeError, AttributeError)):  # at the threshold: the stream path
+        overlap.apply(buf, [0, 2], cols)
