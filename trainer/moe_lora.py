@@ -67,6 +67,7 @@ from trainer.expert_lora_nodes import (
     TritonExpertOps,
 )
 from trainer.segmented_mm import grouped_operand, pick_kernel, segmented_matmul
+from trainer.step_overlap import AwaitsStep
 
 EXPERT_TARGETS = ("linear_fc1", "linear_fc2")
 
@@ -101,7 +102,7 @@ def moe_provider_overrides() -> dict[str, Any]:
 # -- the slot weights of one expert linear -----------------------------------------------------
 
 
-class ExpertLoraWeights(nn.Module):
+class ExpertLoraWeights(AwaitsStep, nn.Module):
     """N slots of LoRA for one linear (fc1 or fc2) of every routed expert of a layer.
 
     ``lora_A [N, E, R, in]``, ``lora_B [N, E, out, R]``; slot i of rank r uses
@@ -110,7 +111,6 @@ class ExpertLoraWeights(nn.Module):
     (tensor parallel 1: the local layout is the full one)."""
 
     is_expert = True
-    step_overlap = None  # as MultiLoraLinear's: MoeLoraLayer.forward waits for it
 
     def __init__(self, *, name: str, kind: str, parallel: str, num_experts: int, in_local: int, out_local: int,
                  num_slots: int, max_rank: int, device: torch.device, tp_group=None) -> None:  # noqa: ANN001
@@ -267,8 +267,7 @@ class MoeLoraLayer(nn.Module):
         if intermediate_tensors is not None:
             raise NotImplementedError("MoeLoraLayer does not run partial (CUDA-graph) MoE forwards")
         for weights in self.lora_weights():  # the last optimizer step's rows (trainer/step_overlap.py)
-            if weights.step_overlap is not None:
-                weights.step_overlap.wait(weights)
+            weights.await_step()
         s, b, h = hidden_states.shape
         x = hidden_states.reshape(s * b, h)  # token t = position * b + sample (Megatron's s-major order)
         probs, routing_map = self.base.router(hidden_states)  # [T, E] each; probs 0 where not routed

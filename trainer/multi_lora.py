@@ -46,6 +46,7 @@ from trainer import triton_lora
 from trainer.config import TARGET_GROUPS, is_target_module, target_group
 from trainer.fused_lora import ComputeWeights, FusedLoraLinear, SlotSpan, TensorParallel
 from trainer.segmented_mm import grouped_operand, pick_kernel, segmented_matmul
+from trainer.step_overlap import AwaitsStep
 
 FusedKind = Literal["qkv", "gate_up", "plain"]
 UNEMBED_MODULE = "output_layer"  # GPTModel's output projection (the unembedding); its LoRA: trainer/unembed_lora.py
@@ -187,15 +188,8 @@ class SlotRouting:
         self._span = None
 
 
-class MultiLoraLinear(nn.Module):
+class MultiLoraLinear(AwaitsStep, nn.Module):
     """A Megatron linear plus N stacked LoRA slots. Returns what the base returns."""
-
-    step_overlap = None  # trainer/step_overlap.StepOverlap when the step may still be writing the slots
-
-    def await_step(self) -> None:
-        """Wait (on the current stream) until the last optimizer step has written this layer's rows."""
-        if self.step_overlap is not None:
-            self.step_overlap.wait(self)
 
     def __init__(
         self,

@@ -73,6 +73,18 @@ def plan_chunks(names: list[str], columns: list[list[tuple[int, int]]]) -> tuple
     return [merged(r) for r in ranges], chunk_of
 
 
+class AwaitsStep:
+    """A LoRA layer whose slot rows the optimizer step may still be writing: the trainer sets
+    ``step_overlap`` when the overlap is on; its forward calls ``await_step`` before it reads them."""
+
+    step_overlap: StepOverlap | None = None
+
+    def await_step(self) -> None:
+        """Wait (on the current stream) until the last optimizer step has written this layer's rows."""
+        if self.step_overlap is not None:
+            self.step_overlap.wait(self)
+
+
 class StepOverlap:
     """The trainer's optimizer step, overlapped with the next forward on CUDA (module doc)."""
 
