@@ -157,6 +157,11 @@ def timed_back_to_back(fn, iters: int, warmup: int, phases: PhaseTimer | None = 
             phases.enabled = was
 
 
+def timer_for(mode: str) -> Callable:
+    """How a mode's rounds are timed: back to back for the *_b2b modes, else round by round."""
+    return timed_back_to_back if mode.endswith(("_b2b", "_b2b_in_order")) else timed
+
+
 def measure_modes(row: dict, modes: list[str], repeats: int, measure: Callable[[str], dict], label: str) -> None:
     """Each mode ``repeats`` times, the modes alternating (the device's rate drifts over a run, so
     one mode's rounds after another's would measure the drift too). ``row[mode]``: the repeat of
@@ -344,8 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         runners.update(back_to_back_modes(trainer, run_mixed, runners["base"]))
         def measure(mode: str) -> dict:
             n_iters = args.serialized_iters or iters if mode == "serialized" else iters
-            timer = timed_back_to_back if mode.endswith(("_b2b", "_b2b_in_order")) else timed
-            return timer(runners[mode], n_iters, args.warmup, phases if mode != "base" else None)
+            return timer_for(mode)(runners[mode], n_iters, args.warmup, phases if mode != "base" else None)
 
         measure_modes(row, [m for m in modes if m != "serialized" or serialized_n is None or n in serialized_n],
                       args.repeats, measure, f"N={n:3d} x {seqs:2d} x {length:5d}")

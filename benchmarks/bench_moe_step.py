@@ -51,15 +51,14 @@ from benchmarks.bench_mixed_step import (  # noqa: E402
     PhaseTimer,
     back_to_back_modes,
     back_to_back_table,
-    measure_modes,
-    timed_back_to_back,
     init_slots,
     make_samples,
+    measure_modes,
     profile_round,
-    timed,
+    timer_for,
     with_library_kernels,
 )
-from benchmarks.failures import attempt, describe_failure  # noqa: E402
+from benchmarks.failures import describe_failure  # noqa: E402
 from benchmarks.sync_census import sync_sites  # noqa: E402
 
 QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
@@ -176,8 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                    "base": lambda: frozen_base_pass(trainer, mixed)}
         runners.update(back_to_back_modes(trainer, run_mixed, runners["base"]))
         def measure(mode: str) -> dict:
-            timer = timed_back_to_back if mode.endswith(("_b2b", "_b2b_in_order")) else timed
-            return timer(runners[mode], iters, args.warmup, phases if mode != "base" else None)
+            return timer_for(mode)(runners[mode], iters, args.warmup, phases if mode != "base" else None)
 
         measure_modes(row, modes, args.repeats, measure, f"N={n:3d} x {seqs:2d} x {length:5d}")
         results.append(row)

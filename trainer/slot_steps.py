@@ -84,10 +84,10 @@ def slot_metrics(state: SlotState, stats: torch.Tensor, steps: list[StepReport])
 
 @torch.no_grad()
 def step_due_slots(buf: SlotBuffers, due: list[int], states: list[SlotState], layout: ParallelLayout,
-                   device: torch.device, overlap: StepOverlap | None = None) -> dict[int, StepReport]:
+                   device: torch.device, overlap: StepOverlap) -> dict[int, StepReport]:
     """Reduce over DP, normalize, check, clip and update the ``due`` slots (ascending; ``states``
     theirs, in that order), then reset their pending samples and statistics. ``overlap``: the
-    update itself may run on the trainer's step stream and outlive this call (step_overlap.py)."""
+    trainer's step runner (the update may run on its stream and outlive this call, step_overlap.py)."""
     pending = torch.stack([st.pending for st in states])
     grads = buf.rows(buf.grad, due)  # a view when the due slots are one contiguous range
     if layout.dp_size > 1:  # only the due slots' gradients (and counters) cross DP
@@ -125,10 +125,7 @@ def step_due_slots(buf: SlotBuffers, due: list[int], states: list[SlotState], la
                 lr=hp[:, 0], weight_decay=hp[:, 1], beta1=hp[:, 2], beta2=hp[:, 3], eps=hp[:, 4], step=hp[:, 5],
             )
 
-        if overlap is not None:
-            overlap.apply(buf, stepping, make_cols)  # zeroes their grads
-        else:
-            adamw_apply(buf.weight, buf.grad, buf.exp_avg, buf.exp_avg_sq, stepping, make_cols())
+        overlap.apply(buf, stepping, make_cols)  # zeroes their grads
     stepped = set(stepping)
     skipped = [slot for slot in due if slot not in stepped]
     if skipped:  # a non-finite slot's accumulated batch is discarded
