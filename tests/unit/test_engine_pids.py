@@ -31,6 +31,14 @@ class Recorded:  # what rollout.worker.EngineHealth carries of an engine
     node_ip: str
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
 @pytest.fixture
 def stand_ins():
     procs = []
@@ -39,6 +47,8 @@ def stand_ins():
         p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "rollout.sglang_server", "--port", str(port)],
                              start_new_session=True)
         procs.append(p)
+        # the reaper finds it by its command line, which is the parent's until the child has exec'd
+        wait_until(lambda: b"rollout.sglang_server" in _cmdline(p.pid), "the stand-in's command line", 30, interval_s=0.01)
         return p
 
     yield start
