@@ -90,8 +90,10 @@ class MultiLoraTrainer:
         self.slots = SlotTable(self.layers, self.buffers, self.device)
         # The optimizer step may outlive train() on a CUDA stream of its own; readers wait for it.
         self.step_overlap = StepOverlap(self.layers, self.buffers, self.device, enabled=config.overlap_step,
-                                        min_params=config.overlap_step_min_params)
+                                        min_params=config.overlap_step_min_params,
+                                        programs=config.overlap_step_programs)
         self.buffers.settle = self.step_overlap.settle
+        self.buffers.behind_step = self.step_overlap.behind_step
         for moe in moe_layers(self.base.model):
             moe.slot_expert_scales = self.slots.expert_scales
         self.vocab_size: int = self.base.model.vocab_size

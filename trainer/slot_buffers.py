@@ -25,7 +25,9 @@ them), then the replicated ones, so a slot's squared gradient norm is
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from typing import ContextManager
 
 import torch
 from torch import nn
@@ -46,6 +48,7 @@ class SlotBuffers:
         self.split_cols = sum(sizes[id(getattr(layer, name))] for layer, name, split in entries if split)
         dtype = layers[0].lora_A.dtype
         self.settle: Callable[[], None] = lambda: None  # StepOverlap.settle once the trainer has one
+        self.behind_step: Callable[[], ContextManager] = contextlib.nullcontext  # StepOverlap.behind_step likewise
         self.weight, self.grad, self.exp_avg, self.exp_avg_sq = (
             torch.zeros(num_slots, total, dtype=dtype, device=device) for _ in range(4)
         )

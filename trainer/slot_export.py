@@ -65,18 +65,20 @@ class SlotExporter:
         state = self.slots.state(slot)
         to = export_dtype(dtype)
         layout = self.export_layout(state.rank, state.hyper)
-        bodies = self._gather([slot], layout, to, gather_only=not to_host)
-        if bodies is None:  # this rank's part was the gather
-            return PeftSnapshot(config={}, entries=[], body=None)
-        body, copied = bodies[0], None
-        if self.device.type == "cuda":
-            body, copied = pinned_host_copy(body, self.background.copy_stream)
+        with self.buffers.behind_step():  # the copy's wait on the gather too (step_overlap.py)
+            bodies = self._gather([slot], layout, to, gather_only=not to_host)
+            if bodies is None:  # this rank's part was the gather
+                return PeftSnapshot(config={}, entries=[], body=None)
+            body, copied = bodies[0], None
+            if self.device.type == "cuda":
+                body, copied = pinned_host_copy(body, self.background.copy_stream)
         return PeftSnapshot(config=self._peft_config(state, layout), entries=layout.entries, body=body,
                             header=layout.header(to), copied=copied)
 
     def _gather(self, slots: list[int], layout: ExportLayout, to: torch.dtype, *, gather_only: bool) -> torch.Tensor | None:
+        """The file data of ``slots``; call under ``buffers.behind_step()`` (the last optimizer step
+        may still be writing the rows: the gather runs behind it on its stream, step_overlap.py)."""
         tp = self.layout.tp_size
-        self.buffers.settle()  # the last optimizer step may still be writing the rows (step_overlap.py)
         return gather_bodies(self.buffers.weight, slots, layout.index, to, tp=tp, split=self.buffers.split_cols,
                              group=tp_group() if tp > 1 else None, gather_only=gather_only)
 
@@ -208,10 +210,11 @@ class SlotExporter:
                 layout = self.export_layout(first.rank, first.hyper)
                 for part in chunks(len(members), width, layout.index.numel(), to.itemsize):
                     batch = [members[i] for i in part]
-                    bodies = self._gather([requests[i].slot for i in batch], layout, to, gather_only=background is None)
-                    if background is None:
-                        continue
-                    hosts, blocks, done = background.to_host(bodies)
+                    with self.buffers.behind_step():  # the gather and the copies' event after it
+                        bodies = self._gather([requests[i].slot for i in batch], layout, to, gather_only=background is None)
+                        if background is None:
+                            continue
+                        hosts, blocks, done = background.to_host(bodies)
                     configs = [self._peft_config(states[i], layout) for i in batch]
                     sub = [requests[i] for i in batch]
                     background.submit(sub, make_snapshots(hosts, blocks, done, configs, layout.entries, layout.header(to)))

@@ -17,8 +17,12 @@ Invariants:
   backward follows the whole forward, so it never accumulates into a gradient row the step is
   still reading or zeroing.
 * Every other reader or writer of the slot buffers makes its stream wait for the whole step
-  first (``settle``: SlotBuffers' accessors, the export gather, reset_optimizer). These are
-  device-side waits: the host never blocks on them.
+  first (``settle``: SlotBuffers' accessors, reset_optimizer). These are device-side waits: the
+  host never blocks on them.
+* The export's gathers read the rows on the step stream itself, behind the step (``behind_step``):
+  the service publishes every stepped adapter every round, and a gather on the main stream would
+  make the next forward wait for the whole step. ``settle`` then also waits for those reads, so a
+  later writer of the rows (a slot cleared, loaded, swapped) cannot overwrite what they still read.
 * What the step stream reads and allocates per step (the factor table, the slot ids) is
   allocated on the step stream, so the caching allocator cannot hand its memory to the main
   stream while the step still reads it; both are copied from the host before the first launch
@@ -32,8 +36,9 @@ hide, the launches per layer and the contention with the forward cost more than 
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -89,9 +94,10 @@ class StepOverlap:
     """The trainer's optimizer step, overlapped with the next forward on CUDA (module doc)."""
 
     def __init__(self, layers: list, buffers, device: torch.device, *, enabled: bool,  # noqa: ANN001 - SlotBuffers
-                 min_params: int = 0) -> None:
+                 min_params: int = 0, programs: int = 0) -> None:
         self.device = device
         self.min_params = min_params
+        self.programs = programs  # at most this many programs per launch (0: one per block)
         self.active = bool(enabled and device.type == "cuda" and triton_adamw.available(buffers.weight))
         ranges, chunk_of = plan_chunks([layer.name for layer in layers], buffers.layer_columns())
         self._chunk_of = {id(layer): c for layer, c in zip(layers, chunk_of)}
@@ -117,7 +123,8 @@ class StepOverlap:
             if self.delay_cycles:
                 torch.cuda._sleep(self.delay_cycles)
             for k, blocks in enumerate(self.chunks):
-                triton_adamw.adamw_rows(buf.weight, buf.grad, buf.exp_avg, buf.exp_avg_sq, ids, coef, blocks)
+                triton_adamw.adamw_rows(buf.weight, buf.grad, buf.exp_avg, buf.exp_avg_sq, ids, coef, blocks,
+                                        programs=self.programs)
                 event = torch.cuda.Event()
                 event.record(self.stream)
                 self._events[k] = event
@@ -133,6 +140,24 @@ class StepOverlap:
         """Make the current stream wait until the last step is written in full."""
         if self._last is not None:
             torch.cuda.current_stream(self.device).wait_event(self._last)
+
+    @contextlib.contextmanager
+    def behind_step(self) -> Iterator[None]:
+        """Run the block's device work on the step stream after the last step (reads of the slot
+        rows the main stream need not wait for: the export's gathers and the event after them),
+        once the main stream's work so far is done too. Without a step on the step stream: the
+        current stream, as it is."""
+        if self._last is None:
+            yield
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # rows the main stream wrote since
+        try:
+            with torch.cuda.stream(self.stream):
+                yield
+        finally:
+            event = torch.cuda.Event()
+            event.record(self.stream)
+            self._last = event  # settle waits for these reads too
 
     def pending(self) -> bool:
         """Whether the last step is still running on the device (tests, benchmarks)."""

@@ -7,6 +7,9 @@ gets to the next forward, and a missing wait could not show). With it:
   losses, norms, weights, moments and gradients with the overlap on and off;
 * ``train`` returns while the step still runs (the overlap is real, not a sync in disguise), and
   an export taken right then equals one taken after the device is idle;
+* a background export taken right then gathers behind the step on its stream: the main stream
+  runs on without waiting for the step, and a slot cleared on the main stream at once does not
+  reach the folder (the clear waits for the gather);
 * with the layers' waits switched off the same run differs: the held-back step is observable, so
   the first check can fail.
 """
@@ -92,6 +95,36 @@ def test_train_returns_before_the_step_ends_and_exports_wait_for_it(pair, tmp_pa
     for t in (on, off):
         for slot in range(len(hypers)):
             t.clear_slot(slot)
+
+
+def test_background_export_gathers_behind_the_step_without_holding_the_main_stream(pair, tmp_path):
+    from safetensors.torch import load_file
+
+    on, off, batches, hypers = pair
+    for t in (off, on):  # ``on`` last: nothing runs between its train call and the checks below
+        for slot, h in enumerate(hypers):
+            if t.slot_status(slot)["active"]:
+                t.clear_slot(slot)
+            t.init_slot(slot, h, seed=200 + slot)
+        if t is on:  # the writer's arena and processes start on first use: not inside the held-back step
+            t.export.wait_export(t.export.export_peft_in_background(1, tmp_path / "warm"))
+        t.train(batches[0])
+    on.export.export_peft_in_background(0, tmp_path / "on")
+    main_done = torch.cuda.Event()
+    main_done.record()
+    main_done.synchronize()  # the main stream's work so far (the call's, the export's) ended ...
+    assert on.step_overlap.pending()  # ... while the step and the gather behind it still run
+    on.clear_slot(0)  # a writer of slot 0's rows on the main stream: must wait for the gather
+    assert on.export.wait_export(tmp_path / "on") == str(tmp_path / "on")
+    off.export.export_peft(0, tmp_path / "off")
+    got, want = (load_file(str(tmp_path / d / "adapter_model.safetensors")) for d in ("on", "off"))
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    for t in (on, off):
+        for slot in range(len(hypers)):
+            if t.slot_status(slot)["active"]:
+                t.clear_slot(slot)
 
 
 def test_without_the_waits_the_held_back_step_shows(pair, monkeypatch):
