@@ -159,7 +159,7 @@ def timed_back_to_back(fn, iters: int, warmup: int, phases: PhaseTimer | None = 
 
 def timer_for(mode: str) -> Callable:
     """How a mode's rounds are timed: back to back for the *_b2b modes, else round by round."""
-    return timed_back_to_back if "_b2b" in mode else timed
+    return timed_back_to_back if mode.endswith(("_b2b", "_b2b_in_order")) else timed
 
 
 def measure_modes(row: dict, modes: list[str], repeats: int, measure: Callable[[str], dict], label: str) -> None:
@@ -179,48 +179,23 @@ def measure_modes(row: dict, modes: list[str], repeats: int, measure: Callable[[
             row.setdefault("repeats", {})[mode] = [r.get("ms") for r in results]
 
 
-def back_to_back_modes(trainer, run_mixed: Callable[[], None], run_base: Callable[[], None],
-                       modes: list[str] = ()) -> dict:
+def back_to_back_modes(trainer, run_mixed: Callable[[], None], run_base: Callable[[], None]) -> dict:
     """The back-to-back modes: mixed with the step overlapped (whatever its size: CUDA only),
-    mixed with the step in order on the main stream, and the frozen base; and for each
-    ``mixed_b2b_p<K>`` in ``modes``, the step overlapped in launches of at most K programs
-    (TrainerConfig.overlap_step_programs); ``mixed_b2b_hi``: overlapped, the round on a
-    high-priority stream."""
+    mixed with the step in order on the main stream, and the frozen base."""
     overlap = trainer.step_overlap
 
-    def forced(**values) -> Callable[[], None]:  # noqa: ANN003
+    def forced(attr: str, value) -> Callable[[], None]:  # noqa: ANN001
         def run() -> None:
-            kept = {attr: getattr(overlap, attr) for attr in values}
-            for attr, value in values.items():
-                setattr(overlap, attr, value)
+            kept = getattr(overlap, attr)
+            setattr(overlap, attr, value)
             try:
                 run_mixed()
             finally:
-                for attr, value in kept.items():
-                    setattr(overlap, attr, value)
+                setattr(overlap, attr, kept)
 
         return run
 
-    def on_high_priority_stream(run: Callable[[], None]) -> Callable[[], None]:
-        # A probe: the round on a stream of higher priority than the step's (CUDA's block scheduler
-        # then serves the forward's kernels first, the step fills what they leave).
-        stream = torch.cuda.Stream(priority=-1) if torch.cuda.is_available() else None
-
-        def go() -> None:
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                run()
-            torch.cuda.current_stream().wait_stream(stream)
-
-        return go
-
-    out = {"mixed_b2b": forced(min_params=0), "mixed_b2b_in_order": forced(active=False), "base_b2b": run_base}
-    for mode in modes:
-        if mode.startswith("mixed_b2b_p"):
-            out[mode] = forced(min_params=0, programs=int(mode.removeprefix("mixed_b2b_p")))
-        elif mode == "mixed_b2b_hi":
-            out[mode] = on_high_priority_stream(forced(min_params=0))
-    return out
+    return {"mixed_b2b": forced("min_params", 0), "mixed_b2b_in_order": forced("active", False), "base_b2b": run_base}
 
 
 def back_to_back_table(results: list[dict]) -> str:
@@ -307,9 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=1, help="measure every mode this many times, alternating")
     ap.add_argument("--only", default=None, help="comma list of modes: serialized,mixed,base,mixed_library,"
-                    "mixed_b2b,mixed_b2b_in_order,base_b2b (the last three: rounds back to back, timed_back_to_back), "
-                         "mixed_b2b_p<K> (overlapped, launches of at most K programs), mixed_b2b_hi (overlapped, the round "
-                         "on a high-priority stream) "
+                    "mixed_b2b,mixed_b2b_in_order,base_b2b (the last three: rounds back to back, timed_back_to_back) "
                     "(mixed_library: the mixed step with lora_rank_kernels='library')")
     ap.add_argument("--n", default="all", help="comma list of the cases' N to run (default all: 1,4,16,64,32)")
     ap.add_argument("--serialized-n", default="all",
@@ -373,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
 
         runners = {"serialized": run_serialized, "mixed": run_mixed, "base": lambda: frozen_base_pass(trainer, mixed),
                    "mixed_library": with_library_kernels(trainer, run_mixed)}
-        runners.update(back_to_back_modes(trainer, run_mixed, runners["base"], modes))
+        runners.update(back_to_back_modes(trainer, run_mixed, runners["base"]))
         def measure(mode: str) -> dict:
             n_iters = args.serialized_iters or iters if mode == "serialized" else iters
             return timer_for(mode)(runners[mode], n_iters, args.warmup, phases if mode != "base" else None)

@@ -116,9 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", default="1,8,32", help="comma list of N (adapters)")
     ap.add_argument("--only", default="serialized,mixed,mixed_library,base",
                     help="comma list of modes: serialized,mixed,mixed_library,base,mixed_b2b,mixed_b2b_in_order,base_b2b "
-                         "(the last three: rounds back to back, bench_mixed_step.timed_back_to_back), mixed_b2b_p<K> "
-                         "(back to back, the step overlapped in launches of at most K programs), mixed_b2b_hi (overlapped, "
-                         "the round on a high-priority stream)")
+                         "(the last three: rounds back to back, bench_mixed_step.timed_back_to_back)")
     ap.add_argument("--attention-only", action="store_true", help="adapters without expert LoRA (lora_experts false)")
     ap.add_argument("--profile-out", default=None, help="folder for torch.profiler tables (mixed and base) of each case")
     ap.add_argument("--out", default=None, help="write results JSON here")
@@ -175,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
 
         runners = {"serialized": run_serialized, "mixed": run_mixed, "mixed_library": with_library_kernels(trainer, run_mixed),
                    "base": lambda: frozen_base_pass(trainer, mixed)}
-        runners.update(back_to_back_modes(trainer, run_mixed, runners["base"], modes))
+        runners.update(back_to_back_modes(trainer, run_mixed, runners["base"]))
         def measure(mode: str) -> dict:
             return timer_for(mode)(runners[mode], iters, args.warmup, phases if mode != "base" else None)
 

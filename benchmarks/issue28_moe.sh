@@ -11,8 +11,6 @@
 #   kernels  bench_expert_kernels: the expert-LoRA Triton kernels over tile and launch variants
 #   overlap  the optimizer step on its own stream (trainer/step_overlap.py): its GPU test, then MoE
 #            (N = 1, 8, 32) and dense (N = 16, 64) rounds back to back, step overlapped and in order
-#   programs the overlapped step's launches held to fewer programs (overlap_step_programs: PROGRAMS,
-#            default "0 132 66 33"), and the round on a high-priority stream: MoE N = 8, 32 and dense N = 16, 64 back to back, 2 alternating repeats
 set -uo pipefail
 out=${1:?output folder}
 parts=${2:-tests,after,before,kernels}
@@ -33,15 +31,6 @@ if has overlap; then
     | quiet | tee "$out/moe_b2b.log" | grep -E "^\|" | cut -c1-220
   timeout 150 python3 -m benchmarks.bench_mixed_step --n 16,64 --only $b2b --iters 10 --warmup 2 --out "$out/dense_b2b.json" 2>&1 \
     | quiet | tee "$out/dense_b2b.log" | grep -E "^\|" | cut -c1-220
-fi
-if has programs; then
-  modes=base_b2b,mixed_b2b_in_order
-  for k in ${PROGRAMS:-0 132 66 33}; do [[ $k == 0 ]] && modes+=,mixed_b2b || modes+=,mixed_b2b_p$k; done
-  modes+=,mixed_b2b_hi
-  timeout 250 python3 -m benchmarks.bench_moe_step --n 8,32 --only $modes --iters 10 --warmup 2 --repeats 2 \
-    --out "$out/moe_programs.json" 2>&1 | quiet | tee "$out/moe_programs.log" | grep -E "^N=|^\|" | cut -c1-200
-  timeout 250 python3 -m benchmarks.bench_mixed_step --n 16,64 --only $modes --iters 10 --warmup 2 --repeats 2 \
-    --out "$out/dense_programs.json" 2>&1 | quiet | tee "$out/dense_programs.log" | grep -E "^N=|^\|" | cut -c1-200
 fi
 if has tests; then
   timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu --durations=5 -rf 2>&1 | tee "$out/gpu_tests.log" \

@@ -149,14 +149,6 @@ class TrainerConfig(StrictModel):
             "(64 dense slots) within the noise (docs/BENCHMARKS.md)."
         ),
     )
-    overlap_step_programs: int = Field(
-        0, ge=0,
-        description=(
-            "The overlapped step's launches use at most this many Triton programs, each looping over "
-            "its blocks, so the step holds fewer SMs while the next forward runs (same results); 0: one "
-            "program per block of 2048 columns of a stepping slot."
-        ),
-    )
     swap_host_budget_mb: float = Field(
         16384, ge=0,
         description=(

@@ -90,8 +90,7 @@ class MultiLoraTrainer:
         self.slots = SlotTable(self.layers, self.buffers, self.device)
         # The optimizer step may outlive train() on a CUDA stream of its own; readers wait for it.
         self.step_overlap = StepOverlap(self.layers, self.buffers, self.device, enabled=config.overlap_step,
-                                        min_params=config.overlap_step_min_params,
-                                        programs=config.overlap_step_programs)
+                                        min_params=config.overlap_step_min_params)
         self.buffers.settle = self.step_overlap.settle
         self.buffers.behind_step = self.step_overlap.behind_step
         for moe in moe_layers(self.base.model):

@@ -94,10 +94,9 @@ class StepOverlap:
     """The trainer's optimizer step, overlapped with the next forward on CUDA (module doc)."""
 
     def __init__(self, layers: list, buffers, device: torch.device, *, enabled: bool,  # noqa: ANN001 - SlotBuffers
-                 min_params: int = 0, programs: int = 0) -> None:
+                 min_params: int = 0) -> None:
         self.device = device
         self.min_params = min_params
-        self.programs = programs  # at most this many programs per launch (0: one per block)
         self.active = bool(enabled and device.type == "cuda" and triton_adamw.available(buffers.weight))
         ranges, chunk_of = plan_chunks([layer.name for layer in layers], buffers.layer_columns())
         self._chunk_of = {id(layer): c for layer, c in zip(layers, chunk_of)}
@@ -123,8 +122,7 @@ class StepOverlap:
             if self.delay_cycles:
                 torch.cuda._sleep(self.delay_cycles)
             for k, blocks in enumerate(self.chunks):
-                triton_adamw.adamw_rows(buf.weight, buf.grad, buf.exp_avg, buf.exp_avg_sq, ids, coef, blocks,
-                                        programs=self.programs)
+                triton_adamw.adamw_rows(buf.weight, buf.grad, buf.exp_avg, buf.exp_avg_sq, ids, coef, blocks)
                 event = torch.cuda.Event()
                 event.record(self.stream)
                 self._events[k] = event

@@ -32,23 +32,20 @@ GRAD_SCALE, DECAY, ONE_MINUS_BETA1, BETA2, ONE_MINUS_BETA2, BC2_SQRT, EPS, NEG_S
 BLOCK = 2048
 
 
-_update_block = None  # the kernels' shared body, a module global so both compile it by name (_kernels)
-
-
 @functools.cache
-def _kernels():
-    """(one program per (block, slot), a grid of ``programs`` looping over them): one body."""
-    global _update_block
+def _kernel():
     import triton
     import triton.language as tl
 
     @triton.jit
-    def update_block(p_ptr, g_ptr, m_ptr, v_ptr, slots_ptr, coef_ptr, starts_ptr, widths_ptr, row_stride,
-                     blk, d, live, BLOCK: tl.constexpr):
+    def adamw_blocks(p_ptr, g_ptr, m_ptr, v_ptr, slots_ptr, coef_ptr, starts_ptr, widths_ptr, row_stride,
+                     BLOCK: tl.constexpr):
+        blk = tl.program_id(0)
+        d = tl.program_id(1)
         row = tl.load(slots_ptr + d).to(tl.int64)
         lanes = tl.arange(0, BLOCK)
         cols = tl.load(starts_ptr + blk) + lanes
-        mask = (lanes < tl.load(widths_ptr + blk)) & live
+        mask = lanes < tl.load(widths_ptr + blk)
         off = row * row_stride + cols
         c = coef_ptr + d * 8
         grad_scale = tl.load(c + 0)
@@ -72,29 +69,7 @@ def _kernels():
         tl.store(v_ptr + off, v, mask=mask)
         tl.store(g_ptr + off, tl.zeros_like(g), mask=mask)
 
-    _update_block = update_block
-
-    @triton.jit
-    def adamw_blocks(p_ptr, g_ptr, m_ptr, v_ptr, slots_ptr, coef_ptr, starts_ptr, widths_ptr, row_stride,
-                     BLOCK: tl.constexpr):
-        _update_block(p_ptr, g_ptr, m_ptr, v_ptr, slots_ptr, coef_ptr, starts_ptr, widths_ptr, row_stride,
-                      tl.program_id(0), tl.program_id(1), True, BLOCK)
-
-    @triton.jit
-    def adamw_blocks_looped(p_ptr, g_ptr, m_ptr, v_ptr, slots_ptr, coef_ptr, starts_ptr, widths_ptr, row_stride,
-                            n_blocks, n_tiles, rounds, BLOCK: tl.constexpr):
-        # tile t = d * n_blocks + blk; program i takes t = i, i + P, i + 2P, ...; a tile past the
-        # last is read from tile 0's addresses with every lane masked off.
-        first = tl.program_id(0)
-        step = tl.num_programs(0)
-        for r in range(rounds):
-            t = first + r * step
-            live = t < n_tiles
-            t = tl.where(live, t, 0)
-            _update_block(p_ptr, g_ptr, m_ptr, v_ptr, slots_ptr, coef_ptr, starts_ptr, widths_ptr, row_stride,
-                          t % n_blocks, t // n_blocks, live, BLOCK)
-
-    return adamw_blocks, adamw_blocks_looped
+    return adamw_blocks
 
 
 class BlockTable:
@@ -132,16 +107,13 @@ def available(t: torch.Tensor) -> bool:
 @torch.no_grad()
 def adamw_rows(
     weight: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-    slots: list[int] | torch.Tensor, coef: torch.Tensor, blocks: BlockTable | None = None, programs: int = 0,
+    slots: list[int] | torch.Tensor, coef: torch.Tensor, blocks: BlockTable | None = None,
 ) -> None:
     """Update rows ``slots`` of the [N, P] slot buffers in place; ``coef`` fp32 [D, 8] on the
     device (columns as the constants above). The slots' gradient rows are left zero. ``blocks``:
     only those columns (default the whole row). ``slots`` may be an int32 tensor already on the
     device: several launches of one step then copy nothing from the host (a pageable copy makes
-    the host wait for the stream). ``programs`` > 0: at most that many programs, each looping over
-    (block, slot) tiles, so a step running beside other kernels (trainer/step_overlap.py) holds
-    fewer of the device's SMs; 0: one program per tile. The same body updates every element either
-    way, so the results are bit-identical."""
+    the host wait for the stream)."""
     bufs = (weight, grad, exp_avg, exp_avg_sq)
     if any(b.shape != weight.shape or b.stride() != weight.stride() for b in bufs):
         raise ValueError("slot buffers must share one [N, P] shape and layout")
@@ -157,14 +129,8 @@ def adamw_rows(
     ids = slots if isinstance(slots, torch.Tensor) else torch.tensor(slots, dtype=torch.int32, device=weight.device)
     if ids.dtype != torch.int32 or ids.device != weight.device:
         raise ValueError(f"slot ids must be int32 on {weight.device}, got {ids.dtype} on {ids.device}")
-    if programs < 0:
-        raise ValueError(f"programs must be >= 0 (0: one per block), got {programs}")
-    per_tile, looped = _kernels()
-    args = (weight, grad, exp_avg, exp_avg_sq, ids, coef.contiguous(), blocks.starts, blocks.widths, weight.stride(0))
-    tiles = len(blocks) * len(slots)
-    if programs and programs < tiles:
-        looped[(programs,)](*args, len(blocks), tiles, -(-tiles // programs), BLOCK=BLOCK)
-    else:
-        per_tile[(len(blocks), len(slots))](*args, BLOCK=BLOCK)
+    grid = (len(blocks), len(slots))
+    _kernel()[grid](weight, grad, exp_avg, exp_avg_sq, ids, coef.contiguous(), blocks.starts, blocks.widths,
+                    weight.stride(0), BLOCK=BLOCK)
     for b in bufs:  # written through pointers: tell version-counter caches (fused_lora.ComputeWeights)
         torch.autograd.graph.increment_version(b)

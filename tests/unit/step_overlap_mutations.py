@@ -17,18 +17,12 @@ PLAN = "trainer/step_overlap.py"
 TESTS = ["tests/unit/test_step_overlap.py", "tests/unit/test_triton_adamw.py"]
 
 MUTATIONS = {  # name: (file, exact text, replacement, what the bug is)
-    "block_mask_one_past": (KERNEL, "mask = (lanes < tl.load(widths_ptr + blk)) & live", "mask = (lanes <= tl.load(widths_ptr + blk)) & live",
+    "block_mask_one_past": (KERNEL, "mask = lanes < tl.load(widths_ptr + blk)", "mask = lanes <= tl.load(widths_ptr + blk)",
                             "a block updates one column past its range"),
     "block_width_full": (KERNEL, "widths.append(min(BLOCK, hi - c))", "widths.append(BLOCK)",
                          "a range's last block runs on into the next range"),
     "block_row_from_program": (KERNEL, "row = tl.load(slots_ptr + d).to(tl.int64)", "row = d.to(tl.int64)",
                                "the d-th stepping slot's factors applied to row d, not to its slot"),
-    "looped_last_round_unmasked": (KERNEL, "live = t < n_tiles", "live = t < n_tiles + 1",
-                                   "the looped grid's tile past the last one updates tile 0 again"),
-    "looped_tile_order_swapped": (KERNEL, "t % n_blocks, t // n_blocks, live, BLOCK)", "t // n_blocks, t % n_blocks, live, BLOCK)",
-                                  "the looped grid reads a tile's block as its slot and its slot as its block"),
-    "looped_rounds_one_short": (KERNEL, "-(-tiles // programs)", "tiles // programs",
-                                "the looped grid stops a round early when programs do not divide the tiles"),
     "merge_across_gaps": (PLAN, "if out and lo <= out[-1][1]:", "if out and lo <= out[-1][1] + 2:",
                           "ranges two columns apart merged: the gap's columns stepped twice"),
     "one_chunk_for_all": (PLAN, 'return int(found.group(1)) if found else float("inf")', 'return float("inf")',

@@ -80,27 +80,6 @@ def test_kernel_by_chunks_equals_whole_rows(kernel_device):
         assert torch.equal(got, want), name
 
 
-@pytest.mark.parametrize("programs", [1, 4, 7, 1000])
-def test_looped_programs_equal_one_program_per_block(kernel_device, programs):
-    """A grid of ``programs`` looping over the (block, slot) tiles (fewer tiles than programs
-    too, and counts that leave the last round partly past the end) gives bit-identical rows to
-    one program per tile, over a chunk's block table, and touches no row that does not step."""
-    torch.manual_seed(1)
-    n, p = 4, 3 * triton_adamw.BLOCK + 77
-    w, g, m, v = (torch.randn(n, p, device=kernel_device) for _ in range(4))
-    v = v.abs()
-    slots = [3, 1]
-    coef = torch.rand(len(slots), 8, device=kernel_device) * 0.4 + 0.05
-    blocks = triton_adamw.BlockTable([(5, 2100), (2200, p)], kernel_device)
-    want = [t.clone() for t in (w, g, m, v)]
-    triton_adamw.adamw_rows(*want, slots, coef, blocks)
-    triton_adamw.adamw_rows(w, g, m, v, slots, coef, blocks, programs=programs)
-    for name, got, ref in zip(("weight", "grad", "exp_avg", "exp_avg_sq"), (w, g, m, v), want):
-        assert torch.equal(got, ref), name
-    with pytest.raises(ValueError, match="programs must be >= 0"):
-        triton_adamw.adamw_rows(w, g, m, v, slots, coef, blocks, programs=-1)
-
-
 def test_block_tables_refuse_what_they_cannot_update(kernel_device):
     with pytest.raises(ValueError, match="empty or negative"):
         triton_adamw.BlockTable([(5, 5)], kernel_device)
