@@ -256,10 +256,11 @@ def publish_parts_ms(trainer, n: int, run_mixed, dtype: str, rounds: int) -> dic
         def fn():
             run_mixed()
             settle()
-            bodies = exporter._gather(slots, layout, to, gather_only=False)
-            if copy:
-                _, blocks, done = background.to_host(bodies)
-                pending.append((blocks, done))
+            with trainer.buffers.behind_step():  # as the exporter gathers (trainer/step_overlap.py)
+                bodies = exporter._gather(slots, layout, to, gather_only=False)
+                if copy:
+                    _, blocks, done = background.to_host(bodies)
+                    pending.append((blocks, done))
         return fn
 
     import torch.distributed as dist
