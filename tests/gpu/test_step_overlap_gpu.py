@@ -73,42 +73,55 @@ def test_overlapped_step_is_bit_identical(pair):
         _assert_identical(got[run], want[run])
 
 
-def test_train_returns_before_the_step_ends_and_exports_wait_for_it(pair, tmp_path):
+def _one_round(pair, seed: int, before_train=None) -> None:  # noqa: ANN001
+    """Fresh slots on both trainers, then one train call each, ``on`` last: nothing runs between its
+    call and the caller's checks. ``before_train(on)`` runs just before ``on``'s call."""
     on, off, batches, hypers = pair
-    for t in (off, on):  # ``on`` last: nothing runs between its train call and the checks below
+    for t in (off, on):
         for slot, h in enumerate(hypers):
             if t.slot_status(slot)["active"]:
                 t.clear_slot(slot)
-            t.init_slot(slot, h, seed=100 + slot)
+            t.init_slot(slot, h, seed=seed + slot)
+        if t is on and before_train is not None:
+            before_train(on)
         t.train(batches[0])
+
+
+def _assert_same_folders(tmp_path, *names: str) -> None:  # noqa: ANN001
+    from safetensors.torch import load_file
+
+    first, *others = (load_file(str(tmp_path / d / "adapter_model.safetensors")) for d in names)
+    for other in others:
+        assert sorted(other) == sorted(first)
+        for k in first:
+            assert torch.equal(other[k], first[k]), k
+
+
+def _clear(pair) -> None:  # noqa: ANN001
+    on, off, _, hypers = pair
+    for t in (on, off):
+        for slot in range(len(hypers)):
+            if t.slot_status(slot)["active"]:
+                t.clear_slot(slot)
+
+
+def test_train_returns_before_the_step_ends_and_exports_wait_for_it(pair, tmp_path):
+    on, off = pair[:2]
+    _one_round(pair, seed=100)
     assert on.step_overlap.pending()  # train returned with the step still running on its stream
     on.export.export_peft(0, tmp_path / "early")
     torch.cuda.synchronize()
     on.export.export_peft(0, tmp_path / "late")
     off.export.export_peft(0, tmp_path / "off")
-    from safetensors.torch import load_file
-
-    early, late, plain = (load_file(str(tmp_path / d / "adapter_model.safetensors")) for d in ("early", "late", "off"))
-    assert sorted(early) == sorted(late) == sorted(plain)
-    for k in early:
-        assert torch.equal(early[k], late[k]) and torch.equal(early[k], plain[k]), k
-    for t in (on, off):
-        for slot in range(len(hypers)):
-            t.clear_slot(slot)
+    _assert_same_folders(tmp_path, "off", "early", "late")
+    _clear(pair)
 
 
 def test_background_export_gathers_behind_the_step_without_holding_the_main_stream(pair, tmp_path):
-    from safetensors.torch import load_file
-
-    on, off, batches, hypers = pair
-    for t in (off, on):  # ``on`` last: nothing runs between its train call and the checks below
-        for slot, h in enumerate(hypers):
-            if t.slot_status(slot)["active"]:
-                t.clear_slot(slot)
-            t.init_slot(slot, h, seed=200 + slot)
-        if t is on:  # the writer's arena and processes start on first use: not inside the held-back step
-            t.export.wait_export(t.export.export_peft_in_background(1, tmp_path / "warm"))
-        t.train(batches[0])
+    on, off = pair[:2]
+    # the writer's arena and processes start on first use: not inside the held-back step
+    _one_round(pair, seed=200, before_train=lambda t: t.export.wait_export(
+        t.export.export_peft_in_background(1, tmp_path / "warm")))
     on.export.export_peft_in_background(0, tmp_path / "on")
     main_done = torch.cuda.Event()
     main_done.record()
@@ -117,14 +130,8 @@ def test_background_export_gathers_behind_the_step_without_holding_the_main_stre
     on.clear_slot(0)  # a writer of slot 0's rows on the main stream: must wait for the gather
     assert on.export.wait_export(tmp_path / "on") == str(tmp_path / "on")
     off.export.export_peft(0, tmp_path / "off")
-    got, want = (load_file(str(tmp_path / d / "adapter_model.safetensors")) for d in ("on", "off"))
-    assert sorted(got) == sorted(want)
-    for k in want:
-        assert torch.equal(got[k], want[k]), k
-    for t in (on, off):
-        for slot in range(len(hypers)):
-            if t.slot_status(slot)["active"]:
-                t.clear_slot(slot)
+    _assert_same_folders(tmp_path, "off", "on")
+    _clear(pair)
 
 
 def test_without_the_waits_the_held_back_step_shows(pair, monkeypatch):
