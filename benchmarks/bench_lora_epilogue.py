@@ -1,0 +1,231 @@
+"""A probe for issue 28's dense lever: can a GEMM of our own, with the LoRA expand as its epilogue,
+beat cuBLAS plus today's separate expand on the dense shapes?
+
+Today a LoRA linear's forward is ``segment_mm(h, B).addmm_(x, W^T)``: the expand h B_g^T writes a
+[T, out] bf16 delta, then cuBLAS reads it back as the C operand (trainer/fused_lora.py), and the
+input gradient does the same with gh A_g and g W. A GEMM that adds h B_g^T to its fp32 accumulator
+before the one store moves neither. Whether that pays depends on whether a Triton GEMM keeps up
+with cuBLAS on these shapes (the base GEMMs are about 140 ms of a 300 ms round: each 1% lost is
+1.4 ms), which is what this measures, per linear of the Qwen3-1.7B shape, 16384 tokens in G equal
+slot segments, rank 16, bf16:
+
+  cublas        torch.mm(x, W^T) (forward) / torch.mm(g, W) (input gradient): the frozen base alone
+  today         segment_mm(h, B) then addmm_(x, W^T) / segment_mm_nt(gh, A) then addmm_(g, W)
+  triton        the probe's GEMM without the epilogue (the Triton-against-cuBLAS gap)
+  triton_lora   the probe's GEMM with the LoRA epilogue (the candidate)
+
+Each Triton row is the fastest of a few tile configurations (printed). The probe's kernel needs
+every BM-row tile inside one segment (segments a multiple of BM tokens): a kernel for the trainer
+would take the Triton rank kernels' tile tables instead. Its result is checked against an fp32
+reference (the epilogue accumulates in fp32, so it is not bit-equal to today's bf16 delta).
+
+  python -m benchmarks.bench_lora_epilogue --out epilogue.json
+  python -m benchmarks.bench_lora_epilogue --check     # CPU: Triton's interpreter, small shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+import torch  # noqa: E402
+
+SHAPES = {"qkv": (2048, 4096), "proj": (2048, 2048), "fc1": (2048, 12288), "fc2": (6144, 2048)}
+# (BM, BN, BK, warps, stages): Hopper-sized tiles of the Triton matmul tutorial, and a smaller one
+CONFIGS = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4)]
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def mm_lora(x_ptr, w_ptr, h_ptr, l_ptr, y_ptr, tile_seg_ptr, M, N, K, R,
+                sxm, sxk, swk, swn, shm, shr, slg, slr, sln, sym, syn,
+                HAS_LORA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                BR: tl.constexpr, GROUP_M: tl.constexpr):
+        # y[M, N] = x[M, K] w[K, N] (+ h[M, R] l_g[R, N] for the segment g of the row tile), the
+        # operands given by strides; program order grouped by GROUP_M row tiles (L2 reuse of w).
+        pid = tl.program_id(0)
+        num_m, num_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+        in_group = GROUP_M * num_n
+        first_m = (pid // in_group) * GROUP_M
+        size_m = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % in_group) % size_m
+        pid_n = (pid % in_group) // size_m
+        rm = pid_m * BM + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        m_ok, n_ok = rm < M, rn < N
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            k = k0 + rk
+            a = tl.load(x_ptr + rm[:, None] * sxm + k[None, :] * sxk, mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
+            b = tl.load(w_ptr + k[:, None] * swk + rn[None, :] * swn, mask=(k < K)[:, None] & n_ok[None, :], other=0.0)
+            acc = tl.dot(a, b, acc)
+        if HAS_LORA:
+            g = tl.load(tile_seg_ptr + pid_m)
+            rr = tl.arange(0, BR)
+            hh = tl.load(h_ptr + rm[:, None] * shm + rr[None, :] * shr, mask=m_ok[:, None] & (rr < R)[None, :], other=0.0)
+            ll = tl.load(l_ptr + g * slg + rr[:, None] * slr + rn[None, :] * sln,
+                         mask=(rr < R)[:, None] & n_ok[None, :], other=0.0)
+            acc = tl.dot(hh, ll, acc)
+        tl.store(y_ptr + rm[:, None] * sym + rn[None, :] * syn, acc.to(y_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+    return mm_lora
+
+
+def mm_lora(x: torch.Tensor, w_kn: torch.Tensor, h: torch.Tensor | None, l_grn: torch.Tensor | None,
+            seg_len: int, config: tuple) -> torch.Tensor:
+    """x [M, K] @ w_kn [K, N] (+ h [M, R] @ l_grn[g] [R, N] for rows of segment g = row // seg_len);
+    ``w_kn`` and ``l_grn`` may be transposed views (any strides)."""
+    bm, bn, bk, warps, stages = config
+    m, k = x.shape
+    n = w_kn.shape[1]
+    if seg_len % bm:
+        raise ValueError(f"segments of {seg_len} rows are not a multiple of BM = {bm}")
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    tile_seg = (torch.arange(-(-m // bm), device=x.device, dtype=torch.int32) * bm) // seg_len
+    lora = h is not None
+    hh, ll = (h, l_grn) if lora else (x, w_kn.unsqueeze(0))  # unused operands when HAS_LORA is off
+    r = hh.shape[1] if lora else 16
+    grid = (-(-m // bm) * -(-n // bn),)
+    _kernel()[grid](x, w_kn, hh, ll, y, tile_seg, m, n, k, r,
+                    x.stride(0), x.stride(1), w_kn.stride(0), w_kn.stride(1), hh.stride(0), hh.stride(1),
+                    ll.stride(0), ll.stride(1), ll.stride(2), y.stride(0), y.stride(1),
+                    HAS_LORA=lora, BM=bm, BN=bn, BK=bk, BR=max(16, r), GROUP_M=8, num_warps=warps, num_stages=stages)
+    return y
+
+
+def reference(x, w_kn, h, l_grn, seg_len: int) -> torch.Tensor:  # noqa: ANN001
+    """fp32: x w + h l_g per segment (the definition)."""
+    y = x.float() @ w_kn.float()
+    if h is not None:
+        g = torch.arange(x.shape[0], device=x.device) // seg_len
+        y += torch.einsum("mr,mrn->mn", h.float(), l_grn.float()[g])
+    return y
+
+
+def check(device: torch.device) -> None:
+    """The probe's kernel against the definition on small shapes (forward and input-gradient
+    operand layouts, a partial last tile in N and K); raises on a mismatch."""
+    torch.manual_seed(0)
+    m, k, n, r, seg = 128, 96, 80, 16, 64
+    x = torch.randn(m, k, device=device)
+    w = torch.randn(n, k, device=device)  # nn.Linear layout [out, in]
+    h = torch.randn(m, r, device=device)
+    b = torch.randn(m // seg, n, r, device=device)  # LoRA B [G, out, R]
+    gy = torch.randn(m, n, device=device)
+    a = torch.randn(m // seg, r, k, device=device)  # LoRA A [G, R, in]
+    config = (32, 32, 32, 4, 1)
+    for name, operands in (
+        ("forward", (x, w.t(), h, b.transpose(1, 2))),  # x W^T + h B_g^T
+        ("no lora", (x, w.t(), None, None)),
+        ("dgrad", (gy, w, h, a)),  # g W + gh A_g
+    ):
+        got, want = mm_lora(*operands, seg, config), reference(*operands, seg)
+        err = (got.float() - want).abs().max().item()
+        if err > 1e-3 * want.abs().max().item():
+            raise AssertionError(f"{name}: max error {err}")
+        print(f"check {name}: max error {err:.2e}")
+
+
+def timed(fn, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def bench_shape(name: str, fan_in: int, fan_out: int, groups: int, tokens: int, rank: int, iters: int) -> dict:
+    from trainer.segmented_mm import segment_mm, segment_mm_nt
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    seg = tokens // groups
+    x = torch.randn(tokens, fan_in, device=dev, dtype=dt)
+    g = torch.randn(tokens, fan_out, device=dev, dtype=dt)
+    w = torch.randn(fan_out, fan_in, device=dev, dtype=dt) * fan_in**-0.5
+    a = torch.randn(groups, rank, fan_in, device=dev, dtype=dt) * fan_in**-0.5  # LoRA A [G, R, in]
+    b = torch.randn(groups, fan_out, rank, device=dev, dtype=dt) * rank**-0.5  # LoRA B [G, out, R]
+    h = torch.randn(tokens, rank, device=dev, dtype=dt)
+    gh = torch.randn(tokens, rank, device=dev, dtype=dt)
+    counts = [seg] * groups
+    offsets = torch.tensor(counts, device=dev, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    row = {"shape": name, "in": fan_in, "out": fan_out, "groups": groups}
+    sides = {  # (x, w [K, N], h, lora [G, R, N]) and today's path
+        "fwd": (x, w.t(), h, b.transpose(1, 2), lambda: segment_mm(h, b, offsets, counts, "grouped_mm").addmm_(x, w.t())),
+        "dgrad": (g, w, gh, a, lambda: segment_mm_nt(gh, a, offsets, counts, "grouped_mm").addmm_(g, w)),
+    }
+    for side, (lhs, w_kn, hh, ll, today) in sides.items():
+        row[f"{side}_cublas_ms"] = timed(lambda: torch.mm(lhs, w_kn), iters)
+        row[f"{side}_today_ms"] = timed(today, iters)
+        for mode, lora in (("triton", False), ("triton_lora", True)):
+            best = None
+            for config in CONFIGS:
+                if seg % config[0]:
+                    continue
+                try:
+                    ms = timed(lambda c=config: mm_lora(lhs, w_kn, hh if lora else None, ll if lora else None, seg, c), iters)
+                except Exception as e:  # noqa: BLE001 - a config that does not compile (shared memory) is skipped
+                    row.setdefault("skipped_configs", []).append(f"{config}: {type(e).__name__}")
+                    continue
+                if best is None or ms < best[0]:
+                    best = (ms, config)
+            row[f"{side}_{mode}_ms"], row[f"{side}_{mode}_config"] = best if best else (None, None)
+        got = mm_lora(lhs, w_kn, hh, ll, seg, row[f"{side}_triton_lora_config"]).float()
+        want = reference(lhs, w_kn, hh, ll, seg)
+        row[f"{side}_max_rel_err"] = ((got - want).abs().max() / want.abs().max()).item()
+        row[f"{side}_today_max_rel_err"] = ((today().float() - want).abs().max() / want.abs().max()).item()
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--groups", default="16,64", help="comma list of slot segments per 16384 tokens")
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--check", action="store_true", help="only check the kernel against the definition")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if args.check or not torch.cuda.is_available():
+        check(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        return 0
+    check(torch.device("cuda"))
+    rows = []
+    print("| shape | G | side | cublas ms | today ms | triton ms (config) | triton + lora ms (config) | today - cublas | triton_lora - cublas |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for groups in (int(x) for x in args.groups.split(",")):
+        for name, (fan_in, fan_out) in SHAPES.items():
+            row = bench_shape(name, fan_in, fan_out, groups, args.tokens, args.rank, args.iters)
+            rows.append(row)
+            for side in ("fwd", "dgrad"):
+                c, t, p, f = (row[f"{side}_{m}_ms"] for m in ("cublas", "today", "triton", "triton_lora"))
+                fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+                print(f"| {name} | {groups} | {side} | {fmt(c)} | {fmt(t)} | {fmt(p)} {row[f'{side}_triton_config']} "
+                      f"| {fmt(f)} {row[f'{side}_triton_lora_config']} | {fmt(t - c)} | {fmt(None if f is None else f - c)} |",
+                      flush=True)
+    totals = {m: sum(r[f"{s}_{m}_ms"] or 0 for r in rows for s in ("fwd", "dgrad")) for m in ("cublas", "today", "triton", "triton_lora")}
+    print(f"# sums over the rows, ms: {totals}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows, "sums_ms": totals}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
