@@ -13,6 +13,7 @@ slot segments, rank 16, bf16:
   today         segment_mm(h, B) then addmm_(x, W^T) / segment_mm_nt(gh, A) then addmm_(g, W)
   triton        the probe's GEMM without the epilogue (the Triton-against-cuBLAS gap)
   triton_lora   the probe's GEMM with the LoRA epilogue (the candidate)
+  tma, tma_lora the same two with every operand loaded through TMA descriptors (Hopper)
 
 Each Triton row is the fastest of a few tile configurations (printed). The probe's kernel needs
 every BM-row tile inside one segment (segments a multiple of BM tokens): a kernel for the trainer
@@ -37,6 +38,7 @@ import torch  # noqa: E402
 
 SHAPES = {"qkv": (2048, 4096), "proj": (2048, 2048), "fc1": (2048, 12288), "fc2": (6144, 2048)}
 # (BM, BN, BK, warps, stages): Hopper-sized tiles of the Triton matmul tutorial, and a smaller one
+MODES = ["triton", "triton_lora", "tma", "tma_lora"]
 CONFIGS = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4)]
 
 
@@ -80,6 +82,72 @@ def _kernel():
                  mask=m_ok[:, None] & n_ok[None, :])
 
     return mm_lora
+
+
+@functools.cache
+def _tma_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def mm_lora_tma(x_desc, w_desc, h_desc, l_desc, y_desc, tile_seg_ptr, M, N, K, L_ROWS,
+                    W_NK: tl.constexpr, L_NR: tl.constexpr, HAS_LORA: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+        # As mm_lora, every operand through a TMA descriptor: w is [N, K] (W_NK) or [K, N]; the
+        # LoRA factor of all segments is one 2D tensor, segment g's rows from g * L_ROWS: B as
+        # [G * out, R] (L_NR) or A as [G * R, in].
+        pid = tl.program_id(0)
+        num_m, num_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+        in_group = GROUP_M * num_n
+        first_m = (pid // in_group) * GROUP_M
+        size_m = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % in_group) % size_m
+        pid_n = (pid % in_group) // size_m
+        off_m, off_n = pid_m * BM, pid_n * BN
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            a = x_desc.load([off_m, k0])
+            if W_NK:
+                acc = tl.dot(a, w_desc.load([off_n, k0]).T, acc)
+            else:
+                acc = tl.dot(a, w_desc.load([k0, off_n]), acc)
+        if HAS_LORA:
+            g = tl.load(tile_seg_ptr + pid_m)
+            hh = h_desc.load([off_m, 0])
+            if L_NR:
+                acc = tl.dot(hh, l_desc.load([g * L_ROWS + off_n, 0]).T, acc)
+            else:
+                acc = tl.dot(hh, l_desc.load([g * L_ROWS, off_n]), acc)
+        y_desc.store([off_m, off_n], acc.to(y_desc.dtype))
+
+    return mm_lora_tma
+
+
+def mm_lora_tma(x: torch.Tensor, w: torch.Tensor, w_nk: bool, h: torch.Tensor | None, l2d: torch.Tensor | None,
+                l_rows: int, l_nr: bool, seg_len: int, config: tuple) -> torch.Tensor:
+    """mm_lora through TMA descriptors (contiguous operands): x [M, K] times w ([N, K] when
+    ``w_nk``, else [K, N]), plus h [M, R] times segment g's rows of ``l2d`` (from g * l_rows:
+    [N, R] blocks when ``l_nr``, else [R, N])."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    bm, bn, bk, warps, stages = config
+    m, k = x.shape
+    n = w.shape[0] if w_nk else w.shape[1]
+    if seg_len % bm:
+        raise ValueError(f"segments of {seg_len} rows are not a multiple of BM = {bm}")
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    tile_seg = (torch.arange(-(-m // bm), device=x.device, dtype=torch.int32) * bm) // seg_len
+    lora = h is not None
+    r = h.shape[1] if lora else 16
+    hh = h if lora else torch.zeros(m, r, dtype=x.dtype, device=x.device)
+    ll = l2d if lora else torch.zeros(n if l_nr else r, r if l_nr else n, dtype=x.dtype, device=x.device)
+    desc = TensorDescriptor.from_tensor
+    grid = (-(-m // bm) * -(-n // bn),)
+    _tma_kernel()[grid](desc(x, [bm, bk]), desc(w, [bn, bk] if w_nk else [bk, bn]), desc(hh, [bm, r]),
+                        desc(ll, [bn, r] if l_nr else [r, bn]), desc(y, [bm, bn]), tile_seg, m, n, k, l_rows,
+                        W_NK=w_nk, L_NR=l_nr, HAS_LORA=lora, BM=bm, BN=bn, BK=bk, GROUP_M=8,
+                        num_warps=warps, num_stages=stages)
+    return y
 
 
 def mm_lora(x: torch.Tensor, w_kn: torch.Tensor, h: torch.Tensor | None, l_grn: torch.Tensor | None,
@@ -131,10 +199,23 @@ def check(device: torch.device) -> None:
         ("dgrad", (gy, w, h, a)),  # g W + gh A_g
     ):
         got, want = mm_lora(*operands, seg, config), reference(*operands, seg)
-        err = (got.float() - want).abs().max().item()
-        if err > 1e-3 * want.abs().max().item():
-            raise AssertionError(f"{name}: max error {err}")
-        print(f"check {name}: max error {err:.2e}")
+        check_result(name, got, want)
+    g = m // seg
+    for name, got, want in (
+        ("tma forward", mm_lora_tma(x, w, True, h, b.reshape(g * n, r), n, True, seg, config),
+         reference(x, w.t(), h, b.transpose(1, 2), seg)),
+        ("tma dgrad", mm_lora_tma(gy, w, False, h, a.reshape(g * r, k), r, False, seg, config),
+         reference(gy, w, h, a, seg)),
+    ):
+        check_result(name, got, want)
+
+
+def check_result(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    """Raise unless ``got`` is within 1e-3 of ``want``'s largest magnitude (fp32 inputs: TF32 on CUDA)."""
+    err = (got.float() - want).abs().max().item()
+    if err > 1e-3 * want.abs().max().item():
+        raise AssertionError(f"{name}: max error {err}")
+    print(f"check {name}: max error {err:.2e}")
 
 
 def timed(fn, iters: int) -> float:
@@ -166,29 +247,40 @@ def bench_shape(name: str, fan_in: int, fan_out: int, groups: int, tokens: int, 
     counts = [seg] * groups
     offsets = torch.tensor(counts, device=dev, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     row = {"shape": name, "in": fan_in, "out": fan_out, "groups": groups}
-    sides = {  # (x, w [K, N], h, lora [G, R, N]) and today's path
-        "fwd": (x, w.t(), h, b.transpose(1, 2), lambda: segment_mm(h, b, offsets, counts, "grouped_mm").addmm_(x, w.t())),
-        "dgrad": (g, w, gh, a, lambda: segment_mm_nt(gh, a, offsets, counts, "grouped_mm").addmm_(g, w)),
+    sides = {  # (x, w [K, N], h, lora [G, R, N]), today's path, the TMA kernel's operands
+        "fwd": (x, w.t(), h, b.transpose(1, 2), lambda: segment_mm(h, b, offsets, counts, "grouped_mm").addmm_(x, w.t()),
+                (x, w, True, h, b.reshape(-1, rank), fan_out, True)),
+        "dgrad": (g, w, gh, a, lambda: segment_mm_nt(gh, a, offsets, counts, "grouped_mm").addmm_(g, w),
+                  (g, w, False, gh, a.reshape(-1, fan_in), rank, False)),
     }
-    for side, (lhs, w_kn, hh, ll, today) in sides.items():
+    for side, (lhs, w_kn, hh, ll, today, tma) in sides.items():
         row[f"{side}_cublas_ms"] = timed(lambda: torch.mm(lhs, w_kn), iters)
         row[f"{side}_today_ms"] = timed(today, iters)
-        for mode, lora in (("triton", False), ("triton_lora", True)):
+        def run(mode: str, config: tuple) -> torch.Tensor:
+            lora = mode.endswith("_lora")
+            if mode.startswith("tma"):
+                xx, ww, w_nk, h_, l2d, rows, l_nr = tma
+                return mm_lora_tma(xx, ww, w_nk, h_ if lora else None, l2d if lora else None, rows, l_nr, seg, config)
+            return mm_lora(lhs, w_kn, hh if lora else None, ll if lora else None, seg, config)
+
+        for mode in MODES:
             best = None
             for config in CONFIGS:
                 if seg % config[0]:
                     continue
                 try:
-                    ms = timed(lambda c=config: mm_lora(lhs, w_kn, hh if lora else None, ll if lora else None, seg, c), iters)
+                    ms = timed(lambda c=config: run(mode, c), iters)
                 except Exception as e:  # noqa: BLE001 - a config that does not compile (shared memory) is skipped
                     row.setdefault("skipped_configs", []).append(f"{config}: {type(e).__name__}")
                     continue
                 if best is None or ms < best[0]:
                     best = (ms, config)
             row[f"{side}_{mode}_ms"], row[f"{side}_{mode}_config"] = best if best else (None, None)
-        got = mm_lora(lhs, w_kn, hh, ll, seg, row[f"{side}_triton_lora_config"]).float()
         want = reference(lhs, w_kn, hh, ll, seg)
-        row[f"{side}_max_rel_err"] = ((got - want).abs().max() / want.abs().max()).item()
+        for mode in ("triton_lora", "tma_lora"):
+            if row[f"{side}_{mode}_config"] is not None:
+                got = run(mode, row[f"{side}_{mode}_config"]).float()
+                row[f"{side}_{mode}_max_rel_err"] = ((got - want).abs().max() / want.abs().max()).item()
         row[f"{side}_today_max_rel_err"] = ((today().float() - want).abs().max() / want.abs().max()).item()
     return row
 
@@ -207,19 +299,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     check(torch.device("cuda"))
     rows = []
-    print("| shape | G | side | cublas ms | today ms | triton ms (config) | triton + lora ms (config) | today - cublas | triton_lora - cublas |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| shape | G | side | cublas ms | today ms | " + " | ".join(f"{m} ms (config)" for m in MODES) + " |")
+    print("|---|---|---|---|---|" + "---|" * len(MODES))
+    fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     for groups in (int(x) for x in args.groups.split(",")):
         for name, (fan_in, fan_out) in SHAPES.items():
             row = bench_shape(name, fan_in, fan_out, groups, args.tokens, args.rank, args.iters)
             rows.append(row)
             for side in ("fwd", "dgrad"):
-                c, t, p, f = (row[f"{side}_{m}_ms"] for m in ("cublas", "today", "triton", "triton_lora"))
-                fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-                print(f"| {name} | {groups} | {side} | {fmt(c)} | {fmt(t)} | {fmt(p)} {row[f'{side}_triton_config']} "
-                      f"| {fmt(f)} {row[f'{side}_triton_lora_config']} | {fmt(t - c)} | {fmt(None if f is None else f - c)} |",
-                      flush=True)
-    totals = {m: sum(r[f"{s}_{m}_ms"] or 0 for r in rows for s in ("fwd", "dgrad")) for m in ("cublas", "today", "triton", "triton_lora")}
+                cells = [f"{fmt(row[f'{side}_{m}_ms'])} {row[f'{side}_{m}_config']}" for m in MODES]
+                print(f"| {name} | {groups} | {side} | {fmt(row[f'{side}_cublas_ms'])} | {fmt(row[f'{side}_today_ms'])} | "
+                      + " | ".join(cells) + " |", flush=True)
+    totals = {m: sum(r[f"{s}_{m}_ms"] or 0 for r in rows for s in ("fwd", "dgrad")) for m in ["cublas", "today", *MODES]}
     print(f"# sums over the rows, ms: {totals}")
     if args.out:
         with open(args.out, "w") as f:
