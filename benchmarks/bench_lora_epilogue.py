@@ -39,7 +39,8 @@ import torch  # noqa: E402
 SHAPES = {"qkv": (2048, 4096), "proj": (2048, 2048), "fc1": (2048, 12288), "fc2": (6144, 2048)}
 # (BM, BN, BK, warps, stages): Hopper-sized tiles of the Triton matmul tutorial, and a smaller one
 MODES = ["triton", "triton_lora", "tma", "tma_lora"]
-CONFIGS = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4)]
+CONFIGS = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4),
+           (128, 256, 64, 8, 4), (128, 128, 128, 8, 3)]
 
 
 @functools.cache
