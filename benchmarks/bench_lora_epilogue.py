@@ -27,14 +27,16 @@ reference (the epilogue accumulates in fp32, so it is not bit-equal to today's b
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
-import statistics
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from benchmarks.bench_lora_layer import timed  # noqa: E402
 
 SHAPES = {"qkv": (2048, 4096), "proj": (2048, 2048), "fc1": (2048, 12288), "fc2": (6144, 2048)}
 # (BM, BN, BK, warps, stages): Hopper-sized tiles of the Triton matmul tutorial, and a smaller one
@@ -43,85 +45,69 @@ CONFIGS = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (12
            (128, 256, 64, 8, 4), (128, 128, 128, 8, 3)]
 
 
-@functools.cache
-def _kernel():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def mm_lora(x_ptr, w_ptr, h_ptr, l_ptr, y_ptr, tile_seg_ptr, M, N, K, R,
-                sxm, sxk, swk, swn, shm, shr, slg, slr, sln, sym, syn,
-                HAS_LORA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                BR: tl.constexpr, GROUP_M: tl.constexpr):
-        # y[M, N] = x[M, K] w[K, N] (+ h[M, R] l_g[R, N] for the segment g of the row tile), the
-        # operands given by strides; program order grouped by GROUP_M row tiles (L2 reuse of w).
-        pid = tl.program_id(0)
-        num_m, num_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
-        in_group = GROUP_M * num_n
-        first_m = (pid // in_group) * GROUP_M
-        size_m = tl.minimum(num_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % in_group) % size_m
-        pid_n = (pid % in_group) // size_m
-        rm = pid_m * BM + tl.arange(0, BM)
-        rn = pid_n * BN + tl.arange(0, BN)
-        rk = tl.arange(0, BK)
-        m_ok, n_ok = rm < M, rn < N
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            k = k0 + rk
-            a = tl.load(x_ptr + rm[:, None] * sxm + k[None, :] * sxk, mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
-            b = tl.load(w_ptr + k[:, None] * swk + rn[None, :] * swn, mask=(k < K)[:, None] & n_ok[None, :], other=0.0)
-            acc = tl.dot(a, b, acc)
-        if HAS_LORA:
-            g = tl.load(tile_seg_ptr + pid_m)
-            rr = tl.arange(0, BR)
-            hh = tl.load(h_ptr + rm[:, None] * shm + rr[None, :] * shr, mask=m_ok[:, None] & (rr < R)[None, :], other=0.0)
-            ll = tl.load(l_ptr + g * slg + rr[:, None] * slr + rn[None, :] * sln,
-                         mask=(rr < R)[:, None] & n_ok[None, :], other=0.0)
-            acc = tl.dot(hh, ll, acc)
-        tl.store(y_ptr + rm[:, None] * sym + rn[None, :] * syn, acc.to(y_ptr.dtype.element_ty),
-                 mask=m_ok[:, None] & n_ok[None, :])
-
-    return mm_lora
+@triton.jit
+def _tile(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of program ``pid``, in groups of GROUP_M row tiles (L2 reuse of w)."""
+    num_m, num_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    in_group = GROUP_M * num_n
+    first_m = (pid // in_group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % in_group) % size_m, (pid % in_group) // size_m
 
 
-@functools.cache
-def _tma_kernel():
-    import triton
-    import triton.language as tl
+@triton.jit
+def _mm_lora_kernel(x_ptr, w_ptr, h_ptr, l_ptr, y_ptr, tile_seg_ptr, M, N, K, R,
+                    sxm, sxk, swk, swn, shm, shr, slg, slr, sln, sym, syn,
+                    HAS_LORA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    BR: tl.constexpr, GROUP_M: tl.constexpr):
+    # y[M, N] = x[M, K] w[K, N] (+ h[M, R] l_g[R, N] for the segment g of the row tile), the
+    # operands given by strides.
+    pid_m, pid_n = _tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    m_ok, n_ok = rm < M, rn < N
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + rk
+        a = tl.load(x_ptr + rm[:, None] * sxm + k[None, :] * sxk, mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
+        b = tl.load(w_ptr + k[:, None] * swk + rn[None, :] * swn, mask=(k < K)[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc)
+    if HAS_LORA:
+        g = tl.load(tile_seg_ptr + pid_m)
+        rr = tl.arange(0, BR)
+        hh = tl.load(h_ptr + rm[:, None] * shm + rr[None, :] * shr, mask=m_ok[:, None] & (rr < R)[None, :], other=0.0)
+        ll = tl.load(l_ptr + g * slg + rr[:, None] * slr + rn[None, :] * sln,
+                     mask=(rr < R)[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(hh, ll, acc)
+    tl.store(y_ptr + rm[:, None] * sym + rn[None, :] * syn, acc.to(y_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
 
-    @triton.jit
-    def mm_lora_tma(x_desc, w_desc, h_desc, l_desc, y_desc, tile_seg_ptr, M, N, K, L_ROWS,
-                    W_NK: tl.constexpr, L_NR: tl.constexpr, HAS_LORA: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
-        # As mm_lora, every operand through a TMA descriptor: w is [N, K] (W_NK) or [K, N]; the
-        # LoRA factor of all segments is one 2D tensor, segment g's rows from g * L_ROWS: B as
-        # [G * out, R] (L_NR) or A as [G * R, in].
-        pid = tl.program_id(0)
-        num_m, num_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
-        in_group = GROUP_M * num_n
-        first_m = (pid // in_group) * GROUP_M
-        size_m = tl.minimum(num_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % in_group) % size_m
-        pid_n = (pid % in_group) // size_m
-        off_m, off_n = pid_m * BM, pid_n * BN
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            a = x_desc.load([off_m, k0])
-            if W_NK:
-                acc = tl.dot(a, w_desc.load([off_n, k0]).T, acc)
-            else:
-                acc = tl.dot(a, w_desc.load([k0, off_n]), acc)
-        if HAS_LORA:
-            g = tl.load(tile_seg_ptr + pid_m)
-            hh = h_desc.load([off_m, 0])
-            if L_NR:
-                acc = tl.dot(hh, l_desc.load([g * L_ROWS + off_n, 0]).T, acc)
-            else:
-                acc = tl.dot(hh, l_desc.load([g * L_ROWS, off_n]), acc)
-        y_desc.store([off_m, off_n], acc.to(y_desc.dtype))
 
-    return mm_lora_tma
+@triton.jit
+def _mm_lora_tma_kernel(x_desc, w_desc, h_desc, l_desc, y_desc, tile_seg_ptr, M, N, K, L_ROWS,
+                        W_NK: tl.constexpr, L_NR: tl.constexpr, HAS_LORA: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+    # As mm_lora, every operand through a TMA descriptor: w is [N, K] (W_NK) or [K, N]; the
+    # LoRA factor of all segments is one 2D tensor, segment g's rows from g * L_ROWS: B as
+    # [G * out, R] (L_NR) or A as [G * R, in].
+    pid_m, pid_n = _tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
+    off_m, off_n = pid_m * BM, pid_n * BN
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        a = x_desc.load([off_m, k0])
+        if W_NK:
+            acc = tl.dot(a, w_desc.load([off_n, k0]).T, acc)
+        else:
+            acc = tl.dot(a, w_desc.load([k0, off_n]), acc)
+    if HAS_LORA:
+        g = tl.load(tile_seg_ptr + pid_m)
+        hh = h_desc.load([off_m, 0])
+        if L_NR:
+            acc = tl.dot(hh, l_desc.load([g * L_ROWS + off_n, 0]).T, acc)
+        else:
+            acc = tl.dot(hh, l_desc.load([g * L_ROWS, off_n]), acc)
+    y_desc.store([off_m, off_n], acc.to(y_desc.dtype))
 
 
 def mm_lora_tma(x: torch.Tensor, w: torch.Tensor, w_nk: bool, h: torch.Tensor | None, l2d: torch.Tensor | None,
@@ -144,7 +130,7 @@ def mm_lora_tma(x: torch.Tensor, w: torch.Tensor, w_nk: bool, h: torch.Tensor | 
     ll = l2d if lora else torch.zeros(n if l_nr else r, r if l_nr else n, dtype=x.dtype, device=x.device)
     desc = TensorDescriptor.from_tensor
     grid = (-(-m // bm) * -(-n // bn),)
-    _tma_kernel()[grid](desc(x, [bm, bk]), desc(w, [bn, bk] if w_nk else [bk, bn]), desc(hh, [bm, r]),
+    _mm_lora_tma_kernel[grid](desc(x, [bm, bk]), desc(w, [bn, bk] if w_nk else [bk, bn]), desc(hh, [bm, r]),
                         desc(ll, [bn, r] if l_nr else [r, bn]), desc(y, [bm, bn]), tile_seg, m, n, k, l_rows,
                         W_NK=w_nk, L_NR=l_nr, HAS_LORA=lora, BM=bm, BN=bn, BK=bk, GROUP_M=8,
                         num_warps=warps, num_stages=stages)
@@ -166,7 +152,7 @@ def mm_lora(x: torch.Tensor, w_kn: torch.Tensor, h: torch.Tensor | None, l_grn: 
     hh, ll = (h, l_grn) if lora else (x, w_kn.unsqueeze(0))  # unused operands when HAS_LORA is off
     r = hh.shape[1] if lora else 16
     grid = (-(-m // bm) * -(-n // bn),)
-    _kernel()[grid](x, w_kn, hh, ll, y, tile_seg, m, n, k, r,
+    _mm_lora_kernel[grid](x, w_kn, hh, ll, y, tile_seg, m, n, k, r,
                     x.stride(0), x.stride(1), w_kn.stride(0), w_kn.stride(1), hh.stride(0), hh.stride(1),
                     ll.stride(0), ll.stride(1), ll.stride(2), y.stride(0), y.stride(1),
                     HAS_LORA=lora, BM=bm, BN=bn, BK=bk, BR=max(16, r), GROUP_M=8, num_warps=warps, num_stages=stages)
@@ -217,20 +203,6 @@ def check_result(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
     if err > 1e-3 * want.abs().max().item():
         raise AssertionError(f"{name}: max error {err}")
     print(f"check {name}: max error {err:.2e}")
-
-
-def timed(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def bench_shape(name: str, fan_in: int, fan_out: int, groups: int, tokens: int, rank: int, iters: int) -> dict:
