@@ -144,7 +144,8 @@ class StepOverlap:
         """Run the block's device work on the step stream after the last step (reads of the slot
         rows the main stream need not wait for: the export's gathers and the event after them),
         once the main stream's work so far is done too. Without a step on the step stream: the
-        current stream, as it is."""
+        current stream, as it is. Called in the order of the trainer's calls, as ``apply`` is (the
+        rank's one default-group thread): the last event recorded on the step stream is ``_last``."""
         if self._last is None:
             yield
             return
