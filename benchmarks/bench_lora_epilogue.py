@@ -14,6 +14,7 @@ slot segments, rank 16, bf16:
   triton        the probe's GEMM without the epilogue (the Triton-against-cuBLAS gap)
   triton_lora   the probe's GEMM with the LoRA epilogue (the candidate)
   tma, tma_lora the same two with every operand loaded through TMA descriptors (Hopper)
+  persistent(_lora)  the TMA kernel with one program per SM looping over the tiles (flattened loop)
 
 Each Triton row is the fastest of a few tile configurations (printed). The probe's kernel needs
 every BM-row tile inside one segment (segments a multiple of BM tokens): a kernel for the trainer
@@ -40,7 +41,7 @@ from benchmarks.bench_lora_layer import timed  # noqa: E402
 
 SHAPES = {"qkv": (2048, 4096), "proj": (2048, 2048), "fc1": (2048, 12288), "fc2": (6144, 2048)}
 # (BM, BN, BK, warps, stages): Hopper-sized tiles of the Triton matmul tutorial, and a smaller one
-MODES = ["triton", "triton_lora", "tma", "tma_lora"]
+MODES = ["triton", "triton_lora", "tma", "tma_lora", "persistent", "persistent_lora"]
 CONFIGS = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4),
            (128, 256, 64, 8, 4), (128, 128, 128, 8, 3)]
 
@@ -87,34 +88,39 @@ def _mm_lora_kernel(x_ptr, w_ptr, h_ptr, l_ptr, y_ptr, tile_seg_ptr, M, N, K, R,
 @triton.jit
 def _mm_lora_tma_kernel(x_desc, w_desc, h_desc, l_desc, y_desc, tile_seg_ptr, M, N, K, L_ROWS,
                         W_NK: tl.constexpr, L_NR: tl.constexpr, HAS_LORA: tl.constexpr,
-                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                        PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr):
     # As mm_lora, every operand through a TMA descriptor: w is [N, K] (W_NK) or [K, N]; the
     # LoRA factor of all segments is one 2D tensor, segment g's rows from g * L_ROWS: B as
-    # [G * out, R] (L_NR) or A as [G * R, in].
-    pid_m, pid_n = _tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
-    off_m, off_n = pid_m * BM, pid_n * BN
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        a = x_desc.load([off_m, k0])
-        if W_NK:
-            acc = tl.dot(a, w_desc.load([off_n, k0]).T, acc)
-        else:
-            acc = tl.dot(a, w_desc.load([k0, off_n]), acc)
-    if HAS_LORA:
-        g = tl.load(tile_seg_ptr + pid_m)
-        hh = h_desc.load([off_m, 0])
-        if L_NR:
-            acc = tl.dot(hh, l_desc.load([g * L_ROWS + off_n, 0]).T, acc)
-        else:
-            acc = tl.dot(hh, l_desc.load([g * L_ROWS, off_n]), acc)
-    y_desc.store([off_m, off_n], acc.to(y_desc.dtype))
+    # [G * out, R] (L_NR) or A as [G * R, in]. PROGRAMS programs each loop over tiles (PROGRAMS
+    # = the SM count: persistent, FLATTEN pipelines across tiles too; = the tile count: one each).
+    tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
+    for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=FLATTEN):
+        pid_m, pid_n = _tile(tile, M, N, BM, BN, GROUP_M)
+        off_m, off_n = pid_m * BM, pid_n * BN
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            a = x_desc.load([off_m, k0])
+            if W_NK:
+                acc = tl.dot(a, w_desc.load([off_n, k0]).T, acc)
+            else:
+                acc = tl.dot(a, w_desc.load([k0, off_n]), acc)
+        if HAS_LORA:
+            g = tl.load(tile_seg_ptr + pid_m)
+            hh = h_desc.load([off_m, 0])
+            if L_NR:
+                acc = tl.dot(hh, l_desc.load([g * L_ROWS + off_n, 0]).T, acc)
+            else:
+                acc = tl.dot(hh, l_desc.load([g * L_ROWS, off_n]), acc)
+        y_desc.store([off_m, off_n], acc.to(y_desc.dtype))
 
 
 def mm_lora_tma(x: torch.Tensor, w: torch.Tensor, w_nk: bool, h: torch.Tensor | None, l2d: torch.Tensor | None,
-                l_rows: int, l_nr: bool, seg_len: int, config: tuple) -> torch.Tensor:
+                l_rows: int, l_nr: bool, seg_len: int, config: tuple, programs: int = 0) -> torch.Tensor:
     """mm_lora through TMA descriptors (contiguous operands): x [M, K] times w ([N, K] when
     ``w_nk``, else [K, N]), plus h [M, R] times segment g's rows of ``l2d`` (from g * l_rows:
-    [N, R] blocks when ``l_nr``, else [R, N])."""
+    [N, R] blocks when ``l_nr``, else [R, N]). ``programs`` > 0: that many programs (the SM count:
+    persistent), each looping over tiles in a flattened, pipelined loop; 0: one per tile."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     bm, bn, bk, warps, stages = config
@@ -129,11 +135,14 @@ def mm_lora_tma(x: torch.Tensor, w: torch.Tensor, w_nk: bool, h: torch.Tensor | 
     hh = h if lora else torch.zeros(m, r, dtype=x.dtype, device=x.device)
     ll = l2d if lora else torch.zeros(n if l_nr else r, r if l_nr else n, dtype=x.dtype, device=x.device)
     desc = TensorDescriptor.from_tensor
-    grid = (-(-m // bm) * -(-n // bn),)
+    tiles = -(-m // bm) * -(-n // bn)
+    persistent = 0 < programs < tiles
+    programs = programs if persistent else tiles
+    grid = (programs,)
     _mm_lora_tma_kernel[grid](desc(x, [bm, bk]), desc(w, [bn, bk] if w_nk else [bk, bn]), desc(hh, [bm, r]),
-                        desc(ll, [bn, r] if l_nr else [r, bn]), desc(y, [bm, bn]), tile_seg, m, n, k, l_rows,
-                        W_NK=w_nk, L_NR=l_nr, HAS_LORA=lora, BM=bm, BN=bn, BK=bk, GROUP_M=8,
-                        num_warps=warps, num_stages=stages)
+                              desc(ll, [bn, r] if l_nr else [r, bn]), desc(y, [bm, bn]), tile_seg, m, n, k, l_rows,
+                              W_NK=w_nk, L_NR=l_nr, HAS_LORA=lora, BM=bm, BN=bn, BK=bk, GROUP_M=8,
+                              PROGRAMS=programs, FLATTEN=persistent, num_warps=warps, num_stages=stages)
     return y
 
 
@@ -193,6 +202,8 @@ def check(device: torch.device) -> None:
          reference(x, w.t(), h, b.transpose(1, 2), seg)),
         ("tma dgrad", mm_lora_tma(gy, w, False, h, a.reshape(g * r, k), r, False, seg, config),
          reference(gy, w, h, a, seg)),
+        ("persistent forward", mm_lora_tma(x, w, True, h, b.reshape(g * n, r), n, True, seg, config, programs=5),
+         reference(x, w.t(), h, b.transpose(1, 2), seg)),
     ):
         check_result(name, got, want)
 
@@ -205,7 +216,8 @@ def check_result(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
     print(f"check {name}: max error {err:.2e}")
 
 
-def bench_shape(name: str, fan_in: int, fan_out: int, groups: int, tokens: int, rank: int, iters: int) -> dict:
+def bench_shape(name: str, fan_in: int, fan_out: int, groups: int, tokens: int, rank: int, iters: int,
+                modes: list[str] = MODES) -> dict:
     from trainer.segmented_mm import segment_mm, segment_mm_nt
 
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -226,17 +238,19 @@ def bench_shape(name: str, fan_in: int, fan_out: int, groups: int, tokens: int, 
         "dgrad": (g, w, gh, a, lambda: segment_mm_nt(gh, a, offsets, counts, "grouped_mm").addmm_(g, w),
                   (g, w, False, gh, a.reshape(-1, fan_in), rank, False)),
     }
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
     for side, (lhs, w_kn, hh, ll, today, tma) in sides.items():
         row[f"{side}_cublas_ms"] = timed(lambda: torch.mm(lhs, w_kn), iters)
         row[f"{side}_today_ms"] = timed(today, iters)
         def run(mode: str, config: tuple) -> torch.Tensor:
             lora = mode.endswith("_lora")
-            if mode.startswith("tma"):
+            if mode.startswith(("tma", "persistent")):
                 xx, ww, w_nk, h_, l2d, rows, l_nr = tma
-                return mm_lora_tma(xx, ww, w_nk, h_ if lora else None, l2d if lora else None, rows, l_nr, seg, config)
+                return mm_lora_tma(xx, ww, w_nk, h_ if lora else None, l2d if lora else None, rows, l_nr, seg, config,
+                                   programs=sms if mode.startswith("persistent") else 0)
             return mm_lora(lhs, w_kn, hh if lora else None, ll if lora else None, seg, config)
 
-        for mode in MODES:
+        for mode in modes:
             best = None
             for config in CONFIGS:
                 if seg % config[0]:
@@ -250,7 +264,7 @@ def bench_shape(name: str, fan_in: int, fan_out: int, groups: int, tokens: int, 
                     best = (ms, config)
             row[f"{side}_{mode}_ms"], row[f"{side}_{mode}_config"] = best if best else (None, None)
         want = reference(lhs, w_kn, hh, ll, seg)
-        for mode in ("triton_lora", "tma_lora"):
+        for mode in (m for m in modes if m.endswith("_lora")):
             if row[f"{side}_{mode}_config"] is not None:
                 got = run(mode, row[f"{side}_{mode}_config"]).float()
                 row[f"{side}_{mode}_max_rel_err"] = ((got - want).abs().max() / want.abs().max()).item()
@@ -264,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma list of the Triton modes to time ({','.join(MODES)})")
     ap.add_argument("--check", action="store_true", help="only check the kernel against the definition")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -272,18 +287,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     check(torch.device("cuda"))
     rows = []
-    print("| shape | G | side | cublas ms | today ms | " + " | ".join(f"{m} ms (config)" for m in MODES) + " |")
-    print("|---|---|---|---|---|" + "---|" * len(MODES))
+    modes = args.modes.split(",")
+    print("| shape | G | side | cublas ms | today ms | " + " | ".join(f"{m} ms (config)" for m in modes) + " |")
+    print("|---|---|---|---|---|" + "---|" * len(modes))
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     for groups in (int(x) for x in args.groups.split(",")):
         for name, (fan_in, fan_out) in SHAPES.items():
-            row = bench_shape(name, fan_in, fan_out, groups, args.tokens, args.rank, args.iters)
+            row = bench_shape(name, fan_in, fan_out, groups, args.tokens, args.rank, args.iters, modes)
             rows.append(row)
             for side in ("fwd", "dgrad"):
-                cells = [f"{fmt(row[f'{side}_{m}_ms'])} {row[f'{side}_{m}_config']}" for m in MODES]
+                cells = [f"{fmt(row[f'{side}_{m}_ms'])} {row[f'{side}_{m}_config']}" for m in modes]
                 print(f"| {name} | {groups} | {side} | {fmt(row[f'{side}_cublas_ms'])} | {fmt(row[f'{side}_today_ms'])} | "
                       + " | ".join(cells) + " |", flush=True)
-    totals = {m: sum(r[f"{s}_{m}_ms"] or 0 for r in rows for s in ("fwd", "dgrad")) for m in ["cublas", "today", *MODES]}
+    totals = {m: sum(r[f"{s}_{m}_ms"] or 0 for r in rows for s in ("fwd", "dgrad")) for m in ["cublas", "today", *modes]}
     print(f"# sums over the rows, ms: {totals}")
     if args.out:
         with open(args.out, "w") as f:
