@@ -115,6 +115,15 @@ def _mm_lora_tma_kernel(x_desc, w_desc, h_desc, l_desc, y_desc, tile_seg_ptr, M,
         y_desc.store([off_m, off_n], acc.to(y_desc.dtype))
 
 
+def _output_and_segments(x: torch.Tensor, n: int, seg_len: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The [M, n] output and each BM-row tile's segment (int32); every tile must lie in one segment."""
+    if seg_len % bm:
+        raise ValueError(f"segments of {seg_len} rows are not a multiple of BM = {bm}")
+    m = x.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    return y, (torch.arange(-(-m // bm), device=x.device, dtype=torch.int32) * bm) // seg_len
+
+
 def mm_lora_tma(x: torch.Tensor, w: torch.Tensor, w_nk: bool, h: torch.Tensor | None, l2d: torch.Tensor | None,
                 l_rows: int, l_nr: bool, seg_len: int, config: tuple, programs: int = 0) -> torch.Tensor:
     """mm_lora through TMA descriptors (contiguous operands): x [M, K] times w ([N, K] when
@@ -126,10 +135,7 @@ def mm_lora_tma(x: torch.Tensor, w: torch.Tensor, w_nk: bool, h: torch.Tensor | 
     bm, bn, bk, warps, stages = config
     m, k = x.shape
     n = w.shape[0] if w_nk else w.shape[1]
-    if seg_len % bm:
-        raise ValueError(f"segments of {seg_len} rows are not a multiple of BM = {bm}")
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    tile_seg = (torch.arange(-(-m // bm), device=x.device, dtype=torch.int32) * bm) // seg_len
+    y, tile_seg = _output_and_segments(x, n, seg_len, bm)
     lora = h is not None
     r = h.shape[1] if lora else 16
     hh = h if lora else torch.zeros(m, r, dtype=x.dtype, device=x.device)
@@ -153,10 +159,7 @@ def mm_lora(x: torch.Tensor, w_kn: torch.Tensor, h: torch.Tensor | None, l_grn: 
     bm, bn, bk, warps, stages = config
     m, k = x.shape
     n = w_kn.shape[1]
-    if seg_len % bm:
-        raise ValueError(f"segments of {seg_len} rows are not a multiple of BM = {bm}")
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    tile_seg = (torch.arange(-(-m // bm), device=x.device, dtype=torch.int32) * bm) // seg_len
+    y, tile_seg = _output_and_segments(x, n, seg_len, bm)
     lora = h is not None
     hh, ll = (h, l_grn) if lora else (x, w_kn.unsqueeze(0))  # unused operands when HAS_LORA is off
     r = hh.shape[1] if lora else 16
@@ -208,12 +211,17 @@ def check(device: torch.device) -> None:
         check_result(name, got, want)
 
 
+def max_rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest |got - want| over want's largest magnitude."""
+    return ((got.float() - want).abs().max() / want.abs().max()).item()
+
+
 def check_result(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
     """Raise unless ``got`` is within 1e-3 of ``want``'s largest magnitude (fp32 inputs: TF32 on CUDA)."""
-    err = (got.float() - want).abs().max().item()
-    if err > 1e-3 * want.abs().max().item():
-        raise AssertionError(f"{name}: max error {err}")
-    print(f"check {name}: max error {err:.2e}")
+    err = max_rel_err(got, want)
+    if err > 1e-3:
+        raise AssertionError(f"{name}: max error {err} of the largest magnitude")
+    print(f"check {name}: max error {err:.2e} of the largest magnitude")
 
 
 def bench_shape(name: str, fan_in: int, fan_out: int, groups: int, tokens: int, rank: int, iters: int,
@@ -266,9 +274,8 @@ def bench_shape(name: str, fan_in: int, fan_out: int, groups: int, tokens: int, 
         want = reference(lhs, w_kn, hh, ll, seg)
         for mode in (m for m in modes if m.endswith("_lora")):
             if row[f"{side}_{mode}_config"] is not None:
-                got = run(mode, row[f"{side}_{mode}_config"]).float()
-                row[f"{side}_{mode}_max_rel_err"] = ((got - want).abs().max() / want.abs().max()).item()
-        row[f"{side}_today_max_rel_err"] = ((today().float() - want).abs().max() / want.abs().max()).item()
+                row[f"{side}_{mode}_max_rel_err"] = max_rel_err(run(mode, row[f"{side}_{mode}_config"]), want)
+        row[f"{side}_today_max_rel_err"] = max_rel_err(today(), want)
     return row
 
 
