@@ -15,6 +15,9 @@ slot segments, rank 16, bf16:
   triton_lora   the probe's GEMM with the LoRA epilogue (the candidate)
   tma, tma_lora the same two with every operand loaded through TMA descriptors (Hopper)
   persistent(_lora)  the TMA kernel with one program per SM looping over the tiles (flattened loop)
+  ws(_lora)     persistent, the tile loop warp-specialised (Triton's autoWS: loader warps feed the
+                MMA warps; not flattened, which Hopper's autoWS does not take)
+  tws(_lora)    one program per tile, its K loop warp-specialised
 
 Each Triton row is the fastest of a few tile configurations (printed). The probe's kernel needs
 every BM-row tile inside one segment (segments a multiple of BM tokens): a kernel for the trainer
@@ -41,7 +44,7 @@ from benchmarks.bench_lora_layer import timed  # noqa: E402
 
 SHAPES = {"qkv": (2048, 4096), "proj": (2048, 2048), "fc1": (2048, 12288), "fc2": (6144, 2048)}
 # (BM, BN, BK, warps, stages): Hopper-sized tiles of the Triton matmul tutorial, and a smaller one
-MODES = ["triton", "triton_lora", "tma", "tma_lora", "persistent", "persistent_lora"]
+MODES = ["triton", "triton_lora", "tma", "tma_lora", "persistent", "persistent_lora", "ws", "ws_lora", "tws", "tws_lora"]
 CONFIGS = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4),
            (128, 256, 64, 8, 4), (128, 128, 128, 8, 3)]
 
@@ -89,17 +92,19 @@ def _mm_lora_kernel(x_ptr, w_ptr, h_ptr, l_ptr, y_ptr, tile_seg_ptr, M, N, K, R,
 def _mm_lora_tma_kernel(x_desc, w_desc, h_desc, l_desc, y_desc, tile_seg_ptr, M, N, K, L_ROWS,
                         W_NK: tl.constexpr, L_NR: tl.constexpr, HAS_LORA: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                        PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr):
+                        PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr, WS_TILES: tl.constexpr = False,
+                        WS_K: tl.constexpr = False):
     # As mm_lora, every operand through a TMA descriptor: w is [N, K] (W_NK) or [K, N]; the
     # LoRA factor of all segments is one 2D tensor, segment g's rows from g * L_ROWS: B as
     # [G * out, R] (L_NR) or A as [G * R, in]. PROGRAMS programs each loop over tiles (PROGRAMS
     # = the SM count: persistent, FLATTEN pipelines across tiles too; = the tile count: one each).
+    # WS_TILES / WS_K: the tile loop / the K loop warp-specialised.
     tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
-    for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=FLATTEN):
+    for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=FLATTEN, warp_specialize=WS_TILES):
         pid_m, pid_n = _tile(tile, M, N, BM, BN, GROUP_M)
         off_m, off_n = pid_m * BM, pid_n * BN
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, K, BK):
+        for k0 in tl.range(0, K, BK, warp_specialize=WS_K):
             a = x_desc.load([off_m, k0])
             if W_NK:
                 acc = tl.dot(a, w_desc.load([off_n, k0]).T, acc)
@@ -125,11 +130,13 @@ def _output_and_segments(x: torch.Tensor, n: int, seg_len: int, bm: int) -> tupl
 
 
 def mm_lora_tma(x: torch.Tensor, w: torch.Tensor, w_nk: bool, h: torch.Tensor | None, l2d: torch.Tensor | None,
-                l_rows: int, l_nr: bool, seg_len: int, config: tuple, programs: int = 0) -> torch.Tensor:
+                l_rows: int, l_nr: bool, seg_len: int, config: tuple, programs: int = 0,
+                ws: str = "") -> torch.Tensor:
     """mm_lora through TMA descriptors (contiguous operands): x [M, K] times w ([N, K] when
     ``w_nk``, else [K, N]), plus h [M, R] times segment g's rows of ``l2d`` (from g * l_rows:
     [N, R] blocks when ``l_nr``, else [R, N]). ``programs`` > 0: that many programs (the SM count:
-    persistent), each looping over tiles in a flattened, pipelined loop; 0: one per tile."""
+    persistent), each looping over tiles in a flattened, pipelined loop; 0: one per tile.
+    ``ws``: "tiles" warp-specialises the (then not flattened) tile loop, "k" each tile's K loop."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     bm, bn, bk, warps, stages = config
@@ -148,7 +155,8 @@ def mm_lora_tma(x: torch.Tensor, w: torch.Tensor, w_nk: bool, h: torch.Tensor | 
     _mm_lora_tma_kernel[grid](desc(x, [bm, bk]), desc(w, [bn, bk] if w_nk else [bk, bn]), desc(hh, [bm, r]),
                               desc(ll, [bn, r] if l_nr else [r, bn]), desc(y, [bm, bn]), tile_seg, m, n, k, l_rows,
                               W_NK=w_nk, L_NR=l_nr, HAS_LORA=lora, BM=bm, BN=bn, BK=bk, GROUP_M=8,
-                              PROGRAMS=programs, FLATTEN=persistent, num_warps=warps, num_stages=stages)
+                              PROGRAMS=programs, FLATTEN=persistent and not ws, WS_TILES=ws == "tiles", WS_K=ws == "k",
+                              num_warps=warps, num_stages=stages)
     return y
 
 
@@ -207,6 +215,10 @@ def check(device: torch.device) -> None:
          reference(gy, w, h, a, seg)),
         ("persistent forward", mm_lora_tma(x, w, True, h, b.reshape(g * n, r), n, True, seg, config, programs=5),
          reference(x, w.t(), h, b.transpose(1, 2), seg)),
+        ("ws dgrad", mm_lora_tma(gy, w, False, h, a.reshape(g * r, k), r, False, seg, config, programs=5, ws="tiles"),
+         reference(gy, w, h, a, seg)),
+        ("tws forward", mm_lora_tma(x, w, True, h, b.reshape(g * n, r), n, True, seg, config, ws="k"),
+         reference(x, w.t(), h, b.transpose(1, 2), seg)),
     ):
         check_result(name, got, want)
 
@@ -252,10 +264,11 @@ def bench_shape(name: str, fan_in: int, fan_out: int, groups: int, tokens: int, 
         row[f"{side}_today_ms"] = timed(today, iters)
         def run(mode: str, config: tuple) -> torch.Tensor:
             lora = mode.endswith("_lora")
-            if mode.startswith(("tma", "persistent")):
+            if mode.startswith(("tma", "persistent", "ws", "tws")):
                 xx, ww, w_nk, h_, l2d, rows, l_nr = tma
                 return mm_lora_tma(xx, ww, w_nk, h_ if lora else None, l2d if lora else None, rows, l_nr, seg, config,
-                                   programs=sms if mode.startswith("persistent") else 0)
+                                   programs=sms if mode.startswith(("persistent", "ws")) else 0,
+                                   ws={"ws": "tiles", "tws": "k"}.get(mode.split("_")[0], ""))
             return mm_lora(lhs, w_kn, hh if lora else None, ll if lora else None, seg, config)
 
         for mode in modes:
