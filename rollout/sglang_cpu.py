@@ -39,6 +39,10 @@ reason given:
    1 thread 187 / 668 / 1693. With less contention 2 threads matched 1 thread
    (docs/BENCHMARKS.md, "Rollout on CPU") but varied up to 6x between repeats.
    On a dedicated CPU host, raise EngineConfig.cpu_threads.
+9. The unembedding's LoRA rows routed by adapter (rollout/sglang_lm_head_rows.py, applied by
+   rollout/sglang_server.py with 3.): SGLang's CPU LoRA backend routes the pruned rows that reach
+   ``lm_head`` in a mixed-adapter prefill batch by the whole sequences' lengths, giving them the
+   wrong adapters (log-prob errors up to 0.53); the GPU backends route them right.
 """
 
 from __future__ import annotations

@@ -18,6 +18,9 @@ server listens on the wildcard address whatever host it is given (measured: the 
 non-loopback listener of a CPU engine, ``::`` on the nccl port). With one rank there
 is nobody to rendezvous with, so the group is made through a FileStore in a private
 temporary folder instead: no port at all (docs/operations.md, Ports).
+
+The third patch (rollout/sglang_lm_head_rows.py) fixes SGLang's CPU LoRA backend, which routed
+the unembedding's pruned rows of a mixed-adapter prefill batch to the wrong adapters.
 """
 
 from __future__ import annotations
@@ -55,6 +58,9 @@ def apply_cpu_process_patches() -> None:
     torch.Tensor.pin_memory = lambda self, *a, **k: self
     torch._lorafleet_pin_memory_patched = True
     _one_rank_groups_without_a_port()
+    from rollout.sglang_lm_head_rows import route_lm_head_rows_by_adapter
+
+    route_lm_head_rows_by_adapter()
 
 
 def _one_rank_groups_without_a_port() -> None:

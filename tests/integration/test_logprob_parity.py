@@ -11,6 +11,12 @@ sequence, which is what the trainer's importance ratios rely on. The base model 
 adapter) is checked the same way, and the two adapters must differ from it and from
 each other (so a server that ignored the adapter would fail).
 
+All of them share batches: in one batch request (one prefill batch), the lm_head adapter's
+sequences sit beside the other adapters' and the base's, with and without prompt log-probs.
+SGLang 0.5.23's CPU LoRA backend routed the pruned lm_head rows of such a batch by the whole
+sequences' lengths (errors up to 0.53); rollout/sglang_lm_head_rows.py fixes it, and these tests
+are what fail without it.
+
 Tolerance: fp32 on both sides, different kernels (SGLang's torch_native attention and
 LoRA backend vs HF eager): worst measured here 9.5e-7 (FINDINGS: 1.5e-5 on another
 set-up); ABS_TOL is 1e-5. Module runtime about 150 s on the shared 2-core machine, most of
@@ -37,6 +43,10 @@ ADAPTERS = {"p8": dict(seed=11, rank=8, alpha=16), "p4": dict(seed=12, rank=4, a
             # LoRA on lm_head too (the unembedding; peft also saves the tied base weight beside it)
             "p4u": dict(seed=13, rank=4, alpha=8, target_modules=TINY_LORA_TARGETS + ["lm_head"])}
 PROMPTS = ["<|user|>ab 12 ou\n<|assistant|>", "zz 12 aei", "<|user|>7 7 ua kk\n<|assistant|>"]
+# The batch requests' own prompts, one set per request: a prompt the server has cached for that
+# adapter is extended by its last token only, which would hide a routing error of the pruned rows.
+BATCH_PROMPTS = {-1: ["<|user|>kk 3 ie\n<|assistant|>", "ua ou 41 b", "<|user|>9 zz a\n<|assistant|>"],
+                 2: ["<|user|>e 5 5 o\n<|assistant|>", "ba 77 ko", "<|user|>12 ie zu\n<|assistant|>"]}
 SAMPLES_PER_PROMPT = 2
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 12, "ignore_eos": True}
 
@@ -47,12 +57,16 @@ def adapter_dirs(tiny_world, tmp_path_factory):
     return {name: make_peft_adapter(tiny_world / "model", root / name, **a) for name, a in ADAPTERS.items()}
 
 
-@pytest.fixture(scope="module")
-def prompt_ids(tiny_world):
+def tokenized(model_dir, texts: list[str]) -> list[list[int]]:
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(tiny_world / "model")
-    return [tok(t, add_special_tokens=False)["input_ids"] for t in PROMPTS]
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tiny_world):
+    return tokenized(tiny_world / "model", PROMPTS)
 
 
 def hf_teacher_forced(model_dir, adapter_dir, sequences):
@@ -78,7 +92,7 @@ def has_lm_head(adapter: str | None) -> bool:
 
 
 @pytest.fixture(scope="module")
-def served(sglang_server, adapter_dirs, prompt_ids):
+def served(sglang_server, adapter_dirs, prompt_ids, tiny_world):
     """{served name: [(prompt, tokens, logprobs)]}: every adapter by tensors and by disk, and the base."""
 
     async def run():
@@ -90,20 +104,17 @@ def served(sglang_server, adapter_dirs, prompt_ids):
                     served_name = f"{name}-{transfer}"
                     await client.load_adapter(served_name, AdapterWeights.from_folder(folder), transfer=transfer)
                     names[served_name] = name
-            # Two batches: the adapters without LoRA on lm_head beside the base, then the lm_head
-            # adapter alone. SGLang's CPU backend (0.5.x) returns wrong log-probs when one batch mixes
-            # an lm_head adapter with sequences that have none (up to 0.53 for it, 0.099 for the
-            # others; each alone within 2e-6): FINDINGS.md, docs/tinker.md "Known problem".
-            keys, results = [], []
-            for group in ([n for n, src in names.items() if not has_lm_head(src)], [n for n, src in names.items() if has_lm_head(src)]):
-                jobs = []
-                for served_name in group:
-                    for prompt in prompt_ids:
-                        for _ in range(SAMPLES_PER_PROMPT):
-                            jobs.append(client.generate(rid=f"parity::{uuid.uuid4().hex}", input_ids=prompt,
-                                                        sampling_params=SAMPLING, lora_name=served_name))
-                            keys.append((served_name, prompt))
-                results += await asyncio.gather(*jobs)
+            # Every adapter at once (the lm_head one among them): the scheduler mixes them in its batches.
+            keys, jobs = [], []
+            for served_name in names:
+                for prompt in prompt_ids:
+                    for _ in range(SAMPLES_PER_PROMPT):
+                        jobs.append(client.generate(rid=f"parity::{uuid.uuid4().hex}", input_ids=prompt,
+                                                    sampling_params=SAMPLING, lora_name=served_name))
+                        keys.append((served_name, prompt))
+            results = await asyncio.gather(*jobs)
+            batched = {start: await one_batch_request(client, names, tokenized(tiny_world / "model", texts), start)
+                       for start, texts in BATCH_PROMPTS.items()}
             for served_name in names:
                 if served_name is not None:
                     await client.unload_adapter(served_name)
@@ -113,13 +124,32 @@ def served(sglang_server, adapter_dirs, prompt_ids):
         for (served_name, prompt), r in zip(keys, results):
             assert r.finish_reason == "length" and len(r.logprobs) == len(r.token_ids) == SAMPLING["max_new_tokens"]
             out.setdefault(served_name, []).append((prompt, r.token_ids, r.logprobs))
-        return out, names
+        return out, names, batched
 
     return asyncio.run(run())
 
 
+async def one_batch_request(client, names: dict, prompt_ids: list[list[int]], logprob_start_len: int) -> list:
+    """One /generate call with a list of sequences: every served adapter and the base, each on every
+    prompt, the lm_head adapter's sequences between the others' (SGLang admits a list request into one
+    prefill batch). ``logprob_start_len`` >= 0 also asks for the prompts' log-probs from there, so the
+    lm_head sees several rows per sequence instead of one. -> [(served name, prompt, GenerateResult)]."""
+    from rollout.client import parse_generate_response
+
+    order = sorted(names, key=lambda n: (n is not None, n or ""))  # the base first, then by name
+    seqs = [(n, p) for p in prompt_ids for n in order]
+    rid = f"parity-batch::{uuid.uuid4().hex}"
+    payload = {"rid": [f"{rid}-{i}" for i in range(len(seqs))], "input_ids": [p for _, p in seqs],
+               "lora_path": [n for n, _ in seqs], "sampling_params": SAMPLING, "return_logprob": True,
+               "logprob_start_len": logprob_start_len}
+    resp = await client._call("POST", "/generate", json=payload, timeout=client.request_timeout_s)
+    bodies = resp.json()
+    assert isinstance(bodies, list) and len(bodies) == len(seqs), bodies
+    return [(n, p, parse_generate_response(f"{rid}-{i}", b)) for i, ((n, p), b) in enumerate(zip(seqs, bodies))]
+
+
 def test_every_sequence_of_every_adapter_matches_hf_peft(served, adapter_dirs, tiny_world):
-    out, names = served
+    out, names, _ = served
     worst = 0.0
     for served_name, source in names.items():
         seqs = out[served_name]
@@ -133,10 +163,39 @@ def test_every_sequence_of_every_adapter_matches_hf_peft(served, adapter_dirs, t
     print(f"worst |SGLang - HF+PEFT| logprob: {worst:.2e}")
 
 
+@pytest.mark.parametrize("logprob_start_len", [-1, 2])
+def test_one_prefill_batch_mixing_the_lm_head_adapter_with_others_matches_hf_peft(served, adapter_dirs, tiny_world,
+                                                                                logprob_start_len):
+    """The sampled tokens (the first drawn from the prefill's pruned lm_head rows) and, from position 2,
+    the prompt tokens of every sequence of one mixed batch request, against HF+PEFT teacher-forced."""
+    _, names, batched = served
+    rows = batched[logprob_start_len]
+    assert any(has_lm_head(names[n]) for n, _, _ in rows) and any(not has_lm_head(names[n]) for n, _, _ in rows)
+    worst = 0.0
+    for served_name in names:
+        mine = [(p, r) for n, p, r in rows if n == served_name]
+        source = names[served_name]
+        ref = hf_teacher_forced(tiny_world / "model", adapter_dirs[source] if source else None,
+                                [(p[:1], p[1:] + r.token_ids) for p, r in mine])
+        for (prompt, r), want in zip(mine, ref):
+            assert r.finish_reason == "length" and len(r.logprobs) == SAMPLING["max_new_tokens"]
+            got = list(r.logprobs)
+            want_out = want[len(prompt) - 1:]
+            if logprob_start_len >= 0:  # SGLang's list: positions start.. of the prompt, the first one None
+                assert r.prompt_logprobs[0] is None and None not in r.prompt_logprobs[1:], r.prompt_logprobs
+                got = r.prompt_logprobs[1:] + got
+                want_out = want[logprob_start_len:]  # want[k - 1]: position k's token
+            assert len(got) == len(want_out), (served_name, len(got), len(want_out))
+            err = max(abs(a - b) for a, b in zip(got, want_out))
+            worst = max(worst, err)
+            assert err <= ABS_TOL, (served_name, prompt, logprob_start_len, err)
+    print(f"one mixed batch, logprob_start_len={logprob_start_len}: worst |SGLang - HF+PEFT| {worst:.2e}")
+
+
 def test_adapters_really_change_the_logprobs(served, adapter_dirs, tiny_world):
     """HF logprobs of one adapter's sampled sequences under the base and under the other
     adapter differ from its own by far more than the tolerance."""
-    out, _ = served
+    out, _, _ = served
     seqs = [(p, t) for p, t, _ in out["p8-disk"]]
     own = hf_teacher_forced(tiny_world / "model", adapter_dirs["p8"], seqs)
     for other in (None, adapter_dirs["p4"]):
