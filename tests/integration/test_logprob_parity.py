@@ -32,11 +32,21 @@ import pytest
 import torch
 
 from rollout.weights import AdapterWeights
-from tests.integration.sglang_fixtures import TINY_LORA_TARGETS, make_peft_adapter, one_torch_thread, sglang_server_fixture
+from tests.integration.sglang_fixtures import TINY_LORA_TARGETS, make_peft_adapter, one_torch_thread, running_sglang_server
 
 pytestmark = pytest.mark.integration
 
-sglang_server = sglang_server_fixture()
+# SGLang computes prompt log-probs in passes of this many rows (default 2048): small here, so the
+# batch request with prompt log-probs also runs lm_head pass by pass, each pass on its own table.
+LOGPROB_PASS_ROWS = 16
+
+
+@pytest.fixture(scope="module")
+def sglang_server(tiny_world, tmp_path_factory):
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("SGLANG_LOGPROB_CHUNK_SIZE", str(LOGPROB_PASS_ROWS))  # read by the server at its start
+        with running_sglang_server(tiny_world / "model", tmp_path_factory.mktemp("sglang-logs")) as server:
+            yield server
 
 ABS_TOL = 1e-5
 ADAPTERS = {"p8": dict(seed=11, rank=8, alpha=16), "p4": dict(seed=12, rank=4, alpha=4),
