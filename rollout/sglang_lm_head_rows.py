@@ -22,7 +22,9 @@ server process by rollout/sglang_server.py; GPU engines use the Triton backend a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 
 PATCHED_FLAG = "_lorafleet_lm_head_rows"
 
@@ -86,16 +88,14 @@ def _table(batch_info, segments: tuple[list[int], list[int]], rows: int):  # noq
         seg_lens_cpu=lens_t, seg_indptr_cpu=indptr, weight_indices_cpu=weights_t)
 
 
-class _routed_by:
+@contextlib.contextmanager
+def _routed_by(backend, table) -> Iterator[None]:  # noqa: ANN001
     """Within the block, the backend's GEMMs read ``table`` instead of the batch's own (no-op for None)."""
-
-    def __init__(self, backend, table) -> None:  # noqa: ANN001
-        self.backend, self.table = backend, table
-
-    def __enter__(self) -> None:
-        if self.table is not None:
-            self.saved, self.backend.batch_info = self.backend.batch_info, self.table
-
-    def __exit__(self, *exc) -> None:  # noqa: ANN002
-        if self.table is not None:
-            self.backend.batch_info = self.saved
+    if table is None:
+        yield
+        return
+    saved, backend.batch_info = backend.batch_info, table
+    try:
+        yield
+    finally:
+        backend.batch_info = saved

@@ -123,7 +123,7 @@ def served(sglang_server, adapter_dirs, prompt_ids, tiny_world):
                                                     sampling_params=SAMPLING, lora_name=served_name))
                         keys.append((served_name, prompt))
             results = await asyncio.gather(*jobs)
-            batched = {start: await one_batch_request(client, names, tokenized(tiny_world / "model", texts), start)
+            batched = {start: await one_batch_request(sglang_server.url, names, tokenized(tiny_world / "model", texts), start)
                        for start, texts in BATCH_PROMPTS.items()}
             for served_name in names:
                 if served_name is not None:
@@ -139,11 +139,14 @@ def served(sglang_server, adapter_dirs, prompt_ids, tiny_world):
     return asyncio.run(run())
 
 
-async def one_batch_request(client, names: dict, prompt_ids: list[list[int]], logprob_start_len: int) -> list:
+async def one_batch_request(url: str, names: dict, prompt_ids: list[list[int]], logprob_start_len: int) -> list:
     """One /generate call with a list of sequences: every served adapter and the base, each on every
-    prompt, the lm_head adapter's sequences between the others' (SGLang admits a list request into one
-    prefill batch). ``logprob_start_len`` >= 0 also asks for the prompts' log-probs from there, so the
-    lm_head sees several rows per sequence instead of one. -> [(served name, prompt, GenerateResult)]."""
+    prompt, the lm_head adapter's sequences between the others'. SGLang admits the list together, in
+    as few prefill batches as --max-loras-per-batch allows, each mixing several adapters.
+    ``logprob_start_len`` >= 0 also asks for the prompts' log-probs from there, so the lm_head sees
+    several rows per sequence instead of one. -> [(served name, prompt, GenerateResult)]."""
+    import httpx
+
     from rollout.client import parse_generate_response
 
     order = sorted(names, key=lambda n: (n is not None, n or ""))  # the base first, then by name
@@ -152,7 +155,9 @@ async def one_batch_request(client, names: dict, prompt_ids: list[list[int]], lo
     payload = {"rid": [f"{rid}-{i}" for i in range(len(seqs))], "input_ids": [p for _, p in seqs],
                "lora_path": [n for n, _ in seqs], "sampling_params": SAMPLING, "return_logprob": True,
                "logprob_start_len": logprob_start_len}
-    resp = await client._call("POST", "/generate", json=payload, timeout=client.request_timeout_s)
+    async with httpx.AsyncClient(timeout=600.0) as http:
+        resp = await http.post(f"{url}/generate", json=payload)
+    resp.raise_for_status()
     bodies = resp.json()
     assert isinstance(bodies, list) and len(bodies) == len(seqs), bodies
     return [(n, p, parse_generate_response(f"{rid}-{i}", b)) for i, ((n, p), b) in enumerate(zip(seqs, bodies))]
