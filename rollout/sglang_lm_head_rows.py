@@ -32,7 +32,13 @@ PATCHED_FLAG = "_lorafleet_lm_head_rows"
 def route_lm_head_rows_by_adapter() -> None:
     """Patch SGLang's TorchNativeLoRABackend in this process (idempotent)."""
     from sglang.srt.lora.backend.torch_backend import TorchNativeLoRABackend
+    from sglang.srt.lora.utils import get_lm_head_pruned_lens, merge_and_chunk_segments  # noqa: F401
 
+    # Every SGLang name the fix relies on is resolved here, so that a SGLang without them stops the
+    # server at its start rather than at its first prefill batch.
+    if not hasattr(TorchNativeLoRABackend, "_get_lm_head_pass_segments"):
+        raise RuntimeError("this SGLang's LoRA backend has no _get_lm_head_pass_segments: "
+                           "rollout/sglang_lm_head_rows.py was written against SGLang 0.5.23")
     if getattr(TorchNativeLoRABackend, PATCHED_FLAG, False):
         return
     prepare, run_a, run_b = (TorchNativeLoRABackend.prepare_lora_batch, TorchNativeLoRABackend.run_lora_a_sgemm,
