@@ -26,16 +26,17 @@ import contextlib
 import dataclasses
 from collections.abc import Iterator
 
+import torch
+# Imported with the module (which only SGLang server processes import, when the patch is applied):
+# a SGLang without these names stops the server at its start, not at its first prefill batch.
+from sglang.srt.lora.backend.torch_backend import TorchNativeLoRABackend
+from sglang.srt.lora.utils import get_lm_head_pruned_lens, merge_and_chunk_segments
+
 PATCHED_FLAG = "_lorafleet_lm_head_rows"
 
 
 def route_lm_head_rows_by_adapter() -> None:
     """Patch SGLang's TorchNativeLoRABackend in this process (idempotent)."""
-    from sglang.srt.lora.backend.torch_backend import TorchNativeLoRABackend
-    from sglang.srt.lora.utils import get_lm_head_pruned_lens, merge_and_chunk_segments  # noqa: F401
-
-    # Every SGLang name the fix relies on is resolved here, so that a SGLang without them stops the
-    # server at its start rather than at its first prefill batch.
     if not hasattr(TorchNativeLoRABackend, "_get_lm_head_pass_segments"):
         raise RuntimeError("this SGLang's LoRA backend has no _get_lm_head_pass_segments: "
                            "rollout/sglang_lm_head_rows.py was written against SGLang 0.5.23")
@@ -65,24 +66,19 @@ def route_lm_head_rows_by_adapter() -> None:
 def pruned_row_tables(backend, forward_batch, weight_indices: list[int]):  # noqa: ANN001, ANN201
     """(the table of all pruned rows, one table per log-prob pass or None); (None, None) when the
     batch is not pruned (decode)."""
-    from sglang.srt.lora.utils import get_lm_head_pruned_lens, merge_and_chunk_segments
-
     pruned = get_lm_head_pruned_lens(forward_batch)
     if pruned is None:
         return None, None
-    total = sum(pruned)
-    whole = _table(backend.batch_info, merge_and_chunk_segments(weight_indices, pruned, chunk_size=total), total)
+
+    def table(adapters: list[int], lens: list[int]):  # noqa: ANN202 - one table over these sequences' rows
+        return _table(backend.batch_info, merge_and_chunk_segments(adapters, lens, chunk_size=sum(lens)), sum(lens))
+
     passes = backend._get_lm_head_pass_segments(weight_indices, pruned)
-    if passes is None:
-        return whole, None
-    return whole, [_table(backend.batch_info, merge_and_chunk_segments(w, lens, chunk_size=sum(lens)), sum(lens))
-                   for w, lens in passes]
+    return table(weight_indices, pruned), None if passes is None else [table(w, lens) for w, lens in passes]
 
 
 def _table(batch_info, segments: tuple[list[int], list[int]], rows: int):  # noqa: ANN001, ANN202
     """``batch_info`` with its segments replaced by ``segments`` (adapter index, row count) over ``rows`` rows."""
-    import torch
-
     weights, lens = segments
     lens_t = torch.tensor(lens, dtype=torch.int32)
     indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
