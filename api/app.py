@@ -32,7 +32,7 @@ from api.controller_client import ControllerClient
 from api.errors import install_error_handlers
 from api.metrics import render_prometheus
 from api.public_paths import PUBLIC_HEADER, PublicPaths
-from api.read_cache import ReadCache
+from api.front.read_cache import ReadCache
 from api.rest_auth import Caller, RestAuth
 from api.tenant_keys import TenantKeys
 from api.ui import mount_ui
@@ -50,11 +50,11 @@ from api.models import (
     RunList,
     StepOut,
 )
-from service.config import ServiceSettings, api_token_problem
-from service.controller import Controller
-from service.fleet_stats import FleetStats
-from service.registry import AdapterState
-from service.registry_views import DEFAULT_PAGE, MAX_PAGE, ListQuery
+from service.config.job import ServiceSettings, api_token_problem
+from service.control.controller import Controller
+from service.loop.fleet_stats import FleetStats
+from service.registry.registry import AdapterState
+from service.registry.views import DEFAULT_PAGE, MAX_PAGE, ListQuery
 
 if TYPE_CHECKING:  # the Tinker modules (and torch) load only when the Tinker API is served
     from api.tinker.service import TinkerService
@@ -72,7 +72,7 @@ def create_app(controller_obj: Controller, settings: ServiceSettings, fleet_stat
     if problem:
         raise ValueError(f"refusing to serve on {settings.host!r} without an API token that can protect it: {problem}")
     controller = ControllerClient(controller_obj, settings.controller_timeout_s)
-    reads = ReadCache(settings.read_cache_s, stale_s=settings.read_stale_s)  # list pages, /metrics, fleet stats: one build per burst (api/read_cache.py)
+    reads = ReadCache(settings.read_cache_s, stale_s=settings.read_stale_s)  # list pages, /metrics, fleet stats: one build per burst (api/front/read_cache.py)
     paths = PublicPaths.from_settings(settings)  # a cached JSON answer is made public once, when built
 
     app = FastAPI(

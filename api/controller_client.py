@@ -1,6 +1,6 @@
 """How the API calls the controller: `ControllerClient`, one async method per controller operation.
 
-The controller (service/controller.py) is a plain object in the same process; its
+The controller (service/control/controller.py) is a plain object in the same process; its
 blocking work (SQLite, runtime calls such as abort / ready) runs in a worker thread
 so the event loop keeps serving, with a deadline (settings.controller_timeout_s).
 Typed errors (NotFound, Conflict, ...) come back as themselves.
@@ -14,9 +14,9 @@ from typing import Any
 
 import anyio.to_thread
 
-from service.controller import Controller, MetricsSnapshot, RunMetrics
-from service.registry import AdapterRef
-from service.runtime import ProcessInfo
+from service.control.controller import Controller, MetricsSnapshot, RunMetrics
+from service.registry.registry import AdapterRef
+from service.control.runtime_protocol import ProcessInfo
 
 
 class ControllerUnavailable(Exception):

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 
-from service.controller import MetricsSnapshot
-from service.registry import AdapterState
+from service.control.controller import MetricsSnapshot
+from service.registry.registry import AdapterState
 
 SWAP_TIERS = ("host", "disk", "prefetched")
 

@@ -1,6 +1,6 @@
 """Every wire message of the REST API (requests, responses, errors), in one module.
 
-The request body of `POST /v1/adapters` is `service.config.AdapterSpec` itself
+The request body of `POST /v1/adapters` is `service.config.job.AdapterSpec` itself
 (name + AdapterConfig), so the REST schema and the job file's adapter entries
 are one model. Responses are built from the registry's immutable refs with the
 `from_*` constructors here, so routes stay thin.
@@ -13,8 +13,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.config import AdapterConfig, AdapterSpec
-from service.registry import AdapterRef, AdapterState, StepRecord
+from service.config.job import AdapterConfig, AdapterSpec
+from service.registry.registry import AdapterRef, AdapterState, StepRecord
 
 AdapterCreate = AdapterSpec  # POST /v1/adapters body
 
@@ -207,7 +207,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 class FleetRoundOut(_Out):
-    """One round of the training loop (service.fleet_stats.RoundRecord)."""
+    """One round of the training loop (service.loop.fleet_stats.RoundRecord)."""
 
     ended_at: float = Field(description="Wall-clock time (Unix seconds) the round ended.")
     collect_s: float = Field(description="Waiting for whole steps (rollouts generating).")

@@ -101,7 +101,7 @@ class PublicPathsMiddleware:
     JSON responses of this API are small (records, lists, errors), so the body is
     buffered; other media types (the Prometheus text, the docs page) stream through. A
     response that carries PUBLIC_HEADER was made public when it was built (a list page built
-    once for a burst of readers, api/read_cache.py): it passes as it is, the header removed."""
+    once for a burst of readers, api/front/read_cache.py): it passes as it is, the header removed."""
 
     def __init__(self, app: Any, paths: PublicPaths) -> None:
         self.app = app

@@ -7,7 +7,7 @@ Two kinds of caller, one identity per tenant across both faces of the service:
     details);
   * a tenant: a key of the keys file (`tinker_keys_file`, api/tenant_keys.py), sent as a bearer
     token or as X-API-Key, the same key the Tinker routes take. Sees and manages only the
-    runs it registered (service/registry.py I8); an operator route is 403.
+    runs it registered (service/registry/registry.py I8); an operator route is 403.
 
 Which credentials are needed:
 

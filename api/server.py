@@ -18,7 +18,7 @@ from typing import Any
 
 import uvicorn
 
-from service.config import ServiceSettings, is_loopback_host
+from service.config.job import ServiceSettings, is_loopback_host
 
 log = logging.getLogger(__name__)
 
@@ -88,9 +88,9 @@ def http_url(host: str, port: int) -> str:
 
 def start_api_server(controller: Any, settings: ServiceSettings, fleet_stats: Any = None) -> ApiServer | FrontedApi:
     """The REST API over `controller` on settings.host:port, started (what `lorafleet serve` runs);
-    `fleet_stats` (service.fleet_stats.FleetStats, fed by the training loop) backs GET /v1/fleet/stats.
+    `fleet_stats` (service.loop.fleet_stats.FleetStats, fed by the training loop) backs GET /v1/fleet/stats.
     With settings.api_front (the default) a front process owns settings.host:port and the app listens
-    on a loopback port behind it (api/read_front.py: the polled reads answered off the loop's
+    on a loopback port behind it (api/front/read_front.py: the polled reads answered off the loop's
     interpreter)."""
     from api.app import create_app
 
@@ -99,7 +99,7 @@ def start_api_server(controller: Any, settings: ServiceSettings, fleet_stats: An
         server = ApiServer(app, settings.host, settings.port, token_configured=settings.api_token is not None,
                            on_stop=app.state.on_stop)
         return server.start()
-    from api.read_front import bind_public, start_front
+    from api.front.read_front import bind_public, start_front
 
     # The front caches the reads (read_cache_s / read_stale_s); behind it the app only merges concurrent
     # builds, so an answer is never stale twice over.
@@ -118,7 +118,7 @@ def start_api_server(controller: Any, settings: ServiceSettings, fleet_stats: An
 
 
 class FrontedApi:
-    """The API behind its front process (api/read_front.py): `url` is the front's, `stop()` stops both."""
+    """The API behind its front process (api/front/read_front.py): `url` is the front's, `stop()` stops both."""
 
     def __init__(self, inner: ApiServer, front: subprocess.Popen, url: str) -> None:
         self.inner, self.front, self.url = inner, front, url

@@ -4,7 +4,7 @@ Serves, on the REST API's own app:
 
     GET /ui                  the page (api/static/index.html)
     GET /ui/static/...       its script, style sheet and the vendored charting library (uPlot)
-    GET /v1/fleet/stats      fleet-wide statistics (service.fleet_stats.FleetStats.snapshot)
+    GET /v1/fleet/stats      fleet-wide statistics (service.loop.fleet_stats.FleetStats.snapshot)
 
 The page and its static files are open: they hold no tenant data, and a browser
 cannot send a bearer header when it navigates. Every piece of data the page shows
@@ -30,8 +30,8 @@ from fastapi.staticfiles import StaticFiles
 
 from api.models import FleetStatsOut
 from api.public_paths import PUBLIC_HEADER
-from api.read_cache import ReadCache
-from service.fleet_stats import FleetStats
+from api.front.read_cache import ReadCache
+from service.loop.fleet_stats import FleetStats
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 UI_PATH = "/ui"

@@ -8,7 +8,7 @@ gradients. Per variant, the median ms (triton.testing.do_bench) of the six uses 
   fc1 (2048 -> 1536): shrink x A^T, expand h B^T, shrink g B, expand gh A, dA, dB
   fc2 (768 -> 2048):  the same
 
-and their sum. A variant sets module attributes of trainer/triton_expert_lora.py (block sizes,
+and their sum. A variant sets module attributes of trainer/kernels/triton_expert_lora.py (block sizes,
 LAUNCH options); each variant's outputs are checked against the defaults' (bf16 rounding) before
 timing, so a variant that computes something else is reported, not timed.
 
@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from trainer import triton_expert_lora as tx
+from trainer.kernels import triton_expert_lora as tx
 
 E, R, M = 128, 16, 16384 * 8
 LINEARS = {"fc1": (2048, 1536), "fc2": (768, 2048)}

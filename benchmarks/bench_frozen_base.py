@@ -43,7 +43,7 @@ GIB = 2**30
 
 
 def setup_parallel(seed: int = 0) -> None:
-    from trainer.distributed import init_parallel
+    from trainer.platform.distributed import init_parallel
 
     init_parallel(tp=1, dp=1, seed=seed)
 
@@ -52,7 +52,7 @@ def transformer_config(shape: dict, dtype: torch.dtype, recompute: str = "none",
     """Megatron config of a frozen Qwen3-shaped ``shape`` (also the GPU speed tests' models)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from trainer.fused_attention import recompute_overrides
+    from trainer.base.fused_attention import recompute_overrides
 
     on_cpu = not torch.cuda.is_available()
     return TransformerConfig(
@@ -75,12 +75,12 @@ def build_megatron(shape: dict, spec: str, dtype: torch.dtype, recompute: str = 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from trainer.fused_attention import fused_gpt_layer_spec
+    from trainer.base.fused_attention import fused_gpt_layer_spec
 
-    from trainer.base_model import freeze_in_dtype, triton_rope_enabled
+    from trainer.base.base_model import freeze_in_dtype, triton_rope_enabled
 
     cfg = transformer_config(shape, dtype, recompute)
-    if spec == "fused":  # lorafleet's spec comes with its Triton RoPE (trainer/base_model.py)
+    if spec == "fused":  # lorafleet's spec comes with its Triton RoPE (trainer/base/base_model.py)
         cfg.apply_rope_fusion = triton_rope_enabled()
     layer_spec = (
         fused_gpt_layer_spec(cfg) if spec == "fused" else get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
@@ -150,7 +150,7 @@ def mcore_full_logits_step(model, ids):
 
 
 def mcore_chunked_step(model, ids, chunk_size=2048):
-    from trainer.chunked_logprobs import LogprobOutputProcessor
+    from trainer.kernels.chunked_logprobs import LogprobOutputProcessor
 
     pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
     emb = _mcore_embed(model, ids, pos)
@@ -164,7 +164,7 @@ def mcore_chunked_step(model, ids, chunk_size=2048):
 
 def mcore_packed_step(model, packed, chunk_size=2048):
     """One packed stream: fused varlen attention + chunked log-probs (lorafleet's mixed-step pass)."""
-    from trainer.chunked_logprobs import LogprobOutputProcessor
+    from trainer.kernels.chunked_logprobs import LogprobOutputProcessor
 
     targets, valid = packed.next_token_targets()
     emb = _mcore_embed(model, packed.tokens, packed.position_ids)
@@ -267,8 +267,8 @@ def attention_probe(batch: int = 16, seq: int = 1024, heads: int = 16, kv_heads:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from trainer import fused_attention as fa
-    from trainer.packing import DocumentLayout
+    from trainer.base import fused_attention as fa
+    from trainer.base.packing import DocumentLayout
 
     out = {}
     if not torch.cuda.is_available():
@@ -324,7 +324,7 @@ def free():
 def run(shape_name: str, batch: int, seq: int, warmup: int, iters: int, variants: list[str]) -> dict:
     from benchmarks.trainer_floor import frozen_base_pass
 
-    from trainer.packing import pack_sequences
+    from trainer.base.packing import pack_sequences
 
     shape = SHAPES[shape_name]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

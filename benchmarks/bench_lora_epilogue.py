@@ -2,7 +2,7 @@
 beat cuBLAS plus today's separate expand on the dense shapes?
 
 Today a LoRA linear's forward is ``segment_mm(h, B).addmm_(x, W^T)``: the expand h B_g^T writes a
-[T, out] bf16 delta, then cuBLAS reads it back as the C operand (trainer/fused_lora.py), and the
+[T, out] bf16 delta, then cuBLAS reads it back as the C operand (trainer/lora/fused_lora.py), and the
 input gradient does the same with gh A_g and g W. A GEMM that adds h B_g^T to its fp32 accumulator
 before the one store moves neither. Whether that pays depends on whether a Triton GEMM keeps up
 with cuBLAS on these shapes (the base GEMMs are about 140 ms of a 300 ms round: each 1% lost is
@@ -238,7 +238,7 @@ def check_result(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
 
 def bench_shape(name: str, fan_in: int, fan_out: int, groups: int, tokens: int, rank: int, iters: int,
                 modes: list[str] = MODES) -> dict:
-    from trainer.segmented_mm import segment_mm, segment_mm_nt
+    from trainer.kernels.segmented_mm import segment_mm, segment_mm_nt
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     seg = tokens // groups

@@ -4,7 +4,7 @@ For each linear of the Qwen3-1.7B shape (qkv 2048->4096, proj 2048->2048, fc1
 2048->12288, fc2 6144->2048), 16384 tokens in G equal slot segments, rank 16, bf16:
 
   base      x @ W.T forward and g @ W backward (frozen weight: no weight gradient)
-  fused     trainer/fused_lora.py's node, forward + backward (dx, dA, dB)
+  fused     trainer/lora/fused_lora.py's node, forward + backward (dx, dA, dB)
   triton    the same node with its rank-R reductions in Triton (triton_lora.py)
   and each rank-R GEMM of the fused node alone (shrink x A^T, expand h B^T, g B,
   gh A, dB = g^T h, dA = gh^T x), plus the memory floor of the LoRA part: the bytes
@@ -53,9 +53,9 @@ def copy_bandwidth() -> float:
 
 
 def bench_shape(name: str, fan_in: int, fan_out: int, groups: int, tokens: int, rank: int, iters: int) -> dict:
-    from trainer.fused_lora import FusedLoraLinear, SlotSpan
-    from trainer import triton_lora
-    from trainer.segmented_mm import segment_mm, segment_mm_nt, segment_weight_grad
+    from trainer.lora.fused_lora import FusedLoraLinear, SlotSpan
+    from trainer.kernels import triton_lora
+    from trainer.kernels.segmented_mm import segment_mm, segment_mm_nt, segment_weight_grad
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     torch.manual_seed(0)

@@ -138,7 +138,7 @@ def timed(fn, iters: int, warmup: int, phases: PhaseTimer | None = None, *,
 def timed_back_to_back(fn, iters: int, warmup: int, phases: PhaseTimer | None = None) -> dict:
     """Mean ms of fn() over ``iters`` rounds run as the service loop runs them: no device sync
     between rounds (the phase timer's syncs off), one at the end. A round's work that outlives
-    its call (the optimizer step on its own stream, trainer/step_overlap.py) overlaps the next
+    its call (the optimizer step on its own stream, trainer/optim/step_overlap.py) overlaps the next
     round's here, and only here."""
     was = phases.enabled if phases else None
     if phases:

@@ -19,7 +19,7 @@ rank 16, 16384 tokens per round, one optimizer step per adapter per round; media
   serialized     N train calls, one per adapter
   mixed          one train call with every adapter's samples (grouped by (expert, adapter));
                  on CUDA the expert LoRA runs the segmented Triton kernels
-                 (trainer/triton_expert_lora.py, lora_rank_kernels auto)
+                 (trainer/kernels/triton_expert_lora.py, lora_rank_kernels auto)
   mixed_library  the same call with lora_rank_kernels 'library': expert LoRA on grouped_mm
                  over (expert, adapter) groups in chunks of 1023 (the path before the kernels)
   frozen base    the same micro-batches with LoRA off, gradient to the input embeddings

@@ -59,7 +59,7 @@ def lora_state_gib(shape: dict, n_slots: int, rank: int) -> float:
 
 
 def packed_micro_batches(seqs, slots, n_slots, max_tokens, device):
-    from trainer.packing import pack_sequences, split_by_token_budget
+    from trainer.base.packing import pack_sequences, split_by_token_budget
 
     groups = split_by_token_budget([len(s) for s in seqs], slots, max_tokens)
     return [pack_sequences([seqs[i] for i in g], [slots[i] for i in g], n_slots, device=device) for g in groups]
@@ -67,7 +67,7 @@ def packed_micro_batches(seqs, slots, n_slots, max_tokens, device):
 
 def padded_micro_batches(seqs, slots, pad_batch, device, sort_by_length=False):
     """(PaddedBatch, slot ids) per micro-batch; rows sorted by slot inside each (LoRA routing)."""
-    from trainer.packing import pad_sequences
+    from trainer.base.packing import pad_sequences
 
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i])) if sort_by_length else list(range(len(seqs)))
     out = []
@@ -77,7 +77,7 @@ def padded_micro_batches(seqs, slots, pad_batch, device, sort_by_length=False):
     return out
 
 
-# ---- optional: helper-1's multi-LoRA slots (trainer/multi_lora.py) on the same base ----------
+# ---- optional: helper-1's multi-LoRA slots (trainer/lora/multi_lora.py) on the same base ----------
 
 
 class _Mapping:
@@ -101,7 +101,7 @@ class _RandomBase:
 
 
 def install_lora(model, device, n_slots, rank):
-    from trainer.multi_lora import SlotRouting, install_multi_lora
+    from trainer.lora.multi_lora import SlotRouting, install_multi_lora
 
     routing = SlotRouting(n_slots, kernel="auto")
     layers = install_multi_lora(
@@ -126,7 +126,7 @@ def route_packed(routing, packed, scales):
 
 def padded_step(model, batch):
     """Right-padded rows, causal attention (pads never reach real tokens), pads ignored in the loss."""
-    from trainer.chunked_logprobs import LogprobOutputProcessor
+    from trainer.kernels.chunked_logprobs import LogprobOutputProcessor
 
     targets, valid = batch.next_token_targets()
     pos = batch.position_ids
@@ -198,7 +198,7 @@ def bench_tokens_per_second(model, seqs, slots, n_slots, max_tokens, pad_batch, 
 
 def one_packed_step_peak(model, tokens: int, seq_len: int, vocab: int, device) -> dict:
     """Peak GiB (or OOM) of one packed step of ``tokens`` tokens in ``seq_len``-token sequences."""
-    from trainer.packing import pack_sequences
+    from trainer.base.packing import pack_sequences
 
     n = max(1, tokens // seq_len)
     g = torch.Generator().manual_seed(1)
@@ -293,7 +293,7 @@ def main() -> None:
         del model
         free()
     if "lora" not in skip:
-        try:  # the mixed step's model: trainer/multi_lora.py slots on every linear
+        try:  # the mixed step's model: trainer/lora/multi_lora.py slots on every linear
             model = build_megatron(shape, "fused", dtype)
             routing, scales, _ = install_lora(model, device, args.slots, args.lora_rank)
             result["lora_tokens_per_s"] = bench_tokens_per_second(

@@ -28,7 +28,7 @@ dense bf16) and against the bf16 matmul rate measured in the same run; peak memo
 GPU (torch.cuda.max_memory_allocated, the largest over ranks, and each rank's).
 The LoRA path each layout took is printed. --lora-path fused,general runs each layout on
 both (a fresh build each): the fused LoRA node (base GEMM + delta in one autograd node; at
-TP=2 with the TP communication inside it, trainer/fused_lora.py) and the general path
+TP=2 with the TP communication inside it, trainer/lora/fused_lora.py) and the general path
 (Megatron's linear, then the delta: what the first TP=2 rows of docs/BENCHMARKS.md
 measured, when the fused node was TP=1 only). Default: fused, the trainer's default.
 
@@ -119,7 +119,7 @@ def build_trainer(opts: dict, layout: str, num_slots: int, recompute: str, rank:
     init_parallel reuses it): a rank left waiting in a collective by a peer that failed (an OOM on
     one rank only) is ended by the NCCL watchdog instead of hanging the run."""
     from trainer.core import MultiLoraTrainer
-    from trainer.distributed import init_parallel
+    from trainer.platform.distributed import init_parallel
 
     cfg = trainer_config(opts, layout, num_slots, recompute, path)
     init_parallel(tp=cfg.tp, dp=cfg.dp, rank=rank, master_port=port, seed=cfg.seed, timeout_s=opts["collective_timeout_s"])
@@ -131,7 +131,7 @@ def base_params(trainer) -> int:
     tensor-parallel shards summed over the TP group, replicated tensors (norms) counted once."""
     import torch.distributed as dist
 
-    from trainer.distributed import tp_group
+    from trainer.platform.distributed import tp_group
 
     seen, sharded, replicated = set(), 0, 0
     for name, p in trainer.base.model.named_parameters():
@@ -151,7 +151,7 @@ def base_params(trainer) -> int:
 
 def lora_path(trainer) -> str:
     """Which LoRA path the trainer's layers take in train() (see MultiLoraLinear.forward)."""
-    from trainer.multi_lora import fused_tp_refusal
+    from trainer.lora.multi_lora import fused_tp_refusal
 
     cfg = trainer.config
     fused = trainer.routing.fused and cfg.packed and all(layer.fusable for layer in trainer.layers)
@@ -343,7 +343,7 @@ def spawn(fn, nprocs: int, *args) -> None:
     same time (the seeded CPU init of 64 slots) then oversubscribe the host."""
     import torch.multiprocessing as mp
 
-    from trainer.distributed import free_loopback_port
+    from trainer.platform.distributed import free_loopback_port
 
     os.environ["OMP_NUM_THREADS"] = USER_OMP_THREADS or str(max(1, (os.cpu_count() or 1) // (2 * nprocs)))
     mp.spawn(fn, args=(free_loopback_port(), *args), nprocs=nprocs, join=True)

@@ -9,27 +9,27 @@ Four parts (``--parts``):
       TrainerGroup.peft_tensors), AdapterWeights(...), coordinator -> rollout worker (Ray: the
       safetensors-bytes __getstate__), then in the worker the wire format of
       /load_lora_adapter_from_tensors: pickle, base64, JSON;
-    after ('disk', file handoff): the trainer writes the PEFT folder (trainer.peft_io.write_peft_folder,
+    after ('disk', file handoff): the trainer writes the PEFT folder (trainer.export.peft_io.write_peft_folder,
       what TrainerGroup.export_peft runs) into a folder on disk (the state dir's handoff folder) and
       on tmpfs (/dev/shm), then the coordinator -> worker hop of AdapterWeights.from_folder (a path).
 * ``engine``: engine-side load on a real SGLang CPU server (the tiny model: hidden 64, 4 layers,
   ffn 256; its adapters are made as large as the 8B ones by raising the rank: rank 3870 in fp32 is
   87 MB, rank 7740 is 174 MB), by tensors in the request and by folder; plus smaller ranks for the
   per-MB slope.
-* ``round``: a round of N stepped adapters as service/loop.py publishes them, on real Ray actors
+* ``round``: a round of N stepped adapters as service/loop/training_loop.py publishes them, on real Ray actors
   standing for the trainer and the rollout worker: the time the loop waits (its critical path) and
   the time until the worker has every version (engine load not included: see ``engine``), and when
   the trainer's next train call (submitted after the round's exports) starts. Modes:
   ``before`` (tensors through Ray, wire format built in the worker), ``handoff`` (the loop waits
   for the trainer's folder write), ``deferred`` (the loop only submits the write; the worker awaits
-  it, rollout.weights.PendingFolder; the rank writes each folder before its next call),
+  it, rollout.engines.weights.PendingFolder; the rank writes each folder before its next call),
   ``background`` (what the service does with weight_transfer 'disk' since the writer thread:
-  the rank only snapshots in order, trainer/export_writer.py writes while the next call runs).
+  the rank only snapshots in order, trainer/export/export_writer.py writes while the next call runs).
   ``--publish-dtypes``: the trainer holds fp32 weights (as the real one does) and the snapshot casts
-  them to each publish dtype (engines.publish_dtype; trainer/slot_export.py snapshot_peft), one round set
+  them to each publish dtype (engines.publish_dtype; trainer/export/slot_export.py snapshot_peft), one round set
   per dtype; without it the snapshot keeps the held dtype (``--dtypes``).
 * ``host`` (issue 28; CPU or GPU): the host side of a background export with the shared arena
-  (trainer/peft_export.py BackgroundExports), per bf16 adapter of the 8B shape (``--host-mb``
+  (trainer/export/peft_export.py BackgroundExports), per bf16 adapter of the 8B shape (``--host-mb``
   shrinks it for a CPU run): the arena's one-time cudaHostRegister; N device->host copies into
   the registered arena against torch pinned memory (rate, and main-thread ms per copy issued);
   and N folders written from the arena to /dev/shm by W writer threads against W writer
@@ -107,16 +107,16 @@ def _actors():
 
     from trainer.actor import EXPORT_GROUP
 
-    @ray.remote(num_cpus=0, concurrency_groups={EXPORT_GROUP: 1})  # as service/actors.py starts TrainWorker
+    @ray.remote(num_cpus=0, concurrency_groups={EXPORT_GROUP: 1})  # as service/fleet/actors.py starts TrainWorker
     class Trainer:
         """Holds one slot's PEFT tensors, as the trainer rank would after a step. The background
-        export is the trainer's own machinery (trainer/export_writer.py: ExportWriter,
+        export is the trainer's own machinery (trainer/export/export_writer.py: ExportWriter,
         replace_folder_atomically; trainer/peft_io.write_peft_folder) with the snapshot a clone of
         the tensors (what SlotExporter.snapshot_peft is on CPU: fresh copies of the slot's
         blocks; on CUDA a device->host copy instead)."""
 
         def __init__(self, dtype: str, publish_dtype: str | None = None):
-            from trainer.export_writer import ExportWriter, export_dtype
+            from trainer.export.export_writer import ExportWriter, export_dtype
 
             self.cfg, self.tensors = qwen3_8b_lora(dtype=getattr(torch, dtype))
             # the export's dtype: the snapshot casts to it (snapshot_peft); None = the held dtype
@@ -127,7 +127,7 @@ def _actors():
             return self.cfg, self.tensors
 
         def export_peft(self, out_dir: str) -> str:  # TrainerGroup.export_peft: rank 0 writes the folder
-            from trainer.peft_io import write_peft_folder
+            from trainer.export.peft_io import write_peft_folder
 
             return str(write_peft_folder(out_dir, self.cfg, {k: v.to(self.publish) for k, v in self.tensors.items()}))
 
@@ -140,8 +140,8 @@ def _actors():
             return self.writer.wait(out_dir)
 
         def _write(self, out_dir: str, snap: dict) -> None:
-            from trainer.export_writer import replace_folder_atomically
-            from trainer.peft_io import write_peft_folder
+            from trainer.export.export_writer import replace_folder_atomically
+            from trainer.export.peft_io import write_peft_folder
 
             replace_folder_atomically(lambda tmp: write_peft_folder(tmp, self.cfg, snap), out_dir)
 
@@ -172,7 +172,7 @@ def _actors():
 def part_wire(args, out: dict) -> None:
     import ray
 
-    from rollout.weights import AdapterWeights, _pickle_with_torch_storage_reducer
+    from rollout.engines.weights import AdapterWeights, _pickle_with_torch_storage_reducer
 
     Trainer, Worker = _actors()
     worker = Worker.remote()
@@ -223,10 +223,10 @@ def pickle_loads(raw: bytes):
 
 
 def part_round(args, out: dict) -> None:
-    """A round as service/loop.py ran it (publish per stepped adapter in series) and with the file handoff."""
+    """A round as service/loop/training_loop.py ran it (publish per stepped adapter in series) and with the file handoff."""
     import ray
 
-    from rollout.weights import AdapterWeights, PendingFolder
+    from rollout.engines.weights import AdapterWeights, PendingFolder
     from trainer.actor import EXPORT_GROUP
 
     Trainer, Worker = _actors()
@@ -288,10 +288,10 @@ def part_engine(args, out: dict) -> None:
 
 async def _engine(args, out: dict) -> None:
     from examples.tiny.build import ensure_tiny_world
-    from rollout.client import EngineClient
+    from rollout.engines.client import EngineClient
     from rollout.config import EngineConfig
-    from rollout.engine import EngineProcess
-    from rollout.weights import AdapterWeights
+    from rollout.engines.engine import EngineProcess
+    from rollout.engines.weights import AdapterWeights
     from tests.integration.sglang_fixtures import make_peft_adapter
 
     model_dir = ensure_tiny_world() / "model"
@@ -336,7 +336,7 @@ async def _engine(args, out: dict) -> None:
 
 def qwen3_8b_entries(rank: int = 16) -> list[tuple[str, tuple[int, ...]]]:
     """qwen3_8b_lora's names and shapes in file order, without making the tensors."""
-    from trainer.safetensors_stream import file_order
+    from trainer.export.safetensors_stream import file_order
 
     s = QWEN3_8B
     shapes = {"self_attn.q_proj": (s["hidden"], s["q"]), "self_attn.k_proj": (s["hidden"], s["kv"]),
@@ -354,8 +354,8 @@ def part_host(args, out: dict) -> None:
     """The ``host`` part (module docstring)."""
     import threading
 
-    from trainer.peft_export import BackgroundExports, ExportRequest, make_snapshots
-    from trainer.safetensors_stream import packed_header
+    from trainer.export.peft_export import BackgroundExports, ExportRequest, make_snapshots
+    from trainer.export.safetensors_stream import packed_header
 
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
@@ -385,7 +385,7 @@ def part_host(args, out: dict) -> None:
         t0 = time.perf_counter()
         hosts, blocks, done = bg.to_host(bodies)
         issued = time.perf_counter() - t0
-        for d in done:  # one CopyDone per row on CUDA (trainer/copy_feeder.py), None on the CPU
+        for d in done:  # one CopyDone per row on CUDA (trainer/export/copy_feeder.py), None on the CPU
             if d is not None:
                 d.synchronize()
         return issued, time.perf_counter() - t0, hosts, blocks, done

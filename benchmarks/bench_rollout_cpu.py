@@ -1,8 +1,8 @@
 """Rollout on CPU: generation throughput with 1 and 4 concurrent adapters, live-update and abort latency.
 
-Starts one real SGLang server (CPU engine, rollout.sglang_cpu) with the tiny
+Starts one real SGLang server (CPU engine, rollout.engines.sglang_cpu) with the tiny
 model, loads PEFT adapters made for it, and drives it through
-rollout.pool.EnginePool, the same path the rollout worker uses:
+rollout.engines.pool.EnginePool, the same path the rollout worker uses:
 
 * throughput: `--requests` concurrent requests of `--tokens` new tokens
   (sampling at temperature 1, EOS ignored so every request has the full
@@ -28,9 +28,9 @@ import time
 from pathlib import Path
 
 from rollout.config import EngineConfig
-from rollout.engine import EngineProcess
-from rollout.pool import EnginePool
-from rollout.weights import AdapterWeights
+from rollout.engines.engine import EngineProcess
+from rollout.engines.pool import EnginePool
+from rollout.engines.weights import AdapterWeights
 
 
 def make_adapters(model_dir: Path, out: Path, count: int) -> list[Path]:
@@ -75,7 +75,7 @@ async def run(args) -> dict:
         engine.start()
         engine.wait_ready()
         result["server_start_s"] = round(time.perf_counter() - t0, 1)
-        from rollout.client import EngineClient
+        from rollout.engines.client import EngineClient
 
         pools = {t: EnginePool([EngineClient(engine.url)], weight_transfer=t) for t in ("tensors", "disk")}
         pool = pools["tensors"]

@@ -236,7 +236,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from examples.tiny.build import ensure_tiny_world
-    from service.engine_pids import reap_engines
+    from service.fleet.engine_pids import reap_engines
 
     tiny = ensure_tiny_world()
     phases = [int(x) for x in args.phases.split(",") if x]

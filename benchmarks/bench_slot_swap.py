@@ -1,9 +1,9 @@
 """Keep-warm eviction: what a swap-out and a swap-in of one slot cost, per tier, by adapter size.
 
 A slot's state is one row of each of the trainer's four slot-major fp32 buffers (weights,
-gradient, two Adam moments: trainer/slot_buffers.py), so a swap moves 4 x P x 4 bytes, P the
+gradient, two Adam moments: trainer/lora/slot_buffers.py), so a swap moves 4 x P x 4 bytes, P the
 LoRA elements per slot in Megatron's layout (fused qkv and fc1, one A each). This runs the code
-a swap runs (trainer/slot_swap.py copy_rows_out / copy_rows_in, trainer/swap_store.py SwapStore:
+a swap runs (trainer/swap/slot_swap.py copy_rows_out / copy_rows_in, trainer/swap/swap_store.py SwapStore:
 pinned host memory on CUDA, checksummed spill files) on buffers of the real row size:
 
   out_host     device -> host copy, stored in host memory
@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from trainer.slot_swap import copy_rows_in, copy_rows_out
-from trainer.swap_store import SlotSnapshot, SwapStore
+from trainer.swap.slot_swap import copy_rows_in, copy_rows_out
+from trainer.swap.swap_store import SlotSnapshot, SwapStore
 
 # hidden, layers, q heads, kv heads, head dim, intermediate (the models' HF configs)
 SHAPES = {

@@ -53,7 +53,7 @@ def run(clients: int, steps: int, datums: int, window_s: float) -> dict:
 
     from api.server import ApiServer
     from api.tinker.auth import TenantKeys
-    from api.tinker.standalone import in_process_service, tinker_app
+    from tests.tinker_in_process import in_process_service, tinker_app
     from examples.tiny.build import ensure_tiny_world
 
     world = ensure_tiny_world()
@@ -101,7 +101,7 @@ def run_ops(models: int, seq_len: int, iters: int, tiny: bool, rank: int) -> dic
     from benchmarks.bench_mixed_step import QWEN3_1_7B, TINY, sync, write_config
     from trainer.config import SlotHyperParams, TrainerConfig
     from trainer.core import MultiLoraTrainer
-    from trainer.tinker_ops import AdamStep, Call, Datum, TinkerOps
+    from trainer.step.round_runner import AdamStep, Call, Datum, TinkerOps
 
     shape = TINY if tiny else QWEN3_1_7B
     with tempfile.TemporaryDirectory() as folder:

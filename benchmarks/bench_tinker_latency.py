@@ -1,10 +1,10 @@
 """A Tinker call's latency on the fleet's loop, idle and busy (issue 24: "a call never waits on an
 idle loop"; docs/tinker.md "Latency").
 
-The fleet as `lorafleet serve` starts it, in this process (service/app_runtime.py: Ray, one trainer
+The fleet as `lorafleet serve` starts it, in this process (service/fleet/startup.py: Ray, one trainer
 rank, one SGLang engine, the controller, the runtime and its scheduler), the training loop on a
 thread (service mode), and one Tinker model made as the Tinker face makes it
-(service/tinker_models.py). Measured: the time from queuing a forward_backward (D datums of L
+(service/tenants/tinker_models.py). Measured: the time from queuing a forward_backward (D datums of L
 tokens) to its result, N times, with the loop
 
   * idle: no dataset run registered (the loop waits for work; the call wakes it);
@@ -71,13 +71,13 @@ def main() -> None:
     args = p.parse_args()
 
     from examples.tiny.build import ensure_tiny_world
-    from service.app_runtime import start_fleet
+    from service.fleet.startup import start_fleet
     from service.cli import TINY_JOB
-    from service.config import load_job, load_settings
-    from service.loop import LoopOptions, run_training_loop
+    from service.config.job import load_job, load_settings
+    from service.loop.training_loop import LoopOptions, run_training_loop
     from service.shutdown import StopSignal
-    from service.tenant_tinker import LoraSpec
-    from service.tinker_models import TinkerModels
+    from service.tenants.tinker_model import LoraSpec
+    from service.tenants.tinker_models import TinkerModels
 
     world = ensure_tiny_world()
     tmp = Path(tempfile.mkdtemp(prefix="tinker-latency-"))

@@ -10,7 +10,7 @@ measures, mixed vs each adapter alone (max relative error, max over slots; the s
   shows as the difference between the two blocks);
 * the 3-call mixed run repeated: run-to-run nondeterminism (atomics, autotuned kernels).
 
-Suspects (issue 13): Triton's tl.dot precision (trainer/triton_lora.py, ``lora_rank_kernels``),
+Suspects (issue 13): Triton's tl.dot precision (trainer/kernels/triton_lora.py, ``lora_rank_kernels``),
 cuBLAS/cuDNN TF32 flags (shown both ways), grouped_mm (``lora_kernel=loop``), the fused LoRA
 node, flash/varlen vs SDPA vs dense attention in fp32, Triton RoPE and AdamW, chunked
 log-probs, deterministic algorithms (atomic accumulation order), and the trainer's dtype
@@ -95,11 +95,11 @@ def patched(module_name: str, attr: str, value):
 
 
 def no_triton_rope():
-    return patched("trainer.base_model", "triton_rope_enabled", lambda: False)
+    return patched("trainer.base.base_model", "triton_rope_enabled", lambda: False)
 
 
 def no_triton_adamw():
-    return patched("trainer.triton_adamw", "available", lambda *a, **k: False)
+    return patched("trainer.kernels.triton_adamw", "available", lambda *a, **k: False)
 
 
 def attention_backend(name: str):
@@ -189,7 +189,7 @@ def measure(scn, trainer, batches, objectives: str) -> dict:
 
 
 def describe(trainer) -> str:
-    from trainer.fused_attention import resolve_packed_backend
+    from trainer.base.fused_attention import resolve_packed_backend
 
     core = trainer.base.model.decoder.layers[0].self_attention.core_attention
     backend = getattr(core, "packed_backend", "-")
@@ -215,7 +215,7 @@ def _parallel_worker(rank, port, overrides, tp, dp, batches, objectives, out_pat
 def run_parallel(scn, name, overrides, tp, dp, batches, objectives, tp1_mixed, tmp: Path) -> dict:
     import torch.multiprocessing as mp
 
-    from trainer.distributed import free_loopback_port
+    from trainer.platform.distributed import free_loopback_port
 
     out = tmp / f"par-{tp}-{dp}.pt"
     mp.spawn(_parallel_worker, args=(free_loopback_port(), overrides, tp, dp, batches, objectives, str(out)),

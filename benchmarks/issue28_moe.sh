@@ -9,7 +9,7 @@
 #   after    bench_moe_step, mixed and frozen base, N = 1, 8, 32, with profiles and the host-sync census
 #   before   the same without profiles from BEFORE (a copy of an older tree with trainer/ and benchmarks/)
 #   kernels  bench_expert_kernels: the expert-LoRA Triton kernels over tile and launch variants
-#   overlap  the optimizer step on its own stream (trainer/step_overlap.py): its GPU test, then MoE
+#   overlap  the optimizer step on its own stream (trainer/optim/step_overlap.py): its GPU test, then MoE
 #            (N = 1, 8, 32) and dense (N = 16, 64) rounds back to back, step overlapped and in order
 set -uo pipefail
 out=${1:?output folder}

@@ -1,7 +1,7 @@
 """bench_parallel_step's mode export: what publishing a round's stepped adapters costs the round
 (issues 18 and 28), on the real trainer at the benchmark's shape, once per writer kind.
 
-Per writer kind (--export-writer: thread, process; trainer/peft_export.py), after the case's
+Per writer kind (--export-writer: thread, process; trainer/export/peft_export.py), after the case's
 mixed rounds, every one of the N slots stepped in each round:
 
   order check   a background export of slot 0 followed at once by a mixed round equals, tensor
@@ -54,8 +54,8 @@ def export_timings(trainer, n: int, run_mixed, opts: dict, kind: str) -> dict:
 
     from safetensors.torch import load_file
 
-    from trainer.export_writer import Superseded
-    from trainer.peft_export import ExportRequest
+    from trainer.export.export_writer import Superseded
+    from trainer.export.peft_export import ExportRequest
 
     rank0 = trainer.layout.rank == 0
     dtype = opts.get("export_dtype", "bfloat16")
@@ -234,7 +234,7 @@ def publish_parts_ms(trainer, n: int, run_mixed, dtype: str, rounds: int) -> dic
     and their device->host copies into the arena, blocks released when the copies end (no
     writer), against (c) the mixed round alone. The full export (gathers, copies, writes) is the
     row's back-to-back column."""
-    from trainer.export_writer import export_dtype
+    from trainer.export.export_writer import export_dtype
 
     exporter, background = trainer.export, trainer.export.background
     to = export_dtype(dtype)
@@ -256,7 +256,7 @@ def publish_parts_ms(trainer, n: int, run_mixed, dtype: str, rounds: int) -> dic
         def fn():
             run_mixed()
             settle()
-            with trainer.buffers.behind_step():  # as the exporter gathers (trainer/step_overlap.py)
+            with trainer.buffers.behind_step():  # as the exporter gathers (trainer/optim/step_overlap.py)
                 bodies = exporter._gather(slots, layout, to, gather_only=False)
                 if copy:
                     _, blocks, done = background.to_host(bodies)
@@ -274,7 +274,7 @@ def publish_parts_ms(trainer, n: int, run_mixed, dtype: str, rounds: int) -> dic
 
 def _adapter_bytes(trainer, dtype: str) -> int:
     """Bytes of slot 0's publish file data (its export layout, in `dtype`)."""
-    from trainer.export_writer import export_dtype
+    from trainer.export.export_writer import export_dtype
 
     state = trainer.slots.state(0)
     return trainer.export.export_layout(state.rank, state.hyper).index.numel() * export_dtype(dtype).itemsize

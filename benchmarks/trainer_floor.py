@@ -16,7 +16,7 @@ def frozen_base_pass(trainer, batch) -> float:  # noqa: ANN001 - a trainer.core.
 
     from trainer.batch import PlannedSample, dp_shard
     from trainer.config import SlotHyperParams
-    from trainer.micro_batch import MicroBatchTensors, micro_batches
+    from trainer.step.micro_batch import MicroBatchTensors, micro_batches
 
     samples = batch.samples
     planned = [PlannedSample(i, s.slot, 0) for i, s in enumerate(samples)]

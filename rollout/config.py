@@ -3,7 +3,7 @@
 All models forbid unknown fields (a typo is an error naming the field) and are
 frozen (a validated config cannot drift). Field names of `DataConfig`,
 `RewardConfig` and `SamplingConfig` match the service's tenant-facing specs
-(service.config.DataSpec / RewardSpec / SamplingSpec), so the controller turns
+(service.config.job.DataSpec / RewardSpec / SamplingSpec), so the controller turns
 one into the other with `DataConfig.model_validate(spec.model_dump())`.
 
 Checks that need the filesystem (data file exists, has the keys) happen when a
@@ -22,7 +22,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from trainer.config import StrictModel
-from trainer.model_folder import CONFIG_FILE, read_model_config
+from trainer.platform.model_folder import CONFIG_FILE, read_model_config
 
 # Adapter names become SGLang LoRA names ("<name>@v<k>") and request-id
 # prefixes ("<name>::<uuid4hex>"); the pattern excludes ':' and '@', which keeps
@@ -55,7 +55,7 @@ MANAGED_SERVER_FLAGS = frozenset(
 # _STR_DTYPE_TO_TORCH_DTYPE; SGLang lowercases the flag), copied so that this module imports without sglang.
 SGLANG_DTYPES = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16", "float": "float32", "float32": "float32"}
 
-# Dtypes a publish (handoff) folder can be written in: trainer/export_writer.py EXPORT_DTYPES.
+# Dtypes a publish (handoff) folder can be written in: trainer/export/export_writer.py EXPORT_DTYPES.
 PublishDtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 
@@ -121,7 +121,7 @@ class EngineConfig(StrictModel):
         description="One port per engine; 0 (or an empty list) = pick a free port at launch.",
     )
     device: Literal["auto", "cuda", "cpu"] = Field(
-        "auto", description="auto = cuda when torch sees a GPU, else the SGLang CPU engine (rollout.sglang_cpu)."
+        "auto", description="auto = cuda when torch sees a GPU, else the SGLang CPU engine (rollout.engines.sglang_cpu)."
     )
     dtype: str = Field(
         "auto",
@@ -164,7 +164,7 @@ class EngineConfig(StrictModel):
     cpu_threads: int = Field(
         1, ge=1, le=1024,
         description="CPU engine only: torch/OpenMP threads of each server (OMP_NUM_THREADS). On a small shared "
-        "machine 1 is several times faster than SGLang's default of all cores (rollout.sglang_cpu, item 8).",
+        "machine 1 is several times faster than SGLang's default of all cores (rollout.engines.sglang_cpu, item 8).",
     )
     log_dir: str | None = Field(None, description="Folder for server logs (engine-<i>.log); default a temporary folder.")
     extra_server_args: list[str] = Field(default_factory=list, description="More SGLang server flags, passed as given.")
@@ -229,7 +229,7 @@ class EngineConfig(StrictModel):
     # The engines' dtype has this one home: the launcher passes `server_dtype_flag` and the publish
     # resolves `served_dtype` from it, so the two cannot disagree.
     def server_dtype_flag(self, device: Literal["cuda", "cpu"]) -> str | None:
-        """The --dtype the launcher passes (rollout.sglang_cpu.build_server_launch): engines.dtype when
+        """The --dtype the launcher passes (rollout.engines.sglang_cpu.build_server_launch): engines.dtype when
         it names one; for auto, float32 on CPU (SGLang's own auto picks float16 there) and none on
         GPU (SGLang's auto: the checkpoint's dtype)."""
         if self.dtype != "auto":
@@ -261,7 +261,7 @@ class DataConfig(StrictModel):
     )
     shuffle_seed: int | None = Field(0, description="Seed of the per-epoch shuffle; null = file order every epoch.")
     num_epochs: int | None = Field(None, ge=1, description="Passes over the data before the source reports exhaustion; null = endless.")
-    # Limits (the service fills them in at registration; see service.config_checks). Null = none.
+    # Limits (the service fills them in at registration; see service.control.config_checks). Null = none.
     max_row_bytes: int | None = Field(None, ge=1, description="Skip (and count) lines longer than this many bytes, without loading them.")
     max_prompt_tokens: int | None = Field(None, ge=1, description="Skip (and count) rows whose prompt (after the chat template) has more tokens.")
     max_completion_tokens: int | None = Field(None, ge=1, description="SFT: skip (and count) rows whose completion (+ EOS) has more tokens.")

@@ -6,7 +6,7 @@ to the engines goes through `generate`, which is what makes a tenant's agent saf
 beside the others:
 
 * **Weights and request ids.** Each call goes through the engine pool
-  (rollout/pool.py `generate_group`): the adapter's newest published version at the time of
+  (rollout/engines/pool.py `generate_group`): the adapter's newest published version at the time of
   the call, a fresh request id ``<adapter>::<uuid>`` per request, tracked while in flight. So
   retiring or aborting the run (`EnginePool.abort_adapter`) reaches every turn of every agent.
 * **Abort between turns.** An abort also raises `RolloutAborted` at the next `generate` of a
@@ -102,7 +102,7 @@ class RolloutContext:
         """`n` generations after `input_ids` with the adapter's newest weights, on one engine (they
         share the context's KV cache there). `sampling` overrides the adapter's sampling parameters
         for this call (keys: OVERRIDABLE). Raises RolloutAborted, TokenBudgetExhausted, or the
-        engine's error (rollout/client.py EngineError: the worker re-queues the group)."""
+        engine's error (rollout/engines/client.py EngineError: the worker re-queues the group)."""
         if not 1 <= n <= self.n:
             raise ValueError(f"generate: n must be 1..{self.n} (the group's size), got {n}")
         unknown = sorted(set(sampling) - OVERRIDABLE)

@@ -18,7 +18,7 @@ give their prompts back to the data source.
 Staleness has one definition and one history: `publishes_behind` over the
 versions published for the registration (the buffer's `published`). The buffer
 stamps every group it hands out with its staleness, and training reports that
-stamp (service/batches.py), so the filter and the metric never disagree.
+stamp (service/tenants/batches.py), so the filter and the metric never disagree.
 """
 
 from __future__ import annotations

@@ -135,7 +135,7 @@ def builtin_reward_names() -> list[str]:
 
 def load_reward(cfg: RewardConfig, import_roots: list[str] | tuple[str, ...] = ()) -> RewardFn:
     """The reward callable of `cfg`, with its kwargs bound. The one resolution of a reward name:
-    the registration check (service/config_checks.py) and the rollout worker both call it."""
+    the registration check (service/control/config_checks.py) and the rollout worker both call it."""
     if cfg.name in BUILTIN_REWARDS:
         fn = BUILTIN_REWARDS[cfg.name]
     elif not is_import_path(cfg.name):

@@ -11,7 +11,7 @@ rollout/trajectory.py). An adapter names its rollout in its config (`RolloutSpec
 
 Custom ones are imported only from under the configured rollout import roots
 (rollout/tenant_code.py); `load_rollout` is the one resolution, called at registration
-(service/config_checks.py) and by the rollout worker, so both accept exactly the same names.
+(service/control/config_checks.py) and by the rollout worker, so both accept exactly the same names.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ configured import roots or below one (``myorg.envs`` allows ``myorg.envs`` and
 ``reward_import_roots`` for rewards, ``rollout_import_roots`` for rollouts
 (ServiceSettings; LORAFLEET_REWARD_IMPORT_ROOTS / LORAFLEET_ROLLOUT_IMPORT_ROOTS).
 
-The registration check (service/config_checks.py) and the rollout worker call the same
+The registration check (service/control/config_checks.py) and the rollout worker call the same
 loaders (rollout/rewards.py `load_reward`, rollout/rollouts.py `load_rollout`), which call
 `import_confined` here, so what registration accepts is exactly what the worker loads.
 """

@@ -45,20 +45,20 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict
 
-from rollout.client import EngineError, EngineUnavailable
+from rollout.engines.client import EngineError, EngineUnavailable
 from rollout.config import DataConfig, RewardConfig, RolloutConfig, RolloutSpec, SamplingConfig, check_adapter_name
 from rollout.context import RolloutAborted, RolloutContext
 from rollout.data import DataCursor, DataSource, DataStatus, PromptRow
 from rollout.groups import AdapterBuffer, RolloutGroup, trajectory_group
-from rollout.pool import EnginePool, NoHealthyEngine, UnknownAdapter
+from rollout.engines.pool import EnginePool, NoHealthyEngine, UnknownAdapter
 from rollout.rewards import RewardFn, load_reward
 from rollout.rollouts import LoadedRollout, load_rollout
 from rollout.trajectory import Trajectory
-from rollout.weights import AdapterWeights, PendingFolder, VersionSuperseded
+from rollout.engines.weights import AdapterWeights, PendingFolder, VersionSuperseded
 
 log = logging.getLogger(__name__)
 
-# What publish_version reports (the coordinator settles on it: service/runtime_impl.py settle_publishes)
+# What publish_version reports (the coordinator settles on it: service/fleet/fleet_runtime.py settle_publishes)
 PUBLISH_LOADED = "loaded"  # every engine in routing loaded the version (or none is in routing: it is current)
 PUBLISH_SUPERSEDED = "superseded"  # never loaded: a newer version of the adapter replaced it first
 

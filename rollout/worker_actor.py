@@ -1,10 +1,10 @@
 """The RolloutWorker Ray actor: owns the SGLang engines, the engine pool and the rollout loop.
 
 Create it with ``RolloutWorker.options(...).remote(engine_cfg, rollout_cfg, model_path, launchers=[...])``
-(the service does that in service/actors.py: the worker on the coordinator's node, one
-EngineLauncher per engine in that engine's placement group, rollout/engine_launcher.py),
+(the service does that in service/fleet/actors.py: the worker on the coordinator's node, one
+EngineLauncher per engine in that engine's placement group, rollout/engines/engine_launcher.py),
 then ``await worker.start.remote()``; the service calls it through the typed
-service/rollout_client.py. It is an async actor: all methods run on one asyncio
+service/fleet/rollout_client.py. It is an async actor: all methods run on one asyncio
 loop, so the rollout loop keeps going between calls and no call waits for
 training. Engines on other nodes are reached over HTTP at the URL their launcher reports.
 
@@ -34,13 +34,13 @@ from pathlib import Path
 
 import ray
 
-from rollout.client import EngineClient
+from rollout.engines.client import EngineClient
 from rollout.config import EngineConfig, RolloutConfig
-from rollout.engine import EngineProcess
-from rollout.engine_handles import LauncherEngine, LocalEngine, ManagedEngine, local_node
-from rollout.engine_launcher import EngineInfo
-from rollout.pool import EnginePool
-from rollout.weights import AdapterWeights, PendingFolder
+from rollout.engines.engine import EngineProcess
+from rollout.engines.engine_handles import LauncherEngine, LocalEngine, ManagedEngine, local_node
+from rollout.engines.engine_launcher import EngineInfo
+from rollout.engines.pool import EnginePool
+from rollout.engines.weights import AdapterWeights, PendingFolder
 from rollout.worker import AdapterRollout, AdapterStats, EngineHealth, RolloutCore, RolloutError
 
 log = logging.getLogger(__name__)
@@ -182,7 +182,7 @@ class RolloutWorkerImpl:
 
     async def restart_engine(self, index: int) -> EngineHealth:
         """Restart a managed engine and load every adapter's current version on it. Raises EngineLost
-        (rollout/engine_handles.py) when its launcher is gone: the coordinator places a new one."""
+        (rollout/engines/engine_handles.py) when its launcher is gone: the coordinator places a new one."""
         e = self._managed(index)
         self.pool.mark_unhealthy(index)
         info = await e.restart()
@@ -220,5 +220,5 @@ class RolloutWorkerImpl:
         await asyncio.gather(*(e.stop() for e in self.engines), return_exceptions=True)
 
 
-# The Ray actor: one, on the coordinator's node (service/actors.py); its engines run under launchers.
+# The Ray actor: one, on the coordinator's node (service/fleet/actors.py); its engines run under launchers.
 RolloutWorker = ray.remote(RolloutWorkerImpl)

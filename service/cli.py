@@ -1,7 +1,7 @@
 """The service's commands of the `lorafleet` command line (typer): `run JOB.yaml` (batch mode),
 `serve` (service mode), `version`.
 
-`add_service_commands(app, start_api=...)` puts them on the `lorafleet` app, which api/cli.py
+`add_service_commands(app, start_api=...)` puts them on the `lorafleet` app, which api/cli/main.py
 assembles together with the tenant commands (`adapters ...`, `smoke`, over REST) and to which it
 passes the API starter: service/ never imports api/.
 """
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 if TYPE_CHECKING:  # the command modules import the heavy parts (Ray, torch) only when they run
-    from service.app_runtime import ApiStarter
+    from service.fleet.startup import ApiStarter
 
 
 def version() -> None:
@@ -36,7 +36,7 @@ Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Log the loop's e
 def _load(job_path: Path | None, state_dir: Path | None, **explicit: Any):
     """The validated job and settings; the embedded tiny job builds its world first and
     allows its data folder as a data root wherever it is run from."""
-    from service.config import ConfigError, load_job
+    from service.config.job import ConfigError, load_job
 
     if job_path is None:
         from examples.tiny.build import ensure_tiny_world
@@ -62,11 +62,11 @@ def _clear_errors() -> Iterator[None]:
     """Errors an operator can fix (a refused job adapter, a plan that does not fit, an engine
     that does not start, a registry another service holds, a Ray cluster that cannot be joined) end the command with their
     message and exit 2 instead of a traceback."""
-    from rollout.engine import EngineStartError
-    from service.app_runtime import StateDirBusy
+    from rollout.engines.engine import EngineStartError
+    from service.fleet.startup import StateDirBusy
     from service.errors import LorafleetError
-    from service.placement import PlacementError
-    from service.ray_connect import RayConnectError
+    from service.errors import PlacementError
+    from service.fleet.ray_connect import RayConnectError
 
     try:
         yield

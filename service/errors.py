@@ -59,7 +59,20 @@ class NoFreeSlot(Conflict):
 
 
 class QuotaExceeded(LorafleetError):
-    """A tenant's quota is used up (live or queued runs per key: service/config.py `quotas`); the
+    """A tenant's quota is used up (live or queued runs per key: service/config/job.py `quotas`); the
     message gives the quota and the tenant's usage. Nothing was recorded (HTTP 429)."""
 
     code = "quota_exceeded"
+
+
+class PlacementError(ValueError):
+    """A plan that cannot run on the cluster; the message shows the arithmetic."""
+
+
+class NoPlacement(PlacementError):
+    """A lost node's groups found no room within placement.node_loss_wait_s: the service drains and stops
+    (service/fleet/node_faults.py raises it, service/loop/training_loop.py stops on it)."""
+
+
+class NoRoomYet(PlacementError):
+    """Moving a lost engine found no room this time; the next engine check tries again."""

@@ -1,7 +1,7 @@
 """The two ways to run the service: batch mode (`run_batch`) and service mode (`run_service`).
 
-Both start the whole fleet (service/app_runtime.py), register the job file's
-adapters, and run the training loop (service/loop.py) under a StopSignal, so
+Both start the whole fleet (service/fleet/startup.py), register the job file's
+adapters, and run the training loop (service/loop/training_loop.py) under a StopSignal, so
 Ctrl-C / SIGTERM drain (every live run checkpointed) before the process exits.
 
 Registering a job's adapters after a restart over the same state dir:
@@ -25,14 +25,14 @@ from typing import Any
 
 from rich.console import Console
 
-from service.app_runtime import ApiStarter, Fleet, start_fleet
-from service.config import JobConfig, ServiceSettings
+from service.fleet.startup import ApiStarter, Fleet, start_fleet
+from service.config.job import JobConfig, ServiceSettings
 from service.errors import LorafleetError, NotFound
-from service.loop import LoopOptions, LoopReport, run_training_loop
-from service.progress import AdapterSummary, ProgressView, summarize, summary_lines, summary_table
-from service.registry import AdapterState
+from service.loop.training_loop import LoopOptions, LoopReport, run_training_loop
+from service.loop.progress import AdapterSummary, ProgressView, summarize, summary_lines, summary_table
+from service.registry.registry import AdapterState
 from service.shutdown import StopSignal
-from service.tb_log import TrainingLog, tensorboard_dir
+from service.loop.tb_log import TrainingLog, tensorboard_dir
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class BatchResult:
 def precheck_job_adapters(job: JobConfig, settings: ServiceSettings) -> None:
     """The registration checks of every job adapter, before anything starts (BadValue names
     the adapter and the field), so a bad job file fails in a second, not after start-up."""
-    from service.config_checks import check_adapter_config
+    from service.control.config_checks import check_adapter_config
     from service.errors import BadValue
 
     for spec in job.adapters:
@@ -154,7 +154,7 @@ def run_batch(job: JobConfig, settings: ServiceSettings, *, resume: bool = False
 
 
 def _print_plan(console: Console, fleet: Fleet) -> None:
-    """The placement the planner chose, one line per group (service/placement.py PlacementPlan.lines)."""
+    """The placement the planner chose, one line per group (service/fleet/placement.py PlacementPlan.lines)."""
     for line in fleet.plan.lines() if fleet.plan is not None else []:
         console.print(f"placement: {line}", highlight=False, soft_wrap=True)
 

@@ -3,12 +3,12 @@
 SQLite registry, FleetRuntime, the loop, SftSource over the tiny world's data, checkpoint files, and the
 rollout side's AdapterBuffer (staleness filter and stamps).
 
-  FakeTrainer  the surface of service/trainer_group.py TrainerGroup. A slot's "weights" are its step
+  FakeTrainer  the surface of service/fleet/trainer_group.py TrainerGroup. A slot's "weights" are its step
                count; a round (`run_round`, the scheduler's one trainer call) steps every slot that got
                samples of its own registration. Faults:
                `fail_next` (the call raises that error), `nonfinite` (slots whose steps are skipped).
                `kill()` makes every call raise FakeRankDied, which `is_lost` recognizes (a dead rank).
-  FakeRollout  the surface of service/rollout_client.py RolloutClient. Each adapter has `prompts`
+  FakeRollout  the surface of service/fleet/rollout_client.py RolloutClient. Each adapter has `prompts`
                prompts; groups are "generated" with the adapter's newest version until `ahead` of them
                are buffered, and handed out through a real AdapterBuffer. A publish returns a FakeRef that
                has finished (failing with `fail_publish` when set); an engine restart one that finishes at
@@ -25,9 +25,9 @@ from typing import Any
 from rollout.data import DataCursor, DataStatus
 from rollout.groups import AdapterBuffer, RolloutGroup, Sample
 from rollout.worker import AdapterStats, EngineHealth
-from service.runtime import ComponentHealth
-from service.trainer_group import TrainerState
-from trainer.slot_steps import SlotMetrics, StepReport, TrainResult
+from service.control.runtime_protocol import ComponentHealth
+from service.fleet.trainer_group import TrainerState
+from trainer.optim.slot_steps import SlotMetrics, StepReport, TrainResult
 from trainer.rounds import RoundResult
 
 
@@ -280,7 +280,7 @@ class FakeRollout:
         self.restart_refs.clear()
 
     def processes(self, timeout_s=10.0) -> dict[str, Any]:
-        from rollout.engine_launcher import EngineInfo
+        from rollout.engines.engine_launcher import EngineInfo
 
         return {"worker": 4343, "node_id": "a" * 56, "node_ip": "10.0.0.5",
                 "engines": [EngineInfo(index=0, url="http://10.0.0.6:30000", pid=4444, alive=self.engine_alive,

@@ -2,7 +2,7 @@
 
 * ``forward_logits(trainer, ids, slot)``: full-vocab logits with one slot's LoRA on;
 * ``slot_state_tensors_all_ranks(group, slot)``: every rank's gathered slot tensors
-  (trainer/slot_checkpoint.py ``slot_state_tensors``, run on each TrainWorker);
+  (trainer/swap/slot_checkpoint.py ``slot_state_tensors``, run on each TrainWorker);
 * ``hold_export_writes(group, held)``: the named fault injection of the export tests: while held,
   rank 0's writer starts no folder (the snapshots queue).
 
@@ -19,7 +19,7 @@ import torch
 @torch.no_grad()
 def forward_logits(trainer, input_ids: torch.Tensor, slot: int | None) -> torch.Tensor:  # noqa: ANN001
     """Full-vocab logits [b, s, V] of the base with ``slot``'s LoRA on (None = base only)."""
-    from trainer.base_model import attention_mask
+    from trainer.base.base_model import attention_mask
 
     ids = input_ids.to(trainer.device)
     b, s = ids.shape
@@ -34,12 +34,12 @@ def forward_logits(trainer, input_ids: torch.Tensor, slot: int | None) -> torch.
 
 
 def _worker_slot_state_tensors(worker, slot: int):  # noqa: ANN001, ANN202 - runs on a TrainWorker actor
-    from trainer.slot_checkpoint import slot_state_tensors
+    from trainer.swap.slot_checkpoint import slot_state_tensors
 
     return slot_state_tensors(worker.trainer, slot)
 
 
-def slot_state_tensors_all_ranks(group, slot: int) -> list:  # noqa: ANN001 - a service.trainer_group.TrainerGroup
+def slot_state_tensors_all_ranks(group, slot: int) -> list:  # noqa: ANN001 - a service.fleet.trainer_group.TrainerGroup
     """Every rank's optimizer and weight tensors of ``slot`` (tests compare DP ranks)."""
     import ray
 
@@ -51,7 +51,7 @@ def _worker_hold_export_writes(worker, held: bool) -> None:  # noqa: ANN001 - ru
     worker.trainer.export.writer().hold(held)
 
 
-def hold_export_writes(group, held: bool) -> None:  # noqa: ANN001 - a service.trainer_group.TrainerGroup
+def hold_export_writes(group, held: bool) -> None:  # noqa: ANN001 - a service.fleet.trainer_group.TrainerGroup
     """While held, rank 0's export writer starts no folder. Runs in the actor's FAULT_GROUP."""
     import ray
 

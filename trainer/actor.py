@@ -2,7 +2,7 @@
 
 `TrainWorker` holds one `MultiLoraTrainer` (one rank of tp * dp) and exposes the
 trainer's collective methods one by one, typed. The service runs one actor per rank
-(service/trainer_group.py starts them with the options of service/actors.py and
+(service/fleet/trainer_group.py starts them with the options of service/fleet/actors.py and
 calls every rank with the same arguments; rank 0 answers, as all ranks compute the
 same metrics). Data parallelism: every rank receives the whole batch and trains its
 own share (trainer/batch.py `dp_shard`); only the gradients of the slots that step
@@ -29,7 +29,7 @@ from trainer.config import SlotHyperParams, TrainerConfig
 
 # The Ray concurrency group (besides the default one, max_concurrency 1, where every collective
 # call runs in submission order) in which `wait_export` waits for a background write: one thread,
-# so a waiting export never holds up a train call. service/actors.py defines it on the actor.
+# so a waiting export never holds up a train call. service/fleet/actors.py defines it on the actor.
 EXPORT_GROUP = "export"
 # One more thread for fault-injection calls (tests run a function of theirs on the rank with
 # `worker.__ray_call__.options(concurrency_group=FAULT_GROUP)`: tests/trainer_probes.py), so they
@@ -95,20 +95,20 @@ class TrainWorker:
         wait_export. `key`: latest-wins (a queued export of the same key is superseded)."""
         return self._core().export.export_peft_in_background(slot, str(out_dir), dtype=dtype, key=key)
 
-    def wait_export(self, out_dir: str | Path):  # noqa: ANN201 - str, or trainer.export_writer.Superseded
+    def wait_export(self, out_dir: str | Path):  # noqa: ANN201 - str, or trainer.export.export_writer.Superseded
         """Returns once the background export to `out_dir` is written (the folder) or superseded (a
-        trainer.export_writer.Superseded: never written); raises if it failed.
+        trainer.export.export_writer.Superseded: never written); raises if it failed.
         Dispatched in the EXPORT_GROUP concurrency group, so it waits beside train calls
-        instead of ahead of them (service/trainer_group.py begin_export_peft)."""
+        instead of ahead of them (service/fleet/trainer_group.py begin_export_peft)."""
         return self._core().export.wait_export(str(out_dir))
 
     def save_slot_state(self, slot: int, out_dir: str | Path) -> str:
-        from trainer.slot_checkpoint import save_slot_state
+        from trainer.swap.slot_checkpoint import save_slot_state
 
         return save_slot_state(self._core(), slot, str(out_dir))
 
     def load_slot_state(self, slot: int, in_dir: str | Path, registration: str | None = None) -> dict:
-        from trainer.slot_checkpoint import load_slot_state
+        from trainer.swap.slot_checkpoint import load_slot_state
 
         return load_slot_state(self._core(), slot, str(in_dir), registration=registration)
 
@@ -119,7 +119,7 @@ class TrainWorker:
         """The scheduler's round (trainer/rounds.py): dataset samples and Tinker calls in ONE mixed step."""
         return self._core().run_round(work)
 
-    # Keep-warm eviction (trainer/slot_swap.py): a slot's whole state to this rank's host
+    # Keep-warm eviction (trainer/swap/slot_swap.py): a slot's whole state to this rank's host
     # memory (spilling to swap_spill_dir beyond swap_host_budget_mb, up to swap_disk_budget_mb)
     # under a key, and back.
     def swap_out(self, slot: int, key: str) -> dict:

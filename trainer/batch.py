@@ -70,7 +70,7 @@ class TrainBatch(BaseModel):
 @dataclass
 class RiderSequence:
     """A tenant-driven sequence that rides in a train call beside the loop's samples (the
-    Tinker API's datums, trainer/tinker_ops.py), in the same packed micro-batches.
+    Tinker API's datums, trainer/step/round_runner.py), in the same packed micro-batches.
 
     It brings its own per-position targets and loss; its gradient ACCUMULATES in its slot's
     gradient rows. Its slot must not be trained by the call's batch, and it never steps in

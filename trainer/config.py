@@ -24,7 +24,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer")
-# What an adapter run trains on, the one declaration (service/config.py's AdapterConfig uses it too).
+# What an adapter run trains on, the one declaration (service/config/job.py's AdapterConfig uses it too).
 Objective = Literal["rl", "sft"]
 
 # What a slot may train (SlotHyperParams.targets), and which group each Megatron module is in.
@@ -137,7 +137,7 @@ class TrainerConfig(StrictModel):
         description=(
             "CUDA: run the optimizer step on a stream of its own, one decoder layer at a time, so the next "
             "call's forward starts on the first layers while later ones are still updated (same results; "
-            "trainer/step_overlap.py). false: the whole step on the main stream before train returns."
+            "trainer/optim/step_overlap.py). false: the whole step on the main stream before train returns."
         ),
     )
     overlap_step_min_params: int = Field(
@@ -173,7 +173,7 @@ class TrainerConfig(StrictModel):
     export_writer_threads: int = Field(
         4, ge=1, le=64,
         description=(
-            "Threads on trainer rank 0 that write publish folders in the background (trainer/export_writer.py). "
+            "Threads on trainer rank 0 that write publish folders in the background (trainer/export/export_writer.py). "
             "A write is mostly memory copies and file writes that release the GIL, so threads add up while "
             "the next train call runs (measured rates: docs/BENCHMARKS.md, weight publishing)."
         ),
@@ -183,7 +183,7 @@ class TrainerConfig(StrictModel):
         description=(
             "Who writes publish folders on trainer rank 0: thread = the writer threads themselves; process = one "
             "writer process per thread, reading the snapshot from shared host memory, so the file writes take no "
-            "GIL from the training thread (trainer/export_process.py; measured: docs/BENCHMARKS.md, weight publishing)."
+            "GIL from the training thread (trainer/export/export_process.py; measured: docs/BENCHMARKS.md, weight publishing)."
         ),
     )
     seed: int = Field(0, description="Seed of the model-parallel RNG.")
@@ -278,7 +278,7 @@ class SlotHyperParams(StrictModel):
 
     @property
     def ratio_bounds(self) -> tuple[float, float]:
-        """The PPO clip as the absolute ratio bounds the losses take (trainer/losses.py: the one
+        """The PPO clip as the absolute ratio bounds the losses take (trainer/losses/table.py: the one
         clip convention; this is the one place the offsets are converted)."""
         return 1.0 - self.clip_low, 1.0 + self.clip_high
 

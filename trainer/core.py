@@ -6,13 +6,13 @@ same arguments (the Ray actor group does that), and rank 0 writes files.
 
 The trainer builds the model and its slots and runs the train call; the rest lives in
 rooms of one role each, which it composes or which take it:
-  trainer/slots.py          who holds each slot, its scales, its rows in full layout (``slots``)
-  trainer/lora_passes.py    the forward passes with each slot's LoRA (``passes``)
-  trainer/micro_batch.py    micro-batches and their forward/backward
-  trainer/slot_steps.py     the per-slot optimizer steps and what a call reports
-  trainer/slot_export.py    PEFT snapshots and exports (``export``)
-  trainer/slot_checkpoint.py  a slot to a checkpoint folder and back (functions over the trainer)
-  trainer/slot_swap.py      keep-warm eviction (``swap``; its tiers: trainer/swap_store.py)
+  trainer/lora/slots.py          who holds each slot, its scales, its rows in full layout (``slots``)
+  trainer/step/lora_passes.py    the forward passes with each slot's LoRA (``passes``)
+  trainer/step/micro_batch.py    micro-batches and their forward/backward
+  trainer/optim/slot_steps.py     the per-slot optimizer steps and what a call reports
+  trainer/export/slot_export.py    PEFT snapshots and exports (``export``)
+  trainer/swap/slot_checkpoint.py  a slot to a checkpoint folder and back (functions over the trainer)
+  trainer/swap/slot_swap.py      keep-warm eviction (``swap``; its tiers: trainer/swap/swap_store.py)
 
 Invariants:
 * A slot's weights, gradients and optimizer moments live in its own slice of
@@ -35,24 +35,24 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainer.base_model import build_frozen_base, trainer_layer_spec
+from trainer.base.base_model import build_frozen_base, trainer_layer_spec
 from trainer.batch import RiderSequence, TrainBatch, assign_phases, dp_shard
 from trainer.config import TARGET_GROUPS, SlotHyperParams, TrainerConfig, target_group
-from trainer.distributed import dp_group, init_parallel, tp_group
-from trainer.lora_passes import LoraPasses
-from trainer.micro_batch import forward_backward, micro_batches
-from trainer.moe_lora import install_moe_lora, is_expert_layer, kaiming_a, moe_layers
-from trainer.moe_peft import read_expert_peft
-from trainer.multi_lora import UNEMBED_MODULE, SlotRouting, install_multi_lora
-from trainer.peft_io import json_target_parameters, read_peft_folder
-from trainer.slot_buffers import SlotBuffers
-from trainer.step_overlap import StepOverlap
-from trainer.slot_export import SlotExporter
-from trainer.slot_steps import StepReport, TrainResult, adam_step, slot_metrics, step_due_slots
-from trainer.slot_swap import SlotSwap
-from trainer.slots import N_STATS, SlotState, SlotTable, layer_trained, zero_stats
-from trainer.swap_store import SwapStore
-from trainer.unembed_lora import UnembedLora, install_unembed_lora
+from trainer.platform.distributed import dp_group, init_parallel, tp_group
+from trainer.step.lora_passes import LoraPasses
+from trainer.step.micro_batch import forward_backward, micro_batches
+from trainer.lora.moe_lora import install_moe_lora, is_expert_layer, kaiming_a, moe_layers
+from trainer.export.moe_peft import read_expert_peft
+from trainer.lora.multi_lora import UNEMBED_MODULE, SlotRouting, install_multi_lora
+from trainer.export.peft_io import json_target_parameters, read_peft_folder
+from trainer.lora.slot_buffers import SlotBuffers
+from trainer.optim.step_overlap import StepOverlap
+from trainer.export.slot_export import SlotExporter
+from trainer.optim.slot_steps import StepReport, TrainResult, adam_step, slot_metrics, step_due_slots
+from trainer.swap.slot_swap import SlotSwap
+from trainer.lora.slots import N_STATS, SlotState, SlotTable, layer_trained, zero_stats
+from trainer.swap.swap_store import SwapStore
+from trainer.lora.unembed_lora import UnembedLora, install_unembed_lora
 
 
 class MultiLoraTrainer:
@@ -103,7 +103,7 @@ class MultiLoraTrainer:
         self.swap = SlotSwap(self.slots, store)
 
     def _state(self, slot: int) -> SlotState:
-        """The initialized slot's state (ValueError otherwise); trainer/tinker_ops.py asks it."""
+        """The initialized slot's state (ValueError otherwise); trainer/step/round_runner.py asks it."""
         return self.slots.state(slot)
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -194,7 +194,7 @@ class MultiLoraTrainer:
 
     def run_round(self, work):  # noqa: ANN001, ANN201 - trainer.rounds.RoundWork -> RoundResult
         """The scheduler's round on this rank: every tenant's work in one call (trainer/rounds.py)."""
-        from trainer.tinker_ops import TinkerOps  # it imports nothing of this module's
+        from trainer.step.round_runner import TinkerOps  # it imports nothing of this module's
 
         return TinkerOps(self, max_seq_len=work.max_seq_len).run_round(work)
 
@@ -282,7 +282,7 @@ class MultiLoraTrainer:
             if not r.tokens or len(r.targets) != len(r.tokens):
                 raise ValueError(f"rider {k}: needs tokens and one target per token, got {len(r.tokens)} and {len(r.targets)}")
 
-    # -- the Tinker primitives' two trainer calls (trainer/tinker_ops.py) -------------------------
+    # -- the Tinker primitives' two trainer calls (trainer/step/round_runner.py) -------------------------
 
     @torch.no_grad()
     def packed_lora_pass(self, sequences: list[list[int]], slot_ids: list[int], targets: list[list[int]]) -> torch.Tensor:

@@ -1,15 +1,15 @@
 """One round of the scheduler: every tenant's ready work in ONE trainer call.
 
-``MultiLoraTrainer.run_round(work)`` (executed by trainer/tinker_ops.py ``TinkerOps.run_round``)
-is the trainer's interface to the service's scheduler (service/scheduler.py): the actor exposes
+``MultiLoraTrainer.run_round(work)`` (executed by trainer/step/round_runner.py ``TinkerOps.run_round``)
+is the trainer's interface to the service's scheduler (service/scheduling/scheduler.py): the actor exposes
 it (trainer/actor.py ``TrainWorker.run_round``), the trainer group forwards it
-(service/trainer_group.py), and an in-process trainer is called directly. A round carries:
+(service/fleet/trainer_group.py), and an in-process trainer is called directly. A round carries:
 
 * ``batch``: the dataset-driven runs' samples (RL and SFT steps), stepped per slot as
   ``MultiLoraTrainer.train`` steps them;
 * ``calls``: Tinker forward_backward calls of other slots, in the SAME packed micro-batches
   (one mixed forward/backward over both kinds; their gradients accumulate, nothing steps:
-  trainer/tinker_ops.py ``train_with``);
+  trainer/step/round_runner.py ``train_with``);
 * ``forwards``: Tinker forward calls (outputs and losses, no gradient);
 * ``optim``: Tinker optimizer steps, applied after the pass, in order.
 

@@ -2,7 +2,7 @@
 ``TinkerService`` that ``lorafleet serve`` mounts (api/app.py) when ``settings.tinker_keys_file``
 is set.
 
-Tinker models are tenants of the fleet's one scheduler (service/scheduler.py, the runtime's):
+Tinker models are tenants of the fleet's one scheduler (service/scheduling/scheduler.py, the runtime's):
 their slots are registry leases counted with the dataset runs' slots, the same keep-warm and
 turns policy evicts and restores both kinds, and their calls ride in the training loop's rounds
 (ONE mixed step with the runs' samples). Sampling goes to the fleet's first SGLang engine
@@ -17,10 +17,10 @@ from pathlib import Path
 from api.tinker.auth import TenantKeys
 from api.tinker.sampling import SglangSampler
 from api.tinker.service import TinkerService
-from service.config import ServiceSettings
-from service.controller import Controller
-from service.runtime_impl import FleetRuntime
-from service.tinker_models import TinkerModels
+from service.config.job import ServiceSettings
+from service.control.controller import Controller
+from service.fleet.fleet_runtime import FleetRuntime
+from service.tenants.tinker_models import TinkerModels
 
 log = logging.getLogger(__name__)
 

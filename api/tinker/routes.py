@@ -2,7 +2,7 @@
 
 Thin handlers: authenticate (key -> tenant), check ownership (another tenant's
 session, model or future id is 404, as if it did not exist), put the work on the
-model's queue (service.py -> service/tenant_tinker.py; the scheduler runs it) and answer
+model's queue (service.py -> service/tenants/tinker_model.py; the scheduler runs it) and answer
 the future's id; the result comes through ``retrieve_future``. Bad input that the SDK would only learn about through the future
 (bad data, unsupported LoRA options, unknown checkpoint) is reported there, with
 category ``user`` and a message saying what is allowed; nothing changes for anyone.
@@ -19,7 +19,7 @@ from api.tinker.runs_routes import runs_router
 from api.tinker.proto_io import PROTO_CONTENT_TYPE, decode_forward_backward, encode_forward_backward_output
 from api.tinker.sampling import LogprobOptions
 from api.tinker.service import TinkerService, lora_flags
-from service.tenant_tinker import checkpoint_lora
+from service.tenants.tinker_model import checkpoint_lora
 from trainer.rounds import AdamStep, CallResult
 
 

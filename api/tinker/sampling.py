@@ -69,9 +69,9 @@ class LogprobOptions:
     def first_scored(self, prompt_len: int) -> int:
         """The first prompt position whose logprobs are returned (earlier ones: not computed)."""
         return 0 if self.last_n is None else prompt_len - self.last_n
-from rollout.client import EngineClient, EngineError
-from rollout.weights import AdapterWeights
-from service.residency import AdapterLru
+from rollout.engines.client import EngineClient, EngineError
+from rollout.engines.weights import AdapterWeights
+from service.scheduling.residency import AdapterLru
 
 
 @dataclass
@@ -86,7 +86,7 @@ class SamplingSession:
 class SglangSampler:
     def __init__(self, engine_url: str, *, request_timeout_s: float = 600.0, max_loaded: int = 6):
         """``max_loaded``: adapters kept loaded in the engine (below its max_loaded_loras), across every
-        tenant's sessions, by the one rule of recency (service/residency.py AdapterLru): a session's
+        tenant's sessions, by the one rule of recency (service/scheduling/residency.py AdapterLru): a session's
         adapter is loaded when it samples; to make room, the least recently used one that no request
         is sampling from is unloaded (loaded again when its session samples next). A request that
         finds every loaded adapter in use waits for one to be released: it never fails for room."""

@@ -2,9 +2,9 @@
 futures), and how a request becomes an operation on its model's queue.
 
 The wire face only: each request is checked here (ownership, paths, the LoRA options) and put,
-in order, on its model's queue in service/ (service/tenant_tinker.py ``TinkerModel``, reached
-through service/tinker_models.py ``TinkerModels``) with a ``done`` callback that turns the
-outcome into the SDK's future result; the scheduler runs it (service/scheduler.py) and calls
+in order, on its model's queue in service/ (service/tenants/tinker_model.py ``TinkerModel``, reached
+through service/tenants/tinker_models.py ``TinkerModels``) with a ``done`` callback that turns the
+outcome into the SDK's future result; the scheduler runs it (service/scheduling/scheduler.py) and calls
 ``done`` on its own thread, which hands the result to the serving event loop. No slot, no
 eviction and no thread that calls the trainer lives here.
 
@@ -35,8 +35,8 @@ from api.tinker.futures import FutureStore, Outcome, server_error, user_error
 from api.tinker.runs import TrainingRuns, check_ttl, check_user_metadata
 from api.tinker.sampling import SglangSampler
 from service.errors import LorafleetError
-from service.tenant_tinker import LoraSpec, TinkerModel, checkpoint_lora
-from service.tinker_models import TinkerModels
+from service.tenants.tinker_model import LoraSpec, TinkerModel, checkpoint_lora
+from service.tenants.tinker_models import TinkerModels
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 KINDS = ("weights", "sampler_weights")
@@ -91,7 +91,7 @@ class TinkerService:
         """``session_timeout_s``: a session without a heartbeat for this long (the SDK sends one
         every 10 s) has its models saved (``tinker://<model>/weights/expired-<unix time>``) and
         their slots freed; None = never. ``on_stop``: called last by ``stop`` (a TinkerHost's close)."""
-        self.fleet = fleet  # the models as tenants of the scheduler (service/tinker_models.py)
+        self.fleet = fleet  # the models as tenants of the scheduler (service/tenants/tinker_models.py)
         self.session_timeout_s = session_timeout_s
         self._reaper = None
         self.sampler = sampler

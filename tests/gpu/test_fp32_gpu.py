@@ -9,7 +9,7 @@ switched off in turn, and all at once): 2.6e-6 to 1.1e-5, the largest always a s
 of a near-zero gradient (slot 0's layer-3 linear_proj: max 4.2e-10, off by 4.6e-15); the
 planted routing bugs give about 1e-1. fp32 on CUDA takes the exact kernels: TF32
 is off (PyTorch's default; checked below), Triton's tl.dot runs with input_precision
-"ieee" for fp32 (trainer/triton_lora.py), and packed attention goes to the per-document
+"ieee" for fp32 (trainer/kernels/triton_lora.py), and packed attention goes to the per-document
 SDPA path because flash/varlen kernels take 16-bit inputs only (fused_attention.py).
 Where this fails, benchmarks/fp32_deviation.py measures which kernel is responsible (one
 run, every suspect switched off in turn).
@@ -117,7 +117,7 @@ ACROSS_LAYOUTS_TOL = 3e-5
 def test_fp32_two_gpus_over_nccl(trainer, batches, scenario, tp1_mixed_run, tmp_path, layout):
     import torch.multiprocessing as mp
 
-    from trainer.distributed import free_loopback_port
+    from trainer.platform.distributed import free_loopback_port
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     cfg_kwargs = trainer.config.model_dump() | layout

@@ -1,4 +1,4 @@
-"""GPU tier: the segmented expert-LoRA Triton kernels (trainer/triton_expert_lora.py) against
+"""GPU tier: the segmented expert-LoRA Triton kernels (trainer/kernels/triton_expert_lora.py) against
 today's grouped_mm path and an fp32 per-token reference, compiled on the device.
 
 * bf16, one node at a time (Qwen3-MoE-like widths cut down: 16 experts, hidden 256, expert
@@ -62,10 +62,10 @@ def _reference(c):
 def _ours(c, path):
     """bf16 compute, fp32 slot weights and gradients: ``library`` (grouped_mm, today's path),
     ``triton`` (the delta node on the Triton kernels) or ``fused`` (ExpertLinearLora)."""
-    from trainer.expert_lora_nodes import ExpertLinearLora, ExpertLoraDelta, GroupLayout, LibraryExpertOps, TritonExpertOps
-    from trainer.moe_lora import _expert_major
-    from trainer.segmented_mm import segmented_matmul
-    from trainer.triton_expert_lora import GroupTiles
+    from trainer.lora.expert_lora_nodes import ExpertLinearLora, ExpertLoraDelta, GroupLayout, LibraryExpertOps, TritonExpertOps
+    from trainer.lora.moe_lora import _expert_major
+    from trainer.kernels.segmented_mm import segmented_matmul
+    from trainer.kernels.triton_expert_lora import GroupTiles
 
     bf = torch.bfloat16
     x = c["x"].to(bf, copy=True).requires_grad_()
@@ -119,7 +119,7 @@ def moe_trainer():
 def test_fp32_moe_trainer_triton_equals_grouped_mm_on_cuda(moe_trainer):
     from tests.integration.test_moe_trainer import moe_hypers
     from tests.integration.test_trainer_equivalence import assert_equivalent, make_batches, run_scenario
-    from trainer import triton_expert_lora
+    from trainer.kernels import triton_expert_lora
 
     batches = make_batches(moe_trainer)[:2]  # as the CPU test: two calls, accumulation across them
     runs = {}

@@ -38,7 +38,7 @@ def layer_results(tmp_path_factory):
     import torch.multiprocessing as mp
 
     from tests.integration import test_fused_lora_tp as tp_cases
-    from trainer.distributed import free_loopback_port
+    from trainer.platform.distributed import free_loopback_port
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     out = tmp_path_factory.mktemp("fused_tp_bf16") / "results.pt"
@@ -149,7 +149,7 @@ def test_bf16_two_gpus_equal_one_gpu(bf16_config, scenario, one_gpu_run, tmp_pat
     import torch.multiprocessing as mp
 
     from tests.gpu.test_trainer_gpu import GRAD_NORM_TOL, LOSS_TOL, TENSOR_TOL, _worst
-    from trainer.distributed import free_loopback_port
+    from trainer.platform.distributed import free_loopback_port
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     batches, one_gpu = one_gpu_run

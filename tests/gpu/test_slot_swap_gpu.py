@@ -1,9 +1,9 @@
-"""GPU tier of the slot swap's row copies (trainer/slot_swap.py): they wait for the current
+"""GPU tier of the slot swap's row copies (trainer/swap/slot_swap.py): they wait for the current
 stream only, and still hand back exactly the rows as the device's queued work left them.
 
 * copy_rows_out after work queued on the current stream that changes the row (a long chain of
   in-place ops): the host rows equal the device rows after that work, bit for bit, while a large
-  device->host copy on another stream (a publish snapshot's, trainer/peft_export.py) is in flight.
+  device->host copy on another stream (a publish snapshot's, trainer/export/peft_export.py) is in flight.
 * copy_rows_in from pinned host rows that are overwritten as soon as it returns: the device rows
   hold the values given (the copy ended before it returned).
 
@@ -17,8 +17,8 @@ import os
 import pytest
 import torch
 
-from trainer.slot_buffers import BUFFER_KINDS
-from trainer.slot_swap import copy_rows_in, copy_rows_out
+from trainer.lora.slot_buffers import BUFFER_KINDS
+from trainer.swap.slot_swap import copy_rows_in, copy_rows_out
 
 ON_CPU = os.environ.get("LORAFLEET_GPU_TESTS_ON_CPU") == "1"
 pytestmark = [

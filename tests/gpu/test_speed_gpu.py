@@ -34,7 +34,7 @@ def rel_err(a, b):
 
 @pytest.fixture(scope="module")
 def parallel():
-    from trainer.distributed import init_parallel
+    from trainer.platform.distributed import init_parallel
 
     return init_parallel(tp=1, dp=1, seed=0)
 
@@ -45,7 +45,7 @@ def build(spec_kind, dtype, state_dict=None, seed=0):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from benchmarks.bench_frozen_base import transformer_config
-    from trainer.fused_attention import fused_gpt_layer_spec
+    from trainer.base.fused_attention import fused_gpt_layer_spec
 
     s = SHAPE
     cfg = transformer_config(s, dtype, init_std=0.05)
@@ -89,7 +89,7 @@ def test_fused_matches_local_in_bf16(parallel):
 
 
 def _packed_kernel_case(dtype):
-    from trainer.packing import DocumentLayout
+    from trainer.base.packing import DocumentLayout
 
     lengths = [300, 1, 77, 1024, 129]
     layout = DocumentLayout.from_lengths(lengths, device="cuda")
@@ -111,7 +111,7 @@ def _fwd_bwd(fn, qkv, grad, layout):
 
 @pytest.mark.parametrize("backend", ["varlen", "flex"])
 def test_packed_kernels_match_dense_mask(parallel, backend):
-    from trainer import fused_attention as fa
+    from trainer.base import fused_attention as fa
 
     if backend == "varlen" and not fa.varlen_available(torch.device("cuda")):
         pytest.skip("this torch has no varlen_attn")
@@ -128,8 +128,8 @@ def test_packed_kernels_match_dense_mask(parallel, backend):
 
 
 def test_packed_equals_padded_logprobs_bf16(parallel):
-    from trainer.chunked_logprobs import LogprobOutputProcessor
-    from trainer.packing import pack_sequences, pad_sequences
+    from trainer.kernels.chunked_logprobs import LogprobOutputProcessor
+    from trainer.base.packing import pack_sequences, pad_sequences
 
     model = build("fused", torch.bfloat16)
     g = torch.Generator().manual_seed(3)
@@ -152,7 +152,7 @@ def test_packed_equals_padded_logprobs_bf16(parallel):
 
 
 def test_chunked_logprobs_match_full_on_gpu():
-    from trainer.chunked_logprobs import chunked_token_logprobs, full_token_logprobs
+    from trainer.kernels.chunked_logprobs import chunked_token_logprobs, full_token_logprobs
 
     g = torch.Generator(device="cuda").manual_seed(4)
     h = torch.randn(3000, 256, device="cuda", generator=g, dtype=torch.bfloat16)

@@ -1,4 +1,4 @@
-"""GPU tier: the optimizer step on a stream of its own (trainer/step_overlap.py), dense and MoE.
+"""GPU tier: the optimizer step on a stream of its own (trainer/optim/step_overlap.py), dense and MoE.
 
 The step is held back on its stream by a spin of the GPU (``StepOverlap.delay_cycles``, a fault
 injected for the test: on these tiny worlds the step would otherwise finish before the host
@@ -135,7 +135,7 @@ def test_background_export_gathers_behind_the_step_without_holding_the_main_stre
 
 
 def test_without_the_waits_the_held_back_step_shows(pair, monkeypatch):
-    from trainer.step_overlap import StepOverlap
+    from trainer.optim.step_overlap import StepOverlap
 
     on, off, batches, hypers = pair
     monkeypatch.setattr(StepOverlap, "wait", lambda self, layer: None)

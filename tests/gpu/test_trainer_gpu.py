@@ -92,7 +92,7 @@ def _worst(scenario, got, ref, kinds, tensor_err=None):
 
 
 def test_bf16_grouped_kernel_is_used(trainer, batches):
-    from trainer.segmented_mm import pick_kernel
+    from trainer.kernels.segmented_mm import pick_kernel
 
     layer = trainer.layers[0]
     x = torch.zeros(8, layer.in_local, dtype=torch.bfloat16, device=trainer.device)
@@ -146,7 +146,7 @@ def test_bf16_export_parity(trainer, batches, scenario, tiny_world, tmp_path):
 
 
 def test_default_path_is_packed_fused_chunked(trainer):
-    from trainer.fused_attention import FusedCoreAttention, resolve_packed_backend
+    from trainer.base.fused_attention import FusedCoreAttention, resolve_packed_backend
 
     cfg = trainer.config
     assert cfg.packed and cfg.chunked_logprobs and cfg.recompute == "none"
@@ -157,9 +157,9 @@ def test_default_path_is_packed_fused_chunked(trainer):
         backend = resolve_packed_backend(core.packed_backend, trainer.device, 0.0)
         assert backend == ("varlen" if trainer.device.type == "cuda" else "dense"), backend
     # TP 1, packed: every decoder LoRA linear takes the fused node (the output layer's LoRA runs
-    # inside the chunked log-probs, trainer/unembed_lora.py, never fused); on CUDA RoPE is the
+    # inside the chunked log-probs, trainer/lora/unembed_lora.py, never fused); on CUDA RoPE is the
     # Triton kernel and every base parameter (norm weights included) is in the compute dtype.
-    from trainer.unembed_lora import UnembedLora
+    from trainer.lora.unembed_lora import UnembedLora
 
     decoder = [layer for layer in trainer.layers if not isinstance(layer, UnembedLora)]
     assert decoder and len(decoder) < len(trainer.layers)
@@ -211,7 +211,7 @@ def test_bf16_speed_path_equals_other_paths(trainer, batches, scenario, fp32_fir
 
 
 def test_kernel_choice_on_device(trainer):
-    from trainer.segmented_mm import pick_kernel, segmented_matmul
+    from trainer.kernels.segmented_mm import pick_kernel, segmented_matmul
 
     dev = trainer.device
     torch.manual_seed(0)

@@ -1,6 +1,6 @@
 """GPU tier of the unembedding LoRA (lm_head): bf16 against fp32 on CUDA, and the chunked path's memory.
 
-* The chunked log-probs with a per-slot LoRA on the logits (trainer/chunked_logprobs.py LogitLora)
+* The chunked log-probs with a per-slot LoRA on the logits (trainer/kernels/chunked_logprobs.py LogitLora)
   at a real vocabulary (151936, Qwen3's): bf16 values and gradients (hidden, z, B) against the fp32
   run of the same function, and the fp32 run against the full-logits reference; the peak memory of
   the chunked bf16 forward+backward stays far below the full fp32 logits alone (it never makes
@@ -51,7 +51,7 @@ def _problem(dtype):
 
 
 def _run(fn, dtype, **kw):
-    from trainer.chunked_logprobs import LogitLora
+    from trainer.kernels.chunked_logprobs import LogitLora
 
     h, w, t, z, b, up = _problem(dtype)
     h, z, b = (x.requires_grad_() for x in (h, z, b))
@@ -61,7 +61,7 @@ def _run(fn, dtype, **kw):
 
 
 def test_chunked_unembed_lora_bf16_against_fp32_and_the_full_reference():
-    from trainer.chunked_logprobs import chunked_token_logprobs, full_token_logprobs
+    from trainer.kernels.chunked_logprobs import chunked_token_logprobs, full_token_logprobs
 
     f32 = _run(chunked_token_logprobs, torch.float32, chunk_size=CHUNK)
     ref = _run(full_token_logprobs, torch.float32)
@@ -76,7 +76,7 @@ def test_chunked_unembed_lora_bf16_against_fp32_and_the_full_reference():
 
 @pytest.mark.skipif(DEV.type != "cuda", reason="CUDA allocator statistics")
 def test_chunked_path_never_holds_the_full_logits():
-    from trainer.chunked_logprobs import chunked_token_logprobs, full_token_logprobs
+    from trainer.kernels.chunked_logprobs import chunked_token_logprobs, full_token_logprobs
 
     full_logits_bytes = T * V * 4  # the fp32 [tokens x vocabulary] logits alone
     peaks = {}
@@ -85,7 +85,7 @@ def test_chunked_path_never_holds_the_full_logits():
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        from trainer.chunked_logprobs import LogitLora
+        from trainer.kernels.chunked_logprobs import LogitLora
 
         h, w, t, z, b, up = inputs
         h, z, b = (x.requires_grad_() for x in (h, z, b))

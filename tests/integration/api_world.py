@@ -13,7 +13,7 @@ import httpx
 
 from api.app import create_app
 from api.server import ApiServer
-from service.config import ServiceSettings, SlotCapacity, load_settings
+from service.config.job import ServiceSettings, SlotCapacity, load_settings
 
 TOKEN = "test-token-5f1c"
 MAX_BODY = 8192
@@ -61,7 +61,7 @@ def serve(controller: Any, settings: ServiceSettings, tenant_keys: Any = None) -
 def served_world(tmp: Path) -> Iterator[tuple[World, ApiServer]]:
     """A fresh world and a Controller (no runtime) behind the real app on loopback;
     server stopped and registry closed even when the test fails."""
-    from service.controller import Controller
+    from service.control.controller import Controller
 
     world = make_world(tmp)
     controller = Controller(world.settings, CAPACITY)

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 # The same entry point as the console script, independent of how the venv's launcher was generated.
-LORAFLEET = [sys.executable, "-m", "api.cli"]
+LORAFLEET = [sys.executable, "-m", "api.cli.main"]
 
 
 def rows(db: Path, sql: str, *args) -> list[sqlite3.Row]:
@@ -27,7 +27,7 @@ def rows(db: Path, sql: str, *args) -> list[sqlite3.Row]:
 def reaped_job_dir(folder: Path, state_subdir: str) -> Iterator[Path]:
     """`folder` as the job's working folder; the SGLang engines of its state dir
     (`runs/<state_subdir>`) are reaped when the test ends, even on failure."""
-    from service.engine_pids import reap_engines
+    from service.fleet.engine_pids import reap_engines
 
     try:
         yield folder

@@ -1,6 +1,6 @@
 """The publish export's row snapshot against the per-layer gather, under any TP layout.
 
-`SlotExporter.snapshot_peft` (trainer/slot_export.py) exports a slot from its one buffer row (one cast, one TP
+`SlotExporter.snapshot_peft` (trainer/export/slot_export.py) exports a slot from its one buffer row (one cast, one TP
 all-gather of the split columns, one host copy), and the writer takes the row apart on the host
 (`peft_from_snapshot`). The checkpoint path gathers layer by layer instead (`slot_state_tensors`:
 `full_a`/`full_b`, an all-gather per split tensor). Both must give the same PEFT tensors bit for
@@ -17,12 +17,12 @@ def export_matches_full_tensors(trainer, hypers, batch, folder) -> dict:  # noqa
     then per slot: the row-snapshot export (fp32) against slot_to_hf of the per-layer gather, and a
     background bf16 export of slot 0 written to ``folder`` against the same rounded. Rank 0
     returns {"names": tensors compared, "mismatches": [...]}; other ranks return {}."""
-    from trainer.slot_checkpoint import slot_state_tensors
+    from trainer.swap.slot_checkpoint import slot_state_tensors
 
     from safetensors.torch import load_file
 
-    from trainer.moe_peft import expert_peft_tensors
-    from trainer.peft_io import slot_to_hf
+    from trainer.export.moe_peft import expert_peft_tensors
+    from trainer.export.peft_io import slot_to_hf
 
     for slot, h in enumerate(hypers):
         if trainer.slot_status(slot)["active"]:

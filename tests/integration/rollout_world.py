@@ -9,7 +9,7 @@ import contextlib
 import inspect
 import time
 
-from rollout.client import EngineClient
+from rollout.engines.client import EngineClient
 from rollout.config import DataConfig, RewardConfig, RolloutSpec, SamplingConfig
 from rollout.worker import AdapterRollout
 from rollout.worker_actor import RolloutWorkerImpl

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import yaml
 
-from api.client import ApiError, LorafleetClient
+from api.cli.client import ApiError, LorafleetClient
 
 REPO = Path(__file__).resolve().parents[2]
-# The `lorafleet` entry point (api/cli.py), run by this interpreter: independent of how the
+# The `lorafleet` entry point (api/cli/main.py), run by this interpreter: independent of how the
 # venv's console script was generated.
-LORAFLEET = [sys.executable, "-m", "api.cli"]
+LORAFLEET = [sys.executable, "-m", "api.cli.main"]
 TOKEN = "fleet-test-token-31d7"
 START_TIMEOUT_S = 480
 
@@ -193,7 +193,7 @@ def signal_processes(pids: list[int], sig: int = signal.SIGKILL, *, group: bool 
 @contextlib.contextmanager
 def serving(svc: Service) -> Iterator[Service]:
     """`svc` started; killed (and its engines reaped) however the tests end."""
-    from service.engine_pids import reap_engines
+    from service.fleet.engine_pids import reap_engines
 
     try:
         svc.start()
@@ -206,11 +206,11 @@ def serving(svc: Service) -> Iterator[Service]:
 
 
 @contextlib.contextmanager
-def registry_left_in(state_dir: Path, num_slots: int) -> Iterator["Registry"]:  # noqa: F821 - service.registry
+def registry_left_in(state_dir: Path, num_slots: int) -> Iterator["Registry"]:  # noqa: F821 - service.registry.registry
     """The SQLite registry a stopped or killed service left in `state_dir`, opened while nothing
     else uses it (what the service had committed, with no API read racing its last round)."""
-    from service.config import ServiceSettings
-    from service.registry import Registry
+    from service.config.job import ServiceSettings
+    from service.registry.registry import Registry
 
     registry = Registry(ServiceSettings(state_dir=state_dir).db_path, num_slots)
     try:

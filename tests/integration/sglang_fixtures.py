@@ -8,7 +8,7 @@ One server start costs ~35-60 s on this machine, so share one per test module:
 
     def test_something(sglang_server):
         sglang_server.url            # http://127.0.0.1:<free port>
-        sglang_server.engine         # rollout.engine.EngineProcess (kill(), restart(), log_path)
+        sglang_server.engine         # rollout.engines.engine.EngineProcess (kill(), restart(), log_path)
         sglang_server.model_dir      # the tiny model folder
 
 The factory's keyword arguments are `rollout.config.EngineConfig` fields
@@ -33,9 +33,9 @@ from pathlib import Path
 
 import pytest
 
-from rollout.client import EngineClient
+from rollout.engines.client import EngineClient
 from rollout.config import EngineConfig
-from rollout.engine import EngineProcess
+from rollout.engines.engine import EngineProcess
 
 TINY_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 DEFAULT_ENGINE = dict(max_lora_rank=8, max_loras_per_batch=4, max_loaded_loras=8, startup_deadline_s=240.0)

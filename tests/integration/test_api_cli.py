@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from api.cli import app
-from api.smoke import SmokeFailure, check_metrics
+from api.cli.main import app
+from api.cli.smoke import SmokeFailure, check_metrics
 from tests.integration.api_world import TOKEN, served_world
 
 pytestmark = pytest.mark.integration

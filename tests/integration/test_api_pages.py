@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from api.tenant_keys import TenantKeys
-from service.config import SlotCapacity
+from service.config.job import SlotCapacity
 from tests.integration.api_world import TOKEN, make_world, serve
 
 pytestmark = pytest.mark.integration
@@ -31,7 +31,7 @@ QUOTAS = {"tenants": {"carol": {"max_live_runs": 3, "max_queued_runs": 2}}}
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    from service.controller import Controller
+    from service.control.controller import Controller
 
     tmp = tmp_path_factory.mktemp("pages")
     keys = {**KEYS, "carol": "tml-carol-0123456789"}

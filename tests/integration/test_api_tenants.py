@@ -18,9 +18,9 @@ import pytest
 from pydantic import SecretStr
 
 from api.tenant_keys import TenantKeys
-from service.config import SlotCapacity
-from service.registry import AdapterState as S
-from service.runtime import run_dir
+from service.config.job import SlotCapacity
+from service.registry.registry import AdapterState as S
+from service.control.runtime_protocol import run_dir
 from tests.integration.api_world import TOKEN, make_world, serve
 
 pytestmark = pytest.mark.integration
@@ -64,7 +64,7 @@ class Tenants:
 
 @pytest.fixture(scope="module")
 def t(tmp_path_factory):
-    from service.controller import Controller
+    from service.control.controller import Controller
 
     world = make_world(tmp_path_factory.mktemp("tenants"))
     controller = Controller(world.settings, CAPACITY)
@@ -205,7 +205,7 @@ def test_credentials_and_operator_routes(t):
 
 
 def test_keys_without_an_admin_token_have_no_anonymous_admin(tmp_path):
-    from service.controller import Controller
+    from service.control.controller import Controller
 
     world = make_world(tmp_path)
     settings = world.settings.model_copy(update={"api_token": None})
@@ -231,7 +231,7 @@ def test_the_admin_token_may_not_be_a_tenant_key(tmp_path):
 def test_cli_with_a_tenant_key(t):
     from typer.testing import CliRunner
 
-    from api.cli import app
+    from api.cli.main import app
 
     first = register(t, "alice", "al-cli")
     t("alice", "DELETE", "/v1/adapters/al-cli", status=202)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.config import SlotCapacity
+from service.config.job import SlotCapacity
 from tests.integration.api_world import TOKEN, make_world, serve
 from tests.integration.test_dashboard_browser import CHROMIUM, DashboardDom, chromium
 
@@ -19,7 +19,7 @@ RUNS = 1024
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from service.controller import Controller
+    from service.control.controller import Controller
 
     if CHROMIUM is None:
         pytest.fail("chromium is not installed: run deploy/setup.sh as root (it installs Debian's chromium) "

@@ -8,7 +8,7 @@ configured port in use is refused at once with a message naming engines.ports.
 The race itself cannot be caused on demand, so the second test makes `pick_free_port` return a
 port this test holds (a named fault injection); the server, the bind failure and the retry are real.
 The engine it ends with is also measured (psutil, as tests/integration/test_ray_loopback.py does
-for Ray): every port its processes listen on is on loopback (rollout/sglang_server.py gives a
+for Ray): every port its processes listen on is on loopback (rollout/engines/sglang_server.py gives a
 one-rank engine's torch.distributed group a FileStore; before, torch's TCPStore listened on `::`).
 """
 
@@ -19,9 +19,9 @@ from collections.abc import Iterator
 
 import pytest
 
-import rollout.engine as engine_mod
+import rollout.engines.engine as engine_mod
 from rollout.config import EngineConfig
-from rollout.engine import EngineProcess, EngineStartError
+from rollout.engines.engine import EngineProcess, EngineStartError
 from tests.integration.net_probe import is_loopback, listeners
 from tests.integration.sglang_fixtures import DEFAULT_ENGINE
 

@@ -1,4 +1,4 @@
-"""The export write off the trainer's critical path (issue 18, trainer/export_writer.py), with real
+"""The export write off the trainer's critical path (issue 18, trainer/export/export_writer.py), with real
 Ray and the real trainer on the tiny world (fp32, CPU): one TrainerGroup rank shared by the module.
 
 Proved by order, never by time: a named fault injection (tests/trainer_probes.py `hold_export_writes`)
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def group(tiny_world):
-    from service.trainer_group import TrainerGroup
+    from service.fleet.trainer_group import TrainerGroup
     from trainer.config import SlotHyperParams, TrainerConfig
 
     start_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -121,7 +121,7 @@ def test_background_exports_queue_in_order_while_held(group, tmp_path):
 def test_failed_write_or_snapshot_makes_the_awaited_call_raise(group, tmp_path):
     import ray
 
-    from rollout.weights import PendingFolder
+    from rollout.engines.weights import PendingFolder
 
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")

@@ -1,4 +1,4 @@
-"""The fused LoRA node (trainer/fused_lora.py) under tensor parallel 2: two gloo processes,
+"""The fused LoRA node (trainer/lora/fused_lora.py) under tensor parallel 2: two gloo processes,
 real Megatron ColumnParallelLinear / RowParallelLinear, fp32 on the CPU.
 
 For column-parallel (plain and gate_up layouts) and row-parallel layers, one packed stream
@@ -108,8 +108,8 @@ def _run_layer(case, *, tp_group, fused, dtype=torch.float32, device=torch.devic
     """(whole-layout results, the layer, whether the fused node ran) of one case on this rank:
     TP=2 over ``tp_group``, or the whole layer when ``tp_group`` is None. Activations and the
     frozen base in ``dtype``, LoRA masters in fp32 (as the trainer keeps them)."""
-    from trainer.multi_lora import MultiLoraLinear, SlotRouting
-    from trainer.packing import pack_sequences
+    from trainer.lora.multi_lora import MultiLoraLinear, SlotRouting
+    from trainer.base.packing import pack_sequences
 
     parallel, kind = LAYOUTS[case.split("/")[0]]
     kernel, rank_kernels, _, x_grad = VARIANTS[case.split("/")[1]]
@@ -168,7 +168,7 @@ def _worker(rank, port, out_path, dtype_name="float32", cases=None):
     import torch.distributed as dist
 
     from tests.numerics import max_rel_err
-    from trainer.distributed import init_parallel, tp_group
+    from trainer.platform.distributed import init_parallel, tp_group
 
     torch.set_num_threads(1)
     layout = init_parallel(tp=TP, dp=1, rank=rank, master_port=port)
@@ -214,8 +214,8 @@ def _refusals(dtype, device) -> dict:
     from megatron.core import ModelParallelConfig
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-    from trainer.distributed import tp_group
-    from trainer.multi_lora import MultiLoraLinear, SlotRouting, fused_tp_refusal
+    from trainer.platform.distributed import tp_group
+    from trainer.lora.multi_lora import MultiLoraLinear, SlotRouting, fused_tp_refusal
 
     def config(**kw):
         return ModelParallelConfig(tensor_model_parallel_size=TP, params_dtype=dtype,
@@ -244,7 +244,7 @@ def _refusals(dtype, device) -> dict:
 def tp2_results(tmp_path_factory):
     import torch.multiprocessing as mp
 
-    from trainer.distributed import free_loopback_port
+    from trainer.platform.distributed import free_loopback_port
 
     out = tmp_path_factory.mktemp("fused_tp") / "results.pt"
     mp.spawn(_worker, args=(free_loopback_port(), str(out)), nprocs=TP, join=True)

@@ -14,7 +14,7 @@ each other (so a server that ignored the adapter would fail).
 All of them share batches: in one batch request (one prefill batch), the lm_head adapter's
 sequences sit beside the other adapters' and the base's, with and without prompt log-probs.
 SGLang 0.5.23's CPU LoRA backend routed the pruned lm_head rows of such a batch by the whole
-sequences' lengths (errors up to 0.53); rollout/sglang_lm_head_rows.py fixes it, and these tests
+sequences' lengths (errors up to 0.53); rollout/engines/sglang_lm_head_rows.py fixes it, and these tests
 are what fail without it.
 
 Tolerance: fp32 on both sides, different kernels (SGLang's torch_native attention and
@@ -31,7 +31,7 @@ import uuid
 import pytest
 import torch
 
-from rollout.weights import AdapterWeights
+from rollout.engines.weights import AdapterWeights
 from tests.integration.sglang_fixtures import TINY_LORA_TARGETS, make_peft_adapter, one_torch_thread, running_sglang_server
 
 pytestmark = pytest.mark.integration
@@ -147,7 +147,7 @@ async def one_batch_request(url: str, names: dict, prompt_ids: list[list[int]], 
     several rows per sequence instead of one. -> [(served name, prompt, GenerateResult)]."""
     import httpx
 
-    from rollout.client import parse_generate_response
+    from rollout.engines.client import parse_generate_response
 
     order = sorted(names, key=lambda n: (n is not None, n or ""))  # the base first, then by name
     seqs = [(n, p) for p in prompt_ids for n in order]

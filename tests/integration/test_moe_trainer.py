@@ -68,7 +68,7 @@ def moe_hypers(objectives, **kw):
 
 
 def expert_layers(trainer):
-    from trainer.moe_lora import is_expert_layer
+    from trainer.lora.moe_lora import is_expert_layer
 
     return [layer for layer in trainer.layers if is_expert_layer(layer)]
 
@@ -101,7 +101,7 @@ def test_mixed_objectives_equal_each_adapter_alone(mixed_run, trainer):
 
 def _assert_experts_trained(run, trainer):
     """Expert B moved away from zero for expert slots; the attention-only slot's state holds no
-    expert tensors (a slot's state holds the layers it trains, trainer/slot_checkpoint.py: the
+    expert tensors (a slot's state holds the layers it trains, trainer/swap/slot_checkpoint.py: the
     others are exactly zero, which tests/reference/test_trainer_against_reference.py checks)."""
     names = [layer.name for layer in expert_layers(trainer)]
     for slot in range(4):
@@ -123,12 +123,12 @@ def test_loop_kernel_equals_grouped_mm(trainer, batches, mixed_run):
 
 def test_triton_expert_kernels_equal_grouped_mm(trainer, batches):
     """The segmented Triton kernels (Triton's interpreter here; at TP 1 the fused expert
-    linear, trainer/expert_lora_nodes.py) train what grouped_mm trains: the scenario's first
+    linear, trainer/lora/expert_lora_nodes.py) train what grouped_mm trains: the scenario's first
     two calls (accumulation across them, slots of different ranks, the attention-only slot),
     the same weights, moments, losses and gradient norms; and mixed equals alone. With
     ``lora_rank_kernels: triton`` as a user sets it, so the attention LoRA's rank kernels
     (triton_lora.py) run in the interpreter too."""
-    from trainer import triton_expert_lora
+    from trainer.kernels import triton_expert_lora
 
     calls = []
     real_shrink = triton_expert_lora.shrink
@@ -221,7 +221,7 @@ def test_expert_part_of_the_export_matters(trainer, batches, tmp_path):
     really covers the expert LoRA."""
     from tests.trainer_probes import forward_logits
 
-    from trainer.peft_io import write_peft_folder
+    from trainer.export.peft_io import write_peft_folder
 
     _fresh(trainer, moe_hypers("mixed"))
     for batch in batches:
@@ -243,7 +243,7 @@ def test_expert_part_of_the_export_matters(trainer, batches, tmp_path):
 
 
 def test_checkpoint_round_trip(trainer, batches, tmp_path):
-    from trainer.slot_checkpoint import load_slot_state, save_slot_state, slot_state_tensors
+    from trainer.swap.slot_checkpoint import load_slot_state, save_slot_state, slot_state_tensors
 
     from trainer.batch import TrainBatch
 
@@ -266,7 +266,7 @@ def test_start_from_an_exported_expert_adapter(trainer, batches, tmp_path):
     """init_from reads the expert LoRA back (target_parameters): the new slot computes what the
     exported one computes; a slot whose lora_experts is false refuses it and nothing changes."""
     from tests.trainer_probes import forward_logits
-    from trainer.slot_checkpoint import slot_state_tensors
+    from trainer.swap.slot_checkpoint import slot_state_tensors
 
     _fresh(trainer, moe_hypers("mixed"))
     for batch in batches:
@@ -298,7 +298,7 @@ def test_start_from_an_exported_expert_adapter(trainer, batches, tmp_path):
 def _parallel_worker(rank, port, cfg_kwargs, hypers, batches, out_path):
     import torch.distributed as dist
 
-    from trainer import triton_expert_lora
+    from trainer.kernels import triton_expert_lora
     from trainer.config import TrainerConfig
     from trainer.core import MultiLoraTrainer
 
@@ -326,7 +326,7 @@ def test_two_ranks_equivalence(trainer, batches, mixed_run, tmp_path, layout):
     all-reduces around them), against one rank on grouped_mm."""
     import torch.multiprocessing as mp
 
-    from trainer.distributed import free_loopback_port
+    from trainer.platform.distributed import free_loopback_port
 
     parallel, _, kernels = layout.partition("-")
     cfg_kwargs = trainer.config.model_dump() | {parallel: 2} | ({"lora_rank_kernels": kernels} if kernels else {})

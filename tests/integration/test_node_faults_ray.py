@@ -1,4 +1,4 @@
-"""Re-placement of a lost node's groups (service/node_faults.py) on a real loopback Ray cluster
+"""Re-placement of a lost node's groups (service/fleet/node_faults.py) on a real loopback Ray cluster
 (tests/integration/loopback_cluster.py), with real placement groups and real engine launchers, but no
 SGLang server and no trainer (the whole service with both: tests/integration/test_multinode.py). In order:
 
@@ -35,10 +35,10 @@ def world(tiny_world, tmp_path_factory):
     plan reserved on it: (cluster, job, plan, specs, trainer groups, EngineHosts, NodeFaults)."""
     import ray._private.ray_constants as ray_constants
 
-    from service.config import JobConfig, load_settings
-    from service.engine_hosts import EngineHosts
-    from service.node_faults import NodeFaults
-    from service.placement import cluster_shape_from_ray, placement_group_specs, plan_placement, reserve_placement_groups
+    from service.config.job import JobConfig, load_settings
+    from service.fleet.engine_hosts import EngineHosts
+    from service.fleet.node_faults import NodeFaults
+    from service.fleet.placement import cluster_shape_from_ray, placement_group_specs, plan_placement, reserve_placement_groups
 
     cluster = LoopbackCluster([2, 2])
     mp = pytest.MonkeyPatch()
@@ -69,7 +69,7 @@ def world(tiny_world, tmp_path_factory):
 
 def test_the_plan_puts_trainer_and_engine_on_different_worker_nodes(world):
     cluster, _, plan, specs, groups, hosts, _ = world
-    from service.placement import group_node_ids
+    from service.fleet.placement import group_node_ids
 
     trainer_node, engine_node = specs[0].node_id, specs[1].node_id
     assert {trainer_node, engine_node} == set(cluster.workers)
@@ -78,9 +78,9 @@ def test_the_plan_puts_trainer_and_engine_on_different_worker_nodes(world):
 
 
 def test_the_state_dir_is_seen_by_the_nodes_that_need_it(world, tmp_path):
-    """The start-up check of a shared state dir (service/cluster_checks.py), run for real on both worker nodes
+    """The start-up check of a shared state dir (service/fleet/cluster_checks.py), run for real on both worker nodes
     (one host here: they share the filesystem; a node that does not see the folder cannot be made on one host)."""
-    from service.cluster_checks import check_shared_state_dir, state_dir_users
+    from service.fleet.cluster_checks import check_shared_state_dir, state_dir_users
 
     cluster, _, plan, _, _, _, _ = world
     assert state_dir_users(plan, "disk", "127.0.0.1") == {}  # the coordinator's host needs no probe
@@ -109,7 +109,7 @@ def test_a_lost_engine_node_is_left_for_the_node_without_trainer_ranks(world):
 
 def test_the_trainer_group_of_a_lost_node_is_placed_on_the_node_left(world):
     cluster, _, _, _, groups, hosts, faults = world
-    from service.placement import group_node_ids
+    from service.fleet.placement import group_node_ids
 
     trainer_node = faults.trainer_nodes[0]
     assert not faults.node_lost(hosts.nodes[0])  # a node that runs tasks is never given up
@@ -124,7 +124,7 @@ def test_the_trainer_group_of_a_lost_node_is_placed_on_the_node_left(world):
 
 def test_with_no_room_left_both_end_in_no_placement_with_the_arithmetic(world):
     cluster, _, _, _, groups, hosts, faults = world
-    from service.placement import NoPlacement, NoRoomYet
+    from service.errors import NoPlacement, NoRoomYet
 
     last = hosts.nodes[0]
     cluster.kill(last)

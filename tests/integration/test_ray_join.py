@@ -1,4 +1,4 @@
-"""Joining a Ray cluster only on purpose (service/ray_connect.py; issue 27 item 1), on real Rays in a
+"""Joining a Ray cluster only on purpose (service/fleet/ray_connect.py; issue 27 item 1), on real Rays in a
 subprocess whose Ray temp dir is private (RAY_TMPDIR), so the cluster it records is seen by nobody else
 on the machine:
 
@@ -29,8 +29,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent("""
     import json, os, sys
-    from service.ray_config import RayConfig
-    from service.ray_connect import connect_ray, ray_on_loopback, recorded_cluster_address
+    from service.config.job.ray import RayConfig
+    from service.fleet.ray_connect import connect_ray, ray_on_loopback, recorded_cluster_address
     ray_on_loopback()
     import ray
     from ray.cluster_utils import Cluster
@@ -80,7 +80,7 @@ def test_lorafleet_run_exits_with_the_reason_when_the_head_does_not_answer(tmp_p
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(job))
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.run([sys.executable, "-m", "api.cli", "run", str(path)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "api.cli.main", "run", str(path)], capture_output=True, text=True,
                           timeout=240, cwd=ROOT, env=env)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert (f"error: RayConnectError: cannot reach the Ray cluster at 127.0.0.1:{port} (from the job file's "

@@ -1,4 +1,4 @@
-"""A local Ray started for a service on loopback listens on 127.0.0.1 only (service/ray_connect.py
+"""A local Ray started for a service on loopback listens on 127.0.0.1 only (service/fleet/ray_connect.py
 `ray_on_loopback`; docs/operations.md, Ports). Measured on the real processes with psutil, in a
 subprocess of its own (the switch changes process-wide Ray state). Without the switch Ray's GCS,
 raylet and workers listen on every interface: that is the planted-bug check of this test."""
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = textwrap.dedent("""
     import json, os, sys
     import psutil, ray
-    from service.ray_connect import ray_on_loopback
+    from service.fleet.ray_connect import ray_on_loopback
     if sys.argv[1] == "loopback":
         ray_on_loopback()
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, object_store_memory=80 * 1024**2)

@@ -1,5 +1,5 @@
-"""The API's front process (api/read_front.py, issue 26: reads never stall training), as `lorafleet
-serve` runs it: a real `python -m api.read_front` process on a socket bound here, in front of the
+"""The API's front process (api/front/read_front.py, issue 26: reads never stall training), as `lorafleet
+serve` runs it: a real `python -m api.front.read_front` process on a socket bound here, in front of the
 real app (uvicorn on loopback) over a real controller and SQLite registry with tenant keys.
 
   * every request passes as it is (a scenario table compared with the app asked directly: status,
@@ -27,10 +27,10 @@ import httpx
 import pytest
 
 from api.app import create_app
-from api.read_front import bind_public, start_front
+from api.front.read_front import bind_public, start_front
 from api.server import ApiServer
 from api.tenant_keys import TenantKeys
-from service.config import SlotCapacity
+from service.config.job import SlotCapacity
 from tests.integration.api_world import TOKEN, make_world
 from tests.waiting import wait_until
 
@@ -76,7 +76,7 @@ def _answers(url: str) -> bool:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    from service.controller import Controller
+    from service.control.controller import Controller
 
     w = make_world(tmp_path_factory.mktemp("front"))
     controller = Controller(w.settings, SlotCapacity(num_slots=2, max_rank=16))
@@ -200,7 +200,7 @@ def test_the_front_exits_when_its_parent_is_killed(tmp_path):
     """The coordinator killed with SIGKILL (no clean-up runs): its front goes too, and the port is free."""
     script = textwrap.dedent("""
         import signal
-        from api.read_front import bind_public, start_front
+        from api.front.read_front import bind_public, start_front
         sock = bind_public("127.0.0.1", 0)
         proc = start_front(sock, "http://127.0.0.1:9", 1.0, 0.0)
         print(proc.pid, sock.getsockname()[1], flush=True)

@@ -29,8 +29,8 @@ import torch
 from rollout.config import RolloutConfig, RolloutSpec
 from rollout.naming import adapter_of_rid
 from rollout.rewards import target_share
-from rollout.weights import AdapterWeights
-from service.batches import rl_samples, rl_step
+from rollout.engines.weights import AdapterWeights
+from service.tenants.batches import rl_samples, rl_step
 from tests.integration import envs_for_tests as envs
 from tests.integration.rollout_world import record_aborts, record_requests, rollout_spec, started_worker, wait_for
 from tests.integration.sglang_fixtures import make_peft_adapter, one_torch_thread, sglang_server_fixture
@@ -329,7 +329,7 @@ def test_a_rollout_function_and_what_it_may_not_claim(sglang_server, adapters, t
 
 def test_a_tool_using_run_trains_beside_single_turn_and_sft_in_one_mixed_step(sglang_server, tiny_world, tokenizer, tmp_path):
     from rollout.config import DataConfig
-    from service.sft import SftSource
+    from service.tenants.sft_source import SftSource
     from tests.reference.trainer import ReferenceAdapter
     from trainer.batch import TrainBatch, TrainSample
     from trainer.config import SlotHyperParams, TrainerConfig

@@ -20,12 +20,12 @@ import time
 
 import pytest
 
-from rollout.client import EngineClient, EngineUnavailable
+from rollout.engines.client import EngineClient, EngineUnavailable
 from rollout.config import DataConfig, RewardConfig, RolloutConfig, SamplingConfig
 from rollout.naming import lora_name
-from rollout.pool import EnginePool
+from rollout.engines.pool import EnginePool
 from rollout.rewards import target_share
-from rollout.weights import AdapterWeights
+from rollout.engines.weights import AdapterWeights
 from rollout.worker import AdapterRollout
 from tests.integration.rollout_world import count_concurrent_requests, rollout_spec, started_worker, wait_for
 from tests.integration.sglang_fixtures import GREEDY, hf_greedy, make_peft_adapter, one_torch_thread, sglang_server_fixture
@@ -499,8 +499,8 @@ def long_rows_spec(tmp_path, tiny_world, name, registration_id, *, limits: bool)
     path.write_text("".join(json.dumps({"prompt": f"{i} " + "ab 12 " * 16_666, "label": "0123456789"}) + "\n" for i in range(16)))
     data = DataConfig(path=str(path), shuffle_seed=0)
     if limits:
-        from service.config import AdapterConfig, ServiceSettings, SlotCapacity
-        from service.config_checks import row_limits
+        from service.config.job import AdapterConfig, ServiceSettings, SlotCapacity
+        from service.control.config_checks import row_limits
 
         cfg = AdapterConfig(data={"path": str(path)}, reward={"name": "target_share"}, sampling={"max_new_tokens": 12, "n_samples_per_prompt": 4})
         data = data.model_copy(update=row_limits(cfg, ServiceSettings(data_roots=[tmp_path]), SlotCapacity(context_tokens=512)))
@@ -561,7 +561,7 @@ def test_requests_the_engine_keeps_refusing_stop_the_adapter_with_a_reason(sglan
 
 
 def _handoff_copy(src, root, tag) -> AdapterWeights:
-    """A handoff folder, as the trainer writes it for one version (service/runtime_impl.py _engine_weights)."""
+    """A handoff folder, as the trainer writes it for one version (service/fleet/fleet_runtime.py _engine_weights)."""
     import shutil
 
     dest = root / tag
@@ -643,12 +643,12 @@ def test_a_publish_counts_for_staleness_before_the_engines_loaded_it(sglang_serv
 
 
 def test_the_worker_loads_a_handoff_folder_once_the_trainer_wrote_it(sglang_server, adapters, prompts, tiny_world, tmp_path):
-    """The loop hands over a folder the trainer is still writing (rollout.weights.PendingFolder): the
+    """The loop hands over a folder the trainer is still writing (rollout.engines.weights.PendingFolder): the
     worker counts the version at once, loads it once the write finished (the server then serves it,
     == HF+PEFT greedy), and a failed write fails the publish, deletes the folder and keeps the old version."""
     import shutil
 
-    from rollout.weights import PendingFolder
+    from rollout.engines.weights import PendingFolder
 
     cfg = RolloutConfig(max_inflight_per_adapter=4, max_inflight_total=4, max_buffered_groups_per_adapter=2)
     want = hf_greedy(tiny_world / "model", adapters["two"], prompts[:1])
@@ -697,9 +697,9 @@ def test_a_burst_of_publishes_serves_the_newest_and_never_a_superseded_one(sglan
     v4's at staleness 0."""
     import shutil
 
-    from rollout.weights import PendingFolder
+    from rollout.engines.weights import PendingFolder
     from rollout.worker import PUBLISH_LOADED, PUBLISH_SUPERSEDED
-    from service.trainer_group import TrainerGroup
+    from service.fleet.trainer_group import TrainerGroup
     from tests.trainer_probes import hold_export_writes
     from trainer.batch import TrainBatch, TrainSample
     from trainer.config import SlotHyperParams, TrainerConfig

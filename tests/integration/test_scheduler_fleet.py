@@ -4,11 +4,11 @@ two Tinker models (the SDK's default targets: attention, MLP and lm_head) share 
 rotating in turns (turn_steps 1) so that runs evict models and models evict runs, and each ends
 with exactly the weights it would have got alone.
 
-Real parts: Ray, the fleet as `lorafleet run` starts it (service/app_runtime.py: one Megatron-Bridge
+Real parts: Ray, the fleet as `lorafleet run` starts it (service/fleet/startup.py: one Megatron-Bridge
 trainer rank, fp32 CPU; the rollout worker with one SGLang CPU engine generating the RL run's
 groups), the controller and its SQLite registry, the FleetRuntime and its scheduler, the training
 loop on a thread of its own (service mode), and the Tinker models as the Tinker face makes them
-(service/tinker_models.py). The trainer group's run_round, init_slot and swap_out are wrapped by a
+(service/tenants/tinker_models.py). The trainer group's run_round, init_slot and swap_out are wrapped by a
 SPY that records what went through (the round's work and who held which slot, each tenant's
 initial weights, each eviction) and calls the real method.
 
@@ -84,8 +84,8 @@ def fleet(tiny_world, tmp_path_factory):
     import peft  # noqa: F401 - and before this test's references import it (two threads importing at once race)
     import yaml
 
-    from service.app_runtime import start_fleet
-    from service.config import load_job
+    from service.fleet.startup import start_fleet
+    from service.config.job import load_job
     from tests.integration.service_world import serve_job
 
     tmp = tmp_path_factory.mktemp("sched_fleet")
@@ -190,11 +190,11 @@ def _tinker_reference(hf_model, init: Path, name: str, rounds: list) -> dict[str
 
 
 def test_runs_and_models_rotate_through_two_slots_and_each_trains_as_alone(fleet, tiny_world):
-    from service.loop import LoopOptions, run_training_loop
-    from service.registry import AdapterState
+    from service.loop.training_loop import LoopOptions, run_training_loop
+    from service.registry.registry import AdapterState
     from service.shutdown import StopSignal
-    from service.tenant_tinker import LoraSpec
-    from service.tinker_models import TinkerModels
+    from service.tenants.tinker_model import LoraSpec
+    from service.tenants.tinker_models import TinkerModels
     from tests.reference.trainer import train_alone
 
     f, tmp = fleet

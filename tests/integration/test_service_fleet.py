@@ -67,7 +67,7 @@ def fleet_service(tiny_world, tmp_path_factory):
 
 
 def handoff_folders(state_dir: Path, *names: str) -> list[str]:
-    """The handoff folders of adapters `names` (service/runtime_impl.py names them <name>-<registration>-v<version>)."""
+    """The handoff folders of adapters `names` (service/fleet/fleet_runtime.py names them <name>-<registration>-v<version>)."""
     root = state_dir / "handoff"
     found = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
     return [f for f in found if any(f.startswith(f"{n}-") for n in names)]

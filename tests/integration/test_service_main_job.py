@@ -1,4 +1,4 @@
-"""The README's main-job command, end to end on CPU: `lorafleet run` (run as `python -m api.cli run`,
+"""The README's main-job command, end to end on CPU: `lorafleet run` (run as `python -m api.cli.main run`,
 the same entry point as the console script, independent of how the venv's launcher was generated).
 
 Real everything: the CLI process starts Ray, one SGLang CPU server, the
@@ -93,7 +93,7 @@ def _check_tensorboard_matches_registry(state_dir: Path, db: Path, runs: dict, o
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.util import tensor_util
 
-    from service.tb_log import FLEET_RUN, run_dir, tensorboard_dir
+    from service.loop.tb_log import FLEET_RUN, run_dir, tensorboard_dir
 
     printed = [line.split("TensorBoard logs: ", 1)[1].strip() for line in output.splitlines() if "TensorBoard logs: " in line]
     assert printed, output[-3000:]

@@ -29,7 +29,7 @@ from tests.integration.cli_jobs import check_exports_load_with_peft
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
-LORAFLEET = [sys.executable, "-m", "api.cli"]
+LORAFLEET = [sys.executable, "-m", "api.cli.main"]
 JOB_TIMEOUT_S = 720
 NUM_STEP = 4
 
@@ -57,7 +57,7 @@ def _job(tmp: Path, tiny_world: Path) -> Path:
 
 
 def test_six_adapters_take_turns_through_two_slots(tiny_world, tmp_path):
-    from service.engine_pids import reap_engines
+    from service.fleet.engine_pids import reap_engines
 
     job = _job(tmp_path, tiny_world)
     t0 = time.monotonic()

@@ -35,10 +35,10 @@ STEPS, INTERVAL = 6, 3
 @pytest.fixture(scope="module")
 def sft_world(tiny_world, tmp_path_factory):
     ray = pytest.importorskip("ray")
-    from service.config import load_job, load_settings
-    from service.controller import Controller
-    from service.runtime_impl import FleetRuntime
-    from service.trainer_group import TrainerGroup
+    from service.config.job import load_job, load_settings
+    from service.control.controller import Controller
+    from service.fleet.fleet_runtime import FleetRuntime
+    from service.fleet.trainer_group import TrainerGroup
     from service.cli import TINY_JOB
 
     tmp = tmp_path_factory.mktemp("resume")
@@ -59,7 +59,7 @@ def sft_world(tiny_world, tmp_path_factory):
 
 
 def _train(controller, runtime):
-    from service.loop import LoopOptions, run_training_loop
+    from service.loop.training_loop import LoopOptions, run_training_loop
     from service.shutdown import StopSignal
 
     report = run_training_loop(controller, runtime, LoopOptions(batch_mode=True, max_wait_s=0.1), StopSignal())
@@ -75,8 +75,8 @@ def _sft(data, **over):
 def test_resumed_sft_run_continues_exactly(sft_world):
     from safetensors.torch import load_file
 
-    from service.checkpoints import load_checkpoint
-    from service.registry import AdapterState
+    from trainer.storage.run_checkpoints import load_checkpoint
+    from service.registry.registry import AdapterState
 
     controller, runtime, data = sft_world
     a = controller.register("a", _sft(data))
@@ -117,7 +117,7 @@ def test_an_epoch_run_ends_at_its_planned_total_with_its_schedule_finished(sft_w
     epochs run on into each other, 512 // 96 = 5 steps, and the last 32 rows (less than a step) are dropped.
     Planned with the old ceil(512 / 96) = 6, the run ended at 5/6 with its learning rate still above the end
     of its schedule (the main job's kinds_sft at 42/43)."""
-    from service.registry import AdapterState
+    from service.registry.registry import AdapterState
 
     controller, runtime, data = sft_world
     lr, min_ratio = 0.01, 0.1
@@ -152,7 +152,7 @@ def test_a_run_over_an_estimated_file_takes_the_exact_total(sft_world, monkeypat
     its data, records the exact total (the progress the tenant sees) and runs its cosine schedule to it:
     it ends at step == the exact total with its learning rate at min_lr_ratio x learning_rate. Without the
     correction it ends at 8 of an estimated ~20 steps, its schedule not finished."""
-    from service.registry import AdapterState
+    from service.registry.registry import AdapterState
 
     controller, runtime, data = sft_world
     monkeypatch.setattr(controller, "settings", controller.settings.model_copy(update={"data_check_bytes": CHECK_BYTES}))
@@ -163,7 +163,7 @@ def test_a_run_over_an_estimated_file_takes_the_exact_total(sft_world, monkeypat
     config = _sft(data, num_step=None, prompts_per_step=per_step, lr_schedule="cosine", warmup_steps=1, min_lr_ratio=min_ratio, learning_rate=lr)
     registered = controller.register("estimated", {**config, "data": {"path": str(big)}})
     assert registered.total_steps > exact + 2, registered.total_steps  # the estimate (rows in the prefix x size / prefix)
-    with caplog.at_level(logging.INFO, logger="service.runtime_impl"):
+    with caplog.at_level(logging.INFO, logger="service.fleet.fleet_runtime"):
         _train(controller, runtime)
     note = f"estimated: total_steps {registered.total_steps} -> {exact} (the file has {rows} rows; registration estimated it)"
     assert note in caplog.messages
@@ -178,7 +178,7 @@ def test_a_run_over_an_estimated_file_takes_the_exact_total(sft_world, monkeypat
 def test_an_estimated_file_with_no_whole_step_fails_at_prepare_alone(sft_world, monkeypatch):
     """The exact count gives no whole step (registration's estimate gave some): that run fails at prepare
     with the registration's reason (rows, step size, what is allowed); a run beside it trains to its end."""
-    from service.registry import AdapterState
+    from service.registry.registry import AdapterState
 
     controller, runtime, data = sft_world
     monkeypatch.setattr(controller, "settings", controller.settings.model_copy(update={"data_check_bytes": CHECK_BYTES}))
@@ -199,6 +199,6 @@ def test_an_estimated_file_with_no_whole_step_fails_at_prepare_alone(sft_world, 
 
 
 def runtime_run_dir(controller, ref):
-    from service.runtime import run_dir
+    from service.control.runtime_protocol import run_dir
 
     return run_dir(controller.settings.state_dir, ref)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from api.client import LorafleetClient
+from api.cli.client import LorafleetClient
 from tests.integration.sdk_clients import close_sdk_clients, open_client, unload_model  # noqa: F401 - autouse fixture
 from tests.integration.service_world import (Service, register_from_threads, registry_left_in, rl, running_service, sft,
                                              wait_for)

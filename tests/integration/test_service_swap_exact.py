@@ -32,8 +32,8 @@ STEPS = 4
 def world(tiny_world, tmp_path_factory):
     ray = pytest.importorskip("ray")
     from service.cli import TINY_JOB
-    from service.config import load_job
-    from service.trainer_group import TrainerGroup
+    from service.config.job import load_job
+    from service.fleet.trainer_group import TrainerGroup
 
     tmp = tmp_path_factory.mktemp("swap_exact")
     job = load_job(TINY_JOB).model_copy(update={"adapters": []})
@@ -49,9 +49,9 @@ def world(tiny_world, tmp_path_factory):
 
 
 def _controller(world, name: str, turn_steps: int):
-    from service.config import load_settings
-    from service.controller import Controller
-    from service.runtime_impl import FleetRuntime
+    from service.config.job import load_settings
+    from service.control.controller import Controller
+    from service.fleet.fleet_runtime import FleetRuntime
 
     job, trainer, tmp, data = world
     settings = load_settings(state_dir=tmp / name, data_roots=[data / "data", tmp])
@@ -63,7 +63,7 @@ def _controller(world, name: str, turn_steps: int):
 
 
 def _train(controller, runtime):
-    from service.loop import LoopOptions, run_training_loop
+    from service.loop.training_loop import LoopOptions, run_training_loop
     from service.shutdown import StopSignal
 
     report = run_training_loop(controller, runtime, LoopOptions(batch_mode=True, max_wait_s=0.1), StopSignal())
@@ -84,10 +84,10 @@ def _result(controller, name):
 
 
 def test_turns_through_one_slot_are_bit_exact(world, caplog):
-    from service.registry import AdapterState
+    from service.registry.registry import AdapterState
 
     _, trainer, _, data = world
-    caplog.set_level(logging.INFO, logger="service.scheduler")
+    caplog.set_level(logging.INFO, logger="service.scheduling.scheduler")
     turns, rt = _controller(world, "turns", turn_steps=1)
     try:
         turns.register("x", _sft(data, seed=7))
@@ -116,7 +116,7 @@ def test_turns_through_one_slot_are_bit_exact(world, caplog):
 
 
 def test_disk_full_while_spilling_fails_that_run_only(world):
-    from service.registry import AdapterState
+    from service.registry.registry import AdapterState
 
     _, trainer, tmp, data = world
     spill = tmp / "swap"

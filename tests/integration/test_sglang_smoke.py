@@ -12,7 +12,7 @@ import os
 import httpx
 import pytest
 
-from rollout.sglang_cpu import resolve_device
+from rollout.engines.sglang_cpu import resolve_device
 from tests.integration.sglang_fixtures import GREEDY, hf_greedy, make_peft_adapter, running_sglang_server
 
 # Opt-in (-m slow, CI budget): test_logprob_parity.py proves more in the default tier (every sampled

@@ -1,4 +1,4 @@
-"""Keep-warm eviction of Tinker models (the scheduler's one policy, service/residency.py) with the official SDK against
+"""Keep-warm eviction of Tinker models (the scheduler's one policy, service/scheduling/residency.py) with the official SDK against
 the Tinker routes on loopback, over an in-process trainer with ONE slot (tiny world, fp32 CPU).
 
 The idle threshold is measured on a test-owned clock (``StepClock``: a number the test moves
@@ -47,7 +47,7 @@ class StepClock:
 def world(tiny_world, tmp_path_factory):
     from api.server import ApiServer
     from api.tinker.auth import TenantKeys
-    from api.tinker.standalone import in_process_service, tinker_app
+    from tests.tinker_in_process import in_process_service, tinker_app
 
     clock = StepClock()
     svc = in_process_service(tiny_world / "model", TenantKeys(KEYS), tmp_path_factory.mktemp("ckpt"), num_slots=1,

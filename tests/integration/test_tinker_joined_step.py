@@ -53,7 +53,7 @@ VS_REFERENCE = 5e-5
 def ops(tiny_world):
     from trainer.config import TrainerConfig
     from trainer.core import MultiLoraTrainer
-    from trainer.tinker_ops import TinkerOps
+    from trainer.step.round_runner import TinkerOps
 
     trainer = MultiLoraTrainer(TrainerConfig(base_model_path=str(tiny_world / "model"), num_slots=4, max_rank=8,
                                              micro_batch_tokens=MICRO_BATCH_TOKENS))
@@ -104,7 +104,7 @@ def fresh(ops):
 
 
 def tinker_calls(step):
-    from trainer.tinker_ops import Call
+    from trainer.step.round_runner import Call
 
     return [Call(slot, copy.deepcopy(data), fn, cfg) for slot, fn, cfg, data in step]
 
@@ -114,7 +114,7 @@ def grad_rows(ops, slot):
 
 
 def slot_tensors(ops, slot):
-    from trainer.slot_checkpoint import slot_state_tensors
+    from trainer.swap.slot_checkpoint import slot_state_tensors
 
     parts = slot_state_tensors(ops.trainer, slot)
     return {f"{kind}.{i}.{name}": t.clone() for kind in ("weight", "exp_avg", "exp_avg_sq") for i in (0, 1)
@@ -122,7 +122,7 @@ def slot_tensors(ops, slot):
 
 
 def optim_steps(ops, step):
-    from trainer.tinker_ops import AdamStep
+    from trainer.step.round_runner import AdamStep
 
     for slot in sorted({slot for slot, *_ in step}):
         ops.optim_step(slot, AdamStep(**ADAM[slot]))
@@ -260,7 +260,7 @@ def test_tinker_slots_match_hf_peft(compared, work, hf_model):
 
 
 def test_bad_tinker_call_in_a_joined_step_fails_only_itself(ops, work):
-    from trainer.tinker_ops import Call
+    from trainer.step.round_runner import Call
 
     batches, calls = work
     fresh(ops)

@@ -52,7 +52,7 @@ OUT_TOL = 1e-4  # outputs: |ours - HF| <= OUT_TOL * (1 + sum of |token losses|) 
 
 
 def make_data(loss_fn, seed, base_lp_fn, n_datums=2):
-    from trainer.tinker_ops import Datum
+    from trainer.step.round_runner import Datum
 
     g = torch.Generator().manual_seed(seed)
     data = []
@@ -78,7 +78,7 @@ def make_data(loss_fn, seed, base_lp_fn, n_datums=2):
 def ops(tiny_world):
     from trainer.config import TrainerConfig
     from trainer.core import MultiLoraTrainer
-    from trainer.tinker_ops import TinkerOps
+    from trainer.step.round_runner import TinkerOps
 
     trainer = MultiLoraTrainer(TrainerConfig(base_model_path=str(tiny_world / "model"), num_slots=4, max_rank=8,
                                              micro_batch_tokens=40))  # several micro-batches per call
@@ -110,7 +110,7 @@ def fresh_slots(ops, slots):
 
 def run(ops, steps, only_slot=None):
     """3 steps; mixed (all calls of a step in one forward_backward) or one slot alone."""
-    from trainer.tinker_ops import AdamStep, Call
+    from trainer.step.round_runner import AdamStep, Call
 
     out = {}  # (step, call index in STEP_CALLS) -> CallResult
     for s, calls in enumerate(steps):
@@ -124,7 +124,7 @@ def run(ops, steps, only_slot=None):
 
 
 def slot_tensors(ops, slot):
-    from trainer.slot_checkpoint import slot_state_tensors
+    from trainer.swap.slot_checkpoint import slot_state_tensors
 
     parts = slot_state_tensors(ops.trainer, slot)
     return {f"{kind}.{i}.{name}": t.clone() for kind in ("weight", "exp_avg", "exp_avg_sq") for i in (0, 1) for name, t in parts[kind][i].items()}
@@ -209,7 +209,7 @@ def test_mixed_forward_backward_equals_alone_and_hf_peft(ops, steps, hf_model, t
 
 
 def test_forward_matches_forward_backward_and_changes_nothing(ops, steps):
-    from trainer.tinker_ops import Call
+    from trainer.step.round_runner import Call
 
     fresh_slots(ops, RANKS)
     calls = [Call(slot, data, fn, cfg) for slot, fn, cfg, data in steps[0]]
@@ -247,7 +247,7 @@ def test_forward_matches_forward_backward_and_changes_nothing(ops, steps):
     ],
 )
 def test_bad_call_is_refused_and_others_unaffected(ops, steps, mutate, message):
-    from trainer.tinker_ops import Call
+    from trainer.step.round_runner import Call
 
     fresh_slots(ops, RANKS)
     good = [Call(slot, copy.deepcopy(data), fn, cfg) for slot, fn, cfg, data in steps[0][1:3]]

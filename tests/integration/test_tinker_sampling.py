@@ -28,7 +28,7 @@ ITERATIONS = 12
 def world(tiny_world, tmp_path_factory, sglang_server):
     from api.server import ApiServer
     from api.tinker.auth import TenantKeys
-    from api.tinker.standalone import in_process_service, tinker_app
+    from tests.tinker_in_process import in_process_service, tinker_app
 
     svc = in_process_service(tiny_world / "model", TenantKeys(KEYS), tmp_path_factory.mktemp("ckpt"), num_slots=2,
                              max_rank=8, base_model=BASE, sglang_url=sglang_server.url)

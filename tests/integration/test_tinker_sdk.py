@@ -41,7 +41,7 @@ EQ_ADAM = dict(learning_rate=2e-2, eps=1e-2)  # eps: see tests/integration/test_
 def world(tiny_world, tmp_path_factory):
     from api.server import ApiServer
     from api.tinker.auth import TenantKeys
-    from api.tinker.standalone import in_process_service, tinker_app
+    from tests.tinker_in_process import in_process_service, tinker_app
 
     svc = in_process_service(tiny_world / "model", TenantKeys(KEYS), tmp_path_factory.mktemp("ckpt"), num_slots=6,
                              max_rank=8, base_model=BASE, window_s=WINDOW_S, micro_batch_tokens=256, max_seq_len=MAX_SEQ)
@@ -71,7 +71,7 @@ def sft_data(tok, tiny_world, start, n):
 
 
 def slot_state(svc, model_id):
-    from trainer.slot_checkpoint import slot_state_tensors
+    from trainer.swap.slot_checkpoint import slot_state_tensors
 
     parts = slot_state_tensors(core(svc), slot_of(svc, model_id))
     return {f"{k}.{i}.{n}": t for k in ("weight", "exp_avg", "exp_avg_sq", "grad") for i in (0, 1) for n, t in parts[k][i].items()}

@@ -40,7 +40,7 @@ TOKENIZER_ID = "lorafleet-tiny/tokenizer"  # what get_info tells clients (a hub-
 
 @contextlib.contextmanager
 def tinker_service(tmp: Path, tiny_world: Path) -> Iterator[Service]:
-    from service.engine_pids import reap_engines
+    from service.fleet.engine_pids import reap_engines
 
     # Idle Tinker models keep their slots here (no eviction within a test): the slot-count
     # scenarios below are about leases; idle eviction is tests/integration/test_tinker_evict.py.
@@ -148,7 +148,7 @@ def test_sdk_trains_beside_a_dataset_run_and_holds_a_slot(service, tiny_world):
               f"{gauge('forward_backward_calls'):g} forward_backward calls; Tinker losses {losses[0]:.2f} -> {losses[-1]:.2f}")
 
         # Tinker models take the remaining slots. One more model still gets one: the fairness rule
-        # (service/residency.py choose_evictions: an idle tenant first, else one whose turn of
+        # (service/scheduling/residency.py choose_evictions: an idle tenant first, else one whose turn of
         # turn_steps steps is used up) swaps out a resident that has trained past its turn (the
         # REST run or alice's model: whichever the policy picks); it comes back, not lost. A REST registration queues too (it never takes a model's slot);
         # unloading the models gives the slots back and both runs get one.

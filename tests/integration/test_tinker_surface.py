@@ -47,7 +47,7 @@ class Clock:
 def world(tiny_world, tmp_path_factory):
     from api.server import ApiServer
     from api.tinker.auth import TenantKeys
-    from api.tinker.standalone import in_process_service, tinker_app
+    from tests.tinker_in_process import in_process_service, tinker_app
 
     root = tmp_path_factory.mktemp("ckpt")
     svc = in_process_service(tiny_world / "model", TenantKeys(KEYS), root, num_slots=4, max_rank=8, base_model=SERVED,

@@ -1,4 +1,4 @@
-"""The trainer group (service/trainer_group.py over trainer/actor.py TrainWorker) with real Ray:
+"""The trainer group (service/fleet/trainer_group.py over trainer/actor.py TrainWorker) with real Ray:
 two data-parallel ranks train a mixed
 batch; only slot gradients are all-reduced, both ranks end bit-identical, and the
 result matches one process training the whole batch."""
@@ -44,9 +44,9 @@ def _batch():
 
 def test_dp2_actor_group_matches_one_process(ray_cluster, tiny_world):
     from tests.trainer_probes import slot_state_tensors_all_ranks
-    from trainer.slot_checkpoint import slot_state_tensors
+    from trainer.swap.slot_checkpoint import slot_state_tensors
 
-    from service.trainer_group import TrainerGroup
+    from service.fleet.trainer_group import TrainerGroup
     from trainer.config import TrainerConfig
     from trainer.core import MultiLoraTrainer
 

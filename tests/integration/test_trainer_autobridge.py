@@ -1,5 +1,5 @@
 """Smoke: the tiny HF model converts through AutoBridge into a Megatron model on
-this machine (CPU adjustments from trainer/cpu_compat.py) and gives the HF logits."""
+this machine (CPU adjustments from trainer/platform/cpu_compat.py) and gives the HF logits."""
 
 import pytest
 import torch
@@ -9,8 +9,8 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def megatron_tiny(tiny_world):
-    from trainer.base_model import build_frozen_base
-    from trainer.distributed import init_parallel
+    from trainer.base.base_model import build_frozen_base
+    from trainer.platform.distributed import init_parallel
 
     init_parallel(tp=1, dp=1, seed=0)
     return build_frozen_base(tiny_world / "model", tp=1, dtype="auto")
@@ -19,7 +19,7 @@ def megatron_tiny(tiny_world):
 def test_autobridge_logits_match_hf(megatron_tiny, tiny_world):
     from transformers import AutoModelForCausalLM
 
-    from trainer.base_model import causal_mask, token_logprobs
+    from trainer.base.base_model import causal_mask, token_logprobs
 
     base = megatron_tiny
     assert base.dtype == torch.float32 and base.layer_spec == "local"

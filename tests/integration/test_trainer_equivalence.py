@@ -80,7 +80,7 @@ def make_hypers(objectives, eps=SMOOTH_ADAM):
 
 def make_batches(trainer, seed=0):
     """Three TrainBatches; RL rollout logprobs = the base's logprobs + noise (so some ratios clip)."""
-    from trainer.base_model import token_logprobs
+    from trainer.base.base_model import token_logprobs
     from trainer.batch import TrainBatch, TrainSample
 
     g = torch.Generator().manual_seed(seed)
@@ -105,7 +105,7 @@ def make_batches(trainer, seed=0):
 
 
 def _record(trainer, slot, rec):
-    from trainer.slot_checkpoint import slot_state_tensors
+    from trainer.swap.slot_checkpoint import slot_state_tensors
 
     rec["tensors"] = {k: (copy.deepcopy(a), copy.deepcopy(b)) for k, (a, b) in slot_state_tensors(trainer, slot).items()}
     rec["step"] = trainer.slot_status(slot)["step"]
@@ -272,7 +272,7 @@ def _tp_worker(rank, port, cfg_kwargs, hypers, batches, out_path):
 def test_tensor_parallel_2_equivalence(trainer, batches, tp1_mixed_run, tmp_path):
     import torch.multiprocessing as mp
 
-    from trainer.distributed import free_loopback_port
+    from trainer.platform.distributed import free_loopback_port
 
     cfg_kwargs = trainer.config.model_dump() | {"tp": 2}
     out = tmp_path / "tp2.pt"

@@ -4,7 +4,7 @@ different slot, continues exactly as the uninterrupted run; and a train step dra
 no random numbers, which is why a slot checkpoint needs no generator state.
 
 What can make a continuation random, and where its state lives:
-* trainer: nothing after init_slot. Dropout is 0 in the base (trainer/base_model.py) and
+* trainer: nothing after init_slot. Dropout is 0 in the base (trainer/base/base_model.py) and
   LoRA has none; init draws from its own seeded generator once. Checked below: the
   global torch generator is untouched by train().
 * data order: a pure function of (seed, epoch) (rollout/data.py), so the data cursor
@@ -68,7 +68,7 @@ def _run(trainer, calls, slot_of_call, reports):
 
 
 def test_rl_resume_with_cosine_schedule_continues_exactly(trainer, tmp_path):
-    from trainer.slot_checkpoint import load_slot_state, save_slot_state, slot_state_tensors
+    from trainer.swap.slot_checkpoint import load_slot_state, save_slot_state, slot_state_tensors
 
     from trainer.config import SlotHyperParams
 

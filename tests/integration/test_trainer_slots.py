@@ -204,7 +204,7 @@ def test_init_from_peft_folder(trainer, hf_model, tmp_path):
     """A peft-made adapter (different lora_A for q/k/v and gate/up) loads exactly (stacked to
     rank 2r/3r); our own export loads back bit-exactly; bad folders are refused."""
     from tests.trainer_probes import forward_logits
-    from trainer.slot_checkpoint import slot_state_tensors
+    from trainer.swap.slot_checkpoint import slot_state_tensors
 
     from peft import LoraConfig, get_peft_model
 
@@ -256,7 +256,7 @@ def test_init_from_peft_folder(trainer, hf_model, tmp_path):
 
 
 def test_slot_state_round_trip_resumes_exactly(trainer, tmp_path):
-    from trainer.slot_checkpoint import load_slot_state, save_slot_state, slot_state_tensors
+    from trainer.swap.slot_checkpoint import load_slot_state, save_slot_state, slot_state_tensors
 
     reset(trainer, {1: dict(samples_per_step=3)})
     trainer.train(batch([1, 1, 1], seed=0))  # one step

@@ -81,7 +81,7 @@ def _mlp_calls(trainer) -> list[int]:
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_speed_path_trains_like_the_padded_path(tiny_world, reference, variant):
-    from trainer.fused_attention import FusedCoreAttention
+    from trainer.base.fused_attention import FusedCoreAttention
 
     batches, ref = reference
     overrides = VARIANTS[variant]
@@ -129,7 +129,7 @@ def test_frozen_base_pass_is_the_base_and_changes_nothing(tiny_world, reference)
     the packed path, equal the padded reference's; no slot gradient or weight moves."""
     from benchmarks.trainer_floor import frozen_base_pass
 
-    from trainer.base_model import token_logprobs
+    from trainer.base.base_model import token_logprobs
 
     batches, _ = reference
     trainer = _trainer(tiny_world)

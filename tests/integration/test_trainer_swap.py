@@ -167,7 +167,7 @@ def test_swap_of_pending_half_step_is_exact(trainer):
 
 def test_failed_spill_keeps_the_slot(trainer, tmp_path):
     """A real ENOSPC: the spill's temporary file is a link to /dev/full."""
-    from trainer.slot_swap import SwapError
+    from trainer.swap.slot_swap import SwapError
 
     clear_all(trainer)
     trainer.init_slot(2, hyper("sft"), seed=4, registration="f")
@@ -187,7 +187,7 @@ def test_failed_spill_keeps_the_slot(trainer, tmp_path):
 
 
 def test_bad_swaps_are_refused(trainer):
-    from trainer.slot_swap import SwapError
+    from trainer.swap.slot_swap import SwapError
 
     clear_all(trainer)
     trainer.init_slot(0, hyper("sft"), seed=1, registration="a")
@@ -216,7 +216,7 @@ def test_prefetched_spill_is_bit_identical_to_resident(trainer):
 def test_spill_budget_reached_keeps_the_slot(trainer):
     """With host memory full, an eviction that would pass the spill folder's budget is refused:
     the slot stays resident and unchanged, nothing is stored or written."""
-    from trainer.slot_swap import SwapError
+    from trainer.swap.slot_swap import SwapError
 
     clear_all(trainer)
     store = trainer.swap.store
@@ -246,7 +246,7 @@ def test_corrupt_spill_file_is_refused(trainer, damage):
     """A spill file changed on disk fails its swap-in (directly, and through a prefetch) with a
     clear SwapError: the target slot stays free and zero, the snapshot stays stored, dropping it
     removes the file."""
-    from trainer.slot_swap import SwapError
+    from trainer.swap.slot_swap import SwapError
 
     clear_all(trainer)
     trainer.init_slot(0, hyper("rl"), seed=3, registration="c")
@@ -277,7 +277,7 @@ def test_corrupt_spill_file_is_refused(trainer, damage):
 def test_drop_of_a_prefetched_key_discards_it(trainer):
     """Dropping a key while its prefetch is under way or done removes its file and frees its host
     memory; a later prefetch or swap-in of it finds nothing; unknown and host keys start nothing."""
-    from trainer.slot_swap import SwapError
+    from trainer.swap.slot_swap import SwapError
 
     clear_all(trainer)
     trainer.init_slot(0, hyper("sft"), seed=1, registration="d")
@@ -310,10 +310,10 @@ def test_a_trainer_starting_over_a_spill_folder_removes_what_a_previous_one_left
     """Spill files of a previous process (this rank's, temporaries, the older .pt format, and rank
     0 also those of ranks beyond the world size) are removed when a trainer starts over the folder;
     other files stay; a second live trainer on the same folder is refused."""
-    from trainer import swap_store
+    from trainer.swap import swap_store
     from trainer.config import TrainerConfig
     from trainer.core import MultiLoraTrainer
-    from trainer.slot_swap import SwapError
+    from trainer.swap.slot_swap import SwapError
 
     spill = tmp_path / "spill"
     spill.mkdir()

@@ -61,7 +61,7 @@ def train_scenario(trainer):
 
 
 def weights(trainer, slot):
-    from trainer.slot_checkpoint import slot_state_tensors
+    from trainer.swap.slot_checkpoint import slot_state_tensors
 
     return slot_state_tensors(trainer, slot)
 
@@ -180,7 +180,7 @@ def test_own_export_and_peft_made_folders_import(trainer, trained, hf_model, tmp
 
 
 def test_unembedding_needs_output_layer_lora_in_the_trainer(tiny_world, trainer, tmp_path):
-    from trainer.slot_checkpoint import load_slot_state, save_slot_state
+    from trainer.swap.slot_checkpoint import load_slot_state, save_slot_state
 
     train_scenario(trainer)
     save_slot_state(trainer, 1, tmp_path / "unembed_state")  # trains the unembedding only
@@ -198,7 +198,7 @@ def test_unembedding_needs_output_layer_lora_in_the_trainer(tiny_world, trainer,
 
 
 def test_checkpoint_and_swap_carry_the_unembedding_exactly(trainer, tmp_path):
-    from trainer.slot_checkpoint import load_slot_state, save_slot_state
+    from trainer.swap.slot_checkpoint import load_slot_state, save_slot_state
 
     train_scenario(trainer)
     trainer.train(batch([2], seed=9))  # a pending gradient too (samples_per_step 2)

@@ -1,5 +1,5 @@
 """What the Tinker tests read of a TinkerService's models on the trainer side: the scheduler's slot
-record (service/scheduler.py) and the trainer it drives. Reads only; nothing here changes state."""
+record (service/scheduling/scheduler.py) and the trainer it drives. Reads only; nothing here changes state."""
 
 from __future__ import annotations
 

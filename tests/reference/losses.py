@@ -1,4 +1,4 @@
-"""Token losses of one adapter, written from their papers and Tinker's docs (not from trainer/losses.py).
+"""Token losses of one adapter, written from their papers and Tinker's docs (not from trainer/losses/table.py).
 
 Per learned token t of a sample (log-probability ``logp`` of the token under the
 policy being trained):

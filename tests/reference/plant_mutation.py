@@ -3,7 +3,7 @@ LoRA's four, in the working tree, to watch the tests catch it.
 
     python -m tests.reference.plant_mutation betas_swapped      # or kl_sign, first_betas_eps, first_weight_decay
     python -m pytest tests/reference tests/unit/test_losses.py -q  # must fail
-    git checkout trainer/slot_steps.py trainer/losses.py                  # undo
+    git checkout trainer/optim/slot_steps.py trainer/losses/table.py                  # undo
 
 The loss bugs (MUTATIONS' last eleven), each caught (measured) by tests/unit/test_tinker_losses.py
 (T), tests/unit/test_losses.py (L), tests/unit/test_tinker_wire.py (W), tests/reference (R) or
@@ -20,7 +20,7 @@ tests/integration/test_tinker_ops.py (O):
 The unembedding's (issue 25): unembed_every_slot (each segment's delta added to every token of the
 chunk), unembed_scale (z without the slot's alpha / r), unembed_b_unsplit (B's columns counted as
 replicated over TP, not split over the vocabulary), unembed_chunk_off_by_one (a chunk's last row
-never gets the delta); undo with ``git checkout trainer/chunked_logprobs.py trainer/unembed_lora.py``.
+never gets the delta); undo with ``git checkout trainer/kernels/chunked_logprobs.py trainer/lora/unembed_lora.py``.
 Measured (which test files fail):
 * unembed_every_slot: tests/unit/test_chunked_logprobs.py (19 tests), this reference test, test_unembed_lora.py
   (2), test_trainer_equivalence.py's TP=2 test;
@@ -50,32 +50,32 @@ ADAM_ROW = "hyper_rows.append((lr, h.weight_decay, h.betas[0], h.betas[1], h.eps
 FIRST = "h0 = states[due.index(stepping[0])].hyper; "
 IN_CHUNK = "return [(k, max(s, start) - start, min(e, end) - start) for k, s, e in self.segments if s < end and e > start]"
 MUTATIONS = {
-    "unembed_every_slot": ("trainer/chunked_logprobs.py", IN_CHUNK, "return [(k, 0, end - start) for k, s, e in self.segments]"),
-    "unembed_scale": ("trainer/unembed_lora.py", "LogitLora(z=z * r.scale_column(z.dtype, UNEMBED),", "LogitLora(z=z,"),
-    "unembed_b_unsplit": ("trainer/unembed_lora.py", "        self._output_weight = output_weight\n",
+    "unembed_every_slot": ("trainer/kernels/chunked_logprobs.py", IN_CHUNK, "return [(k, 0, end - start) for k, s, e in self.segments]"),
+    "unembed_scale": ("trainer/lora/unembed_lora.py", "LogitLora(z=z * r.scale_column(z.dtype, UNEMBED),", "LogitLora(z=z,"),
+    "unembed_b_unsplit": ("trainer/lora/unembed_lora.py", "        self._output_weight = output_weight\n",
                           "        self._output_weight = output_weight\n        self.b_is_tp_split = False\n"),
-    "unembed_chunk_off_by_one": ("trainer/chunked_logprobs.py", IN_CHUNK, IN_CHUNK.replace("min(e, end)", "min(e, end - 1)")),
-    "betas_swapped": ("trainer/slot_steps.py", ADAM_ROW, ADAM_ROW.replace("h.betas[0], h.betas[1]", "h.betas[1], h.betas[0]")),
-    "kl_sign": ("trainer/losses.py", "loss = loss + inp.kl_coef.unsqueeze(1) * kl", "loss = loss - inp.kl_coef.unsqueeze(1) * kl"),
-    "first_betas_eps": ("trainer/slot_steps.py", ADAM_ROW,
+    "unembed_chunk_off_by_one": ("trainer/kernels/chunked_logprobs.py", IN_CHUNK, IN_CHUNK.replace("min(e, end)", "min(e, end - 1)")),
+    "betas_swapped": ("trainer/optim/slot_steps.py", ADAM_ROW, ADAM_ROW.replace("h.betas[0], h.betas[1]", "h.betas[1], h.betas[0]")),
+    "kl_sign": ("trainer/losses/table.py", "loss = loss + inp.kl_coef.unsqueeze(1) * kl", "loss = loss - inp.kl_coef.unsqueeze(1) * kl"),
+    "first_betas_eps": ("trainer/optim/slot_steps.py", ADAM_ROW,
                         FIRST + ADAM_ROW.replace("h.betas[0], h.betas[1], h.eps", "h0.betas[0], h0.betas[1], h0.eps")),
-    "first_weight_decay": ("trainer/slot_steps.py", ADAM_ROW, FIRST + ADAM_ROW.replace("h.weight_decay", "h0.weight_decay")),
+    "first_weight_decay": ("trainer/optim/slot_steps.py", ADAM_ROW, FIRST + ADAM_ROW.replace("h.weight_decay", "h0.weight_decay")),
     # the losses (issue 25): one per loss, the shared clip, its REST edge, a default, loss:sum
-    "ce_sign": ("trainer/losses.py", 'return -lp * inp["weights"]', 'return lp * inp["weights"]'),
-    "is_no_advantage": ("trainer/losses.py", 'return -_ratio(lp, inp) * inp["advantages"]', "return -_ratio(lp, inp)"),
-    "ppo_offset_bound": ("trainer/losses.py", 'clipped_surrogate(_ratio(lp, inp), inp["advantages"], cfg["clip_low_threshold"]',
+    "ce_sign": ("trainer/losses/table.py", 'return -lp * inp["weights"]', 'return lp * inp["weights"]'),
+    "is_no_advantage": ("trainer/losses/table.py", 'return -_ratio(lp, inp) * inp["advantages"]', "return -_ratio(lp, inp)"),
+    "ppo_offset_bound": ("trainer/losses/table.py", 'clipped_surrogate(_ratio(lp, inp), inp["advantages"], cfg["clip_low_threshold"]',
                          'clipped_surrogate(_ratio(lp, inp), inp["advantages"], 1 - cfg["clip_low_threshold"]'),
-    "cispo_no_stopgrad": ("trainer/losses.py", 'cfg["clip_high_threshold"]).detach()', 'cfg["clip_high_threshold"])'),
-    "dro_no_half": ("trainer/losses.py", '0.5 * cfg["beta"] * (lp - inp["logprobs"]) ** 2', 'cfg["beta"] * (lp - inp["logprobs"]) ** 2'),
-    "gspo_mean_all": ("trainer/losses.py", '(lp.detach() - inp["logprobs"])[in_ratio].mean()', '(lp.detach() - inp["logprobs"]).mean()'),
-    "gspo_ratio_grad": ("trainer/losses.py", '(lp.detach() - inp["logprobs"])[in_ratio].mean()', '(lp - inp["logprobs"])[in_ratio].mean()'),
-    "clip_min": ("trainer/losses.py", "return torch.maximum(unclipped, clipped), (clipped > unclipped).detach()",
+    "cispo_no_stopgrad": ("trainer/losses/table.py", 'cfg["clip_high_threshold"]).detach()', 'cfg["clip_high_threshold"])'),
+    "dro_no_half": ("trainer/losses/table.py", '0.5 * cfg["beta"] * (lp - inp["logprobs"]) ** 2', 'cfg["beta"] * (lp - inp["logprobs"]) ** 2'),
+    "gspo_mean_all": ("trainer/losses/table.py", '(lp.detach() - inp["logprobs"])[in_ratio].mean()', '(lp.detach() - inp["logprobs"]).mean()'),
+    "gspo_ratio_grad": ("trainer/losses/table.py", '(lp.detach() - inp["logprobs"])[in_ratio].mean()', '(lp - inp["logprobs"])[in_ratio].mean()'),
+    "clip_min": ("trainer/losses/table.py", "return torch.maximum(unclipped, clipped), (clipped > unclipped).detach()",
                  "return torch.minimum(unclipped, clipped), (clipped > unclipped).detach()"),
-    "default_high": ("trainer/losses.py", '_CLIP = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}',
+    "default_high": ("trainer/losses/table.py", '_CLIP = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}',
                      '_CLIP = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.28}'),
     "rest_bound": ("trainer/config.py", "return 1.0 - self.clip_low, 1.0 + self.clip_high",
                    "return 1.0 - self.clip_low, 1.0 + self.clip_low"),
-    "loss_sum_last": ("trainer/tinker_ops.py", "loss_sum[c] += ", "loss_sum[c] = "),
+    "loss_sum_last": ("trainer/step/round_runner.py", "loss_sum[c] += ", "loss_sum[c] = "),
 }
 
 

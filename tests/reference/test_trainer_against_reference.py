@@ -140,9 +140,9 @@ def _cpu(tensors: dict) -> dict:
 
 def _our_moments(trainer, slot):
     """lorafleet's Adam moments of the slot in PEFT names (through its own PEFT mapping)."""
-    from trainer.slot_checkpoint import slot_state_tensors
+    from trainer.swap.slot_checkpoint import slot_state_tensors
 
-    from trainer.peft_io import slot_to_hf
+    from trainer.export.peft_io import slot_to_hf
 
     parts = slot_state_tensors(trainer, slot)
     layers = trainer.slots.trained_layers(trainer.slots[slot].hyper)
@@ -211,7 +211,7 @@ def c_abs(weights, part):
 def test_targets_off_stay_exactly_zero(trainer, compared):
     """In the trainer's buffers, every layer of a target a slot does not train is exactly zero
     after the whole scenario: weights, gradient and both Adam moments (slots.py invariant)."""
-    from trainer.slots import layer_trained
+    from trainer.lora.slots import layer_trained
 
     for slot in range(4):
         hyper = trainer.slots[slot].hyper

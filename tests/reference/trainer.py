@@ -5,7 +5,7 @@ Nothing here imports lorafleet's trainer code. lorafleet's hyper-parameter recor
 (``SlotHyperParams``) is read only as a description of what to do (its fields), and
 ``TrainSample`` as the wire record of a sample.
 
-The one structural choice taken from lorafleet's design (DESIGN.md, trainer/peft_io.py
+The one structural choice taken from lorafleet's design (DESIGN.md, trainer/export/peft_io.py
 doc): LoRA on a *fused* Megatron projection (q/k/v, gate/up) has ONE ``lora_A`` feeding
 the fused output. In peft's unfused Hugging Face modules that is the same ``lora_A``
 parameter shared by q_proj, k_proj and v_proj (and by gate_proj and up_proj): the

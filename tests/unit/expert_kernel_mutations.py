@@ -3,8 +3,8 @@
     python -m tests.unit.expert_kernel_mutations            # every mutation (a few minutes on the CPU)
     python -m tests.unit.expert_kernel_mutations wgrad_no_accumulate expand_no_accumulate
 
-Each mutation replaces one exact piece of trainer/triton_expert_lora.py,
-trainer/expert_lora_nodes.py or the MoE layer's routing helpers (trainer/moe_lora.py), runs the kernel and node tests (Triton's interpreter on the
+Each mutation replaces one exact piece of trainer/kernels/triton_expert_lora.py,
+trainer/lora/expert_lora_nodes.py or the MoE layer's routing helpers (trainer/lora/moe_lora.py), runs the kernel and node tests (Triton's interpreter on the
 CPU) in a subprocess, and restores the file (also when interrupted). A mutation that no
 test catches is printed as SURVIVED and the exit status is 1.
 """
@@ -16,9 +16,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-KERNELS = "trainer/triton_expert_lora.py"
-NODES = "trainer/expert_lora_nodes.py"
-LAYER = "trainer/moe_lora.py"
+KERNELS = "trainer/kernels/triton_expert_lora.py"
+NODES = "trainer/lora/expert_lora_nodes.py"
+LAYER = "trainer/lora/moe_lora.py"
 TESTS = ["tests/unit/test_triton_expert_lora.py", "tests/unit/test_moe_lora.py"]
 
 # name: (file, exact text, replacement, what the bug is)

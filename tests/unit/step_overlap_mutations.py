@@ -12,8 +12,8 @@ import sys
 
 from tests.unit.expert_kernel_mutations import main
 
-KERNEL = "trainer/triton_adamw.py"
-PLAN = "trainer/step_overlap.py"
+KERNEL = "trainer/kernels/triton_adamw.py"
+PLAN = "trainer/optim/step_overlap.py"
 TESTS = ["tests/unit/test_step_overlap.py", "tests/unit/test_triton_adamw.py"]
 
 MUTATIONS = {  # name: (file, exact text, replacement, what the bug is)

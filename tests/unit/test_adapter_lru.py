@@ -1,4 +1,4 @@
-"""The engines' adapter residency: the one rule of recency (service/residency.py AdapterLru) and the
+"""The engines' adapter residency: the one rule of recency (service/scheduling/residency.py AdapterLru) and the
 Tinker sampler that uses it (api/tinker/sampling.py SglangSampler).
 
 The rule is pure and tested against a reference written from its definition (a list ordered by
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from service.residency import AdapterLru
+from service.scheduling.residency import AdapterLru
 
 pytestmark = pytest.mark.unit
 
@@ -110,7 +110,7 @@ def _sampler(tmp_path: Path, capacity: int):
 
 
 def test_sessions_of_every_tenant_share_one_cache_and_busy_adapters_stay(tmp_path, monkeypatch):
-    from rollout.weights import AdapterWeights
+    from rollout.engines.weights import AdapterWeights
 
     monkeypatch.setattr(AdapterWeights, "from_folder", staticmethod(lambda folder: folder))
     sampler, engine, folders = _sampler(tmp_path, capacity=2)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from service.registry import AdapterState as S
+from service.registry.registry import AdapterState as S
 from tests.unit.test_runtime import fleet, job, one_step, sft  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.unit

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from trainer.chunked_logprobs import IGNORE_TARGET, LogitLora, chunked_token_logprobs, full_token_logprobs
+from trainer.kernels.chunked_logprobs import IGNORE_TARGET, LogitLora, chunked_token_logprobs, full_token_logprobs
 
 pytestmark = pytest.mark.unit
 

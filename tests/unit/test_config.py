@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr, ValidationError
 
-from service.config import AdapterConfig, ConfigError, SlotCapacity, load_job, load_settings
-from service.config_checks import check_adapter_config, confine_path
+from service.config.job import AdapterConfig, ConfigError, SlotCapacity, load_job, load_settings
+from service.control.config_checks import check_adapter_config, confine_path
 from service.errors import BadValue
 
 pytestmark = pytest.mark.unit

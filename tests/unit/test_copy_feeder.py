@@ -1,4 +1,4 @@
-"""trainer/copy_feeder.py CopyFeeder: rows copied in submission order from one thread, each row's
+"""trainer/export/copy_feeder.py CopyFeeder: rows copied in submission order from one thread, each row's
 CopyDone set once its copy ended, a failed job's waiters told its error, later jobs unaffected.
 
 Real threads and tensors on the CPU (the feeder's CUDA branch issues the same copies on the copy
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.copy_feeder import CopyFeeder
+from trainer.export.copy_feeder import CopyFeeder
 
 pytestmark = pytest.mark.unit
 

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from service.config import load_job
-from service.placement import ClusterShape, PlacementError, plan_placement
+from service.config.job import load_job
+from service.errors import PlacementError
+from service.fleet.placement import ClusterShape, plan_placement
 
 pytestmark = pytest.mark.unit
 

@@ -292,7 +292,7 @@ def _lorafleet_commands() -> list[list[str]]:
 def _cli_commands() -> set[str]:
     import typer.main
 
-    from api.cli import app
+    from api.cli.main import app
 
     return set(typer.main.get_command(app).commands)
 
@@ -313,7 +313,7 @@ def test_manifest_commands_parse_with_the_real_cli(argv):
     # argument breaks this test instead of a pod at 3 a.m.
     import typer.main
 
-    from api.cli import app
+    from api.cli.main import app
 
     group = typer.main.get_command(app)
     parent = group.context_class(group, info_name="lorafleet")
@@ -325,7 +325,7 @@ def test_manifest_commands_parse_with_the_real_cli(argv):
 def test_cli_parse_check_can_fail():
     import typer.main
 
-    from api.cli import app
+    from api.cli.main import app
 
     group = typer.main.get_command(app)
     parent = group.context_class(group, info_name="lorafleet")

@@ -1,6 +1,6 @@
-"""Leftover engines recorded per node and reaped on their own host (service/engine_pids.py), on real processes.
+"""Leftover engines recorded per node and reaped on their own host (service/fleet/engine_pids.py), on real processes.
 
-STAND-INS for leftover SGLang servers: `python -c <sleep> rollout.sglang_server --port P` processes in a
+STAND-INS for leftover SGLang servers: `python -c <sleep> rollout.engines.sglang_server --port P` processes in a
 session of their own, whose command line carries what the reaper looks for (a real server takes 3.5 GB
 and a minute to start; what is tested here is which processes the record makes the reaper kill). Their
 ports are privileged ones no engine on this machine uses (the reaper kills any server with a recorded
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from service.engine_pids import ENGINE_PIDS_FILE, reap_engines, record_engines
+from service.fleet.engine_pids import ENGINE_PIDS_FILE, reap_engines, record_engines
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.unit
@@ -44,11 +44,11 @@ def stand_ins():
     procs = []
 
     def start(port: int) -> subprocess.Popen:
-        p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "rollout.sglang_server", "--port", str(port)],
+        p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "rollout.engines.sglang_server", "--port", str(port)],
                              start_new_session=True)
         procs.append(p)
         # the reaper finds it by its command line, which is the parent's until the child has exec'd
-        wait_until(lambda: b"rollout.sglang_server" in _cmdline(p.pid), "the stand-in's command line", 30, interval_s=0.01)
+        wait_until(lambda: b"rollout.engines.sglang_server" in _cmdline(p.pid), "the stand-in's command line", 30, interval_s=0.01)
         return p
 
     yield start

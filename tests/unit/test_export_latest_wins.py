@@ -1,4 +1,4 @@
-"""Latest-wins publishing in trainer/export_writer.py (issue 28): a queued, unwritten export of a
+"""Latest-wins publishing in trainer/export/export_writer.py (issue 28): a queued, unwritten export of a
 key is superseded by a newer one of the same key. Checked on the writer alone (no model): which
 folders are written and in what order, what each waiter gets, that a job being written is never
 superseded, that superseding frees room under the memory bound, and that every job's release
@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 
 from tests.waiting import wait_until
-from trainer.export_writer import ExportWriter, Superseded
+from trainer.export.export_writer import ExportWriter, Superseded
 
 pytestmark = pytest.mark.unit
 

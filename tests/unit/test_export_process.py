@@ -1,5 +1,5 @@
-"""The shared host arena (trainer/host_arena.py) and the export writer process
-(trainer/export_process.py), on their own: real memfd mappings and a real child process, no
+"""The shared host arena (trainer/export/host_arena.py) and the export writer process
+(trainer/export/export_process.py), on their own: real memfd mappings and a real child process, no
 model. Independent references: safetensors' own save_file for the file bytes, and the arena's
 free list against an explicit accounting of the blocks handed out."""
 
@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from tests.waiting import wait_until
-from trainer.export_process import WriterProcess, WriterProcessError
-from trainer.host_arena import ALIGN, ArenaFull, HostArena
-from trainer.peft_io import peft_config_text, write_peft_folder_packed
-from trainer.safetensors_stream import file_order, packed_header
+from trainer.export.export_process import WriterProcess, WriterProcessError
+from trainer.export.host_arena import ALIGN, ArenaFull, HostArena
+from trainer.export.peft_io import peft_config_text, write_peft_folder_packed
+from trainer.export.safetensors_stream import file_order, packed_header
 
 pytestmark = pytest.mark.unit
 
@@ -115,6 +115,6 @@ def test_the_process_writes_the_folder_the_thread_writes_from_the_arena(tmp_path
 
 
 def test_the_writer_process_imports_no_torch():
-    out = subprocess.run([sys.executable, "-c", "import sys, trainer.export_process; print('torch' in sys.modules)"],
+    out = subprocess.run([sys.executable, "-c", "import sys, trainer.export.export_process; print('torch' in sys.modules)"],
                          cwd=REPO, capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "False"

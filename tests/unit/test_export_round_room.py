@@ -22,9 +22,9 @@ import torch
 from safetensors.torch import load_file
 
 from tests.waiting import wait_until
-from trainer.export_writer import Superseded
-from trainer.host_arena import block_bytes
-from trainer.peft_export import ExportRequest
+from trainer.export.export_writer import Superseded
+from trainer.export.host_arena import block_bytes
+from trainer.export.peft_export import ExportRequest
 
 pytestmark = pytest.mark.unit
 

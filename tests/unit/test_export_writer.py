@@ -1,4 +1,4 @@
-"""trainer/export_writer.py on its own (no model, no Ray): order of writes, the memory bound, waits
+"""trainer/export/export_writer.py on its own (no model, no Ray): order of writes, the memory bound, waits
 before the submission, failures, and the all-or-nothing folder. Every check waits on a condition
 the writer exposes, never on time."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.waiting import wait_until
-from trainer.export_writer import ExportWriter, remove_partial_writes, replace_folder_atomically
+from trainer.export.export_writer import ExportWriter, remove_partial_writes, replace_folder_atomically
 
 DEADLINE_S = 30.0
 
@@ -101,7 +101,7 @@ def test_folder_appears_whole_or_not_at_all(tmp_path: Path):
 def test_partial_writes_of_a_killed_writer_are_removed(tmp_path: Path, monkeypatch):
     """Named fault: a writer process killed mid-write. Stood for by a write that raises SystemExit
     while rmtree does nothing (a dead process cleans nothing up); then the publish's failure path
-    (rollout.weights.PendingFolder.ready) calls remove_partial_writes."""
+    (rollout.engines.weights.PendingFolder.ready) calls remove_partial_writes."""
     import shutil
 
     def killed_midway(tmp: Path) -> None:

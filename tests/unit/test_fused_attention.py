@@ -5,8 +5,8 @@ outputs and q/k/v gradients. Model level (the tiny world's Qwen3 converted by
 Megatron-Bridge): the fused layer spec gives the local spec's logits and gradients,
 and activation recomputation (full, selective) changes no gradient.
 
-CPU adjustments come from trainer/cpu_compat.py (through trainer.distributed and
-trainer.base_model). One more is needed for recomputation and applied here, in the
+CPU adjustments come from trainer/platform/cpu_compat.py (through trainer.platform.distributed and
+trainer.base.base_model). One more is needed for recomputation and applied here, in the
 test only: megatron-core's checkpoint saves and restores the CUDA RNG state, which
 does not exist without CUDA (see ``no_cuda_rng``).
 """
@@ -24,8 +24,8 @@ pytestmark = pytest.mark.unit
 
 @pytest.fixture(scope="module")
 def tiny_base(tiny_world):
-    from trainer.base_model import build_frozen_base
-    from trainer.distributed import init_parallel
+    from trainer.base.base_model import build_frozen_base
+    from trainer.platform.distributed import init_parallel
 
     init_parallel(tp=1, dp=1, seed=0)
     base = build_frozen_base(tiny_world / "model", tp=1, dtype="float32", layer_spec="local")
@@ -78,7 +78,7 @@ def _attention_pair(config):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from trainer.fused_attention import FusedCoreAttention
+    from trainer.base.fused_attention import FusedCoreAttention
 
     kw = dict(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
     return DotProductAttention(**kw), FusedCoreAttention(**kw)
@@ -132,8 +132,8 @@ def test_causal_and_explicit_masks_match_local(tiny_base):
 def test_packed_document_mask_matches_local_block_diagonal(tiny_base, view):
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from trainer.fused_attention import DocumentsView
-    from trainer.packing import DocumentLayout
+    from trainer.base.fused_attention import DocumentsView
+    from trainer.base.packing import DocumentLayout
 
     cfg = tiny_base.config
     local, fused = _attention_pair(cfg)
@@ -154,7 +154,7 @@ def test_packed_document_mask_matches_local_block_diagonal(tiny_base, view):
             max_seqlen_q=layout.max_seqlen, max_seqlen_kv=layout.max_seqlen,
         )
         if view == "thd":
-            from trainer.packing import PackedSequenceParams
+            from trainer.base.packing import PackedSequenceParams
 
             params = PackedSequenceParams(**{f: getattr(params, f) for f in ("qkv_format", "cu_seqlens_q", "cu_seqlens_kv", "max_seqlen_q", "max_seqlen_kv")}, layout=layout)
         got = _run(fused, q.squeeze(1), k.squeeze(1), v.squeeze(1), grad, attention_mask=None, packed_seq_params=params)
@@ -165,8 +165,8 @@ def test_packed_document_mask_matches_local_block_diagonal(tiny_base, view):
 def test_flex_backend_matches_dense_forward():
     """flex_attention's document block mask (forward only: flex has no CPU backward;
     tests/gpu/test_speed_gpu.py checks its gradients on the GPU)."""
-    from trainer.fused_attention import packed_attention_dense, packed_attention_flex
-    from trainer.packing import DocumentLayout
+    from trainer.base.fused_attention import packed_attention_dense, packed_attention_flex
+    from trainer.base.packing import DocumentLayout
 
     layout = DocumentLayout.from_lengths([7, 3, 12])
     g = torch.Generator().manual_seed(5)
@@ -182,7 +182,7 @@ def test_flex_backend_matches_dense_forward():
 def test_bad_settings_are_refused(tiny_base):
     from megatron.core.transformer.enums import AttnMaskType
 
-    from trainer.fused_attention import FusedCoreAttention, recompute_overrides
+    from trainer.base.fused_attention import FusedCoreAttention, recompute_overrides
 
     with pytest.raises(ValueError, match="packed_backend"):
         FusedCoreAttention(tiny_base.config, 1, AttnMaskType.causal, "self", packed_backend="xformers")
@@ -212,8 +212,8 @@ def _forward_backward(model, ids, train=False):
 
 
 def test_fused_spec_model_matches_local_spec(tiny_base):
-    from trainer.base_model import causal_mask
-    from trainer.fused_attention import (
+    from trainer.base.base_model import causal_mask
+    from trainer.base.fused_attention import (
         FusedCoreAttention,
         PackedSelfAttention,
         fused_gpt_layer_spec,
@@ -257,7 +257,7 @@ def spec_local(cfg):
 def test_recompute_changes_no_gradient(tiny_base, no_cuda_rng):
     """Full and selective recomputation: same logits, same input gradient, and the same
     gradient for a trainable weight inside a layer (what a LoRA weight sees)."""
-    from trainer.fused_attention import fused_gpt_layer_spec, recompute_overrides
+    from trainer.base.fused_attention import fused_gpt_layer_spec, recompute_overrides
 
     ids = torch.randint(0, tiny_base.model.vocab_size, (2, 23), generator=torch.Generator().manual_seed(8))
     results = {}

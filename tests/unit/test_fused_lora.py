@@ -1,4 +1,4 @@
-"""FusedLoraLinear (trainer/fused_lora.py) against the general path of MultiLoraLinear
+"""FusedLoraLinear (trainer/lora/fused_lora.py) against the general path of MultiLoraLinear
 (base, then delta, then add) on one packed stream: output, input gradient and slot
 gradients; only the slots present get gradients; the compute-dtype weight cache follows
 every in-place change of the fp32 masters."""
@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from tests.numerics import max_rel_err
-from trainer.fused_lora import SlotSpan
-from trainer.multi_lora import MultiLoraLinear, SlotRouting
-from trainer.packing import pack_sequences
+from trainer.lora.fused_lora import SlotSpan
+from trainer.lora.multi_lora import MultiLoraLinear, SlotRouting
+from trainer.base.packing import pack_sequences
 
 pytestmark = pytest.mark.unit
 

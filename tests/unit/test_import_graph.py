@@ -1,13 +1,18 @@
 """The import graph of api/ service/ trainer/ rollout/, read from the source (AST; nothing is imported).
 
-Rules (DESIGN.md "Processes", issue 12):
+Rules (DESIGN.md "Processes", issue 12; folders by role, issue 43):
   * no import circles among the four packages (function-level imports count: a lazy import
     still ties two modules together);
-  * `service` never imports `api` (the `lorafleet` entry point, api/cli.py, sits above both);
+  * `service` never imports `api` (the `lorafleet` entry point, api/cli/main.py, sits above both);
   * no trainer module (the rank's actor body trainer/actor.py included) imports ray, fastapi
     or sglang at module level, so the GPU tier imports the trainer without them;
   * no call is dispatched by a method-name string in service/ or api/ (`x.call("train")`,
-    `getattr(handle, method)`): every remote call goes through a typed method.
+    `getattr(handle, method)`): every remote call goes through a typed method;
+  * every folder's modules import only what its `__init__.py` docstring allows: a paragraph
+    `May import: a, b.c, d.` naming packages or modules (a name allows it and everything below
+    it; remarks in parentheses are ignored; "nothing of the product" allows none). A module's own
+    folder (and the folders inside it) is always allowed; a module answers to the nearest
+    enclosing folder that states a rule.
 
 `import_graph`, `cycles` and `floors` are also what the coordinator issue's measurements use.
 """
@@ -183,7 +188,7 @@ def test_service_never_imports_api():
     graph = import_graph()
     bad = sorted(f"{m} -> {d}" for m, deps in graph.items() if m.split(".")[0] == "service"
                  for d in deps if d.split(".")[0] == "api")
-    assert bad == [], "service/ must not import api/ (api/cli.py assembles the entry point above both)"
+    assert bad == [], "service/ must not import api/ (api/cli/main.py assembles the entry point above both)"
 
 
 def test_trainer_imports_no_service_frameworks_at_module_level():
@@ -208,6 +213,65 @@ def test_no_string_dispatched_calls():
     assert found == [], "call methods through typed methods, not by name:\n" + "\n".join(found)
 
 
+def folder_rules(root: Path = REPO, packages: tuple[str, ...] = PACKAGES) -> dict[str, tuple[str, ...]]:
+    """folder (dotted) -> what its modules may import, read from each `__init__.py` docstring's
+    `May import:` paragraph (module doc). A folder without one has no entry."""
+    rules: dict[str, tuple[str, ...]] = {}
+    for pkg in packages:
+        for init in sorted((root / pkg).rglob("__init__.py")):
+            if "_cpu_shims" in init.parts:
+                continue
+            doc = ast.get_docstring(ast.parse(init.read_text(), str(init))) or ""
+            para = next((p for p in doc.split("\n\n") if p.strip().startswith("May import:")), None)
+            if para is None:
+                continue
+            text = " ".join(para.split())[len("May import:"):].strip().rstrip(".")
+            while "(" in text:  # remarks in parentheses
+                start = text.index("(")
+                text = text[:start] + text[text.index(")", start) + 1:]
+            names = tuple(n.strip() for n in text.split(",") if n.strip())
+            rules[module_name(init, root)] = () if names and names[0].startswith("nothing") else names
+    return rules
+
+
+def folder_of(module: str, files: dict[str, Path]) -> str:
+    path = files[module]
+    return module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+
+
+def folder_violations(root: Path = REPO, packages: tuple[str, ...] = PACKAGES) -> list[str]:
+    """'module -> dependency (folder F allows: ...)' for every import a folder's rule does not allow."""
+    files = module_files(root, packages)
+    graph = import_graph(root, packages)
+    rules = folder_rules(root, packages)
+    out = []
+    for mod, deps in sorted(graph.items()):
+        folder = folder_of(mod, files)
+        ruled = folder
+        while ruled not in rules and "." in ruled:
+            ruled = ruled.rsplit(".", 1)[0]
+        if ruled not in rules:
+            continue
+        allowed = rules[ruled]
+        for dep in sorted(deps):
+            if dep == folder or dep.startswith(folder + "."):
+                continue
+            if any(dep == a or dep.startswith(a + ".") for a in allowed):
+                continue
+            out.append(f"{mod} -> {dep} ({ruled} allows: {', '.join(allowed) or 'nothing'})")
+    return out
+
+
+def test_every_folder_states_its_rule():
+    files = module_files()
+    folders = {folder_of(m, files) for m in files}
+    assert sorted(folders - set(folder_rules())) == []
+
+
+def test_folders_import_only_what_they_allow():
+    assert folder_violations() == []
+
+
 # --- the checks can fail (planted violations in a scratch tree) ------------------------------------
 
 
@@ -223,17 +287,17 @@ def test_planted_violations_are_found(tmp_path):
     root = _tree(tmp_path, {
         "service/__init__.py": "",
         "service/a.py": "from service.b import x\n",
-        "service/b.py": "def f():\n    from service import a\n    from api.client import C\n",
+        "service/b.py": "def f():\n    from service import a\n    from api.cli.client import C\n",
         "service/c.py": "import service.a\n",
         "service/d.py": "def g(h, m):\n    h.call('train', 1)\n    return getattr(h, m)\n",
         "api/__init__.py": "",
-        "api/client.py": "",
+        "api/cli/client.py": "",
         "trainer/__init__.py": "",
         "trainer/core.py": "try:\n    import ray\nexcept ImportError:\n    pass\n",
     })
     graph = import_graph(root, ("service", "api", "trainer"))
     assert cycles(graph) == [["service.a", "service.b"]]
-    assert "api.client" in graph["service.b"]
+    assert "api.cli.client" in graph["service.b"]
     assert floors(graph, "service") == 2  # c -> {a, b}
     assert external_imports_at_module_level(root / "trainer" / "core.py") == {"ray"}
     global REPO
@@ -242,3 +306,21 @@ def test_planted_violations_are_found(tmp_path):
         assert len(string_dispatches(root / "service" / "d.py")) == 2
     finally:
         REPO = saved
+
+
+def test_planted_folder_violation_is_found(tmp_path):
+    root = _tree(tmp_path, {
+        "trainer/__init__.py": '"""Top.\n\nMay import: trainer.\n"""\n',
+        "trainer/kernels/__init__.py": '"""Kernels.\n\nMay import: trainer.platform (devices).\n"""\n',
+        "trainer/kernels/gemm.py": "from trainer.platform.dev import x\nfrom trainer.kernels.other import y\n",
+        "trainer/kernels/other.py": "def f():\n    from trainer.lora.layer import L\n",
+        "trainer/platform/__init__.py": '"""Platform.\n\nMay import: nothing of the product.\n"""\n',
+        "trainer/platform/dev.py": "import trainer.kernels.gemm\n",
+        "trainer/lora/__init__.py": '"""LoRA.\n\nMay import: trainer.kernels.\n"""\n',
+        "trainer/lora/layer.py": "from trainer.kernels import gemm\n",
+    })
+    assert folder_rules(root, ("trainer",))["trainer.kernels"] == ("trainer.platform",)
+    assert folder_violations(root, ("trainer",)) == [
+        "trainer.kernels.other -> trainer.lora.layer (trainer.kernels allows: trainer.platform)",
+        "trainer.platform.dev -> trainer.kernels.gemm (trainer.platform allows: nothing)",
+    ]

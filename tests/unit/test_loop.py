@@ -1,4 +1,4 @@
-"""The training loop (service/loop.py) end to end in one process: the real Controller and registry, the real
+"""The training loop (service/loop/training_loop.py) end to end in one process: the real Controller and registry, the real
 FleetRuntime, and FAKES of the trainer and the rollout worker (tests/fleet_fakes.py). Batch mode runs every
 run to COMPLETED; the faults are planted through the fakes: a failed train call, a trainer lost in a train
 call and one lost while idle, a failed publish, an adapter whose steps are all non-finite; and a stop drains.
@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from service.loop import LoopOptions, run_training_loop
-from service.registry import AdapterState as S
+from service.loop.training_loop import LoopOptions, run_training_loop
+from service.registry.registry import AdapterState as S
 from service.shutdown import StopSignal
 from tests.fleet_fakes import FakeRankDied
 from tests.unit.test_runtime import fleet, job, rl, sft  # noqa: F401 (fixtures)
@@ -186,8 +186,8 @@ def test_step_metrics_carry_tokens_and_the_data_sources_skip_counts(fleet):
 def test_the_loop_feeds_fleet_stats_and_the_training_log(fleet, tmp_path):
     """Every committed step goes to TensorBoard with the registry's values; every trained round to FleetStats
     (the dashboard) and the `_fleet` run; the totals agree with the loop's report and the step records."""
-    from service.fleet_stats import FleetStats
-    from service.tb_log import FLEET_RUN, TrainingLog, run_dir, tensorboard_dir
+    from service.loop.fleet_stats import FleetStats
+    from service.loop.tb_log import FLEET_RUN, TrainingLog, run_dir, tensorboard_dir
     from tests.unit.test_tb_log import read_scalars
 
     controller, runtime, _, _, data = fleet
@@ -207,14 +207,14 @@ def test_the_loop_feeds_fleet_stats_and_the_training_log(fleet, tmp_path):
     assert [v for _, v in fleet_scalars["round/steps"]] == [2.0, 2.0, 2.0]
 
 
-# --- a lost node's groups that find no room (service/node_faults.py raises NoPlacement; the hook in the loop) ---
+# --- a lost node's groups that find no room (service/fleet/node_faults.py raises NoPlacement; the hook in the loop) ---
 
 
 def test_no_room_for_a_lost_nodes_engines_stops_the_loop_and_drains_every_run(fleet):
     """The engines' re-placement gave up (no engine in service for placement.node_loss_wait_s): FAKE of that
     verdict (the real one needs a cluster without room: tests/integration/test_node_faults_ray.py). The loop
     stops with the reason and drains: every live run checkpointed, still ACTIVE (resumable)."""
-    from service.placement import NoPlacement
+    from service.errors import NoPlacement
 
     controller, runtime, _, rollout, data = fleet
     controller.register("a", sft(data, num_step=100))
@@ -247,7 +247,7 @@ def test_no_room_for_the_trainer_stops_the_loop_saying_why(fleet):
     """The trainer's node was lost and its re-placement found no room (FAKE of that verdict, as above): the loop
     stops with the reason instead of failing rounds until it gives up; the run stays ACTIVE with the checkpoint
     it had (the trainer that held its newer state is gone)."""
-    from service.placement import NoPlacement
+    from service.errors import NoPlacement
 
     controller, runtime, trainer, _, data = fleet
     controller.register("a", sft(data, num_step=100, checkpoint_interval=2))

@@ -1,4 +1,4 @@
-"""trainer/losses.py against hand-computed cases.
+"""trainer/losses/table.py against hand-computed cases.
 
 PPO-clip on both sides of the trust region (value and gradient), the k3 KL estimate
 and the sign of its term, token- vs sequence-level weighting, masked positions that
@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from trainer.losses import TokenLossInputs, policy_gradient_token_loss, sample_loss_numerators
+from trainer.losses.table import TokenLossInputs, policy_gradient_token_loss, sample_loss_numerators
 
 pytestmark = pytest.mark.unit
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.numerics import max_rel_err
-from trainer.expert_lora_nodes import (
+from trainer.lora.expert_lora_nodes import (
     MAX_GROUPS_PER_CALL,
     ExpertLinearLora,
     ExpertLoraDelta,
@@ -22,8 +22,8 @@ from trainer.expert_lora_nodes import (
     LibraryExpertOps,
     TritonExpertOps,
 )
-from trainer.moe_lora import _expert_major, key_counts, routed_pairs
-from trainer.triton_expert_lora import GroupTiles
+from trainer.lora.moe_lora import _expert_major, key_counts, routed_pairs
+from trainer.kernels.triton_expert_lora import GroupTiles
 
 pytestmark = pytest.mark.unit
 
@@ -159,7 +159,7 @@ def test_key_counts_equal_bincount():
 def test_expert_gemm_without_host_counts():
     """The MoE layer passes no host counts to the expert GEMM on grouped_mm (offsets on the device
     suffice): the same result as with them; the loop kernel, which needs them, refuses None."""
-    from trainer.segmented_mm import segment_mm, segment_mm_nt, segmented_matmul
+    from trainer.kernels.segmented_mm import segment_mm, segment_mm_nt, segmented_matmul
 
     counts = [3, 0, 5, 2]
     offs = torch.tensor(counts).cumsum(0).to(torch.int32)

@@ -1,7 +1,7 @@
 """Packed sequences: layout invariants, and packed == padded through the model (fp32, CPU).
 
 The model tests run the tiny world's Qwen3 (converted by Megatron-Bridge, CPU
-adjustments from trainer/cpu_compat.py) with the fused layer spec: per-sample
+adjustments from trainer/platform/cpu_compat.py) with the fused layer spec: per-sample
 log-probs, per-sample losses and every parameter gradient agree between one packed
 stream and the right-padded batch.
 """
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from tests.unit.test_fused_attention import rebuild, rel_err, spec_local, tiny_base  # noqa: F401  (fixture)
-from trainer.chunked_logprobs import IGNORE_TARGET
-from trainer.packing import DocumentLayout, pack_sequences, pad_sequences
+from trainer.kernels.chunked_logprobs import IGNORE_TARGET
+from trainer.base.packing import DocumentLayout, pack_sequences, pad_sequences
 
 pytestmark = pytest.mark.unit
 
@@ -113,7 +113,7 @@ def test_layout_from_cu_seqlens_and_bad_lengths():
 
 def _token_logprobs(model, batch_tokens, position_ids, targets, packed_seq_params):
     """The trainer's forward: chunked log-probs straight from the final hidden states."""
-    from trainer.chunked_logprobs import LogprobOutputProcessor
+    from trainer.kernels.chunked_logprobs import LogprobOutputProcessor
 
     return model(
         batch_tokens, position_ids, None,
@@ -126,7 +126,7 @@ def _token_logprobs(model, batch_tokens, position_ids, targets, packed_seq_param
 def test_packed_equals_padded_logprobs_losses_and_grads(tiny_base):
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from trainer.fused_attention import fused_gpt_layer_spec
+    from trainer.base.fused_attention import fused_gpt_layer_spec
 
     model = rebuild(tiny_base, fused_gpt_layer_spec)
     for p in model.parameters():
@@ -174,7 +174,7 @@ def test_megatron_thd_rope_path_agrees_with_per_token_rope(tiny_base):
     core attention gives what PackedSelfAttention's one-shot per-token RoPE gives."""
     import functools
 
-    from trainer.fused_attention import FusedCoreAttention, fused_gpt_layer_spec
+    from trainer.base.fused_attention import FusedCoreAttention, fused_gpt_layer_spec
 
     def megatron_thd_spec(cfg):
         spec = spec_local(cfg)
@@ -194,8 +194,8 @@ def test_megatron_thd_rope_path_agrees_with_per_token_rope(tiny_base):
 def test_chunked_output_processor_matches_megatron_logits_path(tiny_base):
     """The chunked log-prob hook equals helper-built token_logprobs (full logits +
     megatron-core's vocab-parallel cross entropy)."""
-    from trainer.base_model import causal_mask, token_logprobs
-    from trainer.chunked_logprobs import LogprobOutputProcessor
+    from trainer.base.base_model import causal_mask, token_logprobs
+    from trainer.kernels.chunked_logprobs import LogprobOutputProcessor
 
     ids = torch.randint(0, tiny_base.model.vocab_size, (2, 17), generator=torch.Generator().manual_seed(9))
     labels = torch.roll(ids, -1, dims=1)
@@ -211,7 +211,7 @@ def test_chunked_output_processor_matches_megatron_logits_path(tiny_base):
 
 
 def test_split_by_token_budget():
-    from trainer.packing import split_by_token_budget
+    from trainer.base.packing import split_by_token_budget
 
     lengths = [5, 9, 3, 20, 4, 4]
     slots = [1, 0, 1, 2, 0, 1]

@@ -1,4 +1,4 @@
-"""trainer/peft_export.py on the CPU without a model: the batched gather against a per-slot
+"""trainer/export/peft_export.py on the CPU without a model: the batched gather against a per-slot
 reference written from its definition (each slot's row, cast, indexed by the layout), the chunking,
 and BackgroundExports end to end with both writer kinds (real threads, real writer processes, the
 real arena): the folders are byte-equal to the in-process writer's, every arena block comes back
@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from tests.waiting import wait_until
-from trainer.export_writer import Superseded
-from trainer.peft_export import CHUNK_BYTES, BackgroundExports, ExportRequest, chunks, gather_bodies, make_snapshots
-from trainer.peft_io import write_peft_folder_packed
-from trainer.safetensors_stream import packed_header
+from trainer.export.export_writer import Superseded
+from trainer.export.peft_export import CHUNK_BYTES, BackgroundExports, ExportRequest, chunks, gather_bodies, make_snapshots
+from trainer.export.peft_io import write_peft_folder_packed
+from trainer.export.safetensors_stream import packed_header
 
 pytestmark = pytest.mark.unit
 

@@ -9,14 +9,11 @@ from collections import Counter
 import pytest
 from pydantic import ValidationError
 
-from service.placement import (
-    ClusterShape,
-    PlacementConfig,
-    PlacementError,
-    PlacementPlan,
-    placement_group_specs,
-    plan_placement,
-)
+from service.config.placement import PlacementConfig
+
+from service.errors import PlacementError
+
+from service.fleet.placement import ClusterShape, PlacementPlan, placement_group_specs, plan_placement
 
 pytestmark = pytest.mark.unit
 
@@ -238,7 +235,7 @@ def test_bad_placement_section_names_what_is_allowed(section, allowed):
 
 
 def test_loopback_engines_on_another_host_are_refused_at_start():
-    from service.cluster_checks import check_engines_reachable
+    from service.fleet.cluster_checks import check_engines_reachable
 
     cluster = ClusterShape(node_gpus=(0, 0), node_cpus=(2.0, 2.0), node_ids=("a" * 56, "b" * 56),
                            node_addresses=("10.0.0.4", "10.0.0.5"))

@@ -9,17 +9,11 @@ from tests.waiting import wait_until
 
 import pytest
 
-from service.placement import (
-    ClusterShape,
-    PlacementConfig,
-    PlacementError,
-    cluster_shape_from_ray,
-    group_node_ids,
-    placement_group_specs,
-    plan_placement,
-    release_placement_groups,
-    reserve_placement_groups,
-)
+from service.config.placement import PlacementConfig
+
+from service.errors import PlacementError
+
+from service.fleet.placement import ClusterShape, cluster_shape_from_ray, group_node_ids, placement_group_specs, plan_placement, release_placement_groups, reserve_placement_groups
 
 pytestmark = pytest.mark.integration
 

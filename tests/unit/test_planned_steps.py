@@ -15,9 +15,9 @@ import json
 
 import pytest
 
-from service.config import AdapterConfig, load_job, load_settings
-from service.config_checks import check_adapter_config, planned_steps
-from service.sft import SftSource
+from service.config.job import AdapterConfig, load_job, load_settings
+from service.control.config_checks import check_adapter_config, planned_steps
+from service.tenants.sft_source import SftSource
 
 pytestmark = pytest.mark.unit
 

@@ -12,7 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from rollout.config import SGLANG_DTYPES, EngineConfig, PublishDtype, checkpoint_serving_dtype
-from rollout.sglang_cpu import build_server_launch
+from rollout.engines.sglang_cpu import build_server_launch
 
 
 def _checkpoint(tmp_path, **config):
@@ -85,7 +85,7 @@ def test_refusals_list_what_is_allowed(tmp_path):
 
 
 def test_trainer_takes_exactly_the_named_publish_dtypes():
-    from trainer.export_writer import EXPORT_DTYPES, export_dtype
+    from trainer.export.export_writer import EXPORT_DTYPES, export_dtype
 
     assert set(EXPORT_DTYPES) == set(typing.get_args(PublishDtype)) - {"auto"}
     with pytest.raises(ValueError, match="unknown export dtype 'auto'; allowed: float32, bfloat16, float16"):
@@ -102,10 +102,10 @@ def test_trainer_takes_exactly_the_named_publish_dtypes():
 ])
 def test_the_runtime_publishes_in_the_engines_dtype(tiny_world, tmp_path, accelerator, engines, expected):
     """FleetRuntime resolves the handoff folders' dtype from the job (engines' device from the placement
-    when 'auto', as service/actors.py gives the rollout worker GPUs), over a FAKE trainer (unused here)."""
+    when 'auto', as service/fleet/actors.py gives the rollout worker GPUs), over a FAKE trainer (unused here)."""
     from service.cli import TINY_JOB
-    from service.config import load_job, load_settings
-    from service.runtime_impl import FleetRuntime
+    from service.config.job import load_job, load_settings
+    from service.fleet.fleet_runtime import FleetRuntime
     from tests.fleet_fakes import FakeTrainer
 
     job = load_job(TINY_JOB)

@@ -1,4 +1,4 @@
-"""Which Ray the service runs on (service/ray_connect.py): the address forms a job file may give, where
+"""Which Ray the service runs on (service/fleet/ray_connect.py): the address forms a job file may give, where
 the address comes from (RAY_ADDRESS, the job file, else a private local Ray), and the connect timeout
 against a port nobody listens on (a real socket; Ray is never initialized here)."""
 
@@ -9,9 +9,9 @@ import socket
 import pytest
 from pydantic import ValidationError
 
-from service.config import JobConfig
-from service.ray_config import RayConfig
-from service.ray_connect import RayConnectError, connect_ray, resolve_ray_address, wait_for_head
+from service.config.job import JobConfig
+from service.config.ray import RayConfig
+from service.fleet.ray_connect import RayConnectError, connect_ray, resolve_ray_address, wait_for_head
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""api/read_cache.py ReadCache: one build per burst, answers no older than ttl_s, a write clears it.
+"""api/front/read_cache.py ReadCache: one build per burst, answers no older than ttl_s, a write clears it.
 
 Real asyncio; the builds are coroutines that count themselves and (where a test needs requests to
 overlap) wait on an event the test sets. The clock is the test's own where ages matter."""
@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from api.read_cache import ReadCache
+from api.front.read_cache import ReadCache
 
 pytestmark = pytest.mark.unit
 

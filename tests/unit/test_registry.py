@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from service.config import AdapterConfig
+from service.config.job import AdapterConfig
 from service.errors import Conflict, NoFreeSlot, NotFound
-from service.registry import AdapterState as S
-from service.registry import Registry
+from service.registry.registry import AdapterState as S
+from service.registry.registry import Registry
 
 pytestmark = pytest.mark.unit
 

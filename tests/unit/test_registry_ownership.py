@@ -5,7 +5,7 @@
 * names are global: a live run's name is refused to another tenant without saying whose or its
   state; after it ends, anyone registers the name again and every earlier run stays reachable;
 * a registry file written before owners existed opens, and its runs are the admin's;
-* what a tenant may start from (service/ownership.py): data roots and its own runs' folders.
+* what a tenant may start from (service/control/ownership.py): data roots and its own runs' folders.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import sqlite3
 
 import pytest
 
-from service.config import AdapterConfig
+from service.config.job import AdapterConfig
 from service.errors import BadValue, Conflict, NotFound
-from service.ownership import check_tenant_start_paths, may_start_from
-from service.registry import AdapterState as S
-from service.registry import Registry
+from service.control.ownership import check_tenant_start_paths, may_start_from
+from service.registry.registry import AdapterState as S
+from service.registry.registry import Registry
 
 pytestmark = pytest.mark.unit
 

@@ -13,20 +13,20 @@ from pathlib import Path
 
 import pytest
 
-from service.config import SlotCapacity, load_settings
-from service.controller import Controller
+from service.config.job import SlotCapacity, load_settings
+from service.control.controller import Controller
 from service.errors import BadValue, Conflict, NoFreeSlot, NotFound
-from service.registry import AdapterState as S
-from service.runtime import ComponentHealth, Finished, Prepared, RuntimeStats, run_dir
-from service.scheduler import Scheduler
-from service.tenants import TenantKind
+from service.registry.registry import AdapterState as S
+from service.control.runtime_protocol import ComponentHealth, Finished, Prepared, RuntimeStats, run_dir
+from service.scheduling.scheduler import Scheduler
+from service.scheduling.tenant import TenantKind
 
 pytestmark = pytest.mark.unit
 
 
 class ScriptedRuntime:
     """FAKE runtime (see module doc): `fail_on[(method, name)] = message` makes that call raise. Its
-    scheduler is the real one (service/scheduler.py) over the controller's registry; the trainer the
+    scheduler is the real one (service/scheduling/scheduler.py) over the controller's registry; the trainer the
     scheduler swaps through is this fake too (swap_out records "evict", swap_in "restore"), and each
     prepared run is a scripted tenant whose steps and readiness the test sets (`steps_in`, `ready_step`)."""
 

@@ -1,4 +1,4 @@
-"""The registry's views (service/registry_views.py) against the full records they summarize.
+"""The registry's views (service/registry/views.py) against the full records they summarize.
 
 Real SQLite. Each view is checked against what it must equal when computed the slow way from
 the registry's own complete reads (`list()`, `live()`: every ref built): pages concatenated are the
@@ -13,11 +13,11 @@ from collections import Counter
 
 import pytest
 
-from service.config import AdapterConfig
+from service.config.job import AdapterConfig
 from service.errors import BadValue, QuotaExceeded
-from service.registry import AdapterState as S
-from service.registry import Registry
-from service.registry_views import ListQuery, RunQuota
+from service.registry.registry import AdapterState as S
+from service.registry.registry import Registry
+from service.registry.views import ListQuery, RunQuota
 
 pytestmark = pytest.mark.unit
 

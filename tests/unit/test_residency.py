@@ -1,10 +1,10 @@
-"""The keep-warm / turns policy (service/residency.py), rule by rule."""
+"""The keep-warm / turns policy (service/scheduling/residency.py), rule by rule."""
 
 from __future__ import annotations
 
 import pytest
 
-from service.residency import Resident, ResidencyKnobs, choose_evictions
+from service.scheduling.residency import Resident, ResidencyKnobs, choose_evictions
 
 pytestmark = pytest.mark.unit
 
@@ -71,10 +71,10 @@ def test_queue_place_is_shown_in_the_cli_and_the_progress_view():
 
     from rich.console import Console
 
-    from api.cli_tenant import adapters_table
-    from service.config import AdapterConfig
-    from service.progress import ProgressView
-    from service.registry import AdapterRef, AdapterState
+    from api.cli.tenant_commands import adapters_table
+    from service.config.job import AdapterConfig
+    from service.loop.progress import ProgressView
+    from service.registry.registry import AdapterRef, AdapterState
 
     cfg = AdapterConfig(data={"path": "/d/x.jsonl"}, reward={"name": "target_share"})
     queued = AdapterRef("waits", "r1", AdapterState.PENDING, None, 3, cfg, 30, 0, 0, None, {}, None, None, None, None,

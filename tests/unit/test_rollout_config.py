@@ -5,7 +5,7 @@ from pydantic import ValidationError
 
 from rollout.config import DataConfig, EngineConfig, RolloutConfig, SamplingConfig, check_adapter_name
 from rollout.naming import adapter_of_rid, lora_name, new_rid, parse_lora_name, rid_prefix
-from rollout.sglang_cpu import build_server_launch
+from rollout.engines.sglang_cpu import build_server_launch
 
 pytestmark = pytest.mark.unit
 
@@ -76,7 +76,7 @@ def test_cpu_launch_has_every_adjustment():
     cfg = EngineConfig(max_lora_rank=8, max_loras_per_batch=4, max_loaded_loras=8, cpu_threads=1, extra_server_args=["--log-level", "warning"])
     launch = build_server_launch(cfg, "/m", 1234, device="cpu", base_env={"PATH": "/bin"})
     argv = launch.argv
-    assert argv[1:3] == ["-m", "rollout.sglang_server"]
+    assert argv[1:3] == ["-m", "rollout.engines.sglang_server"]
     for flag, value in [("--attention-backend", "torch_native"), ("--lora-backend", "torch_native"), ("--dtype", "float32"),
                         ("--device", "cpu"), ("--max-total-tokens", "8192"), ("--port", "1234"), ("--max-lora-rank", "8"),
                         ("--max-loras-per-batch", "4"), ("--max-loaded-loras", "8"), ("--lora-target-modules", "all")]:
@@ -85,7 +85,7 @@ def test_cpu_launch_has_every_adjustment():
     env = launch.env
     assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["LORAFLEET_SGLANG_CPU_PATCHES"] == "1" and env["OMP_NUM_THREADS"] == "1"
     # the stand-in sgl_kernel is on the path only when the real one cannot load (it cannot, on this CPU machine)
-    assert launch.sgl_kernel_stand_in == env["PYTHONPATH"].split(":")[0].endswith("rollout/_cpu_shims")
+    assert launch.sgl_kernel_stand_in == env["PYTHONPATH"].split(":")[0].endswith("rollout/engines/_cpu_shims")
 
 
 def test_gpu_launch_has_no_cpu_adjustment():

@@ -4,8 +4,8 @@ import asyncio
 
 import pytest
 
-from rollout.client import EngineClient
-from rollout.pool import EnginePool, NoHealthyEngine, UnknownAdapter
+from rollout.engines.client import EngineClient
+from rollout.engines.pool import EnginePool, NoHealthyEngine, UnknownAdapter
 
 pytestmark = pytest.mark.unit
 

@@ -12,7 +12,7 @@ from rollout.context import InvalidRollout, RolloutContext
 from rollout.groups import RolloutGroup, Sample
 from rollout.rollouts import RolloutLoadError, load_rollout, single_turn
 from rollout.trajectory import Generation, Trajectory
-from service.batches import rl_samples, rl_step
+from service.tenants.batches import rl_samples, rl_step
 
 ROOT = "tests.integration.envs_for_tests"
 

@@ -1,4 +1,4 @@
-"""FleetRuntime (service/runtime_impl.py) step by step, driven by the real Controller over its SQLite
+"""FleetRuntime (service/fleet/fleet_runtime.py) step by step, driven by the real Controller over its SQLite
 registry, against FAKES of the trainer and the rollout worker (tests/fleet_fakes.py says what they do).
 
 Covered: a run's lifecycle (prepare with the controller's version, a round, publish, checkpoint,
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from service.batches import TrainerLost
-from service.registry import AdapterState as S
+from service.tenants.batches import TrainerLost
+from service.registry.registry import AdapterState as S
 from tests.fleet_fakes import FakeRankDied, FakeRollout, FakeTrainer
 
 pytestmark = pytest.mark.unit
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.unit
 @pytest.fixture(scope="module")
 def job(tiny_world):
     from service.cli import TINY_JOB
-    from service.config import load_job
+    from service.config.job import load_job
 
     job = load_job(TINY_JOB)
     return job.model_copy(update={"adapters": [], "base_model": job.base_model.model_copy(update={"path": str(tiny_world / "model")})})
@@ -34,9 +34,9 @@ def job(tiny_world):
 @pytest.fixture
 def fleet(job, tiny_world, tmp_path):
     """(controller, runtime, trainer, rollout, data dir): real Controller and FleetRuntime over the fakes."""
-    from service.config import load_settings
-    from service.controller import Controller
-    from service.runtime_impl import FleetRuntime
+    from service.config.job import load_settings
+    from service.control.controller import Controller
+    from service.fleet.fleet_runtime import FleetRuntime
 
     data = tmp_path / "data"
     data.mkdir()
@@ -353,7 +353,7 @@ def test_a_superseded_publish_is_neither_served_nor_republished(fleet):
     replaced before it was written or loaded as superseded. Settling leaves it out (the loop
     neither marks it served nor publishes it again) and the newer one settles as served."""
     from rollout.worker import PUBLISH_LOADED, PUBLISH_SUPERSEDED
-    from service.loop import LoopReport, _settle
+    from service.loop.training_loop import LoopReport, _settle
     from tests.fleet_fakes import FakeRef
 
     controller, runtime, _, rollout, data = fleet

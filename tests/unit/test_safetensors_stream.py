@@ -1,4 +1,4 @@
-"""trainer/safetensors_stream.py against safetensors itself: the same bytes as `save_file`, read
+"""trainer/export/safetensors_stream.py against safetensors itself: the same bytes as `save_file`, read
 back by `load_file`, for the dtypes an export writes."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from trainer.safetensors_stream import write_safetensors
+from trainer.export.safetensors_stream import write_safetensors
 
 
 def _peft_like(dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -54,7 +54,7 @@ def test_refuses_what_it_cannot_write_and_says_why(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_body_gives_the_same_file(tmp_path, dtype):
     """A publish snapshot: every tensor back to back in one body, in file order, written at once."""
-    from trainer.safetensors_stream import file_order, packed_header, write_packed
+    from trainer.export.safetensors_stream import file_order, packed_header, write_packed
 
     tensors = _peft_like(dtype)
     names = file_order({k: (v.dtype, v.shape) for k, v in tensors.items()})

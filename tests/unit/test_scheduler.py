@@ -1,4 +1,4 @@
-"""The scheduler (service/scheduler.py) over Tinker models: the rules of a round and of residency.
+"""The scheduler (service/scheduling/scheduler.py) over Tinker models: the rules of a round and of residency.
 
 The trainer is a FAKE (`RecordingTrainer`): it records each round's work and each swap, and
 answers every call; the rules under test are the scheduler's (which work goes in which round,
@@ -15,11 +15,11 @@ import threading
 import pytest
 
 from service.errors import NoFreeSlot
-from service.registry import Registry
-from service.residency import ResidencyKnobs
-from service.scheduler import Scheduler
-from service.tenant_tinker import LoraSpec
-from service.tinker_models import TinkerModels
+from service.registry.registry import Registry
+from service.scheduling.residency import ResidencyKnobs
+from service.scheduling.scheduler import Scheduler
+from service.tenants.tinker_model import LoraSpec
+from service.tenants.tinker_models import TinkerModels
 from trainer.rounds import AdamStep, CallResult, Datum, RoundResult
 
 pytestmark = pytest.mark.unit

@@ -26,15 +26,15 @@ from pathlib import Path
 
 import pytest
 
-from service.config import AdapterConfig
-from service.quotas import Quotas
-from service.registry import AdapterState as S
-from service.registry import Registry
-from service.residency import ResidencyKnobs
-from service.scheduler import Scheduler
-from service.tenant_tinker import LoraSpec
-from service.tenants import Offer, TenantKind
-from service.tinker_models import TinkerModels
+from service.config.job import AdapterConfig
+from service.config.quotas import Quotas
+from service.registry.registry import AdapterState as S
+from service.registry.registry import Registry
+from service.scheduling.residency import ResidencyKnobs
+from service.scheduling.scheduler import Scheduler
+from service.tenants.tinker_model import LoraSpec
+from service.scheduling.tenant import Offer, TenantKind
+from service.tenants.tinker_models import TinkerModels
 from trainer.batch import TrainSample
 from trainer.rounds import AdamStep, CallResult, Datum, RoundResult
 

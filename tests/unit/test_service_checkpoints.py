@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from service.checkpoints import (
+from trainer.storage.run_checkpoints import (
     CheckpointError,
     PendingCheckpoint,
     RunState,
@@ -106,7 +106,7 @@ def tokenizer(tiny_world):
 
 def _source(tiny_world, tokenizer, cursor=None, rows_path=None, per_step=3):
     from rollout.config import DataConfig
-    from service.sft import SftSource
+    from service.tenants.sft_source import SftSource
 
     cfg = DataConfig(path=str(rows_path or tiny_world / "data" / "echo_sft.jsonl"), label_key="completion", shuffle_seed=5, num_epochs=1)
     return SftSource(cfg, tokenizer, slot=2, registration_id="reg", samples_per_step=per_step, cursor=cursor)
@@ -151,9 +151,9 @@ def test_sft_tail_shorter_than_a_step_is_dropped(tiny_world, tokenizer, tmp_path
 
 
 def test_summary_reward_windows():
-    from service.config import AdapterConfig
-    from service.progress import summarize
-    from service.registry import AdapterRef, AdapterState, StepRecord
+    from service.config.job import AdapterConfig
+    from service.loop.progress import summarize
+    from service.registry.registry import AdapterRef, AdapterState, StepRecord
 
     cfg = AdapterConfig(data={"path": "/d/x.jsonl"}, reward={"name": "target_share"})
     ref = AdapterRef("a", "r", AdapterState.COMPLETED, None, 1, cfg, 12, 12, 96, 5, {}, None, "/e", None, None,
@@ -170,9 +170,9 @@ def test_progress_view_rows_and_rate_and_quiet_without_tty():
 
     from rich.console import Console
 
-    from service.config import AdapterConfig
-    from service.progress import ProgressView
-    from service.registry import AdapterRef, AdapterState
+    from service.config.job import AdapterConfig
+    from service.loop.progress import ProgressView
+    from service.registry.registry import AdapterRef, AdapterState
 
     cfg = AdapterConfig(data={"path": "/d/x.jsonl"}, reward={"name": "target_share"})
 

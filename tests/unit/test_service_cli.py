@@ -7,7 +7,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from api.cli import app
+from api.cli.main import app
 from service.cli import TINY_JOB
 
 pytestmark = pytest.mark.unit
@@ -43,8 +43,8 @@ def test_adapter_data_outside_the_roots_is_refused_before_start(tmp_path, tiny_w
 
 
 def test_state_dir_held_by_another_service_is_refused(tmp_path, tiny_world, monkeypatch):
-    from service import app_runtime
-    from service.registry import Registry
+    from service.fleet import startup as app_runtime
+    from service.registry.registry import Registry
 
     monkeypatch.setattr(app_runtime, "STATE_DIR_WAIT_S", 0.5)
 

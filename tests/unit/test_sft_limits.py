@@ -7,7 +7,7 @@ import json
 import pytest
 
 from rollout.config import DataConfig
-from service.sft import SftSource
+from service.tenants.sft_source import SftSource
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""The optimizer step by decoder layer (trainer/step_overlap.py): the chunk plan over the real
+"""The optimizer step by decoder layer (trainer/optim/step_overlap.py): the chunk plan over the real
 SlotBuffers row layout, the AdamW kernel over a block table (Triton's interpreter on the CPU, the
 kernel source the GPU compiles) against the whole-row launch, and the CPU's plain path. The
 stream overlap itself runs only on CUDA: tests/gpu/test_step_overlap_gpu.py."""
@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from trainer import triton_adamw
-from trainer.per_slot_optim import AdamwColumns, adamw_apply
-from trainer.slot_buffers import SlotBuffers
-from trainer.step_overlap import StepOverlap, decoder_index, merged, plan_chunks
+from trainer.kernels import triton_adamw
+from trainer.optim.per_slot_optim import AdamwColumns, adamw_apply
+from trainer.lora.slot_buffers import SlotBuffers
+from trainer.optim.step_overlap import StepOverlap, decoder_index, merged, plan_chunks
 
 pytestmark = pytest.mark.unit
 

@@ -1,12 +1,12 @@
 """The house rules issue 24 set, read from the source (AST; nothing is imported):
 
-  * one module owns slot assignment: only service/scheduler.py calls the registry's slot-changing
+  * one module owns slot assignment: only service/scheduling/scheduler.py calls the registry's slot-changing
     methods (binding a queued run, giving a slot back, leasing and releasing a Tinker model's slot);
     registration's own pick of a free slot (`register`, the same FIFO rule) is the registry's;
   * nothing under api/ starts a thread or an executor (the Tinker face puts work on a tenant's
     queue; the scheduler's thread runs it), except api/server.py's one thread that serves HTTP;
-  * nothing under api/ imports the trainer's running code (its core, ops, actor, the trainer group),
-    except api/tinker/standalone.py, which builds the in-process trainer it hands to a TinkerHost;
+  * nothing under api/ imports the trainer's running code (its core, round runner, actor, the trainer
+    group); the in-process Tinker host of the tests (tests/tinker_in_process.py) is not product code;
   * no module of api/ service/ trainer/ rollout/ is over 600 lines.
 (Import circles and the other import rules: tests/unit/test_import_graph.py.)
 """
@@ -23,11 +23,10 @@ from tests.unit.test_import_graph import REPO, import_graph, module_files
 pytestmark = pytest.mark.unit
 
 SLOT_CHANGES = {"bind", "bind_queued", "release_slot", "lease_slot", "release_lease"}
-SLOT_OWNER = "service/scheduler.py"
+SLOT_OWNER = "service/scheduling/scheduler.py"
 THREADS = {"Thread", "ThreadPoolExecutor", "ProcessPoolExecutor", "run_in_executor", "to_thread", "start_new_thread"}
 HTTP_THREAD = "api/server.py"
-TRAINER_RUNNING = {"trainer.core", "trainer.tinker_ops", "trainer.actor", "service.trainer_group"}
-IN_PROCESS_HOST = "api.tinker.standalone"
+TRAINER_RUNNING = {"trainer.core", "trainer.step.round_runner", "trainer.actor", "service.fleet.trainer_group"}
 MAX_LINES = 600
 
 
@@ -44,7 +43,7 @@ def _calls(path: Path, names: set[str]) -> list[str]:
 
 
 def test_only_the_scheduler_changes_slots():
-    found = [c for mod, path in module_files(packages=("api", "service")).items() if not mod.startswith("service.registry")
+    found = [c for mod, path in module_files(packages=("api", "service")).items() if not mod.startswith("service.registry.registry")
              for c in _calls(path, SLOT_CHANGES) if not c.startswith(SLOT_OWNER)]
     assert found == [], f"slot assignment outside {SLOT_OWNER}: {found}"
     assert _calls(REPO / SLOT_OWNER, SLOT_CHANGES), "the scheduler no longer changes slots: update this test"
@@ -55,7 +54,7 @@ def test_api_starts_no_thread_that_could_call_the_trainer():
              if not c.startswith(HTTP_THREAD)]
     assert found == [], found
     graph = import_graph(packages=("api", "service", "trainer", "rollout"))
-    running = {m: sorted(deps & TRAINER_RUNNING) for m, deps in graph.items() if m.startswith("api") and m != IN_PROCESS_HOST}
+    running = {m: sorted(deps & TRAINER_RUNNING) for m, deps in graph.items() if m.startswith("api")}
     assert {m: d for m, d in running.items() if d} == {}
 
 

@@ -1,4 +1,4 @@
-"""The swap store's running totals (trainer/swap_store.py `_held`, issue 26: a placement asked for
+"""The swap store's running totals (trainer/swap/swap_store.py `_held`, issue 26: a placement asked for
 them at every put, and summing every evicted snapshot cost ~3 ms a call with 1,000 tenants out):
 after every operation, host_bytes(), disk_bytes() and usage() equal the sums over the table,
 recomputed here from the definitions (a host snapshot's rows; a spilled one's file; a prefetch's
@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from trainer.swap_store import SlotSnapshot, SwapError, SwapStore
+from trainer.swap.swap_store import SlotSnapshot, SwapError, SwapStore
 
 pytestmark = pytest.mark.unit
 

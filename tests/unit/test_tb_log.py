@@ -1,4 +1,4 @@
-"""service.tb_log: TensorBoard event files per adapter run, read back with TensorBoard's own
+"""service.loop.tb_log: TensorBoard event files per adapter run, read back with TensorBoard's own
 EventAccumulator, holding exactly the series the registry (and so GET .../metrics) holds."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import math
 import numpy as np
 import pytest
 
-from service.config import AdapterConfig
-from service.fleet_stats import FleetStats
-from service.registry import AdapterState, Registry
-from service.tb_log import FLEET_RUN, TrainingLog, run_dir, tensorboard_dir
+from service.config.job import AdapterConfig
+from service.loop.fleet_stats import FleetStats
+from service.registry.registry import AdapterState, Registry
+from service.loop.tb_log import FLEET_RUN, TrainingLog, run_dir, tensorboard_dir
 
 pytestmark = pytest.mark.unit
 

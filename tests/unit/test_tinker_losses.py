@@ -1,4 +1,4 @@
-"""trainer/losses.py's Tinker losses against tests/reference/losses.py (written from Tinker's docs):
+"""trainer/losses/table.py's Tinker losses against tests/reference/losses.py (written from Tinker's docs):
 per-position values, gradients (autograd of ours against the reference's written-out derivative),
 the documented defaults, and every config key moved off its default at least once, on data that
 puts tokens on both sides of each clip bound and inside it."""
@@ -32,7 +32,7 @@ def datum(ratios=RATIOS, adv=ADV, q=Q, mask=None):
 
 
 def ours(loss_fn, cfg, lp, inp):
-    from trainer.losses import resolve_loss
+    from trainer.losses.table import resolve_loss
 
     spec, full = resolve_loss(loss_fn, cfg)
     inputs = {k: v for k, v in inp.items() if k in spec.inputs}
@@ -85,7 +85,7 @@ def test_each_config_key_changes_the_loss(loss_fn, key, value):
 
 
 def test_the_documented_defaults():
-    from trainer.losses import LOSSES, resolve_loss
+    from trainer.losses.table import LOSSES, resolve_loss
 
     assert set(LOSSES) == set(TINKER_DEFAULTS)
     for loss_fn, defaults in TINKER_DEFAULTS.items():
@@ -128,7 +128,7 @@ def test_gspo_clips_whole_sequences_and_averages_over_the_mask_only():
 
 
 def test_gspo_needs_a_marked_position():
-    from trainer.losses import LOSSES, check_inputs
+    from trainer.losses.table import LOSSES, check_inputs
 
     lp, inp = datum(mask=[0.0] * len(RATIOS))
     inputs = {k: v for k, v in inp.items() if k in LOSSES["gspo"].inputs}
@@ -145,7 +145,7 @@ def test_rest_offsets_are_converted_once_to_the_bounds_the_tinker_ppo_uses():
     """A REST slot with clip_low 0.2 / clip_high 0.3 clips exactly as Tinker's ppo with thresholds
     0.8 / 1.3: the same token losses and gradients from the two faces of the one definition."""
     from trainer.config import SlotHyperParams
-    from trainer.losses import TokenLossInputs, policy_gradient_token_loss
+    from trainer.losses.table import TokenLossInputs, policy_gradient_token_loss
 
     h = SlotHyperParams(clip_low=0.2, clip_high=0.3)
     assert h.ratio_bounds == pytest.approx((0.8, 1.3))
@@ -168,7 +168,7 @@ def test_rest_offsets_are_converted_once_to_the_bounds_the_tinker_ppo_uses():
 
 
 def test_stable_reinforce_is_refused_with_what_is_served():
-    from trainer.losses import resolve_loss
+    from trainer.losses.table import resolve_loss
 
     with pytest.raises(ValueError, match=r"stable_reinforce is not served.*supported: \['cispo', 'cross_entropy', 'dro', "
                                          r"'gspo', 'importance_sampling', 'ppo'\]"):

@@ -48,7 +48,7 @@ def test_key_file_maps_keys_to_tenants(tmp_path):
 
 
 def test_loss_resolution_defaults_and_refusals():
-    from trainer.losses import resolve_loss
+    from trainer.losses.table import resolve_loss
 
     assert resolve_loss("ppo", None)[1] == {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
     assert resolve_loss("cispo", {"clip_high_threshold": 2})[1] == {"clip_low_threshold": 0.8, "clip_high_threshold": 2.0}
@@ -105,7 +105,7 @@ def test_forward_backward_output_reads_back_in_the_sdk():
     from tinker.proto.response_conv import deserialize_forward_backward_output
 
     from api.tinker.proto_io import encode_forward_backward_output
-    from trainer.tinker_ops import CallResult
+    from trainer.step.round_runner import CallResult
 
     res = CallResult(outputs=[{"logprobs": torch.tensor([-1.0, -2.0]), "elementwise_loss": torch.tensor([0.0, 2.0])},
                               {"logprobs": torch.tensor([-0.5, -0.25, -3.0]), "elementwise_loss": torch.tensor([1.0, 1.0, 1.0])}],
@@ -154,7 +154,7 @@ def test_lora_flags_become_targets(flags, targets, problem, tmp_path):
     from api.tinker import wire
     from api.tinker.auth import TenantKeys
     from api.tinker.service import TinkerService, lora_flags, lora_spec
-    from service.tinker_models import TinkerModels
+    from service.tenants.tinker_models import TinkerModels
 
     svc = TinkerService(TinkerModels(None, base_model="m", tokenizer_id="m", max_rank=8), TenantKeys({}), tmp_path)
     lc = wire.LoraConfigIn(rank=4, **flags)
@@ -172,8 +172,8 @@ def test_a_flag_the_trainer_cannot_honour_is_refused(tmp_path):
     from api.tinker import wire
     from api.tinker.auth import TenantKeys
     from api.tinker.service import TinkerService
-    from service.tenant_tinker import LoraSpec
-    from service.tinker_models import TinkerModels
+    from service.tenants.tinker_model import LoraSpec
+    from service.tenants.tinker_models import TinkerModels
 
     models = TinkerModels(None, base_model="m", tokenizer_id="m", max_rank=8, target_groups=("attention", "mlp"))
     svc = TinkerService(models, TenantKeys({}), tmp_path)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer.segmented_mm import grouped_mm_eligible, pick_kernel, segmented_matmul
+from trainer.kernels.segmented_mm import grouped_mm_eligible, pick_kernel, segmented_matmul
 
 pytestmark = pytest.mark.unit
 

@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 from tests.numerics import max_rel_err
-from trainer.multi_lora import MultiLoraLinear, SlotRouting
-from trainer.segmented_mm import pick_kernel
+from trainer.lora.multi_lora import MultiLoraLinear, SlotRouting
+from trainer.kernels.segmented_mm import pick_kernel
 
 pytestmark = pytest.mark.unit
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from trainer.config import SlotHyperParams
-from trainer.per_slot_optim import adamw_update, clip_coefficient, lr_at
+from trainer.optim.per_slot_optim import adamw_update, clip_coefficient, lr_at
 
 pytestmark = pytest.mark.unit
 
@@ -59,7 +59,7 @@ def test_clip_coefficient_matches_torch():
 def test_vectorized_slots_update_matches_torch_per_slot():
     """adamw_update_slots on slots {0, 2} of a stacked tensor = torch AdamW on each slot
     (within an ulp or two); slot 1 untouched; zero padding stays exactly zero."""
-    from trainer.per_slot_optim import adamw_update_slots
+    from trainer.optim.per_slot_optim import adamw_update_slots
 
     g = torch.Generator().manual_seed(1)
     hypers = {0: SlotHyperParams(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.99), eps=1e-6),
@@ -97,7 +97,7 @@ def test_slot_sets_update_in_place_or_gathered_alike():
     """A contiguous slot range is updated through views, other sets are gathered and
     scattered back: both give each slot bit-identically what updating it alone gives,
     and slots outside the set stay untouched."""
-    from trainer.per_slot_optim import adamw_update_slots
+    from trainer.optim.per_slot_optim import adamw_update_slots
 
     g = torch.Generator().manual_seed(2)
     p0 = torch.randn(4, 3, 5, generator=g)

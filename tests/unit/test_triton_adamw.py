@@ -1,4 +1,4 @@
-"""The fused AdamW kernel (trainer/triton_adamw.py) against the torch ops of
+"""The fused AdamW kernel (trainer/kernels/triton_adamw.py) against the torch ops of
 ``adamw_apply``, run by Triton's interpreter on the CPU (the same kernel source the GPU
 compiles): updated rows, untouched rows, zeroed gradients, version bumps; and the
 trainer's entry with the Triton branch forced against ``torch.optim.AdamW`` per slot."""
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from tests.numerics import max_rel_err
-from trainer import triton_adamw
-from trainer.per_slot_optim import AdamwColumns, adamw_apply
+from trainer.kernels import triton_adamw
+from trainer.optim.per_slot_optim import AdamwColumns, adamw_apply
 
 pytestmark = pytest.mark.unit
 
@@ -50,7 +50,7 @@ def test_forced_triton_branch_equals_torch_adamw_per_slot(kernel_device, monkeyp
     changing between steps (non-contiguous, a slot that skips a step), lr changing per step.
     The kernel's table columns are read by position, so a swapped pair in the table (say
     1 - beta1 and 1 - beta2) gives wrong moments here."""
-    from trainer.per_slot_optim import adamw_update_slots
+    from trainer.optim.per_slot_optim import adamw_update_slots
 
     calls = []
     real_rows = triton_adamw.adamw_rows

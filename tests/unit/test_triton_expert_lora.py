@@ -1,4 +1,4 @@
-"""The segmented expert-LoRA kernels (trainer/triton_expert_lora.py) against per-row einsums.
+"""The segmented expert-LoRA kernels (trainer/kernels/triton_expert_lora.py) against per-row einsums.
 
 fp32, compiled on a GPU where there is one, else through Triton's interpreter on the CPU
 (tests/conftest.py). The reference is written from the definition, one row at a time
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.numerics import max_rel_err
-from trainer.triton_expert_lora import GroupTiles, expand_into, shrink, weight_grad_into
+from trainer.kernels.triton_expert_lora import GroupTiles, expand_into, shrink, weight_grad_into
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""The Triton rank-R kernels (trainer/triton_lora.py) against plain per-segment matmuls,
+"""The Triton rank-R kernels (trainer/kernels/triton_lora.py) against plain per-segment matmuls,
 fp32, through Triton's interpreter on the CPU (tests/conftest.py switches it on): a
 segment longer than a weight-gradient chunk (atomic adds), empty segments, one-row
 segments, ranks below and between tl.dot's 16-wide blocks, strided (transposed) weights."""
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from tests.numerics import max_rel_err
-from trainer import triton_lora
-from trainer.triton_lora import SlotTiles, shrink, weight_grad_into
+from trainer.kernels import triton_lora
+from trainer.kernels.triton_lora import SlotTiles, shrink, weight_grad_into
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""The Triton RoPE kernel (trainer/triton_rope.py) against megatron-core's unfused RoPE
+"""The Triton RoPE kernel (trainer/kernels/triton_rope.py) against megatron-core's unfused RoPE
 (the path it replaces), forward and backward, run by Triton's interpreter on the CPU:
 strided q/k views, partial rotary dims, unequal frequency halves."""
 
@@ -12,7 +12,7 @@ pytestmark = pytest.mark.unit
 def test_rope_equals_megatron_unfused(kernel_device, d_rot):
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
-    from trainer.triton_rope import apply_rope
+    from trainer.kernels.triton_rope import apply_rope
 
     torch.manual_seed(d_rot)
     s, b, h, d = 9, 2, 3, 16
@@ -32,7 +32,7 @@ def test_rope_equals_megatron_unfused(kernel_device, d_rot):
 
 
 def test_rope_refuses_what_it_does_not_cover(kernel_device):
-    from trainer.triton_rope import apply_rope
+    from trainer.kernels.triton_rope import apply_rope
 
     t = torch.zeros(4, 1, 2, 8, device=kernel_device)
     with pytest.raises(NotImplementedError, match="interleaved"):

@@ -12,10 +12,10 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from api.ui import STATIC_DIR
-from service.config import load_settings
-from service.controller import Controller
-from service.config import SlotCapacity
-from service.fleet_stats import FleetStats
+from service.config.job import load_settings
+from service.control.controller import Controller
+from service.config.job import SlotCapacity
+from service.loop.fleet_stats import FleetStats
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""service.fleet_stats: totals, windowed rates and time split of training-loop rounds."""
+"""service.loop.fleet_stats: totals, windowed rates and time split of training-loop rounds."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from service.fleet_stats import FleetStats, batch_token_counts
+from service.loop.fleet_stats import FleetStats, batch_token_counts
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""api/watch.py: the terminal table with reward and loss sparklines (`lorafleet adapters watch`)."""
+"""api/cli/watch.py: the terminal table with reward and loss sparklines (`lorafleet adapters watch`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 from rich.console import Console
 
-from api.watch import BLOCKS, render, sparkline, watch
+from api.cli.watch import BLOCKS, render, sparkline, watch
 
 pytestmark = pytest.mark.unit
 
@@ -59,12 +59,12 @@ def test_render_shows_every_adapter_with_its_fields_and_curves():
 @pytest.fixture
 def live_api(tmp_path):
     """The real app on loopback over a real Controller with one ACTIVE run (steps recorded by the test)."""
-    from service.controller import Controller
-    from service.registry import AdapterState
+    from service.control.controller import Controller
+    from service.registry.registry import AdapterState
     from tests.integration.api_world import CAPACITY, TOKEN, make_world, serve
 
     # The test records steps through the controller, not the API: with the read cache a page would show
-    # them only after read_cache_s (api/read_cache.py); 0 builds each poll's page after it came.
+    # them only after read_cache_s (api/front/read_cache.py); 0 builds each poll's page after it came.
     world = make_world(tmp_path, read_cache_s=0, read_stale_s=0)
     controller = Controller(world.settings, CAPACITY)
     try:
@@ -81,7 +81,7 @@ def record(controller, rid, step):
 
 
 def test_watch_once_prints_the_table_from_the_api(live_api):
-    from api.client import LorafleetClient
+    from api.cli.client import LorafleetClient
 
     url, token, controller, rid = live_api
     for step in (1, 2, 3):
@@ -95,7 +95,7 @@ def test_watch_once_prints_the_table_from_the_api(live_api):
 
 
 def test_watch_redraws_until_interrupted(live_api):
-    from api.client import LorafleetClient
+    from api.cli.client import LorafleetClient
 
     url, token, controller, rid = live_api
     record(controller, rid, 1)
@@ -116,7 +116,7 @@ def test_watch_redraws_until_interrupted(live_api):
 
 
 def test_watch_ends_on_a_refused_token(live_api):
-    from api.client import ApiError, LorafleetClient
+    from api.cli.client import ApiError, LorafleetClient
 
     url, _, _, _ = live_api
     with LorafleetClient(url, "wrong-token") as client, pytest.raises(ApiError, match="401"):

@@ -1,0 +1,249 @@
+"""The API's front process (issue 26: reads never stall training).
+
+The coordinator process runs the training loop and the API (uvicorn in a thread, api/server.py).
+Every request's Python work there (HTTP parsing, routing, auth, the answer's bytes) takes the
+interpreter from the loop's thread, and the loop's thread gets it back only at the interpreter's
+switch interval each time it let it go (every SQLite query and Ray call lets it go). Measured with
+1,024 tenants on the 2-core machine: bursts of 100 concurrent reads every 2 s cut the fleet's
+tenant-steps per minute to 0.74 of quiet, and the placement's time per round rose from 14 to
+24 ms, while the coordinator used 0.3 of a core: the loop waited for the interpreter, not for CPU.
+
+The front is a process of its own (`python -m api.front.read_front`, started by api/server.py): it owns
+the public address (settings.host:port; the socket is bound by the coordinator and handed over,
+so a port in use fails the start with a clear error) and passes every request to the
+coordinator's API, which then listens on a loopback port only. Except for the reads that
+dashboards and scrapers poll (`CACHED_GETS`): those are answered from the front's own
+`ReadCache` (api/front/read_cache.py: single flight, `ttl_s`, stale while refreshing), so a burst of
+100 costs the coordinator at most one request per distinct read, whatever its size.
+
+Invariants:
+  F1 an answer is shared only between requests with the same path, query and credential headers
+     (Authorization, X-API-Key), so no caller gets an answer built for another credential; only
+     200 answers are stored (a 401 or 403 is the coordinator's to say, every time);
+  F2 a request with another method than GET, HEAD or OPTIONS clears the cache once its answer is
+     back: a caller reads its own writes at once, as without the front;
+  F3 everything else passes unchanged, streamed both ways: method, path, query, headers (less the
+     hop-by-hop ones), body, status; the coordinator does every check (auth, limits, validation);
+  F4 the front dies with the coordinator: it exits when its parent process is gone (checked every
+     `PARENT_CHECK_S`, and Linux's parent-death signal), so a killed service leaves no listener.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from api.front.read_cache import ReadCache
+
+# The reads a dashboard or a scraper polls: the routes the coordinator caches too (api/app.py, api/ui.py).
+CACHED_GETS = frozenset({"/v1/adapters", "/metrics", "/v1/fleet/stats"})
+CREDENTIAL_HEADERS = (b"authorization", b"x-api-key")  # F1: the headers that say who the caller is
+# Headers of one connection, not of the request (RFC 9110 7.6.1), and the ones httpx sets itself.
+HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"proxy-authenticate", b"proxy-authorization",
+                        b"te", b"trailer", b"transfer-encoding", b"upgrade", b"host"})
+READ_ONLY_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+PARENT_CHECK_S = 0.5
+
+
+@dataclass(frozen=True)
+class Answer:
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+
+
+class _NotStored(Exception):
+    """A read whose answer is not a 200: sent to its own request, never stored (F1)."""
+
+    def __init__(self, answer: Answer) -> None:
+        self.answer = answer
+
+
+class FrontApp:
+    """The front's ASGI app over the coordinator's API at `upstream` (http://127.0.0.1:PORT)."""
+
+    def __init__(self, upstream: str, ttl_s: float, stale_s: float) -> None:
+        self.upstream = upstream
+        self.cache = ReadCache(ttl_s, stale_s=stale_s)
+        self._http: httpx.AsyncClient | None = None
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        if self._http is None:  # made on the serving loop, where it is used
+            self._http = httpx.AsyncClient(base_url=self.upstream, timeout=httpx.Timeout(None, connect=10.0),
+                                           # idle connections dropped here before the app's server drops them
+                                           # (uvicorn: 5 s), or a request could go out on one being closed
+                                           limits=httpx.Limits(max_connections=256, max_keepalive_connections=64,
+                                                               keepalive_expiry=2.0))
+        return self._http
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":  # no websockets here; lifespan is off
+            return
+        method, path = scope["method"], scope["path"]
+        try:
+            if method == "GET" and path in CACHED_GETS:
+                await _send_answer(send, await self._cached_read(scope))
+            else:
+                await self._pass(scope, receive, send)
+        finally:
+            if method not in READ_ONLY_METHODS:
+                self.cache.clear()  # F2
+
+    async def _cached_read(self, scope: dict) -> Answer:
+        key = (scope["path"], scope.get("query_string", b""), _credentials(scope))
+        try:
+            return await self.cache.get(key, lambda: self._read(scope))
+        except _NotStored as refused:
+            return refused.answer
+        except httpx.HTTPError as err:
+            return _unavailable(err)
+
+    async def _read(self, scope: dict) -> Answer:
+        r = await self.http.get(_target(scope), headers=_forwarded(scope["headers"]))
+        answer = Answer(r.status_code, _answer_headers(r), r.content)
+        if r.status_code != 200:
+            raise _NotStored(answer)
+        return answer
+
+    async def _pass(self, scope: dict, receive: Any, send: Any) -> None:
+        headers = _forwarded(scope["headers"])
+        has_body = any(k in (b"content-length", b"transfer-encoding") for k, _ in scope["headers"])
+        request = self.http.build_request(scope["method"], _target(scope), headers=headers,
+                                          content=_body(receive) if has_body else None)
+        try:
+            response = await self.http.send(request, stream=True)
+        except httpx.HTTPError as err:
+            await _send_answer(send, _unavailable(err))
+            return
+        except ConnectionAbortedError:  # the client left while sending its body: nobody to answer
+            return
+        try:
+            await send({"type": "http.response.start", "status": response.status_code, "headers": _answer_headers(response)})
+            async for chunk in response.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await response.aclose()
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+
+
+def _target(scope: dict) -> str:
+    query = scope.get("query_string", b"")
+    return scope.get("raw_path", scope["path"].encode()).decode("latin-1") + (f"?{query.decode('latin-1')}" if query else "")
+
+
+def _credentials(scope: dict) -> tuple[bytes, ...]:
+    found = {k.lower(): v for k, v in scope["headers"] if k.lower() in CREDENTIAL_HEADERS}
+    return tuple(found.get(k, b"") for k in CREDENTIAL_HEADERS)
+
+
+def _forwarded(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    return [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP]
+
+
+def _answer_headers(response: httpx.Response) -> list[tuple[bytes, bytes]]:
+    return [(k, v) for k, v in response.headers.raw if k.lower() not in HOP_BY_HOP]
+
+
+async def _body(receive: Any) -> AsyncIterator[bytes]:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ConnectionAbortedError("the client went away while sending its body")
+        yield message.get("body", b"")
+        if not message.get("more_body", False):
+            return
+
+
+async def _send_answer(send: Any, answer: Answer) -> None:
+    await send({"type": "http.response.start", "status": answer.status, "headers": answer.headers})
+    await send({"type": "http.response.body", "body": answer.body, "more_body": False})
+
+
+def _unavailable(err: Exception) -> Answer:
+    """503 in the body shape of every error (api.models.ErrorOut) when the coordinator does not answer."""
+    body = json.dumps({"error": "unavailable", "detail": f"the service's API did not answer ({type(err).__name__}: {err}); "
+                                                         "it may be starting or stopping: try again"}).encode()
+    return Answer(503, [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())], body)
+
+
+# --- the process ------------------------------------------------------------------------------
+
+def start_front(sock: socket.socket, upstream: str, ttl_s: float, stale_s: float) -> subprocess.Popen:
+    """Start the front on the bound socket `sock` (handed over: the caller closes its copy) in front of
+    `upstream`; it serves once its interpreter is up (connections wait in the socket's backlog)."""
+    fd = sock.fileno()
+    return subprocess.Popen([sys.executable, "-m", "api.front.read_front", "--fd", str(fd), "--upstream", upstream,
+                             "--ttl-s", str(ttl_s), "--stale-s", str(stale_s), "--parent", str(os.getpid())],
+                            pass_fds=[fd], preexec_fn=_die_with_parent, stdin=subprocess.DEVNULL)
+
+
+def bind_public(host: str, port: int) -> socket.socket:
+    """The public listening socket, bound here so that a port in use fails the start (OSError)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host.strip("[]"), port), family=family, backlog=2048)
+    except OSError as err:
+        raise OSError(err.errno, f"the API cannot listen on {host}:{port} ({err.strerror}): another process holds "
+                                 "that port; choose another with LORAFLEET_PORT (the setting 'port'), or 0 for any "
+                                 "free port") from None
+
+
+def _die_with_parent() -> None:
+    """F4 in the child before exec: Linux sends SIGTERM when the parent dies (elsewhere: the pid watch alone)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    ap = argparse.ArgumentParser(description="lorafleet's API front (api/front/read_front.py); started by `lorafleet serve`.")
+    ap.add_argument("--fd", type=int, required=True, help="the listening socket, handed over by the coordinator")
+    ap.add_argument("--upstream", required=True, help="the coordinator's API (a loopback URL)")
+    ap.add_argument("--ttl-s", type=float, default=1.0)
+    ap.add_argument("--stale-s", type=float, default=2.0)
+    ap.add_argument("--parent", type=int, required=True, help="exit when this process is gone")
+    args = ap.parse_args(argv)
+    sock = socket.socket(fileno=args.fd)
+    app = FrontApp(args.upstream, args.ttl_s, args.stale_s)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
+                                           timeout_graceful_shutdown=5))
+
+    async def watch_parent() -> None:
+        while not server.should_exit:
+            if os.getppid() != args.parent:  # F4: re-parented, the coordinator is gone
+                server.should_exit = True
+            await asyncio.sleep(PARENT_CHECK_S)
+
+    async def serve() -> None:
+        watcher = asyncio.get_running_loop().create_task(watch_parent())
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            watcher.cancel()
+            await app.close()
+
+    asyncio.run(serve())
+
+
+if __name__ == "__main__":
+    main()

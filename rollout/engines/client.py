@@ -1,0 +1,252 @@
+"""Async HTTP client of one SGLang server (httpx): generate, adapters, abort, health.
+
+Every call has a timeout; a failed call raises `EngineError` carrying the
+status and the response body, or `EngineUnavailable` when the server cannot be
+reached (connection refused or dropped: the engine is likely dead).
+
+What stock SGLang 0.5.23 does and does not offer (FINDINGS.md), and how the
+client learns what a server offers (`capabilities`): the server's
+/openapi.json lists the fields of each request type. Upstream pull requests
+add a ``prefix`` field to /abort_request (sgl-project/sglang#30912, #32237)
+and an ``upsert`` field to adapter loading (#30913, #32238); a server whose
+schema has the field supports the feature, any other server gets the
+stock-SGLang path (exact rids; versioned names + unload).
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import httpx
+from pydantic import BaseModel, ConfigDict
+
+from rollout.engines.weights import AdapterWeights
+
+
+class EngineError(RuntimeError):
+    """An engine answered with an error; `body` is its response text."""
+
+    def __init__(self, message: str, *, url: str, status: int | None = None, body: str = ""):
+        detail = f"{message} ({url}"
+        detail += f", HTTP {status}" if status is not None else ""
+        detail += f"): {body[:2000]}" if body else ")"
+        super().__init__(detail)
+        self.url = url
+        self.status = status
+        self.body = body
+
+    def __reduce__(self):  # keep attributes across Ray's pickling
+        return (_rebuild_engine_error, (type(self), self.args[0], self.url, self.status, self.body))
+
+
+def _rebuild_engine_error(cls, detail, url, status, body):
+    err = cls.__new__(cls)
+    RuntimeError.__init__(err, detail)
+    err.url, err.status, err.body = url, status, body
+    return err
+
+
+class EngineUnavailable(EngineError):
+    """The engine could not be reached, or dropped the connection mid-request."""
+
+
+class GenerateResult(BaseModel):
+    """One finished (or aborted) generation."""
+
+    model_config = ConfigDict(frozen=True)
+
+    rid: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]  # one per token in token_ids: log p(token | prefix) under the served weights
+    finish_reason: str  # "stop" | "length" | "abort" | ...
+    prompt_tokens: int
+    # Only when asked for (generate's logprob_start_len >= 0 / top_logprobs_num > 0; the Tinker sampler):
+    # log p(prompt[i] | prompt[:i]) from logprob_start_len on (None where not computed: the first token),
+    prompt_logprobs: list[float | None] | None = None
+    # and the top tokens at each prompt / generated position: [(token id, logprob), ...] or None.
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    top_logprobs: list[list[tuple[int, float]] | None] | None = None
+
+    @property
+    def aborted(self) -> bool:
+        return self.finish_reason == "abort"
+
+
+class ServerCapabilities(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    prefix_abort: bool = False  # /abort_request {"rid": prefix, "prefix": true}
+    upsert_from_tensors: bool = False  # /load_lora_adapter_from_tensors {"upsert": true}
+    upsert_from_path: bool = False  # /load_lora_adapter {"upsert": true}
+
+
+def parse_generate_response(rid: str, body: dict[str, Any]) -> GenerateResult:
+    meta = body.get("meta_info") or {}
+    finish = meta.get("finish_reason") or {}
+    token_ids = list(body.get("output_ids") or [])
+    raw_lp = meta.get("output_token_logprobs") or []
+    # SGLang's entries are [logprob, token_id, token_text_or_None].
+    logprobs = [float(e[0]) for e in raw_lp]
+    if raw_lp and [int(e[1]) for e in raw_lp] != token_ids:
+        raise ValueError(f"request {rid}: logprob token ids do not match output_ids")
+    raw_in = meta.get("input_token_logprobs")
+
+    def _tops(raw: list | None) -> list[list[tuple[int, float]] | None] | None:
+        if raw is None:
+            return None
+        return [None if pos is None else [(int(e[1]), float(e[0])) for e in pos] for pos in raw]
+
+    return GenerateResult(
+        prompt_logprobs=None if raw_in is None else [None if e[0] is None else float(e[0]) for e in raw_in],
+        prompt_top_logprobs=_tops(meta.get("input_top_logprobs")),
+        top_logprobs=_tops(meta.get("output_top_logprobs")),
+        rid=rid,
+        token_ids=token_ids,
+        text=body.get("text") or "",
+        logprobs=logprobs,
+        finish_reason=str(finish.get("type", "unknown")),
+        prompt_tokens=int(meta.get("prompt_tokens", 0)),
+    )
+
+
+class EngineClient:
+    """Client of one SGLang server at `base_url`. Use as an async context manager, or call `aclose()`."""
+
+    def __init__(self, base_url: str, *, request_timeout_s: float = 600.0, admin_timeout_s: float = 120.0,
+                 max_connections: int = 512, tp_size: int = 1):
+        self.base_url = base_url.rstrip("/")
+        self.tp_size = tp_size  # tensor loads carry one copy of the weights per TP rank
+        self.request_timeout_s = request_timeout_s
+        self.admin_timeout_s = admin_timeout_s
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url,
+            timeout=httpx.Timeout(admin_timeout_s, connect=10.0),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=64),
+        )
+
+    async def __aenter__(self) -> EngineClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _call(self, method: str, path: str, *, timeout: float | None = None, **kwargs) -> httpx.Response:
+        url = self.base_url + path
+        try:
+            resp = await self._http.request(method, path, timeout=timeout or self.admin_timeout_s, **kwargs)
+        except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as e:
+            raise EngineUnavailable(f"{method} {path} failed: {type(e).__name__}: {e}", url=url) from e
+        except httpx.TimeoutException as e:
+            raise EngineError(f"{method} {path} timed out after {timeout or self.admin_timeout_s} s", url=url) from e
+        if resp.status_code >= 400:
+            raise EngineError(f"{method} {path} failed", url=url, status=resp.status_code, body=resp.text)
+        return resp
+
+    # --- generation --------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        *,
+        rid: str,
+        input_ids: list[int],
+        sampling_params: dict[str, Any],
+        lora_name: str | None,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+    ) -> GenerateResult:
+        """Generate one response for `input_ids` with adapter `lora_name` (None = base model).
+        `logprob_start_len` >= 0: also the prompt's logprobs from that position on;
+        `top_logprobs_num` > 0: also that many top tokens at each scored position."""
+        payload = {
+            "rid": rid,
+            "input_ids": list(input_ids),
+            "sampling_params": sampling_params,
+            "lora_path": lora_name,
+            "return_logprob": True,
+            "logprob_start_len": logprob_start_len,
+        }
+        if top_logprobs_num > 0:
+            payload["top_logprobs_num"] = top_logprobs_num
+        resp = await self._call("POST", "/generate", json=payload, timeout=self.request_timeout_s)
+        try:
+            return parse_generate_response(rid, resp.json())
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            raise EngineError(f"unreadable /generate answer: {e}", url=self.base_url + "/generate", status=resp.status_code, body=resp.text) from e
+
+    async def abort(self, rid: str) -> None:
+        """Abort the request with exactly this rid (the scheduler matches by prefix: keep rids prefix-free)."""
+        await self._call("POST", "/abort_request", json={"rid": rid})
+
+    async def abort_prefix(self, prefix: str) -> None:
+        """Abort every request whose rid starts with `prefix`; only on servers with capabilities().prefix_abort."""
+        await self._call("POST", "/abort_request", json={"rid": prefix, "prefix": True})
+
+    # --- adapters ------------------------------------------------------------------------------
+
+    async def load_adapter(self, name: str, weights: AdapterWeights, *, transfer: str, spill_dir: str | None = None, upsert: bool = False) -> None:
+        """Load `weights` under `name`. transfer='tensors' sends them in the request; 'disk' sends a folder path."""
+        extra = {"upsert": True} if upsert else {}
+        if transfer == "tensors":
+            payload = {
+                "lora_name": name,
+                "config_dict": weights.config,
+                "serialized_named_tensors": [weights.wire_payload()] * self.tp_size,
+                **extra,
+            }
+            await self._call("POST", "/load_lora_adapter_from_tensors", json=payload)
+        elif transfer == "disk":
+            if weights.folder is None and spill_dir is None:
+                raise ValueError(f"adapter {name}: weights have no folder and no spill_dir was given for transfer 'disk'")
+            # A fresh folder per weights object: a name repeats (native upsert), and the folder of the
+            # version it replaces is deleted when that version is discarded (rollout/engines/pool.py).
+            folder = weights.ensure_folder(f"{spill_dir}/{name}-{uuid.uuid4().hex[:12]}") if weights.folder is None else weights.folder
+            await self._call("POST", "/load_lora_adapter", json={"lora_name": name, "lora_path": folder, **extra})
+        else:
+            raise ValueError(f"weight transfer must be 'tensors' or 'disk', got {transfer!r}")
+
+    async def unload_adapter(self, name: str) -> None:
+        await self._call("POST", "/unload_lora_adapter", json={"lora_name": name})
+
+    async def loaded_adapters(self) -> list[str]:
+        """Names of the adapters the server holds (from /v1/models)."""
+        body = (await self._call("GET", "/v1/models")).json()
+        data = body.get("data", [])
+        return sorted(m["id"] for m in data if m.get("parent"))
+
+    # --- server --------------------------------------------------------------------------------
+
+    async def health(self, *, generate: bool = False, timeout_s: float = 10.0) -> bool:
+        """True when the server answers /health (or /health_generate, which runs a real generation)."""
+        try:
+            await self._call("GET", "/health_generate" if generate else "/health", timeout=timeout_s)
+            return True
+        except EngineError:
+            return False
+
+    async def server_info(self) -> dict[str, Any]:
+        """The server's GET /get_server_info answer (its arguments and state)."""
+        return (await self._call("GET", "/get_server_info")).json()
+
+    async def capabilities(self) -> ServerCapabilities:
+        """What this server offers beyond stock SGLang, read from its OpenAPI schema."""
+        try:
+            schema = (await self._call("GET", "/openapi.json")).json()
+        except EngineError as e:
+            if e.status == 404:  # schema disabled (DISABLE_OPENAPI_DOC): assume stock SGLang
+                return ServerCapabilities()
+            raise
+        schemas = schema.get("components", {}).get("schemas", {})
+
+        def has(model: str, field: str) -> bool:
+            return field in schemas.get(model, {}).get("properties", {})
+
+        return ServerCapabilities(
+            prefix_abort=has("AbortReq", "prefix"),
+            upsert_from_tensors=has("LoadLoRAAdapterFromTensorsReqInput", "upsert"),
+            upsert_from_path=has("LoadLoRAAdapterReqInput", "upsert"),
+        )

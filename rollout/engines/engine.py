@@ -1,0 +1,245 @@
+"""Launch, watch, stop and restart SGLang server processes.
+
+An `EngineProcess` is one server: a subprocess in its own process group (so a
+stop reaches SGLang's scheduler and detokenizer children too), its output in a
+log file, readiness awaited with a deadline. The launch command and every
+CPU-only adjustment come from rollout.engines.sglang_cpu.
+
+Invariants:
+* `url` is set only while a process is started; `stop()` is idempotent and
+  always leaves no process of this engine behind (SIGTERM to the group, then
+  SIGKILL after a grace period).
+* `wait_ready()` either returns with the server answering /health_generate (a
+  real generation), or raises `EngineStartError` with the log's tail, after
+  stopping the process.
+* With `die_with_parent` the server gets SIGKILL when the thread that started it
+  ends (Linux PR_SET_PDEATHSIG; SGLang's own children die with the server): an
+  engine launcher (rollout/engines/engine_launcher.py) starts it from a thread that lives
+  as long as its process, so a lost launcher (its node's raylet died) leaves no
+  engine behind holding the node's GPUs and ports.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from rollout.config import EngineConfig
+from rollout.engines.sglang_cpu import ServerLaunch, build_server_launch
+
+
+class EngineStartError(RuntimeError):
+    """A server did not become ready; the message holds the tail of its log."""
+
+
+def pick_free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (the OS's choice for port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+# uvicorn's line when the server's port was taken between pick_free_port and the server's bind
+# (seen in CI: another process took the port in the ~15 s SGLang spends loading first). The
+# server does not exit after it: it waits in "application shutdown" until killed.
+PORT_IN_USE_MARK = "error while attempting to bind on address"
+PORT_RETRIES = 3  # fresh ports tried when a picked port is taken before the server binds it
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "<no log>"
+
+
+class EngineProcess:
+    """One SGLang server process."""
+
+    def __init__(self, index: int, cfg: EngineConfig, model_path: str | Path, *, log_dir: str | Path | None = None,
+                 die_with_parent: bool = False):
+        self.index = index
+        self.die_with_parent = die_with_parent
+        self.cfg = cfg
+        self.model_path = str(model_path)
+        self.log_dir = Path(log_dir or cfg.log_dir or tempfile.mkdtemp(prefix="lorafleet-engines-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = self.log_dir / f"engine-{index}.log"
+        self.port: int | None = None
+        self.launch: ServerLaunch | None = None
+        self.starts = 0  # how many times this engine was started (1 + restarts)
+        self._proc: subprocess.Popen | None = None
+        self._log_file = None
+        self._log_offset = 0  # where this start's lines begin in log_path
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise RuntimeError(f"engine {self.index} is not started")
+        return f"http://{self.cfg.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def start(self) -> None:
+        """Spawn the server (returns at once; see wait_ready)."""
+        if self._proc is not None and self._proc.poll() is None:
+            raise RuntimeError(f"engine {self.index} is already running (pid {self._proc.pid})")
+        self.port = self.cfg.port_for(self.index) or pick_free_port(self.cfg.host)
+        self.launch = build_server_launch(self.cfg, self.model_path, self.port)
+        self._log_file = open(self.log_path, "ab")
+        self._log_file.write(f"\n=== lorafleet: start {self.starts + 1}: {' '.join(self.launch.argv)}\n".encode())
+        self._log_file.flush()
+        self._log_offset = self._log_file.tell()
+        self._proc = subprocess.Popen(
+            self.launch.argv,
+            env=self.launch.env,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # own process group: stop() reaches SGLang's children
+            preexec_fn=_die_with_parent if self.die_with_parent else None,
+        )
+        self.starts += 1
+
+    def wait_ready(self, deadline_s: float | None = None) -> float:
+        """Block until the server generates (GET /health_generate is 200); return the seconds waited
+        (since the last start).
+
+        A port this engine picked itself that was taken before the server bound it is replaced by
+        a fresh one (PORT_RETRIES times); a configured port that is in use is an EngineStartError."""
+        deadline_s = deadline_s or self.cfg.startup_deadline_s
+        t0 = time.monotonic()
+        port_retries = PORT_RETRIES
+        while True:
+            if self._proc is None or self._proc.poll() is not None:
+                code = None if self._proc is None else self._proc.returncode
+                self.stop()
+                raise EngineStartError(
+                    f"engine {self.index} exited with code {code} before it was ready; log {self.log_path}:\n{tail(self.log_path)}"
+                )
+            if self._port_taken():
+                configured = self.cfg.port_for(self.index)
+                if configured or port_retries == 0:
+                    taken = self.port
+                    self.stop()
+                    why = ("it is configured in engines.ports" if configured
+                           else f"{PORT_RETRIES + 1} picked ports were all taken before the server bound them")
+                    raise EngineStartError(
+                        f"engine {self.index} could not bind {self.cfg.host}:{taken} ({why}); "
+                        f"free the port or leave engines.ports empty to pick free ports; log {self.log_path}"
+                    )
+                port_retries -= 1
+                self.stop()
+                self.start()  # a fresh pick_free_port
+                t0 = time.monotonic()  # the new server gets the whole startup deadline
+                continue
+            try:
+                if httpx.get(self.url + "/health_generate", timeout=10.0).status_code == 200:
+                    return time.monotonic() - t0
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() - t0 > deadline_s:
+                self.stop()
+                raise EngineStartError(
+                    f"engine {self.index} not ready after {deadline_s:.0f} s (startup_deadline_s); "
+                    f"log {self.log_path}:\n{tail(self.log_path)}"
+                )
+            time.sleep(0.5)
+
+    def _port_taken(self) -> bool:
+        """This start's log says the server could not bind its port."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_offset)
+                return PORT_IN_USE_MARK.encode() in f.read()
+        except OSError:
+            return False
+
+    def is_alive(self) -> bool:
+        """The process is running (cheap; see EngineClient.health for whether it answers)."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """Terminate the server and its children; idempotent."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            try:
+                pgid = os.getpgid(proc.pid)
+            except ProcessLookupError:
+                pgid = None
+            if pgid is not None:
+                _signal_group(pgid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=grace_s)
+                except subprocess.TimeoutExpired:
+                    pass
+                # The group leader may exit before its children: kill what is left either way.
+                _signal_group(pgid, signal.SIGKILL)
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+            if pgid is not None:
+                _wait_group_gone(pgid, timeout_s=10.0)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def kill(self) -> None:
+        """SIGKILL the whole server at once (for tests of engine failure)."""
+        if self._proc is not None:
+            try:
+                _signal_group(os.getpgid(self._proc.pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def restart(self, deadline_s: float | None = None) -> float:
+        """Stop (if needed), start again, wait until ready. Adapters must be loaded again afterwards."""
+        self.stop()
+        self.start()
+        return self.wait_ready(deadline_s)
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_LIBC = ctypes.CDLL(None, use_errno=True) if os.name == "posix" else None  # loaded before any fork
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the spawning thread ends. Only a C call (no allocation, no lock
+    taken), as code between fork and exec must be."""
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _wait_group_gone(pgid: int, timeout_s: float) -> None:
+    """Wait until no process of the group exists (killed children are reaped by init shortly after)."""
+    deadline = time.monotonic() + timeout_s
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)

@@ -1,0 +1,184 @@
+"""Per-slot AdamW, learning-rate schedule and gradient clipping.
+
+Every slot is its own optimizer: own moments (slices of stacked moment tensors
+shaped like the stacked LoRA parameters), own step count, own schedule, own
+clipping norm. An update of slot i reads and writes only slot i's live blocks
+(``A[i, :r]``, ``B[i, :, :r]`` and the same blocks of the moments), so other
+slots stay bit-identical and padded rows/columns are never touched.
+
+The update is torch.optim.AdamW's single-tensor algorithm, op for op (checked
+bit-exact in tests/unit/test_trainer_optim.py), so an adapter trained here
+matches one trained with a plain torch optimizer.
+
+The schedule is a pure function of (hyper-parameters, step), so "scheduler
+state" is the step count.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from trainer.kernels import triton_adamw
+from trainer.config import SlotHyperParams
+
+
+def lr_at(hyper: SlotHyperParams, step: int) -> float:
+    """Learning rate of update number ``step`` (1-based).
+
+    Warm-up: lr * step / warmup_steps for step <= warmup_steps. Then constant, or
+    cosine from lr down to min_lr_ratio * lr at total_steps (held after it).
+    """
+    if step < 1:
+        raise ValueError(f"update numbers start at 1, got {step}")
+    if hyper.warmup_steps and step <= hyper.warmup_steps:
+        return hyper.lr * step / hyper.warmup_steps
+    if hyper.lr_schedule == "constant":
+        return hyper.lr
+    assert hyper.total_steps is not None  # validated by SlotHyperParams
+    span = max(hyper.total_steps - hyper.warmup_steps, 1)
+    progress = min(max(step - hyper.warmup_steps, 0) / span, 1.0)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return hyper.lr * (hyper.min_lr_ratio + (1.0 - hyper.min_lr_ratio) * cosine)
+
+
+def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
+    """torch.nn.utils.clip_grad_norm_'s factor: max_norm / (norm + 1e-6), at most 1."""
+    if max_norm is None:
+        return 1.0
+    return min(max_norm / (total_norm + 1e-6), 1.0)
+
+
+@torch.no_grad()
+def adamw_update(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    hyper: SlotHyperParams,
+) -> None:
+    """One AdamW update of one block, in place (views into the stacked tensors are fine)."""
+    beta1, beta2 = hyper.betas
+    if hyper.weight_decay:
+        param.mul_(1 - lr * hyper.weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    step_size = lr / bias_correction1
+    bias_correction2_sqrt = math.sqrt(bias_correction2)
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(hyper.eps)
+    param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+@torch.no_grad()
+def adamw_update_slots(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    slots: torch.Tensor | list[int],
+    *,
+    grad_scale: torch.Tensor,
+    lr: torch.Tensor,
+    weight_decay: torch.Tensor,
+    beta1: torch.Tensor,
+    beta2: torch.Tensor,
+    eps: torch.Tensor,
+    step: torch.Tensor,
+) -> None:
+    """AdamW for several slots of one stacked tensor at once (same math as ``adamw_update``).
+
+    ``param``/``grad``/moments are stacked [N, ...]; ``slots`` (ascending slot ids, [D])
+    picks the slots that step; every hyper-parameter is a float64 [D] tensor, one value
+    per slot, and ``grad_scale`` folds in the slot's loss normalization and clipping.
+    Whole slot slices are updated: padded rows/columns have zero weight, gradient and
+    moments, and the update keeps them exactly zero. Ops are elementwise, so a slot's
+    result does not depend on which other slots step with it.
+
+    The stepping slots' gradient is consumed: it is left zero. Slots that form one
+    contiguous range (the usual mixed step: every resident adapter steps) are updated in
+    place through views; otherwise they are gathered, updated and scattered back. Both run
+    the same ops, so the result is the same.
+    """
+    cols = AdamwColumns.build(param.dtype, param.device, grad_scale=grad_scale, lr=lr, weight_decay=weight_decay,
+                              beta1=beta1, beta2=beta2, eps=eps, step=step)
+    adamw_apply(param, grad, exp_avg, exp_avg_sq, slots, cols)
+
+
+@dataclass(frozen=True)
+class AdamwColumns:
+    """Per-slot AdamW factors [D] (compute dtype, on the device), derived once per step and
+    shared by every stacked tensor (the trainer has hundreds: one set of tiny kernels)."""
+
+    grad_scale: torch.Tensor
+    decay: torch.Tensor  # 1 - lr * weight_decay
+    one_minus_beta1: torch.Tensor
+    beta2: torch.Tensor
+    one_minus_beta2: torch.Tensor
+    bias_correction2_sqrt: torch.Tensor
+    eps: torch.Tensor
+    neg_step_size: torch.Tensor  # -lr / bias_correction1
+    table: torch.Tensor | None = None  # [D, 8]: the columns above side by side (they are its views), when built so
+
+    @staticmethod
+    def build(dtype: torch.dtype, device: torch.device, *, grad_scale, lr, weight_decay, beta1, beta2, eps, step) -> "AdamwColumns":  # noqa: ANN001 - float64 [D] tensors
+        """The factors computed in float64 where the inputs are, rounded to ``dtype`` once, and moved
+        to ``device`` as one [D, 8] table (one host-to-device copy per step, not eight)."""
+        columns = (grad_scale, 1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, (1 - beta2**step).sqrt(), eps,
+                   -lr / (1 - beta1**step))
+        table = torch.stack(columns, dim=1).to(dtype).to(device)
+        return AdamwColumns(*table.unbind(1), table=table)
+
+
+@torch.no_grad()
+def adamw_apply(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    slots: torch.Tensor | list[int],
+    cols: AdamwColumns,
+) -> None:
+    """``adamw_update_slots`` with the per-slot factors already built (see there). On CUDA
+    with Triton, one fused kernel over the rows (triton_adamw.py); else torch ops."""
+    ids = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)
+    if not ids:
+        return
+    if param.dim() == 2 and triton_adamw.available(param) and grad.stride() == param.stride():
+        coef = cols.table.float() if cols.table is not None else torch.stack(
+            [cols.grad_scale, cols.decay, cols.one_minus_beta1, cols.beta2, cols.one_minus_beta2,
+             cols.bias_correction2_sqrt, cols.eps, cols.neg_step_size], dim=1).float()
+        triton_adamw.adamw_rows(param, grad, exp_avg, exp_avg_sq, ids, coef)
+        return
+    shape = (-1,) + (1,) * (param.dim() - 1)
+
+    def col(x: torch.Tensor) -> torch.Tensor:
+        return x.view(shape)
+
+    lo, hi = ids[0], ids[-1] + 1
+    contiguous = ids == list(range(lo, hi))
+    if contiguous:
+        p, g, m, v = param[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi]
+    else:
+        idx = torch.tensor(ids, device=param.device)
+        p, g, m, v = (t.index_select(0, idx) for t in (param, grad, exp_avg, exp_avg_sq))
+    g.mul_(col(cols.grad_scale))
+    p.mul_(col(cols.decay))
+    m.lerp_(g, col(cols.one_minus_beta1))
+    v.mul_(col(cols.beta2)).addcmul_(g.mul(col(cols.one_minus_beta2)), g)
+    denom = v.sqrt().div_(col(cols.bias_correction2_sqrt)).add_(col(cols.eps))
+    update = torch.div(m, denom, out=denom)
+    p.addcmul_(update, col(cols.neg_step_size))
+    if contiguous:
+        g.zero_()
+    else:
+        param.index_copy_(0, idx, p)
+        exp_avg.index_copy_(0, idx, m)
+        exp_avg_sq.index_copy_(0, idx, v)
+        grad.index_fill_(0, idx, 0.0)

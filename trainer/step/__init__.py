@@ -1,0 +1,6 @@
+"""One train call: the forward passes with each sample's slot LoRA on, micro-batches and their
+forward/backward, and the round runner (every tenant's work of a scheduler round in one call).
+
+May import: trainer.config, trainer.batch, trainer.rounds, trainer.platform, trainer.kernels, trainer.base,
+trainer.lora, trainer.losses, trainer.optim.
+"""

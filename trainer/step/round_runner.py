@@ -1,0 +1,187 @@
+"""Trainer primitives of the Tinker API: mixed forward(_backward) over several slots, and a
+per-call AdamW step of one slot.
+
+* ``forward_backward(calls)``: the calls (each one model's data, loss and config) of
+  SEVERAL slots in one mixed pass (packed micro-batches, each slot one contiguous
+  segment); every call's loss is the SUM of its datums' per-token losses
+  (trainer/losses/table.py) and its gradient ACCUMULATES in its slot's gradient rows.
+  Nothing steps. The base is frozen and sequences never interact, so a slot's gradient
+  is exactly what its calls would give alone.
+* ``train_with(batch, calls)``: the same calls riding in the service loop's train call
+  (``MultiLoraTrainer.train`` with RiderSequences): one packed forward/backward over the
+  union of the loop's samples and the calls' datums; the loop's slots step as ``train``
+  steps them, the calls' slots only accumulate. ``forward_backward`` is this call with
+  no batch, so both share every line of the pass.
+* ``forward(calls)``: the same outputs and losses, no gradient.
+* ``optim_step(slot, adam)``: the slot's accumulated gradient as is (Tinker scales by
+  nothing: losses are sums), clipped to ``grad_clip_norm`` (0 = off) and applied with
+  the call's AdamW parameters; then zeroed.
+
+Validation runs before anything changes: a call with bad input gets an error and
+changes nothing; the other calls of the same mixed pass run as if it were absent.
+Only dp == 1 for now (TP is fine: every rank runs the same calls).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from trainer.batch import TrainBatch
+from trainer.batch import RiderSequence
+from trainer.rounds import AdamStep, Call, CallResult, Datum, RoundResult, RoundWork  # noqa: F401 - the types live there
+from trainer.base.packing import split_by_token_budget
+from trainer.losses.table import LossSpec, check_inputs, resolve_loss
+
+
+class TinkerOps:
+    def __init__(self, trainer: Any, *, max_seq_len: int = 4096):
+        """`trainer`: a trainer.core.MultiLoraTrainer (not imported here: trainer/rounds.py, which the
+        core imports, imports this module)."""
+        self.trainer = trainer
+        self.max_seq_len = max_seq_len
+
+    # -- validation -----------------------------------------------------------------------
+
+    def _validate(self, call: Call) -> tuple[LossSpec, dict[str, float]]:
+        self.trainer._state(call.slot)  # noqa: SLF001 - "slot N is not initialized" for a gone model
+        spec, cfg = resolve_loss(call.loss_fn, call.loss_fn_config)
+        if not call.data:
+            raise ValueError("data is empty: send at least one datum")
+        vocab = self.trainer.vocab_size
+        for i, d in enumerate(call.data):
+            n = len(d.tokens)
+            try:
+                if n == 0:
+                    raise ValueError("model_input has no tokens")
+                if n > self.max_seq_len:
+                    raise ValueError(f"model_input has {n} tokens, more than this server allows ({self.max_seq_len})")
+                if min(d.tokens) < 0 or max(d.tokens) >= vocab:
+                    raise ValueError(f"model_input token ids must be in [0, {vocab}), got {min(d.tokens)}..{max(d.tokens)}")
+                check_inputs(call.loss_fn, spec, n, d.inputs)
+                tt = d.inputs["target_tokens"]
+                if tt.is_floating_point():
+                    raise ValueError("loss_fn_inputs['target_tokens'] must be integers (int64)")
+                if int(tt.min()) < 0 or int(tt.max()) >= vocab:
+                    raise ValueError(f"target_tokens must be in [0, {vocab}), got {int(tt.min())}..{int(tt.max())}")
+            except ValueError as err:
+                raise ValueError(f"datum {i}: {err}") from None
+        return spec, cfg
+
+    # -- the mixed pass ---------------------------------------------------------------------
+
+    def forward_backward(self, calls: list[Call]) -> list[CallResult]:
+        """The calls alone: the combined call with no loop batch."""
+        return self.train_with(None, calls)[1]
+
+    def train_with(self, batch: TrainBatch | None,
+                   calls: list[Call]) -> tuple[Any, list[CallResult]]:
+        """ONE mixed step: the loop's ``batch`` (stepped as ``MultiLoraTrainer.train`` steps it) and
+        the calls' datums (gradients accumulating, no step) in the same packed micro-batches.
+
+        A call with bad input, or aimed at a slot the batch trains (a loop slot never accumulates
+        a Tinker gradient), gets its error and changes nothing; the batch and the other calls
+        run as if it were absent. Conversely a batch that ``train`` refuses changes nothing and
+        is answered by its ValueError in place of the TrainResult (the caller raises it), while
+        the calls run alone. The TrainResult is None when ``batch`` is None."""
+        try:
+            self.trainer.check_batch(batch)
+        except ValueError as err:
+            return err, self.forward_backward(calls)
+        batch_slots = {s.slot for s in batch.samples} if batch is not None else set()
+        results, riders, finish = self._riders(calls, batch_slots, backward=True)
+        if batch is None and not riders:
+            return None, results
+        train_result = self.trainer.train(batch, riders)
+        finish()
+        return (train_result if batch is not None else None), results
+
+    def forward(self, calls: list[Call]) -> list[CallResult]:
+        """The same outputs and losses as forward_backward, no gradient (same micro-batches)."""
+        results, riders, finish = self._riders(calls, set(), backward=False)
+        slots = [r.slot for r in riders]
+        budget = self.trainer.config.micro_batch_tokens
+        for group in split_by_token_budget([len(r.tokens) for r in riders], slots, budget):
+            mb = [riders[i] for i in group]  # slot order (stable): each slot one contiguous segment
+            lp = self.trainer.packed_lora_pass([r.tokens for r in mb], [r.slot for r in mb], [r.targets for r in mb])
+            start = 0
+            for r in mb:
+                r.loss(lp[start : start + len(r.tokens)])
+                start += len(r.tokens)
+        finish()
+        return results
+
+    def _riders(self, calls: list[Call], batch_slots: set[int], backward: bool):
+        """(results, RiderSequences of the valid calls' datums, finish) — each rider's loss is its
+        datum's per-token loss summed (trainer/losses/table.py) and records the datum's outputs;
+        ``finish()`` fills the valid calls' outputs and ``loss:sum`` once the pass has run."""
+        results = [CallResult() for _ in calls]
+        losses: dict[int, tuple[LossSpec, dict[str, float]]] = {}
+        for c, call in enumerate(calls):
+            try:
+                if call.slot in batch_slots:
+                    raise ValueError(f"slot {call.slot} is being trained by the service's loop; it cannot take Tinker calls")
+                losses[c] = self._validate(call)
+            except ValueError as err:
+                results[c].error = str(err)
+        outputs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        loss_sum = dict.fromkeys(losses, 0.0)
+
+        def loss_fn(c: int, i: int) -> Callable[[torch.Tensor], torch.Tensor]:
+            def loss(seg: torch.Tensor) -> torch.Tensor:
+                spec, cfg = losses[c]
+                inputs = {k: v.to(seg.device) for k, v in calls[c].data[i].inputs.items()}
+                elementwise = spec.fn(seg, inputs, cfg)
+                out = {"logprobs": seg.detach().float().cpu()}
+                if calls[c].loss_fn == "cross_entropy":
+                    out["elementwise_loss"] = elementwise.detach().float().cpu()
+                outputs[(c, i)] = out
+                loss_sum[c] += float(elementwise.detach().sum())
+                return elementwise.sum()
+            return loss
+
+        riders = [RiderSequence(calls[c].slot, d.tokens, d.inputs["target_tokens"].tolist(), loss_fn(c, i))
+                  for c in losses for i, d in enumerate(calls[c].data)]
+
+        def finish() -> None:
+            for c in losses:
+                results[c].outputs = [outputs[(c, i)] for i in range(len(calls[c].data))]
+                results[c].metrics = {"loss:sum": loss_sum[c]}
+
+        return results, riders, finish
+
+    # -- optimizer ----------------------------------------------------------------------------
+
+    def optim_step(self, slot: int, adam: AdamStep) -> dict[str, float]:
+        adam.check()
+        report = self.trainer.adam_step_slot(
+            slot, lr=adam.learning_rate, beta1=adam.beta1, beta2=adam.beta2, eps=adam.eps,
+            weight_decay=adam.weight_decay, max_grad_norm=adam.grad_clip_norm or None,
+        )
+        if report["skipped_nonfinite"]:
+            raise ValueError(f"the accumulated gradient is not finite (norm {report['grad_norm']}); "
+                             "it was discarded and the weights are unchanged")
+        return {"grad_norm": report["grad_norm"], "step": float(report["step"])}
+
+    # -- the scheduler's round (trainer/rounds.py) -------------------------------------------------
+
+    def run_round(self, work: RoundWork) -> RoundResult:
+        """Forwards, then the mixed pass (the batch and the forward_backward calls), then the
+        optimizer steps in order; each part's failure answers only itself (trainer/rounds.py)."""
+        out = RoundResult()
+        if work.forwards:
+            out.forwards = self.forward(work.forwards)
+        batch = work.batch if work.batch is not None and work.batch.samples else None
+        if batch is not None or work.calls:
+            train, out.calls = self.train_with(batch, work.calls)
+            if isinstance(train, ValueError):
+                out.refused = str(train)
+            else:
+                out.train = train
+        for slot, adam in work.optim:
+            try:
+                out.optim.append(self.optim_step(slot, adam))
+            except ValueError as err:  # a bad parameter or a non-finite gradient: this step only
+                out.optim.append(str(err))
+        return out
