@@ -21,7 +21,7 @@ rounds after --warmup:
 A round's time is the slowest rank's: each timed round ends with a device sync and a
 barrier. Reported per GPU: tokens/s (round tokens / round time / GPUs), TFLOP/s and MFU
 counting 4 x base parameters x tokens (the frozen pass's forward + backward to the
-activations, no weight gradients: the convention of docs/BENCHMARKS.md's frozen-base
+activations, no weight gradients: the convention of docs/benchmarks-history.md's frozen-base
 rows; attention's score FLOPs and the LoRA FLOPs are not counted, so the mixed step's
 MFU is the base's work per second), MFU against --peak-tflops (989.4: H100/H200 SXM
 dense bf16) and against the bf16 matmul rate measured in the same run; peak memory per
@@ -29,10 +29,10 @@ GPU (torch.cuda.max_memory_allocated, the largest over ranks, and each rank's).
 The LoRA path each layout took is printed. --lora-path fused,general runs each layout on
 both (a fresh build each): the fused LoRA node (base GEMM + delta in one autograd node; at
 TP=2 with the TP communication inside it, trainer/lora/fused_lora.py) and the general path
-(Megatron's linear, then the delta: what the first TP=2 rows of docs/BENCHMARKS.md
+(Megatron's linear, then the delta: what the first TP=2 rows of docs/benchmarks-history.md
 measured, when the fused node was TP=1 only). Default: fused, the trainer's default.
 
-Memory (arithmetic from docs/BENCHMARKS.md's 1.7B per-token figures scaled by hidden x
+Memory (arithmetic from docs/benchmarks-history.md's 1.7B per-token figures scaled by hidden x
 layers, so an estimate): 64 slots of rank 16 at 8B are 43.6 M LoRA parameters each, x 16
 bytes (fp32 weight, grad, Adam m, v) = 41.6 GiB per GPU at DP=2 (about half at TP=2);
 activations without recomputation about 6.8 MiB per token at TP 1 (108 GiB for 16k

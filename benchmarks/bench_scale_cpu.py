@@ -1,4 +1,4 @@
-"""A thousand tenants on one node, on CPU with the tiny world (issue 26; docs/BENCHMARKS.md "A thousand
+"""A thousand tenants on one node, on CPU with the tiny world (issue 26; docs/benchmarks-history.md "A thousand
 tenants on one node").
 
 One `lorafleet serve` (a subprocess, as an operator starts it: Ray, one trainer rank, one SGLang CPU

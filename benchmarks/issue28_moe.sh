@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 28's MoE runs on the device machine, in one call (docs/BENCHMARKS.md, "MoE step at the
+# Issue 28's MoE runs on the device machine, in one call (docs/benchmarks-history.md, "MoE step at the
 # limit"). Usage (repo root, megatron wheels on PYTHONPATH): bash benchmarks/issue28_moe.sh OUT [PARTS]
 # The GPU tier needs the tiny world: carry .cache/tiny (built here by examples/tiny/build.py; building
 # it there needs the datasets package, which the device lacks).

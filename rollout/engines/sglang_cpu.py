@@ -37,7 +37,7 @@ reason given:
    tiny model, 64 new tokens per request, while another process held one core:
    2 threads gave 30 / 97 / 325 tokens/s for 1 / 4 / 16 concurrent requests,
    1 thread 187 / 668 / 1693. With less contention 2 threads matched 1 thread
-   (docs/BENCHMARKS.md, "Rollout on CPU") but varied up to 6x between repeats.
+   (docs/benchmarks-history.md, "Rollout on CPU") but varied up to 6x between repeats.
    On a dedicated CPU host, raise EngineConfig.cpu_threads.
 9. The unembedding's LoRA rows routed by adapter (rollout/engines/sglang_lm_head_rows.py, applied by
    rollout/engines/sglang_server.py with 3.): SGLang's CPU LoRA backend routes the pruned rows that reach

@@ -1,5 +1,5 @@
 """The LoRA-epilogue GEMM probe (benchmarks/bench_lora_epilogue.py) against the definition, on the
-kernel device (Triton's interpreter on the CPU): its rows in docs/BENCHMARKS.md are only worth
+kernel device (Triton's interpreter on the CPU): its rows in docs/benchmarks-history.md are only worth
 reading if the kernels compute what the trainer's linear does."""
 
 from __future__ import annotations

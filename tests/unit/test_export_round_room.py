@@ -8,7 +8,7 @@ needs when every writer thread is in the middle of a folder of the round before 
 never superseded, its block held) and the round's new snapshots each take a block. The writer is
 made slow here by a gate before the real write (each writer thread takes a job, counts it as
 being written, and waits at the gate), so the round finds the arena in that worst state on
-purpose. Measured on one H200 before the fix (8B, 64 slots, docs/BENCHMARKS.md): 57 ms of the
+purpose. Measured on one H200 before the fix (8B, 64 slots, docs/benchmarks-history.md): 57 ms of the
 68.8 ms export call waited for room, because a snapshot (the PEFT file: q/k/v and gate/up each
 carry a copy of their fused linear's one A) is larger than the buffer row it is gathered from,
 and the arena was planned per row."""

@@ -181,7 +181,7 @@ def freeze_in_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
     Megatron's torch-norm wrapper makes its weight fp32 (it counts on a Float16Module
     wrapper, which a frozen base does not need); against bf16 activations torch's rms_norm
     then falls back to an unfused composite: 90 ms of elementwise ops per 16k-token
-    forward+backward of the 1.7B shape on the H200 (docs/BENCHMARKS.md)."""
+    forward+backward of the 1.7B shape on the H200 (docs/benchmarks-history.md, "Third version")."""
     for p in model.parameters():
         p.requires_grad_(False)
         if p.is_floating_point() and p.dtype != dtype:

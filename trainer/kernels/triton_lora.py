@@ -6,7 +6,7 @@ dim), and the weight gradients ``dA_g = gh_g^T x_g`` and ``dB_g = g_g^T h_g`` (r
 the tokens of slot g). All four are memory-bound: their cost is one read of the wide
 operand. Library kernels do not get there for these shapes (measured on the H200:
 cuBLAS 2-2.5x the byte floor for one slot, ``grouped_mm`` over 64 slot segments another
-1.5-2.3x on top, docs/BENCHMARKS.md). These kernels are written for them:
+1.5-2.3x on top, docs/benchmarks-history.md, "Third version"). These kernels are written for them:
 
 * ``shrink``: one program per tile of BT rows inside one slot segment (a tile never
   crosses a segment, so it reads one slot's A or B); it streams the wide operand once
@@ -54,7 +54,7 @@ def available(x: torch.Tensor) -> bool:
 def pick(requested: str, x: torch.Tensor, segments: int) -> str:
     """``triton`` or ``library`` for the fused node's rank-R reductions on ``x`` over
     ``segments`` non-empty slot segments. ``auto`` takes Triton on CUDA when there is more
-    than one segment: measured on the H200 (docs/BENCHMARKS.md), the Triton weight
+    than one segment: measured on the H200 (docs/benchmarks-history.md, "Fourth version"), the Triton weight
     gradients beat ``grouped_mm`` over 64 segments (mixed step at N = 64: 347 against
     361 ms), while for one segment cuBLAS's plain GEMMs are as fast or faster (N = 1: 361
     against 362 ms; the LoRA part of one linear 0.36-0.79 ms with Triton against 0.31-0.60
