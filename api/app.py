@@ -50,7 +50,7 @@ from api.models import (
     RunList,
     StepOut,
 )
-from service.config.job import ServiceSettings, api_token_problem
+from service.config.settings import ServiceSettings, api_token_problem
 from service.control.controller import Controller
 from service.loop.fleet_stats import FleetStats
 from service.registry.registry import AdapterState

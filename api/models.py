@@ -1,6 +1,6 @@
 """Every wire message of the REST API (requests, responses, errors), in one module.
 
-The request body of `POST /v1/adapters` is `service.config.job.AdapterSpec` itself
+The request body of `POST /v1/adapters` is `service.config.adapter.AdapterSpec` itself
 (name + AdapterConfig), so the REST schema and the job file's adapter entries
 are one model. Responses are built from the registry's immutable refs with the
 `from_*` constructors here, so routes stay thin.
@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.config.job import AdapterConfig, AdapterSpec
+from service.config.adapter import AdapterConfig, AdapterSpec
 from service.registry.registry import AdapterRef, AdapterState, StepRecord
 
 AdapterCreate = AdapterSpec  # POST /v1/adapters body

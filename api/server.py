@@ -18,7 +18,7 @@ from typing import Any
 
 import uvicorn
 
-from service.config.job import ServiceSettings, is_loopback_host
+from service.config.settings import ServiceSettings, is_loopback_host
 
 log = logging.getLogger(__name__)
 

@@ -101,13 +101,13 @@ def run_ops(models: int, seq_len: int, iters: int, tiny: bool, rank: int) -> dic
     from benchmarks.bench_mixed_step import QWEN3_1_7B, TINY, sync, write_config
     from trainer.config import SlotHyperParams, TrainerConfig
     from trainer.core import MultiLoraTrainer
-    from trainer.step.round_runner import AdamStep, Call, Datum, TinkerOps
+    from trainer.step.round_runner import AdamStep, Call, Datum, RoundRunner
 
     shape = TINY if tiny else QWEN3_1_7B
     with tempfile.TemporaryDirectory() as folder:
         trainer = MultiLoraTrainer(TrainerConfig(base_model_path=write_config(shape, folder), random_init=True,
                                                  num_slots=models, max_rank=rank))
-    ops = TinkerOps(trainer, max_seq_len=seq_len)
+    ops = RoundRunner(trainer, max_seq_len=seq_len)
     for slot in range(models):
         trainer.init_slot(slot, SlotHyperParams(rank=rank, alpha=32.0), seed=slot)
     g = torch.Generator().manual_seed(0)

@@ -73,7 +73,8 @@ def main() -> None:
     from examples.tiny.build import ensure_tiny_world
     from service.fleet.startup import start_fleet
     from service.cli import TINY_JOB
-    from service.config.job import load_job, load_settings
+    from service.config.job import load_job
+    from service.config.settings import load_settings
     from service.loop.training_loop import LoopOptions, run_training_loop
     from service.shutdown import StopSignal
     from service.tenants.tinker_model import LoraSpec

@@ -3,7 +3,7 @@
 All models forbid unknown fields (a typo is an error naming the field) and are
 frozen (a validated config cannot drift). Field names of `DataConfig`,
 `RewardConfig` and `SamplingConfig` match the service's tenant-facing specs
-(service.config.job.DataSpec / RewardSpec / SamplingSpec), so the controller turns
+(service.config.adapter.DataSpec / RewardSpec / SamplingSpec), so the controller turns
 one into the other with `DataConfig.model_validate(spec.model_dump())`.
 
 Checks that need the filesystem (data file exists, has the keys) happen when a

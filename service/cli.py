@@ -36,7 +36,8 @@ Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Log the loop's e
 def _load(job_path: Path | None, state_dir: Path | None, **explicit: Any):
     """The validated job and settings; the embedded tiny job builds its world first and
     allows its data folder as a data root wherever it is run from."""
-    from service.config.job import ConfigError, load_job
+    from service.config.job import load_job
+    from service.config.settings import ConfigError
 
     if job_path is None:
         from examples.tiny.build import ensure_tiny_world

@@ -59,7 +59,7 @@ class NoFreeSlot(Conflict):
 
 
 class QuotaExceeded(LorafleetError):
-    """A tenant's quota is used up (live or queued runs per key: service/config/job.py `quotas`); the
+    """A tenant's quota is used up (live or queued runs per key: service/config/quotas.py); the
     message gives the quota and the tenant's usage. Nothing was recorded (HTTP 429)."""
 
     code = "quota_exceeded"

@@ -26,7 +26,8 @@ from typing import Any
 from rich.console import Console
 
 from service.fleet.startup import ApiStarter, Fleet, start_fleet
-from service.config.job import JobConfig, ServiceSettings
+from service.config.job import JobConfig
+from service.config.settings import ServiceSettings
 from service.errors import LorafleetError, NotFound
 from service.loop.training_loop import LoopOptions, LoopReport, run_training_loop
 from service.loop.progress import AdapterSummary, ProgressView, summarize, summary_lines, summary_table

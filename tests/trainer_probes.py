@@ -59,3 +59,14 @@ def hold_export_writes(group, held: bool) -> None:  # noqa: ANN001 - a service.f
 
     ray.get(group.workers[0].__ray_call__.options(concurrency_group=FAULT_GROUP).remote(_worker_hold_export_writes, held),
             timeout=60)
+
+
+def train_batch(trainer, batch):  # noqa: ANN001, ANN201 - a TrainerGroup or TrainWorker; -> trainer.optim.slot_steps.TrainResult
+    """A dataset batch alone through the trainer's one interface (a round with no Tinker work):
+    what a `train(batch)` of the group or the actor was before the interface kept only rounds."""
+    from trainer.rounds import RoundWork
+
+    result = trainer.run_round(RoundWork(batch=batch))
+    if result.refused is not None:
+        raise ValueError(result.refused)
+    return result.train

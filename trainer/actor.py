@@ -1,7 +1,7 @@
 """One trainer rank as a Ray actor's body: `TrainWorker`.
 
-`TrainWorker` holds one `MultiLoraTrainer` (one rank of tp * dp) and exposes the
-trainer's collective methods one by one, typed. The service runs one actor per rank
+`TrainWorker` holds one `MultiLoraTrainer` (one rank of tp * dp) and implements the trainer's
+interface (trainer/interface.py `TrainerInterface`) over it, one method each, typed. The service runs one actor per rank
 (service/fleet/trainer_group.py starts them with the options of service/fleet/actors.py and
 calls every rank with the same arguments; rank 0 answers, as all ranks compute the
 same metrics). Data parallelism: every rank receives the whole batch and trains its
@@ -14,7 +14,9 @@ thread writes the folder), and `wait_export` in the EXPORT_GROUP group, which re
 the folder is written; the next train call does not wait for the write.
 
 This module imports neither ray nor the trainer's core at module level: the class
-is plain, so the GPU tier imports it without Ray, and the model is built in `setup`.
+is plain, so the GPU tier imports it without Ray, and the model is built in `setup`. The round
+runs here (trainer/step/round_runner.py `RoundRunner` over the rank's trainer): the actor is the
+one hop between the trainer group's fan-out and the step.
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from trainer.batch import TrainBatch
 from trainer.config import SlotHyperParams, TrainerConfig
+from trainer.interface import Health
+from trainer.rounds import RoundResult, RoundWork
+from trainer.step.round_runner import RoundRunner
 
 # The Ray concurrency group (besides the default one, max_concurrency 1, where every collective
 # call runs in submission order) in which `wait_export` waits for a background write: one thread,
@@ -40,8 +44,8 @@ FAULT_GROUP = "fault"
 
 class TrainWorker:
     """One trainer rank. As a Ray actor it is constructed empty and `setup` builds the model once
-    all ranks are placed; in process it is made over a built trainer (api/tinker/backend.py), so
-    one typed interface serves both."""
+    all ranks are placed; in process it is made over a built trainer (the tests' in-process Tinker
+    host), so one typed interface serves both."""
 
     def __init__(self, trainer: Any = None) -> None:
         self.trainer: Any = trainer  # trainer.core.MultiLoraTrainer (after setup, as an actor)
@@ -80,9 +84,6 @@ class TrainWorker:
     def clear_slot(self, slot: int) -> None:
         self._core().clear_slot(slot)
 
-    def train(self, batch: TrainBatch):
-        return self._core().train(batch)
-
     def peft_tensors(self, slot: int):
         return self._core().export.peft_tensors(slot)
 
@@ -115,9 +116,9 @@ class TrainWorker:
     def reset_optimizer(self, slot: int) -> None:
         self._core().reset_optimizer(slot)
 
-    def run_round(self, work: Any) -> Any:
+    def run_round(self, work: RoundWork) -> RoundResult:
         """The scheduler's round (trainer/rounds.py): dataset samples and Tinker calls in ONE mixed step."""
-        return self._core().run_round(work)
+        return RoundRunner(self._core(), max_seq_len=work.max_seq_len).run_round(work)
 
     # Keep-warm eviction (trainer/swap/slot_swap.py): a slot's whole state to this rank's host
     # memory (spilling to swap_spill_dir beyond swap_host_budget_mb, up to swap_disk_budget_mb)
@@ -135,8 +136,11 @@ class TrainWorker:
     def drop_swapped(self, key: str) -> bool:
         return self._core().swap.drop(key)
 
-    def swapped(self) -> dict:
-        return self._core().swap.swapped()
-
     def swap_tiers(self) -> dict:
         return self._core().swap.tiers()
+
+    def health(self) -> Health:
+        """It answers: this rank is alive (a rank busy in a call answers after it)."""
+        core = self.trainer
+        where = f"rank {core.layout.rank} on {core.device}" if core is not None else "not set up"
+        return Health(core is not None, where)

@@ -102,8 +102,8 @@ class MultiLoraTrainer:
                           rank=self.layout.rank, world_size=self.layout.world_size, pin=self.device.type == "cuda")
         self.swap = SlotSwap(self.slots, store)
 
-    def _state(self, slot: int) -> SlotState:
-        """The initialized slot's state (ValueError otherwise); trainer/step/round_runner.py asks it."""
+    def slot_state(self, slot: int) -> SlotState:
+        """The initialized slot's state (ValueError otherwise)."""
         return self.slots.state(slot)
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -182,7 +182,7 @@ class MultiLoraTrainer:
     @torch.no_grad()
     def reset_optimizer(self, slot: int) -> None:
         """Adam moments, update count and pending gradient of the slot to zero (weights kept)."""
-        state = self._state(slot)
+        state = self.slot_state(slot)
         self.buffers.settle()
         idx = torch.tensor([slot], device=self.device)
         for t in (self.buffers.exp_avg, self.buffers.exp_avg_sq, self.buffers.grad):
@@ -191,12 +191,6 @@ class MultiLoraTrainer:
         state.pending = zero_stats()
 
     # -- training --------------------------------------------------------------------------------
-
-    def run_round(self, work):  # noqa: ANN001, ANN201 - trainer.rounds.RoundWork -> RoundResult
-        """The scheduler's round on this rank: every tenant's work in one call (trainer/rounds.py)."""
-        from trainer.step.round_runner import TinkerOps  # it imports nothing of this module's
-
-        return TinkerOps(self, max_seq_len=work.max_seq_len).run_round(work)
 
     def train(self, batch: TrainBatch | None, riders: list[RiderSequence] | None = None) -> TrainResult:
         """Forward/backward the batch (one mixed pass per micro-batch); step every slot whose
@@ -259,7 +253,7 @@ class MultiLoraTrainer:
         or a token id is outside the vocabulary); nothing changes either way."""
         for i, s in enumerate(batch.samples if batch is not None else []):
             try:
-                self._state(s.slot)
+                self.slot_state(s.slot)
             except ValueError as err:
                 raise ValueError(f"sample {i}: {err}") from None
             if max(s.tokens) >= self.vocab_size:
@@ -276,7 +270,7 @@ class MultiLoraTrainer:
         if self.layout.dp_size > 1:
             raise ValueError("riders support dp == 1 only")
         for k, r in enumerate(riders):
-            self._state(r.slot)
+            self.slot_state(r.slot)
             if r.slot in batch_slots:
                 raise ValueError(f"rider {k}: slot {r.slot} is trained by the batch; a rider's slot must not be")
             if not r.tokens or len(r.targets) != len(r.tokens):
@@ -298,7 +292,7 @@ class MultiLoraTrainer:
         if any(a > b for a, b in zip(slot_ids, slot_ids[1:])):
             raise ValueError(f"slot_ids must be non-decreasing, got {slot_ids}")
         for s in set(slot_ids):
-            self._state(s)
+            self.slot_state(s)
         flat_targets = torch.tensor([t for seq in targets for t in seq], dtype=torch.long, device=self.device)
         self.routing.disable()
         try:
@@ -310,5 +304,5 @@ class MultiLoraTrainer:
                        weight_decay: float, max_grad_norm: float | None) -> dict:
         """The slot's accumulated gradient as is, with per-call AdamW parameters (slot_steps.py
         adam_step). Collective over TP."""
-        return adam_step(self.buffers, slot, self._state(slot), self.layout, self.device, lr=lr, beta1=beta1,
+        return adam_step(self.buffers, slot, self.slot_state(slot), self.layout, self.device, lr=lr, beta1=beta1,
                          beta2=beta2, eps=eps, weight_decay=weight_decay, max_grad_norm=max_grad_norm)

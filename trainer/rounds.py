@@ -1,6 +1,6 @@
 """One round of the scheduler: every tenant's ready work in ONE trainer call.
 
-``MultiLoraTrainer.run_round(work)`` (executed by trainer/step/round_runner.py ``TinkerOps.run_round``)
+``MultiLoraTrainer.run_round(work)`` (executed by trainer/step/round_runner.py ``RoundRunner.run_round``)
 is the trainer's interface to the service's scheduler (service/scheduling/scheduler.py): the actor exposes
 it (trainer/actor.py ``TrainWorker.run_round``), the trainer group forwards it
 (service/fleet/trainer_group.py), and an in-process trainer is called directly. A round carries:

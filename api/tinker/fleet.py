@@ -17,7 +17,7 @@ from pathlib import Path
 from api.tinker.auth import TenantKeys
 from api.tinker.sampling import SglangSampler
 from api.tinker.service import TinkerService
-from service.config.job import ServiceSettings
+from service.config.settings import ServiceSettings
 from service.control.controller import Controller
 from service.fleet.fleet_runtime import FleetRuntime
 from service.tenants.tinker_models import TinkerModels

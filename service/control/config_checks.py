@@ -31,7 +31,9 @@ from rollout.config import RolloutSpec
 from rollout.data import read_line_bounded
 from rollout.rewards import RewardLoadError, load_reward
 from rollout.rollouts import RolloutLoadError, load_rollout
-from service.config.job import AdapterConfig, ServiceSettings, SlotCapacity
+from service.config.adapter import AdapterConfig
+from service.config.job import SlotCapacity
+from service.config.settings import ServiceSettings
 from service.errors import BadValue
 
 # Rows whose keys are checked; the rest are only counted (a huge file is not parsed twice).

@@ -47,7 +47,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from service.config.job import AdapterConfig, ServiceSettings, SlotCapacity, format_validation_error
+from service.config.adapter import AdapterConfig
+from service.config.job import SlotCapacity
+from service.config.settings import ServiceSettings, format_validation_error
 from service.control.config_checks import PEFT_FILES, check_adapter_config
 from service.errors import BadValue, Conflict
 from service.control.ownership import check_tenant_start_paths

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-from service.config.job import AdapterConfig
+from service.config.adapter import AdapterConfig
 from service.errors import BadValue
 
 

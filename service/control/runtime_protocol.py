@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from service.registry.registry import AdapterRef
+from trainer.interface import Health
 
 if TYPE_CHECKING:
     from service.registry.registry import Registry
@@ -49,10 +50,9 @@ class Finished:
     checkpoint_step: int | None = None
 
 
-@dataclass(frozen=True)
-class ComponentHealth:
-    ok: bool
-    detail: str = ""
+# One health value for every component (trainer, engines, rollout); its home is trainer/interface.py
+# because the trainer's interface answers it and trainer/ imports nothing of service/.
+ComponentHealth = Health
 
 
 @dataclass(frozen=True)

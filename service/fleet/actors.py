@@ -26,7 +26,8 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from service.config.job import JobConfig, ServiceSettings
+from service.config.job import JobConfig
+from service.config.settings import ServiceSettings
 
 
 def _cpu_env() -> dict[str, Any]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import uuid
 from pathlib import Path
 
-from service.config.job import is_loopback_host
+from service.config.settings import is_loopback_host
 from service.errors import PlacementError
 from service.fleet.placement import PlacementPlan
 

@@ -23,7 +23,8 @@ from typing import Any
 import ray
 
 from service.fleet.actors import start_engine_launcher
-from service.config.job import JobConfig, ServiceSettings
+from service.config.job import JobConfig
+from service.config.settings import ServiceSettings
 from service.fleet.placement import release_placement_groups
 
 log = logging.getLogger(__name__)

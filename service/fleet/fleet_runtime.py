@@ -5,7 +5,7 @@ It is a plain object in the coordinator process, shared by the controller (recon
 finish / release; tenant calls: abort / ready / stats / fleet) and the loop (place, round,
 publish, checkpoint, drain). Its parts, each a role of its own:
   scheduler  service/scheduling/scheduler.py     slots and residency of every tenant, the round (one trainer call)
-  publisher  service/loop/publishing.py    stepped RL runs' weights to the engines (steps 4, 4b)
+  publisher  service/fleet/publishing.py    stepped RL runs' weights to the engines (steps 4, 4b)
   health     service/fleet/health.py  engine restarts, trainer liveness, what the API reports
   trainer    service/fleet/trainer_group.py the trainer ranks (Ray actors)
   rollout    service/fleet/rollout_client.py the rollout worker and its engines
@@ -37,10 +37,11 @@ from rollout.data import DataCursor, open_rows
 from rollout.worker import AdapterRollout
 from service.tenants.batches import CollectedRound, RunFailed, SteppedRun, TrainerLost
 from trainer.storage.run_checkpoints import ADAPTER_SUBDIR, Checkpoint, PendingCheckpoint, RunState, link_folder, load_checkpoint, prune_checkpoints
-from service.config.job import JobConfig, ServiceSettings
+from service.config.job import JobConfig
+from service.config.settings import ServiceSettings
 from service.control.config_checks import no_step_refusal, planned_steps
 from service.fleet.health import FleetHealth
-from service.loop.publishing import Publisher
+from service.fleet.publishing import Publisher
 from service.registry.registry import AdapterRef, Registry
 from service.scheduling.residency import ResidencyKnobs
 from service.fleet.rollout_client import RolloutClient
@@ -326,7 +327,7 @@ class FleetRuntime:
         return out
 
     def publish(self, registration_id: str, version: int) -> bool:
-        """Hand the run's current weights to the engines as `version` (service/loop/publishing.py). True
+        """Hand the run's current weights to the engines as `version` (service/fleet/publishing.py). True
         while the engines load it (`settle_publishes` reports the outcome); False: nothing to load
         (an SFT run)."""
         run = self._run(registration_id)

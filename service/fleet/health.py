@@ -29,7 +29,8 @@ from typing import Any, Callable
 from service.fleet.engine_pids import record_engines
 from service.fleet.nodes import fleet_processes
 from service.control.runtime_protocol import ComponentHealth, ProcessInfo, RuntimeStats
-from service.fleet.trainer_group import TrainerState
+from service.fleet.rollout_client import RolloutClient
+from service.fleet.trainer_group import TrainerGroup, TrainerState
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ class EngineRestarted:
 
 
 class FleetHealth:
-    def __init__(self, state_dir: Any, trainer: Any, rollout: Any) -> None:
+    def __init__(self, state_dir: Any, trainer: TrainerGroup, rollout: RolloutClient | None) -> None:
         self.state_dir = state_dir
         self.trainer = trainer
         self.rollout = rollout

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
 
 from rollout.engines.engine_handles import local_node
 from service.control.runtime_protocol import ProcessInfo
+from service.fleet.rollout_client import RolloutClient
+from service.fleet.trainer_group import TrainerGroup
 
 log = logging.getLogger(__name__)
 
@@ -27,9 +28,9 @@ def node_addresses() -> dict[str, str]:
     return {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
 
 
-def fleet_processes(trainer: Any, rollout: Any) -> list[ProcessInfo]:
-    """The coordinator, each trainer rank, the rollout worker and each engine (`trainer`: TrainerGroup,
-    `rollout`: RolloutClient or None). pid None: not running / unknown."""
+def fleet_processes(trainer: TrainerGroup, rollout: RolloutClient | None) -> list[ProcessInfo]:
+    """The coordinator, each trainer rank, the rollout worker and each engine (no rollout worker:
+    a Tinker-only fleet). pid None: not running / unknown."""
     here_id, here_ip = local_node()
     out = [ProcessInfo("coordinator", "coordinator", os.getpid(), node_id=here_id, node_ip=here_ip)]
     try:

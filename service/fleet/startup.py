@@ -38,7 +38,8 @@ import ray
 
 from service.fleet.actors import start_rollout_worker
 from service.fleet.cluster_checks import check_engines_reachable, check_shared_state_dir, state_dir_users
-from service.config.job import JobConfig, ServiceSettings, is_loopback_host
+from service.config.job import JobConfig
+from service.config.settings import ServiceSettings, is_loopback_host
 from service.control.controller import Controller
 from service.fleet.engine_hosts import EngineHosts
 from service.fleet.engine_pids import reap_engines_everywhere, record_engines

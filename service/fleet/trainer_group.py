@@ -1,4 +1,6 @@
 """The trainer as the coordinator uses it: `TrainerGroup`, tp * dp TrainWorker actors acting as one.
+It implements the trainer's interface (trainer/interface.py `TrainerInterface`) by fanning each
+method out to every rank.
 
 Every trainer method is collective: the group calls it on every rank with the same
 arguments (one typed lambda per rank, `_all`) and returns rank 0's answer. On top it
@@ -31,7 +33,6 @@ import ray
 from service.fleet.actors import start_train_workers
 from service.fleet.remote import call, is_actor_lost
 from service.control.runtime_protocol import ComponentHealth
-from trainer.batch import TrainBatch
 from trainer.config import SlotHyperParams, TrainerConfig
 from trainer.rounds import RoundResult, RoundWork
 
@@ -206,9 +207,6 @@ class TrainerGroup:
     def clear_slot(self, slot: int) -> None:
         self._all(lambda w: w.clear_slot.remote(slot), what="clear_slot")
 
-    def train(self, batch: TrainBatch):
-        return self._all(lambda w: w.train.remote(batch), what="train")
-
     def run_round(self, work: RoundWork) -> RoundResult:
         """The scheduler's round: every tenant's work in ONE collective call (trainer/rounds.py)."""
         return self._all(lambda w: w.run_round.remote(work), what="round")
@@ -265,10 +263,6 @@ class TrainerGroup:
         """Every rank starts reading `key`'s spill file into host memory, so its swap-in is a copy
         to the device; returns at once (rank 0's answer: "started", "prefetching", "host", "absent", "no room")."""
         return self._all(lambda w: w.prefetch_swapped.remote(key), what="prefetch_swapped")
-
-    def swapped(self) -> dict:
-        """Rank 0's swap store: keys, host bytes, spilled keys."""
-        return self._all(lambda w: w.swapped.remote(), what="swapped")
 
     def swap_tiers(self) -> dict:
         """Rank 0's swap tiers, for the gauges: {"host"|"disk"|"prefetched": {"count", "bytes"[, "budget_bytes"]}}."""

@@ -46,7 +46,7 @@ The role objects, all in this (the coordinator) process:
   controller  service/control/controller.py    registry and lifecycle (1b, 5, 6, 7; weight versions)
   runtime     service/fleet/fleet_runtime.py  FleetRuntime: runs' side effects, checkpoints, drain; its parts:
      scheduler  service/scheduling/scheduler.py   slots and residency of every tenant, the round (1a, 2, 3)
-     publisher  service/loop/publishing.py  weights to the engines (4, 4b)
+     publisher  service/fleet/publishing.py  weights to the engines (4, 4b)
      health     service/fleet/health.py engine restarts, trainer liveness
 """
 

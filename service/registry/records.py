@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from service.config.job import AdapterConfig
+from service.config.adapter import AdapterConfig
 
 
 class AdapterState(StrEnum):

@@ -55,7 +55,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from service.config.job import AdapterConfig, default_live_runs
+from service.config.adapter import AdapterConfig
+from service.config.job import default_live_runs
 from service.errors import Conflict, NoFreeSlot, NotFound, QuotaExceeded
 from service.registry.views import RegistryViews, RunQuota
 from service.registry.records import (  # noqa: F401 - the records' names are the registry's interface too

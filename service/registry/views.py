@@ -99,7 +99,7 @@ def page_sql(query: ListQuery, tenant: str | None) -> tuple[str, tuple, str, tup
 
 @dataclass(frozen=True)
 class RunQuota:
-    """What one tenant key may hold (service/config/job.py TenantQuota, resolved for it): live runs, and
+    """What one tenant key may hold (service/config/quotas.py TenantQuota, resolved for it): live runs, and
     of them waiting for a slot (queued or evicted); None = no bound of its own. `source` names the
     setting, for the message."""
 

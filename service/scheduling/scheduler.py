@@ -66,6 +66,7 @@ from service.scheduling.residency import Resident, ResidencyKnobs, choose_evicti
 from service.scheduling.round_parts import RoundContextOnce, RoundPart, Span, offer_tokens  # noqa: F401 - RoundPart: the tenants' view
 from service.scheduling.tenant import Offer, Tenant, TenantKind
 from trainer.batch import TrainBatch
+from trainer.interface import TrainerInterface
 from trainer.rounds import RoundResult, RoundWork
 
 log = logging.getLogger(__name__)
@@ -101,11 +102,11 @@ class RoundRefused(RuntimeError):
 
 
 class Scheduler:
-    def __init__(self, registry: Registry, trainer: Any, knobs: ResidencyKnobs, *, max_seq_len: int = 4096,
+    def __init__(self, registry: Registry, trainer: TrainerInterface, knobs: ResidencyKnobs, *, max_seq_len: int = 4096,
                  window_s: float = 0.02, clock: Callable[[], float] = time.monotonic,
                  is_lost: Callable[[BaseException], bool] = lambda e: False) -> None:
-        """`trainer`: a trainer.core.MultiLoraTrainer or service.fleet.trainer_group.TrainerGroup (the same
-        interface). `clock`: monotonic seconds for how long tenants have been idle (tests pass their
+        """`trainer`: the trainer's one interface (a TrainerGroup in the fleet; a TrainWorker over an
+        in-process trainer in tests). `clock`: monotonic seconds for how long tenants have been idle (tests pass their
         own; waits use the wall clock). `is_lost(error)`: whether a trainer call's error means the
         trainer died."""
         self.registry = registry

@@ -34,7 +34,7 @@ from rollout.data import DataCursor
 from rollout.groups import RolloutGroup
 from rollout.worker import AdapterStats
 from service.tenants.batches import RunFailed, StepPlan, SteppedRun, rl_step
-from service.config.job import AdapterConfig
+from service.config.adapter import AdapterConfig
 from service.tenants.sft_source import SftSource
 from service.scheduling.tenant import Offer, RoundContext, TenantKind, now
 

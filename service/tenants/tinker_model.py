@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 from service.scheduling.tenant import Offer, RoundContext, SlotOp, TenantKind
 from trainer.storage.slot_state_format import read_slot_meta
+from trainer.interface import TrainerInterface
 from trainer.rounds import AdamStep, Call, Datum
 
 Done = Callable[[Any, BaseException | None], None]  # (value, error): exactly one is not None... or both None
@@ -85,7 +86,7 @@ def checkpoint_lora(folder: str | Path) -> LoraSpec:
 class TinkerModel:
     kind = TenantKind.TINKER
 
-    def __init__(self, model_id: str, owner: str, lora: LoraSpec, *, trainer: Any, clock: Callable[[], float],
+    def __init__(self, model_id: str, owner: str, lora: LoraSpec, *, trainer: TrainerInterface, clock: Callable[[], float],
                  wake: Callable[[], None], end: Callable[[str], None]) -> None:
         """`trainer`: the scheduler's trainer; `wake()`: the scheduler's notify; `end(key)`: the
         scheduler's release (unload)."""

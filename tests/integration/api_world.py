@@ -13,7 +13,8 @@ import httpx
 
 from api.app import create_app
 from api.server import ApiServer
-from service.config.job import ServiceSettings, SlotCapacity, load_settings
+from service.config.job import SlotCapacity
+from service.config.settings import ServiceSettings, load_settings
 
 TOKEN = "test-token-5f1c"
 MAX_BODY = 8192

@@ -209,7 +209,7 @@ def serving(svc: Service) -> Iterator[Service]:
 def registry_left_in(state_dir: Path, num_slots: int) -> Iterator["Registry"]:  # noqa: F821 - service.registry.registry
     """The SQLite registry a stopped or killed service left in `state_dir`, opened while nothing
     else uses it (what the service had committed, with no API read racing its last round)."""
-    from service.config.job import ServiceSettings
+    from service.config.settings import ServiceSettings
     from service.registry.registry import Registry
 
     registry = Registry(ServiceSettings(state_dir=state_dir).db_path, num_slots)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.local_ray import start_ray, stop_ray
+from tests.trainer_probes import train_batch
 
 pytestmark = pytest.mark.integration
 
@@ -74,14 +75,14 @@ def _hold(group, held: bool) -> None:
 def test_background_export_is_the_snapshot_step_and_the_next_train_does_not_wait(group, tmp_path):
     import ray
 
-    assert group.train(_batch(1)).stepped == [0]
+    assert train_batch(group, _batch(1)).stepped == [0]
     group.export_peft(0, tmp_path / "sync-step1")  # synchronous: the step-1 weights
     _hold(group, True)
     try:
         refs = group.begin_export_peft(0, tmp_path / "bg")
         # Submitted right after the export: it changes the weights. It completes while the writer
         # is held, so it did not wait for the write.
-        assert group.train(_batch(2)).stepped == [0]
+        assert train_batch(group, _batch(2)).stepped == [0]
         assert not (tmp_path / "bg").exists()
         ready, _ = ray.wait(refs[-1:], timeout=0)
         assert ready == []  # the held writer cannot have finished: wait_export is still waiting
@@ -104,9 +105,9 @@ def test_background_exports_queue_in_order_while_held(group, tmp_path):
     _hold(group, True)
     try:
         first = group.begin_export_peft(0, tmp_path / "v1")
-        assert group.train(_batch(3)).stepped == [0]
+        assert train_batch(group, _batch(3)).stepped == [0]
         second = group.begin_export_peft(0, tmp_path / "v2")
-        assert group.train(_batch(4)).stepped == [0]
+        assert train_batch(group, _batch(4)).stepped == [0]
         group.export_peft(0, tmp_path / "sync-v3")  # the synchronous export does not queue behind the held writer
     finally:
         _hold(group, False)
@@ -147,7 +148,7 @@ def test_publish_folder_in_bf16_is_the_fp32_weights_rounded(group, tmp_path):
     adapter_config. Checkpoints and the synchronous export stay fp32 unless told."""
     import ray
 
-    assert group.train(_batch(5)).stepped == [0]
+    assert train_batch(group, _batch(5)).stepped == [0]
     group.export_peft(0, tmp_path / "fp32")  # the default: the weights as trained
     ray.get(group.begin_export_peft(0, tmp_path / "bf16", "bfloat16"), timeout=120)
     group.export_peft(0, tmp_path / "fp16", "float16")  # the synchronous publish (an adapter's first version)

@@ -35,7 +35,8 @@ def world(tiny_world, tmp_path_factory):
     plan reserved on it: (cluster, job, plan, specs, trainer groups, EngineHosts, NodeFaults)."""
     import ray._private.ray_constants as ray_constants
 
-    from service.config.job import JobConfig, load_settings
+    from service.config.job import JobConfig
+    from service.config.settings import load_settings
     from service.fleet.engine_hosts import EngineHosts
     from service.fleet.node_faults import NodeFaults
     from service.fleet.placement import cluster_shape_from_ray, placement_group_specs, plan_placement, reserve_placement_groups

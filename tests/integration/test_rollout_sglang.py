@@ -14,6 +14,7 @@ are printed, not asserted (timings belong in benchmarks).
 from __future__ import annotations
 
 from tests.local_ray import start_ray, stop_ray
+from tests.trainer_probes import train_batch
 
 import asyncio
 import time
@@ -499,7 +500,9 @@ def long_rows_spec(tmp_path, tiny_world, name, registration_id, *, limits: bool)
     path.write_text("".join(json.dumps({"prompt": f"{i} " + "ab 12 " * 16_666, "label": "0123456789"}) + "\n" for i in range(16)))
     data = DataConfig(path=str(path), shuffle_seed=0)
     if limits:
-        from service.config.job import AdapterConfig, ServiceSettings, SlotCapacity
+        from service.config.adapter import AdapterConfig
+        from service.config.job import SlotCapacity
+        from service.config.settings import ServiceSettings
         from service.control.config_checks import row_limits
 
         cfg = AdapterConfig(data={"path": str(path)}, reward={"name": "target_share"}, sampling={"max_new_tokens": 12, "n_samples_per_prompt": 4})
@@ -720,7 +723,7 @@ def test_a_burst_of_publishes_serves_the_newest_and_never_a_superseded_one(sglan
     try:
         group.start()
         group.init_slot(0, SlotHyperParams(rank=4, alpha=8, lr=3e-2, samples_per_step=2, objective="sft"), seed=0)
-        assert group.train(batch(0)).stepped == [0]  # B leaves its zero init: the versions differ
+        assert train_batch(group, batch(0)).stepped == [0]  # B leaves its zero init: the versions differ
         group.export_peft(0, tmp_path / "v0")
 
         async def run():
@@ -740,7 +743,7 @@ def test_a_burst_of_publishes_serves_the_newest_and_never_a_superseded_one(sglan
                 try:
                     publishes = []
                     for v in range(1, 5):
-                        assert group.train(batch(v)).stepped == [0]
+                        assert train_batch(group, batch(v)).stepped == [0]
                         folder = root / f"lw-v{v}"
                         refs = group.begin_export_peft(0, folder, "float32", "reg-lw")
                         publishes.append(asyncio.create_task(worker.publish_version("lw", v, PendingFolder(folder, refs))))

@@ -35,7 +35,8 @@ STEPS, INTERVAL = 6, 3
 @pytest.fixture(scope="module")
 def sft_world(tiny_world, tmp_path_factory):
     ray = pytest.importorskip("ray")
-    from service.config.job import load_job, load_settings
+    from service.config.job import load_job
+    from service.config.settings import load_settings
     from service.control.controller import Controller
     from service.fleet.fleet_runtime import FleetRuntime
     from service.fleet.trainer_group import TrainerGroup

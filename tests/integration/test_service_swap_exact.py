@@ -49,7 +49,7 @@ def world(tiny_world, tmp_path_factory):
 
 
 def _controller(world, name: str, turn_steps: int):
-    from service.config.job import load_settings
+    from service.config.settings import load_settings
     from service.control.controller import Controller
     from service.fleet.fleet_runtime import FleetRuntime
 

@@ -76,7 +76,7 @@ def test_idle_model_evicted_and_returns_bit_exact(world, tiny_world):
     clock.idle_everyone()
     b = training_client(sc_b, seed=5)  # A idle: swapped out for B
     assert evicted(svc) == {a.model_id} and slot_of(svc, b.model_id) is not None
-    assert trainer(svc).swapped()["keys"] == [a.model_id]
+    assert core(svc).swap.swapped()["keys"] == [a.model_id]
     train(b, sft_data(b.get_tokenizer(), tiny_world, 0, 3), 1, ADAM)
 
     fb = a.forward_backward(data, "cross_entropy")  # B was just called: A waits for the slot (E2)
@@ -105,6 +105,6 @@ def test_idle_model_evicted_and_returns_bit_exact(world, tiny_world):
     assert m["models_evicted"] == 1 and m["evictions"] == 2 and m["restores"] == 1, m
 
     svc.unload(b.model_id)  # evicted: its snapshot is forgotten, no slot taken
-    assert b.model_id not in evicted(svc) and trainer(svc).swapped()["keys"] == []
+    assert b.model_id not in evicted(svc) and core(svc).swap.swapped()["keys"] == []
     assert slot_of(svc, b.model_id) is None
     svc.unload(a.model_id)

@@ -4,7 +4,7 @@ the tiny Qwen3 through Megatron-Bridge, in-process trainer).
 Loop slots 1 (RL, KL term, sequence_mean, 2 samples a step) and 3 (SFT, token_mean, 3
 samples a step: it accumulates across calls) train two calls; Tinker models on slots 0
 and 2 send three calls with different losses each time, riding in the same calls
-(``TinkerOps.train_with``), then optim_step. Against
+(``RoundRunner.train_with``), then optim_step. Against
 
 * the same work done apart: ``MultiLoraTrainer.train`` on the batch alone and Tinker's
   ``forward_backward`` alone (each Tinker slot's gradient after every call, and every
@@ -53,11 +53,11 @@ VS_REFERENCE = 5e-5
 def ops(tiny_world):
     from trainer.config import TrainerConfig
     from trainer.core import MultiLoraTrainer
-    from trainer.step.round_runner import TinkerOps
+    from trainer.step.round_runner import RoundRunner
 
     trainer = MultiLoraTrainer(TrainerConfig(base_model_path=str(tiny_world / "model"), num_slots=4, max_rank=8,
                                              micro_batch_tokens=MICRO_BATCH_TOKENS))
-    return TinkerOps(trainer)
+    return RoundRunner(trainer)
 
 
 def _base_lp(hf_model, tokens, targets):

@@ -78,11 +78,11 @@ def make_data(loss_fn, seed, base_lp_fn, n_datums=2):
 def ops(tiny_world):
     from trainer.config import TrainerConfig
     from trainer.core import MultiLoraTrainer
-    from trainer.step.round_runner import TinkerOps
+    from trainer.step.round_runner import RoundRunner
 
     trainer = MultiLoraTrainer(TrainerConfig(base_model_path=str(tiny_world / "model"), num_slots=4, max_rank=8,
                                              micro_batch_tokens=40))  # several micro-batches per call
-    return TinkerOps(trainer)
+    return RoundRunner(trainer)
 
 
 @pytest.fixture(scope="module")

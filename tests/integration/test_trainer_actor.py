@@ -6,6 +6,7 @@ result matches one process training the whole batch."""
 from __future__ import annotations
 
 from tests.local_ray import start_ray, stop_ray
+from tests.trainer_probes import train_batch
 
 import pytest
 import torch
@@ -58,7 +59,7 @@ def test_dp2_actor_group_matches_one_process(ray_cluster, tiny_world):
         assert len(set(group.pids())) == 2  # one process per rank
         for slot in (0, 1):
             group.init_slot(slot, _hyper(slot), seed=slot)
-        res = group.train(_batch())
+        res = train_batch(group, _batch())
         assert res.stepped == [0, 1] and res.slots[0].samples == 3
         per_rank = slot_state_tensors_all_ranks(group, 0)
     finally:

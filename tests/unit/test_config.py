@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr, ValidationError
 
-from service.config.job import AdapterConfig, ConfigError, SlotCapacity, load_job, load_settings
+from service.config.adapter import AdapterConfig
+from service.config.job import SlotCapacity, load_job
+from service.config.settings import ConfigError, load_settings
 from service.control.config_checks import check_adapter_config, confine_path
 from service.errors import BadValue
 

@@ -41,7 +41,7 @@ def test_lifecycle_states_and_transitions_match_the_registry():
 
 
 def test_adapter_name_rule_matches_the_code():
-    from service.config.job import ADAPTER_NAME_PATTERN
+    from rollout.config import ADAPTER_NAME_PATTERN
 
     assert f"(pattern `{ADAPTER_NAME_PATTERN}`)" in CONCEPTS
 
@@ -54,7 +54,7 @@ def test_metrics_table_lists_exactly_what_the_control_plane_exports():
 
 
 def test_every_lorafleet_environment_variable_named_in_docs_and_deploy_exists():
-    from service.config.job import ServiceSettings
+    from service.config.settings import ServiceSettings
 
     known = {f"LORAFLEET_{name.upper()}" for name in ServiceSettings.model_fields}
     # and the switches the GPU tier reads (LORAFLEET_GPU_TESTS_ON_CPU, LORAFLEET_GPU_DUMP): read by tests, not settings

@@ -43,7 +43,8 @@ def test_generator_check_mode_catches_an_edit(tmp_path, monkeypatch):
 
 
 def test_job_file_reference_documents_every_field():
-    from service.config.job import JobConfig, ServiceSettings
+    from service.config.job import JobConfig
+    from service.config.settings import ServiceSettings
 
     text = (gen.DOCS / "reference" / "job-file.md").read_text()
     for name in JobConfig.model_fields:

@@ -30,7 +30,8 @@ def test_example_job_loads_and_passes_lora_experts_through(moe_world, tmp_path):
 
 
 def test_rl_expert_lora_on_a_cpu_placement_is_refused(moe_world, tmp_path):
-    from service.config.job import ConfigError, load_job
+    from service.config.job import load_job
+    from service.config.settings import ConfigError
 
     text = _job_text(moe_world).replace("      lora_experts: false", "      lora_experts: true", 1)
     (tmp_path / "job.yaml").write_text(text)
@@ -42,7 +43,8 @@ def test_rest_registration_refuses_rl_expert_lora_on_a_cpu_placement_and_changes
     """The REST path (POST /v1/adapters -> Controller.register -> check_adapter_config) holds the job file's
     rule: an RL adapter with lora_experts: true on an MoE base on cpu is refused, naming the field, and no
     run is recorded; lora_experts: false, or an SFT adapter with expert LoRA, registers."""
-    from service.config.job import load_job, load_settings
+    from service.config.job import load_job
+    from service.config.settings import load_settings
     from service.control.controller import Controller
     from service.errors import BadValue
 

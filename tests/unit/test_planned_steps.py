@@ -15,7 +15,9 @@ import json
 
 import pytest
 
-from service.config.job import AdapterConfig, load_job, load_settings
+from service.config.adapter import AdapterConfig
+from service.config.job import load_job
+from service.config.settings import load_settings
 from service.control.config_checks import check_adapter_config, planned_steps
 from service.tenants.sft_source import SftSource
 

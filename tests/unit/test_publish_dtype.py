@@ -104,7 +104,8 @@ def test_the_runtime_publishes_in_the_engines_dtype(tiny_world, tmp_path, accele
     """FleetRuntime resolves the handoff folders' dtype from the job (engines' device from the placement
     when 'auto', as service/fleet/actors.py gives the rollout worker GPUs), over a FAKE trainer (unused here)."""
     from service.cli import TINY_JOB
-    from service.config.job import load_job, load_settings
+    from service.config.job import load_job
+    from service.config.settings import load_settings
     from service.fleet.fleet_runtime import FleetRuntime
     from tests.fleet_fakes import FakeTrainer
 

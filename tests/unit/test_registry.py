@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.config.job import AdapterConfig
+from service.config.adapter import AdapterConfig
 from service.errors import Conflict, NoFreeSlot, NotFound
 from service.registry.registry import AdapterState as S
 from service.registry.registry import Registry

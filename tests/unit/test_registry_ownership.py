@@ -14,7 +14,7 @@ import sqlite3
 
 import pytest
 
-from service.config.job import AdapterConfig
+from service.config.adapter import AdapterConfig
 from service.errors import BadValue, Conflict, NotFound
 from service.control.ownership import check_tenant_start_paths, may_start_from
 from service.registry.registry import AdapterState as S

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from service.config.job import SlotCapacity, load_settings
+from service.config.job import SlotCapacity
+from service.config.settings import load_settings
 from service.control.controller import Controller
 from service.errors import BadValue, Conflict, NoFreeSlot, NotFound
 from service.registry.registry import AdapterState as S

@@ -13,7 +13,7 @@ from collections import Counter
 
 import pytest
 
-from service.config.job import AdapterConfig
+from service.config.adapter import AdapterConfig
 from service.errors import BadValue, QuotaExceeded
 from service.registry.registry import AdapterState as S
 from service.registry.registry import Registry

@@ -72,7 +72,7 @@ def test_queue_place_is_shown_in_the_cli_and_the_progress_view():
     from rich.console import Console
 
     from api.cli.tenant_commands import adapters_table
-    from service.config.job import AdapterConfig
+    from service.config.adapter import AdapterConfig
     from service.loop.progress import ProgressView
     from service.registry.registry import AdapterRef, AdapterState
 

@@ -34,7 +34,7 @@ def job(tiny_world):
 @pytest.fixture
 def fleet(job, tiny_world, tmp_path):
     """(controller, runtime, trainer, rollout, data dir): real Controller and FleetRuntime over the fakes."""
-    from service.config.job import load_settings
+    from service.config.settings import load_settings
     from service.control.controller import Controller
     from service.fleet.fleet_runtime import FleetRuntime
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from service.config.job import AdapterConfig
+from service.config.adapter import AdapterConfig
 from service.config.quotas import Quotas
 from service.registry.registry import AdapterState as S
 from service.registry.registry import Registry

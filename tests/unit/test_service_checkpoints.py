@@ -151,7 +151,7 @@ def test_sft_tail_shorter_than_a_step_is_dropped(tiny_world, tokenizer, tmp_path
 
 
 def test_summary_reward_windows():
-    from service.config.job import AdapterConfig
+    from service.config.adapter import AdapterConfig
     from service.loop.progress import summarize
     from service.registry.registry import AdapterRef, AdapterState, StepRecord
 
@@ -170,7 +170,7 @@ def test_progress_view_rows_and_rate_and_quiet_without_tty():
 
     from rich.console import Console
 
-    from service.config.job import AdapterConfig
+    from service.config.adapter import AdapterConfig
     from service.loop.progress import ProgressView
     from service.registry.registry import AdapterRef, AdapterState
 

@@ -61,3 +61,31 @@ def test_api_starts_no_thread_that_could_call_the_trainer():
 def test_no_module_over_600_lines():
     big = {str(p.relative_to(REPO)): n for p in module_files().values() if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert big == {}, big
+
+
+def test_the_actor_and_the_group_implement_the_one_trainer_interface():
+    """trainer/interface.py's TrainerInterface: every method on the rank's actor body and on the trainer
+    group, with the same parameters (names, order, defaults), so either can stand wherever the service
+    holds a trainer."""
+    import inspect
+
+    from service.fleet.trainer_group import TrainerGroup
+    from trainer.actor import TrainWorker
+    from trainer.interface import TrainerInterface
+
+    methods = [n for n, f in vars(TrainerInterface).items() if inspect.isfunction(f) and not n.startswith("_")]
+    assert "run_round" in methods and "swap_out" in methods
+    for impl in (TrainWorker, TrainerGroup):
+        for name in methods:
+            want = inspect.signature(getattr(TrainerInterface, name))
+            have = inspect.signature(getattr(impl, name))
+            params = [(p.name, p.default) for p in have.parameters.values()]
+            assert params[: len(want.parameters)] == [(p.name, p.default) for p in want.parameters.values()], (impl, name)
+            assert all(p.default is not inspect.Parameter.empty for p in list(have.parameters.values())[len(want.parameters):])
+
+
+def test_the_service_holds_the_trainer_typed():
+    """No `trainer: Any` in service/: every holder of a trainer is typed against the interface (or the group)."""
+    found = [f"{path.relative_to(REPO)}:{i}" for mod, path in module_files(packages=("service",)).items()
+             for i, line in enumerate(path.read_text().splitlines(), 1) if "trainer: Any" in line]
+    assert found == []

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from service.config.job import AdapterConfig
+from service.config.adapter import AdapterConfig
 from service.loop.fleet_stats import FleetStats
 from service.registry.registry import AdapterState, Registry
 from service.loop.tb_log import FLEET_RUN, TrainingLog, run_dir, tensorboard_dir

@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from api.ui import STATIC_DIR
-from service.config.job import load_settings
+from service.config.settings import load_settings
 from service.control.controller import Controller
 from service.config.job import SlotCapacity
 from service.loop.fleet_stats import FleetStats

@@ -1,5 +1,10 @@
-"""Trainer primitives of the Tinker API: mixed forward(_backward) over several slots, and a
-per-call AdamW step of one slot.
+"""The round runner: a scheduler round (trainer/rounds.py) on one rank, every tenant's work in one
+call. ``RoundRunner(trainer).run_round(work)``: the Tinker forwards, then ONE mixed pass (the dataset
+runs' samples, stepped per slot as ``MultiLoraTrainer.train`` steps them, and the Tinker
+forward_backward calls riding in the same micro-batches), then the Tinker optimizer steps in order.
+The rank's actor body (trainer/actor.py) runs it; nothing else forwards a round.
+
+Its parts:
 
 * ``forward_backward(calls)``: the calls (each one model's data, loss and config) of
   SEVERAL slots in one mixed pass (packed micro-batches, each slot one contiguous
@@ -35,17 +40,17 @@ from trainer.base.packing import split_by_token_budget
 from trainer.losses.table import LossSpec, check_inputs, resolve_loss
 
 
-class TinkerOps:
+class RoundRunner:
     def __init__(self, trainer: Any, *, max_seq_len: int = 4096):
-        """`trainer`: a trainer.core.MultiLoraTrainer (not imported here: trainer/rounds.py, which the
-        core imports, imports this module)."""
+        """`trainer`: a trainer.core.MultiLoraTrainer (typed loosely: the core does not import this
+        module, and this module needs only its public train call, slot states and passes)."""
         self.trainer = trainer
         self.max_seq_len = max_seq_len
 
     # -- validation -----------------------------------------------------------------------
 
     def _validate(self, call: Call) -> tuple[LossSpec, dict[str, float]]:
-        self.trainer._state(call.slot)  # noqa: SLF001 - "slot N is not initialized" for a gone model
+        self.trainer.slot_state(call.slot)  # "slot N is not initialized" for a gone model
         spec, cfg = resolve_loss(call.loss_fn, call.loss_fn_config)
         if not call.data:
             raise ValueError("data is empty: send at least one datum")

@@ -36,7 +36,10 @@ from typing import Any
 from rollout.engines.weights import AdapterWeights, PendingFolder
 from rollout.worker import PUBLISH_SUPERSEDED
 from service.tenants.batches import PublishOutcome
-from service.config.job import JobConfig, ServiceSettings
+from service.config.job import JobConfig
+from service.config.settings import ServiceSettings
+from service.fleet.rollout_client import RolloutClient
+from service.fleet.trainer_group import TrainerGroup
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +59,7 @@ class _Publish:
 
 
 class Publisher:
-    def __init__(self, job: JobConfig, settings: ServiceSettings, trainer: Any, rollout: Any) -> None:
+    def __init__(self, job: JobConfig, settings: ServiceSettings, trainer: TrainerGroup, rollout: RolloutClient | None) -> None:
         self.job = job
         self.trainer = trainer
         self.rollout = rollout
