@@ -44,9 +44,9 @@ a name from the wire.
 
 Bounds: at most ``MAX_NODES`` nodes, ``MAX_ARG_DEPTH`` levels and ``MAX_ARG_ITEMS`` values in
 one node's arguments, strings of ``MAX_STR_LEN`` characters, integer constants within
-``MAX_INT``; at run time the tensors one datum's nodes produce hold at most ``max_value_bytes``
-in all, checked BEFORE each node runs (its output shape on meta tensors, which allocate
-nothing). What may be called, with what (no mutation, no integer-tensor indexing, no device
+``MAX_INT``; at run time the tensors one datum's nodes produce hold at most
+``max_value_elements`` in all, checked BEFORE each node runs from its arguments' shapes (an
+upper bound: custom_ops.elements_bound), then counted exactly. What may be called, with what (no mutation, no integer-tensor indexing, no device
 arguments, no tensor factories that take sizes), and the run-time rules of each call:
 trainer/losses/custom_ops.py.
 """
@@ -60,15 +60,15 @@ from typing import Any, Callable
 import torch
 
 from trainer.losses.custom_ops import (ATTRIBUTES, CONSTANTS, ENCODED, FLOATS, FUNCTIONS, GETATTR, MAX_INT, METHODS,
-                                       OP_ERRORS, bytes_before_running, check_arguments, check_static, check_value,
-                                       is_number, nbytes)
+                                       OP_ERRORS, check_arguments, check_static, check_value, elements,
+                                       elements_bound, is_number)
 
 MAX_NODES = 256
 MAX_INPUTS = 16
 MAX_ARG_DEPTH = 6  # the output's (loss, {metric: ref}) is 3 levels
 MAX_ARG_ITEMS = 64
 MAX_STR_LEN = 64
-MAX_VALUE_BYTES = 256 * 2**20
+MAX_VALUE_ELEMENTS = 2**26  # 256 MiB of float32, at most 512 MiB in any allowed dtype
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 _INPUT_NAME = re.compile(r"[a-z_][a-z0-9_]{0,63}")  # the SDK's rule for parameters
@@ -168,7 +168,7 @@ class CustomLoss:
     steps: tuple[_Step, ...]
     loss_ref: _Ref
     metric_refs: dict[str, _Ref]
-    max_value_bytes: int = MAX_VALUE_BYTES
+    max_value_elements: int = MAX_VALUE_ELEMENTS
 
     def check_datum(self, n: int, loss_fn_inputs: dict[str, torch.Tensor]) -> None:
         """Ranks and a dry run on CPU (module doc): raises ValueError, changes nothing."""
@@ -193,7 +193,7 @@ class CustomLoss:
             if key not in loss_fn_inputs:
                 raise ValueError(f"loss_fn_inputs lacks {key!r}, which custom loss {self.name!r} takes")
             env[node_name] = loss_fn_inputs[key]
-        budget = _Budget(self.max_value_bytes, self.max_value_bytes)
+        budget = _Budget(self.max_value_elements, self.max_value_elements)
         for step in self.steps:
             env[step.name] = _run_node(step, self.name, env, budget)
         return self._outputs(env, logprobs.requires_grad)
@@ -219,7 +219,7 @@ class CustomLoss:
 
 
 def compile_custom_loss(name: str, inputs: list[dict], graph: dict, *,
-                        max_value_bytes: int = MAX_VALUE_BYTES) -> CustomLoss:
+                        max_value_elements: int = MAX_VALUE_ELEMENTS) -> CustomLoss:
     """The request's ``inputs`` and ``graph`` (plain data) checked and rebuilt; ValueError otherwise."""
     name = str(name)[:128]
     where = f"custom loss {name!r}"
@@ -259,7 +259,7 @@ def compile_custom_loss(name: str, inputs: list[dict], graph: dict, *,
     if output is None:
         raise ValueError(f"{where}: graph has no output node")
     return CustomLoss(name, tuple(input_pairs), tuple(placeholders), tuple(steps), output[0], output[1],
-                      max_value_bytes)
+                      max_value_elements)
 
 
 def _check_inputs(where: str, inputs: Any) -> list[tuple[str, int]]:
@@ -366,13 +366,13 @@ def _resolve(value: Any, env: dict[str, Any]) -> Any:
 
 @dataclass
 class _Budget:
-    """The bytes of tensors the nodes of one datum's run may still produce."""
+    """The tensor elements the nodes of one datum's run may still produce."""
 
     left: int
     limit: int
 
-    def refuse(self, nbytes: int, when: str) -> ValueError:
-        return ValueError(f"{when} {nbytes} bytes of tensors, more than the {self.left} left of the {self.limit} "
+    def refuse(self, count: int, when: str) -> ValueError:
+        return ValueError(f"{when} {count} tensor elements, more than the {self.left} left of the {self.limit} "
                           "one datum's custom loss may produce")
 
 
@@ -381,14 +381,14 @@ def _run_node(step: _Step, loss: str, env: dict[str, Any], budget: _Budget) -> A
     args, kwargs = _resolve(step.args, env), _resolve(step.kwargs, env)
     try:
         check_arguments(step.op, step.target, args)
-        need = bytes_before_running(step.fn, step.target, args, kwargs)
-        if need > budget.left:
-            raise budget.refuse(need, "would produce (known before running)")
+        bound = elements_bound(step.target, args, kwargs)
+        if bound > budget.left:
+            raise budget.refuse(bound, "could produce (bound from its arguments' shapes, before running) up to")
         value = step.fn(*args, **kwargs)
         check_value(value)
     except OP_ERRORS as err:
         raise ValueError(f"{step.where(loss)} failed: {err}") from None
-    produced = nbytes(value)
+    produced = elements(value)
     if produced > budget.left:
         raise ValueError(f"{step.where(loss)}: {budget.refuse(produced, 'produced')}")
     budget.left -= produced

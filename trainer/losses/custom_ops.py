@@ -11,8 +11,8 @@ numbers (no sequence arithmetic: ``[x] * 10**9``), integer powers stay within 2*
 functions take numbers, tensors are indexed by ints, slices, None, ``...`` and at most one
 boolean mask (no integer-tensor indexing: on a GPU an index out of range is a device-side
 assert that poisons the process), methods and attributes apply to tensors only. Then
-``bytes_before_running`` bounds what the call will produce without allocating (its output
-shape on meta tensors), and ``check_value`` keeps every result a tensor, a bounded number, a
+``elements_bound`` bounds what the call will produce from its arguments' shapes, before it
+runs, and ``check_value`` keeps every result a tensor, a bounded number, a
 dtype, None, or a short tuple of these.
 """
 
@@ -186,35 +186,33 @@ def _check_index(container: Any, index: Any) -> None:
         raise ValueError("at most one boolean mask per index")
 
 
-def _to_meta(value: Any) -> Any:
+def elements(value: Any) -> int:
+    """The elements of a call's result (a tensor, or a tuple of them; numbers count 0)."""
     if isinstance(value, torch.Tensor):
-        return torch.empty_like(value, device="meta")
-    if type(value) in (list, tuple):
-        return type(value)(_to_meta(v) for v in value)
-    return value
-
-
-def nbytes(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
+        return value.numel()
     if isinstance(value, (tuple, list)):
-        return sum(nbytes(v) for v in value)
+        return sum(elements(v) for v in value)
     return 0
 
 
-def bytes_before_running(fn: Callable, target: str, args: tuple, kwargs: dict) -> int:
-    """An upper bound of the bytes ``fn(*args, **kwargs)`` will produce, computed without allocating
-    (the call on meta tensors of the same shapes). A call of no tensor produces none."""
-    if not any(isinstance(v, torch.Tensor) for v in walk((args, kwargs))):
-        return 0
+def elements_bound(target: str, args: tuple, kwargs: dict) -> int:
+    """At most how many elements an allowed call of these arguments produces, from the shapes of its
+    tensor arguments alone (nothing runs, nothing is allocated). Every allowed callable gives at most
+    as many elements as the broadcast of its tensor arguments or their total (stack, cat), in at most
+    two tensors (``torch.max(x, dim)``'s values and indices); test_custom_loss_graph checks this on
+    every allowed callable. The broadcast is taken position by position (the widest size at each
+    position), so shapes that do not broadcast get a bound too (the call then fails)."""
+    if target == GETATTR:
+        return 0  # shape, ndim, dtype
     if target == GETITEM and not isinstance(args[0], torch.Tensor):
-        return 0  # an element of an existing tuple
-    try:
-        return nbytes(fn(*_to_meta(args), **{k: _to_meta(v) for k, v in kwargs.items()}))
-    except NotImplementedError:  # a data-dependent shape: only a boolean mask (_check_index), within its tensor
-        if target == GETITEM:
-            return nbytes(args[0])
-        raise
+        return elements(args[0])  # an element of an existing tuple (nothing new)
+    shapes = [v.shape for v in walk((args, kwargs)) if isinstance(v, torch.Tensor)]
+    if not shapes:
+        return 0
+    rank = max(len(s) for s in shapes)
+    padded = [(1,) * (rank - len(s)) + tuple(s) for s in shapes]
+    broadcast = math.prod(max(sizes) for sizes in zip(*padded))
+    return 2 * max(broadcast, sum(math.prod(s) for s in shapes))
 
 
 def check_value(value: Any, depth: int = 0) -> None:
