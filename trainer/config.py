@@ -21,11 +21,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from trainer.strict_model import StrictModel
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer")
-# What an adapter run trains on, the one declaration (service/config/job.py's AdapterConfig uses it too).
+# What an adapter run trains on, the one declaration (service/config/adapter.py's AdapterConfig uses it too).
 Objective = Literal["rl", "sft"]
+# How a slot stores its AdamW moments (SlotHyperParams.state_dtype; AdapterConfig.adam_state_dtype uses it too).
+OptimizerStateDtype = Literal["float32", "bfloat16"]
 
 # What a slot may train (SlotHyperParams.targets), and which group each Megatron module is in.
 # "unembed" is the output projection (the unembedding, ``output_layer`` / HF ``lm_head``): with
@@ -47,16 +51,6 @@ def target_group(module: str) -> TargetGroup:
         return _GROUP_OF_MODULE[module.rsplit(".", 1)[-1]]  # type: ignore[return-value]
     except KeyError:
         raise ValueError(f"{module!r} is in no LoRA target group; known modules: {sorted(_GROUP_OF_MODULE)}") from None
-
-
-class StrictModel(BaseModel):
-    """The one strict base of every config model (trainer, rollout, service): unknown keys are refused
-    (a typo fails loudly) and a validated config is a frozen value that cannot drift afterwards.
-    It lives here because trainer/ is the one package the other two may import (trainer/ imports
-    neither rollout/ nor service/). allow_inf_nan=False: Python's json reads `Infinity`/`NaN`, and
-    no setting means anything with them (a tenant's `"lr": Infinity` is a 422, not a 500)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class TrainerConfig(StrictModel):
@@ -211,6 +205,18 @@ class TrainerConfig(StrictModel):
         return self
 
 
+class LossChoice(StrictModel):
+    """A loss of the one table (trainer/losses/table.py) by name, with its config, as a Tinker call
+    names one (``loss_fn``, ``loss_fn_config``)."""
+
+    name: str = Field(description="A loss of the table: cross_entropy (sft); importance_sampling, ppo, cispo, dro, gspo (rl).")
+    config: dict[str, float] = Field(
+        default_factory=dict,
+        description="The loss's config, as Tinker's loss_fn_config (ppo, cispo, gspo: clip_low_threshold and "
+                    "clip_high_threshold, absolute ratio bounds, default 0.8 and 1.2; dro: beta, required).",
+    )
+
+
 class SlotHyperParams(StrictModel):
     rank: int = Field(8, ge=1, description="LoRA rank r (<= the trainer's max_rank).")
     alpha: float = Field(16.0, gt=0, description="LoRA alpha; the delta is scaled by alpha / r.")
@@ -224,9 +230,15 @@ class SlotHyperParams(StrictModel):
     eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
     max_grad_norm: float | None = Field(1.0, gt=0, description="Clip this slot's gradient norm; null = no clipping.")
     samples_per_step: int = Field(8, ge=1, description="The adapter's batch size: samples per optimizer step.")
-    objective: Objective = Field("rl", description="rl: clipped policy gradient; sft: cross-entropy.")
-    clip_low: float = Field(0.2, ge=0.0, lt=1.0, description="RL: lower clip offset, ratio >= 1 - clip_low (ratio_bounds).")
-    clip_high: float = Field(0.28, ge=0.0, description="RL: upper clip offset, ratio <= 1 + clip_high (DAPO: > clip_low).")
+    objective: Objective = Field(
+        "rl", description="What the slot trains on: rl (sampled rows: the sampler's log-probabilities and advantages) or "
+                          "sft (supervised rows); without `loss`, it names the default loss: ppo with the clip "
+                          "offsets below (rl), cross_entropy (sft). With `loss`, the loss's kind.")
+    loss: LossChoice | None = Field(
+        None, description="The loss of the one table (trainer/losses/table.py), named like a Tinker call's loss_fn; "
+                          "null = the objective's default.")
+    clip_low: float = Field(0.2, ge=0.0, lt=1.0, description="RL default loss: lower clip offset, ratio >= 1 - clip_low (ratio_bounds).")
+    clip_high: float = Field(0.28, ge=0.0, description="RL default loss: upper clip offset, ratio <= 1 + clip_high (DAPO: > clip_low).")
     kl_coef: float = Field(0.0, ge=0.0, description="RL: weight of the k3 KL estimate to the base (LoRA off).")
     loss_normalization: Literal["sequence_mean", "token_mean", "constant"] = Field(
         "sequence_mean", description="How token losses become the step's loss (see module doc)."
@@ -249,6 +261,27 @@ class SlotHyperParams(StrictModel):
             "false = attention (and any dense MLP) only. No effect on a dense base."
         ),
     )
+    state_dtype: OptimizerStateDtype = Field(
+        "float32",
+        description=(
+            "Storage of the slot's two AdamW moments: float32 (exact); bfloat16 = 2 bytes each, the update "
+            "computed in fp32 and its moments stored with stochastic rounding (a quarter less memory traffic "
+            "per step: trainer/optim/compact_state.py). Fixed for the slot's tenant."
+        ),
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _objective_of_the_loss(cls, data: object) -> object:
+        """A named loss without an objective: the objective is the loss's kind."""
+        if isinstance(data, dict) and data.get("loss") is not None and "objective" not in data:
+            from trainer.losses.table import LOSSES
+
+            loss = data["loss"]
+            name = loss.get("name") if isinstance(loss, dict) else getattr(loss, "name", None)
+            if name in LOSSES:
+                data = {**data, "objective": LOSSES[name].kind}
+        return data
 
     @field_validator("targets")
     @classmethod
@@ -274,7 +307,32 @@ class SlotHyperParams(StrictModel):
             raise ValueError("loss_norm_tokens applies only to loss_normalization 'constant'")
         if self.objective == "sft" and self.kl_coef > 0:
             raise ValueError("kl_coef applies only to objective 'rl' (sft has no reference policy term)")
+        if self.loss is not None:
+            from trainer.losses.table import resolve_loss
+
+            spec, _ = resolve_loss(self.loss.name, self.loss.config)  # ValueError names what is allowed
+            if spec.kind != self.objective:
+                raise ValueError(f"loss {self.loss.name!r} trains on {spec.kind} rows but the objective is "
+                                 f"{self.objective!r}: drop the objective (it follows the loss) or choose a loss of its kind")
+            offsets = sorted({"clip_low", "clip_high"} & self.model_fields_set)
+            if offsets:
+                raise ValueError(f"{offsets} configure the default rl loss (ppo with bounds 1 - clip_low, 1 + clip_high); "
+                                 f"with loss {self.loss.name!r} set its config instead (clip_low_threshold, "
+                                 "clip_high_threshold: absolute bounds)")
         return self
+
+    @property
+    def loss_choice(self) -> tuple[str, dict[str, float]]:
+        """The slot's loss: a table entry's name and its full config (the objective's default without
+        `loss`: ppo with ``ratio_bounds``, or cross_entropy)."""
+        from trainer.losses.table import DEFAULT_LOSS, resolve_loss
+
+        if self.loss is not None:
+            return self.loss.name, resolve_loss(self.loss.name, self.loss.config)[1]
+        if self.objective == "rl":
+            low, high = self.ratio_bounds
+            return DEFAULT_LOSS["rl"], {"clip_low_threshold": low, "clip_high_threshold": high}
+        return DEFAULT_LOSS["sft"], {}
 
     @property
     def ratio_bounds(self) -> tuple[float, float]:

@@ -2,5 +2,6 @@
 rollout, adapters), the service settings (environment and settings file), quotas and the Ray
 section. Validated once at start and passed down.
 
-May import: service.errors, trainer.config, trainer.platform, rollout.config, rollout.tenant_code.
+May import: service.errors, trainer.config, trainer.strict_model, trainer.losses (the loss table's names), trainer.platform,
+rollout.config, rollout.tenant_code.
 """

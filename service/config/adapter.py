@@ -19,7 +19,9 @@ from pydantic import Field, ValidationError, ValidationInfo, field_validator, mo
 
 from rollout.config import ADAPTER_NAME_PATTERN, DataConfig, RewardConfig, RolloutSpec, SamplingConfig
 from rollout.tenant_code import is_import_path
-from trainer.config import TARGET_GROUPS, Objective, OptimizerStateDtype, SlotHyperParams, StrictModel, TargetGroup
+from trainer.config import TARGET_GROUPS, LossChoice, Objective, OptimizerStateDtype, SlotHyperParams, TargetGroup
+from trainer.losses.table import LOSSES, resolve_loss
+from trainer.strict_model import StrictModel
 
 AdapterName = Annotated[
     str,
@@ -75,7 +77,8 @@ class AdapterConfig(StrictModel):
     adam_eps: float = Field(1e-8, gt=0, le=1.0, description="AdamW's epsilon (added to the root of the second moment).")
     max_grad_norm: float | None = Field(1.0, gt=0, description="Clip this adapter's gradient to this global norm; null = no clipping.")
     adam_state_dtype: OptimizerStateDtype = Field("float32", description="How AdamW's two moments are stored: float32 (exact) or bfloat16 (stochastically rounded after each fp32 update; a quarter less memory traffic in the optimizer step, and 12 instead of 16 bytes per parameter while the adapter is swapped out: docs/operations.md, 'Compact optimizer state').")
-    objective: Objective = Field("rl", description="rl: GRPO-style group rollouts scored by `reward`; sft: supervised prompt/completion pairs, no rollout.")
+    objective: Objective = Field("rl", description="rl: GRPO-style group rollouts scored by `reward`; sft: supervised prompt/completion pairs, no rollout. Without `loss` it also names the default loss (rl: ppo with clip bounds 0.8 / 1.28; sft: cross_entropy); with `loss` it follows the loss's kind and may be left out.")
+    loss: LossChoice | None = Field(None, description="The loss, named like a Tinker call's loss_fn with its loss_fn_config: cross_entropy (sft); importance_sampling, ppo, cispo, dro (config beta, required), gspo (rl). ppo, cispo and gspo take clip_low_threshold and clip_high_threshold (absolute ratio bounds, default 0.8 and 1.2). null = the objective's default.")
     data: DataSpec = Field(description="The adapter's data source.")
     reward: RewardConfig | None = Field(None, description="RL only: the reward function, a builtin name or 'package.module:function' under an allowed import root. Required unless `rollout` names a custom rollout (which then computes its own rewards, and may use this one).")
     rollout: RolloutSpec | None = Field(None, description="RL only: how a prompt's trajectories are made: a multi-turn environment or an async rollout function by import path under an allowed rollout import root, with per-trajectory time and token budgets (docs/environments.md). Default: the built-in single_turn (one completion per sample, scored by `reward`).")
@@ -113,9 +116,14 @@ class AdapterConfig(StrictModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _default_label_key(cls, data: Any) -> Any:
-        # label_key's default depends on the objective; fill it here so the stored
-        # config is explicit about which key the run reads.
+    def _defaults_of_the_objective(cls, data: Any) -> Any:
+        # A named loss without an objective: the objective is the loss's kind. Then label_key's
+        # default depends on the objective; fill it here so the stored config is explicit about
+        # which key the run reads.
+        if isinstance(data, dict) and isinstance(data.get("loss"), dict) and "objective" not in data:
+            spec = LOSSES.get(data["loss"].get("name"))
+            if spec is not None:
+                data = {**data, "objective": spec.kind}
         if isinstance(data, dict) and isinstance(data.get("data"), dict) and data["data"].get("label_key") is None:
             objective = data.get("objective", "rl")
             data = {**data, "data": {**data["data"], "label_key": "completion" if objective == "sft" else "label"}}
@@ -123,6 +131,14 @@ class AdapterConfig(StrictModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> AdapterConfig:
+        if self.loss is not None:
+            try:
+                spec, _ = resolve_loss(self.loss.name, self.loss.config)
+            except ValueError as err:  # the table's message, with the key a REST tenant wrote
+                raise ValueError(f"loss: {err}") from None
+            if spec.kind != self.objective:
+                raise ValueError(f"loss {self.loss.name!r} trains on {spec.kind} data but objective is {self.objective!r}: "
+                                 f"leave objective out (it follows the loss) or choose a loss of its kind")
         if self.num_step is not None and self.num_epoch is not None:
             raise ValueError("set at most one of num_step and num_epoch (got both)")
         if self.init_from is not None and self.resume_from is not None:
@@ -156,8 +172,8 @@ class AdapterConfig(StrictModel):
 
     def slot_hyper_params(self, total_steps: int | None) -> SlotHyperParams:
         """The trainer's view of this run (trainer.config.SlotHyperParams); knobs the
-        tenant config does not expose (RL clipping, KL, loss normalization) keep the
-        trainer's defaults."""
+        tenant config does not expose (the default loss's clip offsets, KL, loss normalization)
+        keep the trainer's defaults."""
         return SlotHyperParams(
             rank=self.rank,
             alpha=self.alpha,
@@ -173,6 +189,7 @@ class AdapterConfig(StrictModel):
             state_dtype=self.adam_state_dtype,
             samples_per_step=self.samples_per_step,
             objective=self.objective,
+            loss=self.loss,
             lora_experts=self.lora_experts,
             targets=tuple(self.target_modules),
         )

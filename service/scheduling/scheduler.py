@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from service.errors import Conflict, NoFreeSlot
-from service.config.quotas import TokenLedger
+from service.scheduling.token_ledger import TokenLedger
 from service.registry.registry import AdapterState, Registry
 from service.scheduling.residency import Resident, ResidencyKnobs, choose_evictions
 from service.scheduling.round_parts import RoundContextOnce, RoundPart, Span, offer_tokens  # noqa: F401 - RoundPart: the tenants' view

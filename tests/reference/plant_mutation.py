@@ -3,7 +3,7 @@ LoRA's four, in the working tree, to watch the tests catch it.
 
     python -m tests.reference.plant_mutation betas_swapped      # or kl_sign, first_betas_eps, first_weight_decay
     python -m pytest tests/reference tests/unit/test_losses.py -q  # must fail
-    git checkout trainer/optim/slot_steps.py trainer/losses/table.py                  # undo
+    git checkout trainer/optim/slot_steps.py trainer/losses/table.py trainer/losses/rows.py                  # undo
 
 The loss bugs (MUTATIONS' last eleven), each caught (measured) by tests/unit/test_tinker_losses.py
 (T), tests/unit/test_losses.py (L), tests/unit/test_tinker_wire.py (W), tests/reference (R) or
@@ -56,19 +56,20 @@ MUTATIONS = {
                           "        self._output_weight = output_weight\n        self.b_is_tp_split = False\n"),
     "unembed_chunk_off_by_one": ("trainer/kernels/chunked_logprobs.py", IN_CHUNK, IN_CHUNK.replace("min(e, end)", "min(e, end - 1)")),
     "betas_swapped": ("trainer/optim/slot_steps.py", ADAM_ROW, ADAM_ROW.replace("h.betas[0], h.betas[1]", "h.betas[1], h.betas[0]")),
-    "kl_sign": ("trainer/losses/table.py", "loss = loss + inp.kl_coef.unsqueeze(1) * kl", "loss = loss - inp.kl_coef.unsqueeze(1) * kl"),
+    "kl_sign": ("trainer/losses/rows.py", "loss = loss + inp.kl_coef.unsqueeze(1) * kl", "loss = loss - inp.kl_coef.unsqueeze(1) * kl"),
     "first_betas_eps": ("trainer/optim/slot_steps.py", ADAM_ROW,
                         FIRST + ADAM_ROW.replace("h.betas[0], h.betas[1], h.eps", "h0.betas[0], h0.betas[1], h0.eps")),
     "first_weight_decay": ("trainer/optim/slot_steps.py", ADAM_ROW, FIRST + ADAM_ROW.replace("h.weight_decay", "h0.weight_decay")),
     # the losses (issue 25): one per loss, the shared clip, its REST edge, a default, loss:sum
-    "ce_sign": ("trainer/losses/table.py", 'return -lp * inp["weights"]', 'return lp * inp["weights"]'),
-    "is_no_advantage": ("trainer/losses/table.py", 'return -_ratio(lp, inp) * inp["advantages"]', "return -_ratio(lp, inp)"),
+    "ce_sign": ("trainer/losses/table.py", 'return TokenLoss(-lp * inp["weights"])', 'return TokenLoss(lp * inp["weights"])'),
+    "is_no_advantage": ("trainer/losses/table.py", 'return TokenLoss(-_ratio(lp, inp) * inp["advantages"])', "return TokenLoss(-_ratio(lp, inp))"),
     "ppo_offset_bound": ("trainer/losses/table.py", 'clipped_surrogate(_ratio(lp, inp), inp["advantages"], cfg["clip_low_threshold"]',
                          'clipped_surrogate(_ratio(lp, inp), inp["advantages"], 1 - cfg["clip_low_threshold"]'),
-    "cispo_no_stopgrad": ("trainer/losses/table.py", 'cfg["clip_high_threshold"]).detach()', 'cfg["clip_high_threshold"])'),
+    "cispo_no_stopgrad": ("trainer/losses/table.py", "ratio = _ratio(lp, inp).detach()", "ratio = _ratio(lp, inp)"),
     "dro_no_half": ("trainer/losses/table.py", '0.5 * cfg["beta"] * (lp - inp["logprobs"]) ** 2', 'cfg["beta"] * (lp - inp["logprobs"]) ** 2'),
-    "gspo_mean_all": ("trainer/losses/table.py", '(lp.detach() - inp["logprobs"])[in_ratio].mean()', '(lp.detach() - inp["logprobs"]).mean()'),
-    "gspo_ratio_grad": ("trainer/losses/table.py", '(lp.detach() - inp["logprobs"])[in_ratio].mean()', '(lp - inp["logprobs"])[in_ratio].mean()'),
+    "gspo_mean_all": ("trainer/losses/table.py", 'marked = (inp["sequence_ratio_mask"] != 0).to(lp.dtype)',
+                      'marked = torch.ones_like(lp)'),
+    "gspo_ratio_grad": ("trainer/losses/table.py", 'torch.where(marked > 0, lp.detach() - inp["logprobs"]', 'torch.where(marked > 0, lp - inp["logprobs"]'),
     "clip_min": ("trainer/losses/table.py", "return torch.maximum(unclipped, clipped), (clipped > unclipped).detach()",
                  "return torch.minimum(unclipped, clipped), (clipped > unclipped).detach()"),
     "default_high": ("trainer/losses/table.py", '_CLIP = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}',

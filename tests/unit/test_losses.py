@@ -13,11 +13,14 @@ import math
 import pytest
 import torch
 
-from trainer.losses.table import TokenLossInputs, policy_gradient_token_loss, sample_loss_numerators
+from trainer.losses.rows import RowLoss, TokenLossInputs, row_token_losses, sample_loss_numerators
 
 pytestmark = pytest.mark.unit
 
 CLIP_LOW, CLIP_HIGH = 0.2, 0.3  # offsets (SlotHyperParams.clip_low/high): trust region [0.8, 1.3]
+# A dataset run's two default losses (SlotHyperParams.loss_choice): ppo with the offsets' bounds, cross_entropy.
+RL_LOSS = RowLoss.of("ppo", {"clip_low_threshold": 1.0 - CLIP_LOW, "clip_high_threshold": 1.0 + CLIP_HIGH})
+SFT_LOSS = RowLoss.of("cross_entropy")
 
 
 def inputs(logp, old=None, *, adv=1.0, rl=True, kl_coef=0.0, ref=None, mask=None, weight=1.0):
@@ -27,11 +30,9 @@ def inputs(logp, old=None, *, adv=1.0, rl=True, kl_coef=0.0, ref=None, mask=None
     return TokenLossInputs(
         logprobs=logp,
         mask=torch.ones_like(logp, dtype=torch.bool) if mask is None else torch.tensor([mask]),
-        is_rl=torch.tensor([rl]),
+        losses=[RL_LOSS if rl else SFT_LOSS],
         advantage=torch.tensor([adv]),
         rollout_logprobs=old,
-        ratio_low=torch.tensor([1.0 - CLIP_LOW]),
-        ratio_high=torch.tensor([1.0 + CLIP_HIGH]),
         kl_coef=torch.tensor([kl_coef]),
         ref_logprobs=None if ref is None else torch.tensor([ref], dtype=torch.float32),
         per_token_weight=torch.tensor([weight]),
@@ -39,7 +40,7 @@ def inputs(logp, old=None, *, adv=1.0, rl=True, kl_coef=0.0, ref=None, mask=None
 
 
 def loss_and_grad(inp):
-    loss, ratio, clipped, kl = policy_gradient_token_loss(inp)
+    loss, ratio, clipped, kl = row_token_losses(inp)
     (grad,) = torch.autograd.grad(loss.sum(), inp.logprobs)
     return loss[0].tolist(), grad[0].tolist(), ratio[0].tolist(), clipped[0].tolist(), kl[0].tolist()
 
@@ -130,9 +131,8 @@ def test_mixed_rows_each_use_their_own_objective():
     statistics count only the RL row."""
     logp = torch.tensor([[-1.0, -2.0], [math.log(1.5), math.log(1.1)]], requires_grad=True)
     inp = TokenLossInputs(
-        logprobs=logp, mask=torch.ones(2, 2, dtype=torch.bool), is_rl=torch.tensor([False, True]),
+        logprobs=logp, mask=torch.ones(2, 2, dtype=torch.bool), losses=[SFT_LOSS, RL_LOSS],
         advantage=torch.tensor([5.0, 1.0]), rollout_logprobs=torch.zeros(2, 2),
-        ratio_low=torch.tensor([1.0 - CLIP_LOW] * 2), ratio_high=torch.tensor([1.0 + CLIP_HIGH] * 2),
         kl_coef=torch.zeros(2), ref_logprobs=None, per_token_weight=torch.ones(2),
     )
     num, stats = sample_loss_numerators(inp)

@@ -36,7 +36,7 @@ def ours(loss_fn, cfg, lp, inp):
 
     spec, full = resolve_loss(loss_fn, cfg)
     inputs = {k: v for k, v in inp.items() if k in spec.inputs}
-    loss = spec.fn(lp, inputs, full)
+    loss = spec.fn(lp, inputs, full).loss
     (grad,) = torch.autograd.grad(loss.sum(), lp)
     return loss.detach(), grad
 
@@ -145,18 +145,17 @@ def test_rest_offsets_are_converted_once_to_the_bounds_the_tinker_ppo_uses():
     """A REST slot with clip_low 0.2 / clip_high 0.3 clips exactly as Tinker's ppo with thresholds
     0.8 / 1.3: the same token losses and gradients from the two faces of the one definition."""
     from trainer.config import SlotHyperParams
-    from trainer.losses.table import TokenLossInputs, policy_gradient_token_loss
+    from trainer.losses.rows import RowLoss, TokenLossInputs, row_token_losses
 
     h = SlotHyperParams(clip_low=0.2, clip_high=0.3)
     assert h.ratio_bounds == pytest.approx((0.8, 1.3))
     lp, inp = datum(RATIOS[:-1] + [1.35], adv=[1.0] * len(RATIOS))  # no ratio on a bound (a tie splits the gradient)
     rest_lp = lp.detach().clone()[None].requires_grad_(True)
     rest = TokenLossInputs(
-        logprobs=rest_lp, mask=torch.ones_like(rest_lp, dtype=torch.bool), is_rl=torch.tensor([True]),
+        logprobs=rest_lp, mask=torch.ones_like(rest_lp, dtype=torch.bool), losses=[RowLoss.of(*h.loss_choice)],
         advantage=torch.tensor([1.0]), rollout_logprobs=inp["logprobs"][None],
-        ratio_low=torch.tensor([h.ratio_bounds[0]]), ratio_high=torch.tensor([h.ratio_bounds[1]]),
         kl_coef=torch.zeros(1), ref_logprobs=None, per_token_weight=torch.ones(1))
-    rest_loss = policy_gradient_token_loss(rest)[0]
+    rest_loss = row_token_losses(rest)[0]
     (rest_grad,) = torch.autograd.grad(rest_loss.sum(), rest_lp)
     cfg = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.3}
     loss, grad = ours("ppo", cfg, lp, inp)

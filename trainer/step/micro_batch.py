@@ -19,7 +19,7 @@ import torch
 from trainer.batch import PlannedSample, RiderSequence, TrainSample, pack_micro_batches
 from trainer.config import SlotHyperParams, TrainerConfig
 from trainer.step.lora_passes import LoraPasses
-from trainer.losses.table import TokenLossInputs, sample_loss_numerators
+from trainer.losses.rows import RowLoss, TokenLossInputs, sample_loss_numerators
 from trainer.base.packing import split_by_token_budget
 from trainer.lora.slots import SlotTable
 
@@ -69,9 +69,8 @@ def forward_backward(passes: LoraPasses, slots: SlotTable, mb: list[TrainSample]
             # Unknown rollout logprobs (or masked positions): on-policy, ratio exactly 1.
             rollout_lp = torch.where(t.has_rollout & t.mask, t.rollout, logp.detach())
             inputs = TokenLossInputs(
-                logprobs=logp, mask=t.mask, is_rl=t.is_rl, advantage=t.advantage, rollout_logprobs=rollout_lp,
-                ratio_low=t.ratio_low, ratio_high=t.ratio_high, kl_coef=t.kl_coef, ref_logprobs=ref,
-                per_token_weight=t.weight,
+                logprobs=logp, mask=t.mask, losses=t.losses, advantage=t.advantage, rollout_logprobs=rollout_lp,
+                kl_coef=t.kl_coef, ref_logprobs=ref, per_token_weight=t.weight,
             )
             numerators, st = sample_loss_numerators(inputs)
             total = total + numerators.sum()
@@ -99,7 +98,8 @@ class MicroBatchTensors:
 
     Token t's entries describe the prediction of token t + 1: ``labels[j, t]`` is that
     token, ``mask`` its loss mask, ``rollout`` its rollout log-prob. Per-sample columns
-    carry each sample's adapter hyper-parameters. On the device, except ``slot_ids``.
+    carry each sample's adapter hyper-parameters, ``losses`` each row's entry of the one loss
+    table (its slot's loss: trainer/losses/rows.py). On the device, except ``slot_ids``.
     """
 
     ids: torch.Tensor
@@ -108,13 +108,12 @@ class MicroBatchTensors:
     rollout: torch.Tensor
     has_rollout: torch.Tensor
     slot_ids: torch.Tensor  # CPU, for the statistics
-    is_rl: torch.Tensor
+    is_rl: torch.Tensor  # rows whose loss is of the rl kind
+    losses: list[RowLoss]
     kl_coef: torch.Tensor
     kl_rows: list[int]  # rows with a KL term (need the reference pass)
     weight: torch.Tensor  # per-sample token weight (1/n for sequence_mean)
     advantage: torch.Tensor
-    ratio_low: torch.Tensor  # the PPO clip's absolute ratio bounds (SlotHyperParams.ratio_bounds)
-    ratio_high: torch.Tensor
 
     @staticmethod
     def build(mb: list[TrainSample], hypers: list[SlotHyperParams], dev: torch.device) -> "MicroBatchTensors":
@@ -132,16 +131,15 @@ class MicroBatchTensors:
             if x.rollout_logprobs is not None:
                 rollout[j, : n - 1] = torch.tensor(x.rollout_logprobs[1:], dtype=torch.float32)
                 has_rollout[j, : n - 1] = True
-        is_rl = torch.tensor([h.objective == "rl" for h in hypers])
-        kl_coef = torch.tensor([h.kl_coef if h.objective == "rl" else 0.0 for h in hypers])
+        losses = [RowLoss.of(*h.loss_choice) for h in hypers]
+        is_rl = torch.tensor([row.kind == "rl" for row in losses])
+        kl_coef = torch.tensor([h.kl_coef if row.kind == "rl" else 0.0 for h, row in zip(hypers, losses)])
         n_tok = mask.sum(dim=1).clamp(min=1).to(torch.float32)
         seq_mean = torch.tensor([h.loss_normalization == "sequence_mean" for h in hypers])
         weight = torch.where(seq_mean, 1.0 / n_tok, torch.ones(b))
         return MicroBatchTensors(
             ids=ids.to(dev), labels=labels.to(dev), mask=mask.to(dev), rollout=rollout.to(dev),
-            has_rollout=has_rollout.to(dev), slot_ids=torch.tensor([x.slot for x in mb]), is_rl=is_rl.to(dev),
+            has_rollout=has_rollout.to(dev), slot_ids=torch.tensor([x.slot for x in mb]), is_rl=is_rl.to(dev), losses=losses,
             kl_coef=kl_coef.to(dev), kl_rows=(kl_coef > 0).nonzero().flatten().tolist(), weight=weight.to(dev),
             advantage=torch.tensor([x.advantage for x in mb], dtype=torch.float32, device=dev),
-            ratio_low=torch.tensor([h.ratio_bounds[0] for h in hypers], device=dev),
-            ratio_high=torch.tensor([h.ratio_bounds[1] for h in hypers], device=dev),
         )

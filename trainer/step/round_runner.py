@@ -137,7 +137,7 @@ class RoundRunner:
             def loss(seg: torch.Tensor) -> torch.Tensor:
                 spec, cfg = losses[c]
                 inputs = {k: v.to(seg.device) for k, v in calls[c].data[i].inputs.items()}
-                elementwise = spec.fn(seg, inputs, cfg)
+                elementwise = spec.fn(seg, inputs, cfg).loss
                 out = {"logprobs": seg.detach().float().cpu()}
                 if calls[c].loss_fn == "cross_entropy":
                     out["elementwise_loss"] = elementwise.detach().float().cpu()
