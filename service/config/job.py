@@ -17,7 +17,8 @@ from service.config.adapter import AdapterSpec, rebase_path
 from service.config.placement import PlacementConfig
 from service.config.ray import RayConfig
 from service.config.settings import ConfigError, ServiceSettings, format_validation_error, is_loopback_host, load_settings
-from trainer.config import TARGET_GROUPS, StrictModel, TargetGroup, TrainerConfig
+from trainer.config import TARGET_GROUPS, TargetGroup, TrainerConfig
+from trainer.strict_model import StrictModel
 from trainer.platform.model_folder import read_model_config
 
 # --- the job file --------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from trainer.config import StrictModel
+from trainer.strict_model import StrictModel
 
 _MAX_PARALLEL = 1024  # sanity bound: a typo such as 80 instead of 8 still plans; 10**6 does not
 

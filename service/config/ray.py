@@ -8,7 +8,7 @@ import re
 
 from pydantic import Field, field_validator
 
-from trainer.config import StrictModel
+from trainer.strict_model import StrictModel
 
 _RAY_HOST_PORT = re.compile(r"^(?:ray://)?(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>[0-9]{1,5})$")
 RAY_ADDRESS_FORMS = "'local', 'auto', or '[ray://]host:port' of the head node (e.g. 10.0.0.5:6379, ray://head:10001)"

@@ -46,7 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from service.config.placement import PlacementConfig
 from service.errors import NoPlacement, NoRoomYet, PlacementError  # noqa: F401 - raised here; their home is service/errors.py
-from trainer.config import StrictModel
+from trainer.strict_model import StrictModel
 
 class ClusterShape(StrictModel):
     """The nodes a plan must fit, in node order: GPUs of each, and optionally their CPUs
