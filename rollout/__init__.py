@@ -11,10 +11,12 @@ Modules, one role each:
   trajectory    one rollout of one sample, turn by turn
   tenant_code   tenant code named by import path (rewards, rollouts)
   groups        RolloutGroup (the message to training), advantages, AdapterBuffer
+  messages      what the worker and the service say to each other: AdapterRollout, AdapterStats,
+                EngineHealth, the publish outcomes, RolloutError
   worker        RolloutCore: the asyncio rollout loop over all active adapters
   worker_actor  RolloutWorker: the Ray actor around RolloutCore (the service's interface)
 
 Importing `rollout` imports nothing heavy; sglang itself is only imported inside server processes.
 
-May import: rollout, trainer.config, trainer.platform, trainer.storage.
+May import: rollout, trainer.config, trainer.strict_model, trainer.platform, trainer.storage.
 """

@@ -21,8 +21,8 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from trainer.config import StrictModel
 from trainer.platform.model_folder import CONFIG_FILE, read_model_config
+from trainer.strict_model import StrictModel
 
 # Adapter names become SGLang LoRA names ("<name>@v<k>") and request-id
 # prefixes ("<name>::<uuid4hex>"); the pattern excludes ':' and '@', which keeps

@@ -41,7 +41,8 @@ from rollout.engines.engine_handles import LauncherEngine, LocalEngine, ManagedE
 from rollout.engines.engine_launcher import EngineInfo
 from rollout.engines.pool import EnginePool
 from rollout.engines.weights import AdapterWeights, PendingFolder
-from rollout.worker import AdapterRollout, AdapterStats, EngineHealth, RolloutCore, RolloutError
+from rollout.messages import AdapterRollout, AdapterStats, EngineHealth, RolloutError
+from rollout.worker import RolloutCore
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from rollout.data import DataCursor, DataStatus
 from rollout.groups import AdapterBuffer, RolloutGroup, Sample
-from rollout.worker import AdapterStats, EngineHealth
+from rollout.messages import AdapterStats, EngineHealth
 from service.control.runtime_protocol import ComponentHealth
 from service.fleet.trainer_group import TrainerState
 from trainer.optim.slot_steps import SlotMetrics, StepReport, TrainResult

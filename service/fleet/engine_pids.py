@@ -28,7 +28,7 @@ REMOTE_REAP_TIMEOUT_S = 60.0
 
 
 class RecordedEngine(Protocol):
-    """What is recorded of an engine (rollout.worker.EngineHealth has these)."""
+    """What is recorded of an engine (rollout.messages.EngineHealth has these)."""
 
     url: str
     pid: int | None

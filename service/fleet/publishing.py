@@ -7,11 +7,11 @@ thread while that call runs; the rollout worker waits for the write, not the loo
 'tensors' after the tensors came back. The engines load the version while the loop goes on
 (the rollout worker applies one adapter's publishes in order, and any later remove/abort of the
 adapter after them; its buffer counts the version as published before the load starts, so
-groups of older weights are already one behind: loop.py G1).
+groups of older weights are already one behind: service/loop/training_loop.py G1).
 
 Invariants:
   U1 the registry's served version moves only when a publish finished (`settle` reports it;
-     the loop calls mark_served), never before the engines have it (loop.py G3);
+     the loop calls mark_served), never before the engines have it (training_loop.py G3);
   U2 a failed publish of a run's newest version is published again under a fresh version, at
      most REPUBLISH_AT_MOST times in a row (then the run's next step publishes); a failed
      older version is not (a newer one is on its way);
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout.engines.weights import AdapterWeights, PendingFolder
-from rollout.worker import PUBLISH_SUPERSEDED
+from rollout.messages import PUBLISH_SUPERSEDED
 from service.tenants.batches import PublishOutcome
 from service.config.job import JobConfig
 from service.config.settings import ServiceSettings

@@ -19,7 +19,7 @@ import ray
 from rollout.data import DataCursor
 from rollout.groups import RolloutGroup
 from rollout.engines.weights import AdapterWeights
-from rollout.worker import AdapterRollout, AdapterStats, EngineHealth
+from rollout.messages import AdapterRollout, AdapterStats, EngineHealth
 from service.fleet.remote import call
 
 if TYPE_CHECKING:

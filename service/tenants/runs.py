@@ -32,7 +32,7 @@ from typing import Any
 
 from rollout.data import DataCursor
 from rollout.groups import RolloutGroup
-from rollout.worker import AdapterStats
+from rollout.messages import AdapterStats
 from service.tenants.batches import RunFailed, StepPlan, SteppedRun, rl_step
 from service.config.adapter import AdapterConfig
 from service.tenants.sft_source import SftSource

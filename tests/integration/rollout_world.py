@@ -11,7 +11,7 @@ import time
 
 from rollout.engines.client import EngineClient
 from rollout.config import DataConfig, RewardConfig, RolloutSpec, SamplingConfig
-from rollout.worker import AdapterRollout
+from rollout.messages import AdapterRollout
 from rollout.worker_actor import RolloutWorkerImpl
 
 

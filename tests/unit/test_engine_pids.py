@@ -24,7 +24,7 @@ pytestmark = pytest.mark.unit
 
 
 @dataclass
-class Recorded:  # what rollout.worker.EngineHealth carries of an engine
+class Recorded:  # what rollout.messages.EngineHealth carries of an engine
     url: str
     pid: int | None
     node_id: str
