@@ -45,6 +45,7 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 import torch  # noqa: E402
 
 from benchmarks.failures import attempt  # noqa: E402
+from tests.trainer_probes import slot_status  # noqa: E402
 
 QWEN3_1_7B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
                   num_attention_heads=16, num_key_value_heads=8, head_dim=128, rope_theta=1e6)
@@ -254,7 +255,7 @@ def init_slots(trainer, n: int, seqs: int, rank: int, objective: str) -> None:
 
     hyper = SlotHyperParams(rank=rank, alpha=2.0 * rank, lr=1e-4, samples_per_step=seqs, objective=objective)
     for slot in range(trainer.config.num_slots):
-        if trainer.slot_status(slot)["active"]:
+        if slot_status(trainer, slot)["active"]:
             trainer.clear_slot(slot)
     for slot in range(n):
         trainer.init_slot(slot, hyper, seed=slot)

@@ -67,7 +67,7 @@ def packed_micro_batches(seqs, slots, n_slots, max_tokens, device):
 
 def padded_micro_batches(seqs, slots, pad_batch, device, sort_by_length=False):
     """(PaddedBatch, slot ids) per micro-batch; rows sorted by slot inside each (LoRA routing)."""
-    from trainer.base.packing import pad_sequences
+    from tests.padded_batch import pad_sequences
 
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i])) if sort_by_length else list(range(len(seqs)))
     out = []

@@ -31,6 +31,7 @@ from rollout.config import EngineConfig
 from rollout.engines.engine import EngineProcess
 from rollout.engines.pool import EnginePool
 from rollout.engines.weights import AdapterWeights
+from tests.rollout_probes import wait_unloaded
 
 
 def make_adapters(model_dir: Path, out: Path, count: int) -> list[Path]:
@@ -110,7 +111,7 @@ async def run(args) -> dict:
                     await p.publish(name, version, w)
                     lat.append(time.perf_counter() - t0)
                     await asyncio.gather(*load)
-                    await p.wait_unloaded()
+                    await wait_unloaded(p)
                 key = f"update_ms by {transfer}, {'under load' if under_load else 'idle'}"
                 result[key] = round(1000 * statistics.median(lat), 1)
                 result[key + " (all)"] = [round(1000 * x, 1) for x in lat]

@@ -38,6 +38,7 @@ import time
 import torch
 
 from benchmarks.bench_mixed_step import sync, timed
+from tests.trainer_probes import hold_writer, use_export_writer
 
 
 def _gather(obj) -> list:
@@ -59,7 +60,7 @@ def export_timings(trainer, n: int, run_mixed, opts: dict, kind: str) -> dict:
 
     rank0 = trainer.layout.rank == 0
     dtype = opts.get("export_dtype", "bfloat16")
-    trainer.export.use_writer(kind, opts["export_threads"])
+    use_export_writer(trainer.export, kind, opts["export_threads"])
     root = tempfile.mkdtemp(prefix="bench-export-", dir="/dev/shm") if rank0 else ""
     out: dict = {"writer": kind, "threads": opts["export_threads"]}
     try:
@@ -68,10 +69,10 @@ def export_timings(trainer, n: int, run_mixed, opts: dict, kind: str) -> dict:
         t0 = time.perf_counter()
         warm = [ExportRequest(0, os.path.join(root, f"warm{i}") if rank0 else f"unused-warm{i}") for i in range(opts["export_threads"])]
         if rank0:
-            trainer.export.writer().hold(True)
+            hold_writer(trainer.export.writer(), True)
         trainer.export.export_peft_in_background_many(warm, dtype=dtype)
         if rank0:
-            trainer.export.writer().hold(False)
+            hold_writer(trainer.export.writer(), False)
             for r in warm:
                 trainer.export.wait_export(r.folder)
         out["warm_exports_s"] = time.perf_counter() - t0

@@ -20,7 +20,6 @@ from rollout.config import ADAPTER_NAME_PATTERN
 RID_SEPARATOR = "::"
 VERSION_SEPARATOR = "@v"
 _NAME = ADAPTER_NAME_PATTERN.removeprefix("^").removesuffix("$")  # the one adapter-name rule (rollout/config.py)
-_RID_RE = re.compile(rf"^(?P<adapter>{_NAME})::(?P<uid>[0-9a-f]{{32}})$")
 _LORA_RE = re.compile(rf"^(?P<adapter>{_NAME})@v(?P<version>\d+)$")
 
 
@@ -34,25 +33,11 @@ def rid_prefix(adapter: str) -> str:
     return f"{adapter}{RID_SEPARATOR}"
 
 
-def adapter_of_rid(rid: str) -> str:
-    m = _RID_RE.match(rid)
-    if not m:
-        raise ValueError(f"{rid!r} is not a lorafleet request id ('<adapter>::<32 hex digits>')")
-    return m["adapter"]
-
-
 def lora_name(adapter: str, version: int) -> str:
     """The name version `version` of `adapter` is loaded under on the engines."""
     if version < 0:
         raise ValueError(f"adapter versions are >= 0, got {version}")
     return f"{adapter}{VERSION_SEPARATOR}{version}"
-
-
-def parse_lora_name(name: str) -> tuple[str, int]:
-    m = _LORA_RE.match(name)
-    if not m:
-        raise ValueError(f"{name!r} is not a versioned lorafleet LoRA name ('<adapter>@v<version>')")
-    return m["adapter"], int(m["version"])
 
 
 def served_by(name: str, adapter: str) -> bool:

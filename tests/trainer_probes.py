@@ -4,7 +4,11 @@
 * ``slot_state_tensors_all_ranks(group, slot)``: every rank's gathered slot tensors
   (trainer/swap/slot_checkpoint.py ``slot_state_tensors``, run on each TrainWorker);
 * ``hold_export_writes(group, held)``: the named fault injection of the export tests: while held,
-  rank 0's writer starts no folder (the snapshots queue).
+  rank 0's writer starts no folder (the snapshots queue); ``hold_writer(writer, held)`` does it to
+  one trainer/export/export_writer.py ``ExportWriter`` in this process;
+* ``slot_status(trainer, slot)``: a slot's status dict (active, rank, step, pending samples, ...);
+* ``use_export_writer(exporter, kind, threads)``: a trainer's background exports switched to another
+  writer kind on the same build (tests and benchmarks compare them).
 
 On a Ray actor they run as functions of the test: ``worker.__ray_call__.remote(fn, ...)`` calls
 ``fn(worker, ...)`` on the actor; the fault hold runs in the actor's FAULT_GROUP thread, so it
@@ -47,8 +51,38 @@ def slot_state_tensors_all_ranks(group, slot: int) -> list:  # noqa: ANN001 - a 
                    timeout=group.call_timeout_s)
 
 
+def slot_status(trainer, slot: int) -> dict:  # noqa: ANN001 - a trainer.core.MultiLoraTrainer
+    """``{"slot", "active"}``, and for an occupied slot its rank, scale, step, pending_samples and
+    registration (trainer/lora/slots.py ``SlotTable.status``)."""
+    return trainer.slots.status(slot)
+
+
+def hold_writer(writer, held: bool) -> None:  # noqa: ANN001 - a trainer.export.export_writer.ExportWriter
+    """Fault injection: while held the writer's threads start no new folder (queued jobs stay queued,
+    so a newer one of their key still supersedes them); released, they take the queue in order."""
+    with writer._cond:  # noqa: SLF001 - the writer's one lock; its threads wait on it for `_held`
+        writer._held = held  # noqa: SLF001
+        writer._cond.notify_all()  # noqa: SLF001
+
+
+def use_export_writer(exporter, kind: str, threads: int | None = None, *,  # noqa: ANN001 - a SlotExporter
+                      max_pending_bytes: int | None = None) -> None:
+    """Write the trainer's background exports with writer ``kind`` ('thread' or 'process') and
+    ``threads`` (default: the config's) from now on, over the same host arena and copy stream, under a
+    bound of ``max_pending_bytes`` queued bytes (default: the writer's default; tests make it small so
+    that the arena is what ``size_for`` plans). Only while no export is queued or being written."""
+    from trainer.export.peft_export import BackgroundExports
+
+    threads = threads or exporter.config.export_writer_threads
+    bound = {} if max_pending_bytes is None else {"max_pending_bytes": max_pending_bytes}
+    with exporter._background_lock:  # noqa: SLF001 - the exporter's one lock over its background writing
+        current = exporter._background  # noqa: SLF001
+        exporter._background = (BackgroundExports(device=exporter.device, threads=threads, kind=kind, **bound)  # noqa: SLF001
+                                if current is None else current.with_writer(kind, threads, **bound))
+
+
 def _worker_hold_export_writes(worker, held: bool) -> None:  # noqa: ANN001 - runs on a TrainWorker actor
-    worker.trainer.export.writer().hold(held)
+    hold_writer(worker.trainer.export.writer(), held)
 
 
 def hold_export_writes(group, held: bool) -> None:  # noqa: ANN001 - a service.fleet.trainer_group.TrainerGroup

@@ -176,9 +176,6 @@ class MultiLoraTrainer:
         """Weights, gradients, optimizer state and pending samples of the slot, all gone."""
         self.slots.vacate(slot)
 
-    def slot_status(self, slot: int) -> dict:
-        return self.slots.status(slot)
-
     @torch.no_grad()
     def reset_optimizer(self, slot: int) -> None:
         """Adam moments, update count and pending gradient of the slot to zero (weights kept)."""

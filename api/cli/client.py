@@ -114,9 +114,3 @@ class LorafleetClient:
     def fleet(self) -> list[dict[str, Any]]:
         """The service's processes: name, role, pid (GET /v1/fleet)."""
         return self.request("GET", "/v1/fleet")["processes"]
-
-    def prometheus(self) -> str:
-        response = self._http.get("/metrics")
-        if response.status_code != 200:
-            raise ApiError(response.status_code, response.text, "GET", "/metrics")
-        return response.text

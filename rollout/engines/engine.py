@@ -195,14 +195,6 @@ class EngineProcess:
             self._log_file.close()
             self._log_file = None
 
-    def kill(self) -> None:
-        """SIGKILL the whole server at once (for tests of engine failure)."""
-        if self._proc is not None:
-            try:
-                _signal_group(os.getpgid(self._proc.pid), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
     def restart(self, deadline_s: float | None = None) -> float:
         """Stop (if needed), start again, wait until ready. Adapters must be loaded again afterwards."""
         self.stop()

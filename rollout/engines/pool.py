@@ -242,11 +242,6 @@ class EnginePool:
         finally:
             e.loaded.discard(name)
 
-    async def wait_unloaded(self, timeout_s: float = 30.0) -> None:
-        """Wait until every scheduled unload has run (tests, shutdown)."""
-        if self._unload_tasks:
-            await asyncio.wait_for(asyncio.gather(*list(self._unload_tasks), return_exceptions=True), timeout_s)
-
     async def remove_adapter(self, adapter: str) -> int:
         """Abort the adapter's requests, stop routing to it, unload all its versions. Returns the abort count."""
         if adapter not in self._adapters:

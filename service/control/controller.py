@@ -291,9 +291,6 @@ class Controller:
 
     # --- progress from the training loop --------------------------------------------------
 
-    def live_runs(self) -> list[AdapterRef]:
-        return self.registry.live()
-
     def live_count(self) -> int:
         """How many runs are live (the loop reads it every round: one count, no rows)."""
         return self.registry.live_count()

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout.data import DataCursor, open_rows
-from rollout.worker import AdapterRollout
+from rollout.messages import AdapterRollout
 from service.tenants.batches import CollectedRound, RunFailed, SteppedRun, TrainerLost
 from trainer.storage.run_checkpoints import ADAPTER_SUBDIR, Checkpoint, PendingCheckpoint, RunState, link_folder, load_checkpoint, prune_checkpoints
 from service.config.job import JobConfig
@@ -340,9 +340,6 @@ class FleetRuntime:
     def settle_publishes(self):
         resident = set(self.scheduler.residents_of(TenantKind.RL)) if self.scheduler is not None else set()
         return self.publisher.settle({r.key: r for r in self._runs() if r.key in resident})
-
-    def publishes_in_flight(self) -> int:
-        return self.publisher.in_flight()
 
     def checkpoint(self, registration_id: str) -> str:
         """Write a complete checkpoint of the run at its current step; returns its folder."""

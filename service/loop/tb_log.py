@@ -115,17 +115,6 @@ class TrainingLog:
             except Exception:
                 log.warning("could not log a fleet round to %s", self.root, exc_info=True)
 
-    def finish_run(self, name: str, registration_id: str) -> None:
-        """Close one run's writers (it COMPLETED or FAILED); a later step would open them again."""
-        key = (name, registration_id)
-        with self._lock:
-            writer = self._writers.pop(key, None)
-            if writer is not None:
-                writer.close()
-            run = self._wandb_runs.pop(key, None)
-            if run is not None:
-                run.finish()
-
     def close(self) -> None:
         with self._lock:
             if self._closed:

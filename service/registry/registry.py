@@ -296,10 +296,6 @@ class Registry(RegistryViews):
         return [QueuedRun(r["registration_id"], AdapterState(r["state"]), r["queued_at"] or 0.0, r["activated_at"] is not None,
                           r["owner"]) for r in rows]
 
-    def queue_length(self) -> int:
-        with self._lock:
-            return self._db.execute(f"SELECT COUNT(*) FROM ({_QUEUED_SQL})").fetchone()[0]
-
     # --- slot leases (I7) ----------------------------------------------------------------------
 
     def lease_slot(self, holder: str, tenant: str, slot: int | None = None) -> int:
@@ -504,22 +500,6 @@ class Registry(RegistryViews):
             queue = self._queue()
             positions = {rid: i + 1 for i, rid in enumerate(queue)}
             return [self._ref(self._run_row(rid), positions) for rid in queue]
-
-    def bind_queued(self, skip: set[str] | frozenset[str] = frozenset()) -> list[AdapterRef]:
-        """Give the free slots (lowest first) to the runs at the head of the queue, in order;
-        the runs that got one. A bound PENDING run is prepared by the next reconcile, a bound
-        evicted run is restored into it. Runs in `skip` (evicted runs with no step ready) keep
-        their place but are passed over this time."""
-        bound: list[AdapterRef] = []
-        with self._tx():
-            queue = [rid for rid in self._queue() if rid not in skip]
-            free = self._free_slots()  # a Tinker model's leased slot is not free (I7)
-            now = time.time()
-            for registration_id, slot in zip(queue, free):
-                self._update(registration_id, {"slot": slot, "queued_at": None, "updated_at": now})
-            for registration_id in queue[: len(free)]:
-                bound.append(self._ref(self._run_row(registration_id), {}))
-        return bound
 
     def bind(self, registration_id: str, slot: int) -> AdapterRef:
         """Give free `slot` to one queued run (the scheduler picks which, across both kinds of

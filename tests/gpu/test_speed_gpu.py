@@ -129,7 +129,8 @@ def test_packed_kernels_match_dense_mask(parallel, backend):
 
 def test_packed_equals_padded_logprobs_bf16(parallel):
     from trainer.kernels.chunked_logprobs import LogprobOutputProcessor
-    from trainer.base.packing import pack_sequences, pad_sequences
+    from tests.padded_batch import pad_sequences
+    from trainer.base.packing import pack_sequences
 
     model = build("fused", torch.bfloat16)
     g = torch.Generator().manual_seed(3)
@@ -152,7 +153,8 @@ def test_packed_equals_padded_logprobs_bf16(parallel):
 
 
 def test_chunked_logprobs_match_full_on_gpu():
-    from trainer.kernels.chunked_logprobs import chunked_token_logprobs, full_token_logprobs
+    from tests.reference.token_logprobs import full_token_logprobs
+    from trainer.kernels.chunked_logprobs import chunked_token_logprobs
 
     g = torch.Generator(device="cuda").manual_seed(4)
     h = torch.randn(3000, 256, device="cuda", generator=g, dtype=torch.bfloat16)

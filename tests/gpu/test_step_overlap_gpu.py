@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from tests.integration import test_trainer_equivalence as scenario
+from tests.trainer_probes import slot_status
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -79,7 +80,7 @@ def _one_round(pair, seed: int, before_train=None) -> None:  # noqa: ANN001
     on, off, batches, hypers = pair
     for t in (off, on):
         for slot, h in enumerate(hypers):
-            if t.slot_status(slot)["active"]:
+            if slot_status(t, slot)["active"]:
                 t.clear_slot(slot)
             t.init_slot(slot, h, seed=seed + slot)
         if t is on and before_train is not None:
@@ -101,7 +102,7 @@ def _clear(pair) -> None:  # noqa: ANN001
     on, off, _, hypers = pair
     for t in (on, off):
         for slot in range(len(hypers)):
-            if t.slot_status(slot)["active"]:
+            if slot_status(t, slot)["active"]:
                 t.clear_slot(slot)
 
 

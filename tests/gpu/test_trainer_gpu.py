@@ -30,6 +30,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.trainer_probes import slot_status
+
 ON_CPU = os.environ.get("LORAFLEET_GPU_TESTS_ON_CPU") == "1"
 pytestmark = [
     pytest.mark.gpu,
@@ -122,7 +124,7 @@ def test_bf16_export_parity(trainer, batches, scenario, tiny_world, tmp_path):
 
     hypers = scenario.make_hypers(scenario.OBJECTIVES["mixed"])
     for slot, h in enumerate(hypers):
-        if trainer.slot_status(slot)["active"]:
+        if slot_status(trainer, slot)["active"]:
             trainer.clear_slot(slot)
         trainer.init_slot(slot, h, seed=slot)
     for b in batches:
@@ -234,7 +236,7 @@ def test_bf16_publish_folder_is_cast_on_the_device(trainer, batches, scenario, t
     from safetensors.torch import load_file
 
     for slot, h in enumerate(scenario.make_hypers(scenario.OBJECTIVES["mixed"])):
-        if trainer.slot_status(slot)["active"]:
+        if slot_status(trainer, slot)["active"]:
             trainer.clear_slot(slot)
         trainer.init_slot(slot, h, seed=slot)
     trainer.train(batches[0])

@@ -61,7 +61,8 @@ def _run(fn, dtype, **kw):
 
 
 def test_chunked_unembed_lora_bf16_against_fp32_and_the_full_reference():
-    from trainer.kernels.chunked_logprobs import chunked_token_logprobs, full_token_logprobs
+    from tests.reference.token_logprobs import full_token_logprobs
+    from trainer.kernels.chunked_logprobs import chunked_token_logprobs
 
     f32 = _run(chunked_token_logprobs, torch.float32, chunk_size=CHUNK)
     ref = _run(full_token_logprobs, torch.float32)
@@ -76,7 +77,8 @@ def test_chunked_unembed_lora_bf16_against_fp32_and_the_full_reference():
 
 @pytest.mark.skipif(DEV.type != "cuda", reason="CUDA allocator statistics")
 def test_chunked_path_never_holds_the_full_logits():
-    from trainer.kernels.chunked_logprobs import chunked_token_logprobs, full_token_logprobs
+    from tests.reference.token_logprobs import full_token_logprobs
+    from trainer.kernels.chunked_logprobs import chunked_token_logprobs
 
     full_logits_bytes = T * V * 4  # the fp32 [tokens x vocabulary] logits alone
     peaks = {}

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from tests.trainer_probes import slot_status
+
 
 def export_matches_full_tensors(trainer, hypers, batch, folder) -> dict:  # noqa: ANN001
     """Collective (every rank calls it). Fresh slots from ``hypers``, one train call on ``batch``,
@@ -25,7 +27,7 @@ def export_matches_full_tensors(trainer, hypers, batch, folder) -> dict:  # noqa
     from trainer.export.peft_io import slot_to_hf
 
     for slot, h in enumerate(hypers):
-        if trainer.slot_status(slot)["active"]:
+        if slot_status(trainer, slot)["active"]:
             trainer.clear_slot(slot)
         trainer.init_slot(slot, h, seed=200 + slot)
     trainer.train(batch)

@@ -173,6 +173,13 @@ def serve_job(tmp: Path, tiny_world: Path, slots: dict | None = None, engines: d
     return path
 
 
+def prometheus_text(client: LorafleetClient) -> str:
+    """The service's GET /metrics: Prometheus' text format (the admin token's; ApiError unless 200)."""
+    body = client.request("GET", "/metrics")
+    assert isinstance(body, str), f"/metrics answered JSON, not Prometheus text: {body!r}"
+    return body
+
+
 def fleet_pids(client: LorafleetClient, role: str) -> list[int]:
     """Process ids of the service's processes of `role` (trainer, rollout, engine), as an operator
     reads them: GET /v1/fleet (docs/operations.md, fault drills)."""

@@ -32,6 +32,7 @@ from tests.integration.test_trainer_equivalence import (
     make_hypers,
     run_scenario,
 )
+from tests.trainer_probes import slot_status
 
 pytestmark = pytest.mark.integration
 
@@ -159,7 +160,7 @@ def _snapshot(trainer):
 
 def _fresh(trainer, hypers):
     for slot, h in enumerate(hypers):
-        if trainer.slot_status(slot)["active"]:
+        if slot_status(trainer, slot)["active"]:
             trainer.clear_slot(slot)
         trainer.init_slot(slot, h, seed=200 + slot)
 
@@ -285,7 +286,7 @@ def test_start_from_an_exported_expert_adapter(trainer, batches, tmp_path):
     before = _snapshot(trainer)
     with pytest.raises(ValueError, match="has expert LoRA .* but the slot's lora_experts is false"):
         trainer.init_slot(3, hyper.model_copy(update={"lora_experts": False}), seed=0, init_from=folder)
-    assert trainer.slot_status(3) == {"slot": 3, "active": False}
+    assert slot_status(trainer, 3) == {"slot": 3, "active": False}
     after = _snapshot(trainer)
     for slot in range(4):
         for x, y in zip(before[slot], after[slot]):

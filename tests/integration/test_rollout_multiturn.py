@@ -27,13 +27,13 @@ import pytest
 import torch
 
 from rollout.config import RolloutConfig, RolloutSpec
-from rollout.naming import adapter_of_rid
 from rollout.rewards import target_share
 from rollout.engines.weights import AdapterWeights
 from service.tenants.batches import rl_samples, rl_step
 from tests.integration import envs_for_tests as envs
 from tests.integration.rollout_world import record_aborts, record_requests, rollout_spec, started_worker, wait_for
 from tests.integration.sglang_fixtures import make_peft_adapter, one_torch_thread, sglang_server_fixture
+from tests.rollout_probes import adapter_of_rid
 
 pytestmark = pytest.mark.integration
 

@@ -27,9 +27,10 @@ from rollout.naming import lora_name
 from rollout.engines.pool import EnginePool
 from rollout.rewards import target_share
 from rollout.engines.weights import AdapterWeights
-from rollout.worker import AdapterRollout
+from rollout.messages import AdapterRollout
 from tests.integration.rollout_world import count_concurrent_requests, rollout_spec, started_worker, wait_for
 from tests.integration.sglang_fixtures import GREEDY, hf_greedy, make_peft_adapter, one_torch_thread, sglang_server_fixture
+from tests.rollout_probes import kill_engine, wait_unloaded
 
 pytestmark = pytest.mark.integration
 
@@ -89,8 +90,8 @@ def test_two_adapters_concurrently_each_served_by_its_own_weights(sglang_server,
             loaded = await sglang_server.client().loaded_adapters()
             await by_tensors.remove_adapter("conc-a")
             await by_disk.remove_adapter("conc-b")
-            await by_tensors.wait_unloaded()
-            await by_disk.wait_unloaded()
+            await wait_unloaded(by_tensors)
+            await wait_unloaded(by_disk)
             return out, loaded
         finally:
             await by_tensors.aclose()
@@ -139,10 +140,10 @@ def test_version_update_under_load(sglang_server, adapters, prompts, tiny_world)
             during = await client.loaded_adapters()
             after = [asyncio.create_task(pool.generate_group("upd", ids, long, 2)) for ids in prompts]
             old, new = await asyncio.gather(asyncio.gather(*before), asyncio.gather(*after))
-            await pool.wait_unloaded()
+            await wait_unloaded(pool)
             final = await client.loaded_adapters()
             await pool.remove_adapter("upd")
-            await pool.wait_unloaded()
+            await wait_unloaded(pool)
             return old, new, update_s, still_running, during, final
         finally:
             await pool.aclose()
@@ -180,7 +181,7 @@ def test_abort_by_prefix_spares_other_adapters(sglang_server, adapters, prompts)
             b_groups = await asyncio.gather(*b)
             await pool.remove_adapter("abort-a")
             await pool.remove_adapter("abort-b")
-            await pool.wait_unloaded()
+            await wait_unloaded(pool)
             async with sglang_server.client() as c:
                 left = [n for n in await c.loaded_adapters() if n.startswith("abort-")]
             return count, a_groups, a_done_s, b_inflight_after_a, b_groups, left
@@ -394,7 +395,7 @@ def test_engine_out_of_routing_is_readmitted_with_its_adapters_brought_up_to_dat
             await pool.publish("back", 1, AdapterWeights.from_folder(adapters["two"]))  # v0 retires when its request ends
             pool.mark_unhealthy(0)
             await running  # v0's last request ends while the engine is out: its unload is not sent
-            await pool.wait_unloaded()
+            await wait_unloaded(pool)
             await pool.publish("back", 2, AdapterWeights.from_folder(adapters["one"]))
             await pool.publish("fresh", 0, AdapterWeights.from_folder(adapters["two"]))
             current_while_out = pool.current_version("back"), pool.current_version("fresh")
@@ -407,7 +408,7 @@ def test_engine_out_of_routing_is_readmitted_with_its_adapters_brought_up_to_dat
             groups = [await pool.generate_group(a, prompts[1], GREEDY, 1) for a in ("back", "fresh")]
             for a in ("back", "fresh"):
                 await pool.remove_adapter(a)
-            await pool.wait_unloaded()
+            await wait_unloaded(pool)
             return current_while_out, held_while_out, readmitted, readmit_s, held_after, pool.healthy(0), groups
         finally:
             await pool.aclose()
@@ -458,7 +459,7 @@ def test_killed_engine_is_detected_and_its_groups_requeued(sglang_server, adapte
             before = core.stats("kill")  # no await between this and the kill: nothing can finish in between
             starts = sglang_server.engine.starts
             t0 = time.perf_counter()
-            sglang_server.engine.kill()
+            kill_engine(sglang_server.engine)
             await wait_for(lambda: core.stats("kill").inflight_groups == 0, 60, "the dead engine's groups to end")
             detect_s = time.perf_counter() - t0
             await wait_for(lambda: not sglang_server.engine.is_alive() and not worker.pool.healthy(0), 60,
@@ -601,7 +602,7 @@ def test_handoff_folders_are_deleted_once_superseded_failed_or_removed(sglang_se
             after_refusal = sorted(p.name for p in root.iterdir())
             out = await asyncio.gather(*(pool.generate_group("ho", ids, GREEDY, 1) for ids in prompts[:2]))
             await pool.remove_adapter("ho")
-            await pool.wait_unloaded()
+            await wait_unloaded(pool)
             return counts, refused, after_refusal, out, pool.current_version, sorted(p.name for p in root.iterdir())
         finally:
             await pool.aclose()
@@ -701,7 +702,7 @@ def test_a_burst_of_publishes_serves_the_newest_and_never_a_superseded_one(sglan
     import shutil
 
     from rollout.engines.weights import PendingFolder
-    from rollout.worker import PUBLISH_LOADED, PUBLISH_SUPERSEDED
+    from rollout.messages import PUBLISH_LOADED, PUBLISH_SUPERSEDED
     from service.fleet.trainer_group import TrainerGroup
     from tests.trainer_probes import hold_export_writes
     from trainer.batch import TrainBatch, TrainSample

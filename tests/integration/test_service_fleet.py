@@ -46,6 +46,7 @@ from tests.integration.service_world import (
     LORAFLEET,
     TOKEN,
     fleet_pids,
+    prometheus_text,
     signal_processes,
     export_dir,
     retire_and_wait,
@@ -303,7 +304,7 @@ def test_load_concurrent_gets_and_register_retire_cycles(service, tiny_world):
         assert c.get("load-bg")["step"] > step0  # training went on
         retire_and_wait(c, service.state_dir, "load-bg")
         assert c.ready()["slots"]["free"] == 4  # no leaked slot
-        text = c.prometheus()
+        text = prometheus_text(c)
         assert "lorafleet_slots_free 4.0" in text and "lorafleet_train_step_seconds" in text
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.service_world import rl, running_service, sft, wait_for
+from tests.integration.service_world import prometheus_text, rl, running_service, sft, wait_for
 
 # Opt-in (-m slow, CI budget: 130 s on 2 cores, most of it its own service's start). In the default
 # tier, test_service_scale.py covers the same on its shared service: 256 tenants queue, take turns and
@@ -55,7 +55,7 @@ def test_tenants_come_and_go_through_two_slots(service, tiny_world):
         c.register("rl_d", rl(data, num_step=4))  # comes while the others train
         for name, n in (("rl_a", 6), ("sft_b", 6), ("sft_c", 4), ("rl_d", 4)):
             _completed_all_steps(c, name, n)
-        text = c.prometheus()
+        text = prometheus_text(c)
         assert 'lorafleet_adapters_residency{residency="queued"} 0.0' in text
         assert "lorafleet_adapter_swap_out_seconds{" in text and "lorafleet_adapter_swap_in_seconds{" in text
         assert c.ready()["slots"]["free"] == 2

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.service_world import TOKEN, register_from_threads, running_service, sft, wait_for
+from tests.integration.service_world import TOKEN, prometheus_text, register_from_threads, running_service, sft, wait_for
 
 # Opt-in (-m slow): test_service_scale.py runs the same kind of load bigger in the default tier (256
 # tenants through 4 slots from client threads, none lost, slots back to free); this one stays for
@@ -42,6 +42,6 @@ def test_forty_registrations_against_four_slots_from_eight_threads(service, tiny
             assert ref["slot"] is None and ref["queue_position"] is None
         assert c.ready()["slots"]["free"] == SLOTS["num_slots"]  # no slot leaked
         assert all(a["state"] == "COMPLETED" for a in c.list() if a["name"] in names)
-        text = c.prometheus()
+        text = prometheus_text(c)
         for where in ("resident", "queued", "evicted"):
             assert f'lorafleet_adapters_residency{{residency="{where}"}} 0.0' in text, where

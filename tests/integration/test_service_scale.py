@@ -31,8 +31,8 @@ import pytest
 
 from api.cli.client import LorafleetClient
 from tests.integration.sdk_clients import close_sdk_clients, open_client, unload_model  # noqa: F401 - autouse fixture
-from tests.integration.service_world import (Service, register_from_threads, registry_left_in, rl, running_service, sft,
-                                             wait_for)
+from tests.integration.service_world import (Service, prometheus_text, register_from_threads, registry_left_in, rl,
+                                             running_service, sft, wait_for)
 from tests.integration.test_tinker_serve import BASE, sft_data
 from tests.waiting import wait_until
 
@@ -178,7 +178,7 @@ def test_256_tenants_through_4_slots_all_finish_none_lost_first_come_first_serve
     fairness = _check_first_come_first_served(_placements(service.log_path)[0], plan, order)
     with service.client() as c:
         assert c.ready()["slots"]["free"] == SLOTS["num_slots"]  # no slot leaked
-        text = c.prometheus()
+        text = prometheus_text(c)
     for where in ("resident", "queued", "evicted"):
         assert f'lorafleet_adapters_residency{{residency="{where}"}} 0.0' in text, where
     for tier in ("host", "disk", "prefetched"):
@@ -208,7 +208,7 @@ def test_a_run_retired_while_queued_ends_without_an_export_and_leaves_the_queue(
             ref = wait_for(c, n, lambda r: r["state"] == "COMPLETED", "COMPLETED", timeout_s=DONE_TIMEOUT_S)
             assert ref["step"] == 3 and ref["queue_position"] is None, ref
     with service.client() as c:
-        text = c.prometheus()
+        text = prometheus_text(c)
         assert c.ready()["slots"]["free"] == SLOTS["num_slots"]
     assert 'lorafleet_adapters_residency{residency="queued"} 0.0' in text
     assert "lorafleet_adapter_swap_out_seconds{" in text and "lorafleet_adapter_swap_in_seconds{" in text

@@ -36,6 +36,7 @@ import pytest
 import torch
 
 from tests.integration.export_check import export_matches_full_tensors
+from tests.trainer_probes import slot_status
 
 pytestmark = pytest.mark.integration
 
@@ -108,7 +109,7 @@ def _record(trainer, slot, rec):
     from trainer.swap.slot_checkpoint import slot_state_tensors
 
     rec["tensors"] = {k: (copy.deepcopy(a), copy.deepcopy(b)) for k, (a, b) in slot_state_tensors(trainer, slot).items()}
-    rec["step"] = trainer.slot_status(slot)["step"]
+    rec["step"] = slot_status(trainer, slot)["step"]
 
 
 def run_scenario(trainer, hypers, batches):
@@ -117,7 +118,7 @@ def run_scenario(trainer, hypers, batches):
 
     def fresh():
         for slot, h in enumerate(hypers):
-            if trainer.slot_status(slot)["active"]:
+            if slot_status(trainer, slot)["active"]:
                 trainer.clear_slot(slot)
             trainer.init_slot(slot, h, seed=100 + slot)
 

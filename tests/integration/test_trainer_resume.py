@@ -19,6 +19,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.trainer_probes import slot_status
+
 pytestmark = pytest.mark.integration
 
 HYPER = dict(objective="rl", rank=4, alpha=8, lr=2e-2, betas=(0.85, 0.995), eps=1e-6, weight_decay=0.05,
@@ -57,7 +59,7 @@ def trainer(tiny_world):
 
 def _clear(trainer):
     for slot in range(trainer.config.num_slots):
-        if trainer.slot_status(slot)["active"]:
+        if slot_status(trainer, slot)["active"]:
             trainer.clear_slot(slot)
 
 
@@ -81,14 +83,14 @@ def test_rl_resume_with_cosine_schedule_continues_exactly(trainer, tmp_path):
     straight: list = []
     _run(trainer, calls, lambda c: 1, straight)
     want = slot_state_tensors(trainer, 1)
-    want_status = trainer.slot_status(1)
+    want_status = slot_status(trainer, 1)
 
     _clear(trainer)
     trainer.init_slot(0, partner, seed=7)
     trainer.init_slot(1, hyper, seed=11)
     resumed: list = []
     _run(trainer, calls[:SAVE_AFTER], lambda c: 1, resumed)
-    assert trainer.slot_status(1)["pending_samples"] == 1  # saved in the middle of a step
+    assert slot_status(trainer, 1)["pending_samples"] == 1  # saved in the middle of a step
     save_slot_state(trainer, 1, tmp_path / "state")
     trainer.clear_slot(1)
     trainer.init_slot(1, SlotHyperParams(objective="sft", rank=2, alpha=2), seed=99)  # someone else moves in
@@ -99,7 +101,7 @@ def test_rl_resume_with_cosine_schedule_continues_exactly(trainer, tmp_path):
     assert [r[0] for r in straight] == [1, 2, 3, 4, 5, 6]
     assert len({r[1] for r in straight}) == 6  # warm-up then cosine: the lr changes every update
     assert resumed == straight  # lr, loss and grad norm of every update, exactly
-    assert trainer.slot_status(2)["step"] == want_status["step"] == 6
+    assert slot_status(trainer, 2)["step"] == want_status["step"] == 6
     for kind in ("weight", "exp_avg", "exp_avg_sq", "grad"):
         for side in (0, 1):
             for name, t in want[kind][side].items():

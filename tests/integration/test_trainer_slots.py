@@ -9,6 +9,8 @@ import json
 import pytest
 import torch
 
+from tests.trainer_probes import slot_status
+
 pytestmark = pytest.mark.integration
 
 NUM_SLOTS = 4
@@ -50,7 +52,7 @@ def batch(slots, seed=0):
 
 def reset(trainer, overrides=None):
     for slot in range(NUM_SLOTS):
-        if trainer.slot_status(slot)["active"]:
+        if slot_status(trainer, slot)["active"]:
             trainer.clear_slot(slot)
         trainer.init_slot(slot, hyper(slot, **(overrides or {}).get(slot, {})), seed=10 + slot)
 
@@ -85,7 +87,7 @@ def test_isolation_step_clear_reinit(trainer):
     res = trainer.train(batch([0, 1, 1, 2, 2, 3, 0, 3]))  # every slot steps
     assert res.stepped == [0, 1, 2, 3]
     trainer.train(batch([1], seed=1))  # slot 1 now has a pending (accumulated) gradient
-    assert trainer.slot_status(1)["pending_samples"] == 1
+    assert slot_status(trainer, 1)["pending_samples"] == 1
     assert_padding_zero(trainer)
 
     before = snapshot(trainer)
@@ -99,12 +101,12 @@ def test_isolation_step_clear_reinit(trainer):
     cleared = snapshot(trainer)
     assert_same(after, cleared, [0, 1, 3])
     assert all(torch.count_nonzero(t) == 0 for t in cleared[2])
-    assert trainer.slot_status(2) == {"slot": 2, "active": False}
+    assert slot_status(trainer, 2) == {"slot": 2, "active": False}
 
     trainer.init_slot(2, hyper(2), seed=99)
     reinit = snapshot(trainer)
     assert_same(cleared, reinit, [0, 1, 3])
-    assert trainer.slot_status(2)["step"] == 0
+    assert slot_status(trainer, 2)["step"] == 0
     assert_padding_zero(trainer)
 
 
@@ -139,7 +141,7 @@ def test_foreign_registration_dropped(trainer):
     s[1] = s[1].model_copy(update={"registration": "reg-A"})
     res = trainer.train(TrainBatch(samples=s))
     assert res.dropped_foreign == {0: 1}
-    assert res.slots[0].samples == 1 and trainer.slot_status(0)["pending_samples"] == 1
+    assert res.slots[0].samples == 1 and slot_status(trainer, 0)["pending_samples"] == 1
     assert res.stepped == [1]
 
 
@@ -155,8 +157,8 @@ def test_nonfinite_slot_skips_only_its_step(trainer):
     assert res.slots[0].steps[0].skipped_nonfinite
     after = snapshot(trainer)
     assert_same(before, after, [0, 3])  # slot 0: nothing applied (and its gradient discarded)
-    assert trainer.slot_status(0)["step"] == 0 and trainer.slot_status(0)["pending_samples"] == 0
-    assert trainer.slot_status(1)["step"] == 1 and trainer.slot_status(2)["step"] == 1
+    assert slot_status(trainer, 0)["step"] == 0 and slot_status(trainer, 0)["pending_samples"] == 0
+    assert slot_status(trainer, 1)["step"] == 1 and slot_status(trainer, 2)["step"] == 1
     for slot in (1, 2):
         assert all(torch.isfinite(t).all() for t in after[slot])
         assert not torch.equal(before[slot][1], after[slot][1])  # B moved
@@ -246,7 +248,7 @@ def test_init_from_peft_folder(trainer, hf_model, tmp_path):
     ]:
         with pytest.raises((ValueError, FileNotFoundError), match=message):
             trainer.init_slot(2, hp, seed=1, init_from=folder)
-        assert trainer.slot_status(2) == {"slot": 2, "active": False}
+        assert slot_status(trainer, 2) == {"slot": 2, "active": False}
     (tmp_path / "rs").mkdir()
     cfg = json.loads((tmp_path / "slot0" / "adapter_config.json").read_text()) | {"use_rslora": True}
     (tmp_path / "rs" / "adapter_config.json").write_text(json.dumps(cfg))

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from tests.integration.test_trainer_slots import batch  # random samples of the given slots, seeded
+from tests.trainer_probes import slot_status
 
 pytestmark = pytest.mark.integration
 
@@ -53,7 +54,7 @@ def hyper(slot, **kw):
 
 def train_scenario(trainer):
     for slot in range(4):
-        if trainer.slot_status(slot)["active"]:
+        if slot_status(trainer, slot)["active"]:
             trainer.clear_slot(slot)
         trainer.init_slot(slot, hyper(slot), seed=30 + slot)
     for seed in range(3):
@@ -176,7 +177,7 @@ def test_own_export_and_peft_made_folders_import(trainer, trained, hf_model, tmp
     for hp, folder, message in cases:
         with pytest.raises(ValueError, match=message):
             trainer.init_slot(3, hp, seed=1, init_from=folder)
-        assert trainer.slot_status(3) == {"slot": 3, "active": False}
+        assert slot_status(trainer, 3) == {"slot": 3, "active": False}
 
 
 def test_unembedding_needs_output_layer_lora_in_the_trainer(tiny_world, trainer, tmp_path):
@@ -191,7 +192,7 @@ def test_unembedding_needs_output_layer_lora_in_the_trainer(tiny_world, trainer,
         narrow.init_slot(0, hyper(1), seed=1)
     with pytest.raises(ValueError, match=r"the state has LoRA on \['output_layer'\], which this trainer has none of"):
         load_slot_state(narrow, 0, tmp_path / "unembed_state")
-    assert narrow.slot_status(0) == {"slot": 0, "active": False}
+    assert slot_status(narrow, 0) == {"slot": 0, "active": False}
     load_slot_state(narrow, 0, tmp_path / "plain_state")  # a state without the unembedding loads there
     a, b = weights(trainer, 3)["weight"], weights(narrow, 0)["weight"]
     assert all(torch.equal(a[i][k], b[i][k]) for i in (0, 1) for k in a[i])

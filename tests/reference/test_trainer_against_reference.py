@@ -29,6 +29,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.trainer_probes import slot_status
+
 pytestmark = pytest.mark.integration
 
 REL_TOL = 5e-5
@@ -114,7 +116,7 @@ def train_both(trainer, model_dir):
     batches = make_batches(model_dir)
     inits = {}
     for slot, h in enumerate(hypers):
-        if trainer.slot_status(slot)["active"]:
+        if slot_status(trainer, slot)["active"]:
             trainer.clear_slot(slot)
         trainer.init_slot(slot, h, seed=100 + slot)
         inits[slot] = _cpu(trainer.export.peft_tensors(slot)[1])

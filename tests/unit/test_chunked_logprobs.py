@@ -3,8 +3,9 @@
 Also the vocab-parallel form (two gloo processes, each holding half the vocabulary)
 against the unsharded result, and the unembedding LoRA delta (LogitLora: per-slot segments
 of tokens get z @ B_k^T on their logits) against a reference written from its definition
-here: full logits x W^T plus, token by token, z_t B_{slot(t)}^T, then log_softmax; chunk
-boundaries before, inside and after the segments; under TP with B split over the vocabulary.
+(tests/reference/token_logprobs.py): full logits x W^T plus, token by token, z_t B_{slot(t)}^T,
+then log_softmax; chunk boundaries before, inside and after the segments; under TP with B split
+over the vocabulary.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from trainer.kernels.chunked_logprobs import IGNORE_TARGET, LogitLora, chunked_token_logprobs, full_token_logprobs
+from tests.reference.token_logprobs import full_token_logprobs
+from trainer.kernels.chunked_logprobs import IGNORE_TARGET, LogitLora, chunked_token_logprobs
 
 pytestmark = pytest.mark.unit
 

@@ -11,6 +11,7 @@ from collections import Counter
 
 import pytest
 
+from tests.trainer_probes import hold_writer
 from tests.waiting import wait_until
 from trainer.export.export_writer import ExportWriter, Superseded
 
@@ -36,7 +37,7 @@ def test_a_burst_of_one_key_writes_only_the_newest_and_the_others_learn_they_wer
     written, _, write = _recorder()
     released = Counter()
     w = ExportWriter(write)
-    w.hold(True)
+    hold_writer(w, True)
     early = {}
     waiter = threading.Thread(target=lambda: early.setdefault("a-v1", w.wait("a-v1")))
     waiter.start()  # waits before a-v1 is submitted
@@ -44,7 +45,7 @@ def test_a_burst_of_one_key_writes_only_the_newest_and_the_others_learn_they_wer
         w.submit(folder, folder, nbytes=1, key=key, release=lambda f=folder: released.update([f]))
     assert w.pending() == 4 and w.superseded == 2  # a-v1 and a-v2 left the queue at once
     assert released == Counter({"a-v1": 1, "a-v2": 1})  # their memory went back before any write
-    w.hold(False)
+    hold_writer(w, False)
     assert w.wait("a-v3") == "a-v3" and w.wait("b-v1") == "b-v1"
     assert w.wait("plain-1") == "plain-1" and w.wait("plain-2") == "plain-2"
     assert w.wait("a-v2") == Superseded("a-v2", by="a-v3")
@@ -74,7 +75,7 @@ def test_a_job_being_written_is_never_superseded_and_keyless_jobs_never_are():
 def test_superseding_frees_room_under_the_bound_before_the_newer_snapshot_is_counted():
     written, _, write = _recorder()
     w = ExportWriter(write, max_pending_bytes=100)
-    w.hold(True)
+    hold_writer(w, True)
     w.submit("a-v1", "a-v1", nbytes=60, key="a")
     w.submit("a-v2", "a-v2", nbytes=60, key="a")  # 60 + 60 > 100, but a-v1 is gone first: no wait
     assert w.room_waiters == 0 and w.pending() == 1
@@ -85,7 +86,7 @@ def test_superseding_frees_room_under_the_bound_before_the_newer_snapshot_is_cou
     assert w.supersede("a", by="a-v3") == ["a-v2"]
     blocked.join(DEADLINE_S)
     assert not blocked.is_alive() and w.pending() == 1
-    w.hold(False)
+    hold_writer(w, False)
     assert w.wait("b-v1") == "b-v1" and w.wait("a-v2") == Superseded("a-v2", by="a-v3")
     assert w.wait("a-v1") == Superseded("a-v1", by="a-v2")
     assert written == ["b-v1"]
@@ -96,10 +97,10 @@ def test_a_failed_write_is_an_error_and_a_superseded_one_is_not():
         raise OSError(f"cannot write {folder}")
 
     w = ExportWriter(write)
-    w.hold(True)
+    hold_writer(w, True)
     w.submit("v1", "x", nbytes=1, key="a")
     w.submit("v2", "x", nbytes=1, key="a")
-    w.hold(False)
+    hold_writer(w, False)
     assert isinstance(w.wait("v1"), Superseded)
     with pytest.raises(OSError, match="cannot write v2"):
         w.wait("v2")

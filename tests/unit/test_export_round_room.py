@@ -21,6 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.trainer_probes import use_export_writer
 from tests.waiting import wait_until
 from trainer.export.export_writer import Superseded
 from trainer.export.host_arena import block_bytes
@@ -78,10 +79,10 @@ def _export_round(trainer, requests) -> dict:
     return {"returned": done.is_set(), "waiting": bg.room_waiters, "thread": call}
 
 
-@pytest.mark.parametrize("kind", ["thread", "process"])  # the second reuses the first's arena (use_writer)
+@pytest.mark.parametrize("kind", ["thread", "process"])  # the second reuses the first's arena (use_export_writer)
 def test_a_keyed_round_never_waits_while_every_writer_is_mid_folder(trainer, kind, tmp_path):
     ex = trainer.export
-    ex.use_writer(kind, threads=1, max_pending_bytes=4096)  # the arena is then what size_for plans
+    use_export_writer(ex, kind, threads=1, max_pending_bytes=4096)  # the arena is then what size_for plans
     bg = ex.background
     gate, started = _gated(bg)
     calls = []

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.trainer_probes import hold_writer
 from tests.waiting import wait_until
 from trainer.export.export_writer import ExportWriter, remove_partial_writes, replace_folder_atomically
 
@@ -29,14 +30,14 @@ def _recorder():
 def test_writes_in_submission_order_and_wait_may_come_first():
     written, write = _recorder()
     w = ExportWriter(write)
-    w.hold(True)
+    hold_writer(w, True)
     early = {}
     waiter = threading.Thread(target=lambda: early.setdefault("v1", w.wait("v1")))
     waiter.start()  # waits before v1 is even submitted (the export group may run first)
     for name in ("v1", "v2", "v3"):
         w.submit(name, name, nbytes=1)
     assert written == [] and w.pending() == 3
-    w.hold(False)
+    hold_writer(w, False)
     assert [w.wait("v3"), w.wait("v2")] == ["v3", "v2"]
     waiter.join(DEADLINE_S)
     assert early == {"v1": "v1"} and written == ["v1", "v2", "v3"]
@@ -45,13 +46,13 @@ def test_writes_in_submission_order_and_wait_may_come_first():
 def test_a_new_snapshot_waits_for_room_within_the_bound():
     written, write = _recorder()
     w = ExportWriter(write, max_pending_bytes=100)
-    w.hold(True)
+    hold_writer(w, True)
     w.submit("a", "a", nbytes=60)
     blocked = threading.Thread(target=lambda: w.submit("b", "b", nbytes=60))
     blocked.start()
     wait_until(lambda: w.room_waiters == 1, "the second submit to wait for room", DEADLINE_S)
     assert w.pending() == 1  # b is not queued: 60 + 60 > 100 bytes
-    w.hold(False)
+    hold_writer(w, False)
     blocked.join(DEADLINE_S)
     assert not blocked.is_alive()
     w.wait("a"), w.wait("b")
@@ -73,10 +74,10 @@ def test_failures_are_raised_by_wait_and_the_writer_goes_on():
     w.submit("good", "good", nbytes=1)
     assert w.wait("good") == "good" and written == ["good"]
     with pytest.raises(ValueError, match="already queued"):
-        w.hold(True)
+        hold_writer(w, True)
         w.submit("twice", "x", nbytes=1)
         w.submit("twice", "x", nbytes=1)
-    w.hold(False)
+    hold_writer(w, False)
 
 
 def test_folder_appears_whole_or_not_at_all(tmp_path: Path):

@@ -211,13 +211,36 @@ def _forward_backward(model, ids, train=False):
     return logits.detach(), emb.grad
 
 
+def install_fused_attention(model: torch.nn.Module) -> int:
+    """Switch an already-built local-spec model to fused attention, in place: every ``SelfAttention``
+    whose core attention is Megatron's ``DotProductAttention`` becomes a ``PackedSelfAttention`` with a
+    ``FusedCoreAttention`` (neither holds parameters, so weights and state-dict names stay). Returns
+    how many layers were switched."""
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from trainer.base.fused_attention import FusedCoreAttention, PackedSelfAttention
+
+    switched = 0
+    for module in model.modules():
+        if type(module) is SelfAttention and type(module.core_attention) is DotProductAttention:
+            old = module.core_attention
+            module.core_attention = FusedCoreAttention(
+                config=old.config, layer_number=old.layer_number, attn_mask_type=old.attn_mask_type,
+                attention_type=old.attention_type, softmax_scale=module.config.softmax_scale,
+                pg_collection=old.pg_collection,
+            ).to(next((p.device for p in module.parameters()), None) or "cpu")
+            module.__class__ = PackedSelfAttention  # adds behaviour only, no state
+            switched += 1
+    return switched
+
+
 def test_fused_spec_model_matches_local_spec(tiny_base):
     from trainer.base.base_model import causal_mask
     from trainer.base.fused_attention import (
         FusedCoreAttention,
         PackedSelfAttention,
         fused_gpt_layer_spec,
-        install_fused_attention,
         lorafleet_gpt_layer_spec,
     )
 

@@ -11,11 +11,25 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.padded_batch import pad_sequences
 from tests.unit.test_fused_attention import rebuild, rel_err, spec_local, tiny_base  # noqa: F401  (fixture)
 from trainer.kernels.chunked_logprobs import IGNORE_TARGET
-from trainer.base.packing import DocumentLayout, pack_sequences, pad_sequences
+from trainer.base.packing import DocumentLayout, pack_sequences
 
 pytestmark = pytest.mark.unit
+
+
+def pack_values(packed, per_sample) -> torch.Tensor:
+    """Per-sample per-token arrays (the caller's order) concatenated in the packed stream's order."""
+    if len(per_sample) != packed.num_samples:
+        raise ValueError(f"expected {packed.num_samples} per-sample arrays, got {len(per_sample)}")
+    parts = []
+    for j, i in enumerate(packed.sample_order):
+        v = torch.as_tensor(per_sample[i])
+        if v.shape[0] != packed.layout.lengths[j]:
+            raise ValueError(f"sample {i} has {packed.layout.lengths[j]} tokens but its array has {v.shape[0]} rows")
+        parts.append(v)
+    return torch.cat(parts, 0).to(packed.tokens.device)
 
 
 def _seqs(lengths, seed=0, vocab=400):
@@ -47,7 +61,7 @@ def test_pack_orders_by_slot_and_inverts():
     # unpack inverts the permutation (caller's order)
     back = packed.unpack(packed.tokens)
     assert all(torch.equal(b, s) for b, s in zip(back, seqs))
-    assert torch.equal(packed.pack_values(seqs), packed.tokens[0])
+    assert torch.equal(pack_values(packed, seqs), packed.tokens[0])
     padded = packed.to_padded(packed.tokens[0], pad_value=-1)
     assert padded.shape == (6, 17) and padded[3, 1:].eq(-1).all() and padded[3, 0] == seqs[3][0]
     assert packed.token_samples.tolist() == sum(([i] * lengths[i] for i in packed.sample_order), [])

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.trainer_probes import hold_writer
 from tests.waiting import wait_until
 from trainer.export.export_writer import Superseded
 from trainer.export.peft_export import CHUNK_BYTES, BackgroundExports, ExportRequest, chunks, gather_bodies, make_snapshots
@@ -56,7 +57,7 @@ def test_background_exports_write_what_the_in_process_writer_writes(kind, tmp_pa
     config = {"r": 4, "lora_alpha": 8}
     bg = BackgroundExports(device=torch.device("cpu"), threads=2, kind=kind, max_pending_bytes=1 << 20)
     try:
-        bg.writer.hold(True)
+        hold_writer(bg.writer, True)
         hosts, blocks, done = bg.to_host(bodies)
         assert done == [None] * 3 and all(b is not None for b in blocks) and bg.arena.used == 3 * 4096
         requests = [ExportRequest(i, str(tmp_path / "bg" / f"v{i}"), key="same" if i < 2 else None) for i in range(3)]
@@ -64,7 +65,7 @@ def test_background_exports_write_what_the_in_process_writer_writes(kind, tmp_pa
         bg.submit(requests, make_snapshots(hosts, blocks, done, [config] * 3, entries, header))
         # v0 and v1 share a key: v0 was superseded by v1 at submission, its block is back at once
         assert bg.writer.superseded == 1 and bg.arena.used == 2 * 4096
-        bg.writer.hold(False)
+        hold_writer(bg.writer, False)
         assert bg.writer.wait(requests[0].folder) == Superseded(requests[0].folder, by=requests[1].folder)
         assert [bg.writer.wait(r.folder) for r in requests[1:]] == [r.folder for r in requests[1:]]
         wait_until(lambda: bg.arena.used == 0, "every block back after its write", DEADLINE_S)
@@ -100,12 +101,12 @@ def test_switching_writers_is_refused_while_exports_are_pending(tmp_path: Path):
     bg = BackgroundExports(device=torch.device("cpu"), threads=1, kind="thread", max_pending_bytes=1 << 16)
     entries = _entries()
     header = packed_header(entries, torch.bfloat16)
-    bg.writer.hold(True)
+    hold_writer(bg.writer, True)
     hosts, blocks, done = bg.to_host(torch.zeros(1, 64, dtype=torch.bfloat16))
     bg.submit([ExportRequest(0, str(tmp_path / "v0"))], make_snapshots(hosts, blocks, done, [{"r": 4}], entries, header))
     with pytest.raises(RuntimeError, match="still queued"):
         bg.with_writer("process", 2)
-    bg.writer.hold(False)
+    hold_writer(bg.writer, False)
     bg.writer.wait(str(tmp_path / "v0"))
     new = bg.with_writer("process", 2)
     assert new.arena is bg.arena and new.kind == "process" and new.threads == 2
@@ -132,7 +133,7 @@ def test_with_latest_wins_a_round_of_every_slot_never_waits_for_room(tmp_path: P
         bg.submit(requests, make_snapshots(hosts, blocks, done, [{"r": 4}] * slots, entries, header))
         return requests
 
-    bg.writer.hold(True)
+    hold_writer(bg.writer, True)
     try:
         rounds: list = []
         keyed = threading.Thread(target=lambda: rounds.extend(round_of(r, keyed=True) for r in range(3)), daemon=True)
@@ -145,7 +146,7 @@ def test_with_latest_wins_a_round_of_every_slot_never_waits_for_room(tmp_path: P
         blocked.start()  # keyless: only 2 of round 3's 8 fit beside round 2's queued 8
         wait_until(lambda: bg.arena.waiters == 1, "a keyless round to wait for room", DEADLINE_S)
     finally:
-        bg.writer.hold(False)
+        hold_writer(bg.writer, False)
     blocked.join(DEADLINE_S)
     assert not blocked.is_alive()
     for r in rounds[:2]:

@@ -16,6 +16,12 @@ pytestmark = pytest.mark.unit
 CONFIG = AdapterConfig(data={"path": "x.jsonl"}, reward={"name": "target_share"}, num_step=5)
 
 
+def bind_queued(reg: Registry) -> list:
+    """The free slots (lowest first) to the runs at the head of the queue, in queue order, each by
+    the registry's own `bind` (the scheduler's one slot change); the refs of the runs bound."""
+    return [reg.bind(run.registration_id, slot) for run, slot in zip(reg.queued(), reg.free_slots())]
+
+
 class Scenario:
     """Runs rows against one registry; remembers every registration id per name."""
 
@@ -52,7 +58,7 @@ class Scenario:
             self.reg = Registry(self.path, self.num_slots, self.max_live_runs)
             return None
         if op == "bind":  # bind() -> the names bound, in order, with their slots
-            return [(b.name, b.slot) for b in r.bind_queued()]
+            return [(b.name, b.slot) for b in bind_queued(r)]
         if op == "evict":  # evict(name, slot)
             return r.release_slot(self.rid(args[0]), expect_slot=args[1])
         raise AssertionError(op)
@@ -255,11 +261,11 @@ def test_slot_leases_share_the_slot_count_with_runs(tmp_path):
     assert queued.slot is None and queued.queue_position == 1
     with pytest.raises(NoFreeSlot, match=r"all 3 slots are held by adapter runs or Tinker models"):  # holders unnamed (I8)
         sc.reg.lease_slot("s-2:train:0", "bob")
-    assert sc.reg.bind_queued() == []  # the leased slot is not free for the queue
+    assert bind_queued(sc.reg) == []  # the leased slot is not free for the queue
     assert sc.reg.leases() == {"s-1:train:0": (1, "alice")}
     assert sc.reg.release_lease("s-1:train:0") == 1
     assert sc.reg.release_lease("s-1:train:0") is None  # twice: nothing more to free
-    assert [r.name for r in sc.reg.bind_queued()] == ["c"] and sc.reg.get("c").slot == 1
+    assert [r.name for r in bind_queued(sc.reg)] == ["c"] and sc.reg.get("c").slot == 1
     sc.do("to", "a", S.FAILED, "x")
     assert sc.reg.lease_slot("s-2:train:0", "bob") == 0
     sc.do("restart")  # the models lived in the old process's memory: their leases go with it

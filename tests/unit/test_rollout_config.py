@@ -4,8 +4,9 @@ import pytest
 from pydantic import ValidationError
 
 from rollout.config import DataConfig, EngineConfig, RolloutConfig, SamplingConfig, check_adapter_name
-from rollout.naming import adapter_of_rid, lora_name, new_rid, parse_lora_name, rid_prefix
+from rollout.naming import lora_name, new_rid, rid_prefix
 from rollout.engines.sglang_cpu import build_server_launch
+from tests.rollout_probes import adapter_of_rid, parse_lora_name
 
 pytestmark = pytest.mark.unit
 

@@ -196,7 +196,7 @@ def test_the_registry_says_served_only_once_the_publish_finished(fleet):
     assert runtime.publish(b.registration_id, version) is True  # the engines load it in the background
     controller.record_step(b.registration_id, step=s.step, samples=s.samples, metrics=s.metrics, weight_version=version, served=False)
     assert controller.get("b").weight_version == before and controller.metrics("b").steps[-1].weight_version == version
-    assert runtime.settle_publishes() == [] and runtime.publishes_in_flight() == 1
+    assert runtime.settle_publishes() == [] and runtime.publisher.in_flight() == 1
     held.done = True
     [p] = runtime.settle_publishes()
     controller.mark_served(p.registration_id, p.version)
@@ -352,7 +352,7 @@ def test_a_superseded_publish_is_neither_served_nor_republished(fleet):
     """Latest-wins (issue 28): the rollout worker reports a version that a newer one of the run
     replaced before it was written or loaded as superseded. Settling leaves it out (the loop
     neither marks it served nor publishes it again) and the newer one settles as served."""
-    from rollout.worker import PUBLISH_LOADED, PUBLISH_SUPERSEDED
+    from rollout.messages import PUBLISH_LOADED, PUBLISH_SUPERSEDED
     from service.loop.training_loop import LoopReport, _settle
     from tests.fleet_fakes import FakeRef
 
@@ -377,7 +377,7 @@ def test_a_superseded_publish_is_neither_served_nor_republished(fleet):
         controller.record_step(b.registration_id, step=s.step, samples=s.samples, metrics=s.metrics,
                                weight_version=version, served=False)
     assert runtime.settle_publishes() == []  # the superseded one is left out; the newer one still loads
-    assert runtime.publisher.superseded == 1 and runtime.publishes_in_flight() == 1
+    assert runtime.publisher.superseded == 1 and runtime.publisher.in_flight() == 1
     assert controller.get("b").weight_version == before  # the superseded version was never served
     newer.done = True
     settled = runtime.settle_publishes()

@@ -213,7 +213,7 @@ def test_every_tenant_gets_its_turns_within_the_bound(fast_tmp, tenants, slots, 
     longest = max(rounds for _, _, rounds in w.waits)
     assert longest <= turn_steps * math.ceil((tenants - slots) / slots)
     assert len(w.waits) >= tenants - slots  # every queued tenant was measured, and the evicted ones
-    assert w.registry.free_slots() == list(range(slots)) and w.registry.queue_length() == 0
+    assert w.registry.free_slots() == list(range(slots)) and len(w.registry.queued()) == 0
 
 
 def test_placement_reads_a_bounded_part_of_the_queue(fast_tmp, monkeypatch):
@@ -314,4 +314,4 @@ def test_a_thousand_tinker_models_and_runs_share_the_slots(fast_tmp):
             break
         w.round()
     assert len(answers) == 2 * len(live) and all(e is None for _, e in answers.values())
-    assert w.scheduler.counters["evictions"] >= 56 and w.registry.queue_length() == 0
+    assert w.scheduler.counters["evictions"] >= 56 and len(w.registry.queued()) == 0

@@ -22,7 +22,7 @@ from tests.unit.test_import_graph import REPO, import_graph, module_files
 
 pytestmark = pytest.mark.unit
 
-SLOT_CHANGES = {"bind", "bind_queued", "release_slot", "lease_slot", "release_lease"}
+SLOT_CHANGES = {"bind", "release_slot", "lease_slot", "release_lease"}
 SLOT_OWNER = "service/scheduling/scheduler.py"
 THREADS = {"Thread", "ThreadPoolExecutor", "ProcessPoolExecutor", "run_in_executor", "to_thread", "start_new_thread"}
 HTTP_THREAD = "api/server.py"

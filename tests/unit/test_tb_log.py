@@ -33,6 +33,18 @@ def _value(event) -> float:
     return float(tensor_util.make_ndarray(event.tensor_proto))
 
 
+def finish_run(tlog: TrainingLog, name: str, registration_id: str) -> None:
+    """Close one run's writers, as when it ended (COMPLETED or FAILED); a later step would open them again."""
+    key = (name, registration_id)
+    with tlog._lock:  # noqa: SLF001 - the log's one lock over its writers
+        writer = tlog._writers.pop(key, None)  # noqa: SLF001
+        if writer is not None:
+            writer.close()
+        run = tlog._wandb_runs.pop(key, None)  # noqa: SLF001
+        if run is not None:
+            run.finish()
+
+
 @pytest.fixture
 def registry(tmp_path):
     reg = Registry(tmp_path / "registry.sqlite3", num_slots=4)
@@ -81,7 +93,7 @@ def test_a_re_registered_name_gets_a_run_folder_of_its_own(tmp_path, registry):
         registry.transition(first, AdapterState.RETIRING)
         registry.transition(first, AdapterState.CLEANUP)
         registry.transition(first, AdapterState.COMPLETED)
-        tlog.finish_run("a", first)
+        finish_run(tlog, "a", first)
         second = active_run(registry, "a")
         train_steps(registry, tlog, "a", second, [1, 2, 3], seed=1)
     assert first[:8] != second[:8]

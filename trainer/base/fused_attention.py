@@ -443,32 +443,3 @@ def recompute_overrides(mode: RecomputeMode, num_layers: int = 1) -> dict:
             "recompute_modules": ["mlp"],
         }
     raise ValueError(f"recompute mode {mode!r}: allowed are none, full, selective")
-
-
-def install_fused_attention(model: torch.nn.Module, packed_backend: PackedBackend = "auto") -> int:
-    """Switch an already-built local-spec model to fused attention, in place.
-
-    Every ``SelfAttention`` whose core attention is Megatron's ``DotProductAttention``
-    becomes a ``PackedSelfAttention`` with a ``FusedCoreAttention`` (neither holds
-    parameters, so weights and state-dict names do not change). Returns how many
-    layers were switched. For models built from ``lorafleet_gpt_layer_spec`` this is
-    not needed; it serves models that something else built with the local spec.
-    """
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    switched = 0
-    for module in model.modules():
-        if type(module) is SelfAttention and type(module.core_attention) is DotProductAttention:
-            old = module.core_attention
-            module.core_attention = FusedCoreAttention(
-                config=old.config,
-                layer_number=old.layer_number,
-                attn_mask_type=old.attn_mask_type,
-                attention_type=old.attention_type,
-                softmax_scale=module.config.softmax_scale,
-                pg_collection=old.pg_collection,
-                packed_backend=packed_backend,
-            ).to(next((p.device for p in module.parameters()), None) or "cpu")
-            module.__class__ = PackedSelfAttention  # adds behaviour only, no state
-            switched += 1
-    return switched

@@ -135,20 +135,6 @@ class PackedBatch:
 
     # ---- per-token arrays in and out -------------------------------------------------
 
-    def pack_values(self, per_sample: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Concatenate per-sample per-token arrays (caller's order) into stream order."""
-        if len(per_sample) != self.num_samples:
-            raise ValueError(f"expected {self.num_samples} per-sample arrays, got {len(per_sample)}")
-        parts = []
-        for j, i in enumerate(self.sample_order):
-            v = torch.as_tensor(per_sample[i])
-            if v.shape[0] != self.layout.lengths[j]:
-                raise ValueError(
-                    f"sample {i} has {self.layout.lengths[j]} tokens but its array has {v.shape[0]} rows"
-                )
-            parts.append(v)
-        return torch.cat(parts, 0).to(self.tokens.device)
-
     def unpack(self, values: torch.Tensor) -> list[torch.Tensor]:
         """Split a stream-order array ([T, ...] or [1, T, ...]) into per-sample arrays, caller's order."""
         if values.dim() >= 2 and values.shape[0] == 1 and values.shape[1] == self.num_tokens:
@@ -224,52 +210,6 @@ def pack_sequences(
         slot_offsets=torch.cumsum(counts, 0).to(torch.int32).to(device),
         token_slots=torch.repeat_interleave(torch.tensor(slots, dtype=torch.int64), lens).to(device),
         token_samples=torch.repeat_interleave(torch.tensor(order, dtype=torch.int64), lens).to(device),
-    )
-
-
-@dataclass
-class PaddedBatch:
-    """The padded counterpart (the baseline packing is measured and tested against).
-
-    Rows are in the caller's order, right-padded with ``pad_id``; with a causal mask a
-    right-padded row's real tokens never see its padding, so no attention mask is needed.
-    """
-
-    tokens: torch.Tensor  # int64 [B, L]
-    position_ids: torch.Tensor  # int64 [B, L]
-    lengths: tuple[int, ...]
-    valid: torch.Tensor  # bool [B, L]
-
-    def next_token_targets(self) -> tuple[torch.Tensor, torch.Tensor]:
-        targets = torch.full_like(self.tokens, IGNORE_TARGET)
-        targets[:, :-1] = self.tokens[:, 1:]
-        lens = torch.tensor(self.lengths, device=self.tokens.device)
-        cols = torch.arange(self.tokens.shape[1], device=self.tokens.device)
-        targets[cols.unsqueeze(0) >= (lens.unsqueeze(1) - 1)] = IGNORE_TARGET
-        return targets, targets != IGNORE_TARGET
-
-
-def pad_sequences(
-    sequences: Sequence[Sequence[int] | torch.Tensor],
-    pad_id: int = 0,
-    pad_to_multiple: int = 1,
-    device: torch.device | str | None = None,
-) -> PaddedBatch:
-    seqs = [torch.as_tensor(s, dtype=torch.int64).reshape(-1) for s in sequences]
-    if not seqs or any(s.numel() == 0 for s in seqs):
-        raise ValueError("padding needs at least one sequence and no empty sequence")
-    length = max(s.numel() for s in seqs)
-    length = -(-length // pad_to_multiple) * pad_to_multiple
-    tokens = torch.full((len(seqs), length), pad_id, dtype=torch.int64)
-    for i, s in enumerate(seqs):
-        tokens[i, : s.numel()] = s
-    lens = torch.tensor([s.numel() for s in seqs])
-    valid = torch.arange(length).unsqueeze(0) < lens.unsqueeze(1)
-    return PaddedBatch(
-        tokens=tokens.to(device),
-        position_ids=torch.arange(length).expand(len(seqs), length).contiguous().to(device),
-        lengths=tuple(int(n) for n in lens),
-        valid=valid.to(device),
     )
 
 

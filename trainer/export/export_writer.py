@@ -183,7 +183,9 @@ class ExportWriter:
         self.write_seconds = 0.0
         self.superseded = 0  # queued folders superseded by a newer one of their key (never written)
         self._outcome: dict[str, BaseException | Superseded | None] = {}  # folder -> None (written), Superseded or error
-        self._held = False  # fault injection: the writer takes no job while held (tests)
+        # Fault injection: while held the writer takes no job. Only the tests set it (under `_cond`,
+        # then notify: tests/trainer_probes.py hold_writer); production never holds the writer.
+        self._held = False
         self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(threads)]
         for thread in self._threads:
             thread.start()
@@ -261,12 +263,6 @@ class ExportWriter:
         """(jobs queued, their bytes, jobs being written) now: what holds the host memory of snapshots."""
         with self._cond:
             return len(self._queue), sum(j.nbytes for j in self._queue), self._writing
-
-    def hold(self, held: bool) -> None:
-        """Fault injection (tests): while held the writer starts no new folder."""
-        with self._cond:
-            self._held = held
-            self._cond.notify_all()
 
     def _run(self) -> None:
         while True:

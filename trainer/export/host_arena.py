@@ -156,10 +156,6 @@ class HostArena:
             self.blocks -= 1
             self._cond.notify_all()
 
-    def free_bytes(self) -> int:
-        with self._cond:
-            return sum(n for _, n in self._free)
-
 
 def block_bytes(nbytes: int) -> int:
     """The arena bytes a block of `nbytes` takes (rounded up to ALIGN)."""

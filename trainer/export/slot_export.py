@@ -246,15 +246,3 @@ class SlotExporter:
     def writer(self) -> ExportWriter:
         """This rank's writer (its threads start on first use)."""
         return self.background.writer
-
-    def use_writer(self, kind: str, threads: int | None = None, *, max_pending_bytes: int | None = None) -> None:
-        """Write background exports with writer `kind` ('thread' or 'process') and `threads` from now on
-        (benchmarks compare them on one build), under a bound of `max_pending_bytes` of queued
-        snapshots (default DEFAULT_MAX_PENDING_BYTES; tests make it small so that the arena is what
-        `size_for` plans). Only while no export is queued or being written."""
-        with self._background_lock:
-            threads = threads or self.config.export_writer_threads
-            bound = {} if max_pending_bytes is None else {"max_pending_bytes": max_pending_bytes}
-            self._background = (BackgroundExports(device=self.device, threads=threads, kind=kind, **bound)
-                                if self._background is None else self._background.with_writer(kind, threads, **bound))
-

@@ -317,27 +317,6 @@ def chunked_token_logprobs(
     return logprobs.reshape(targets.shape)
 
 
-def full_token_logprobs(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-    lora: LogitLora | None = None,
-) -> torch.Tensor:
-    """The unchunked reference: full fp32 logits (each LoRA segment's delta added), log_softmax, gather."""
-    logits = hidden @ weight.t()
-    if lora is not None:
-        flat = logits.reshape(-1, logits.shape[-1])
-        pieces, at = [], 0
-        for k, start, end in lora.segments:
-            pieces += [flat.new_zeros(start - at, flat.shape[1]), lora.z[start:end] @ lora.lora_b[k].t()]
-            at = end
-        pieces.append(flat.new_zeros(flat.shape[0] - at, flat.shape[1]))
-        logits = (flat + torch.cat(pieces)).view(logits.shape)
-    logits = logits.float() / temperature
-    logp = torch.log_softmax(logits, dim=-1)
-    safe = targets.clamp(min=0)
-    out = logp.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
-    return torch.where(targets != IGNORE_TARGET, out, torch.zeros_like(out))
-
-
 class LogprobOutputProcessor:
     """A ``GPTModel.forward(output_processor=...)`` hook returning chunked log-probs.
 
