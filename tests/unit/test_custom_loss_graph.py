@@ -112,6 +112,13 @@ def batch(fn, seed: int = 0):
     return logprobs, inputs
 
 
+def sdk_data(logprobs, inputs) -> list[types.Datum]:
+    """The datums as the SDK's types (model_input: as many tokens as logprobs)."""
+    return [types.Datum(model_input=types.ModelInput.from_ints(list(range(len(lp)))),
+                        loss_fn_inputs={k: types.TensorData.from_torch(v) for k, v in d.items()})
+            for lp, d in zip(logprobs, inputs)]
+
+
 def reference(fn, logprobs, inputs):
     """The user's function run per datum with torch autograd; metrics by the SDK's documented rule."""
     lps = [lp.detach().clone().requires_grad_(True) for lp in logprobs]
@@ -152,9 +159,7 @@ def test_rebuilt_loss_equals_the_sdks_client_side_runner(fn):
     """The SDK runs the same handle client-side with its fx GraphModule (run_loss_handle)."""
     logprobs, inputs = batch(fn, seed=1)
     body, handle = wire(fn, RANKS[fn])
-    data = [types.Datum(model_input=types.ModelInput.from_ints(list(range(len(lp)))),
-                        loss_fn_inputs={k: types.TensorData.from_torch(v) for k, v in d.items()})
-            for lp, d in zip(logprobs, inputs)]
+    data = sdk_data(logprobs, inputs)
     sdk_lps = [lp.clone().requires_grad_(True) for lp in logprobs]
     sdk_total, sdk_metrics = run_loss_handle(handle, data, sdk_lps)
     sdk_total.backward()
@@ -201,6 +206,34 @@ def test_datum_checks_say_what_is_wrong():
         loss.check_datum(len(lp), {**d, "beta": torch.ones(len(lp))})
     with pytest.raises(ValueError, match=r"node 'where' \(call_function 'torch.where'\) failed: The size of tensor a \(8\) must match"):
         loss.check_datum(len(lp), {**d, "mask": torch.ones(len(lp) + 1)})
+
+
+def test_the_sdks_forward_backward_request_reaches_the_loss_through_the_protobuf_wire():
+    """What forward_backward_custom sends for an uploaded loss (forward_backward(data, "custom",
+    {"loss_id": ...})), encoded by the SDK's proto writer and decoded by api/tinker/proto_io.py:
+    the loss_id arrives as text, and the rank-0 input (written with no shape, read as [1]) is
+    read by the loss as 0-dim, so the loss equals the user's function on the original data."""
+    from api.tinker.proto_io import decode_forward_backward
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+
+    logprobs, inputs = batch(masked_mix, seed=3)
+    data = sdk_data(logprobs, inputs)
+    request = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn="custom",
+                                                          loss_fn_config={"loss_id": "loss-1"}),
+        model_id="m", seq_id=1)
+    msg = forward_backward_request_to_proto(request)
+    assert msg.loss_fn == "custom" and msg.loss_fn_config_v2["loss_id"].text == "loss-1"
+    msg.ClearField("loss_fn_config_v2")  # proto_io refuses text config today (the wiring's part)
+    received = decode_forward_backward(msg.SerializeToString())
+    assert tuple(received.data[0].inputs["beta"].shape) == (1,)  # rank 0 read as [1]
+    loss = rebuilt(masked_mix)
+    for lp, d in zip(logprobs, received.data):
+        loss.check_datum(len(lp), d.inputs)
+    total, metrics = call_loss(loss, logprobs, [d.inputs for d in received.data])
+    want_total, _, want_metrics = reference(masked_mix, logprobs, inputs)
+    assert float(total) == pytest.approx(want_total, rel=1e-6)
+    assert metrics == pytest.approx(want_metrics, rel=1e-6)
 
 
 def no_gradient(logprobs, weights):

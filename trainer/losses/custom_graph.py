@@ -24,7 +24,9 @@ and what is allowed, and changes nothing):
   through a data-dependent shape (boolean-mask indexing).
 * ``CustomLoss.datum(logprobs, loss_fn_inputs) -> (loss, metrics)``: one datum; ``logprobs``
   [N] floating (differentiable), the inputs tensors on the same device (keys the loss does not
-  read are ignored). ``loss``: the graph's 0-dim loss (differentiable); ``metrics``:
+  read are ignored). An input declared rank 0 may come as a one-element [1] tensor and is
+  read as its 0-dim value: the SDK's protobuf writes no shape for a rank-0 tensor, which
+  api/tinker/proto_io.py reads as [1] (the SDK checked the rank client-side). ``loss``: the graph's 0-dim loss (differentiable); ``metrics``:
   ``{"custom/<x>:sum"|"custom/<x>:mean": detached 0-dim tensor or number}``.
 * ``combine_metrics(datum_losses, datum_metrics) -> dict[str, float]``: the call's metrics,
   as the SDK combines them (``run_loss_handle``): ``loss:sum`` the sum of the datums' losses,
@@ -176,9 +178,10 @@ class CustomLoss:
             if key not in loss_fn_inputs:
                 raise ValueError(f"loss_fn_inputs lacks {key!r}, which custom loss {self.name!r} takes "
                                  f"(it takes {[k for k, _ in self.inputs[1:]]})")
-            if loss_fn_inputs[key].dim() != rank:
-                raise ValueError(f"loss_fn_inputs[{key!r}] has rank {loss_fn_inputs[key].dim()}, but custom loss "
-                                 f"{self.name!r} declared rank {rank}")
+            got = _as_rank(loss_fn_inputs[key], rank).dim()
+            if got != rank:
+                raise ValueError(f"loss_fn_inputs[{key!r}] has rank {got}, but custom loss {self.name!r} declared "
+                                 f"rank {rank}")
         logprobs = torch.zeros(n, dtype=torch.float32, requires_grad=True)
         self.datum(logprobs, {k: v.detach().cpu() for k, v in loss_fn_inputs.items()})
 
@@ -189,10 +192,10 @@ class CustomLoss:
             raise ValueError(f"custom loss {self.name!r}: logprobs must be a floating [N] tensor, "
                              f"got {logprobs.dtype} {tuple(logprobs.shape)}")
         env: dict[str, Any] = {self.placeholders[0]: logprobs}
-        for node_name, (key, _) in zip(self.placeholders[1:], self.inputs[1:]):
+        for node_name, (key, rank) in zip(self.placeholders[1:], self.inputs[1:]):
             if key not in loss_fn_inputs:
                 raise ValueError(f"loss_fn_inputs lacks {key!r}, which custom loss {self.name!r} takes")
-            env[node_name] = loss_fn_inputs[key]
+            env[node_name] = _as_rank(loss_fn_inputs[key], rank)
         budget = _Budget(self.max_value_elements, self.max_value_elements)
         for step in self.steps:
             env[step.name] = _run_node(step, self.name, env, budget)
@@ -216,6 +219,11 @@ class CustomLoss:
                                  f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}")
             metrics[key] = value
         return loss, metrics
+
+
+def _as_rank(value: torch.Tensor, rank: int) -> torch.Tensor:
+    """A rank-0 input sent through the protobuf wire arrives as [1] (module doc): its 0-dim view."""
+    return value.reshape(()) if rank == 0 and value.dim() == 1 and value.numel() == 1 else value
 
 
 def compile_custom_loss(name: str, inputs: list[dict], graph: dict, *,
