@@ -159,6 +159,9 @@ def check_arguments(op: str, target: str, args: tuple) -> None:
             raise ValueError("math functions take Python numbers only (use the torch function on a tensor)")
     elif target == GETITEM:
         _check_index(*args)
+    elif target == "torch.where" and len(args) == 1:
+        raise ValueError("torch.where(condition) (one index tensor per dimension) is not allowed; "
+                         "use torch.where(condition, x, y)")
 
 
 def _check_index(container: Any, index: Any) -> None:
