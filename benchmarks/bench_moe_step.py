@@ -32,6 +32,14 @@ pydantic (no ray, fastapi, sglang).
   python -m benchmarks.bench_moe_step --out moe.json     # GPU, bf16 (about 3 minutes on an H200)
   python -m benchmarks.bench_moe_step --only mixed,base --profile-out prof  # + torch.profiler tables and host syncs per case
   python -m benchmarks.bench_moe_step --tiny             # CPU smoke test (tiny shape)
+  python -m benchmarks.bench_moe_step --n 32 --only mixed,mixed_b2b,mixed_b2b_in_order --state-dtype bfloat16
+                                                         # every adapter with the compact optimizer state
+
+--state-dtype: every adapter's AdamW moments in that storage (SlotHyperParams.state_dtype;
+bfloat16 = the compact state, trainer/optim/compact_state.py). The step's memory traffic per
+stepped LoRA parameter is then 36 bytes (fp32: the gradient norm's read, then weight, gradient and
+both moments read and written) or 28 (bf16 moments); each case prints the step phase's effective
+rate at that count (``# step ...``: the step_ms of ``mixed``, which includes the gradient norms).
 """
 
 from __future__ import annotations
@@ -118,12 +126,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma list of modes: serialized,mixed,mixed_library,base,mixed_b2b,mixed_b2b_in_order,base_b2b "
                          "(the last three: rounds back to back, bench_mixed_step.timed_back_to_back)")
     ap.add_argument("--attention-only", action="store_true", help="adapters without expert LoRA (lora_experts false)")
+    ap.add_argument("--state-dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="every adapter's optimizer state (SlotHyperParams.state_dtype; bfloat16: the compact state)")
     ap.add_argument("--profile-out", default=None, help="folder for torch.profiler tables (mixed and base) of each case")
     ap.add_argument("--out", default=None, help="write results JSON here")
     args = ap.parse_args(argv)
 
     from trainer.batch import TrainBatch
-    from trainer.config import TrainerConfig
+    from trainer.config import SlotHyperParams, TrainerConfig
     from trainer.core import MultiLoraTrainer
 
     shape = TINY if args.tiny else QWEN3_30B_A3B
@@ -157,9 +167,10 @@ def main(argv: list[str] | None = None) -> int:
         per_adapter = [TrainBatch(samples=[s for s in samples if s.slot == k]) for k in range(n)]
         mixed = TrainBatch(samples=samples)
         init_slots(trainer, n, seqs, args.rank, "sft")
-        if args.attention_only:
+        if args.attention_only or args.state_dtype != "float32":
             for slot in range(n):
-                hyper = trainer.slots[slot].hyper.model_copy(update={"lora_experts": False})
+                update = {"lora_experts": not args.attention_only, "state_dtype": args.state_dtype}
+                hyper = SlotHyperParams(**(trainer.slots[slot].hyper.model_dump() | update))
                 trainer.clear_slot(slot)
                 trainer.init_slot(slot, hyper, seed=slot)
         row = {"n": n, "seqs": seqs, "len": length, "tokens": n * seqs * length}
@@ -178,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
             return timer_for(mode)(runners[mode], iters, args.warmup, phases if mode != "base" else None)
 
         measure_modes(row, modes, args.repeats, measure, f"N={n:3d} x {seqs:2d} x {length:5d}")
+        row["step_traffic"] = step_traffic(row, n * lora_params // max(ns), args.state_dtype)
+        print(f"# step N={n}: {row['step_traffic']}", flush=True)
         results.append(row)
         if args.profile_out:
             tag = f"moe_n{n}x{seqs}x{length}"
@@ -193,8 +206,23 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.out, "w") as f:
             json.dump({"device": device, "dtype": str(trainer.base.dtype), "layers": layers, "params": params,
                        "lora_params": lora_params, "rank": args.rank, "group_limit_probe": limit,
-                       "attention_only": args.attention_only, "results": results}, f, indent=2)
+                       "attention_only": args.attention_only, "state_dtype": args.state_dtype, "results": results}, f, indent=2)
     return 0
+
+
+# Memory traffic of the step per stepped LoRA parameter, by state dtype: the gradient norm reads the
+# gradient (4); AdamW reads and writes the fp32 weight and gradient (16: the gradient is zeroed) and
+# both moments, fp32 (16) or bf16 (8).
+STEP_BYTES = {"float32": 36, "bfloat16": 28}
+
+
+def step_traffic(row: dict, stepped_params: int, state_dtype: str) -> dict:
+    """The step phase's bytes and effective rate (mixed mode's step_ms), for the JSON and the log."""
+    nbytes = stepped_params * STEP_BYTES[state_dtype]
+    step_ms = row.get("mixed", {}).get("step_ms")
+    return {"state_dtype": state_dtype, "stepped_params": stepped_params, "bytes_per_param": STEP_BYTES[state_dtype],
+            "gbytes": round(nbytes / 1e9, 2), "step_ms": step_ms,
+            "gbytes_per_s": round(nbytes / 1e9 / (step_ms / 1e3), 1) if step_ms else None}
 
 
 def table(results: list[dict]) -> str:

@@ -11,6 +11,10 @@
 #   kernels  bench_expert_kernels: the expert-LoRA Triton kernels over tile and launch variants
 #   overlap  the optimizer step on its own stream (trainer/optim/step_overlap.py): its GPU test, then MoE
 #            (N = 1, 8, 32) and dense (N = 16, 64) rounds back to back, step overlapped and in order
+#   compacttests  the compact optimizer state (bf16 moments, trainer/optim/compact_state.py): its GPU test
+#            (dense and MoE, overlapped vs in order) and its unit tests compiled on the device (carry .cache/tiny_moe too)
+#   compact  MoE N = 8, 32 with every adapter's moments fp32, then bf16: round by round (the step phase's ms
+#            and bytes/s: "# step" lines) and back to back, step overlapped and in order; 2 repeats alternating
 set -uo pipefail
 out=${1:?output folder}
 parts=${2:-tests,after,before,kernels}
@@ -31,6 +35,18 @@ if has overlap; then
     | quiet | tee "$out/moe_b2b.log" | grep -E "^\|" | cut -c1-220
   timeout 150 python3 -m benchmarks.bench_mixed_step --n 16,64 --only $b2b --iters 10 --warmup 2 --out "$out/dense_b2b.json" 2>&1 \
     | quiet | tee "$out/dense_b2b.log" | grep -E "^\|" | cut -c1-220
+fi
+if has compacttests; then
+  timeout 400 python3 -m pytest -q -p no:cacheprovider -m "gpu or unit" tests/gpu/test_compact_state_gpu.py \
+    tests/unit/test_compact_adamw.py tests/unit/test_step_overlap.py tests/unit/test_triton_adamw.py -rf 2>&1 \
+    | tee "$out/compact_tests.log" | grep -E "passed|failed|error|^FAILED" | tail -8
+fi
+if has compact; then
+  for sd in float32 bfloat16; do
+    timeout 280 python3 -m benchmarks.bench_moe_step --n 8,32 --only mixed,mixed_b2b,mixed_b2b_in_order --iters 10 \
+      --warmup 2 --repeats 2 --state-dtype $sd --out "$out/moe_state_$sd.json" 2>&1 \
+      | quiet | tee "$out/moe_state_$sd.log" | grep -E "^\||^# step" | cut -c1-260
+  done
 fi
 if has tests; then
   timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu --durations=5 -rf 2>&1 | tee "$out/gpu_tests.log" \

@@ -15,6 +15,13 @@ from a table too (``BlockTable``: first column and width of each): the whole row
 only the columns of some layers (trainer/optim/step_overlap.py updates the rows layer by
 layer, so the next forward can start on the first layers before the last are done).
 
+Slots with a compact state (``SlotHyperParams.state_dtype`` bfloat16, trainer/optim/compact_state.py)
+take the same kernel with ``COMPACT`` set (``adamw_rows_compact``): their moments are loaded from
+bf16 and converted to fp32, the same fp32 math runs, and the new moments are stored back in bf16
+with stochastic rounding (noise from a per-slot int32 key and the column, as compact_state.py
+defines it): 24 bytes per parameter instead of 32. With ``COMPACT`` off the kernel is the fp32
+one, op for op (a constexpr branch: the compact code is not compiled in).
+
 Used only where Triton runs on the tensors' device (``available``); elsewhere, and
 for the bit-exact CPU reference, ``adamw_apply`` keeps its torch ops.
 """
@@ -38,8 +45,8 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def adamw_blocks(p_ptr, g_ptr, m_ptr, v_ptr, slots_ptr, coef_ptr, starts_ptr, widths_ptr, row_stride,
-                     BLOCK: tl.constexpr):
+    def adamw_blocks(p_ptr, g_ptr, m_ptr, v_ptr, slots_ptr, coef_ptr, keys_ptr, starts_ptr, widths_ptr, row_stride,
+                     state_stride, BLOCK: tl.constexpr, COMPACT: tl.constexpr):
         blk = tl.program_id(0)
         d = tl.program_id(1)
         row = tl.load(slots_ptr + d).to(tl.int64)
@@ -47,6 +54,7 @@ def _kernel():
         cols = tl.load(starts_ptr + blk) + lanes
         mask = lanes < tl.load(widths_ptr + blk)
         off = row * row_stride + cols
+        soff = row * state_stride + cols  # the moments' offset (COMPACT: rows of m and v are 2P bf16 apart)
         c = coef_ptr + d * 8
         grad_scale = tl.load(c + 0)
         decay = tl.load(c + 1)
@@ -58,15 +66,27 @@ def _kernel():
         neg_step_size = tl.load(c + 7)
         g = tl.load(g_ptr + off, mask=mask, other=0.0) * grad_scale
         p = tl.load(p_ptr + off, mask=mask, other=0.0) * decay
-        m = tl.load(m_ptr + off, mask=mask, other=0.0)
-        v = tl.load(v_ptr + off, mask=mask, other=0.0)
+        m = tl.load(m_ptr + soff, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + soff, mask=mask, other=0.0).to(tl.float32)
         m = m + one_minus_beta1 * (g - m)  # torch.lerp for weights < 0.5
         v = v * beta2 + (g * one_minus_beta2) * g
         denom = tl.sqrt(v) / bc2_sqrt + eps
         p = p + (m / denom) * neg_step_size
         tl.store(p_ptr + off, p, mask=mask)
-        tl.store(m_ptr + off, m, mask=mask)
-        tl.store(v_ptr + off, v, mask=mask)
+        if COMPACT:  # stochastic rounding to bf16 (compact_state.py): h = mix32(key ^ column)
+            h = tl.load(keys_ptr + d).to(tl.uint32, bitcast=True) ^ cols.to(tl.uint32)
+            h = h ^ (h >> 16)
+            h = h * 0x21F0AAAD
+            h = h ^ (h >> 15)
+            h = h * 0x735A2D97
+            h = h ^ (h >> 15)
+            m_bits = (m.to(tl.uint32, bitcast=True) + (h >> 16)) & 0xFFFF0000
+            v_bits = (v.to(tl.uint32, bitcast=True) + (h & 0xFFFF)) & 0xFFFF0000
+            tl.store(m_ptr + soff, m_bits.to(tl.float32, bitcast=True).to(tl.bfloat16), mask=mask)
+            tl.store(v_ptr + soff, v_bits.to(tl.float32, bitcast=True).to(tl.bfloat16), mask=mask)
+        else:
+            tl.store(m_ptr + soff, m, mask=mask)
+            tl.store(v_ptr + soff, v, mask=mask)
         tl.store(g_ptr + off, tl.zeros_like(g), mask=mask)
 
     return adamw_blocks
@@ -117,6 +137,34 @@ def adamw_rows(
     bufs = (weight, grad, exp_avg, exp_avg_sq)
     if any(b.shape != weight.shape or b.stride() != weight.stride() for b in bufs):
         raise ValueError("slot buffers must share one [N, P] shape and layout")
+    _launch(weight, grad, exp_avg, exp_avg_sq, weight.stride(0), slots, coef, None, blocks)
+
+
+@torch.no_grad()
+def adamw_rows_compact(
+    weight: torch.Tensor, grad: torch.Tensor, moments: torch.Tensor, slots: list[int] | torch.Tensor,
+    coef: torch.Tensor, keys: torch.Tensor, blocks: BlockTable | None = None,
+) -> None:
+    """``adamw_rows`` for slots with bf16 moments: ``moments`` bf16 [N, 2P], a slot's exp_avg in
+    ``[:, :P]`` and exp_avg_sq in ``[:, P:]`` (SlotBuffers.compact_moments); ``keys`` int32 [D] on
+    the device, each slot's rounding key (compact_state.noise_key, as int32)."""
+    n, width = weight.shape
+    if grad.shape != weight.shape or grad.stride() != weight.stride():
+        raise ValueError("slot buffers must share one [N, P] shape and layout")
+    if moments.dtype != torch.bfloat16 or moments.shape != (n, 2 * width) or moments.stride(-1) != 1:
+        raise ValueError(f"moments must be bf16 [{n}, {2 * width}] with unit column stride, got "
+                         f"{tuple(moments.shape)} {moments.dtype}")
+    if keys.dtype != torch.int32 or keys.shape != (len(slots),) or keys.device != weight.device:
+        raise ValueError(f"keys must be int32 [{len(slots)}] on {weight.device}, got {tuple(keys.shape)} {keys.dtype} "
+                         f"on {keys.device}")
+    _launch(weight, grad, moments[:, :width], moments[:, width:], moments.stride(0), slots, coef, keys, blocks)
+
+
+def _launch(weight: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, state_stride: int,
+            slots: list[int] | torch.Tensor, coef: torch.Tensor, keys: torch.Tensor | None,
+            blocks: BlockTable | None) -> None:
+    """Check the slots, factors and blocks, and launch one program per (block, slot); ``keys``
+    None: fp32 moments, else the compact kernel."""
     if coef.shape != (len(slots), 8) or coef.dtype != torch.float32:
         raise ValueError(f"coef must be fp32 [{len(slots)}, 8], got {tuple(coef.shape)} {coef.dtype}")
     if not len(slots):
@@ -130,7 +178,7 @@ def adamw_rows(
     if ids.dtype != torch.int32 or ids.device != weight.device:
         raise ValueError(f"slot ids must be int32 on {weight.device}, got {ids.dtype} on {ids.device}")
     grid = (len(blocks), len(slots))
-    _kernel()[grid](weight, grad, exp_avg, exp_avg_sq, ids, coef.contiguous(), blocks.starts, blocks.widths,
-                    weight.stride(0), BLOCK=BLOCK)
-    for b in bufs:  # written through pointers: tell version-counter caches (fused_lora.ComputeWeights)
+    _kernel()[grid](weight, grad, m, v, ids, coef.contiguous(), ids if keys is None else keys, blocks.starts,
+                    blocks.widths, weight.stride(0), state_stride, BLOCK=BLOCK, COMPACT=keys is not None)
+    for b in (weight, grad, m, v):  # written through pointers: tell version-counter caches (fused_lora.ComputeWeights)
         torch.autograd.graph.increment_version(b)

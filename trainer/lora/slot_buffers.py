@@ -18,6 +18,13 @@ On CUDA the optimizer step may still be writing these buffers on a stream of its
 ``train`` returns (trainer/optim/step_overlap.py): every accessor below first makes the current
 stream wait for it (``settle``, a device-side wait; the layers' forwards wait per layer).
 
+A slot whose moments are bfloat16 (``SlotHyperParams.state_dtype``; trainer/optim/compact_state.py)
+keeps both of them in the bytes of its own exp_avg row: ``compact_moments`` is the [N, 2P] bf16
+view of ``exp_avg``, a slot's exp_avg in ``[:, :P]`` and its exp_avg_sq in ``[:, P:]``; that slot's
+exp_avg_sq row stays zero. Every row keeps one layout, so a tenant of either kind fits any slot,
+and a slot's state is still its own rows. ``views`` names those moments ``exp_avg.bfloat16`` and
+``exp_avg_sq.bfloat16`` (``state_kind``).
+
 Columns hold the tensors split over tensor parallelism first (``split_cols`` of
 them), then the replicated ones, so a slot's squared gradient norm is
 ``|row[:split_cols]|^2`` summed over TP plus ``|row[split_cols:]|^2`` counted once.
@@ -36,6 +43,22 @@ from trainer.lora.multi_lora import MultiLoraLinear
 
 # The four buffers, by the name checkpoints, snapshots and swaps use for them.
 BUFFER_KINDS = ("weight", "grad", "exp_avg", "exp_avg_sq")
+MOMENT_KINDS = ("exp_avg", "exp_avg_sq")
+STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # SlotHyperParams.state_dtype -> storage
+
+
+def state_kind(kind: str, state_dtype: str) -> str:
+    """The ``views`` kind that holds a slot's ``kind`` (a BUFFER_KINDS name) for its state dtype:
+    the moments of a bfloat16 slot are ``exp_avg.bfloat16`` / ``exp_avg_sq.bfloat16``."""
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(f"state dtype {state_dtype!r}: allowed are {', '.join(STATE_DTYPES)}")
+    return f"{kind}.{state_dtype}" if kind in MOMENT_KINDS and state_dtype != "float32" else kind
+
+
+def row_kinds(state_dtype: str) -> tuple[str, ...]:
+    """The buffers whose rows hold a slot's state: all four for float32; a bfloat16 slot's
+    exp_avg_sq row is unused (zero), both its moments being in its exp_avg row."""
+    return BUFFER_KINDS if state_kind("exp_avg", state_dtype) == "exp_avg" else ("weight", "grad", "exp_avg")
 
 
 class SlotBuffers:
@@ -52,6 +75,9 @@ class SlotBuffers:
         self.weight, self.grad, self.exp_avg, self.exp_avg_sq = (
             torch.zeros(num_slots, total, dtype=dtype, device=device) for _ in range(4)
         )
+        # bf16 moments of bfloat16-state slots (module doc); None when the rows are not fp32
+        self.compact_moments: torch.Tensor | None = (self.exp_avg.view(torch.bfloat16)
+                                                     if self.exp_avg.dtype == torch.float32 else None)
         offsets, col = {}, 0
         for layer, name, _ in ordered:
             offsets[(id(layer), name)] = col
@@ -63,6 +89,7 @@ class SlotBuffers:
         # per parameter (same order): where its block starts in a row, its shape without the slot
         # dimension, and whether it is split over TP (row_views)
         self.row_layout: list[tuple[int, torch.Size, bool]] = []
+        self._compact_views: dict[str, list[torch.Tensor]] = {state_kind(k, "bfloat16"): [] for k in MOMENT_KINDS}
         for layer, name, split in entries:
             old = getattr(layer, name)
             start = offsets[(id(layer), name)]
@@ -79,6 +106,11 @@ class SlotBuffers:
             self.exp_avg_views.append(view(self.exp_avg))
             self.exp_avg_sq_views.append(view(self.exp_avg_sq))
             self.row_layout.append((start, old.shape[1:], split))
+            if self.compact_moments is not None:
+                for half, kind in enumerate(MOMENT_KINDS):
+                    first = half * total + start
+                    self._compact_views[state_kind(kind, "bfloat16")].append(
+                        self.compact_moments[:, first : first + old[0].numel()].view(old.shape))
 
     def layer_columns(self) -> list[list[tuple[int, int]]]:
         """Per layer (the constructor's order), the half-open column ranges of its A and B in a row."""
@@ -91,12 +123,18 @@ class SlotBuffers:
         return {"weight": self.weight, "grad": self.grad, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
 
     def views(self, kind: str) -> list[torch.Tensor]:
-        """Every parameter's [N, ...] view of the ``kind`` buffer, in layer order (A, B per layer)."""
+        """Every parameter's [N, ...] view of the ``kind`` buffer, in layer order (A, B per layer);
+        ``kind`` also ``exp_avg.bfloat16`` / ``exp_avg_sq.bfloat16``: the bf16 moments of bfloat16-state
+        slots (module doc), meaningful in those slots' rows only."""
         self.settle()
         if kind == "weight":
             return [p.data for p in self.params]
         if kind == "grad":
             return [p.grad for p in self.params]
+        if kind in self._compact_views:
+            if self.compact_moments is None:
+                raise ValueError(f"{kind}: bfloat16 moments need fp32 slot rows; these are {self.exp_avg.dtype}")
+            return self._compact_views[kind]
         return {"exp_avg": self.exp_avg_views, "exp_avg_sq": self.exp_avg_sq_views}[kind]
 
     def row_views(self, split_parts: list[torch.Tensor], replicated: torch.Tensor) -> list[list[torch.Tensor]]:

@@ -6,6 +6,9 @@
 * ``adam_step``: a tenant-driven step (the Tinker API's optim_step): the gradient as is, the
   call's AdamW parameters.
 
+Each slot's moments are stored as its ``hyper.state_dtype`` says (float32, or bfloat16 rounded with
+the key of its seed and update number: compact_state.py).
+
 Invariants: every op touches only the stepping slots' rows; a non-finite slot's accumulated
 gradient is discarded and its counters do not advance; each slot's pending samples and
 statistics are reset by its step.
@@ -20,6 +23,7 @@ import torch.distributed as dist
 from pydantic import BaseModel
 
 from trainer.platform.distributed import ParallelLayout, dp_group, tp_group
+from trainer.optim.compact_state import noise_key
 from trainer.optim.per_slot_optim import AdamwColumns, adamw_apply, clip_coefficient, lr_at
 from trainer.lora.slot_buffers import SlotBuffers
 from trainer.optim.step_overlap import StepOverlap
@@ -100,7 +104,7 @@ def step_due_slots(buf: SlotBuffers, due: list[int], states: list[SlotState], la
         pending = pending_dev.cpu()
     raw_norms = raw_grad_norms(buf, due, grads, layout)
 
-    reports, stepping, scale, hyper_rows = {}, [], [], []
+    reports, stepping, scale, hyper_rows, stores = {}, [], [], [], []
     for row, (slot, st) in enumerate(zip(due, states)):
         stats = pending[row]
         norm_by = normalizer(st, stats)
@@ -114,6 +118,7 @@ def step_due_slots(buf: SlotBuffers, due: list[int], states: list[SlotState], la
             scale.append(clip_coefficient(grad_norm, st.hyper.max_grad_norm) / norm_by)
             h = st.hyper
             hyper_rows.append((lr, h.weight_decay, h.betas[0], h.betas[1], h.eps, st.step))
+            stores.append((h.state_dtype, noise_key(st.seed, st.step)))
         reports[slot] = StepReport(step=st.step if finite else st.step + 1, lr=lr, grad_norm=grad_norm,
                                    loss=loss, skipped_nonfinite=not finite)
     if stepping:
@@ -123,6 +128,7 @@ def step_due_slots(buf: SlotBuffers, due: list[int], states: list[SlotState], la
             return AdamwColumns.build(
                 buf.weight.dtype, device, grad_scale=torch.tensor(scale, dtype=torch.float64),
                 lr=hp[:, 0], weight_decay=hp[:, 1], beta1=hp[:, 2], beta2=hp[:, 3], eps=hp[:, 4], step=hp[:, 5],
+                state_dtypes=tuple(d for d, _ in stores), noise_keys=tuple(k for _, k in stores),
             )
 
         overlap.apply(buf, stepping, make_cols)  # zeroes their grads
@@ -155,6 +161,7 @@ def adam_step(buf: SlotBuffers, slot: int, state: SlotState, layout: ParallelLay
     cols = AdamwColumns.build(
         buf.weight.dtype, device, grad_scale=f64(clip_coefficient(grad_norm, max_grad_norm)), lr=f64(lr),
         weight_decay=f64(weight_decay), beta1=f64(beta1), beta2=f64(beta2), eps=f64(eps), step=f64(state.step),
+        state_dtypes=(state.hyper.state_dtype,), noise_keys=(noise_key(state.seed, state.step),),
     )
-    adamw_apply(buf.weight, buf.grad, buf.exp_avg, buf.exp_avg_sq, [slot], cols)  # zeroes its gradient
+    adamw_apply(buf.weight, buf.grad, buf.exp_avg, buf.exp_avg_sq, [slot], cols, buf.compact_moments)  # zeroes its gradient
     return {"grad_norm": grad_norm, "skipped_nonfinite": False, "step": state.step}

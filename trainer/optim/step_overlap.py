@@ -10,8 +10,10 @@ layer's forward waits only for its own layer's event (``wait``). Layer 0's forwa
 layer 0's rows are updated, while later layers' rows still are.
 
 Invariants:
-* Every element is updated by the same kernel (triton_adamw.adamw_rows) with the same factors
-  as the whole-row launch, once: results are bit-identical with and without the overlap.
+* Every element is updated by the same kernel (triton_adamw.adamw_rows, or adamw_rows_compact for
+  the slots with bfloat16 moments: one launch per state dtype per layer, the layer's event after
+  both) with the same factors as the whole-row launch, once: results are bit-identical with and
+  without the overlap (the compact state's rounding is elementwise: compact_state.py).
 * Every LoRA layer's forward waits for its layer's launch before it reads its weights
   (MultiLoraLinear.forward, UnembedLora.forward and .logit_lora, MoeLoraLayer.forward). The
   backward follows the whole forward, so it never accumulates into a gradient row the step is
@@ -37,12 +39,14 @@ hide, the launches per layer and the contention with the forward cost more than 
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 from collections.abc import Callable, Iterator
 
 import torch
 
 from trainer.kernels import triton_adamw
+from trainer.optim.compact_state import as_int32
 from trainer.optim.per_slot_optim import AdamwColumns, adamw_apply
 
 _DECODER_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -101,20 +105,37 @@ class StepOverlap:
         called for); their gradient rows are left zero."""
         if not self.active or not self.chunks or len(slots) * buf.weight.shape[1] < self.min_params:
             self.settle()
-            adamw_apply(buf.weight, buf.grad, buf.exp_avg, buf.exp_avg_sq, slots, make_cols())
+            adamw_apply(buf.weight, buf.grad, buf.exp_avg, buf.exp_avg_sq, slots, make_cols(), buf.compact_moments)
             return
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the gradients, the norms
         with torch.cuda.stream(self.stream):
-            coef = make_cols().table.float()
-            ids = torch.tensor(slots, dtype=torch.int32, device=self.device)
+            launches = self._launches(buf, slots, make_cols())
             if self.delay_cycles:
                 torch.cuda._sleep(self.delay_cycles)
             for k, blocks in enumerate(self.chunks):
-                triton_adamw.adamw_rows(buf.weight, buf.grad, buf.exp_avg, buf.exp_avg_sq, ids, coef, blocks)
+                for launch in launches:
+                    launch(blocks)
                 event = torch.cuda.Event()
                 event.record(self.stream)
                 self._events[k] = event
         self._last = event
+
+    def _launches(self, buf, slots: list[int], cols: AdamwColumns) -> list[Callable[[triton_adamw.BlockTable], None]]:  # noqa: ANN001 - SlotBuffers
+        """One kernel launch per state dtype among the stepping ``slots`` (float32 rows, bfloat16
+        rows: compact_state.py), each a function of the block table; their slot ids, factors and
+        rounding keys are copied to the device here, once, on the current stream."""
+        out = []
+        for dtype, ids, group in cols.state_groups(slots):
+            dev_ids = torch.tensor(ids, dtype=torch.int32, device=self.device)
+            coef = group.kernel_table()
+            if dtype == "float32":
+                out.append(functools.partial(triton_adamw.adamw_rows, buf.weight, buf.grad, buf.exp_avg, buf.exp_avg_sq,
+                                             dev_ids, coef))
+            else:
+                keys = torch.tensor([as_int32(k) for k in group.noise_keys], dtype=torch.int32, device=self.device)
+                out.append(functools.partial(triton_adamw.adamw_rows_compact, buf.weight, buf.grad, buf.compact_moments,
+                                             dev_ids, coef, keys))
+        return out
 
     def wait(self, layer) -> None:  # noqa: ANN001 - a LoRA layer of the trainer
         """Make the current stream wait until ``layer``'s rows of the last step are written."""

@@ -2,7 +2,9 @@
 
 A slot-state folder (written by trainer/swap/slot_checkpoint.py) holds ``slot_state.json`` (format
 tag, hyper-parameters, rank, scale, seed, registration, step, pending statistics, the model it
-was saved for) and ``slot_state.safetensors`` (the tensors). The coordinator reads the metadata
+was saved for) and ``slot_state.safetensors`` (the tensors: fp32, but the Adam moments in the slot's
+``hyper.state_dtype``, bf16 for a compact optimizer state; a folder written before that field
+existed reads as float32). The coordinator reads the metadata
 without loading the tensors (a Tinker checkpoint's LoRA shape: service/tenants/tinker_model.py).
 """
 

@@ -5,7 +5,8 @@ Folder layout:
   registration, step (the schedule is a pure function of it), pending sample
   count and pending loss statistics, and the model identity it was saved for.
 * ``slot_state.safetensors``: ``<megatron layer>.{A,B}.{weight,exp_avg,exp_avg_sq,grad}``,
-  full tensors in TP=1 Megatron layout (tp/dp independent), fp32, for the layers the slot trains
+  full tensors in TP=1 Megatron layout (tp/dp independent), fp32 (the moments in the slot's
+  ``hyper.state_dtype``: bf16 for a compact state, its exact bits), for the layers the slot trains
   (its targets: trainer/lora/slots.py ``layer_trained``; the others are exactly zero, so nothing is
   lost). A state loads into any trainer that has LoRA on those layers.
 
@@ -29,6 +30,7 @@ import torch.distributed as dist
 
 from trainer.config import SlotHyperParams, TrainerConfig
 from trainer.lora.slot_buffers import BUFFER_KINDS as KINDS
+from trainer.lora.slot_buffers import MOMENT_KINDS, STATE_DTYPES, state_kind
 from trainer.lora.slots import SlotState, layer_trained, zero_stats
 from trainer.platform.distributed import dp_group
 from trainer.storage.slot_state_format import FORMAT, META, TENSORS
@@ -38,11 +40,12 @@ from trainer.storage.slot_state_format import FORMAT, META, TENSORS
 
 def slot_state_tensors(trainer: "MultiLoraTrainer", slot: int) -> dict[str, tuple[dict, dict]]:
     """{"weight"|"grad"|"exp_avg"|"exp_avg_sq": (A per layer, B per layer)}: the slot's live
-    blocks gathered to TP=1 Megatron layout, fp32 on CPU (grad = this DP rank's pending part).
-    Collective over TP."""
+    blocks gathered to TP=1 Megatron layout, fp32 on CPU (grad = this DP rank's pending part;
+    bf16 moments of a compact state converted exactly). Collective over TP."""
     state = trainer.slots.state(slot)
     layers = trainer.slots.trained_layers(state.hyper)
-    return {kind: trainer.slots.read_full(slot, kind, state.rank, layers) for kind in KINDS}
+    return {kind: trainer.slots.read_full(slot, state_kind(kind, state.hyper.state_dtype), state.rank, layers)
+            for kind in KINDS}
 
 
 def save_slot_state(trainer: "MultiLoraTrainer", slot: int, out_dir: str | Path) -> str:
@@ -76,11 +79,11 @@ def load_slot_state(trainer: "MultiLoraTrainer", slot: int, in_dir: str | Path, 
     slots = trainer.slots
     slots.require_free(slot, "clear it before loading a state into it")
     meta, parts, pending = load_slot_checkpoint(in_dir, slots.layers, trainer.config)
-    rank = meta["rank"]
+    rank, state_dtype = meta["rank"], SlotHyperParams(**meta["hyper"]).state_dtype
     slots.buffers.zero_slot(slot)
     for kind in KINDS:
         if kind != "grad" or trainer.layout.dp_rank == 0:  # the summed pending gradient lives on DP rank 0
-            slots.write_full(slot, kind, rank, *parts[kind])
+            slots.write_full(slot, state_kind(kind, state_dtype), rank, *parts[kind])
     on_rank = pending if trainer.layout.dp_rank == 0 else zero_stats()
     slots.occupy(slot, SlotState.from_counters(meta, on_rank, registration))
     return slots.status(slot)
@@ -95,9 +98,10 @@ def save_slot_checkpoint(out_dir: str | Path, state: SlotState, pending: torch.T
     tensors = {}
     for kind in KINDS:
         a_full, b_full = parts[kind]
+        dtype = stored_dtype(kind, state.hyper.state_dtype)  # bf16 moments came as fp32 (exact): back, exactly
         for name in a_full:
-            tensors[f"{name}.A.{kind}"] = a_full[name].contiguous()
-            tensors[f"{name}.B.{kind}"] = b_full[name].contiguous()
+            tensors[f"{name}.A.{kind}"] = a_full[name].to(dtype).contiguous()
+            tensors[f"{name}.B.{kind}"] = b_full[name].to(dtype).contiguous()
     meta = {
         "format": FORMAT,
         **state.counters(),
@@ -109,6 +113,11 @@ def save_slot_checkpoint(out_dir: str | Path, state: SlotState, pending: torch.T
     save_file(tensors, str(out / TENSORS), metadata={"format": FORMAT})
     (out / META).write_text(json.dumps(meta, indent=2) + "\n")
     return out
+
+
+def stored_dtype(kind: str, state_dtype: str) -> torch.dtype:
+    """The dtype a checkpoint stores ``kind`` in: the moments in the slot's state dtype, the rest fp32."""
+    return STATE_DTYPES[state_dtype] if kind in MOMENT_KINDS else torch.float32
 
 
 def load_slot_checkpoint(in_dir: str | Path, layers: list, config: TrainerConfig) -> tuple[dict, dict, torch.Tensor]:
@@ -123,7 +132,8 @@ def load_slot_checkpoint(in_dir: str | Path, layers: list, config: TrainerConfig
     if meta["rank"] > config.max_rank:
         raise ValueError(f"{folder}: slot rank {meta['rank']} exceeds the trainer's max_rank {config.max_rank}")
     raw = load_file(str(folder / TENSORS))
-    trained = [layer for layer in layers if layer_trained(layer, SlotHyperParams(**meta["hyper"]))]
+    hyper = SlotHyperParams(**meta["hyper"])
+    trained = [layer for layer in layers if layer_trained(layer, hyper)]
     known = {f"{layer.name}.{ab}.{kind}" for layer in trained for ab in "AB" for kind in KINDS}
     foreign = sorted({k.split(".A.")[0].split(".B.")[0] for k in raw if k not in known})
     if foreign:
@@ -144,6 +154,10 @@ def load_slot_checkpoint(in_dir: str | Path, layers: list, config: TrainerConfig
                     f"{folder}: {layer.name} {kind} has shapes {tuple(a.shape)}/{tuple(b.shape)}, "
                     f"expected {layer.a_full_shape(rank)}/{layer.b_full_shape(rank)}"
                 )
+            want = stored_dtype(kind, hyper.state_dtype)
+            if a.dtype != want or b.dtype != want:
+                raise ValueError(f"{folder}: {layer.name} {kind} is {a.dtype}/{b.dtype}; a slot with state_dtype "
+                                 f"{hyper.state_dtype} stores it as {want}")
             a_full[layer.name], b_full[layer.name] = a, b
         parts[kind] = (a_full, b_full)
     pending = torch.tensor(meta["pending_stats"], dtype=torch.float64)

@@ -3,7 +3,9 @@
 
 A slot's state on a trainer rank is exactly one row of each of the four slot-major
 buffers (trainer/lora/slot_buffers.py: weight, grad, exp_avg, exp_avg_sq, this rank's
-TP shard and DP part) plus its ``SlotState`` (hyper-parameters, rank, scale, step,
+TP shard and DP part; a slot with bfloat16 moments has both in its exp_avg row and an unused,
+zero exp_avg_sq row, which is not copied: ``row_kinds``, 12 bytes per parameter instead of 16)
+plus its ``SlotState`` (hyper-parameters, rank, scale, step,
 pending sample count and loss statistics). Every slot's row has the same column
 layout, so a snapshot taken from slot i can come back into any free slot j: four
 row copies each way, no gather over TP, no format conversion, so nothing is rounded.
@@ -28,7 +30,7 @@ import time
 
 import torch
 
-from trainer.lora.slot_buffers import BUFFER_KINDS
+from trainer.lora.slot_buffers import BUFFER_KINDS, row_kinds
 from trainer.lora.slots import SlotState, SlotTable
 from trainer.swap.swap_store import SlotSnapshot, SwapError, SwapStore
 
@@ -51,7 +53,7 @@ class SlotSwap:
         if key in self.store:
             raise SwapError(f"a snapshot {key!r} is already stored on this trainer")
         t0 = time.perf_counter()
-        rows = copy_rows_out(self.slots.buffers.by_kind(), slot)
+        rows = copy_rows_out(self.slots.buffers.by_kind(), slot, row_kinds(state.hyper.state_dtype))
         snap = SlotSnapshot(meta=state.counters(), pending=state.pending.clone(), rows=rows)
         where = self.store.put(key, snap)
         self.slots.vacate(slot)
@@ -65,12 +67,12 @@ class SlotSwap:
         t0 = time.perf_counter()
         tier = "disk" if self.store.spill_path(key) is not None else "host"
         snap, how = self.store.load(key)
+        state = SlotState.from_counters(snap.meta, snap.pending.clone())
         try:
-            copy_rows_in(self.slots.buffers.by_kind(), slot, snap.rows)
+            copy_rows_in(self.slots.buffers.by_kind(), slot, snap.rows, row_kinds(state.hyper.state_dtype))
         except BaseException:
             self.slots.buffers.zero_slot(slot)  # the slot stays free; the snapshot stays stored
             raise
-        state = SlotState.from_counters(snap.meta, snap.pending.clone())
         self.slots.occupy(slot, state)
         self.store.drop(key)
         return {"key": key, "slot": slot, "seconds": time.perf_counter() - t0, "step": state.step,
@@ -94,11 +96,12 @@ class SlotSwap:
         return self.store.usage()
 
 
-def copy_rows_out(buffers: dict[str, torch.Tensor], slot: int) -> dict[str, torch.Tensor]:
-    """The slot's row of each buffer (``buffers``: SlotBuffers.by_kind()), copied to host memory
-    (pinned where CUDA is)."""
+def copy_rows_out(buffers: dict[str, torch.Tensor], slot: int,
+                  kinds: tuple[str, ...] = BUFFER_KINDS) -> dict[str, torch.Tensor]:
+    """The slot's row of each buffer of ``kinds`` (``buffers``: SlotBuffers.by_kind()), copied
+    to host memory (pinned where CUDA is)."""
     out = {}
-    for kind in BUFFER_KINDS:
+    for kind in kinds:
         row = buffers[kind][slot]
         host = torch.empty(row.shape, dtype=row.dtype, pin_memory=row.is_cuda)
         host.copy_(row, non_blocking=row.is_cuda)
@@ -107,8 +110,13 @@ def copy_rows_out(buffers: dict[str, torch.Tensor], slot: int) -> dict[str, torc
     return out
 
 
-def copy_rows_in(buffers: dict[str, torch.Tensor], slot: int, rows: dict[str, torch.Tensor]) -> None:
-    for kind in BUFFER_KINDS:
+def copy_rows_in(buffers: dict[str, torch.Tensor], slot: int, rows: dict[str, torch.Tensor],
+                 kinds: tuple[str, ...] = BUFFER_KINDS) -> None:
+    """Write ``rows`` (exactly the buffers ``kinds``) into the free ``slot``; the rows of the other
+    buffers stay as a free slot's are: zero."""
+    if sorted(rows) != sorted(kinds):
+        raise SwapError(f"snapshot has rows {sorted(rows)}; its slot's state needs exactly {sorted(kinds)}")
+    for kind in kinds:
         dest = buffers[kind][slot]
         if rows[kind].shape != dest.shape or rows[kind].dtype != dest.dtype:
             raise SwapError(
@@ -116,7 +124,7 @@ def copy_rows_in(buffers: dict[str, torch.Tensor], slot: int, rows: dict[str, to
                 f"{tuple(dest.shape)} {dest.dtype} (a snapshot only comes back into the trainer that took it)"
             )
     with torch.no_grad():
-        for kind in BUFFER_KINDS:
+        for kind in kinds:
             buffers[kind][slot].copy_(rows[kind], non_blocking=rows[kind].is_pinned())
     _wait_for_copies(buffers)
 
