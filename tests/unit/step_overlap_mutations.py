@@ -3,8 +3,11 @@ for each (the runner of tests/unit/expert_kernel_mutations.py; Triton's interpre
 
     python -m tests.unit.step_overlap_mutations            # every mutation (about a minute)
 
-The waits themselves (each layer's forward waits for its rows) need CUDA streams: their planted
-bug is a test of its own, tests/gpu/test_step_overlap_gpu.py (the waits switched off)."""
+The stream path's order (what each layer waits for, where each event is recorded, the step stream
+waiting for the main one) is checked on the CPU with stand-in streams and events
+(test_step_overlap.py::test_each_layer_waits_for_the_event_after_its_own_rows): its plants are
+the last four below. That the waits really hold a forward back needs CUDA streams: a planted bug
+of its own, tests/gpu/test_step_overlap_gpu.py (the waits switched off)."""
 
 from __future__ import annotations
 
@@ -32,6 +35,19 @@ MUTATIONS = {  # name: (file, exact text, replacement, what the bug is)
                                     "the last layer's rows updated first"),
     "threshold_inclusive": (PLAN, "len(slots) * buf.weight.shape[1] < self.min_params", "len(slots) * buf.weight.shape[1] <= self.min_params",
                             "a step of exactly min_params parameters runs in order"),
+    "wait_previous_group": (PLAN, "event = self._events[self._chunk_of[id(layer)]]",
+                            "event = self._events[self._chunk_of[id(layer)] - 1]",
+                            "a layer waits for the previous layer group's event (its rows not yet written)"),
+    "event_before_launch": (PLAN, "                for launch in launches:\n                    launch(blocks)\n"
+                                  "                event = torch.cuda.Event()\n                event.record(self.stream)\n",
+                            "                event = torch.cuda.Event()\n                event.record(self.stream)\n"
+                            "                for launch in launches:\n                    launch(blocks)\n",
+                            "each layer group's event recorded before its launches"),
+    "step_stream_no_wait": (PLAN, "        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the gradients, the norms\n",
+                            "", "the step stream starts without waiting for the gradients and norms"),
+    "one_launch_per_group": (PLAN, "for launch in launches:\n                    launch(blocks)",
+                             "for launch in launches[:1]:\n                    launch(blocks)",
+                             "a step of float32 and bfloat16 slots launches only the float32 rows"),
 }
 
 if __name__ == "__main__":

@@ -1,7 +1,13 @@
 """The optimizer step by decoder layer (trainer/optim/step_overlap.py): the chunk plan over the real
 SlotBuffers row layout, the AdamW kernel over a block table (Triton's interpreter on the CPU, the
-kernel source the GPU compiles) against the whole-row launch, and the CPU's plain path. The
-stream overlap itself runs only on CUDA: tests/gpu/test_step_overlap_gpu.py."""
+kernel source the GPU compiles) against the whole-row launch, fp32 and compact (bf16) moments, and
+the CPU's plain path. The order of the stream path (what each layer's forward waits for, what the
+step stream waits for, where each event is recorded) with stand-in streams and events (named
+fakes: CUDA events cannot exist on the CPU) around the real kernel; the overlap on real streams:
+tests/gpu/test_step_overlap_gpu.py."""
+
+import contextlib
+import re
 
 import pytest
 import torch
@@ -80,6 +86,25 @@ def test_kernel_by_chunks_equals_whole_rows(kernel_device):
         assert torch.equal(got, want), name
 
 
+def test_compact_kernel_by_chunks_equals_whole_rows(kernel_device):
+    """The same for slots with bf16 moments (adamw_rows_compact): the stochastic rounding is per
+    element, so any partition of the columns gives the same bits."""
+    torch.manual_seed(1)
+    n, p = 5, 2 * triton_adamw.BLOCK + 300
+    w, g = torch.randn(n, p, device=kernel_device), torch.randn(n, p, device=kernel_device)
+    mv = torch.randn(n, 2 * p, device=kernel_device).abs().to(torch.bfloat16)
+    ids = torch.tensor([1, 2, 4], dtype=torch.int32, device=kernel_device)
+    coef = torch.rand(3, 8, device=kernel_device) * 0.4 + 0.05
+    keys = torch.tensor([5, -7, 2**30], dtype=torch.int32, device=kernel_device)
+    whole = [t.clone() for t in (w, g, mv)]
+    triton_adamw.adamw_rows_compact(*whole, ids, coef, keys)
+    for ranges in [[(0, 100), (3000, p)], [(100, 3000)]]:
+        triton_adamw.adamw_rows_compact(w, g, mv, ids, coef, keys, triton_adamw.BlockTable(ranges, kernel_device))
+    for name, got, want in zip(("weight", "grad", "moments"), (w, g, mv), whole):
+        assert torch.equal(got, want), name
+    assert not torch.equal(mv[1], mv.clone()[1].zero_())
+
+
 def test_block_tables_refuse_what_they_cannot_update(kernel_device):
     with pytest.raises(ValueError, match="empty or negative"):
         triton_adamw.BlockTable([(5, 5)], kernel_device)
@@ -125,3 +150,141 @@ def test_steps_below_min_params_run_in_order():
     overlap.min_params = 2 * width
     with pytest.raises((AssertionError, RuntimeError, AttributeError)):  # at the threshold: the stream path
         overlap.apply(buf, [0, 2], cols)
+
+
+# -- the stream path's order, with stand-in streams and events ------------------------------------
+
+
+class _FakeEvent:
+    """Stand-in for torch.cuda.Event (a named fake: CUDA events cannot exist on the CPU): where in
+    the log it was recorded, and on which stream."""
+
+    def __init__(self, log: list) -> None:
+        self.log, self.at = log, None
+
+    def record(self, stream: "_FakeStream") -> None:
+        self.at = len(self.log)
+        self.log.append(("record", stream.name, self))
+
+    def __repr__(self) -> str:
+        return f"<event recorded at log[{self.at}]>"
+
+    def query(self) -> bool:
+        return True
+
+
+class _FakeStream:
+    """Stand-in for a CUDA stream: its waits go to the log."""
+
+    def __init__(self, log: list, name: str) -> None:
+        self.log, self.name = log, name
+
+    def wait_event(self, event: _FakeEvent) -> None:
+        self.log.append(("wait_event", self.name, event))
+
+    def wait_stream(self, other: "_FakeStream") -> None:
+        self.log.append(("wait_stream", self.name, other.name))
+
+
+@pytest.fixture
+def fake_streams(monkeypatch):
+    """torch.cuda's streams and events replaced by the stand-ins above; the AdamW launches (the real
+    kernels, Triton's interpreter) logged with the stream they were issued on and their columns."""
+    log: list = []
+    current = [_FakeStream(log, "main")]
+    monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: _FakeEvent(log))
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: _FakeStream(log, "step"))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
+
+    @contextlib.contextmanager
+    def on(stream):  # noqa: ANN001, ANN202
+        current.append(stream)
+        try:
+            yield
+        finally:
+            current.pop()
+
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    for name in ("adamw_rows", "adamw_rows_compact"):
+        real = getattr(triton_adamw, name)
+
+        def logged(*args, _real=real, _name=name):
+            log.append(("launch", current[-1].name, _name, list(args[6].ranges) if len(args) > 6 else "whole rows"))
+            return _real(*args)
+
+        monkeypatch.setattr(triton_adamw, name, logged)
+    return log
+
+
+def _switched_on(layers: list, buf: SlotBuffers, device: torch.device) -> StepOverlap:
+    """A StepOverlap on its stream path, switched there as its constructor does on CUDA (on the CPU
+    it would not; streams and events: the stand-ins)."""
+    overlap = StepOverlap(layers, buf, device, enabled=True)
+    ranges, _ = plan_chunks([layer.name for layer in layers], buf.layer_columns())
+    overlap.active, overlap.stream = True, torch.cuda.Stream()
+    overlap.chunks = [triton_adamw.BlockTable(r, device) for r in ranges]
+    for layer in layers:
+        layer.step_overlap = overlap
+    return overlap
+
+
+def _layer_columns(layer: _Lora, buf: SlotBuffers) -> set[int]:
+    """The row columns a layer's A and B occupy, from where their views point into the buffer."""
+    cols: set[int] = set()
+    for param in (layer.lora_A, layer.lora_B):
+        start = (param.data_ptr() - buf.weight.data_ptr()) // buf.weight.element_size()
+        cols |= set(range(start, start + param[0].numel()))
+    return cols
+
+
+def _covers(launch: tuple, cols: set[int]) -> bool:
+    return any(lo <= c < hi for lo, hi in launch[3] for c in (min(cols), max(cols)))
+
+
+def test_each_layer_waits_for_the_event_after_its_own_rows(fake_streams, monkeypatch, kernel_device):
+    """The stream path, in order: the step stream first waits for the main stream (the gradients
+    and norms); per decoder layer (forward order, the output layer last), one launch per state
+    dtype on the step stream, then one event; a layer's forward waits for exactly the event
+    recorded right after the launches that wrote its rows (not an earlier one: its rows would not
+    be written yet; not a later one: the forward would wait for more than it reads); ``settle``
+    waits for the last. The rows equal the whole-row update's (float32 and bfloat16 slots)."""
+    log = fake_streams
+    layers = _layers()
+    buf = SlotBuffers(layers, 3, kernel_device)
+    buf.weight.normal_()
+    buf.grad.normal_()
+    overlap = _switched_on(layers, buf, kernel_device)
+    cols = lambda: AdamwColumns.build(  # noqa: E731
+        torch.float32, kernel_device, grad_scale=torch.tensor([0.5, 2.0], dtype=torch.float64),
+        lr=torch.tensor([1e-2, 3e-3], dtype=torch.float64), weight_decay=torch.tensor([0.1, 0.0], dtype=torch.float64),
+        beta1=torch.tensor([0.9, 0.8], dtype=torch.float64), beta2=torch.tensor([0.99, 0.95], dtype=torch.float64),
+        eps=torch.tensor([1e-6, 1e-8], dtype=torch.float64), step=torch.tensor([1.0, 1.0], dtype=torch.float64),
+        state_dtypes=("float32", "bfloat16"), noise_keys=(0, 12345))
+    whole = [t.clone() for t in (buf.weight, buf.grad, buf.exp_avg, buf.exp_avg_sq)]
+    monkeypatch.setattr(triton_adamw, "available", lambda t: True)
+    adamw_apply(*whole, [0, 2], cols(), whole[2].view(torch.bfloat16))  # the kernels over whole rows
+    del log[:]
+    overlap.apply(buf, [0, 2], cols)
+    for got, want in zip((buf.weight, buf.grad, buf.exp_avg, buf.exp_avg_sq), whole):
+        assert torch.equal(got, want)
+
+    assert log[0] == ("wait_stream", "step", "main")  # before any launch
+    launches = [i for i, e in enumerate(log) if e[0] == "launch"]
+    records = [i for i, e in enumerate(log) if e[0] == "record"]
+    assert all(log[i][1] == "step" for i in launches + records)
+    decoder = lambda name: int(m.group(1)) if (m := re.search(r"layers\.(\d+)\.", name)) else 99  # noqa: E731
+    groups = sorted({decoder(layer.name) for layer in layers})
+    assert len(records) == len(groups) == 4 and len(launches) == 2 * len(groups)  # fp32 and bf16 launches per layer
+    waited = {}
+    for layer in layers:
+        written = [i for i in launches if _covers(log[i], _layer_columns(layer, buf))]
+        assert len(written) == 2, layer.name  # its columns: one fp32 and one bf16 launch
+        after = min(r for r in records if r > max(written))
+        end = len(log)
+        overlap.wait(layer)
+        assert log[end:] == [("wait_event", "main", log[after][2])], layer.name
+        waited.setdefault(decoder(layer.name), set()).add(after)
+    assert [next(iter(waited[k])) for k in groups] == records  # one event per decoder layer, in forward order
+    end = len(log)
+    overlap.settle()
+    assert log[end:] == [("wait_event", "main", log[records[-1]][2])]
