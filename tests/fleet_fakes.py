@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from rollout.data import DataCursor, DataStatus
@@ -29,6 +28,7 @@ from service.control.runtime_protocol import ComponentHealth
 from service.fleet.trainer_group import TrainerState
 from trainer.optim.slot_steps import SlotMetrics, StepReport, TrainResult
 from trainer.rounds import RoundResult
+from trainer.storage.locations import open_store, readable_folder
 
 
 class FakeRankDied(RuntimeError):
@@ -109,23 +109,23 @@ class FakeTrainer:
 
     def load_slot_state(self, slot, in_dir, registration=None) -> dict:
         self._check("load_slot_state", slot, registration)
-        saved = json.loads((Path(in_dir) / "slot.json").read_text())
+        saved = json.loads((readable_folder(open_store(None), in_dir, legacy_marker="slot.json") / "slot.json").read_text())
         self.slots[slot] = {"registration": registration, "step": saved["step"]}
         return {}
 
     def save_slot_state(self, slot, out_dir) -> str:
+        """Committed in the store like the real trainer's rank 0 does (trainer/storage/store.py)."""
         self._check("save_slot_state", slot)
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        (Path(out_dir) / "slot.json").write_text(json.dumps({"step": self.slots[slot]["step"]}))
+        with open_store(None).write_folder(str(out_dir)) as tmp:
+            (tmp / "slot.json").write_text(json.dumps({"step": self.slots[slot]["step"]}))
         return str(out_dir)
 
     def export_peft(self, slot, out_dir) -> str:
         self._check("export_peft", slot)
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "adapter_config.json").write_text(json.dumps({"r": 4, "step": self.slots[slot]["step"]}))
-        (out / "adapter_model.safetensors").write_bytes(b"fake weights of step %d" % self.slots[slot]["step"])
-        return str(out)
+        with open_store(None).write_folder(str(out_dir)) as out:
+            (out / "adapter_config.json").write_text(json.dumps({"r": 4, "step": self.slots[slot]["step"]}))
+            (out / "adapter_model.safetensors").write_bytes(b"fake weights of step %d" % self.slots[slot]["step"])
+        return str(out_dir)
 
     def peft_tensors(self, slot):
         self._check("peft_tensors", slot)

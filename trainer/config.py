@@ -181,6 +181,10 @@ class TrainerConfig(StrictModel):
         ),
     )
     seed: int = Field(0, description="Seed of the model-parallel RNG.")
+    storage: str | None = Field(
+        None, description="Where the trainer commits the folders it writes (slot states, PEFT exports): the service's "
+                          "storage (its state dir, or an s3:// location); keys are relative to it. None: the local "
+                          "filesystem, folders named by absolute paths.")
 
     @property
     def target_groups(self) -> tuple[TargetGroup, ...]:

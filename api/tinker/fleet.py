@@ -56,5 +56,4 @@ def fleet_tinker_service(controller: Controller, settings: ServiceSettings) -> T
     url = _engine_url(runtime)
     sampler = SglangSampler(url, max_loaded=SAMPLER_MAX_LOADED) if url else None
     service = TinkerService(models, keys, settings.tinker_dir, sampler=sampler, session_timeout_s=settings.tinker_session_timeout_s)
-    runtime.tinker_drain_folder = service.drain_folder  # at stop every model's state is saved (runtime drain)
     return service

@@ -126,15 +126,6 @@ class TinkerService:
     def metrics(self) -> dict[str, float]:
         return {**self.fleet.stats(), "models": len(self.models), "sessions": len(self.sessions)}
 
-    def drain_folder(self, model: TinkerModel) -> Path | None:
-        """Where a model's state goes when the service stops (the runtime's drain, on the loop's
-        thread): ``tinker://<model>/weights/drained-<unix time>`` of its tenant; None for a model the
-        face does not know (never created through it)."""
-        record = self.models.get(model.key)
-        if record is None:
-            return None
-        return self._folder(record.tenant, record.model_id, "weights", f"drained-{int(time.time())}")
-
     def _waiting_reason(self, model_id: str) -> str | None:
         record = self.models.get(model_id)
         return record.model.waiting_reason if record is not None else None

@@ -68,6 +68,7 @@ class ServiceSettings(BaseSettings):
     host: str = Field("127.0.0.1", description="Address the REST API binds to.")
     port: int = Field(8000, ge=0, le=65535, description="TCP port of the REST API (0 = any free port).")
     state_dir: Path = Field(Path("runs/service"), description="Folder for the registry database, checkpoints and exports.")
+    storage: str | None = Field(None, description="Where checkpoints, exports and Tinker checkpoints are kept (the one storage layer, trainer/storage/): null = the state dir. Every node of the fleet must reach it.")
     data_roots: Annotated[list[Path], NoDecode] = Field(default_factory=lambda: [Path.cwd()], description="Folders that adapter data, init_from and resume_from must lie in (state_dir is also allowed for init_from/resume_from).")
     reward_import_roots: Annotated[list[str], NoDecode] = Field(default_factory=list, description="Python package prefixes custom reward functions may be imported from (e.g. 'myorg.rewards'); builtin rewards are always allowed.")
     rollout_import_roots: Annotated[list[str], NoDecode] = Field(default_factory=list, description="Python package prefixes custom rollouts (environment classes, async rollout functions; an adapter's config.rollout) may be imported from (e.g. 'myorg.envs'); the built-in single_turn is always allowed.")
@@ -113,6 +114,11 @@ class ServiceSettings(BaseSettings):
     @property
     def db_path(self) -> Path:
         return self.state_dir / "registry.sqlite3"
+
+    @property
+    def storage_location(self) -> str:
+        """The store's location (trainer/storage/store.py open_store): `storage`, else the state dir, absolute."""
+        return self.storage if self.storage is not None else str(self.state_dir.absolute())
 
     @property
     def tinker_dir(self) -> Path:

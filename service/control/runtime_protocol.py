@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from service.registry.registry import AdapterRef
 from trainer.interface import Health
+from trainer.storage import layouts
 
 if TYPE_CHECKING:
     from service.registry.registry import Registry
@@ -128,7 +129,7 @@ class Runtime(Protocol):
 
 
 def run_dir(state_dir: Path, ref: AdapterRef) -> Path:
-    """Convention for a run's files: <state_dir>/runs/<name>-<registration id>/
-    (checkpoints/ and export/ below it). Unique per registration, inside the
-    state dir, which is an allowed root for resume_from/init_from."""
-    return Path(state_dir) / "runs" / f"{ref.name}-{ref.registration_id}"
+    """A run's folder in a local store at the state dir (trainer/storage/layouts.py run_prefix:
+    checkpoints/ and export/ below it). Unique per registration, inside the state dir, which is an
+    allowed root for resume_from/init_from."""
+    return Path(state_dir) / layouts.run_prefix(ref.name, ref.registration_id)

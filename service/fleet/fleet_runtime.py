@@ -30,13 +30,16 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
 from rollout.data import DataCursor, open_rows
 from rollout.messages import AdapterRollout
 from service.tenants.batches import CollectedRound, RunFailed, SteppedRun, TrainerLost
-from trainer.storage.run_checkpoints import ADAPTER_SUBDIR, Checkpoint, PendingCheckpoint, RunState, link_folder, load_checkpoint, prune_checkpoints
+from trainer.storage import layouts
+from trainer.storage.run_checkpoints import Checkpoint, PendingCheckpoint, RunState, load_checkpoint, prune_checkpoints
+from trainer.storage.locations import open_store
 from service.config.job import JobConfig
 from service.config.settings import ServiceSettings
 from service.control.config_checks import no_step_refusal, planned_steps
@@ -45,7 +48,7 @@ from service.fleet.publishing import Publisher
 from service.registry.registry import AdapterRef, Registry
 from service.scheduling.residency import ResidencyKnobs
 from service.fleet.rollout_client import RolloutClient
-from service.control.runtime_protocol import ComponentHealth, Finished, Prepared, ProcessInfo, RuntimeStats, run_dir
+from service.control.runtime_protocol import ComponentHealth, Finished, Prepared, ProcessInfo, RuntimeStats
 from service.scheduling.scheduler import Scheduler
 from service.tenants.sft_source import SftSource
 from service.tenants.runs import DatasetRun, RlRun, SftRun
@@ -72,9 +75,9 @@ class FleetRuntime:
         self.scheduler: Scheduler | None = None
         self.publisher = Publisher(job, settings, trainer, rollout)
         self.health = FleetHealth(settings.state_dir, trainer, rollout)
-        # A Tinker model's folder for its state at stop (set by the Tinker face, which keeps the
-        # checkpoint layout: api/tinker/service.py); None: models are not saved at stop.
-        self.tinker_drain_folder: Any = None
+        # The one storage layer (trainer/storage/): checkpoints, exports, Tinker states at stop. The
+        # trainer commits its parts into the same location (TrainerConfig.storage), by the URLs given.
+        self.store = open_store(settings.storage_location)
 
     def attach(self, registry: Registry, knobs: ResidencyKnobs) -> Scheduler:
         """The controller attaches this runtime: the scheduler over its registry (made once; a
@@ -118,7 +121,7 @@ class FleetRuntime:
         cfg = ref.config
         assert ref.slot is not None, f"{ref.name}: a run is prepared in the slot it holds"
         source = ref.checkpoint_path or cfg.resume_from
-        ckpt = load_checkpoint(source) if source is not None else None
+        ckpt = load_checkpoint(self.store, source) if source is not None else None
         cursor: DataCursor | None = None
         if ckpt is not None:
             saved = (ckpt.state.objective, ckpt.state.rank, ckpt.state.samples_per_step or cfg.samples_per_step)
@@ -145,7 +148,7 @@ class FleetRuntime:
             self._need_rollout().remove_adapter(ref.name)  # a leftover of this name (e.g. after a trainer restart)
         step = samples = 0
         if ckpt is not None:
-            self.trainer.load_slot_state(ref.slot, ckpt.trainer_dir, registration=ref.registration_id)  # the new tenant's id
+            self.trainer.load_slot_state(ref.slot, ckpt.store.url(ckpt.trainer_key), registration=ref.registration_id)  # the new tenant's id
             step, samples = ckpt.state.step, ckpt.state.samples_trained
         else:
             hyper = cfg.slot_hyper_params(total)
@@ -228,12 +231,12 @@ class FleetRuntime:
             # so the final checkpoint's cursor still lists them).
             self._need_rollout().abort_adapter(run.name, pause=True)
         done = self._write_checkpoint(run)
-        export = run_dir(self.settings.state_dir, ref) / "export"
-        link_folder(done.folder / ADAPTER_SUBDIR, export)
+        export = layouts.run_export(ref.name, ref.registration_id)
+        self.store.copy(done.adapter_key, export)  # the final checkpoint's PEFT folder, linked
         if run.is_rl:
             self._need_rollout().remove_adapter(run.name)
         # path and step from the one checkpoint just committed (issue 14 F9)
-        return Finished(export_path=str(export), checkpoint_path=str(done.folder), checkpoint_step=done.state.step)
+        return Finished(export_path=self.store.url(export), checkpoint_path=done.folder, checkpoint_step=done.state.step)
 
     def release_adapter(self, ref: AdapterRef) -> None:
         run = self.scheduler.get(ref.registration_id) if self.scheduler is not None else None
@@ -343,16 +346,15 @@ class FleetRuntime:
 
     def checkpoint(self, registration_id: str) -> str:
         """Write a complete checkpoint of the run at its current step; returns its folder."""
-        return str(self._write_checkpoint(self._run(registration_id)).folder)
+        return self._write_checkpoint(self._run(registration_id)).folder
 
     def _write_checkpoint(self, run: DatasetRun, slot: int | None = None) -> Checkpoint:
         """`slot`: where the run's state is now (default: the slot it holds; an evicted run has none)."""
         slot = self._resident_slot(run, "checkpointed") if slot is None else slot
-        folder = run_dir(self.settings.state_dir, run)
         cursor = run.cursor()
-        with PendingCheckpoint(folder, run.step) as pending:
-            self.trainer.save_slot_state(slot, pending.trainer_dir)
-            self.trainer.export_peft(slot, pending.adapter_dir)
+        with PendingCheckpoint(self.store, run.name, run.key, run.step) as pending:
+            self.trainer.save_slot_state(slot, self.store.url(pending.trainer_key))
+            self.trainer.export_peft(slot, self.store.url(pending.adapter_key))
             state = RunState(
                 name=run.name, registration_id=run.key, objective=run.config.objective, rank=run.config.rank,
                 samples_per_step=run.config.samples_per_step,
@@ -362,7 +364,7 @@ class FleetRuntime:
                 metrics=run.finite_metrics(),
             )
             done = pending.commit(state)
-        prune_checkpoints(folder, KEEP_CHECKPOINTS)
+        prune_checkpoints(self.store, layouts.run_checkpoints(run.name, run.key), KEEP_CHECKPOINTS)
         return done
 
     # --- faults --------------------------------------------------------------------------------------
@@ -392,7 +394,7 @@ class FleetRuntime:
     def drain(self) -> dict[str, tuple[str, int]]:
         """At stop: stop generating for every RL run, then save every tenant (the scheduler's drain:
         evicted ones too, swapped into a spare slot): a run's checkpoint, a Tinker model's state where
-        the Tinker face keeps it (TinkerModels.drain_folder). Registration id -> (checkpoint folder,
+        a drained checkpoint of its tenant's (trainer/storage/layouts.py tinker_checkpoint, kind weights). Registration id -> (checkpoint folder,
         step) of each run checkpointed."""
         if self.scheduler is None:
             return {}
@@ -407,14 +409,11 @@ class FleetRuntime:
 
     def _drain_save(self, tenant: Any, slot: int) -> Any:
         if isinstance(tenant, DatasetRun):
-            return str(self._write_checkpoint(tenant, slot).folder), tenant.step
-        folder = self.tinker_drain_folder(tenant) if self.tinker_drain_folder is not None else None
-        if folder is None:
-            log.warning("draining %s: no folder to save a Tinker model in; its state since its last save is lost", tenant.name)
-            return None
-        self.trainer.save_slot_state(slot, folder)
-        log.info("drained Tinker model %s to %s", tenant.name, folder)
-        return str(folder)
+            return self._write_checkpoint(tenant, slot).folder, tenant.step
+        key = layouts.tinker_checkpoint(tenant.owner or "admin", tenant.key, "weights", f"drained-{int(time.time())}")
+        self.trainer.save_slot_state(slot, self.store.url(key))
+        log.info("drained Tinker model %s to %s", tenant.name, self.store.url(key))
+        return self.store.url(key)
 
     def shutdown(self) -> None:
         if self.rollout is not None:

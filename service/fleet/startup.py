@@ -49,7 +49,7 @@ from service.fleet.node_faults import NodeFaults
 from service.fleet.placement import PlacementPlan, cluster_shape_from_ray, placement_group_specs, plan_placement, release_placement_groups, reserve_placement_groups
 from service.fleet.rollout_client import RolloutClient
 from service.fleet.fleet_runtime import FleetRuntime
-from service.fleet.trainer_group import TrainerGroup, with_swap_dir
+from service.fleet.trainer_group import TrainerGroup, with_service_storage
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ def start_fleet(job: JobConfig, settings: ServiceSettings, *, start_api: ApiStar
                                 node_faults=node_faults)
         t1 = time.monotonic()
         engines_started = rollout.start_engines()
-        trainer = TrainerGroup(with_swap_dir(job.trainer, settings.state_dir), trainer_groups, cpus_per_rank=job.placement.trainer.cpus_per_rank,
+        trainer = TrainerGroup(with_service_storage(job.trainer, settings.state_dir, settings.storage_location), trainer_groups, cpus_per_rank=job.placement.trainer.cpus_per_rank,
                                gpus_per_rank=1.0 if gpu else 0.0, placer=node_faults.ensure_trainer_groups)
         times["trainer"] = trainer.start()  # builds the model while the engines start
         engines = ray.get(engines_started, timeout=job.engines.startup_deadline_s + 120)

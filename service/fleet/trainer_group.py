@@ -42,13 +42,16 @@ PROBE_TIMEOUT_S = 2.0
 SWAP_DIR_NAME = "swap"  # under the service's state dir: evicted slots beyond the host-memory budget
 
 
-def with_swap_dir(config: TrainerConfig, state_dir: str | Path) -> TrainerConfig:
-    """The trainer config the service runs: evicted slots spill to `<state_dir>/swap` unless the
-    job names another folder (trainer.swap_spill_dir); trainer.swap_host_budget_mb bounds host memory,
-    trainer.swap_disk_budget_mb the folder."""
-    if config.swap_spill_dir is not None:
-        return config
-    return config.model_copy(update={"swap_spill_dir": str(Path(state_dir) / SWAP_DIR_NAME)})
+def with_service_storage(config: TrainerConfig, state_dir: str | Path, storage: str) -> TrainerConfig:
+    """The trainer config the service runs: the folders it writes (slot states, PEFT exports) go to
+    the service's storage (`storage`: ServiceSettings.storage_location, keys relative to it), and
+    evicted slots spill to `<state_dir>/swap` unless the job names another folder
+    (trainer.swap_spill_dir); trainer.swap_host_budget_mb bounds host memory, trainer.swap_disk_budget_mb
+    the folder."""
+    update: dict = {"storage": storage}
+    if config.swap_spill_dir is None:
+        update["swap_spill_dir"] = str(Path(state_dir).absolute() / SWAP_DIR_NAME)
+    return config.model_copy(update=update)
 
 
 class TrainerState(StrEnum):

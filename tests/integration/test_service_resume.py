@@ -77,6 +77,7 @@ def test_resumed_sft_run_continues_exactly(sft_world):
     from safetensors.torch import load_file
 
     from trainer.storage.run_checkpoints import load_checkpoint
+    from trainer.storage.locations import open_store
     from service.registry.registry import AdapterState
 
     controller, runtime, data = sft_world
@@ -88,7 +89,7 @@ def test_resumed_sft_run_continues_exactly(sft_world):
     assert [s.step for s in a_steps] == list(range(1, STEPS + 1))
 
     ckpt_dir = runtime_run_dir(controller, a) / "checkpoints" / "step-000003"
-    ckpt = load_checkpoint(ckpt_dir)
+    ckpt = load_checkpoint(open_store(None), ckpt_dir)
     assert (ckpt.state.step, ckpt.state.samples_trained, ckpt.state.registration_id) == (3, 12, a.registration_id)
     assert ckpt.state.data_cursor["consumed"] == 12 and ckpt.state.data_cursor["pending"] == []
 

@@ -4,20 +4,26 @@ exact resume from a cursor) and the batch-mode summary (reward start/end windows
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
 
+from trainer.storage import layouts
+from trainer.storage.local_store import LocalStore
 from trainer.storage.run_checkpoints import (
     CheckpointError,
     PendingCheckpoint,
     RunState,
-    latest_checkpoint_folder,
+    latest_checkpoint,
     load_checkpoint,
     prune_checkpoints,
 )
+from trainer.storage.store import MANIFEST
 
 pytestmark = pytest.mark.unit
+
+CKPTS = layouts.run_checkpoints("a", "r1")
 
 
 def _state(step: int, **over) -> RunState:
@@ -25,73 +31,106 @@ def _state(step: int, **over) -> RunState:
                     data_cursor={"epoch": 0, "position": 4 * step, "pending": [], "consumed": 4 * step}, **over)
 
 
-def _write(run_dir, step: int) -> None:
-    with PendingCheckpoint(run_dir, step) as p:
-        for sub in (p.adapter_dir, p.trainer_dir):
-            sub.mkdir()
-            (sub / "x").write_text(str(step))
+def _part(store, key: str, text: str) -> None:
+    """What the trainer's rank 0 does for a checkpoint's part: a folder committed in the store."""
+    with store.write_folder(key) as d:
+        (d / "x").write_text(text)
+
+
+def _write(store, step: int) -> None:
+    with PendingCheckpoint(store, "a", "r1", step) as p:
+        _part(store, p.adapter_key, str(step))
+        _part(store, p.trainer_key, str(step))
         p.commit(_state(step))
 
 
 def test_commit_is_atomic_and_lookup_finds_the_newest(tmp_path):
-    _write(tmp_path, 3)
-    _write(tmp_path, 6)
-    # a crash mid-write: only a partial folder, which lookups ignore
+    store = LocalStore(tmp_path)
+    _write(store, 3)
+    _write(store, 6)
+    # a crash mid-write: what was written goes, and lookups never see it
     with pytest.raises(RuntimeError):
-        with PendingCheckpoint(tmp_path, 9) as p:
-            p.adapter_dir.mkdir()
+        with PendingCheckpoint(store, "a", "r1", 9) as p:
+            _part(store, p.adapter_key, "9")
             raise RuntimeError("killed")
-    assert not (tmp_path / "checkpoints" / ".step-000009.partial").exists()
-    (tmp_path / "checkpoints" / ".step-000012.partial").mkdir()  # left by a SIGKILL
-    assert latest_checkpoint_folder(tmp_path / "checkpoints").name == "step-000006"
-    for where in (tmp_path, tmp_path / "checkpoints", tmp_path / "checkpoints" / "step-000006"):
-        ck = load_checkpoint(where)
+    assert not (tmp_path / CKPTS / "step-000009").exists()
+    # left by a SIGKILL: both parts committed, the step folder never was (no manifest of its own)
+    _part(store, f"{CKPTS}/step-000012/adapter", "12")
+    _part(store, f"{CKPTS}/step-000012/trainer", "12")
+    (tmp_path / CKPTS / "step-000012" / "run_state.json").write_text("{}")
+    assert latest_checkpoint(store, CKPTS).endswith("step-000006")
+    run_dir = tmp_path / layouts.run_prefix("a", "r1")
+    for where in (run_dir, run_dir / "checkpoints", run_dir / "checkpoints" / "step-000006"):
+        ck = load_checkpoint(store, where)
         assert ck.state.step == 6 and ck.state.data_cursor["consumed"] == 24
-        assert (ck.adapter_dir / "x").read_text() == "6"
-    assert load_checkpoint(tmp_path / "checkpoints" / "step-000003").state.step == 3
+        assert (store.get_folder(ck.adapter_key) / "x").read_text() == "6"
+    assert load_checkpoint(store, tmp_path / CKPTS / "step-000003").state.step == 3
 
 
 def test_commit_refuses_incomplete_or_mismatched(tmp_path):
-    with PendingCheckpoint(tmp_path, 2) as p:
-        p.adapter_dir.mkdir()
-        (p.adapter_dir / "x").write_text("1")
+    store = LocalStore(tmp_path)
+    with PendingCheckpoint(store, "a", "r1", 2) as p:
+        _part(store, p.adapter_key, "1")
         with pytest.raises(CheckpointError, match="trainer/ was not written"):
             p.commit(_state(2))
-        p.trainer_dir.mkdir()
-        (p.trainer_dir / "x").write_text("1")
+        _part(store, p.trainer_key, "1")
         with pytest.raises(ValueError, match="for step 2, run state says step 5"):
             p.commit(_state(5))
-    assert latest_checkpoint_folder(tmp_path / "checkpoints") is None
+    assert latest_checkpoint(store, CKPTS) is None
 
 
 @pytest.mark.parametrize(
     "mutate,expected",
     [
-        (lambda d: (d / "run_state.json").write_text(json.dumps({"format": "other-v9"})), "format 'other-v9' is not 'lorafleet-checkpoint-v1'"),
-        (lambda d: (d / "run_state.json").write_text("{not json"), "cannot read run_state.json"),
-        (lambda d: [p.unlink() for p in (d / "trainer").iterdir()] and (d / "trainer").rmdir(), "trainer/ is missing"),
+        (lambda d: (d / "run_state.json").write_text(json.dumps({"format": "other-v9"})), "run_state.json does not match its manifest"),
+        (lambda d: (d / MANIFEST).unlink(), "is not a lorafleet checkpoint"),
+        (lambda d: (d / "trainer" / MANIFEST).unlink(), "its sub-folders ['trainer'] are not committed"),
+        (lambda d: (d / "trainer" / "x").write_text("flipped"), None),  # the trainer verifies its own part when it loads it
     ],
 )
 def test_load_refuses_broken_checkpoints(tmp_path, mutate, expected):
-    _write(tmp_path, 1)
-    folder = tmp_path / "checkpoints" / "step-000001"
+    store = LocalStore(tmp_path)
+    _write(store, 1)
+    folder = tmp_path / CKPTS / "step-000001"
     mutate(folder)
-    with pytest.raises(CheckpointError, match=expected.replace("(", r"\(").replace(")", r"\)")):
-        load_checkpoint(folder)
+    if expected is None:
+        ck = load_checkpoint(store, folder)
+        with pytest.raises(ValueError, match="x does not match its manifest"):
+            store.get_folder(ck.trainer_key)
+        return
+    with pytest.raises(CheckpointError, match=re.escape(expected)):
+        load_checkpoint(store, folder)
+
+
+def test_a_folder_written_before_the_store_still_loads(tmp_path):
+    """No manifests (an upgrade from a version without the store): complete when run_state.json,
+    adapter/ and trainer/ are there; a wrong format is still refused."""
+    store = LocalStore(tmp_path)
+    folder = tmp_path / CKPTS / "step-000004"
+    for sub in ("adapter", "trainer"):
+        (folder / sub).mkdir(parents=True)
+        (folder / sub / "x").write_text("4")
+    (folder / "run_state.json").write_text(json.dumps(_state(4).model_dump(mode="json")))
+    assert load_checkpoint(store, tmp_path / layouts.run_prefix("a", "r1")).state.step == 4
+    (folder / "run_state.json").write_text(json.dumps({"format": "other-v9"}))
+    with pytest.raises(CheckpointError, match="format 'other-v9' is not 'lorafleet-checkpoint-v1'"):
+        load_checkpoint(store, folder)
 
 
 def test_load_refuses_a_folder_without_checkpoints(tmp_path):
     with pytest.raises(CheckpointError, match="is not a lorafleet checkpoint"):
-        load_checkpoint(tmp_path)
+        load_checkpoint(LocalStore(tmp_path), tmp_path)
 
 
 def test_prune_keeps_the_newest(tmp_path):
+    store = LocalStore(tmp_path)
     for step in (1, 2, 3, 4):
-        _write(tmp_path, step)
-    (tmp_path / "checkpoints" / ".step-000005.partial").mkdir()
-    gone = prune_checkpoints(tmp_path, keep=2)
-    assert sorted(p.name for p in gone) == [".step-000005.partial", "step-000001", "step-000002"]
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000003", "step-000004"]
+        _write(store, step)
+    _part(store, f"{CKPTS}/step-000002x/adapter", "left by a crash")  # never completed, older than the newest
+    (tmp_path / CKPTS / "step-000002x").rename(tmp_path / CKPTS / "step-0000025")
+    gone = prune_checkpoints(store, CKPTS, keep=2)
+    assert sorted(k.rsplit("/", 1)[-1] for k in gone) == ["step-000001", "step-000002", "step-0000025"]
+    assert sorted(p.name for p in (tmp_path / CKPTS).iterdir()) == ["step-000003", "step-000004"]
 
 
 # --- SFT source -------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from trainer.storage.locations import open_store
 from trainer.base.base_model import FrozenBase
 from trainer.config import TARGET_GROUPS, SlotHyperParams, TrainerConfig
 from trainer.platform.distributed import ParallelLayout, tp_group
@@ -168,8 +169,9 @@ class SlotExporter:
         told: checkpoints and retire exports keep every bit; only publish folders take the engines' dtype."""
         writes = self.layout.rank == 0
         snap = self.snapshot_peft(slot, to_host=writes, dtype=dtype)
-        if writes:
-            write_peft_snapshot(out_dir, snap)
+        if writes:  # committed whole in the trainer's store (trainer/storage/store.py)
+            with open_store(self.config.storage).write_folder(out_dir) as tmp:
+                write_peft_snapshot(tmp, snap)
         return str(out_dir)
 
     # Background export (issues 18, 28): the snapshot in call order, the write off the critical path.

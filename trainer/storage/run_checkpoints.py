@@ -1,30 +1,30 @@
-"""Checkpoints of adapter runs: the on-disk format, atomic writes, lookup and pruning.
+"""Checkpoints of dataset runs in the one store: the format, the atomic commit, lookup and pruning.
 
-One checkpoint = one folder, everything needed to continue the run exactly:
+One checkpoint = one folder of the store (trainer/storage/layouts.py ``run_checkpoint``), everything
+needed to continue the run exactly:
 
-    <run dir>/checkpoints/step-000012/
+    runs/<name>-<registration>/checkpoints/step-000012/
         adapter/          PEFT export of the slot (adapter_config.json + adapter_model.safetensors):
                           loadable by peft / SGLang as is, and the weights a resume starts from
-        trainer/          the trainer's own slot state (trainer.save_slot_state): LoRA weights,
+        trainer/          the trainer's own slot state (TrainerInterface.save_slot_state): LoRA weights,
                           AdamW moments, step counter, schedule position, accumulated-gradient state
         run_state.json    `RunState`: step, samples, data cursor, seeds, the run's identity
 
 Invariants:
-  * A folder named step-NNNNNN is complete: it is written as `.step-NNNNNN.partial`
-    and renamed into place only after every file (run_state.json last) is on disk
-    (os.replace of a folder is atomic on one filesystem). A crash mid-write leaves
-    only a `.partial` folder, which lookups ignore and the next write replaces.
-  * `run_state.json` carries the format tag; a folder without it, or with another
-    format, is refused with a message naming the folder.
-  * The registry records a checkpoint (record_checkpoint) only after `commit` returned,
-    so a recorded path always names a complete checkpoint.
+  * ``adapter/`` and ``trainer/`` are committed by the trainer's rank 0, each on its own; the step
+    folder is committed last by the coordinator, its manifest naming both (store.py S4). So a
+    step folder is complete only when all three are, whoever crashed when (store.py S1, S2).
+  * `run_state.json` carries the format tag; a folder without it, or with another format, is refused
+    with a message naming the folder.
+  * The registry records a checkpoint (record_checkpoint) only after `commit` returned, so a
+    recorded reference always names a complete checkpoint.
+  * Folders written before the store (no manifest, ``run_state.json`` written last into a folder
+    renamed into place) are read as complete when they hold all three parts (an upgrade resumes).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,12 +32,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from trainer.storage import layouts
+from trainer.storage.store import CheckpointStore, StoreError
+
 CHECKPOINT_FORMAT = "lorafleet-checkpoint-v1"
 RUN_STATE_FILE = "run_state.json"
-ADAPTER_SUBDIR = "adapter"
-TRAINER_SUBDIR = "trainer"
-CHECKPOINTS_SUBDIR = "checkpoints"
-_PREFIX = "step-"
+PARTS = (layouts.ADAPTER_PART, layouts.TRAINER_PART)
 
 
 class CheckpointError(ValueError):
@@ -66,64 +66,55 @@ class RunState(BaseModel):
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A complete checkpoint on disk."""
+    """A complete checkpoint in the store."""
 
-    folder: Path
+    store: CheckpointStore
+    key: str
     state: RunState
 
     @property
-    def adapter_dir(self) -> Path:
-        return self.folder / ADAPTER_SUBDIR
+    def folder(self) -> str:
+        """Its reference (a local path, or an s3:// URL): what the registry records."""
+        return self.store.url(self.key)
 
     @property
-    def trainer_dir(self) -> Path:
-        return self.folder / TRAINER_SUBDIR
+    def trainer_key(self) -> str:
+        return f"{self.key}/{layouts.TRAINER_PART}"
 
-
-def checkpoints_root(run_dir: Path) -> Path:
-    return Path(run_dir) / CHECKPOINTS_SUBDIR
-
-
-def step_folder_name(step: int) -> str:
-    return f"{_PREFIX}{step:06d}"
+    @property
+    def adapter_key(self) -> str:
+        return f"{self.key}/{layouts.ADAPTER_PART}"
 
 
 class PendingCheckpoint:
-    """A checkpoint being written: fill `adapter_dir` and `trainer_dir`, then `commit(state)`.
+    """A checkpoint being written: the trainer commits `trainer_key` and `adapter_key`, then
+    `commit(state)` commits the step folder. Use as a context manager: leaving it without a commit
+    (an exception) removes what was written."""
 
-    Use as a context manager: leaving it without a commit (an exception) removes the
-    partial folder."""
-
-    def __init__(self, run_dir: Path, step: int) -> None:
-        self.root = checkpoints_root(run_dir)
-        self.final = self.root / step_folder_name(step)
-        self.partial = self.root / f".{step_folder_name(step)}.partial"
+    def __init__(self, store: CheckpointStore, name: str, registration_id: str, step: int) -> None:
+        self.store = store
+        self.key = layouts.run_checkpoint(name, registration_id, step)
         self.step = step
         self.committed: Checkpoint | None = None
-        if self.partial.exists():  # left by a crash mid-write
-            shutil.rmtree(self.partial)
-        self.partial.mkdir(parents=True)
+        store.delete(self.key)  # a previous write of this step (a crash mid-write, or a drain right after a save)
 
     @property
-    def adapter_dir(self) -> Path:
-        return self.partial / ADAPTER_SUBDIR
+    def trainer_key(self) -> str:
+        return f"{self.key}/{layouts.TRAINER_PART}"
 
     @property
-    def trainer_dir(self) -> Path:
-        return self.partial / TRAINER_SUBDIR
+    def adapter_key(self) -> str:
+        return f"{self.key}/{layouts.ADAPTER_PART}"
 
     def commit(self, state: RunState) -> Checkpoint:
         if state.step != self.step:
             raise ValueError(f"checkpoint folder is for step {self.step}, run state says step {state.step}")
-        for sub in (ADAPTER_SUBDIR, TRAINER_SUBDIR):
-            if not (self.partial / sub).is_dir() or not any((self.partial / sub).iterdir()):
-                raise CheckpointError(f"checkpoint {self.final}: {sub}/ was not written")
-        _write_json_durably(self.partial / RUN_STATE_FILE, state.model_dump(mode="json"))
-        if self.final.exists():  # same step written again (a drain right after a periodic save)
-            shutil.rmtree(self.final)
-        os.replace(self.partial, self.final)
-        _fsync_dir(self.root)
-        self.committed = Checkpoint(self.final, state)
+        for part in PARTS:
+            if not self.store.complete(f"{self.key}/{part}"):
+                raise CheckpointError(f"checkpoint {self.store.url(self.key)}: {part}/ was not written")
+        with self.store.write_folder(self.key, children=PARTS) as tmp:
+            (tmp / RUN_STATE_FILE).write_text(json.dumps(state.model_dump(mode="json"), indent=2, sort_keys=True))
+        self.committed = Checkpoint(self.store, self.key, state)
         return self.committed
 
     def __enter__(self) -> PendingCheckpoint:
@@ -131,97 +122,116 @@ class PendingCheckpoint:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if self.committed is None:
-            shutil.rmtree(self.partial, ignore_errors=True)
+            self.store.delete(self.key)
 
 
-def load_checkpoint(path: str | Path) -> Checkpoint:
-    """The checkpoint at `path`: a step folder, or a run's folder / checkpoints folder
-    (then its newest complete checkpoint). CheckpointError when there is none."""
-    path = Path(path)
-    if (path / RUN_STATE_FILE).is_file():
-        return _read(path)
-    for candidate in (path, path / CHECKPOINTS_SUBDIR):
-        newest = latest_checkpoint_folder(candidate)
+def load_checkpoint(store: CheckpointStore, reference: str | Path) -> Checkpoint:
+    """The checkpoint `reference` names: a step folder, or a run's folder or checkpoints folder
+    (then its newest complete checkpoint). A reference outside `store` (a resume_from in a data
+    root) is read from the local filesystem. CheckpointError when there is none."""
+    try:
+        key = store.key_of(reference)
+    except StoreError:
+        from trainer.storage.locations import open_store  # a reference outside this store
+
+        store = open_store(None)  # an absolute path elsewhere on this machine
+        key = store.key_of(reference)
+    if _has_run_state(store, key) and (store.manifest(key) is not None or _legacy(store, key)):
+        return _read(store, key)
+    for candidate in (key, f"{key}/{layouts.CHECKPOINTS}"):
+        newest = latest_checkpoint(store, candidate)
         if newest is not None:
-            return _read(newest)
+            return _read(store, newest)
     raise CheckpointError(
-        f"{path} is not a lorafleet checkpoint: no {RUN_STATE_FILE} in it and no complete "
-        f"{_PREFIX}NNNNNN folder below it (a checkpoint folder holds {RUN_STATE_FILE}, {ADAPTER_SUBDIR}/ and {TRAINER_SUBDIR}/)"
+        f"{reference} is not a lorafleet checkpoint: no {RUN_STATE_FILE} in it and no complete "
+        f"{layouts.STEP_PREFIX}NNNNNN folder below it (a checkpoint folder holds {RUN_STATE_FILE}, "
+        f"{layouts.ADAPTER_PART}/ and {layouts.TRAINER_PART}/)"
     )
 
 
-def latest_checkpoint_folder(root: Path) -> Path | None:
-    """The complete step folder with the highest step under `root`, if any."""
-    if not root.is_dir():
-        return None
-    steps = sorted(
-        (p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX) and (p / RUN_STATE_FILE).is_file()),
-        key=lambda p: p.name,
-    )
+def latest_checkpoint(store: CheckpointStore, prefix: str) -> str | None:
+    """The complete step folder with the highest step under `prefix`, if any."""
+    steps = [k for k in _step_folders(store, prefix) if _complete(store, k)]
     return steps[-1] if steps else None
 
 
-def prune_checkpoints(run_dir: Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` complete checkpoints of a run (and stale partials)."""
-    root = checkpoints_root(run_dir)
-    if not root.is_dir():
-        return []
-    complete = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX))
-    stale = [p for p in root.iterdir() if p.name.endswith(".partial")]
-    doomed = (complete[:-keep] if keep > 0 else complete) + stale
-    for p in doomed:
-        shutil.rmtree(p, ignore_errors=True)
+def prune_checkpoints(store: CheckpointStore, prefix: str, keep: int) -> list[str]:
+    """Delete all but the newest `keep` complete checkpoints under `prefix` (and incomplete ones
+    older than the newest complete: writes that did not finish)."""
+    folders = _step_folders(store, prefix)
+    complete = [k for k in folders if _complete(store, k)]
+    kept = set(complete[-keep:]) if keep > 0 else set()
+    newest = complete[-1] if complete else None
+    doomed = [k for k in folders if k not in kept and (k in complete or (newest is not None and k < newest))]
+    for key in doomed:
+        store.delete(key)
     return doomed
 
 
-def _read(folder: Path) -> Checkpoint:
+def _step_folders(store: CheckpointStore, prefix: str) -> list[str]:
+    """Every step folder under `prefix`, committed or not, in step order (local: by listing the
+    folder; an object store lists what it holds)."""
+    base = Path(store.url(prefix)) if not store.url(prefix).startswith("s3://") else None
+    if base is not None:
+        if not base.is_dir():
+            return []
+        names = [p.name for p in base.iterdir() if p.is_dir() and p.name.startswith(layouts.STEP_PREFIX)]
+        return [f"{store.key_of(prefix)}/{n}" for n in sorted(names)]
+    return sorted(k for k in store.list(prefix) if k.rsplit("/", 1)[-1].startswith(layouts.STEP_PREFIX))
+
+
+def _has_run_state(store: CheckpointStore, key: str) -> bool:
+    url = store.url(key)
+    if url.startswith("s3://"):
+        return store.manifest(key) is not None and RUN_STATE_FILE in store.manifest(key).files
+    return (Path(url) / RUN_STATE_FILE).is_file()
+
+
+def _complete(store: CheckpointStore, key: str) -> bool:
+    """Committed with both parts (store.py S4), or a folder written before the store with all three."""
+    if store.manifest(key) is not None:
+        return store.complete(key)
+    return _legacy(store, key)
+
+
+def _legacy(store: CheckpointStore, key: str) -> bool:
+    """A folder written before the store: all three parts there and no manifest anywhere in it (a write
+    of this version cut short has manifests in its parts: it is incomplete, never legacy)."""
+    url = store.url(key)
+    if url.startswith("s3://"):
+        return False
+    folder = Path(url)
+    return ((folder / RUN_STATE_FILE).is_file() and all((folder / p).is_dir() for p in PARTS)
+            and not any(store.manifest(f"{key}/{p}") is not None for p in PARTS))
+
+
+def _read(store: CheckpointStore, key: str) -> Checkpoint:
+    where = store.url(key)
+    if store.manifest(key) is not None:
+        try:
+            folder = store.get_folder(key)
+        except StoreError as e:
+            raise CheckpointError(f"checkpoint {e}") from None
+    elif _legacy(store, key):  # written before the store (module doc)
+        folder = Path(where)
+    else:
+        raise CheckpointError(f"checkpoint {where} is not complete (a write that did not finish): no manifest")
     try:
         raw = json.loads((folder / RUN_STATE_FILE).read_text())
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {folder}: cannot read {RUN_STATE_FILE}: {e}") from None
+        raise CheckpointError(f"checkpoint {where}: cannot read {RUN_STATE_FILE}: {e}") from None
     if not isinstance(raw, dict) or raw.get("format") != CHECKPOINT_FORMAT:
         got = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
-        raise CheckpointError(f"checkpoint {folder}: format {got!r} is not {CHECKPOINT_FORMAT!r}")
+        raise CheckpointError(f"checkpoint {where}: format {got!r} is not {CHECKPOINT_FORMAT!r}")
     try:
         state = RunState.model_validate(raw)
     except ValidationError as e:
-        raise CheckpointError(f"checkpoint {folder}: {RUN_STATE_FILE} is invalid: {e}") from None
-    for sub in (ADAPTER_SUBDIR, TRAINER_SUBDIR):
-        if not (folder / sub).is_dir():
-            raise CheckpointError(f"checkpoint {folder}: {sub}/ is missing")
-    return Checkpoint(folder, state)
+        raise CheckpointError(f"checkpoint {where}: {RUN_STATE_FILE} is invalid: {e}") from None
+    for part in PARTS:
+        if not _part_present(store, f"{key}/{part}", folder / part):
+            raise CheckpointError(f"checkpoint {where}: {part}/ is missing")
+    return Checkpoint(store, key, state)
 
 
-def link_folder(src: Path, dst: Path) -> Path:
-    """`dst` becomes a folder holding the files of `src` as hard links (a copy where the two are on
-    different filesystems), so a final export is the final checkpoint's PEFT folder, not a second
-    write of the same weights. Replaces whatever `dst` held."""
-    src, dst = Path(src), Path(dst)
-    tmp = dst.with_name(f".{dst.name}.partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for f in src.iterdir():
-        try:
-            os.link(f, tmp / f.name)
-        except OSError:
-            shutil.copy2(f, tmp / f.name)
-    shutil.rmtree(dst, ignore_errors=True)
-    os.replace(tmp, dst)
-    return dst
-
-
-def _write_json_durably(path: Path, data: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _part_present(store: CheckpointStore, key: str, local: Path) -> bool:
+    return store.complete(key) if store.manifest(key) is not None else local.is_dir()

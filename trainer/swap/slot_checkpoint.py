@@ -33,6 +33,7 @@ from trainer.lora.slot_buffers import BUFFER_KINDS as KINDS
 from trainer.lora.slot_buffers import MOMENT_KINDS, STATE_DTYPES, state_kind
 from trainer.lora.slots import SlotState, layer_trained, zero_stats
 from trainer.platform.distributed import dp_group
+from trainer.storage.locations import open_store, readable_folder
 from trainer.storage.slot_state_format import FORMAT, META, TENSORS
 
 # ``trainer`` below is a trainer.core.MultiLoraTrainer (not imported: the core composes this room).
@@ -66,8 +67,9 @@ def save_slot_state(trainer: "MultiLoraTrainer", slot: int, out_dir: str | Path)
         pending_dev = pending.to(trainer.device)
         dist.all_reduce(pending_dev, group=dp_group())
         pending = pending_dev.cpu()
-    if trainer.layout.rank == 0:
-        save_slot_checkpoint(out_dir, state, pending, parts, trainer.config)
+    if trainer.layout.rank == 0:  # committed whole in the trainer's store (trainer/storage/store.py)
+        with open_store(trainer.config.storage).write_folder(out_dir) as tmp:
+            save_slot_checkpoint(tmp, state, pending, parts, trainer.config)
     return str(out_dir)
 
 
@@ -78,7 +80,8 @@ def load_slot_state(trainer: "MultiLoraTrainer", slot: int, in_dir: str | Path, 
     saved it. Collective."""
     slots = trainer.slots
     slots.require_free(slot, "clear it before loading a state into it")
-    meta, parts, pending = load_slot_checkpoint(in_dir, slots.layers, trainer.config)
+    folder = readable_folder(open_store(trainer.config.storage), in_dir, legacy_marker=META)
+    meta, parts, pending = load_slot_checkpoint(folder, slots.layers, trainer.config)
     rank, state_dtype = meta["rank"], SlotHyperParams(**meta["hyper"]).state_dtype
     slots.buffers.zero_slot(slot)
     for kind in KINDS:
