@@ -9,6 +9,8 @@ on the real trainer: the tiny Qwen3 through Megatron-Bridge, fp32 base, CPU.
   and swaps out and in (host memory, a spill file) between its calls, with a half-accumulated
   step in flight, ends bit-identical to the same run trained resident; the checkpoint holds the
   moments as bf16 and a swapped-out snapshot takes 12 bytes per parameter, not 16.
+* Tensor parallel 2: the replicated columns of every slot's rows, bf16 moments included, stay
+  bit-identical on both ranks (a planted rank-dependent rounding key fails it: measured).
 """
 
 from __future__ import annotations
@@ -139,3 +141,53 @@ def test_bf16_state_survives_checkpoint_and_swaps_bit_exactly(trainer, tmp_path)
     moved = _run(trainer, [0, 2, 3, 0, 2], ["checkpoint", "host", "disk", "checkpoint"], tmp_path)
     assert_bit_identical(moved, resident, "the moved run against the resident one")
     clear_all(trainer)
+
+
+def _tp_worker(rank, port, cfg_kwargs, hypers, batches, out_path):  # noqa: ANN001 - a spawned TP rank
+    import torch.distributed as dist
+
+    from trainer.config import TrainerConfig
+    from trainer.core import MultiLoraTrainer
+
+    trainer = MultiLoraTrainer(TrainerConfig(**cfg_kwargs), rank=rank, master_port=port)
+    for slot, h in enumerate(hypers):
+        trainer.init_slot(slot, h, seed=100 + slot)
+    for batch in batches:
+        trainer.train(batch)
+    b = trainer.buffers
+    torch.save({"split": b.split_cols, "weight": b.weight.clone(), "exp_avg": b.exp_avg.clone(),
+                "exp_avg_sq": b.exp_avg_sq.clone()}, f"{out_path}.{rank}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_tensor_parallel_2_keeps_replicated_rows_identical(trainer, tmp_path):
+    """TP = 2 (two gloo processes), the equivalence scenario's four adapters with slots 1 and 3 in
+    bf16: the columns every rank holds a copy of (after ``split_cols``) stay bit-identical on both
+    ranks, moments included (a replicated element has the same column, hence the same rounding
+    noise, on every rank), while the split columns differ (each rank's shard)."""
+    import torch.multiprocessing as mp
+
+    from tests.integration import test_trainer_equivalence as scenario
+    from trainer.platform.distributed import free_loopback_port
+
+    clear_all(trainer)
+    hypers = [h.model_copy(update={"state_dtype": "bfloat16"}) if i in (1, 3) else h
+              for i, h in enumerate(scenario.make_hypers(scenario.OBJECTIVES["mixed"]))]
+    cfg = trainer.config.model_dump() | {"tp": 2, "micro_batch_tokens": scenario.MICRO_BATCH_TOKENS, "dtype": "float32",
+                                         "swap_spill_dir": None}
+    out = tmp_path / "tp2"
+    mp.spawn(_tp_worker, args=(free_loopback_port(), cfg, hypers, scenario.make_batches(trainer), str(out)), nprocs=2, join=True)
+    r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
+    split, width = r0["split"], r0["weight"].shape[1]
+    assert r1["split"] == split and 0 < split < width
+    for slot, h in enumerate(hypers):
+        kinds = ("weight", "exp_avg", "exp_avg_sq")
+        if h.state_dtype == "bfloat16":  # both moments' replicated columns, in the exp_avg row's bf16 halves
+            for r in (r0, r1):
+                r["m"], r["v"] = r["exp_avg"].view(torch.bfloat16)[:, :width], r["exp_avg"].view(torch.bfloat16)[:, width:]
+            kinds = ("weight", "m", "v")
+        for kind in kinds:
+            assert torch.equal(r0[kind][slot, split:], r1[kind][slot, split:]), (slot, kind)
+            assert torch.count_nonzero(r0[kind][slot, split:]) > 0, (slot, kind)
+            assert not torch.equal(r0[kind][slot, :split], r1[kind][slot, :split]), (slot, kind)
