@@ -83,6 +83,9 @@ def test_bf16_state_converges_like_fp32(trainer, tiny_world):
     width = trainer.buffers.weight.shape[1]
     assert torch.count_nonzero(trainer.buffers.compact_moments[1, width:]) > 0  # its v lives in its exp_avg row
     assert torch.count_nonzero(trainer.buffers.exp_avg_sq[1]) == 0
+    weight = trainer.buffers.weight[1].clone()
+    trainer.reset_optimizer(1)  # the Tinker load without optimizer: the bf16 moments go too, the weights stay
+    assert torch.count_nonzero(trainer.buffers.exp_avg[1]) == 0 and torch.equal(trainer.buffers.weight[1], weight)
     clear_all(trainer)
 
 

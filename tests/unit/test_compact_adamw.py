@@ -268,6 +268,20 @@ def test_buffers_place_bf16_moments_in_the_slots_exp_avg_row():
     assert row_kinds("bfloat16") == ("weight", "grad", "exp_avg") and len(row_kinds("float32")) == 4
 
 
+def test_an_adapters_config_chooses_its_slots_state():
+    """adam_state_dtype of a tenant's adapter config (REST body, job file) becomes its slot's
+    state_dtype; float32 unless asked; anything else refused naming the two choices."""
+    from pydantic import ValidationError
+
+    from service.config.adapter import AdapterConfig
+
+    base = dict(data={"path": "x.jsonl"}, reward={"name": "target_share"}, num_step=5)
+    assert AdapterConfig(**base).slot_hyper_params(None).state_dtype == "float32"
+    assert AdapterConfig(**base, adam_state_dtype="bfloat16").slot_hyper_params(None).state_dtype == "bfloat16"
+    with pytest.raises(ValidationError, match="'float32' or 'bfloat16'"):
+        AdapterConfig(**base, adam_state_dtype="int8")
+
+
 def test_refused_inputs_say_what_is_allowed(kernel_device):
     from pydantic import ValidationError
 
