@@ -23,8 +23,8 @@ TESTS = ["tests/unit/test_compact_adamw.py", "tests/unit/test_step_overlap.py",
 
 MUTATIONS = {  # name: (file, exact text, replacement, what the bug is)
     "store_before_update": (
-        OPS, "    _adamw_ops(p, g, m, v, cols, col)\n    compact_state.store_moments(m, v, mv[:, :width], mv[:, width:], list(cols.noise_keys))\n",
-        "    compact_state.store_moments(m, v, mv[:, :width], mv[:, width:], list(cols.noise_keys))\n    _adamw_ops(p, g, m, v, cols, col)\n",
+        OPS, "    _adamw_ops(p, g, m, v, cols, _column_view(param))\n    compact_state.store_moments(m, v, mv[:, :width], mv[:, width:], list(cols.noise_keys))\n",
+        "    compact_state.store_moments(m, v, mv[:, :width], mv[:, width:], list(cols.noise_keys))\n    _adamw_ops(p, g, m, v, cols, _column_view(param))\n",
         "torch ops: the moments rounded and stored before the moment update (the update is lost)"),
     "nearest_rounding": (
         ROUNDING, "    m_out.copy_(round_stochastic(m, h >> 16))\n    v_out.copy_(round_stochastic(v, h & LOW16))\n",

@@ -228,28 +228,33 @@ def _adamw_ops(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tenso
     p.addcmul_(update, col(cols.neg_step_size))
 
 
+def _rows(ids: list[int], *tensors: torch.Tensor) -> tuple[list[torch.Tensor], Callable[[], None]]:
+    """Rows ``ids`` (ascending) of each [N, ...] tensor: views when they are one contiguous range
+    (the usual step: every resident slot), else gathered copies; and what writes the copies back
+    (nothing for views). Both run the same ops on the rows, so the results are the same."""
+    lo, hi = ids[0], ids[-1] + 1
+    if ids == list(range(lo, hi)):
+        return [t[lo:hi] for t in tensors], lambda: None
+    idx = torch.tensor(ids, device=tensors[0].device)
+    rows = [t.index_select(0, idx) for t in tensors]
+
+    def put_back() -> None:
+        for t, r in zip(tensors, rows):
+            t.index_copy_(0, idx, r)
+
+    return rows, put_back
+
+
 def _apply_float32(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                    ids: list[int], cols: AdamwColumns) -> None:
-    """Float32 moments: the kernel where it runs, else the torch ops through views or gathered rows."""
+    """Float32 moments: the kernel where it runs, else the torch ops on the rows."""
     if param.dim() == 2 and triton_adamw.available(param) and grad.stride() == param.stride():
         triton_adamw.adamw_rows(param, grad, exp_avg, exp_avg_sq, ids, cols.kernel_table())
         return
-    col = _column_view(param)
-    lo, hi = ids[0], ids[-1] + 1
-    contiguous = ids == list(range(lo, hi))
-    if contiguous:
-        p, g, m, v = param[lo:hi], grad[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi]
-    else:
-        idx = torch.tensor(ids, device=param.device)
-        p, g, m, v = (t.index_select(0, idx) for t in (param, grad, exp_avg, exp_avg_sq))
-    _adamw_ops(p, g, m, v, cols, col)
-    if contiguous:
-        g.zero_()
-    else:
-        param.index_copy_(0, idx, p)
-        exp_avg.index_copy_(0, idx, m)
-        exp_avg_sq.index_copy_(0, idx, v)
-        grad.index_fill_(0, idx, 0.0)
+    (p, g, m, v), put_back = _rows(ids, param, grad, exp_avg, exp_avg_sq)
+    _adamw_ops(p, g, m, v, cols, _column_view(param))
+    g.zero_()  # consumed
+    put_back()
 
 
 def _apply_compact(param: torch.Tensor, grad: torch.Tensor, moments: torch.Tensor | None, ids: list[int],
@@ -264,20 +269,9 @@ def _apply_compact(param: torch.Tensor, grad: torch.Tensor, moments: torch.Tenso
         keys = torch.tensor([compact_state.as_int32(k) for k in cols.noise_keys], dtype=torch.int32, device=param.device)
         triton_adamw.adamw_rows_compact(param, grad, moments, ids, cols.kernel_table(), keys)
         return
-    col = _column_view(param)
-    lo, hi = ids[0], ids[-1] + 1
-    contiguous = ids == list(range(lo, hi))
-    if contiguous:
-        p, g, mv = param[lo:hi], grad[lo:hi], moments[lo:hi]
-    else:
-        idx = torch.tensor(ids, device=param.device)
-        p, g, mv = (t.index_select(0, idx) for t in (param, grad, moments))
+    (p, g, mv), put_back = _rows(ids, param, grad, moments)
     m, v = mv[:, :width].float(), mv[:, width:].float()
-    _adamw_ops(p, g, m, v, cols, col)
+    _adamw_ops(p, g, m, v, cols, _column_view(param))
     compact_state.store_moments(m, v, mv[:, :width], mv[:, width:], list(cols.noise_keys))
-    if contiguous:
-        g.zero_()
-    else:
-        param.index_copy_(0, idx, p)
-        moments.index_copy_(0, idx, mv)
-        grad.index_fill_(0, idx, 0.0)
+    g.zero_()  # consumed
+    put_back()
