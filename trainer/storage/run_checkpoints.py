@@ -19,12 +19,17 @@ Invariants:
   * The registry records a checkpoint (record_checkpoint) only after `commit` returned, so a
     recorded reference always names a complete checkpoint.
   * Folders written before the store (no manifest, ``run_state.json`` written last into a folder
-    renamed into place) are read as complete when they hold all three parts (an upgrade resumes).
+    renamed into place) are read as complete when they hold all three parts (an upgrade resumes);
+    they exist only in local stores (an object store was only ever written through the store).
+  * Works on every backend: the step folders below a prefix, committed or not, come from the local
+    folder or from the object store's listing (`_folders_below`); everything else goes through the
+    store's interface.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,11 +38,13 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from trainer.storage import layouts
+from trainer.storage.local_store import LocalStore
 from trainer.storage.store import CheckpointStore, StoreError
 
 CHECKPOINT_FORMAT = "lorafleet-checkpoint-v1"
 RUN_STATE_FILE = "run_state.json"
 PARTS = (layouts.ADAPTER_PART, layouts.TRAINER_PART)
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -122,7 +129,13 @@ class PendingCheckpoint:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if self.committed is None:
-            self.store.delete(self.key)
+            try:
+                self.store.delete(self.key)
+            except StoreError as e:  # the store is unreachable: what was written stays uncommitted (store.py S2)
+                if exc_type is None:
+                    raise
+                log.warning("checkpoint %s: removing the unfinished write failed (%s); it stays uncommitted, and "
+                            "the next write of this step replaces it", self.store.url(self.key), e)
 
 
 def load_checkpoint(store: CheckpointStore, reference: str | Path) -> Checkpoint:
@@ -169,22 +182,27 @@ def prune_checkpoints(store: CheckpointStore, prefix: str, keep: int) -> list[st
 
 
 def _step_folders(store: CheckpointStore, prefix: str) -> list[str]:
-    """Every step folder under `prefix`, committed or not, in step order (local: by listing the
-    folder; an object store lists what it holds)."""
-    base = Path(store.url(prefix)) if not store.url(prefix).startswith("s3://") else None
-    if base is not None:
-        if not base.is_dir():
-            return []
-        names = [p.name for p in base.iterdir() if p.is_dir() and p.name.startswith(layouts.STEP_PREFIX)]
-        return [f"{store.key_of(prefix)}/{n}" for n in sorted(names)]
-    return sorted(k for k in store.list(prefix) if k.rsplit("/", 1)[-1].startswith(layouts.STEP_PREFIX))
+    """Every step folder under `prefix`, committed or not, in step order (a write cut short leaves
+    one without a manifest, which `store.list` would not show and pruning must see)."""
+    return sorted(k for k in _folders_below(store, prefix) if k.rsplit("/", 1)[-1].startswith(layouts.STEP_PREFIX))
+
+
+def _folders_below(store: CheckpointStore, prefix: str) -> list[str]:
+    """Every folder directly below `prefix`: a local store's sub-folders; an object store's prefixes
+    (trainer/storage/s3_store.py S3Store.folders)."""
+    if not isinstance(store, LocalStore):
+        return store.folders(prefix)
+    base = store.path(prefix)
+    if not base.is_dir():
+        return []
+    return [f"{store.key_of(prefix)}/{p.name}" for p in base.iterdir() if p.is_dir()]
 
 
 def _has_run_state(store: CheckpointStore, key: str) -> bool:
-    url = store.url(key)
-    if url.startswith("s3://"):
-        return store.manifest(key) is not None and RUN_STATE_FILE in store.manifest(key).files
-    return (Path(url) / RUN_STATE_FILE).is_file()
+    m = store.manifest(key)
+    if m is not None:
+        return RUN_STATE_FILE in m.files
+    return isinstance(store, LocalStore) and (store.path(key) / RUN_STATE_FILE).is_file()  # written before the store
 
 
 def _complete(store: CheckpointStore, key: str) -> bool:
@@ -197,10 +215,9 @@ def _complete(store: CheckpointStore, key: str) -> bool:
 def _legacy(store: CheckpointStore, key: str) -> bool:
     """A folder written before the store: all three parts there and no manifest anywhere in it (a write
     of this version cut short has manifests in its parts: it is incomplete, never legacy)."""
-    url = store.url(key)
-    if url.startswith("s3://"):
+    if not isinstance(store, LocalStore):  # object stores were only ever written through the store
         return False
-    folder = Path(url)
+    folder = store.path(key)
     return ((folder / RUN_STATE_FILE).is_file() and all((folder / p).is_dir() for p in PARTS)
             and not any(store.manifest(f"{key}/{p}") is not None for p in PARTS))
 
@@ -212,8 +229,8 @@ def _read(store: CheckpointStore, key: str) -> Checkpoint:
             folder = store.get_folder(key)
         except StoreError as e:
             raise CheckpointError(f"checkpoint {e}") from None
-    elif _legacy(store, key):  # written before the store (module doc)
-        folder = Path(where)
+    elif _legacy(store, key):  # written before the store (module doc): a local folder
+        folder = store.path(key)
     else:
         raise CheckpointError(f"checkpoint {where} is not complete (a write that did not finish): no manifest")
     try:
