@@ -236,7 +236,7 @@ def test_forward_matches_forward_backward_and_changes_nothing(ops, steps):
         (lambda c: c.data.clear(), "data is empty"),
         (lambda c: c.data[0].tokens.extend([1] * 100), "more than this server allows"),
         (lambda c: setattr(c, "loss_fn", "ppo"), r"lacks \['logprobs', 'advantages'\]"),
-        (lambda c: setattr(c, "loss_fn", "stable_reinforce"), "'stable_reinforce': stable_reinforce is not served"),
+        (lambda c: setattr(c, "loss_fn", "stable_reinforce"), r"lacks \['logprobs', 'advantages', 'sampled_sequence'\]"),
         (lambda c: (setattr(c, "loss_fn", "gspo"), c.data[0].inputs.update(logprobs=c.data[0].inputs["weights"],
                                                                              advantages=c.data[0].inputs["weights"]),
                     c.data[0].inputs.pop("weights")), r"datum 0: loss_fn_inputs lacks \['sequence_ratio_mask'\]"),

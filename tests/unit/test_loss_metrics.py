@@ -6,7 +6,9 @@ Tinker's loss pages and the papers, not from the product); the statistics' defin
 
 * clipped: a loss position whose clip was active: ppo, in PPO's case form ((A > 0 and r > hi) or
   (A < 0 and r < lo), r = exp(lp - q)); gspo, the same with the sequence ratio s in place of r;
-  cispo, its weight clipped (r < lo or r > hi); no other loss clips;
+  cispo, its weight clipped (r < lo or r > hi); stable_reinforce, its correction acted (a kept token
+  whose ratio exceeded the cap, or a token of a masked row: tests/reference/stable_reinforce.py);
+  no other loss clips;
 * ratio: r = exp(lp - q) at each loss position of an rl row (exactly 1 on-policy);
 * kl: k3 = exp(ref - lp) - (ref - lp) - 1 at each loss position of an rl row with a reference;
 * the reported means divide by the rl rows' loss tokens (trainer/optim/slot_steps.py slot_metrics).
@@ -22,6 +24,7 @@ import pytest
 import torch
 
 from tests.reference.losses import k3_kl, tinker_token_loss
+from tests.reference.stable_reinforce import reference_loss_and_grad, reference_statistics
 from trainer.losses.rows import RowLoss, TokenLossInputs, sample_loss_numerators
 from trainer.losses.table import LOSSES, resolve_loss
 
@@ -31,7 +34,8 @@ LENGTHS = [5, 3, 7]  # three rows, padded to 7
 PROMPT = [1, 1, 2]  # each row's leading positions outside the loss mask
 ADVANTAGES = [1.5, -0.7, 0.4]
 CASES = [("cross_entropy", None), ("importance_sampling", None), ("ppo", None), ("ppo", {"clip_high_threshold": 1.05}),
-         ("cispo", None), ("dro", {"beta": 0.3}), ("gspo", None), ("gspo", {"clip_low_threshold": 0.97})]
+         ("cispo", None), ("dro", {"beta": 0.3}), ("gspo", None), ("gspo", {"clip_low_threshold": 0.97}),
+         ("stable_reinforce", None), ("stable_reinforce", {"ratio_cap": 1.2, "kl_coeff": 0.3, "sequence_mask_high": 1.1})]
 
 
 def _rows(on_policy: bool, seed: int = 0):
@@ -48,6 +52,18 @@ def _rows(on_policy: bool, seed: int = 0):
         q = lp.clone()
     ref = lp + (torch.rand(len(LENGTHS), s, generator=g) - 0.5) * 0.5
     return lp, q, mask, ref
+
+
+def _stable_reinforce(cfg: dict | None, x: torch.Tensor, q: torch.Tensor, adv: float, mask: torch.Tensor):
+    """The row as one sampled sequence (id 1 on its loss positions), from the written-out reference:
+    a token loss with the reference's value and derivative, and where the correction acted."""
+    groups = [1 if b else 0 for b in mask.tolist()]
+    value, grad = reference_loss_and_grad(x.tolist(), q.tolist(), [adv if g else 0.0 for g in groups], groups, cfg)
+    value, grad = torch.tensor(value, dtype=x.dtype), torch.tensor(grad, dtype=x.dtype)
+    ref = reference_statistics(x.tolist(), q.tolist(), groups, cfg)
+    cap = {"ratio_cap": 2.0, **(cfg or {})}["ratio_cap"]
+    acted = mask & (torch.exp(x.detach() - q) > cap) if not ref["masked_sequences"] else mask.clone()
+    return value + grad * (x - x.detach()), acted
 
 
 def _clip_active(loss_fn: str, cfg: dict, lp: torch.Tensor, q: torch.Tensor, adv: float, mask: torch.Tensor) -> torch.Tensor:
@@ -73,12 +89,16 @@ def _expected(loss_fn, cfg, lp, q, mask, ref, kl_coef, weights):
         x = lp[j, :n].double().clone().requires_grad_(True)
         inp = {"weights": m.double(), "logprobs": q[j, :n].double(), "advantages": ADVANTAGES[j] * m.double(),
                "sequence_ratio_mask": m.double()}
-        token = tinker_token_loss(loss_fn, cfg, x, inp)
+        if loss_fn == "stable_reinforce":
+            token, acted = _stable_reinforce(cfg, x, q[j, :n].double(), ADVANTAGES[j], m)
+        else:
+            token = tinker_token_loss(loss_fn, cfg, x, inp)
+            acted = _clip_active(loss_fn, full, x.detach(), q[j, :n].double(), ADVANTAGES[j], m)
         kl = k3_kl(x, ref[j, :n].double()) if rl else torch.zeros_like(x)
         numerator = (torch.where(m, token + kl_coef * kl, torch.zeros_like(token))).sum() * weights[j]
         (grad,) = torch.autograd.grad(numerator, x)
         r = torch.exp(x.detach() - q[j, :n].double())
-        clipped = _clip_active(loss_fn, full, x.detach(), q[j, :n].double(), ADVANTAGES[j], m) & m if rl else m & False
+        clipped = acted & m if rl else m & False
         out.append(dict(numerator=float(numerator.detach()), grad=grad, tokens=int(m.sum()), clipped=int(clipped.sum()),
                         ratio_sum=float(r[m].sum()) if rl else 0.0, kl_sum=float(kl.detach()[m].sum())))
     return out

@@ -60,7 +60,8 @@ def test_loss_resolution_defaults_and_refusals():
         ("ppo", {"clip_low_threshold": 1.5}, "clip_low_threshold <= clip_high_threshold"),
         ("dro", {"beta": float("inf")}, "must be a finite number"),
         ("custom", None, "server-side custom losses are not supported"),
-        ("mse", None, "unknown loss_fn 'mse'; supported: \\['cispo', 'cross_entropy', 'dro', 'gspo', 'importance_sampling', 'ppo'\\]"),
+        ("mse", None, "unknown loss_fn 'mse'; supported: \\['cispo', 'cross_entropy', 'dro', 'gspo', 'importance_sampling', 'ppo', "
+                        "'stable_reinforce'\\]"),
     ]:
         with pytest.raises(ValueError, match=message):
             resolve_loss(loss_fn, cfg)

@@ -7,7 +7,9 @@ that token under the policy, ``mask`` marks the loss positions, ``rollout_logpro
 sampler's log-probability, or the policy's own, detached, where it is unknown: on-policy, ratio
 exactly 1). A row hands the table every input an entry may take, built from the sample:
 ``weights`` = the mask, ``logprobs`` = the rollout log-probabilities, ``advantages`` = the
-sample's advantage on its loss positions (0 elsewhere), ``sequence_ratio_mask`` = the mask.
+sample's advantage on its loss positions (0 elsewhere), ``sequence_ratio_mask`` = the mask, and
+``sampled_sequence`` = the mask too (stable_reinforce: the row is one sampled sequence, id 1, and the
+rollout's recorded log-probabilities are its sampler's: the server is its own sampler here).
 
 Per row: the token loss of its entry, plus ``kl_coef`` times the k3 estimate of the KL to the
 frozen base (LoRA off; GRPO eq. 4), masked to the loss positions, summed and multiplied by the
@@ -92,6 +94,7 @@ def row_token_losses(inp: TokenLossInputs) -> tuple[torch.Tensor, torch.Tensor, 
         "logprobs": inp.rollout_logprobs,
         "advantages": inp.advantage.unsqueeze(1) * inp.mask.to(lp.dtype),
         "sequence_ratio_mask": inp.mask.to(lp.dtype),
+        "sampled_sequence": inp.mask.to(lp.dtype),  # stable_reinforce: a row is one sampled sequence (id 1)
     }
     groups: dict[RowLoss, list[int]] = {}
     for j, row in enumerate(inp.losses):

@@ -36,7 +36,12 @@ Statistics (what a dataset run reports per step, trainer/optim/slot_steps.py): p
 importance ratio exp(lp - q) of an rl entry (1 on-policy) and whether the clip was active
 (``clipped``: the clipped branch was taken, for ppo and gspo; the weight was clipped, for cispo).
 
-``stable_reinforce`` and server-side ``custom`` losses are not served yet (``REFUSED``).
+* stable_reinforce (rl): lorafleet's own definition (trainer/losses/stable_reinforce.py; Tinker has
+  not published its formula): -min(ratio, C) * A * lp on the sampled tokens, a sequence dropped whole
+  when its geometric-mean ratio leaves [L, H], plus kl_coeff / 2 * (lp - q) ** 2; q is the log-prob
+  the server RECORDED at sampling time (the Tinker face replaces the client's ``logprobs`` with it).
+
+Server-side ``custom`` losses are not served yet (``REFUSED``).
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ from dataclasses import dataclass
 from typing import Callable, Literal
 
 import torch
+
+from trainer.losses import stable_reinforce
 
 LossKind = Literal["sft", "rl"]
 
@@ -93,6 +100,7 @@ class LossSpec:
     config: dict[str, float | None]
     fn: Callable[[torch.Tensor, Inputs, Config], TokenLoss]
     check: Callable[[Inputs], None] | None = None
+    check_config: Callable[[Config], None] | None = None  # the resolved config's ranges (ValueError)
 
 
 def _ratio(lp: torch.Tensor, inp: Inputs) -> torch.Tensor:
@@ -145,11 +153,11 @@ LOSSES: dict[str, LossSpec] = {
     "cispo": LossSpec("rl", _RL_INPUTS, dict(_CLIP), _cispo),
     "dro": LossSpec("rl", _RL_INPUTS, {"beta": None}, _dro),
     "gspo": LossSpec("rl", (*_RL_INPUTS, "sequence_ratio_mask"), dict(_CLIP), _gspo, _check_gspo),
+    "stable_reinforce": LossSpec("rl", stable_reinforce.INPUTS, dict(stable_reinforce.DEFAULTS),
+                                 lambda lp, inp, cfg: TokenLoss(*stable_reinforce.token_loss(lp, inp, cfg)),
+                                 stable_reinforce.check_inputs, stable_reinforce.check_config),
 }
 REFUSED = {
-    "stable_reinforce": "stable_reinforce is not served: its objective uses stability information that Tinker's "
-                        "sampler records on its side, and that objective is not published in a form this server can "
-                        "reproduce exactly (for off-policy data use ppo, cispo or gspo)",
     "custom": "server-side custom losses are not supported (forward_backward_custom runs client-side)",
 }
 # What each objective of a dataset run trains with when its config names no loss.
@@ -181,6 +189,8 @@ def resolve_loss(loss_fn: str, config: dict[str, float] | None) -> tuple[LossSpe
                          f"default 0.8 and 1.2), got {out}")
     if "beta" in out and out["beta"] < 0:
         raise ValueError(f"loss_fn_config['beta'] must be >= 0 (the weight of dro's quadratic penalty), got {out['beta']}")
+    if spec.check_config is not None:
+        spec.check_config(out)
     return spec, out
 
 
