@@ -5,16 +5,19 @@ is set.
 Tinker models are tenants of the fleet's one scheduler (service/scheduling/scheduler.py, the runtime's):
 their slots are registry leases counted with the dataset runs' slots, the same keep-warm and
 turns policy evicts and restores both kinds, and their calls ride in the training loop's rounds
-(ONE mixed step with the runs' samples). Sampling goes to the fleet's first SGLang engine
-(api/tinker/sampling.py).
+(ONE mixed step with the runs' samples). Sampling goes to every SGLang engine of the fleet
+(api/tinker/sampling.py, api/tinker/sampler_engines.py): the sampler follows the rollout worker's
+engine list, and each engine keeps ``sampler_capacity(job)`` Tinker adapters loaded.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 
 from api.tinker.auth import TenantKeys
+from api.tinker.sampler_engines import EngineEntry, EngineSource
 from api.tinker.sampling import SglangSampler
 from api.tinker.service import TinkerService
 from service.config.settings import ServiceSettings
@@ -24,20 +27,30 @@ from service.tenants.tinker_models import TinkerModels
 
 log = logging.getLogger(__name__)
 
-# Adapters the sampler keeps loaded in the engine at once: the rollout worker's adapters
-# (two versions each during a live update) need the rest of its max_loaded_loras.
-SAMPLER_MAX_LOADED = 2
+
+def sampler_capacity(job) -> int:  # noqa: ANN001 - a JobConfig
+    """Sampler adapters per engine: what ``engines.max_loaded_loras`` leaves once the dataset runs have
+    what they may hold there (each resident run's adapter, at most ``slots.num_slots``, in two versions
+    during a live update). At least 1 (then the engines may refuse loads while the runs fill them: the
+    job should give ``max_loaded_loras`` room)."""
+    room = job.engines.max_loaded_loras - 2 * job.slots.num_slots
+    if room < 1:
+        log.warning("engines.max_loaded_loras (%d) leaves no room for Tinker sampler adapters beside 2 x %d slots: "
+                    "the sampler keeps 1 per engine; raise max_loaded_loras", job.engines.max_loaded_loras, job.slots.num_slots)
+    return max(1, room)
 
 
-def _engine_url(runtime: FleetRuntime) -> str | None:
-    if runtime.rollout is None:
-        return None
-    try:
-        engines = runtime.rollout.engine_health(timeout_s=30)
-    except Exception as err:  # noqa: BLE001 - no sampling, training still served
-        log.warning("Tinker sampling disabled: engines unreachable: %s: %s", type(err).__name__, err)
-        return None
-    return engines[0].url if engines else None
+def rollout_engines(runtime: FleetRuntime) -> EngineSource:
+    """The rollout worker's engine list, read anew each time (an engine restarted or replaced is a new
+    URL or a new start: api/tinker/sampler_engines.py follows it)."""
+    async def source() -> list[EngineEntry]:
+        rollout = runtime.rollout
+        if rollout is None:
+            return []
+        health = await asyncio.to_thread(rollout.engine_health, 10.0)
+        return [EngineEntry(h.index, h.url, h.alive and h.routable, h.inflight, h.starts) for h in health]
+
+    return source
 
 
 def fleet_tinker_service(controller: Controller, settings: ServiceSettings) -> TinkerService:
@@ -53,7 +66,7 @@ def fleet_tinker_service(controller: Controller, settings: ServiceSettings) -> T
                           tokenizer_id=settings.tinker_tokenizer_id or job.base_model.served_name or job.base_model.path,
                           max_rank=controller.capacity.max_rank, max_seq_len=settings.tinker_max_seq_len,
                           dp=runtime.trainer.config.dp, target_groups=tuple(controller.capacity.target_groups))
-    url = _engine_url(runtime)
-    sampler = SglangSampler(url, max_loaded=SAMPLER_MAX_LOADED) if url else None
+    sampler = (SglangSampler(rollout_engines(runtime), records=controller.registry, max_loaded=sampler_capacity(job))
+               if runtime.rollout is not None else None)
     service = TinkerService(models, keys, settings.tinker_dir, sampler=sampler, session_timeout_s=settings.tinker_session_timeout_s)
     return service

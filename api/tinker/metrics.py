@@ -1,11 +1,16 @@
-"""Tinker gauges for GET /metrics (Prometheus), from ``TinkerService.metrics()``.
+"""Tinker gauges and counters for GET /metrics (Prometheus), from ``TinkerService.metrics()``.
 
 The service's /metrics renders a fresh registry per scrape (api/metrics.py); it adds
-these with ``add_tinker_gauges(registry, service.metrics())``."""
+these with ``add_tinker_gauges(registry, service.metrics())``. The sampler's keys
+(api/tinker/sampling.py ``SglangSampler.metrics``) become labelled counters:
+``sampler.<count>.<engine index>`` -> ``lorafleet_tinker_sample_requests_total{engine="<index>"}``
+and the adapter loads and unloads (bounded: one series per engine of the fleet), and
+``stable_reinforce.<statistic>`` -> the stable_reinforce calls' statistics, summed.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 GAUGES = {
     "mixed_steps": ("lorafleet_tinker_mixed_steps", "Mixed forward_backward steps run for Tinker calls"),
@@ -20,8 +25,31 @@ GAUGES = {
     "restores": ("lorafleet_tinker_restores", "Evicted Tinker models swapped back in so far"),
     "sessions": ("lorafleet_tinker_sessions", "Live Tinker sessions"),
 }
+# per engine (label engine = its index in the fleet); Prometheus adds _total
+SAMPLER_COUNTERS = {
+    "requests": ("lorafleet_tinker_sample_requests", "Tinker sample requests routed to each engine (a retry counts again)"),
+    "adapter_loads": ("lorafleet_tinker_sampler_adapter_loads", "Tinker sampler adapters loaded into each engine"),
+    "adapter_unloads": ("lorafleet_tinker_sampler_adapter_unloads", "Tinker sampler adapters unloaded from each engine for room"),
+}
+STABLE_REINFORCE = {
+    "calls": "stable_reinforce forward/forward_backward calls",
+    "sequences": "sampled sequences trained on with stable_reinforce",
+    "masked_sequences": "of them, sequences masked whole (geometric-mean ratio out of bounds)",
+    "sampled_tokens": "sampled tokens trained on with stable_reinforce",
+    "truncated_tokens": "of them, kept tokens whose importance ratio was truncated at ratio_cap",
+    "ratio_sum": "sum of the trainer/sampler importance ratios of those tokens (divide by sampled_tokens: the mean)",
+    "kl_sum": "sum of (lp - q)^2 / 2 over those tokens",
+}
 
 
 def add_tinker_gauges(registry: CollectorRegistry, stats: dict[str, float]) -> None:
     for key, (name, doc) in GAUGES.items():
         Gauge(name, doc, registry=registry).set(stats.get(key, 0.0))
+    counters = {what: Counter(name, doc, ["engine"], registry=registry) for what, (name, doc) in SAMPLER_COUNTERS.items()}
+    for key, value in stats.items():
+        if key.startswith("sampler."):
+            _, what, engine = key.split(".", 2)
+            if what in counters:
+                counters[what].labels(engine).inc(value)
+    for what, doc in STABLE_REINFORCE.items():
+        Counter(f"lorafleet_tinker_stable_reinforce_{what}", doc, registry=registry).inc(stats.get(f"stable_reinforce.{what}", 0.0))

@@ -1,11 +1,19 @@
-"""Sampling sessions over an SGLang engine: ``create_sampling_session`` and ``asample``.
+"""Sampling sessions over the fleet's SGLang engines: ``create_sampling_session`` and ``asample``.
 
 A sampling session names what it samples from: the base model, or a sampler checkpoint
-(``save_weights_for_sampler``: a PEFT folder) of the caller's. The adapter is loaded into
-the engine once per session, under a name of its own (a session's weights never change:
-new weights are a new checkpoint and a new session, as in Tinker). ``num_samples``
-generations run concurrently on the engine; the result is the SDK's SampleResponse
+(``save_weights_for_sampler``: a PEFT folder) of the caller's. Its adapter is loaded into an engine
+when a request needs it there, under a name of its own (a session's weights never change: new
+weights are a new checkpoint and a new session, as in Tinker). Which engine serves a request, and
+which adapters each engine keeps, is api/tinker/sampler_engines.py (one routing rule; one LRU per
+engine; an engine lost mid-request gives a retry on another). ``num_samples`` generations run
+concurrently on one engine (they share the prompt's cache); the result is the SDK's SampleResponse
 protobuf (tokens, per-token logprobs, stop reason).
+
+Sessions are recorded in the service's registry (service/registry/sampling_records.py) when it has
+one: a session outlives a restart of the service, its adapter loaded again on its next request. A
+client made with ``record_stability_info=True`` has each sampled sequence recorded there under its
+``sequence_id`` (the prompt, the tokens and the engine's log-probability of each, and the checkpoint
+that sampled it): what stable_reinforce trains with (api/tinker/stability.py).
 
 Options served (the SDK's SamplingParams and SampleRequest):
   * ``max_tokens``, ``temperature``, ``top_k``, ``top_p``, ``stop`` -> SGLang's sampling params;
@@ -27,12 +35,16 @@ import asyncio
 import math
 import secrets
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from api.tinker.futures import Outcome, user_error
+from api.tinker.futures import Outcome, server_error, user_error
+from api.tinker.sampler_engines import EngineFailed, EngineSource, NoEngine, SamplerEngine, SamplerEngines, static_engines
+from rollout.engines.client import EngineError, EngineUnavailable
+from service.registry.sampling_records import SamplingRecords
 
 MAX_TOPK = 20  # top-k logprobs per position a request may ask for
 SEED_SPACE = 2**63  # SGLang's sampling_seed is a signed 64-bit integer
@@ -69,81 +81,60 @@ class LogprobOptions:
     def first_scored(self, prompt_len: int) -> int:
         """The first prompt position whose logprobs are returned (earlier ones: not computed)."""
         return 0 if self.last_n is None else prompt_len - self.last_n
-from rollout.engines.client import EngineClient, EngineError
-from rollout.engines.weights import AdapterWeights
-from service.scheduling.residency import AdapterLru
-
-
 @dataclass
 class SamplingSession:
     tenant: str
-    folder: Path | None  # PEFT folder, or None for the base model
+    folder: str | Path | None  # the sampler checkpoint's PEFT folder, or None for the base model
     lora_name: str | None = None
     model_path: str | None = None  # the tinker:// path it was opened with
-    loaded: bool = False
+    session_id: str = ""
+    engine: str | None = None  # the engine that served it last (routing's stickiness: sampler_engines.py)
+
+
+def _engine_lost(err: BaseException) -> bool:
+    """An engine failure another engine may not have: unreachable, dropped, timed out, or a 5xx."""
+    return isinstance(err, EngineUnavailable) or (isinstance(err, EngineError) and (err.status is None or err.status >= 500))
 
 
 class SglangSampler:
-    def __init__(self, engine_url: str, *, request_timeout_s: float = 600.0, max_loaded: int = 6):
-        """``max_loaded``: adapters kept loaded in the engine (below its max_loaded_loras), across every
-        tenant's sessions, by the one rule of recency (service/scheduling/residency.py AdapterLru): a session's
-        adapter is loaded when it samples; to make room, the least recently used one that no request
-        is sampling from is unloaded (loaded again when its session samples next). A request that
-        finds every loaded adapter in use waits for one to be released: it never fails for room."""
-        self.engine_url = engine_url
-        self.max_loaded = max_loaded
-        self._lru = AdapterLru(max_loaded)
-        self._in_use: dict[str, int] = {}  # lora name -> requests sampling from it now
-        self._by_name: dict[str, SamplingSession] = {}
-        self.request_timeout_s = request_timeout_s
-        self.sessions: dict[str, SamplingSession] = {}
-        self._client: EngineClient | None = None
-        self._room: asyncio.Condition | None = None  # guards loads and unloads; notified when a request ends
-        self._seeded: bool | None = None  # the engine honours sampling_seed (asked on the first seeded request)
+    def __init__(self, engines: str | list[str] | EngineSource, *, records: SamplingRecords | None = None,
+                 max_loaded: int = 6, request_timeout_s: float = 600.0, refresh_s: float = 2.0,
+                 engine_wait_s: float = 120.0):
+        """``engines``: an SGLang server's URL, a list of them, or the fleet's list (an EngineSource,
+        api/tinker/sampler_engines.py: followed as engines come and go). ``max_loaded``: sampler
+        adapters kept loaded per engine (what the engines' max_loaded_loras leaves to Tinker).
+        ``records``: the service's registry (service/registry/sampling_records.py): sampling sessions
+        outlive a restart, and samples of clients made with record_stability_info are recorded for
+        stable_reinforce; without it sessions live in memory and nothing is recorded."""
+        if isinstance(engines, str):
+            engines = [engines]
+        source = static_engines(engines) if isinstance(engines, list) else engines
+        self.engines = SamplerEngines(source, capacity=max_loaded, request_timeout_s=request_timeout_s,
+                                      refresh_s=refresh_s, engine_wait_s=engine_wait_s)
+        self.records = records
+        self.sessions: dict[str, SamplingSession] = {}  # this process's sessions (the records hold them all)
+        self.stable_reinforce = Counter()  # the stable_reinforce calls' statistics, summed (api/tinker/stability.py)
 
-    def _engine(self) -> EngineClient:
-        if self._client is None:  # created on the serving loop (httpx clients bind to it)
-            self._client = EngineClient(self.engine_url, request_timeout_s=self.request_timeout_s)
-            self._room = asyncio.Condition()
-        return self._client
+    # -- sessions --------------------------------------------------------------------------------------
 
-    async def _acquire(self, engine: EngineClient, session: SamplingSession) -> None:
-        """The session's adapter loaded and counted in use (unloading least recently used idle ones
-        first; waiting while every loaded one is in use)."""
-        name = session.lora_name
-        async with self._room:
-            while True:
-                victims = self._lru.room_for(name, lambda n: self._in_use.get(n, 0) > 0)
-                if victims is not None:
-                    break
-                await self._room.wait()  # every loaded adapter is sampling: the next to finish makes room
-            for old in victims:
-                await engine.unload_adapter(old)
-                self._lru.forget(old)
-                self._by_name.pop(old).loaded = False
-            if name not in self._lru:
-                await engine.load_adapter(name, AdapterWeights.from_folder(session.folder), transfer="disk")
-                session.loaded = True
-                self._lru.loaded(name)
-                self._by_name[name] = session
-            self._lru.touch(name)
-            self._in_use[name] = self._in_use.get(name, 0) + 1
-
-    async def _release(self, name: str) -> None:
-        async with self._room:
-            self._in_use[name] -= 1
-            if not self._in_use[name]:
-                del self._in_use[name]
-            self._room.notify_all()
-
-    def create_session(self, tenant: str, folder: Path | None, model_path: str | None = None) -> str:
+    def create_session(self, tenant: str, folder: str | Path | None, model_path: str | None = None) -> str:
         sid = f"samp-{uuid.uuid4().hex[:16]}"
-        self.sessions[sid] = SamplingSession(tenant, folder, None if folder is None else f"tinker-{sid}", model_path)
+        if self.records is not None:  # durable before its id is answered
+            self.records.record_sampling_session(sid, tenant, model_path, None if folder is None else str(folder))
+        self.sessions[sid] = SamplingSession(tenant, folder, None if folder is None else f"tinker-{sid}", model_path, sid)
         return sid
 
     def session(self, tenant: str, sid: str) -> SamplingSession | None:
+        """The tenant's session (another tenant's reads as absent); after a restart, from the records
+        (its adapter is loaded again on demand). Each use restarts its day (sampling_records.py S2)."""
         s = self.sessions.get(sid)
-        return s if s is not None and s.tenant == tenant else None
+        if s is not None and s.tenant != tenant:
+            return None
+        rec = self.records.sampling_session(tenant, sid) if self.records is not None else None
+        if s is None and rec is not None:
+            s = self.sessions[sid] = SamplingSession(tenant, rec.folder, None if rec.folder is None else f"tinker-{sid}",
+                                                     rec.model_path, sid)
+        return s
 
     @staticmethod
     def sglang_params(params: dict) -> dict:
@@ -159,78 +150,113 @@ class SglangSampler:
             out["stop"] = list(stop)
         return out
 
-    async def _deterministic(self, engine: EngineClient) -> bool:
-        """Whether the engine honours sampling_seed (started with --enable-deterministic-inference); asked once."""
-        if self._seeded is None:
-            info = await engine.server_info()
-            self._seeded = bool(info.get("enable_deterministic_inference"))
-        return self._seeded
-
-    async def seeds(self, engine: EngineClient, seed: object, n: int) -> list[int | None]:
+    @staticmethod
+    async def seeds(engine: SamplerEngine, seed: object, n: int) -> list[int | None]:
         """The sampling_seed of each of ``n`` samples; ValueError when a seed cannot be honoured."""
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"sampling_params.seed must be an integer, got {seed!r}")
-        deterministic = await self._deterministic(engine)
+        if engine.deterministic is None:  # asked once per engine
+            engine.deterministic = bool((await engine.client.server_info()).get("enable_deterministic_inference"))
         if seed is None:
-            return [secrets.randbelow(SEED_SPACE) for _ in range(n)] if deterministic else [None] * n
-        if not deterministic:
+            return [secrets.randbelow(SEED_SPACE) for _ in range(n)] if engine.deterministic else [None] * n
+        if not engine.deterministic:
             raise ValueError("sampling_params.seed is not served by this server's engine (it needs SGLang's "
                              "--enable-deterministic-inference, in engines.extra_server_args); leave seed unset")
         return [(seed + i) % SEED_SPACE for i in range(n)]
 
-    async def sample(self, session: SamplingSession, prompt: list[int], num_samples: int, params: dict,
-                     options: LogprobOptions = LogprobOptions()) -> Outcome:
-        from tinker.proto import tinker_public_pb2 as pb
+    # -- sampling --------------------------------------------------------------------------------------
 
-        engine = self._engine()
+    async def sample(self, session: SamplingSession, prompt: list[int], num_samples: int, params: dict,
+                     options: LogprobOptions = LogprobOptions(), record_as: str | None = None) -> Outcome:
+        """The request's SampleResponse, or its error. An engine that fails it (unreachable, dropped,
+        timed out) is routed around and the request runs again on another (sampler_engines.py), until
+        every engine in the fleet's list failed it. ``record_as``: the request id whose sequences are
+        recorded (``<record_as>-<i>``, the acknowledgement's sample_sequence_ids) before the answer."""
         try:
             options.check(len(prompt))
             sp = self.sglang_params(params)
-            seeds = await self.seeds(engine, params.get("seed"), num_samples)
+            if record_as is not None and self.records is None:
+                raise ValueError("record_stability_info is not served: this server keeps no sampling records")
         except (ValueError, TypeError) as err:
             return user_error(str(err))
-        except EngineError as err:
-            return Outcome(json={"error": str(err), "category": "server"})
-        acquired = False
-        try:
-            if session.lora_name is not None:
-                await self._acquire(engine, session)
-                acquired = True
-            results = await asyncio.gather(*(
-                engine.generate(rid=f"tinker::{uuid.uuid4().hex}", input_ids=prompt,
-                                sampling_params=sp if s is None else {**sp, "sampling_seed": s}, lora_name=session.lora_name,
-                                logprob_start_len=options.start(len(prompt)),
-                                top_logprobs_num=max(options.topk_prompt, options.topk_sample))
-                for s in seeds))
-        except EngineError as err:
-            return user_error(f"sampling failed: {err}") if err.status == 400 else Outcome(json={"error": str(err), "category": "server"})
-        finally:
-            if acquired:
-                await self._release(session.lora_name)
-        msg = pb.SampleResponse()
-        for r in results:
-            seq = msg.sequences.add()
-            seq.stop_reason = pb.STOP_REASON_LENGTH if r.finish_reason == "length" else pb.STOP_REASON_STOP
-            seq.tokens = np.asarray(r.token_ids, dtype=np.int32).tobytes()
-            seq.logprobs = np.asarray(r.logprobs, dtype=np.float32).tobytes()
-            if options.topk_sample:
-                _fill_topk(seq.topk_sampled_logprobs, r.top_logprobs or [], len(r.token_ids), options.topk_sample, 0)
-        if options.wants_prompt:  # the prompt's logprobs are the same for every sample: the first one's
-            first, start, keep = results[0], options.start(len(prompt)), options.first_scored(len(prompt))
-            if options.prompt_logprobs:
-                lps = [math.nan] * len(prompt)
-                for i, lp in enumerate(first.prompt_logprobs or []):
-                    if keep <= start + i < len(prompt) and lp is not None:
-                        lps[start + i] = lp
-                msg.prompt_logprobs = np.asarray(lps, dtype=np.float32).tobytes()
-            if options.topk_prompt:
-                _fill_topk(msg.topk_prompt_logprobs, first.prompt_top_logprobs or [], len(prompt), options.topk_prompt, start,
-                           keep)
-        return Outcome(proto=msg.SerializeToString())
+        tried: set[str] = set()
+        failures: list[str] = []
+        while True:
+            try:
+                engine = await self.engines.acquire(session.lora_name, session.folder, session.engine, tried)
+            except NoEngine as err:
+                return server_error(f"sampling failed: {err}" + (f"; {'; '.join(failures)}" if failures else ""))
+            except EngineFailed as err:
+                if not _engine_lost(err.error):
+                    return user_error(f"sampling failed: {err.error}") if err.error.status == 400 else server_error(str(err.error))
+                self.engines.lost(err.engine, err.error)
+                tried.add(err.engine.key)
+                failures.append(f"engine {err.engine.entry.index}: {err.error}")
+                continue
+            except ValueError as err:  # the checkpoint's folder is not a PEFT adapter (deleted meanwhile)
+                return user_error(f"sampling failed: {err}")
+            try:
+                seeds = await self.seeds(engine, params.get("seed"), num_samples)
+                results = await asyncio.gather(*(
+                    engine.client.generate(rid=f"tinker::{uuid.uuid4().hex}", input_ids=prompt,
+                                           sampling_params=sp if s is None else {**sp, "sampling_seed": s},
+                                           lora_name=session.lora_name, logprob_start_len=options.start(len(prompt)),
+                                           top_logprobs_num=max(options.topk_prompt, options.topk_sample))
+                    for s in seeds), return_exceptions=True)
+            except ValueError as err:
+                return user_error(str(err))
+            except EngineError as err:
+                results = [err]
+            finally:
+                await self.engines.release(engine, session.lora_name)
+            error = next((r for r in results if isinstance(r, BaseException)), None)
+            if error is None:
+                break
+            if not isinstance(error, EngineError):
+                raise error
+            if not _engine_lost(error):
+                return user_error(f"sampling failed: {error}") if error.status == 400 else server_error(str(error))
+            self.engines.lost(engine, error)
+            tried.add(engine.key)
+            failures.append(f"engine {engine.entry.index}: {error}")
+        session.engine = engine.key
+        if record_as is not None:
+            self.records.record_samples(record_as, session.tenant, session.session_id, session.model_path or "base", prompt,
+                                        [(list(r.token_ids), list(r.logprobs)) for r in results])
+        return Outcome(proto=_response(results, prompt, options))
+
+    def metrics(self) -> dict[str, float]:
+        """Per-engine counts (sampler_engines.py) and the stable_reinforce statistics, for /metrics."""
+        return {**self.engines.metrics(), **{f"stable_reinforce.{k}": float(v) for k, v in self.stable_reinforce.items()}}
 
     async def aclose(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
+        await self.engines.aclose()
+
+
+def _response(results: list, prompt: list[int], options: LogprobOptions) -> bytes:
+    """The SDK's SampleResponse protobuf from the engine's generations."""
+    from tinker.proto import tinker_public_pb2 as pb
+
+    msg = pb.SampleResponse()
+    for r in results:
+        seq = msg.sequences.add()
+        seq.stop_reason = pb.STOP_REASON_LENGTH if r.finish_reason == "length" else pb.STOP_REASON_STOP
+        seq.tokens = np.asarray(r.token_ids, dtype=np.int32).tobytes()
+        seq.logprobs = np.asarray(r.logprobs, dtype=np.float32).tobytes()
+        if options.topk_sample:
+            _fill_topk(seq.topk_sampled_logprobs, r.top_logprobs or [], len(r.token_ids), options.topk_sample, 0)
+    if options.wants_prompt:  # the prompt's logprobs are the same for every sample: the first one's
+        first, start, keep = results[0], options.start(len(prompt)), options.first_scored(len(prompt))
+        if options.prompt_logprobs:
+            lps = [math.nan] * len(prompt)
+            for i, lp in enumerate(first.prompt_logprobs or []):
+                if keep <= start + i < len(prompt) and lp is not None:
+                    lps[start + i] = lp
+            msg.prompt_logprobs = np.asarray(lps, dtype=np.float32).tobytes()
+        if options.topk_prompt:
+            _fill_topk(msg.topk_prompt_logprobs, first.prompt_top_logprobs or [], len(prompt), options.topk_prompt, start,
+                       keep)
+    return msg.SerializeToString()
 
 
 def _fill_topk(out, tops: list, length: int, k: int, start: int, keep: int = 0) -> None:  # noqa: ANN001 - a pb.TopkLogprobs

@@ -58,6 +58,7 @@ from typing import Any
 from service.config.adapter import AdapterConfig
 from service.config.job import default_live_runs
 from service.errors import Conflict, NoFreeSlot, NotFound
+from service.registry.sampling_records import SamplingRecords
 from service.registry.slots import RegistrySlots
 from service.registry.views import RegistryViews, RunQuota
 from service.registry.records import (  # noqa: F401 - the records' names are the registry's interface too
@@ -80,7 +81,7 @@ from service.registry.records import (  # noqa: F401 - the records' names are th
 )
 
 
-class Registry(RegistrySlots, RegistryViews):
+class Registry(RegistrySlots, RegistryViews, SamplingRecords):
     """SQLite-backed registry. Thread-safe (one lock around one connection). Its slot record (free
     slots, holders, the queue, leases, bind and release) is service/registry/slots.py; its reads for
     lists, counts and the loop are its views (service/registry/views.py)."""
@@ -112,6 +113,7 @@ class Registry(RegistrySlots, RegistryViews):
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute("PRAGMA foreign_keys=ON")
         self._db.executescript(_SCHEMA)
+        self._create_sampling_tables()  # Tinker sampling sessions and stability records (sampling_records.py)
         self._db.execute("DELETE FROM slot_leases")  # I7: the previous process's leases died with it
         columns = {r["name"] for r in self._db.execute("PRAGMA table_info(runs)")}
         if "queued_at" not in columns:  # a registry file written before the queue existed

@@ -90,15 +90,21 @@ class CountingEngine:
     async def server_info(self):
         return {}
 
+    async def loaded_adapters(self):
+        return sorted(self.loaded)
 
-def _sampler(tmp_path: Path, capacity: int):
+    async def aclose(self):
+        pass
+
+
+def _sampler(tmp_path: Path, capacity: int, monkeypatch):
     pytest.importorskip("tinker")
+    from api.tinker import sampler_engines
     from api.tinker.sampling import SglangSampler
 
-    sampler = SglangSampler("http://127.0.0.1:9", max_loaded=capacity)
     engine = CountingEngine(capacity)
-    sampler._client = engine  # the FAKE in place of the HTTP client; the sampler makes its own lock
-    sampler._room = asyncio.Condition()
+    monkeypatch.setattr(sampler_engines, "EngineClient", lambda url, **kw: engine)  # the FAKE in place of the HTTP client
+    sampler = SglangSampler("http://127.0.0.1:9", max_loaded=capacity)
     folders = []
     for i in range(6):
         f = tmp_path / f"ckpt{i}"
@@ -113,7 +119,7 @@ def test_sessions_of_every_tenant_share_one_cache_and_busy_adapters_stay(tmp_pat
     from rollout.engines.weights import AdapterWeights
 
     monkeypatch.setattr(AdapterWeights, "from_folder", staticmethod(lambda folder: folder))
-    sampler, engine, folders = _sampler(tmp_path, capacity=2)
+    sampler, engine, folders = _sampler(tmp_path, capacity=2, monkeypatch=monkeypatch)
 
     async def scenario():
         sids = [sampler.create_session("alice" if i % 2 else "bob", folders[i]) for i in range(4)]
