@@ -4,16 +4,20 @@ The SDK posts forward_backward (and forward, as ``forward_only``) as
 ``application/x-protobuf`` (zstd-compressed when the server's client config asks for
 it; ours does not), and asks for ForwardBackwardOutput results as protobuf. The
 message classes are the SDK's own generated module (``tinker.proto``), so the two
-sides cannot drift apart. Only text chunks are accepted (no images or audio).
+sides cannot drift apart. Only text chunks are accepted (no images or audio). A datum's
+provenance spans (``Datum.with_provenance``) are read into ``provenance`` (one entry per
+datum, None without): what stable_reinforce checks against the sampling records
+(api/tinker/stability.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from api.tinker.stability import Provenance, Span
 from trainer.rounds import CallResult, Datum
 
 PROTO_CONTENT_TYPE = "application/x-protobuf"
@@ -33,6 +37,7 @@ class ForwardBackwardBody:
     loss_fn_config: dict[str, float]
     forward_only: bool
     data: list[Datum]
+    provenance: list[Provenance | None] = field(default_factory=list)  # per datum
 
 
 _DTYPES = {1: np.float32, 2: np.int64, 3: np.int32}
@@ -71,7 +76,7 @@ def decode_forward_backward(body: bytes, content_encoding: str | None = None) ->
             config[k] = v.number
     else:
         config = dict(msg.loss_fn_config)
-    data = []
+    data, provenance = [], []
     for i, d in enumerate(msg.data):
         tokens: list[int] = []
         for chunk in d.model_input:
@@ -81,8 +86,30 @@ def decode_forward_backward(body: bytes, content_encoding: str | None = None) ->
             tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist())
         inputs = {k: _tensor(v, f"datum {i}: loss_fn_inputs[{k!r}]") for k, v in d.loss_fn_inputs.items()}
         data.append(Datum(tokens=tokens, inputs=inputs))
+        provenance.append(_provenance(d, i))
     return ForwardBackwardBody(model_id=msg.model_id, seq_id=msg.seq_id, loss_fn=msg.loss_fn, loss_fn_config=config,
-                               forward_only=msg.forward_only, data=data)
+                               forward_only=msg.forward_only, data=data, provenance=provenance)
+
+
+def _provenance(d, i: int) -> Provenance | None:  # noqa: ANN001 - a pb Datum
+    if not d.model_input_spans and not d.loss_fn_input_spans:
+        return None
+    if not d.model_input_spans or not d.loss_fn_input_spans:
+        raise ValueError(f"datum {i}: provenance comes as a pair: model_input_spans and loss_fn_input_spans, or neither")
+
+    def spans(field_name: str, listed) -> tuple[Span, ...]:  # noqa: ANN001 - repeated pb ProvenanceSpan
+        out = []
+        for j, p in enumerate(listed):
+            arm = p.WhichOneof("span")
+            if arm is None:
+                raise ValueError(f"datum {i}: {field_name}[{j}] is neither a prompt nor a sampled span")
+            s = p.sampled_tokens if arm == "sampled_tokens" else p.prompt_tokens
+            if s.offset < 0 or s.length < 0 or not s.sequence_id:
+                raise ValueError(f"datum {i}: {field_name}[{j}] needs a sequence_id, offset >= 0 and length >= 0")
+            out.append(Span(arm == "sampled_tokens", s.sequence_id, int(s.offset), int(s.length)))
+        return tuple(out)
+
+    return Provenance(spans("model_input_spans", d.model_input_spans), spans("loss_fn_input_spans", d.loss_fn_input_spans))
 
 
 def encode_forward_backward_output(result: CallResult) -> bytes:

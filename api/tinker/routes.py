@@ -19,6 +19,7 @@ from api.tinker.runs_routes import runs_router
 from api.tinker.proto_io import PROTO_CONTENT_TYPE, decode_forward_backward, encode_forward_backward_output
 from api.tinker.sampling import LogprobOptions
 from api.tinker.service import TinkerService, lora_flags
+from api.tinker.stability import attach_recorded_inputs, with_statistics
 from service.tenants.tinker_model import checkpoint_lora
 from trainer.rounds import AdamStep, CallResult
 
@@ -123,8 +124,15 @@ def tinker_router(service: TinkerService) -> APIRouter:
             raise HTTPException(400, str(err)) from None
         model = service.model(t, fb.model_id).model
         rid, answer = future(t, fb.model_id)
+        sampler = service.sampler
+        try:  # stable_reinforce: its inputs from the server's sampling records (api/tinker/stability.py)
+            data = attach_recorded_inputs(t, fb.loss_fn, fb.data, fb.provenance, sampler.records if sampler else None)
+        except ValueError as err:
+            service.futures.resolve(rid, user_error(str(err)))
+            return answer
+        ok = with_statistics(fb.loss_fn, fb.loss_fn_config, data, sampler.stable_reinforce if sampler else None, _fb_outcome)
         submit = model.forward if fb.forward_only else model.forward_backward
-        submit(fb.data, fb.loss_fn, fb.loss_fn_config, **service.op_kw(rid, _fb_outcome))
+        submit(data, fb.loss_fn, fb.loss_fn_config, **service.op_kw(rid, ok))
         return answer
 
     @r.post("/optim_step")
@@ -216,7 +224,7 @@ def tinker_router(service: TinkerService) -> APIRouter:
             options = LogprobOptions(bool(body.prompt_logprobs), body.topk_prompt_logprobs, body.topk_sample_logprobs,
                                      body.prompt_logprobs_last_n)
             service.futures.resolve(rid, await service.sampler.sample(session, prompt, body.num_samples, body.sampling_params,
-                                                                      options))
+                                                                      options, rid if body.record_stability_info else None))
 
         service.background(run())
         return answer

@@ -113,6 +113,7 @@ class SampleRequest(_In):
     prompt_logprobs_last_n: int | None = None
     target_prompt_logprobs: Any = None  # not served: refused with a message
     prompt_alt_tokens_k: int = 0  # not served: refused with a message
+    record_stability_info: bool | None = None  # record each sequence for stable_reinforce (api/tinker/sampling.py)
 
 
 class LoadWeightsRequest(_In):

@@ -275,7 +275,7 @@ def test_bad_input_is_a_clear_error_and_changes_nothing(world, tiny_world):
         ([datum([1, 2, 3], advantages=[1.0] * 3, **rl)], "ppo", {"clip_eps": 0.2}, "keys ['clip_eps'] are not known to 'ppo'"),
         ([datum([1, 2, 3], advantages=[1.0] * 3, **rl)], "gspo", None, "lacks ['sequence_ratio_mask']"),
         ([datum([1, 2, 3], advantages=[1.0] * 3, sequence_ratio_mask=[0.0] * 3, **rl)], "gspo", None, "marks no position"),
-        ([datum([1, 2, 3], advantages=[1.0] * 3, **rl)], "stable_reinforce", None, "stable_reinforce is not served"),
+        ([datum([1, 2, 3], advantages=[1.0] * 3, **rl)], "stable_reinforce", None, "stable_reinforce needs the provenance of every datum"),
         ([datum([1, 2, 3], advantages=[1.0] * 3, **rl)], "dro", None, "needs loss_fn_config['beta']"),
     ]
     for data, loss_fn, cfg, text in cases:
