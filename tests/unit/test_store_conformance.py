@@ -391,3 +391,85 @@ def test_server_gone_retries_then_fails_with_a_clear_reason(tmp_path):
             assert re.search(r"after 2 retries", text), (name, text)
             _no_credentials(server, text)
         _no_credentials(server, repr(store))
+
+
+def test_the_location_and_the_aws_variables_configure_the_store(seaweed, monkeypatch, tmp_path):
+    from trainer.storage.locations import open_store
+
+    for name, value in seaweed.env().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    location = f"s3://{seaweed.bucket}/env-{uuid.uuid4().hex[:6]}"
+    opened = open_store(location)
+    assert isinstance(opened, S3Store) and opened.url("a/b") == f"{location}/a/b" and opened.endpoint == seaweed.endpoint
+    store = S3Store.from_url(location + "/", cache_dir=tmp_path / "c")
+    store.put_folder("a/b", make_folder(tmp_path / "s", {"f": b"via the environment"}))
+    assert read_all(opened.get_folder("a/b")) == {"f": b"via the environment"}
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens there: the S3-specific one wins
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", seaweed.endpoint)
+    assert S3Store.from_url(location, cache_dir=tmp_path / "c2").manifest("a/b") is not None
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-" + seaweed.secret_access_key)  # refused by the server
+    with pytest.raises(StoreError) as refused:
+        S3Store.from_url(location, cache_dir=tmp_path / "c3", retry=FAST_FAIL).get_folder("a/b")
+    assert f"{location}/a/b" in str(refused.value)
+    _no_credentials(seaweed, str(refused.value))
+    for bad in ("s3://", "s3://Upper/x", "s3://b/x", "http://bucket/x", f"s3://{seaweed.bucket}/../x"):
+        with pytest.raises(StoreError, match="invalid|not an s3"):
+            S3Store.from_url(bad)
+
+
+class ResettingListener:
+    """A stand-in for a gateway that is restarting (a fault not caused otherwise on demand): it
+    holds the S3 port and resets every connection it accepts, counting them."""
+
+    def __init__(self, port: int) -> None:
+        import socket
+
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", port))
+        self.sock.listen(64)
+        self.resets = 0
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        import socket
+        import struct
+
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed: done
+                return
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = RST
+            conn.close()
+            self.resets += 1
+
+    def close(self) -> None:
+        import socket
+
+        self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        self.thread.join(timeout=30)
+
+
+def test_transient_failures_are_retried_until_the_server_is_back(tmp_path):
+    # bounded by time, not count: the server's restart took 3-20 s here, depending on the machine's load
+    patient = RetryPolicy(max_retries=100_000, init_backoff_s=0.05, max_backoff_s=1.0, retry_timeout_s=240.0,
+                          connect_timeout_s=2.0, read_timeout_s=30.0, request_timeout_s=60.0)
+    with seaweedfs() as server:
+        store = server.store("flaky", cache_dir=tmp_path / "c", retry=patient)
+        store.put_folder("runs/f/export", make_folder(tmp_path / "s", FILES))
+        server.kill()
+        resetter = ResettingListener(server.ports["s3"])
+        got: list = []
+        reader = threading.Thread(target=lambda: got.append(read_all(other_machine(server, store).get_folder("runs/f/export"))))
+        reader.start()
+        try:
+            wait_until(lambda: resetter.resets >= 3, "three connections reset (the client retrying)", timeout_s=120)
+        finally:
+            resetter.close()
+        server.start()  # the gateway is back on its port: the same read, still retrying, now succeeds
+        reader.join(timeout=240)
+        assert not reader.is_alive() and got == [FILES]

@@ -182,7 +182,11 @@ class S3Store(CheckpointStore):
     def _failure(self, key: str, what: str, error: BaseException) -> StoreError:
         """A StoreError naming the key, the step and the client's reason (its first line: the request,
         the retries made, the cause), never a credential."""
-        reason = (str(error).strip().splitlines() or [""])[0][:500]
+        text = str(error).strip()
+        reason = (text.splitlines() or [""])[0][:500].removesuffix('<?xml version="1.0" encoding="UTF-8"?>').rstrip()
+        answer = re.search(r"<Code>([^<]*)</Code>(?:<Message>([^<]*)</Message>)?", text)  # the S3 error body
+        if answer:
+            reason += f" [{answer.group(1)}{': ' + answer.group(2) if answer.group(2) else ''}]"
         return StoreError(self._redact(f"{self.url(key)}: {what} failed: {type(error).__name__}: {reason}"))
 
     def _call(self, key: str, what: str, fn: Callable[..., T], *args, **kwargs) -> T:  # noqa: ANN002, ANN003
