@@ -405,6 +405,10 @@ class S3Store(CheckpointStore):
         self._call(key, f"copying {src}", obstore.put, self._client, dst, body.stream(min_chunk_size=self.retry.part_bytes),
                    chunk_size=self.retry.part_bytes, max_concurrency=self.retry.part_concurrency)
 
+    def clear_staging(self) -> None:
+        """Remove what writes cut short left in the staging area (at start, before anything writes)."""
+        shutil.rmtree(self.cache_dir / ".staging", ignore_errors=True)
+
     def clear_cache(self) -> None:
         """Remove this machine's cached copies and staging folders (nothing in the store changes)."""
         shutil.rmtree(self.cache_dir, ignore_errors=True)
