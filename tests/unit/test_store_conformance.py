@@ -399,9 +399,11 @@ def test_the_location_and_the_aws_variables_configure_the_store(seaweed, monkeyp
     for name, value in seaweed.env().items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    monkeypatch.setenv("LORAFLEET_STORAGE_CACHE", str(tmp_path / "opened"))
     location = f"s3://{seaweed.bucket}/env-{uuid.uuid4().hex[:6]}"
     opened = open_store(location)
     assert isinstance(opened, S3Store) and opened.url("a/b") == f"{location}/a/b" and opened.endpoint == seaweed.endpoint
+    assert tmp_path / "opened" in opened.cache_dir.parents
     store = S3Store.from_url(location + "/", cache_dir=tmp_path / "c")
     store.put_folder("a/b", make_folder(tmp_path / "s", {"f": b"via the environment"}))
     assert read_all(opened.get_folder("a/b")) == {"f": b"via the environment"}
