@@ -195,6 +195,7 @@ class SglangSampler:
                 continue
             except ValueError as err:  # the checkpoint's folder is not a PEFT adapter (deleted meanwhile)
                 return user_error(f"sampling failed: {err}")
+            session.engine = engine.key  # the session's engine from now on (its next requests, concurrent ones too)
             try:
                 seeds = await self.seeds(engine, params.get("seed"), num_samples)
                 results = await asyncio.gather(*(
@@ -219,7 +220,6 @@ class SglangSampler:
             self.engines.lost(engine, error)
             tried.add(engine.key)
             failures.append(f"engine {engine.entry.index}: {error}")
-        session.engine = engine.key
         if record_as is not None:
             self.records.record_samples(record_as, session.tenant, session.session_id, session.model_path or "base", prompt,
                                         [(list(r.token_ids), list(r.logprobs)) for r in results])

@@ -21,6 +21,9 @@ REFERENCE_TESTS = ["tests/reference/test_stable_reinforce.py"]
 CHECKS = "api/tinker/stability.py"
 RECORDS = "service/registry/sampling_records.py"
 PROVENANCE_TESTS = ["tests/unit/test_stability_provenance.py"]
+ROUTING = "api/tinker/sampler_engines.py"
+SAMPLING = "api/tinker/sampling.py"
+ROUTING_TESTS = ["tests/unit/test_sampler_routing.py"]
 # name -> (file, line as it is, planted line, tests that must fail)
 PLANTS = {
     "no_cap": (LOSS, 'weight = torch.clamp(ratio, max=cfg["ratio_cap"])', "weight = ratio", REFERENCE_TESTS),
@@ -41,6 +44,15 @@ PLANTS = {
                                 "found = records.sampled_sequences(tenant, ids, touch=True)", PROVENANCE_TESTS),
     "any_tenants_records": (RECORDS, "AND r.tenant = ? AND s.used_at >= ?", "AND ? IS NOT NULL AND s.used_at >= ?", PROVENANCE_TESTS),
     "records_never_expire": (RECORDS, "AND r.tenant = ? AND s.used_at >= ?", "AND r.tenant = ? AND s.used_at + 1e12 >= ?", PROVENANCE_TESTS),
+    # sampling over the engines (api/tinker/sampler_engines.py, api/tinker/sampling.py)
+    "no_retry_on_a_lost_engine": (SAMPLING, "            if not _engine_lost(error):\n", "            if True:\n", ROUTING_TESTS),
+    "sticky_ignored": (ROUTING, "e = next((x for x in holding if x.key == sticky), None) or min(holding, key=lambda x: x.load)",
+                       "e = min(holding, key=lambda x: x.load)", ROUTING_TESTS),
+    "room_only_on_the_least_loaded": (ROUTING, "        for e in up:  # R2", "        for e in [min(up, key=lambda x: x.load)]:  # R2",
+                                      ROUTING_TESTS),
+    "engine_list_read_once": (ROUTING, "if not force and loop.time() - self._refreshed_at < self.refresh_s:",
+                              "if self._refreshed_at > 0:", ROUTING_TESTS),
+    "busy_adapter_unloaded": (ROUTING, "lambda n, e=e: e.in_use[n] > 0", "lambda n, e=e: False", ROUTING_TESTS),
 }
 
 

@@ -144,6 +144,28 @@ def test_sessions_spread_over_the_engines_and_stick(tmp_path, monkeypatch):
     asyncio.run(scenario())
 
 
+def test_a_session_stays_on_its_engine_even_when_another_is_as_idle(tmp_path, monkeypatch):
+    """The base model is on every engine (R1 over all of them): a session first served by e1 (e0 was
+    busy) stays on e1 once both are idle, where least-loaded alone would pick e0."""
+    w = World(tmp_path, monkeypatch, capacity=2)
+
+    async def scenario():
+        await w.sampler.engines.refresh(force=True)
+        other = w.session(0)
+        base = w.sampler.sessions[w.sampler.create_session("alice", None)]
+        w.fakes["http://e0"].gate.clear()
+        busy = w.sample(other)  # e0 busy
+        await _until(lambda: w.fakes["http://e0"].sampling.get(other.lora_name))
+        assert (await w.sample(base)).proto is not None
+        w.fakes["http://e0"].gate.set()
+        await busy
+        for _ in range(3):  # both idle now
+            assert (await w.sample(base)).proto is not None
+        assert [f.log.count(("generate", None)) for f in (w.fakes["http://e0"], w.fakes["http://e1"])] == [0, 4 * 2]
+
+    asyncio.run(scenario())
+
+
 def test_no_request_waits_for_room_while_an_engine_has_room_then_waits_for_a_release(tmp_path, monkeypatch):
     w = World(tmp_path, monkeypatch, capacity=1)
 
@@ -163,6 +185,30 @@ def test_no_request_waits_for_room_while_an_engine_has_room_then_waits_for_a_rel
         assert w.served_by(s[2]) == ["http://e1"] and ("unload", s[1].lora_name) in w.fakes["http://e1"].log
         w.fakes["http://e0"].gate.set()
         assert all(r.proto is not None for r in await asyncio.gather(*busy))
+
+    asyncio.run(scenario())
+
+
+def test_a_new_adapter_goes_where_there_is_room_not_merely_to_the_least_loaded(tmp_path, monkeypatch):
+    """e0 is the least loaded but its one place holds an adapter in use; e1 is busier but has room:
+    the new session's adapter is loaded on e1 at once (it does not wait for e0)."""
+    w = World(tmp_path, monkeypatch, capacity=1)
+
+    async def scenario():
+        await w.sampler.engines.refresh(force=True)
+        a, c = w.session(0), w.session(1)
+        base = w.sampler.sessions[w.sampler.create_session("alice", None)]
+        for fake in w.fakes.values():
+            fake.gate.clear()
+        tasks = [w.sample(a)]  # e0: a's adapter, in use
+        await _until(lambda: w.fakes["http://e0"].sampling.get(a.lora_name))
+        tasks += [w.sample(base), w.sample(base)]  # e1 (least loaded, then sticky): two requests, no adapter
+        await _until(lambda: w.fakes["http://e1"].sampling.get(None) == 4)
+        tasks.append(w.sample(c))
+        await _until(lambda: ("load", c.lora_name) in w.fakes["http://e1"].log)
+        for fake in w.fakes.values():
+            fake.gate.set()
+        assert all(r.proto is not None for r in await asyncio.gather(*tasks))
 
     asyncio.run(scenario())
 
