@@ -74,7 +74,9 @@ class RiderSequence:
 
     It brings its own per-position targets and loss; its gradient ACCUMULATES in its slot's
     gradient rows. Its slot must not be trained by the call's batch, and it never steps in
-    the call: no statistics, no normalization, no optimizer (the tenant's optim_step does)."""
+    the call: no statistics, no normalization, no optimizer (the tenant's optim_step does).
+    Under DP every rank is given every rider and trains its share (``rider_share``): its slot's
+    gradient rows hold that rank's part until the optim_step sums the parts."""
 
     slot: int
     tokens: list[int]
@@ -105,6 +107,16 @@ def dp_shard(planned: list[PlannedSample], dp_rank: int, dp_size: int) -> list[P
     so each slot's samples are spread over the ranks. Same answer on every rank."""
     ordered = sorted(planned, key=lambda p: (p.slot, p.index))
     return ordered[dp_rank::dp_size]
+
+
+def rider_share(slots: list[int], dp_rank: int, dp_size: int) -> list[int]:
+    """Positions of this DP rank's riders among riders of these ``slots``, ascending: every
+    dp_size-th in (slot, position) order, as ``dp_shard`` spreads samples, so each slot's datums
+    are spread over the ranks. The ranks' shares partition the positions; the same answer on
+    every rank (each rank knows every rank's share: trainer/step/dp_outputs.py gathers by it);
+    every position at dp_size 1."""
+    ordered = sorted(range(len(slots)), key=lambda k: (slots[k], k))
+    return sorted(ordered[dp_rank::dp_size])
 
 
 def pack_micro_batches(planned: list[PlannedSample], lengths: list[int], token_budget: int) -> list[list[PlannedSample]]:

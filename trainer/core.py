@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.base.base_model import build_frozen_base, trainer_layer_spec
-from trainer.batch import RiderSequence, TrainBatch, assign_phases, dp_shard
+from trainer.batch import RiderSequence, TrainBatch, assign_phases, dp_shard, rider_share
 from trainer.config import TARGET_GROUPS, SlotHyperParams, TrainerConfig, target_group
 from trainer.platform.distributed import dp_group, init_parallel, tp_group
 from trainer.step.lora_passes import LoraPasses
@@ -196,7 +196,10 @@ class MultiLoraTrainer:
         ``riders`` (tenant-driven sequences, see RiderSequence) join the FIRST phase's packed
         micro-batches under the same token budget: one forward/backward over the union, their
         gradients accumulating in their own slots, which never step here. ``batch`` None: riders
-        only (the Tinker forward_backward alone). Everything is validated before anything changes."""
+        only (the Tinker forward_backward alone). Everything is validated before anything changes.
+        Under DP the riders are shared out like the samples (batch.py ``rider_share``): each rank
+        runs only its share's losses and its slots' gradient rows hold its part (summed over the
+        ranks by the slot's adam_step)."""
         samples = batch.samples if batch is not None else []
         riders = riders or []
         self.check_batch(batch)  # validate everything before changing anything
@@ -219,11 +222,12 @@ class MultiLoraTrainer:
         call_stats = torch.zeros(self.config.num_slots, N_STATS, dtype=torch.float64)
         reports: dict[int, list[StepReport]] = {}
         n_phases = max(1 + max((p.phase for p in planned), default=-1), 1 if riders else 0)
+        my_riders = [riders[k] for k in rider_share([r.slot for r in riders], self.layout.dp_rank, self.layout.dp_size)]
         lengths = [len(s.tokens) for s in samples]
         for phase in range(n_phases):
             in_phase = [p for p in planned if p.phase == phase]
             local = dp_shard(in_phase, self.layout.dp_rank, self.layout.dp_size)
-            for mb, mb_riders in micro_batches(local, lengths, riders if phase == 0 else [], self.config):
+            for mb, mb_riders in micro_batches(local, lengths, my_riders if phase == 0 else [], self.config):
                 forward_backward(self.passes, self.slots, [samples[p.index] for p in mb], call_stats, mb_riders)
             due = []
             for slot in sorted({p.slot for p in in_phase}):
@@ -257,15 +261,12 @@ class MultiLoraTrainer:
                 raise ValueError(f"sample {i}: token id {max(s.tokens)} >= vocab size {self.vocab_size}")
 
     def _check_riders(self, riders: list[RiderSequence], batch_slots: set[int]) -> None:
-        """Riders need the packed path and dp == 1 (they are not sharded), initialized slots that
-        the batch does not train (a loop slot never accumulates a rider's gradient), and one
-        target per token."""
+        """Riders need the packed path, initialized slots that the batch does not train (a loop
+        slot never accumulates a rider's gradient), and one target per token."""
         if not riders:
             return
         if not self.config.packed:
             raise ValueError("riders need TrainerConfig.packed (fused or TransformerEngine layer spec)")
-        if self.layout.dp_size > 1:
-            raise ValueError("riders support dp == 1 only")
         for k, r in enumerate(riders):
             self.slot_state(r.slot)
             if r.slot in batch_slots:
@@ -283,7 +284,8 @@ class MultiLoraTrainer:
         For tenant-driven forward calls (the Tinker API's ``forward``), whose targets are given
         per position; their forward_backward rides in ``train`` as RiderSequences. ``slot_ids``
         must be non-decreasing (each slot one contiguous segment). Collective over TP (same
-        arguments on every rank); needs ``TrainerConfig.packed``."""
+        arguments on every rank of a TP group; under DP each group passes its own share);
+        needs ``TrainerConfig.packed``."""
         if not self.config.packed:
             raise ValueError("packed_lora_pass needs TrainerConfig.packed (fused or TransformerEngine layer spec)")
         if any(a > b for a, b in zip(slot_ids, slot_ids[1:])):
@@ -299,7 +301,7 @@ class MultiLoraTrainer:
 
     def adam_step_slot(self, slot: int, *, lr: float, beta1: float, beta2: float, eps: float,
                        weight_decay: float, max_grad_norm: float | None) -> dict:
-        """The slot's accumulated gradient as is, with per-call AdamW parameters (slot_steps.py
-        adam_step). Collective over TP."""
+        """The slot's accumulated gradient as is (under DP the sum of the ranks' parts), with
+        per-call AdamW parameters (slot_steps.py adam_step). Collective over TP and DP."""
         return adam_step(self.buffers, slot, self.slot_state(slot), self.layout, self.device, lr=lr, beta1=beta1,
                          beta2=beta2, eps=eps, weight_decay=weight_decay, max_grad_norm=max_grad_norm)

@@ -3,8 +3,8 @@
 * ``step_due_slots``: the loop's steps: reduce the due slots' gradients over DP, normalize each
   by its own loss normalization, skip a non-finite one, clip, AdamW with each slot's own
   hyper-parameters and schedule; a handful of ops whatever the number of slots and layers.
-* ``adam_step``: a tenant-driven step (the Tinker API's optim_step): the gradient as is, the
-  call's AdamW parameters.
+* ``adam_step``: a tenant-driven step (the Tinker API's optim_step): the gradient as is (under
+  DP the sum of the ranks' parts), the call's AdamW parameters.
 
 Each slot's moments are stored as its ``hyper.state_dtype`` says (float32, or bfloat16 rounded with
 the key of its seed and update number: compact_state.py).
@@ -149,9 +149,14 @@ def adam_step(buf: SlotBuffers, slot: int, state: SlotState, layout: ParallelLay
     """Apply the slot's accumulated gradient AS IS (no normalization: the caller's loss defines
     the scale) with these AdamW parameters, then zero it; ``state.step`` advances by one (Adam's
     bias correction uses it). A non-finite gradient changes nothing but zeroes the gradient and
-    is reported. dp == 1 only (the gradient would first need a DP reduction). Collective over TP."""
+    is reported. Collective over TP and DP.
+
+    DP: each rank's rows hold the part of the gradient its share of the datums gave (the loss is
+    a SUM over datums, so the gradient is the SUM of the parts, not their mean); the rows are
+    all-reduced first, so every rank then holds the whole gradient, bit-identical, and takes the
+    same norm, clip and update."""
     if layout.dp_size > 1:
-        raise ValueError("adam_step_slot supports dp == 1 only")
+        dist.all_reduce(buf.rows(buf.grad, [slot]), group=dp_group())  # one row: a view, reduced in place
     grad_norm = raw_grad_norms(buf, [slot], buf.rows(buf.grad, [slot]), layout)[0]
     if not math.isfinite(grad_norm):
         buf.grad.index_fill_(0, torch.tensor([slot], device=device), 0.0)

@@ -24,7 +24,11 @@ Its parts:
 
 Validation runs before anything changes: a call with bad input gets an error and
 changes nothing; the other calls of the same mixed pass run as if it were absent.
-Only dp == 1 for now (TP is fine: every rank runs the same calls).
+Data parallelism: every rank receives the whole round and runs the losses of its share of the
+datums (trainer/batch.py ``rider_share``, as a run's samples are shared); a slot's gradient rows
+hold the rank's part until its optim_step sums the parts over the ranks (a Tinker loss is a SUM
+over datums); ``finish`` gathers every datum's outputs (trainer/step/dp_outputs.py), so every
+output and ``loss:sum`` is what one rank would answer. TP: every rank of a TP group runs the same.
 """
 
 from __future__ import annotations
@@ -34,9 +38,10 @@ from typing import Any, Callable
 import torch
 
 from trainer.batch import TrainBatch
-from trainer.batch import RiderSequence
+from trainer.batch import RiderSequence, rider_share
 from trainer.rounds import AdamStep, Call, CallResult, Datum, RoundResult, RoundWork  # noqa: F401 - the types live there
 from trainer.base.packing import split_by_token_budget
+from trainer.step.dp_outputs import DatumOutputs, gather_datum_outputs
 from trainer.losses.table import LossSpec, check_inputs, resolve_loss
 
 
@@ -105,10 +110,12 @@ class RoundRunner:
     def forward(self, calls: list[Call]) -> list[CallResult]:
         """The same outputs and losses as forward_backward, no gradient (same micro-batches)."""
         results, riders, finish = self._riders(calls, set(), backward=False)
-        slots = [r.slot for r in riders]
+        layout = self.trainer.layout  # under DP this rank's share (as ``train`` shares them); finish() gathers
+        mine = [riders[k] for k in rider_share([r.slot for r in riders], layout.dp_rank, layout.dp_size)]
+        slots = [r.slot for r in mine]
         budget = self.trainer.config.micro_batch_tokens
-        for group in split_by_token_budget([len(r.tokens) for r in riders], slots, budget):
-            mb = [riders[i] for i in group]  # slot order (stable): each slot one contiguous segment
+        for group in split_by_token_budget([len(r.tokens) for r in mine], slots, budget):
+            mb = [mine[i] for i in group]  # slot order (stable): each slot one contiguous segment
             lp = self.trainer.packed_lora_pass([r.tokens for r in mb], [r.slot for r in mb], [r.targets for r in mb])
             start = 0
             for r in mb:
@@ -130,29 +137,36 @@ class RoundRunner:
                 losses[c] = self._validate(call)
             except ValueError as err:
                 results[c].error = str(err)
-        outputs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-        loss_sum = dict.fromkeys(losses, 0.0)
+        keys = [(c, i) for c in losses for i in range(len(calls[c].data))]  # rider k is datum i of call c
+        fields = [_output_fields(calls[c].loss_fn) for c, _ in keys]
+        ran: dict[int, DatumOutputs] = {}  # rider k -> its outputs and loss sum (under DP: this rank's share)
 
-        def loss_fn(c: int, i: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        def loss_fn(k: int) -> Callable[[torch.Tensor], torch.Tensor]:
+            c, i = keys[k]
+
             def loss(seg: torch.Tensor) -> torch.Tensor:
                 spec, cfg = losses[c]
-                inputs = {k: v.to(seg.device) for k, v in calls[c].data[i].inputs.items()}
+                inputs = {name: v.to(seg.device) for name, v in calls[c].data[i].inputs.items()}
                 elementwise = spec.fn(seg, inputs, cfg).loss
-                out = {"logprobs": seg.detach().float().cpu()}
-                if calls[c].loss_fn == "cross_entropy":
-                    out["elementwise_loss"] = elementwise.detach().float().cpu()
-                outputs[(c, i)] = out
-                loss_sum[c] += float(elementwise.detach().sum())
+                per_position = {"logprobs": seg, "elementwise_loss": elementwise}
+                ran[k] = ({name: per_position[name].detach().float().cpu() for name in fields[k]},
+                          float(elementwise.detach().sum()))
                 return elementwise.sum()
             return loss
 
-        riders = [RiderSequence(calls[c].slot, d.tokens, d.inputs["target_tokens"].tolist(), loss_fn(c, i))
-                  for c in losses for i, d in enumerate(calls[c].data)]
+        riders = [RiderSequence(calls[c].slot, calls[c].data[i].tokens, calls[c].data[i].inputs["target_tokens"].tolist(),
+                                loss_fn(k)) for k, (c, i) in enumerate(keys)]
 
         def finish() -> None:
+            layout = self.trainer.layout
+            got = (dict(enumerate(gather_datum_outputs(ran, riders, fields, layout, self.trainer.device)))
+                   if layout.dp_size > 1 and riders else ran)
             for c in losses:
-                results[c].outputs = [outputs[(c, i)] for i in range(len(calls[c].data))]
-                results[c].metrics = {"loss:sum": loss_sum[c]}
+                results[c].outputs, results[c].metrics = [], {"loss:sum": 0.0}
+            for k, (c, _) in enumerate(keys):  # datum order: each call's loss:sum added up as one rank adds it
+                out, loss_sum = got[k]
+                results[c].outputs.append(out)
+                results[c].metrics["loss:sum"] += loss_sum
 
         return results, riders, finish
 
@@ -190,3 +204,9 @@ class RoundRunner:
             except ValueError as err:  # a bad parameter or a non-finite gradient: this step only
                 out.optim.append(str(err))
         return out
+
+
+def _output_fields(loss_fn: str) -> tuple[str, ...]:
+    """The per-position outputs a call of ``loss_fn`` answers for each datum (Tinker's wire: every
+    loss gives ``logprobs``; cross_entropy its ``elementwise_loss`` too)."""
+    return ("logprobs", "elementwise_loss") if loss_fn == "cross_entropy" else ("logprobs",)
