@@ -65,7 +65,7 @@ def fleet_tinker_service(controller: Controller, settings: ServiceSettings) -> T
     models = TinkerModels(runtime.scheduler, base_model=job.base_model.name,
                           tokenizer_id=settings.tinker_tokenizer_id or job.base_model.served_name or job.base_model.path,
                           max_rank=controller.capacity.max_rank, max_seq_len=settings.tinker_max_seq_len,
-                          dp=runtime.trainer.config.dp, target_groups=tuple(controller.capacity.target_groups))
+                          target_groups=tuple(controller.capacity.target_groups))
     sampler = (SglangSampler(rollout_engines(runtime), records=controller.registry, max_loaded=sampler_capacity(job))
                if runtime.rollout is not None else None)
     service = TinkerService(models, keys, settings.tinker_dir, sampler=sampler, session_timeout_s=settings.tinker_session_timeout_s)

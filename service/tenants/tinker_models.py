@@ -28,10 +28,8 @@ log = logging.getLogger(__name__)
 
 class TinkerModels:
     def __init__(self, scheduler: Scheduler, *, base_model: str, tokenizer_id: str, max_rank: int, lora_alpha: float = 32.0,
-                 max_seq_len: int = 4096, dp: int = 1, target_groups: tuple[str, ...] = TARGET_GROUPS) -> None:
+                 max_seq_len: int = 4096, target_groups: tuple[str, ...] = TARGET_GROUPS) -> None:
         """``target_groups``: what the trainer has LoRA layers for (TrainerConfig.target_groups)."""
-        if dp != 1:
-            raise ValueError(f"the Tinker API needs trainer dp == 1 (per-model optim_step), this job has dp={dp}")
         self.scheduler = scheduler
         self.base_model = base_model  # the served base model's name (get_server_capabilities, create_model)
         self.tokenizer_id = tokenizer_id  # what AutoTokenizer.from_pretrained loads offline
