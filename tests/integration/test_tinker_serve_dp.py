@@ -28,6 +28,7 @@ import torch
 import yaml
 
 from tests.integration.sdk_clients import close_sdk_clients, open_client, unload_model  # noqa: F401 - autouse fixture
+from tests.integration.test_tinker_sdk import train
 from tests.integration.service_world import TOKEN, Service, fleet_pids, prometheus_text, serve_job, serving, sft, wait_for
 
 pytestmark = pytest.mark.integration
@@ -101,12 +102,7 @@ def test_two_rank_trainer_serves_and_trains_a_tinker_model(service, tiny_world, 
             assert fwd.metrics["loss:sum"] == pytest.approx(total, rel=1e-5), (fwd.metrics, total)
 
             step_before = rest.get("dp-sft")["step"]
-            losses = []
-            for _ in range(10):
-                fb = tc.forward_backward(data, "cross_entropy")
-                opt = tc.optim_step(types.AdamParams(learning_rate=5e-3))
-                losses.append(fb.result().metrics["loss:sum"])
-                opt.result()
+            losses = train(tc, data, 10, {"learning_rate": 5e-3})  # forward_backward + optim_step each
             assert losses[0] == pytest.approx(total, rel=1e-5)  # no step before it: the base still
             assert losses[-1] < 0.9 * losses[0] and max(losses[-3:]) < min(losses[:3]), losses
             wait_for(rest, "dp-sft", lambda r: r["step"] > step_before, "a step during the Tinker loop", timeout_s=120)
