@@ -53,6 +53,15 @@ def rollout_engines(runtime: FleetRuntime) -> EngineSource:
     return source
 
 
+class _FleetTinkerService(TinkerService):
+    """The service's /metrics with the sampler's counts too (per engine; stable_reinforce's statistics).
+    Until TinkerService.metrics() adds ``self.sampler.metrics()`` itself (api/tinker/service.py is being
+    rewritten elsewhere), this is where the fleet's Tinker metrics get them."""
+
+    def metrics(self) -> dict[str, float]:
+        return {**super().metrics(), **(self.sampler.metrics() if self.sampler is not None else {})}
+
+
 def fleet_tinker_service(controller: Controller, settings: ServiceSettings) -> TinkerService:
     """The TinkerService over the controller's attached FleetRuntime (ValueError when there is none)."""
     if settings.tinker_keys_file is None:
@@ -68,5 +77,5 @@ def fleet_tinker_service(controller: Controller, settings: ServiceSettings) -> T
                           target_groups=tuple(controller.capacity.target_groups))
     sampler = (SglangSampler(rollout_engines(runtime), records=controller.registry, max_loaded=sampler_capacity(job))
                if runtime.rollout is not None else None)
-    service = TinkerService(models, keys, settings.tinker_dir, sampler=sampler, session_timeout_s=settings.tinker_session_timeout_s)
+    service = _FleetTinkerService(models, keys, settings.tinker_dir, sampler=sampler, session_timeout_s=settings.tinker_session_timeout_s)
     return service

@@ -14,16 +14,18 @@ offline). Tiny sizes, local data. What each shows:
 * the cookbook's RL loop (rl.train) on a tiny environment of ours (DigitsEnv): reward rises, and
   a second run over the same log folder resumes from the first run's checkpoint.
 * DPO (train_dpo.main, the cookbook's JSONL comparison builder): runs; loss ln 2 at step 0.
-* math_rl with its default loss; sl_loop (its NLL falls) and rl_loop over the tiny world's rows
-  cached under the hub datasets they hard-code (rl_loop's reward, a boxed answer graded against
-  gsm8k's, never rewards the tiny model: it runs, samples and checkpoints, and never trains).
+* math_rl with its default loss, stable_reinforce (lorafleet's definition, docs/tinker.md): it runs to
+  its last step; the tiny world cannot earn its reward, so what it shows is the objective's own
+  statistics on /metrics (every sampled sequence recorded and trained on, none masked, the
+  trainer/sampler ratio 1); sl_loop (its NLL falls) and rl_loop over the tiny world's rows cached
+  under the hub datasets they hard-code (rl_loop's reward, a boxed answer graded against gsm8k's,
+  never rewards the tiny model: it runs with its default loss, samples with record_stability_info
+  and checkpoints, and never trains).
 * Without any recipe: the SDK's get_tokenizer() loads the served name offline, and the engine's
   compute_logprobs equals the trainer's forward on the same (untrained) model.
 
 Every recipe creates its model with the SDK's defaults (`train_unembed=True`: LoRA on the
-unembedding too, which lorafleet trains and serves). `math_rl` defaults to `stable_reinforce`, which
-lorafleet refuses (docs/tinker.md says why): that test is marked xfail(strict), so it fails loudly
-once it starts passing.
+unembedding too, which lorafleet trains and serves).
 
 Runtime on the shared 2-core machine (load 3-6): 191 s, 74 s of it starting the service (chat_sl
 19 s, RL 37 s, DPO 10 s, sl_loop 13 s, rl_loop 14 s, math_rl 10 s to its refusal).
@@ -50,9 +52,6 @@ pytestmark = pytest.mark.integration
 
 KEYS = {"alice": "tml-alice-cookbook-key-1", "bob": "tml-bob-cookbook-key-22"}
 RECIPE_TIMEOUT_S = 600
-NEEDS_STABLE_REINFORCE = pytest.mark.xfail(strict=True, reason=(
-    "the recipe's default loss stable_reinforce is refused by lorafleet (its objective is not published in a "
-    "form lorafleet can reproduce: docs/tinker.md)"))
 
 
 @pytest.fixture(scope="module")
@@ -218,14 +217,46 @@ def test_dpo_on_local_comparisons(service, tiny_world, tmp_path):
     assert len(losses) == 4 and abs(losses[0] - math.log(2)) < 1e-3, losses  # policy == reference at step 0
 
 
-@NEEDS_STABLE_REINFORCE
+def tinker_counters(service) -> dict[str, float]:
+    """The service's Tinker counters on /metrics: stable_reinforce's statistics and the sample requests
+    (summed over the engines)."""
+    from tests.integration.service_world import prometheus_text
+
+    out: dict[str, float] = {}
+    with service.client() as c:
+        for line in prometheus_text(c).splitlines():
+            name, _, value = line.rpartition(" ")
+            if name.startswith("lorafleet_tinker_stable_reinforce_") and name.endswith("_total"):
+                out[name[len("lorafleet_tinker_stable_reinforce_"):-len("_total")]] = float(value)
+            elif name.startswith("lorafleet_tinker_sample_requests_total{"):
+                out["sample_requests"] = out.get("sample_requests", 0.0) + float(value)
+    return out
+
+
+def _delta(after: dict, before: dict) -> dict:
+    return {k: v - before.get(k, 0.0) for k, v in after.items()}
+
+
 def test_math_rl_with_its_default_loss(service, tiny_world, tmp_path):
+    """math_rl, env=arithmetic, unmodified, with its default loss stable_reinforce, to its last step.
+    Its reward cannot rise on the tiny world: the model never writes the role_colon renderer's stop
+    sequence, so every answer is malformed (reward 0), every group all-bad and every advantage 0. What
+    it shows instead is the objective's own statistics (/metrics): the recipe asked for
+    record_stability_info, every sequence it sampled was recorded and trained on (none refused, none
+    masked), and the trainer's log-probs equal the engine's recorded ones (ratio 1 to 1e-4)."""
+    before = tinker_counters(service)
     log = tmp_path / "math_rl"
     run(["-m", "tinker_cookbook.recipes.math_rl.train", "env=arithmetic", f"model_name={SERVED_NAME}",
          f"base_url={service.url}", f"log_path={log}", "groups_per_batch=2", "group_size=4", "max_tokens=6",
          "lora_rank=8", "max_steps=2", "eval_every=0", "save_every=0", "behavior_if_log_dir_exists=delete"],
         tmp_path, tiny_world)
-    assert len([m for m in metrics(log) if "env/all/reward/total" in m]) == 2
+    rows = [m for m in metrics(log) if "env/all/reward/total" in m]
+    assert len(rows) == 2
+    d = _delta(tinker_counters(service), before)
+    print("math_rl reward", [m["env/all/reward/total"] for m in rows], "stable_reinforce", d)
+    assert d["calls"] >= 2 and d["sequences"] == 2 * 2 * 4, d  # max_steps x groups_per_batch x group_size
+    assert d["masked_sequences"] == 0 and d["truncated_tokens"] == 0 and d["sampled_tokens"] > 0, d
+    assert abs(d["ratio_sum"] / d["sampled_tokens"] - 1) < 1e-4, d
 
 
 def test_sl_loop_on_local_rows(service, tiny_world, tmp_path):
@@ -239,10 +270,18 @@ def test_sl_loop_on_local_rows(service, tiny_world, tmp_path):
 
 
 def test_rl_loop_on_local_rows_with_its_default_loss(service, tiny_world, tmp_path):
-    """The loop's mechanics only: its reward (a boxed answer graded against gsm8k's) stays 0 on the tiny
-    world, so every group's advantages are zero and it never calls forward_backward (nor its loss)."""
+    """rl_loop with its default loss (stable_reinforce): it samples with record_stability_info (one
+    request per question) and checkpoints. Its reward (a boxed answer graded against gsm8k's) stays 0
+    on the tiny world's rows, so every group's advantages are zero and it skips forward_backward: the
+    loss itself is not reached (math_rl's test reaches it)."""
+    before = tinker_counters(service)
     log = tmp_path / "rl_loop"
     run(["-m", "tinker_cookbook.recipes.rl_loop", f"base_url={service.url}", f"model_name={SERVED_NAME}",
          f"log_path={log}", "batch_size=2", "group_size=4", "max_tokens=8", "lora_rank=8", "max_steps=2",
          "save_every=0"], tmp_path, tiny_world)
-    assert len([m for m in metrics(log) if "reward/total" in m]) == 2
+    rows = [m for m in metrics(log) if "reward/total" in m]
+    assert len(rows) == 2
+    d = _delta(tinker_counters(service), before)
+    print("rl_loop reward", [m["reward/total"] for m in rows], "counters", d)
+    assert d["sample_requests"] == 2 * 2  # max_steps x batch_size questions, one request each
+    assert all(m["reward/total"] == 0 for m in rows) and d["calls"] == 0  # advantages all zero: training skipped

@@ -29,7 +29,8 @@ from tests.numerics import max_rel_err
 pytestmark = pytest.mark.integration
 
 CASES = [("cross_entropy", None), ("importance_sampling", None), ("ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}),
-         ("cispo", None), ("dro", {"beta": 0.2}), ("gspo", {"clip_low_threshold": 0.97, "clip_high_threshold": 1.02})]
+         ("cispo", None), ("dro", {"beta": 0.2}), ("gspo", {"clip_low_threshold": 0.97, "clip_high_threshold": 1.02}),
+         ("stable_reinforce", {"ratio_cap": 1.3, "sequence_mask_low": 0.92, "sequence_mask_high": 1.08})]
 TINKER_SLOT = 1  # ADAM[1]: weight decay 0.1 and clipping at 0.5 (both faces clip the same normalized gradient)
 REST_SLOT = 3
 N_SAMPLES, N_STEPS = 3, 2
@@ -61,6 +62,8 @@ def _tinker_datums(loss_fn, cfg, sequences):
             inputs = {"target_tokens": full[1:], "logprobs": q, "advantages": ones * adv / n}
             if loss_fn == "gspo":
                 inputs["sequence_ratio_mask"] = ones
+            if loss_fn == "stable_reinforce":  # one sampled sequence per datum (a dataset row is one too)
+                inputs["sampled_sequence"] = ones
         data.append(Datum(tokens=full[:-1].tolist(), inputs=inputs))
     cfg = dict(cfg or {})
     if loss_fn == "dro":

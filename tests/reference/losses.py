@@ -132,6 +132,8 @@ def gspo_sequence_ratio(lp: torch.Tensor, q: torch.Tensor, mask: torch.Tensor) -
 
 def tinker_token_loss(loss_fn: str, cfg: dict | None, lp: torch.Tensor, inp: dict) -> torch.Tensor:
     """Per-position loss [N] of one datum (differentiable in lp)."""
+    if loss_fn == "stable_reinforce":  # lorafleet's own definition, written out in tests/reference/stable_reinforce.py
+        return _stable_reinforce(cfg, lp, inp)
     c = tinker_config(loss_fn, cfg)
     if loss_fn == "cross_entropy":
         return -(inp["weights"] * lp)
@@ -175,3 +177,14 @@ def tinker_token_grad(loss_fn: str, cfg: dict | None, lp: torch.Tensor, inp: dic
         s = gspo_sequence_ratio(lp, q, inp["sequence_ratio_mask"]).expand_as(lp)
         return torch.where(_case_clip_active(s, adv, lo, hi), torch.zeros_like(s), -(s * adv))
     raise AssertionError(f"no reference for {loss_fn!r}")
+
+
+def _stable_reinforce(cfg: dict | None, lp: torch.Tensor, inp: dict) -> torch.Tensor:
+    """The written-out definition's per-position values, with its written-out derivative as the gradient."""
+    from tests.reference.stable_reinforce import reference_loss_and_grad
+
+    groups = [int(k) for k in inp["sampled_sequence"].tolist()]
+    value, grad = reference_loss_and_grad(lp.detach().double().tolist(), inp["logprobs"].double().tolist(),
+                                          inp["advantages"].double().tolist(), groups, cfg)
+    value, grad = torch.tensor(value, dtype=lp.dtype), torch.tensor(grad, dtype=lp.dtype)
+    return value + grad * (lp - lp.detach())
