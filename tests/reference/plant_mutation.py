@@ -39,6 +39,23 @@ slot, REL_TOL 5e-5; clean run <= 1.2e-5):
   losses >= 5.6e-3, B weights >= 4.0e-1; also test_trainer_equivalence's first-step test;
 * first_weight_decay (every slot steps with the first stepping slot's weight decay): slots 1-3,
   grad norms >= 4.2e-4, A weights >= 6.6e-4, B weights >= 2.3e-4.
+
+Issue 43 item 6's off-by-one bugs (MUTATIONS' last fourteen), each caught (measured) by a unit test
+of seconds; python -m tests.unit.off_by_one_mutations replays them with the rollout side's and
+SGLang's (it restores every file itself):
+* the AdamW update number (tests/unit/test_adamw_update_numbers.py, torch ops and Triton kernel):
+  adamw_row_step_plus_one / _minus_one (the loop's per-slot rows), tinker_step_plus_one / _minus_one
+  (adam_step), bias2_next_update, bias1_previous_update, bias1_next_update (the factors' formula),
+  schedule_next_update (the warm-up's update number). test_compact_adamw.py's step-function test
+  sees all but the last too, by a thinner margin (tinker_step_minus_one: 2.1e-5 against its 2e-6);
+* the rows' alignment (tests/unit/test_rollout_logprob_alignment.py): rollout_q_of_input_token,
+  loss_mask_of_input_token, labels_not_shifted (test_trainer_batch, test_losses, test_rollout_groups
+  and test_rollout_trajectories see none of them);
+* the unembedding's routing (tests/unit/test_unembed_routing.py): unembed_segments_skip_gap (a slot
+  that does not train the unembedding shifts the next slots' segments), unembed_segments_first_group
+  (segments chosen by the attention scales), unembed_z_first_group_scale (z scaled by them), none
+  seen by test_chunked_logprobs.py or test_trainer_multi_lora.py; it also catches unembed_every_slot,
+  unembed_scale (before it: only the reference and integration tests) and unembed_chunk_off_by_one.
 """
 
 from __future__ import annotations
@@ -48,6 +65,9 @@ from pathlib import Path
 
 ADAM_ROW = "hyper_rows.append((lr, h.weight_decay, h.betas[0], h.betas[1], h.eps, st.step))"
 FIRST = "h0 = states[due.index(stepping[0])].hyper; "
+TINKER_STEP = "step=f64(state.step),"
+BIAS1 = "-lr / (1 - beta1**step)"
+SEGMENT_END = "                out.append((slot, start, start + n))\n            start += n\n"
 IN_CHUNK = "return [(k, max(s, start) - start, min(e, end) - start) for k, s, e in self.segments if s < end and e > start]"
 MUTATIONS = {
     "unembed_every_slot": ("trainer/kernels/chunked_logprobs.py", IN_CHUNK, "return [(k, 0, end - start) for k, s, e in self.segments]"),
@@ -77,6 +97,25 @@ MUTATIONS = {
     "rest_bound": ("trainer/config.py", "return 1.0 - self.clip_low, 1.0 + self.clip_high",
                    "return 1.0 - self.clip_low, 1.0 + self.clip_low"),
     "loss_sum_last": ("trainer/step/round_runner.py", "loss_sum[c] += ", "loss_sum[c] = "),
+    # issue 43 item 6: off-by-one bugs with fast unit tests of their own (see the module doc)
+    "adamw_row_step_plus_one": ("trainer/optim/slot_steps.py", ADAM_ROW, ADAM_ROW.replace("st.step))", "st.step + 1))")),
+    "adamw_row_step_minus_one": ("trainer/optim/slot_steps.py", ADAM_ROW, ADAM_ROW.replace("st.step))", "st.step - 1))")),
+    "tinker_step_plus_one": ("trainer/optim/slot_steps.py", TINKER_STEP, "step=f64(state.step + 1),"),
+    "tinker_step_minus_one": ("trainer/optim/slot_steps.py", TINKER_STEP, "step=f64(state.step - 1),"),
+    "bias2_next_update": ("trainer/optim/per_slot_optim.py", "(1 - beta2**step).sqrt()", "(1 - beta2**(step + 1)).sqrt()"),
+    "bias1_previous_update": ("trainer/optim/per_slot_optim.py", BIAS1, "-lr / (1 - beta1**(step - 1))"),
+    "bias1_next_update": ("trainer/optim/per_slot_optim.py", BIAS1, "-lr / (1 - beta1**(step + 1))"),
+    "schedule_next_update": ("trainer/optim/slot_steps.py", "lr = lr_at(st.hyper, st.step + 1)", "lr = lr_at(st.hyper, st.step + 2)"),
+    "rollout_q_of_input_token": ("trainer/step/micro_batch.py", "rollout[j, : n - 1] = torch.tensor(x.rollout_logprobs[1:]",
+                                 "rollout[j, : n - 1] = torch.tensor(x.rollout_logprobs[:-1]"),
+    "loss_mask_of_input_token": ("trainer/step/micro_batch.py", "mask[j, : n - 1] = torch.tensor(x.loss_mask[1:]",
+                                 "mask[j, : n - 1] = torch.tensor(x.loss_mask[:-1]"),
+    "labels_not_shifted": ("trainer/step/micro_batch.py", "labels[j, : n - 1] = ids[j, 1:n]", "labels[j, : n - 1] = ids[j, : n - 1]"),
+    "unembed_segments_skip_gap": ("trainer/lora/multi_lora.py", SEGMENT_END, SEGMENT_END.replace("            start += n", "                start += n")),
+    "unembed_segments_first_group": ("trainer/lora/multi_lora.py", "if n and self.scales.host[group][slot] != 0.0:",
+                                     "if n and self.scales.host[0][slot] != 0.0:"),
+    "unembed_z_first_group_scale": ("trainer/lora/unembed_lora.py", "LogitLora(z=z * r.scale_column(z.dtype, UNEMBED),",
+                                    "LogitLora(z=z * r.scale_column(z.dtype, 0),"),
 }
 
 
