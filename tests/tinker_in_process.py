@@ -101,7 +101,7 @@ def in_process_service(model_dir: str | Path, keys: TenantKeys, checkpoint_root:
                       **({"clock": clock} if clock is not None else {}))
     from api.tinker.sampling import SglangSampler
 
-    sampler = SglangSampler(sglang_url) if sglang_url else None
+    sampler = SglangSampler(sglang_url, records=host.registry) if sglang_url else None  # sessions and records in its registry
     service = TinkerService(host.models, keys, checkpoint_root, sampler=sampler, session_timeout_s=session_timeout_s,
                             on_stop=host.close)
     service.host = host  # tests reach the trainer and the scheduler through it

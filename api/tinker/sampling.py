@@ -36,7 +36,8 @@ import math
 import secrets
 import uuid
 from collections import Counter
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +48,8 @@ from rollout.engines.client import EngineError, EngineUnavailable
 from service.registry.sampling_records import SamplingRecords
 
 MAX_TOPK = 20  # top-k logprobs per position a request may ask for
+TOUCH_EVERY_S = 600.0  # a session in use restarts its record's day at most this often (a write to the registry)
+SWEEP_EVERY_S = 3600.0  # expired sampling records are deleted at most this often (sampling_records.py S2)
 SEED_SPACE = 2**63  # SGLang's sampling_seed is a signed 64-bit integer
 TOPK_MASK = (0, -99999.0)  # the SDK's sentinel for a position without top-k (tinker.types.topk_logprobs)
 
@@ -89,6 +92,7 @@ class SamplingSession:
     model_path: str | None = None  # the tinker:// path it was opened with
     session_id: str = ""
     engine: str | None = None  # the engine that served it last (routing's stickiness: sampler_engines.py)
+    touched: float = field(default_factory=time.monotonic)  # when its record's day was last restarted
 
 
 def _engine_lost(err: BaseException) -> bool:
@@ -114,6 +118,8 @@ class SglangSampler:
         self.records = records
         self.sessions: dict[str, SamplingSession] = {}  # this process's sessions (the records hold them all)
         self.stable_reinforce = Counter()  # the stable_reinforce calls' statistics, summed (api/tinker/stability.py)
+        self._swept = time.monotonic()
+        self._sweep: asyncio.Task | None = None
 
     # -- sessions --------------------------------------------------------------------------------------
 
@@ -128,12 +134,18 @@ class SglangSampler:
         """The tenant's session (another tenant's reads as absent); after a restart, from the records
         (its adapter is loaded again on demand). Each use restarts its day (sampling_records.py S2)."""
         s = self.sessions.get(sid)
-        if s is not None and s.tenant != tenant:
-            return None
+        if s is not None:
+            if s.tenant != tenant:
+                return None
+            if self.records is not None and time.monotonic() - s.touched > TOUCH_EVERY_S:
+                self.records.sampling_session(tenant, sid)
+                s.touched = time.monotonic()
+            return s
         rec = self.records.sampling_session(tenant, sid) if self.records is not None else None
-        if s is None and rec is not None:
-            s = self.sessions[sid] = SamplingSession(tenant, rec.folder, None if rec.folder is None else f"tinker-{sid}",
-                                                     rec.model_path, sid)
+        if rec is None:
+            return None
+        s = self.sessions[sid] = SamplingSession(tenant, rec.folder, None if rec.folder is None else f"tinker-{sid}",
+                                                 rec.model_path, sid)
         return s
 
     @staticmethod
@@ -172,6 +184,7 @@ class SglangSampler:
         timed out) is routed around and the request runs again on another (sampler_engines.py), until
         every engine in the fleet's list failed it. ``record_as``: the request id whose sequences are
         recorded (``<record_as>-<i>``, the acknowledgement's sample_sequence_ids) before the answer."""
+        self._sweep_now_and_then()
         try:
             options.check(len(prompt))
             sp = self.sglang_params(params)
@@ -224,6 +237,13 @@ class SglangSampler:
             self.records.record_samples(record_as, session.tenant, session.session_id, session.model_path or "base", prompt,
                                         [(list(r.token_ids), list(r.logprobs)) for r in results])
         return Outcome(proto=_response(results, prompt, options))
+
+    def _sweep_now_and_then(self) -> None:
+        """Expired sessions and stability records deleted, at most every SWEEP_EVERY_S, off the serving loop."""
+        if self.records is None or time.monotonic() - self._swept < SWEEP_EVERY_S or (self._sweep and not self._sweep.done()):
+            return
+        self._swept = time.monotonic()
+        self._sweep = asyncio.get_running_loop().create_task(asyncio.to_thread(self.records.sweep_sampling_records))
 
     def metrics(self) -> dict[str, float]:
         """Per-engine counts (sampler_engines.py) and the stable_reinforce statistics, for /metrics."""

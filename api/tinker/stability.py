@@ -67,11 +67,12 @@ def _tiles(what: str, spans: tuple[Span, ...], n: int) -> None:
         raise ValueError(f"the {what} spans cover {covered} positions but {what} has {n}: the spans must tile it exactly")
 
 
-def _recorded(span: Span, rec: SampledSequenceRecord) -> tuple:
-    """The recorded tokens a span names (P3: it must lie inside them)."""
+def _recorded(what: str, j: int, span: Span, records: dict[str, SampledSequenceRecord]) -> tuple:
+    """The recorded tokens span ``j`` of ``what`` names (P3: it must lie inside them)."""
+    rec = records[span.sequence_id]
     source = rec.tokens if span.sampled else rec.prompt
     if span.offset + span.length > len(source):
-        raise ValueError(f"it claims {span.kind} [{span.offset}, {span.offset + span.length}) of sequence "
+        raise ValueError(f"{what} span {j}: it claims {span.kind} [{span.offset}, {span.offset + span.length}) of sequence "
                          f"{span.sequence_id!r}, which has {len(source)} {span.kind}")
     return source[span.offset: span.offset + span.length]
 
@@ -98,27 +99,20 @@ def _check_datum(datum: Datum, prov: Provenance, records: dict[str, SampledSeque
     number: dict[str, int] = {}
     at = 0
     for j, span in enumerate(prov.model_input):
-        try:
-            want = _recorded(span, records[span.sequence_id])
-        except ValueError as err:
-            raise ValueError(f"model_input span {j}: {err}") from None
+        want = _recorded("model_input", j, span, records)
         if tuple(datum.tokens[at: at + span.length]) != tuple(want):
             raise ValueError(f"model_input span {j} (positions [{at}, {at + span.length})) is not the {span.kind} "
                              f"[{span.offset}, {span.offset + span.length}) that sequence {span.sequence_id!r} recorded")
         at += span.length
     at = 0
     for j, span in enumerate(prov.loss_fn_inputs):
-        try:
-            want = _recorded(span, records[span.sequence_id])
-        except ValueError as err:
-            raise ValueError(f"loss_fn_inputs span {j}: {err}") from None
+        want = _recorded("loss_fn_inputs", j, span, records)
         end = at + span.length
         if span.sampled:
             if tuple(targets[at:end].tolist()) != tuple(want):
                 raise ValueError(f"loss_fn_inputs span {j}: target_tokens [{at}, {end}) are not the sampled tokens "
                                  f"[{span.offset}, {span.offset + span.length}) of sequence {span.sequence_id!r}")
-            rec = records[span.sequence_id]
-            q[at:end] = torch.tensor(rec.logprobs[span.offset: span.offset + span.length], dtype=torch.float32)
+            q[at:end] = torch.tensor(records[span.sequence_id].logprobs[span.offset: span.offset + span.length], dtype=torch.float32)
             groups[at:end] = number.setdefault(span.sequence_id, len(number) + 1)
         else:
             nonzero = torch.nonzero(adv[at:end] != 0)

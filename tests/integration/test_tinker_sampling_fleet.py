@@ -20,6 +20,7 @@ The last test breaks an engine and restores it (it restarts it).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -79,22 +80,36 @@ def _prompts(tiny_world, tok, n):
     return [tok.encode(r["prompt"]) for r in rows]
 
 
-def _trained_model(sc, tiny_world, steps=2):
-    """A model with a few SFT steps (its samples differ from the base model's)."""
-    from tinker import types
+def _trained_model(svc, sc, tiny_world, steps=2):
+    """Alice's model after a few SFT steps (its samples differ from the base model's)."""
+    from tests.integration.test_tinker_sampling import sft_then_sampler_weights
 
     tc = sc.create_lora_training_client(base_model=BASE, rank=8, seed=0).result()
-    tok = tc.get_tokenizer()
     rows = [json.loads(line) for line in (tiny_world / "data" / "echo_sft.jsonl").read_text().splitlines()][:8]
-    data = []
-    for r in rows:
-        p, c = tok.encode(r["prompt"]), tok.encode(r["completion"])
-        data.append(types.Datum(model_input=types.ModelInput.from_ints((p + c)[:-1]),
-                                loss_fn_inputs={"target_tokens": (p + c)[1:], "weights": [0.0] * (len(p) - 1) + [1.0] * len(c)}))
-    for _ in range(steps):
-        tc.forward_backward(data, "cross_entropy").result()
-        tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
-    return tc, tok
+    sft_then_sampler_weights(svc, tc, rows, steps, "warm")
+    return tc, tc.get_tokenizer()
+
+
+def _sampling_client(svc, url, tiny_world, name):
+    """Alice's trained model, a sampler checkpoint of it under ``name``, a sampling client of that, a prompt."""
+    sc = open_client(url, KEYS["alice"])
+    tc, tok = _trained_model(svc, sc, tiny_world, steps=1)
+    path = tc.save_weights_for_sampler(name).result().path
+    return sc, tc, path, sc.create_sampling_client(model_path=path).result(), _prompts(tiny_world, tok, 1)[0]
+
+
+@contextlib.contextmanager
+def frozen(engine):  # noqa: ANN001 - a rollout.engines.engine.EngineProcess
+    """The engine's processes stopped (SIGSTOP): a request sent to it stays in flight; continued at exit."""
+    pgid = os.getpgid(engine.pid)
+    os.killpg(pgid, signal.SIGSTOP)
+    try:
+        yield pgid
+    finally:
+        try:
+            os.killpg(pgid, signal.SIGCONT)
+        except ProcessLookupError:  # killed meanwhile
+            pass
 
 
 def _greedy(client, prompt, n=1, max_tokens=8):
@@ -117,7 +132,7 @@ def test_sessions_spread_stick_and_never_wait_for_room(world, tiny_world):
 
     svc, url = world
     sc = open_client(url, KEYS["alice"])
-    tc, tok = _trained_model(sc, tiny_world)
+    tc, tok = _trained_model(svc, sc, tiny_world)
     paths = [tc.save_weights_for_sampler(f"spread-{i}").result().path for i in range(2 * PLACES)]
     clients = [sc.create_sampling_client(model_path=p).result() for p in paths]
     prompt = _prompts(tiny_world, tok, 1)[0]
@@ -180,7 +195,7 @@ def test_stable_reinforce_trains_on_what_the_engine_recorded(world, tiny_world):
 
     svc, url = world
     sc = open_client(url, KEYS["alice"])
-    tc, tok = _trained_model(sc, tiny_world, steps=1)
+    tc, tok = _trained_model(svc, sc, tiny_world, steps=1)
     sampler = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
     prompt = _prompts(tiny_world, tok, 1)[0]
     seqs = sampler.sample(types.ModelInput.from_ints(prompt), 4, types.SamplingParams(max_tokens=6, temperature=1.0)).result().sequences
@@ -235,11 +250,7 @@ def test_a_session_outlives_its_sampler(world, tiny_world):
     from api.tinker.sampling import SglangSampler
 
     svc, url = world
-    sc = open_client(url, KEYS["alice"])
-    tc, tok = _trained_model(sc, tiny_world, steps=1)
-    path = tc.save_weights_for_sampler("survivor").result().path
-    client = sc.create_sampling_client(model_path=path).result()
-    prompt = _prompts(tiny_world, tok, 1)[0]
+    _, tc, path, client, prompt = _sampling_client(svc, url, tiny_world, "survivor")
     before = _greedy(client, prompt)
     lora = _session_of(svc, path).lora_name
     # the old sampler's HTTP clients are left to the garbage collector (closing them needs the serving loop)
@@ -255,28 +266,17 @@ def test_an_engine_killed_mid_request_is_retried_on_the_other_and_its_restart_is
     from tinker import types
 
     svc, url = world
-    sc = open_client(url, KEYS["alice"])
-    tc, tok = _trained_model(sc, tiny_world, steps=1)
-    path = tc.save_weights_for_sampler("victim").result().path
-    client = sc.create_sampling_client(model_path=path).result()
-    prompt = _prompts(tiny_world, tok, 1)[0]
+    sc, tc, path, client, prompt = _sampling_client(svc, url, tiny_world, "victim")
     want = _greedy(client, prompt, n=2)
     (k,) = svc.sampler.engines.holders(_session_of(svc, path).lora_name)
     other = 1 - k
     victim = engines[k]
     before = svc.sampler.metrics()
-    pgid = os.getpgid(victim.pid)
-    os.killpg(pgid, signal.SIGSTOP)  # frozen: the next request of the session goes to it (sticky) and hangs there
-    try:
+    with frozen(victim) as pgid:  # the next request of the session goes to it (sticky) and hangs there
         future = client.sample(types.ModelInput.from_ints(prompt), 2, types.SamplingParams(max_tokens=8, temperature=0.0))
         wait_until(lambda: svc.sampler.metrics().get(f"sampler.requests.{k}", 0) > before.get(f"sampler.requests.{k}", 0),
                    f"the request routed to the frozen engine {k}", timeout_s=60)
         os.killpg(pgid, signal.SIGKILL)  # the engine dies with the request in flight
-    finally:
-        try:
-            os.killpg(pgid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
     got = [list(s.tokens) for s in future.result(timeout=120).sequences]
     assert got == want  # answered in full by the other engine, the same greedy tokens
     after = svc.sampler.metrics()
@@ -284,16 +284,12 @@ def test_an_engine_killed_mid_request_is_retried_on_the_other_and_its_restart_is
     assert svc.sampler.engines.holders(_session_of(svc, path).lora_name) == [other]
 
     victim.restart()  # a new process on a new port: the fleet's list names it anew
-    frozen = engines[other]
-    os.killpg(os.getpgid(frozen.pid), signal.SIGSTOP)  # the other engine busy (frozen) with a request...
-    try:
+    with frozen(engines[other]):  # the other engine busy (frozen) with a request...
         busy = client.sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=4, temperature=0.0))
         wait_until(lambda: svc.sampler.metrics()[f"sampler.requests.{other}"] > after[f"sampler.requests.{other}"],
                    "a request in flight on the frozen engine", timeout_s=60)
         base = sc.create_sampling_client(base_model=BASE).result()
         assert _greedy(base, prompt)  # ...so the least loaded is the restarted engine: used at once
         assert svc.sampler.metrics()[f"sampler.requests.{k}"] > after[f"sampler.requests.{k}"]
-    finally:
-        os.killpg(os.getpgid(frozen.pid), signal.SIGCONT)
     assert busy.result(timeout=120).sequences
     svc.unload(tc.model_id)

@@ -306,3 +306,31 @@ def test_sessions_and_stability_records_outlive_the_sampler(tmp_path, monkeypatc
         assert log[:2] == [("unload", a.lora_name), ("load", a.lora_name)], log  # unknown to the new sampler: reloaded clean
     finally:
         registry.close()
+
+
+def test_expired_records_are_swept_now_and_then(tmp_path, monkeypatch):
+    """The sampler deletes expired sessions and records (sampling_records.py S2) at most every
+    SWEEP_EVERY_S, off the serving loop: a request past that interval starts a sweep."""
+    import time
+
+    from api.tinker import sampling
+    from service.registry.registry import Registry
+
+    registry = Registry(tmp_path / "registry.sqlite", 2)
+    try:
+        registry.record_samples("old", "alice", "samp-x", "base", [1], [([2], [-0.5])], now=time.time() - 2 * 86400)
+        w = World(tmp_path, monkeypatch, capacity=2, urls=("http://e0",), records=registry)
+
+        async def scenario():
+            a = w.session(0)
+            assert (await w.sample(a)).proto is not None
+            assert w.sampler._sweep is None  # within the interval: no sweep
+            w.sampler._swept -= 2 * sampling.SWEEP_EVERY_S
+            assert (await w.sample(a)).proto is not None
+            await w.sampler._sweep
+
+        asyncio.run(scenario())
+        assert registry._db.execute("SELECT COUNT(*) FROM tinker_sampled_sequences").fetchone()[0] == 0
+        assert registry._db.execute("SELECT COUNT(*) FROM tinker_sample_requests").fetchone()[0] == 0
+    finally:
+        registry.close()
