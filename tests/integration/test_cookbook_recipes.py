@@ -28,7 +28,8 @@ Every recipe creates its model with the SDK's defaults (`train_unembed=True`: Lo
 unembedding too, which lorafleet trains and serves).
 
 Runtime on the shared 2-core machine (load 3-6): 191 s, 74 s of it starting the service (chat_sl
-19 s, RL 37 s, DPO 10 s, sl_loop 13 s, rl_loop 14 s, math_rl 10 s to its refusal).
+19 s, RL 37 s, DPO 10 s, sl_loop 13 s, rl_loop 14 s); math_rl with stable_reinforce 13 s and rl_loop
+17 s measured at load 20-40 (the service's start 124 s there).
 """
 
 from __future__ import annotations
