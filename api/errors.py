@@ -34,12 +34,12 @@ from starlette.routing import Match
 from api.controller_client import ControllerUnavailable
 from api.models import ErrorOut
 from api.public_paths import PublicPaths, PublicPathsMiddleware
-from service.errors import BadValue, Conflict, LorafleetError, NoFreeSlot, NotFound, QuotaExceeded
+from service.errors import BadValue, Conflict, LorafleetError, NoFreeSlot, NotFound, QuotaExceeded, ServiceStopping
 
 log = logging.getLogger(__name__)
 
 STATUS_OF_ERROR: dict[type[LorafleetError], int] = {BadValue: 400, NotFound: 404, NoFreeSlot: 409, Conflict: 409,
-                                                  QuotaExceeded: 429}
+                                                  QuotaExceeded: 429, ServiceStopping: 503}
 
 # Statuses the framework raises itself (routing, body parsing), by ErrorOut code.
 CODE_OF_STATUS = {400: "bad_request", 404: "not_found", 405: "method_not_allowed", 413: "too_large", 415: "unsupported_media_type"}

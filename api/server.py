@@ -28,8 +28,11 @@ class ApiServer:
                  on_stop: list[Callable[[], Awaitable[Any]]] | None = None) -> None:
         """``on_stop``: coroutines awaited on the serving loop when ``stop()`` is called, before the
         server exits (uvicorn runs with lifespan off, so the app's own shutdown events never fire);
-        default: the app's ``state.on_stop`` list, if it has one."""
-        self.on_stop = list(on_stop if on_stop is not None else getattr(getattr(app, "state", None), "on_stop", None) or [])
+        default: the app's ``state.on_stop`` list, if it has one. The app's ``state.on_start`` list
+        (if any) is awaited on the serving loop once it listens (``start()`` returns after them)."""
+        state = getattr(app, "state", None)
+        self.on_stop = list(on_stop if on_stop is not None else getattr(state, "on_stop", None) or [])
+        self.on_start = list(getattr(state, "on_start", None) or [])
         if not is_loopback_host(host) and not token_configured:
             raise ValueError(f"refusing to bind {host!r} without an API token (set LORAFLEET_API_TOKEN)")
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off", timeout_graceful_shutdown=5)
@@ -48,6 +51,9 @@ class ApiServer:
                 self.stop()
                 raise TimeoutError(f"the API server did not start within {timeout_s} s")
             time.sleep(0.02)
+        loop = self._server.servers[0].get_loop() if self.on_start else None
+        for hook in self.on_start:
+            asyncio.run_coroutine_threadsafe(hook(), loop).result(timeout_s)
         return self
 
     @property

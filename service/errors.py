@@ -65,6 +65,18 @@ class QuotaExceeded(LorafleetError):
     code = "quota_exceeded"
 
 
+class ServiceStopping(LorafleetError):
+    """The service is stopping (its state is being saved for the restart): the request was not taken;
+    the same request, sent again, is served after the restart (HTTP 503: clients retry)."""
+
+    code = "stopping"
+
+
+class NotReady(RuntimeError):
+    """A part of the fleet a step needs is still starting (the engines, for an RL run's preparation):
+    the step is tried again at the next pass; nothing changed."""
+
+
 class PlacementError(ValueError):
     """A plan that cannot run on the cluster; the message shows the arithmetic."""
 

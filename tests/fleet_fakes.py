@@ -263,6 +263,9 @@ class FakeRollout:
         return [EngineHealth(index=0, url="http://127.0.0.1:1", alive=self.engine_alive, routable=self.engine_alive,
                              inflight=0, starts=self.engine_starts)]
 
+    async def engine_health_async(self, timeout_s=30.0) -> list[EngineHealth]:
+        return self.engine_health(timeout_s)
+
     def begin_restart_engine(self, index) -> FakeRef:
         self.calls.append(("restart_engine", index))
         ref = FakeRef(done=False)

@@ -26,7 +26,10 @@ from api.tinker.service import TinkerService
 from service.registry.registry import Registry
 from service.scheduling.residency import ResidencyKnobs
 from service.scheduling.scheduler import Scheduler
+from service.config.durability import Durability
+from service.registry.tinker_records import TinkerRecords
 from service.tenants.tinker_models import TinkerModels
+from trainer.storage.locations import open_store
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +40,14 @@ class TinkerHost:
     thread that runs its rounds (place, the operations of evicted models that need no slot,
     gather, one round), as the training loop does in the fleet."""
 
-    def __init__(self, trainer: Any, *, base_model: str, tokenizer_id: str, window_s: float = 0.02,
+    def __init__(self, trainer: Any, *, base_model: str, tokenizer_id: str, checkpoint_root: str | Path, window_s: float = 0.02,
                  max_seq_len: int = 4096, idle_evict_s: float | None = None, turn_steps: int = 4,
-                 clock: Callable[[], float] = time.monotonic, poll_s: float = 0.05) -> None:
+                 clock: Callable[[], float] = time.monotonic, poll_s: float = 0.05, durability: str = "interval:300") -> None:
         cfg = trainer.config
-        self._dir = Path(tempfile.mkdtemp(prefix="lorafleet-tinker-host-"))  # its slot record (leases), gone at close
+        self._dir = Path(tempfile.mkdtemp(prefix="lorafleet-tinker-host-"))  # its registry (leases, Tinker records), gone at close
         self.registry = Registry(self._dir / "slots.sqlite", cfg.num_slots)
+        self.records = TinkerRecords(self.registry.db_path)
+        self.store = open_store(Path(checkpoint_root).absolute())
         knobs = ResidencyKnobs(idle_evict_s=math.inf if idle_evict_s is None else idle_evict_s, turn_steps=turn_steps)
         # The scheduler drives the trainer through the one trainer interface (trainer/actor.py
         # TrainWorker: what a TrainerGroup forwards to every rank), made over the in-process trainer.
@@ -50,9 +55,9 @@ class TinkerHost:
 
         self.scheduler = Scheduler(self.registry, TrainWorker(trainer), knobs, max_seq_len=max_seq_len, window_s=window_s,
                                    clock=clock)
-        self.models = TinkerModels(self.scheduler, base_model=base_model, tokenizer_id=tokenizer_id, max_rank=cfg.max_rank,
-                                   target_groups=cfg.target_groups,
-                                   max_seq_len=max_seq_len, dp=cfg.dp)
+        self.models = TinkerModels(self.scheduler, self.records, self.store, base_model=base_model, tokenizer_id=tokenizer_id,
+                                   max_rank=cfg.max_rank, target_groups=cfg.target_groups, max_seq_len=max_seq_len,
+                                   durability=Durability.parse(durability))
         self.trainer = trainer  # trainer.core.MultiLoraTrainer
         self.poll_s = poll_s
         self._stop = threading.Event()
@@ -75,8 +80,9 @@ class TinkerHost:
         self._stop.set()
         self.scheduler.notify()
         self._thread.join(timeout=60)
-        for t in self.scheduler.clear():
+        for t in self.scheduler.tenants():
             t.release("the Tinker host stopped")
+        self.records.close()
         self.registry.close()
         shutil.rmtree(self._dir, ignore_errors=True)
 
@@ -86,7 +92,7 @@ def in_process_service(model_dir: str | Path, keys: TenantKeys, checkpoint_root:
                        window_s: float = 0.02,
                        micro_batch_tokens: int = 16384, max_seq_len: int = 4096,
                        sglang_url: str | None = None, session_timeout_s: float | None = 300.0,
-                       idle_evict_s: float | None = None, clock=None) -> TinkerService:  # noqa: ANN001
+                       idle_evict_s: float | None = None, clock=None, durability: str = "interval:300") -> TinkerService:  # noqa: ANN001
     """``base_model``: the served name (default: the folder's name); ``tokenizer_id``: what get_info
     tells clients to load (default: the folder). ``sglang_url``: an SGLang server of the same model
     with LoRA enabled, for sampling.
@@ -97,13 +103,13 @@ def in_process_service(model_dir: str | Path, keys: TenantKeys, checkpoint_root:
     trainer = MultiLoraTrainer(TrainerConfig(base_model_path=str(model_dir), num_slots=num_slots, max_rank=max_rank,
                                              micro_batch_tokens=micro_batch_tokens))
     host = TinkerHost(trainer, base_model=base_model or Path(model_dir).name, tokenizer_id=tokenizer_id or str(model_dir),
-                      window_s=window_s, max_seq_len=max_seq_len, idle_evict_s=idle_evict_s,
+                      checkpoint_root=checkpoint_root, window_s=window_s, max_seq_len=max_seq_len, idle_evict_s=idle_evict_s,
+                      durability=durability,
                       **({"clock": clock} if clock is not None else {}))
     from api.tinker.sampling import SglangSampler
 
     sampler = SglangSampler(sglang_url, records=host.registry) if sglang_url else None  # sessions and records in its registry
-    service = TinkerService(host.models, keys, checkpoint_root, sampler=sampler, session_timeout_s=session_timeout_s,
-                            on_stop=host.close)
+    service = TinkerService(host.models, keys, sampler=sampler, session_timeout_s=session_timeout_s, on_stop=host.close)
     service.host = host  # tests reach the trainer and the scheduler through it
     return service
 
@@ -112,4 +118,5 @@ def tinker_app(service: TinkerService) -> FastAPI:
     app = FastAPI(title="lorafleet Tinker API")
     app.include_router(tinker_router(service))
     app.state.on_stop = [service.stop]  # api/server.py awaits these on stop
+    app.state.on_start = [service.start]
     return app

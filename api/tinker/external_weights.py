@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import Callable
 from urllib.parse import quote
 
+from trainer.storage.store import MANIFEST, CheckpointStore, folder_files
+
 MAX_RECIPIENTS = 10  # the SDK's documented limit
 URL_TTL_S = 3600.0
 AGE_SUFFIX = ".age"
@@ -56,24 +58,31 @@ def parse_recipients(recipients: list[str] | None) -> list:
     return out
 
 
-def write_external(save_peft: Callable[[Path], None], folder: Path, recipients: list) -> int:
-    """Write the export into ``folder`` (X3): ``save_peft(tmp)`` writes the PEFT folder, each file is
-    then encrypted to ``recipients`` (when any). Returns the export's size in bytes."""
-    tmp = folder.with_name(f".{folder.name}.writing")
-    shutil.rmtree(tmp, ignore_errors=True)
+def write_external(save_peft: Callable[[str], str], store: CheckpointStore, key: str, recipients: list) -> int:
+    """Commit the export under `key` of the store (X3): ``save_peft(to)`` has the trainer write the
+    model's PEFT folder to the store reference `to` (a scratch key beside `key`), whose files are then
+    encrypted to ``recipients`` (when any) into the committed folder; the scratch goes. Returns the
+    export's size in bytes."""
+    parent, name = key.rsplit("/", 1)
+    plain = f"{parent}/.{name}.plain"
+    store.delete(plain)
     try:
-        save_peft(tmp)
-        if recipients:
-            import pyrage
+        save_peft(store.url(plain))
+        src = store.get_folder(plain)
+        with store.write_folder(key) as tmp:
+            for rel in folder_files(src):
+                f = src / rel
+                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                if recipients:
+                    import pyrage
 
-            for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
-                pyrage.encrypt_file(str(f), str(f) + AGE_SUFFIX, recipients)
-                f.unlink()
-        size = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
-        tmp.rename(folder)
-        return size
+                    pyrage.encrypt_file(str(f), str(tmp / rel) + AGE_SUFFIX, recipients)
+                else:
+                    shutil.copy2(f, tmp / rel)
+        manifest = store.manifest(key)
+        return sum(e.size for e in manifest.files.values())
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        store.delete(plain)
 
 
 class UrlSigner:
@@ -92,8 +101,7 @@ class UrlSigner:
         """The SDK's ExternalWeightsUrlsResponse for every file of ``folder``."""
         expires = int(self.clock() + self.ttl_s)
         urls = {}
-        for f in sorted(p for p in folder.rglob("*") if p.is_file()):
-            rel = f.relative_to(folder).as_posix()
+        for rel in folder_files(folder):  # the adapter's files; the store's manifest is not one of them
             query = f"expires={expires}&sig={self._sig(tenant, run_id, name, rel, expires)}"
             urls[rel] = (f"{base_url.rstrip('/')}/api/v1/external_weights_files/{quote(tenant)}/{quote(run_id)}/"
                          f"{quote(name)}/{quote(rel)}?{query}")
@@ -106,4 +114,5 @@ class UrlSigner:
 def file_in(folder: Path, rel: str) -> Path | None:
     """``folder/rel`` when it is a file inside ``folder`` (no escape through '..' or links), else None."""
     path = (folder / rel).resolve()
-    return path if path.is_file() and path.is_relative_to(folder.resolve()) else None
+    ok = path.is_file() and path.is_relative_to(folder.resolve()) and path.name != MANIFEST
+    return path if ok else None

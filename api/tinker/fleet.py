@@ -12,14 +12,13 @@ engine list, and each engine keeps ``sampler_capacity(job)`` Tinker adapters loa
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from pathlib import Path
 
 from api.tinker.auth import TenantKeys
 from api.tinker.sampler_engines import EngineEntry, EngineSource
 from api.tinker.sampling import SglangSampler
 from api.tinker.service import TinkerService
+from service.config.durability import Durability
 from service.config.settings import ServiceSettings
 from service.control.controller import Controller
 from service.fleet.fleet_runtime import FleetRuntime
@@ -47,19 +46,10 @@ def rollout_engines(runtime: FleetRuntime) -> EngineSource:
         rollout = runtime.rollout
         if rollout is None:
             return []
-        health = await asyncio.to_thread(rollout.engine_health, 10.0)
+        health = await rollout.engine_health_async(10.0)
         return [EngineEntry(h.index, h.url, h.alive and h.routable, h.inflight, h.starts) for h in health]
 
     return source
-
-
-class _FleetTinkerService(TinkerService):
-    """The service's /metrics with the sampler's counts too (per engine; stable_reinforce's statistics).
-    Until TinkerService.metrics() adds ``self.sampler.metrics()`` itself (api/tinker/service.py is being
-    rewritten elsewhere), this is where the fleet's Tinker metrics get them."""
-
-    def metrics(self) -> dict[str, float]:
-        return {**super().metrics(), **(self.sampler.metrics() if self.sampler is not None else {})}
 
 
 def fleet_tinker_service(controller: Controller, settings: ServiceSettings) -> TinkerService:
@@ -71,11 +61,13 @@ def fleet_tinker_service(controller: Controller, settings: ServiceSettings) -> T
     if not isinstance(runtime, FleetRuntime) or runtime.scheduler is None:
         raise ValueError("the Tinker API needs the running fleet (a FleetRuntime attached to the controller)")
     job = runtime.job
-    models = TinkerModels(runtime.scheduler, base_model=job.base_model.name,
+    models = TinkerModels(runtime.scheduler, runtime.tinker_records, runtime.store, base_model=job.base_model.name,
                           tokenizer_id=settings.tinker_tokenizer_id or job.base_model.served_name or job.base_model.path,
                           max_rank=controller.capacity.max_rank, max_seq_len=settings.tinker_max_seq_len,
-                          target_groups=tuple(controller.capacity.target_groups))
+                          target_groups=tuple(controller.capacity.target_groups),
+                          durability=Durability.parse(settings.tinker_durability), quotas=settings.quotas)
     sampler = (SglangSampler(rollout_engines(runtime), records=controller.registry, max_loaded=sampler_capacity(job))
                if runtime.rollout is not None else None)
-    service = _FleetTinkerService(models, keys, settings.tinker_dir, sampler=sampler, session_timeout_s=settings.tinker_session_timeout_s)
+    service = TinkerService(models, keys, sampler=sampler, session_timeout_s=settings.tinker_session_timeout_s,
+                                  default_seed=settings.tinker_default_seed)
     return service

@@ -1,4 +1,4 @@
-"""Request ids and their results: the SDK's futures protocol.
+"""Request ids and their results: the SDK's futures protocol, durable (issue 40).
 
 Every POST that starts work answers ``{"request_id", "model_id"}`` at once; the SDK
 then polls ``retrieve_future``. A retrieve waits up to ``poll_s`` for the result and
@@ -6,20 +6,43 @@ otherwise answers ``{"type": "try_again", ...}`` (the SDK polls again). A finish
 request answers its JSON result, protobuf bytes (ForwardBackwardOutput), or
 ``{"error", "category"}`` (category ``user`` for bad input: the SDK raises it and does
 not retry). A future belongs to the tenant that made it: another tenant's id is 404.
+
+Every future is a record (service/registry/tinker_records.py): created before its id is answered
+(the route awaits `durable()`), its result written when it resolves and kept `result_ttl_s` after.
+So a client that polls across a restart finds its future: pending (its operation runs again after
+the restart, or answers why it cannot; a sample in flight answers 410, which the SDK's sampling
+client answers by sending it again) or done (its result). Waiters of this process are in memory;
+a result asked for after a restart is read from the record.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
+
+from service.registry.tinker_records import TinkerRecords
 
 
 @dataclass
 class Outcome:
     json: dict | None = None  # a JSON result (or an error body)
     proto: bytes | None = None  # a protobuf result
+    status: int = 200  # the HTTP status of the retrieve that answers it (410: send the request again)
+
+    def record(self) -> tuple[str, bytes]:
+        if self.proto is not None:
+            return "proto", self.proto
+        return ("gone" if self.status == 410 else "json"), json.dumps(self.json).encode()
+
+    @staticmethod
+    def from_record(kind: str, data: bytes) -> "Outcome":
+        if kind == "proto":
+            return Outcome(proto=bytes(data))
+        return Outcome(json=json.loads(bytes(data)), status=410 if kind == "gone" else 200)
 
 
 @dataclass
@@ -37,29 +60,57 @@ def server_error(message: str) -> Outcome:
     return Outcome(json={"error": message, "category": "server"})
 
 
-class FutureStore:
-    """In-memory, single event loop. Results are kept until retrieved, then dropped
-    after ``keep`` further requests (the SDK may re-read a result after a lost response)."""
+def gone(message: str) -> Outcome:
+    """HTTP 410: the SDK's sampling and logprob clients send such a request again on their own."""
+    return Outcome(json={"error": message, "category": "server"}, status=410)
 
-    def __init__(self, poll_s: float = 10.0, keep: int = 10000):
+
+class FutureStore:
+    """Futures of one serving event loop, recorded in `records` (module doc). In memory: the pending
+    ones and the last `keep` finished ones; older results come from the records."""
+
+    def __init__(self, records: TinkerRecords, poll_s: float = 10.0, keep: int = 10000):
+        self.records = records
         self.poll_s = poll_s
         self.keep = keep
-        self._entries: dict[str, _Entry] = {}
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
         # model -> why its queued calls wait (no trainer slot now: the scheduler's last placement), or
         # None: a retrieve of such a call answers try_again with queue_state paused_capacity and it.
         self.reason_of: Callable[[str], str | None] = lambda model_id: None
 
-    def create(self, tenant: str, model_id: str | None) -> str:
+    def create(self, tenant: str, model_id: str | None, kind: str = "call") -> str:
+        """A new future, recorded (D1: the route answers its id after `durable()`)."""
         request_id = uuid.uuid4().hex
         self._entries[request_id] = _Entry(tenant, model_id)
-        if len(self._entries) > self.keep:  # oldest finished first
+        self.records.add_future(request_id, tenant, model_id, kind)
+        self._trim()
+        return request_id
+
+    def adopt(self, request_id: str, tenant: str, model_id: str | None) -> None:
+        """A future of an earlier process whose operation runs again in this one (a revived model's)."""
+        if request_id not in self._entries:
+            self._entries[request_id] = _Entry(tenant, model_id)
+
+    def _trim(self) -> None:
+        if len(self._entries) > self.keep:  # oldest finished first; their results stay in the records
             for rid in [r for r, e in self._entries.items() if e.done.done()][: len(self._entries) - self.keep]:
                 del self._entries[rid]
-        return request_id
+
+    async def durable(self) -> None:
+        """Returns once everything recorded so far is committed (D1): a barrier in the records' queue,
+        whose commit wakes this loop."""
+        loop = asyncio.get_running_loop()
+        committed = loop.create_future()
+        self.records.write("SELECT 1", then=lambda: loop.call_soon_threadsafe(_settle, committed))
+        await committed
 
     def resolve(self, request_id: str, outcome: Outcome) -> None:
         entry = self._entries.get(request_id)
-        if entry is not None and not entry.done.done():
+        if entry is not None and entry.done.done():
+            return
+        kind, data = outcome.record()
+        self.records.resolve(request_id, kind, data, keep_request=True)  # a snapshot drops requests it covers
+        if entry is not None:
             entry.done.set_result(outcome)
 
     def entry(self, request_id: str) -> _Entry | None:
@@ -73,7 +124,12 @@ class FutureStore:
         """The outcome, or None when still running after ``poll_s`` (try again). KeyError: not this tenant's."""
         entry = self.owned(tenant, request_id)
         if entry is None:
-            raise KeyError(request_id)
+            row = self.records.future(request_id)
+            if row is None or row.tenant != tenant:
+                raise KeyError(request_id)
+            if row.state == "done":
+                return Outcome.from_record(row.result_kind, row.result)
+            return None  # an earlier process's future whose operation cannot run here any more is answered at start
         try:
             return await asyncio.wait_for(asyncio.shield(entry.done), self.poll_s)
         except TimeoutError:
@@ -90,8 +146,16 @@ class FutureStore:
     def cancel(self, tenant: str, request_id: str) -> bool:
         entry = self.owned(tenant, request_id)
         if entry is None:
-            raise KeyError(request_id)
+            row = self.records.future(request_id)
+            if row is None or row.tenant != tenant:
+                raise KeyError(request_id)
+            return False
         if entry.done.done():
             return False
-        entry.done.set_result(user_error("cancelled by the client"))
+        self.resolve(request_id, user_error("cancelled by the client"))
         return True
+
+
+def _settle(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)

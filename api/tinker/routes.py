@@ -10,28 +10,25 @@ category ``user`` and a message saying what is allowed; nothing changes for anyo
 
 from __future__ import annotations
 
-from fastapi import APIRouter, HTTPException, Request, Response
+from fastapi import APIRouter, Depends, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 
 from api.tinker import wire
-from api.tinker.futures import Outcome, user_error
+from api.tinker.futures import user_error
+from api.tinker.outcomes import fb_outcome, optim_outcome
 from api.tinker.runs_routes import runs_router
-from api.tinker.proto_io import PROTO_CONTENT_TYPE, decode_forward_backward, encode_forward_backward_output
+from api.tinker.proto_io import PROTO_CONTENT_TYPE, decode_forward_backward
 from api.tinker.sampling import LogprobOptions
 from api.tinker.service import TinkerService, lora_flags
 from api.tinker.stability import attach_recorded_inputs, with_statistics
 from service.tenants.tinker_model import checkpoint_lora
-from trainer.rounds import AdamStep, CallResult
-
-
-def _fb_outcome(result: CallResult) -> Outcome:
-    if result.error is not None:
-        return user_error(result.error)
-    return Outcome(proto=encode_forward_backward_output(result))
+from trainer.rounds import AdamStep
+from trainer.storage.locations import readable_folder
+from trainer.storage.slot_state_format import META
 
 
 def tinker_router(service: TinkerService) -> APIRouter:
-    r = APIRouter(prefix="/api/v1")
+    r = APIRouter(prefix="/api/v1", dependencies=[Depends(service.start)])  # revives a restart first
 
     def tenant(request: Request) -> str:
         return service.keys.authenticate(request)
@@ -74,7 +71,9 @@ def tinker_router(service: TinkerService) -> APIRouter:
 
     @r.post("/create_session")
     async def create_session(body: wire.CreateSessionRequest, request: Request) -> dict:
-        return {"type": "create_session", "session_id": service.create_session(tenant(request))}
+        sid = service.create_session(tenant(request))
+        await service.futures.durable()  # D1: an id is answered only once it is recorded
+        return {"type": "create_session", "session_id": sid}
 
     @r.post("/session_heartbeat")
     async def heartbeat(body: wire.SessionRequest, request: Request) -> dict:
@@ -95,6 +94,7 @@ def tinker_router(service: TinkerService) -> APIRouter:
         model_id = service.model_id(body.session_id, body.model_seq_id)
         rid, answer = future(t, model_id)
         service.create_model(t, body, model_id, rid)
+        await service.futures.durable()
         return answer
 
     @r.post("/get_info")
@@ -111,6 +111,7 @@ def tinker_router(service: TinkerService) -> APIRouter:
         service.model(t, body.model_id)
         rid, answer = future(t, body.model_id)
         service.submit_unload(t, body.model_id, rid)
+        await service.futures.durable()
         return answer
 
     # -- training ---------------------------------------------------------------------------------
@@ -129,10 +130,12 @@ def tinker_router(service: TinkerService) -> APIRouter:
             data = attach_recorded_inputs(t, fb.loss_fn, fb.data, fb.provenance, sampler.records if sampler else None)
         except ValueError as err:
             service.futures.resolve(rid, user_error(str(err)))
+            await service.futures.durable()
             return answer
-        ok = with_statistics(fb.loss_fn, fb.loss_fn_config, data, sampler.stable_reinforce if sampler else None, _fb_outcome)
+        ok = with_statistics(fb.loss_fn, fb.loss_fn_config, data, sampler.stable_reinforce if sampler else None, fb_outcome)
         submit = model.forward if fb.forward_only else model.forward_backward
         submit(data, fb.loss_fn, fb.loss_fn_config, **service.op_kw(rid, ok))
+        await service.futures.durable()  # the future, and (tinker_durability step) its request: the log
         return answer
 
     @r.post("/optim_step")
@@ -142,37 +145,44 @@ def tinker_router(service: TinkerService) -> APIRouter:
         rid, answer = future(t, body.model_id)
         if body.adam_params is None or body.adam_params.type not in (None, "adam", "adamw"):
             service.futures.resolve(rid, user_error("only Adam(W) optimizer steps are supported: send adam_params"))
+            await service.futures.durable()
             return answer
         p = body.adam_params
         adam = AdamStep(learning_rate=p.learning_rate, beta1=p.beta1, beta2=p.beta2, eps=p.eps,
                         weight_decay=p.weight_decay, grad_clip_norm=p.grad_clip_norm)
-        ok = lambda metrics: Outcome(json={"type": "optim_step", "metrics": {f"{k}:last": v for k, v in metrics.items()}})  # noqa: E731
         try:
-            model.optim_step(adam, **service.op_kw(rid, ok))
+            model.optim_step(adam, **service.op_kw(rid, optim_outcome))
         except ValueError as err:  # bad adam_params: refused before it is queued
             service.futures.resolve(rid, user_error(str(err)))
+        await service.futures.durable()
         return answer
 
     # -- checkpoints ------------------------------------------------------------------------------
 
     @r.post("/save_weights")
     async def save_weights(body: wire.SaveWeightsRequest, request: Request) -> dict:
-        return service.submit_save(tenant(request), body, kind="weights")
+        answer = service.submit_save(tenant(request), body, kind="weights")
+        await service.futures.durable()
+        return answer
 
     @r.post("/save_weights_for_sampler")
     async def save_weights_for_sampler(body: wire.SaveWeightsRequest, request: Request) -> dict:
-        return service.submit_save(tenant(request), body, kind="sampler_weights")
+        answer = service.submit_save(tenant(request), body, kind="sampler_weights")
+        await service.futures.durable()
+        return answer
 
     @r.post("/load_weights")
     async def load_weights(body: wire.LoadWeightsRequest, request: Request) -> dict:
-        return service.submit_load(tenant(request), body)
+        answer = service.submit_load(tenant(request), body)
+        await service.futures.durable()
+        return answer
 
     @r.post("/weights_info")
     async def weights_info(body: wire.WeightsInfoRequest, request: Request) -> dict:
         t = tenant(request)
         try:
             folder = service.checkpoint_folder(t, body.tinker_path, kinds=("weights",))
-            lora = checkpoint_lora(folder)
+            lora = checkpoint_lora(readable_folder(service.store, folder, legacy_marker=META))
         except ValueError as err:
             raise HTTPException(404, str(err)) from None
         return {"base_model": service.fleet.base_model, "is_lora": True, "lora_rank": lora.rank, **lora_flags(lora)}
@@ -200,7 +210,7 @@ def tinker_router(service: TinkerService) -> APIRouter:
     @r.post("/asample")
     async def asample(body: wire.SampleRequest, request: Request) -> dict:
         t = tenant(request)
-        rid = service.futures.create(t, None)
+        rid = service.futures.create(t, None, kind="sample")
         answer = {"request_id": rid, "sample_sequence_ids": [f"{rid}-{i}" for i in range(body.num_samples)]}
         try:
             if body.target_prompt_logprobs is not None or body.prompt_alt_tokens_k:
@@ -218,6 +228,7 @@ def tinker_router(service: TinkerService) -> APIRouter:
                 session = service.sampler.sessions[service.sampler.create_session(t, folder, body.model_path)]
         except ValueError as err:
             service.futures.resolve(rid, user_error(str(err)))
+            await service.futures.durable()
             return answer
 
         async def run() -> None:
@@ -227,6 +238,7 @@ def tinker_router(service: TinkerService) -> APIRouter:
                                                                       options, rid if body.record_stability_info else None))
 
         service.background(run())
+        await service.futures.durable()  # D1: after a restart its future answers why (never unknown)
         return answer
 
     # -- futures ----------------------------------------------------------------------------------
@@ -242,7 +254,7 @@ def tinker_router(service: TinkerService) -> APIRouter:
             return JSONResponse({"type": "try_again", "request_id": body.request_id, **service.futures.queue_state(t, body.request_id)})
         if outcome.proto is not None:
             return Response(outcome.proto, media_type=PROTO_CONTENT_TYPE)
-        return JSONResponse(outcome.json)
+        return JSONResponse(outcome.json, status_code=outcome.status)
 
     @r.post("/cancel_future")
     async def cancel_future(body: wire.FutureRequest, request: Request) -> dict:

@@ -106,12 +106,15 @@ def runs_router(service: TinkerService, signer: UrlSigner | None = None) -> APIR
             service.model(t, body.model_id)
             rid = service.futures.create(t, body.model_id)
             service.futures.resolve(rid, user_error(str(err)))
+            await service.futures.durable()
             return {"request_id": rid, "model_id": body.model_id}
 
-        def write(export, folder) -> dict:  # noqa: ANN001 - the model's PEFT export, a Path
-            return {"size_bytes": write_external(export, folder, recipients)}
+        def write(export, folder) -> dict:  # noqa: ANN001 - the model's PEFT export, the checkpoint's store reference
+            return {"size_bytes": write_external(export, service.store, service.store.key_of(folder), recipients)}
 
-        return service.submit_save(t, body, kind="external_weights", write_with=write)
+        answer = service.submit_save(t, body, kind="external_weights", write_with=write)
+        await service.futures.durable()
+        return answer
 
     @r.get("/training_runs/{run_id}/checkpoints/{kind}/{name}/external_weights_urls")
     async def external_weights_urls(run_id: str, kind: str, name: str, request: Request) -> dict:

@@ -119,7 +119,6 @@ class SglangSampler:
         self.sessions: dict[str, SamplingSession] = {}  # this process's sessions (the records hold them all)
         self.stable_reinforce = Counter()  # the stable_reinforce calls' statistics, summed (api/tinker/stability.py)
         self._swept = time.monotonic()
-        self._sweep: asyncio.Task | None = None
 
     # -- sessions --------------------------------------------------------------------------------------
 
@@ -239,11 +238,12 @@ class SglangSampler:
         return Outcome(proto=_response(results, prompt, options))
 
     def _sweep_now_and_then(self) -> None:
-        """Expired sessions and stability records deleted, at most every SWEEP_EVERY_S, off the serving loop."""
-        if self.records is None or time.monotonic() - self._swept < SWEEP_EVERY_S or (self._sweep and not self._sweep.done()):
+        """Expired sessions and stability records deleted, at most every SWEEP_EVERY_S (one indexed DELETE
+        on the serving loop, like the session reaper's sweeps: the API starts no thread)."""
+        if self.records is None or time.monotonic() - self._swept < SWEEP_EVERY_S:
             return
         self._swept = time.monotonic()
-        self._sweep = asyncio.get_running_loop().create_task(asyncio.to_thread(self.records.sweep_sampling_records))
+        self.records.sweep_sampling_records()
 
     def metrics(self) -> dict[str, float]:
         """Per-engine counts (sampler_engines.py) and the stable_reinforce statistics, for /metrics."""

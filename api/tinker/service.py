@@ -4,14 +4,20 @@ futures), and how a request becomes an operation on its model's queue.
 The wire face only: each request is checked here (ownership, paths, the LoRA options) and put,
 in order, on its model's queue in service/ (service/tenants/tinker_model.py ``TinkerModel``, reached
 through service/tenants/tinker_models.py ``TinkerModels``) with a ``done`` callback that turns the
-outcome into the SDK's future result; the scheduler runs it (service/scheduling/scheduler.py) and calls
-``done`` on its own thread, which hands the result to the serving event loop. No slot, no
-eviction and no thread that calls the trainer lives here.
+outcome into the SDK's future result (api/tinker/outcomes.py); the scheduler runs it
+(service/scheduling/scheduler.py) and calls ``done`` on its own thread, which hands the result to
+the serving event loop. No slot, no eviction and no thread that calls the trainer lives here.
+
+Durable (issue 40): sessions, models and futures are records (service/registry/tinker_records.py),
+written before an answer names them (the routes await ``futures.durable()``). At start, ``revive``
+brings the sessions and models of the previous process back under their ids, re-queues the
+operations they still owed (their futures answer when those run), and answers what cannot run
+again with why. A client that retries through a restart sees only latency.
 
 Ownership invariant: every session, model and future records its tenant, and every lookup
 takes the caller's tenant; a miss and another tenant's object answer the same 404. Checkpoints
-live under ``<checkpoint_root>/<tenant>/<model>/<kind>/<name>`` and a
-``tinker://<model>/<kind>/<name>`` path is always resolved under the CALLER's tenant folder, so
+live in the store under ``tinker/<tenant>/<model>/<kind>/<name>`` (trainer/storage/layouts.py)
+and a ``tinker://<model>/<kind>/<name>`` path is always resolved under the CALLER's tenant, so
 another tenant's path cannot name anything the caller may load.
 """
 
@@ -24,19 +30,21 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 from fastapi import HTTPException
 
 from api.tinker import wire
 from api.tinker.auth import TenantKeys
-from api.tinker.futures import FutureStore, Outcome, server_error, user_error
+from api.tinker.futures import FutureStore, Outcome, gone, server_error, user_error
+from api.tinker.outcomes import answer_outcome, lora_flags, lora_spec, ok_for, outcome_of  # noqa: F401 - lora_flags: the routes'
 from api.tinker.runs import TrainingRuns, check_ttl, check_user_metadata
 from api.tinker.sampling import SglangSampler
 from service.errors import LorafleetError
 from service.tenants.tinker_model import LoraSpec, TinkerModel, checkpoint_lora
 from service.tenants.tinker_models import TinkerModels
+from trainer.storage.locations import readable_folder
+from trainer.storage.slot_state_format import META
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 KINDS = ("weights", "sampler_weights")
@@ -61,53 +69,43 @@ class ModelRecord:
     model: TinkerModel
 
 
-def outcome_of(value: Any, error: BaseException | None, ok: Callable[[Any], Outcome]) -> Outcome:
-    """An operation's result as the SDK's future result: bad input (ValueError) and what a tenant can
-    cause (service.errors: no free slot, a conflict) are the caller's ``user`` error, anything else a
-    ``server`` error naming it."""
-    if error is None:
-        return ok(value)
-    if isinstance(error, (ValueError, LorafleetError)):
-        return user_error(str(error))
-    return server_error(f"{type(error).__name__}: {error}")
-
-
-def lora_spec(lc: wire.LoraConfigIn, seed: int) -> LoraSpec:
-    """The model's LoRA: rank, seed, and what it trains (the SDK's train_attn, train_mlp, train_unembed)."""
-    targets = tuple(g for flag, g in ((lc.train_attn, "attention"), (lc.train_mlp, "mlp"), (lc.train_unembed, "unembed")) if flag)
-    return LoraSpec(lc.rank, seed, targets)
-
-
-def lora_flags(lora: LoraSpec) -> dict[str, bool]:
-    """The SDK's view of what a model (or checkpoint) trains: weights_info's fields."""
-    return {"train_unembed": "unembed" in lora.targets, "train_mlp": "mlp" in lora.targets,
-            "train_attn": "attention" in lora.targets}
-
-
 class TinkerService:
-    def __init__(self, fleet: TinkerModels, keys: TenantKeys, checkpoint_root: str | Path, *,
-                 poll_s: float = 10.0, sampler: SglangSampler | None = None, session_timeout_s: float | None = 300.0,
-                 on_stop: Callable[[], None] | None = None):
+    def __init__(self, fleet: TinkerModels, keys: TenantKeys, *, poll_s: float = 10.0, sampler: SglangSampler | None = None,
+                 session_timeout_s: float | None = 300.0, on_stop: Callable[[], None] | None = None,
+                 default_seed: int | None = None):
         """``session_timeout_s``: a session without a heartbeat for this long (the SDK sends one
         every 10 s) has its models saved (``tinker://<model>/weights/expired-<unix time>``) and
-        their slots freed; None = never. ``on_stop``: called last by ``stop`` (a TinkerHost's close)."""
+        their slots freed; None = never. ``on_stop``: called last by ``stop``."""
         self.fleet = fleet  # the models as tenants of the scheduler (service/tenants/tinker_models.py)
+        self.records = fleet.records
+        self.store = fleet.store
         self.session_timeout_s = session_timeout_s
         self._reaper = None
         self.sampler = sampler
         self.keys = keys
-        self.checkpoint_root = Path(checkpoint_root)
-        self.runs = TrainingRuns(self.checkpoint_root)  # training runs and checkpoints (RestClient; api/tinker/runs.py)
-        self.futures = FutureStore(poll_s=poll_s)
+        self.runs = TrainingRuns(self.records, self.store)  # training runs and checkpoints (RestClient; api/tinker/runs.py)
+        self.runs.base_model = fleet.base_model
+        self.futures = FutureStore(self.records, poll_s=poll_s)
         self.futures.reason_of = self._waiting_reason
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, ModelRecord] = {}
         self._tasks: set = set()
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._on_stop = on_stop
+        self._revived = False
+        self.default_seed = default_seed  # a model created without a seed gets it (None: a random one)
 
     async def start(self) -> None:
+        """Run before every Tinker route (the router's dependency): the first one revives the previous
+        process's sessions, models and futures on the serving loop, so no request is answered before
+        the restart's state is back."""
+        if self._revived:
+            return
         self._event_loop = asyncio.get_running_loop()
+        self._revived = True
+        self.revive()
+        if self.sessions and self.session_timeout_s is not None and self._reaper is None:
+            self._reaper = asyncio.get_running_loop().create_task(self._reap_forever(), name="tinker-session-reaper")
 
     async def stop(self) -> None:
         if self._reaper is not None:
@@ -124,11 +122,34 @@ class TinkerService:
         task.add_done_callback(self._tasks.discard)
 
     def metrics(self) -> dict[str, float]:
-        return {**self.fleet.stats(), "models": len(self.models), "sessions": len(self.sessions)}
+        """The Tinker gauges of /metrics: the models' residency, and the sampler's counts (per engine)."""
+        sampler = self.sampler.metrics() if self.sampler is not None else {}
+        return {**self.fleet.stats(), "models": len(self.models), "sessions": len(self.sessions), **sampler}
 
     def _waiting_reason(self, model_id: str) -> str | None:
         record = self.models.get(model_id)
         return record.model.waiting_reason if record is not None else None
+
+    # -- a restart: back where the previous process stopped ----------------------------------------
+
+    def revive(self) -> None:
+        """Sessions (their heartbeats count from now), models and their owed operations of the previous
+        process (module doc); a future that cannot finish any more is answered with why."""
+        for sid, tenant in self.records.live_sessions():
+            self.sessions[sid] = Session(tenant, sid)
+
+        def answer(request_id: str, request: dict) -> Callable[[Any, BaseException | None], None]:
+            row = self.records.future(request_id)
+            self.futures.adopt(request_id, row.tenant, row.model_id)
+            return self.done(request_id, ok_for(request))
+
+        for model in self.fleet.revive(answer):
+            row = self.records.run_of(model.owner, model.key)
+            self.models[model.key] = ModelRecord(model.owner, row["session_id"], model.key, model.lora.rank, model)
+        for f in self.records.pending_without_model():  # a sample or a check in flight at the stop
+            self.futures.adopt(f.request_id, f.tenant, f.model_id)
+            message = "the service restarted while this request ran; send it again"
+            self.futures.resolve(f.request_id, gone(message) if f.kind == "sample" else server_error(message))
 
     # -- results: from the scheduler's thread to the serving loop ---------------------------------------
 
@@ -142,7 +163,7 @@ class TinkerService:
             outcome = outcome_of(value, error, ok)
             try:
                 loop.call_soon_threadsafe(self.futures.resolve, request_id, outcome)
-            except RuntimeError:  # the serving loop closed: the service is stopping, nobody waits
+            except RuntimeError:  # the serving loop closed: the service is stopping; the record stays pending
                 pass
 
         return deliver
@@ -151,18 +172,19 @@ class TinkerService:
         """Whether the future was answered meanwhile (cancelled by the client): its operation is dropped."""
         def cancelled() -> bool:
             entry = self.futures.entry(request_id)
-            return entry is None or entry.done.done()
+            return entry is not None and entry.done.done()
         return cancelled
 
     def op_kw(self, request_id: str, ok: Callable[[Any], Outcome]) -> dict:
-        """The keyword arguments every queued operation takes: its done and cancelled."""
-        return {"done": self.done(request_id, ok), "cancelled": self.cancelled(request_id)}
+        """The keyword arguments every queued operation takes: its done, cancelled and future."""
+        return {"done": self.done(request_id, ok), "cancelled": self.cancelled(request_id), "request_id": request_id}
 
     # -- ownership -----------------------------------------------------------------------------------
 
     def create_session(self, tenant: str) -> str:
         sid = f"s-{uuid.uuid4().hex[:16]}"
         self.sessions[sid] = Session(tenant, sid)
+        self.records.add_session(sid, tenant)
         if self.session_timeout_s is not None and self._reaper is None:  # lazily, on the serving loop
             self._reaper = asyncio.get_running_loop().create_task(self._reap_forever(), name="tinker-session-reaper")
         return sid
@@ -172,17 +194,20 @@ class TinkerService:
             await asyncio.sleep(min(self.session_timeout_s / 4, 5.0))  # a periodic check, not a synchronization
             self.expire_sessions(time.monotonic())
             self.runs.sweep()  # checkpoints past their TTL (runs.py R3)
+            self.records.sweep()  # futures' results past their TTL
 
     def expire_sessions(self, now: float) -> list[str]:
         """Sessions silent for longer than the timeout: save each model, free its slot, forget the session."""
         expired = [s for s in self.sessions.values() if now - s.last_seen > self.session_timeout_s]
         for s in expired:
             for m in [m for m in self.models.values() if m.session_id == s.session_id]:
-                folder = self._folder(s.tenant, m.model_id, "weights", f"expired-{int(time.time())}")
+                name = f"expired-{int(time.time())}"
                 rid = self.futures.create(s.tenant, m.model_id)
-                m.model.save_state(folder, **self.op_kw(rid, lambda _: Outcome(json={"type": "save_weights"})))
+                m.model.save_state(self.runs.folder(s.tenant, m.model_id, "weights", name),
+                                   **self.op_kw(rid, self._saved(s.tenant, m.model_id, "weights", name, None, None)))
                 self._unload(m, self.futures.create(s.tenant, m.model_id))
             del self.sessions[s.session_id]
+            self.records.end_session(s.session_id)
         return [s.session_id for s in expired]
 
     def session(self, tenant: str, session_id: str) -> Session:
@@ -224,30 +249,22 @@ class TinkerService:
             return f"optimizer {body.optimizer_config.get('type')!r} not supported; only adamw"
         return None
 
-    def _create(self, tenant: str, session_id: str, model_id: str, lora: LoraSpec,
-                done: Callable[[BaseException | None], None], user_metadata: dict | None = None) -> ModelRecord | None:
-        """The model's record now, its admission at the scheduler's next placement (``done`` is told
-        how it went, on the scheduler's thread; an admitted model is recorded as a training run,
-        runs.py). None (and ``done`` not called) if the id is taken."""
+    def _create(self, tenant: str, session_id: str, model_id: str, lora: LoraSpec, done: Callable[[Any, BaseException | None], None],
+                request_id: str | None, answer: dict, user_metadata: dict | None = None) -> ModelRecord | None:
+        """The model now, waiting for a slot (service/tenants/tinker_models.py: never refused for room);
+        `done` is told when its slot holds its init. None (and `done` not called) if the id is taken.
+        ValueError / QuotaExceeded: refused (nothing of it stays)."""
         if model_id in self.models:
             return None
-        record: ModelRecord | None = None
-
-        def admitted(error: BaseException | None) -> None:
-            if error is not None and record is not None:
-                self.models.pop(model_id, None)  # refused: nothing of it stays
-            elif error is None:
-                self.runs.record_run(tenant, model_id, base_model=self.fleet.base_model, rank=lora.rank,
-                                     user_metadata=user_metadata)
-            done(error)
-
-        record = ModelRecord(tenant, session_id, model_id, lora.rank, None)  # type: ignore[arg-type]
+        model = self.fleet.create(model_id, tenant, lora, session_id, done, request_id=request_id, user_metadata=user_metadata,
+                                  answer=answer)
+        record = ModelRecord(tenant, session_id, model_id, lora.rank, model)
         self.models[model_id] = record
-        record.model = self.fleet.create(model_id, tenant, lora, admitted)
         return record
 
     def create_model(self, tenant: str, body: wire.CreateModelRequest, model_id: str, request_id: str) -> None:
-        """Create a model; the future ``request_id`` answers once it holds a slot, or why not."""
+        """Create a model; the future ``request_id`` answers once it holds a slot (try_again with the
+        reason while it waits), or why not."""
         problem = self._lora_problem(body)
         if problem:
             self.futures.resolve(request_id, user_error(problem))
@@ -257,12 +274,13 @@ class TinkerService:
         except ValueError as err:
             self.futures.resolve(request_id, user_error(str(err)))
             return
-        seed = body.lora_config.seed if body.lora_config.seed is not None else secrets.randbits(31)
-        finish = self.done(request_id, lambda _: Outcome(json={"type": "create_model", "model_id": model_id}))
+        seed = body.lora_config.seed if body.lora_config.seed is not None else (
+            self.default_seed if self.default_seed is not None else secrets.randbits(31))
+        answer = {"type": "create_model", "model_id": model_id}
         try:
             created = self._create(tenant, body.session_id, model_id, lora_spec(body.lora_config, seed),
-                                    lambda error: finish(None, error), meta)
-        except ValueError as err:
+                                   self.done(request_id, answer_outcome(answer)), request_id, answer, meta)
+        except (ValueError, LorafleetError) as err:
             self.futures.resolve(request_id, user_error(str(err)))
             return
         if created is None:
@@ -307,26 +325,37 @@ class TinkerService:
         for m in [m for m in self.models.values() if m.session_id == session_id]:
             self._unload(m, self.futures.create(tenant, m.model_id))
         del self.sessions[session_id]
+        self.records.end_session(session_id)
 
     # -- checkpoints -------------------------------------------------------------------------------------
 
-    def _folder(self, tenant: str, model_id: str, kind: str, name: str) -> Path:
-        return self.runs.folder(tenant, model_id, kind, name)
-
-    def checkpoint_folder(self, tenant: str, tinker_path: str, kinds: tuple[str, ...]) -> Path:
-        """The caller's checkpoint folder named by ``tinker://<model>/<kind>/<name>``; ValueError if none."""
+    def checkpoint_folder(self, tenant: str, tinker_path: str, kinds: tuple[str, ...]) -> str:
+        """The store reference of the caller's checkpoint named by ``tinker://<model>/<kind>/<name>``;
+        ValueError if none."""
         prefix = "tinker://"
         parts = tinker_path[len(prefix):].split("/") if tinker_path.startswith(prefix) else []
         if len(parts) != 3 or parts[1] not in kinds or not NAME_RE.match(parts[2]) or not parts[0] or ".." in parts[0]:
             raise ValueError(f"checkpoint path {tinker_path!r} invalid: expected tinker://<model_id>/{'|'.join(kinds)}/<name>")
         self.runs.sweep(tenant)  # an expired checkpoint is never resolved (runs.py R3)
-        folder = self._folder(tenant, parts[0], parts[1], parts[2])
-        if not folder.is_dir():
+        key = self.runs.key(tenant, parts[0], parts[1], parts[2])
+        if not self.store.exists(key) and not _legacy_checkpoint(self.store, key):
             raise ValueError(f"no checkpoint {tinker_path} for this API key")
-        return folder
+        return self.store.url(key)
+
+    def _saved(self, tenant: str, model_id: str, kind: str, name: str, ttl: int | None, meta: dict | None,
+               answer: dict | None = None, sampling_session_seq_id: int | None = None) -> Callable[[Any], Outcome]:
+        """The ok of a save: the checkpoint recorded (runs.py R2: after its folder is committed), then the answer."""
+        def ok(extra: Any) -> Outcome:
+            self.runs.record_checkpoint(tenant, model_id, kind, name, ttl_seconds=ttl, user_metadata=meta)
+            result = {**(answer or {}), **(extra if isinstance(extra, dict) else {})}
+            if kind == "sampler_weights" and sampling_session_seq_id is not None and self.sampler is not None:
+                result["sampling_session_id"] = self.sampler.create_session(tenant, self.runs.folder(tenant, model_id, kind, name),
+                                                                            result.get("path"))
+            return Outcome(json=result)
+        return ok
 
     def submit_save(self, tenant: str, body: wire.SaveWeightsRequest, kind: str,
-                    write_with: Callable[[Callable[[Path], str], Path], dict] | None = None) -> dict:
+                    write_with: Callable[[Callable[[str], str], str], dict] | None = None) -> dict:
         """Save a checkpoint of ``kind`` (weights, sampler_weights, external_weights) as an operation on
         the model's queue. ``write_with(export, folder)`` (external weights): writes the checkpoint into
         ``folder`` given ``export(to)``, which writes the model's PEFT folder to ``to`` on the
@@ -345,26 +374,20 @@ class TinkerService:
         except ValueError as err:
             self.futures.resolve(rid, user_error(str(err)))
             return answer
-        folder = self._folder(tenant, body.model_id, kind, name)
+        folder = self.runs.folder(tenant, body.model_id, kind, name)
         path = f"tinker://{body.model_id}/{kind}/{name}"
-        if folder.exists():
+        if self.store.exists(self.runs.key(tenant, body.model_id, kind, name)):
             self.futures.resolve(rid, user_error(f"checkpoint {path} exists; choose another name"))
             return answer
         wire_type = {"weights": "save_weights", "sampler_weights": "save_weights_for_sampler",
                      "external_weights": "save_weights_external"}[kind]
-
-        def ok(extra: Any) -> Outcome:
-            self.runs.record_checkpoint(tenant, body.model_id, kind, name, ttl_seconds=body.ttl_seconds, user_metadata=meta)
-            result = {"type": wire_type, "path": path, **(extra if isinstance(extra, dict) else {})}
-            if kind == "sampler_weights" and body.sampling_session_seq_id is not None and self.sampler is not None:
-                result["sampling_session_id"] = self.sampler.create_session(tenant, folder, path)
-            return Outcome(json=result)
-
-        kw = self.op_kw(rid, ok)
+        reply = {"type": wire_type, "path": path}
+        kw = self.op_kw(rid, self._saved(tenant, body.model_id, kind, name, body.ttl_seconds, meta, reply,
+                                         body.sampling_session_seq_id))
         if kind == "weights":
-            record.model.save_state(folder, **kw)
+            record.model.save_state(folder, answer=reply, **kw)
         elif kind == "sampler_weights":
-            record.model.save_sampler_weights(folder, **kw)
+            record.model.save_sampler_weights(folder, answer=reply, **kw)
         else:
             record.model.export_with(lambda export: write_with(export, folder), **kw)
         return answer
@@ -381,36 +404,34 @@ class TinkerService:
             raise HTTPException(400, "load_weights needs model_id, or session_id with model_seq_id")
         rid = self.futures.create(tenant, model_id)
         answer = {"request_id": rid, "model_id": model_id}
+        reply = {"type": "load_weights", "path": body.path, "model_id": model_id}
+        created = record is None
         try:
             folder = self.checkpoint_folder(tenant, body.path, kinds=("weights",))
             if record is None:  # create-via-load: the model takes the checkpoint's LoRA shape
-                lora = checkpoint_lora(folder)
-
-                def admitted(error: BaseException | None) -> None:
-                    if error is not None:  # its queued load gets the reason too (the model's release)
-                        return
-
-                record = self._create(tenant, body.session_id, model_id, lora, admitted, check_user_metadata(body.user_metadata))
+                lora = checkpoint_lora(readable_folder(self.store, folder, legacy_marker=META))
+                record = self._create(tenant, body.session_id, model_id, lora, lambda value, error: None, None,
+                                      {"type": "create_model", "model_id": model_id}, check_user_metadata(body.user_metadata))
                 if record is None:
                     raise ValueError(f"model {model_id} exists (model_seq_id reused in this session)")
-        except ValueError as err:
+        except (ValueError, LorafleetError) as err:
             self.futures.resolve(rid, user_error(str(err)))
             return answer
-        created = body.model_id is None
-        finish = self.done(rid, lambda _: Outcome(json={"type": "load_weights", "path": body.path, "model_id": model_id}))
+        finish = self.done(rid, answer_outcome(reply))
 
         def loaded(value: Any, error: BaseException | None) -> None:
             if error is not None and created and model_id in self.models:  # a model created for this load does not outlive it
                 self._unload(self.models[model_id], self.futures.create(tenant, model_id))
             finish(value, error)
 
-        record.model.load_state(folder, body.optimizer, done=loaded, cancelled=self.cancelled(rid))
+        record.model.load_state(folder, body.optimizer, done=loaded, cancelled=self.cancelled(rid), request_id=rid, answer=reply)
         return answer
 
     # -- sampling ----------------------------------------------------------------------------------------
 
-    def sampling_folder(self, tenant: str, base_model: str | None, model_path: str | None) -> Path | None:
-        """The PEFT folder to sample with (None = the base model); ValueError naming the problem."""
+    def sampling_folder(self, tenant: str, base_model: str | None, model_path: str | None) -> str | None:
+        """The store reference of the PEFT folder to sample with (None = the base model); ValueError
+        naming the problem."""
         if self.sampler is None:
             raise ValueError("this server has no sampling engine (sampleable: false)")
         if model_path:
@@ -418,3 +439,11 @@ class TinkerService:
         if base_model != self.fleet.base_model:
             raise ValueError(f"base_model {base_model!r} is not served here; this server samples {self.fleet.base_model!r}")
         return None
+
+
+def _legacy_checkpoint(store, key: str) -> bool:  # noqa: ANN001 - a CheckpointStore
+    """A Tinker checkpoint folder written before the store (no manifest): a slot state or a PEFT folder."""
+    from pathlib import Path
+
+    url = store.url(key)
+    return not url.startswith("s3://") and any((Path(url) / f).is_file() for f in (META, "adapter_config.json"))

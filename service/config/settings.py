@@ -94,6 +94,9 @@ class ServiceSettings(BaseSettings):
     tinker_session_timeout_s: float = Field(300.0, gt=0, description="Tinker: a session without a heartbeat for this long has its models saved and their trainer slots freed (seconds).")
     tinker_max_seq_len: int = Field(4096, ge=1, description="Tinker: longest model_input of one datum (tokens); longer ones are refused in the future's result.")
     tinker_tokenizer_id: str | None = Field(None, description="Tinker: the tokenizer id get_info tells clients (the SDK's get_tokenizer loads it with AutoTokenizer), e.g. the base model's Hugging Face hub id. Default: base_model.served_name when the job file sets it, else the base model's folder, which responses show cut to its last part (server paths are never shown), so clients off this machine need this set.")
+    tinker_durability: str = Field("interval:300", description="Tinker: what survives a crash (service/tenants/tinker_durability.py): 'step' = every optim_step is acknowledged only after the model's state is durable and every call is logged, so nothing acknowledged is lost; 'interval:<seconds>' = each changed model is snapshotted at most that often, a crash loses what ran since (its calls are then answered with the step it was restored to). A graceful stop loses nothing either way. Environment: LORAFLEET_TINKER_DURABILITY.")
+    tinker_default_seed: int | None = Field(None, ge=0, le=2**31 - 1, description="Tinker: the LoRA init seed of a model whose client gives none (the cookbook's recipes give none); null = a fresh random seed per model, as Tinker does. Set it to make such runs repeatable.")
+    tinker_result_ttl_s: float = Field(3600.0, gt=0, description="Tinker: how long a finished call's result is kept for a client that polls again (also across a restart), seconds.")
     tinker_max_body_bytes: int = Field(64 << 20, ge=8 << 20, description="Largest request body of the Tinker API's data-carrying routes (forward, forward_backward); at least 8 MiB.")
 
     _split = field_validator("data_roots", "reward_import_roots", "rollout_import_roots", mode="before")(lambda cls, v: _split_list(v))
@@ -114,6 +117,14 @@ class ServiceSettings(BaseSettings):
     @property
     def db_path(self) -> Path:
         return self.state_dir / "registry.sqlite3"
+
+    @field_validator("tinker_durability")
+    @classmethod
+    def _durability(cls, v: str) -> str:
+        from service.config.durability import Durability
+
+        Durability.parse(v)  # ValueError saying what is allowed
+        return v
 
     @property
     def storage_location(self) -> str:

@@ -51,7 +51,7 @@ from service.config.adapter import AdapterConfig
 from service.config.job import SlotCapacity
 from service.config.settings import ServiceSettings, format_validation_error
 from service.control.config_checks import PEFT_FILES, check_adapter_config
-from service.errors import BadValue, Conflict
+from service.errors import BadValue, Conflict, NotReady
 from service.control.ownership import check_tenant_start_paths
 from service.registry.registry import AdapterRef, AdapterState, Registry, StepRecord
 from service.registry.views import ListQuery, Page, RunQuota
@@ -402,6 +402,8 @@ class Controller:
             # A tenant or the loop changed the run meanwhile (retired while it was being
             # prepared, failed while retiring); the next pass acts on its new state.
             log.info("reconcile %s: %s", ref.name, e)
+        except NotReady as e:  # the engines are still starting: prepared at a later pass, nothing changed
+            log.debug("reconcile %s: %s", ref.name, e)
         except Exception as e:
             reason = f"{stage} failed: {type(e).__name__}: {e}"[:MAX_REASON_CHARS]
             log.exception("adapter %s: %s", ref.name, reason)

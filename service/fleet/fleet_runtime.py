@@ -23,8 +23,8 @@ Invariants:
      checkpoint of a resident one, except at stop: drain saves every tenant, evicted ones swapped
      into a spare slot first;
   F3 a trainer restart loses the slots and the swap store: every prepared run is forgotten here and
-     prepared again by the controller from its last checkpoint; Tinker models are lost (their
-     queued calls get the reason).
+     prepared again by the controller from its last checkpoint; Tinker models stay, each restored
+     from its durable snapshot when it next has work (service/tenants/tinker_model.py M6).
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ from service.config.job import JobConfig
 from service.config.settings import ServiceSettings
 from service.control.config_checks import no_step_refusal, planned_steps
 from service.fleet.health import FleetHealth
+from service.errors import NotReady
+from service.fleet.engine_pids import record_engines
 from service.fleet.publishing import Publisher
 from service.registry.registry import AdapterRef, Registry
 from service.scheduling.residency import ResidencyKnobs
@@ -51,7 +53,9 @@ from service.fleet.rollout_client import RolloutClient
 from service.control.runtime_protocol import ComponentHealth, Finished, Prepared, ProcessInfo, RuntimeStats
 from service.scheduling.scheduler import Scheduler
 from service.tenants.sft_source import SftSource
+from service.registry.tinker_records import TinkerRecords
 from service.tenants.runs import DatasetRun, RlRun, SftRun
+from service.tenants.tinker_model import TinkerModel
 from service.scheduling.tenant import TenantKind
 from service.fleet.trainer_group import TrainerGroup
 
@@ -62,9 +66,11 @@ KEEP_CHECKPOINTS = 2  # per run: the newest two (one may be mid-write when the p
 
 class FleetRuntime:
     def __init__(self, job: JobConfig, settings: ServiceSettings, *, trainer: TrainerGroup, rollout: RolloutClient | None,
-                 tokenizer_path: str | None = None) -> None:
+                 tokenizer_path: str | None = None, engines_starting: Any = None) -> None:
         """`rollout` None: an SFT-only runtime (nothing generates; tests). The scheduler is made when
-        the controller attaches the runtime (`attach`: it brings the registry)."""
+        the controller attaches the runtime (`attach`: it brings the registry). `engines_starting`: the
+        rollout worker's start (an ObjectRef of its engines) still under way: the runtime serves
+        training at once, and RL runs are prepared once it finished (`engines_ready`)."""
         from transformers import AutoTokenizer
 
         self.job = job
@@ -78,6 +84,9 @@ class FleetRuntime:
         # The one storage layer (trainer/storage/): checkpoints, exports, Tinker states at stop. The
         # trainer commits its parts into the same location (TrainerConfig.storage), by the URLs given.
         self.store = open_store(settings.storage_location)
+        self.tinker_records: TinkerRecords | None = None  # made with the scheduler (attach)
+        self._engines_starting = engines_starting
+        self._engines_since = time.monotonic()
 
     def attach(self, registry: Registry, knobs: ResidencyKnobs) -> Scheduler:
         """The controller attaches this runtime: the scheduler over its registry (made once; a
@@ -86,6 +95,8 @@ class FleetRuntime:
             self.scheduler = Scheduler(registry, self.trainer, knobs, max_seq_len=self.settings.tinker_max_seq_len,
                                        window_s=self.settings.tinker_window_ms / 1000.0, is_lost=self.trainer.is_lost)
             self.scheduler.rollout_stats = (lambda: self.rollout.all_stats(timeout_s=30)) if self.rollout is not None else None
+            # The Tinker face's durable records, in the registry's file (service/registry/tinker_records.py).
+            self.tinker_records = TinkerRecords(registry.db_path, result_ttl_s=self.settings.tinker_result_ttl_s)
         return self.scheduler
 
     # --- the runs ----------------------------------------------------------------------------------
@@ -120,6 +131,8 @@ class FleetRuntime:
         read before the slot is touched, so a run refused here (no whole step) changes nothing."""
         cfg = ref.config
         assert ref.slot is not None, f"{ref.name}: a run is prepared in the slot it holds"
+        if cfg.objective == "rl" and not self.engines_ready():
+            raise NotReady(f"{ref.name}: the engines are still starting; an RL run is prepared once they serve")
         source = ref.checkpoint_path or cfg.resume_from
         ckpt = load_checkpoint(self.store, source) if source is not None else None
         cursor: DataCursor | None = None
@@ -250,6 +263,8 @@ class FleetRuntime:
         return self._need_rollout().abort_adapter(run.name, pause=False, timeout_s=30)
 
     def ready(self) -> dict[str, ComponentHealth]:
+        if not self.engines_ready():
+            return {"trainer": self.trainer.health(), "engines": ComponentHealth(False, "the engines are starting")}
         return self.health.ready(len(self._runs()))
 
     def stats(self) -> RuntimeStats:
@@ -369,7 +384,26 @@ class FleetRuntime:
 
     # --- faults --------------------------------------------------------------------------------------
 
+    def engines_ready(self) -> bool:
+        """Whether the engines started (never blocks). Raises the start's error if it failed: the
+        service cannot generate, which stops it as a failed start did before."""
+        if self._engines_starting is None:
+            return True
+        import ray
+
+        done, _ = ray.wait([self._engines_starting], timeout=0)
+        if not done:
+            return False
+        engines = ray.get(self._engines_starting)
+        self._engines_starting = None
+        record_engines(self.settings.state_dir, engines)
+        log.info("engines ready %.1f s after the trainer: %s", time.monotonic() - self._engines_since,
+                 ", ".join(e.url for e in engines))
+        return True
+
     def check_engines(self) -> list[str]:
+        if not self.engines_ready():
+            return []
         return self.health.check_engines()
 
     def trainer_lost(self) -> bool:
@@ -377,15 +411,14 @@ class FleetRuntime:
 
     def restart_trainer(self) -> list[str]:
         """Replace the dead trainer (F3); returns the registration ids of the runs to prepare again."""
-        lost = self.scheduler.clear() if self.scheduler is not None else []
+        lost = self.scheduler.clear() if self.scheduler is not None else []  # Tinker models stay: restored from their durable state
         for t in lost:
             if isinstance(t, RlRun):
                 try:
                     self._need_rollout().remove_adapter(t.name)
                 except Exception:
                     log.exception("removing %s from the rollout worker", t.name)
-            t.release(None if isinstance(t, DatasetRun) else "the trainer restarted: this model's state is lost; "
-                      "create it again from your last checkpoint (load_state)")
+            t.release(None)
         self.health.trainer_note = "restarting"
         self.trainer.restart()
         self.health.trainer_note = "running"
@@ -398,6 +431,9 @@ class FleetRuntime:
         step) of each run checkpointed."""
         if self.scheduler is None:
             return {}
+        for model in self.scheduler.tenants(TenantKind.TINKER):  # nothing more queued: what is, is saved with them
+            if isinstance(model, TinkerModel):
+                model.closing = True
         for run in self._runs():
             if run.is_rl:
                 try:
@@ -410,12 +446,16 @@ class FleetRuntime:
     def _drain_save(self, tenant: Any, slot: int) -> Any:
         if isinstance(tenant, DatasetRun):
             return self._write_checkpoint(tenant, slot).folder, tenant.step
-        key = layouts.tinker_checkpoint(tenant.owner or "admin", tenant.key, "weights", f"drained-{int(time.time())}")
-        self.trainer.save_slot_state(slot, self.store.url(key))
-        log.info("drained Tinker model %s to %s", tenant.name, self.store.url(key))
-        return self.store.url(key)
+        if not isinstance(tenant, TinkerModel):
+            return None
+        url = tenant.snapshot(slot)  # its whole state, pending gradient included: the restart is invisible
+        tenant.persist_queue()  # and what it has queued runs after it, in order
+        log.info("drained Tinker model %s to %s", tenant.name, url)
+        return url
 
     def shutdown(self) -> None:
+        if self.tinker_records is not None:
+            self.tinker_records.close()
         if self.rollout is not None:
             try:
                 self.rollout.shutdown()

@@ -20,7 +20,6 @@ H3 the record of engine processes to reap after a crash (service/fleet/engine_pi
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass

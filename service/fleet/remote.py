@@ -1,4 +1,5 @@
-"""The one way the coordinator waits on an actor: `call(ref, timeout_s, what)`.
+"""The one way the coordinator waits on an actor: `call(ref, timeout_s, what)` (and `call_async`, its
+twin for a coroutine on the API's event loop: it awaits the ObjectRef instead of blocking a thread).
 
 `ray.get` with a deadline; an exception raised inside the actor comes back as
 itself (Ray wraps it in a RayTaskError whose `cause` is the original), so callers
@@ -9,6 +10,7 @@ unchanged (`is_actor_lost` tells it apart).
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import ray
@@ -31,3 +33,16 @@ def call(ref: Any, timeout_s: float, what: str) -> Any:
 def is_actor_lost(error: BaseException) -> bool:
     """Whether `error` says the actor's process is gone (killed, crashed, node lost)."""
     return isinstance(error, (RayActorError, ActorDiedError, ActorUnavailableError))
+
+
+async def call_async(ref: Any, timeout_s: float, what: str) -> Any:
+    """`call` for a coroutine: the ObjectRef awaited on the running loop, errors as `call` gives them."""
+    try:
+        return await asyncio.wait_for(ref, timeout_s)
+    except TimeoutError:
+        raise TimeoutError(f"{what} did not answer within {timeout_s:g} s") from None
+    except RayTaskError as e:
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, BaseException) and not is_actor_lost(e):
+            raise cause from None
+        raise

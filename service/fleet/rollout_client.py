@@ -20,7 +20,7 @@ from rollout.data import DataCursor
 from rollout.groups import RolloutGroup
 from rollout.engines.weights import AdapterWeights
 from rollout.messages import AdapterRollout, AdapterStats, EngineHealth
-from service.fleet.remote import call
+from service.fleet.remote import call, call_async
 
 if TYPE_CHECKING:
     from service.fleet.node_faults import NodeFaults
@@ -67,6 +67,10 @@ class RolloutClient:
 
     def engine_health(self, timeout_s: float = 30.0) -> list[EngineHealth]:
         return call(self.handle.engine_health.remote(), timeout_s, "rollout engine_health")
+
+    async def engine_health_async(self, timeout_s: float = 30.0) -> list[EngineHealth]:
+        """`engine_health` awaited on the caller's event loop (the API's: it starts no thread)."""
+        return await call_async(self.handle.engine_health.remote(), timeout_s, "rollout engine_health")
 
     def begin_restart_engine(self, index: int) -> Any:
         """Start restarting managed engine `index`; an ObjectRef of its EngineHealth once it is back

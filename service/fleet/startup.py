@@ -18,7 +18,9 @@ start side by side because both are slow):
   5. one engine launcher per engine (in its placement group), the rollout worker (on this node;
      it starts the engines through the launchers) and the trainer ranks (in the trainer placement
      groups): engines and trainer start concurrently
-  6. the FleetRuntime over both, attached to the controller, whose reconcile now prepares runs
+  6. the FleetRuntime over both once the trainer is up, attached to the controller, whose reconcile
+     now prepares runs; the engines may still be starting (training is served at once, RL runs are
+     prepared and samples served once they are up: FleetRuntime.engines_ready)
   7. the REST API, through the `start_api` the caller passes in (api/cli/main.py passes
      api.server.start_api_server; service/ never imports api/)
 `Fleet.close()` undoes all of it, in reverse, and is safe to call twice.
@@ -42,7 +44,7 @@ from service.config.job import JobConfig
 from service.config.settings import ServiceSettings, is_loopback_host
 from service.control.controller import Controller
 from service.fleet.engine_hosts import EngineHosts
-from service.fleet.engine_pids import reap_engines_everywhere, record_engines
+from service.fleet.engine_pids import reap_engines_everywhere
 from service.loop.fleet_stats import FleetStats
 from service.fleet.ray_connect import connect_ray
 from service.fleet.node_faults import NodeFaults
@@ -157,15 +159,13 @@ def start_fleet(job: JobConfig, settings: ServiceSettings, *, start_api: ApiStar
         rollout_handle = start_rollout_worker(job, settings, engine_hosts.launchers)
         rollout = RolloutClient(rollout_handle, engine_restart_timeout_s=job.engines.startup_deadline_s + 60,
                                 node_faults=node_faults)
-        t1 = time.monotonic()
         engines_started = rollout.start_engines()
         trainer = TrainerGroup(with_service_storage(job.trainer, settings.state_dir, settings.storage_location), trainer_groups, cpus_per_rank=job.placement.trainer.cpus_per_rank,
                                gpus_per_rank=1.0 if gpu else 0.0, placer=node_faults.ensure_trainer_groups)
         times["trainer"] = trainer.start()  # builds the model while the engines start
-        engines = ray.get(engines_started, timeout=job.engines.startup_deadline_s + 120)
-        times["engines"] = time.monotonic() - t1
-        record_engines(settings.state_dir, engines)
-        runtime = FleetRuntime(job, settings, trainer=trainer, rollout=rollout)
+        # The engines go on starting in the background: training (SFT runs, Tinker calls) is served at
+        # once; RL runs are prepared and sampling served once they are up (FleetRuntime.engines_ready).
+        runtime = FleetRuntime(job, settings, trainer=trainer, rollout=rollout, engines_starting=engines_started)
         controller.attach_runtime(runtime)
         fleet = Fleet(job, settings, controller, runtime, rollout_handle, trainer, plan=plan,
                       engine_hosts=engine_hosts, node_faults=node_faults, started_ray=started_ray, startup_seconds=times)

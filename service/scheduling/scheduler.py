@@ -4,24 +4,24 @@ Tenants (service/scheduling/tenant.py) are RL runs, SFT runs (service/tenants/ru
 (service/tenants/tinker_model.py). This module is the only one that assigns, takes back and swaps
 slots, and the only caller of the trainer's round (trainer/rounds.py). It runs on the training
 loop's thread (service/loop/training_loop.py; the Tinker-only host runs it on a thread of its own:
-service/tenants/tinker_models.py); other threads only hand it work (a Tinker model's queue, a model
-to create) and wake it (`notify`).
+the tests' in-process Tinker host, tests/tinker_in_process.py); other threads only hand it work (a
+Tinker model's queue, a model to create) and wake it (`notify`).
 
 The slot record is the registry's (service/registry/registry.py: a live run's `slot`, a Tinker model's
 lease, I2 and I7): durable for runs, leases for models. The scheduler reads it (`slot_holders`,
 one query per round) and changes it only here, right after the trainer side effect succeeded.
 
 Each round (the loop's steps 1a and 2-3):
-  place()     S1 creations first: a Tinker model being created gets a free slot now, or one
-                 freed by evicting an idle resident (keep-warm, P2) or one whose turn is over
-                 (P3), or is refused (NoSlot);
+  place()     S1 a Tinker model being created waits like any evicted tenant (its creation is its first
+                 queued call; its slot is filled from its seeded init): never refused for room;
               S2 waiters: runs queued in the registry (new, or evicted) and evicted models with
                  a queued call, oldest first (one FIFO across both kinds); while they outnumber
                  the free slots, residents are evicted by ONE policy (service/scheduling/residency.py:
                  idle first, then turns, least recently active first): the trainer's bit-exact
                  swap_out under the tenant's key, then the record gives the slot back;
               S3 free slots go to the waiters in order: a new run is bound (the controller's
-                 reconcile prepares it next), an evicted tenant is swapped back in;
+                 reconcile prepares it next), an evicted tenant is swapped back in (a model whose
+                 state is durable only, after a restart or a lost trainer, is loaded from it);
               S4 the next waiters (those the next placements will restore, up to one per slot)
                  whose snapshot was spilled to disk are prefetched: the trainer reads their
                  files into host memory while the next round runs, so their swap-in is a copy.
@@ -55,7 +55,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -63,7 +62,7 @@ from service.scheduling.token_ledger import TokenLedger
 from service.registry.registry import AdapterState, Registry
 from service.scheduling.residency import ResidencyKnobs
 from service.scheduling.round_parts import RoundContextOnce, RoundPart, Span, offer_tokens  # noqa: F401 - RoundPart: the tenants' view
-from service.scheduling.slot_moves import Admission, SlotMoves  # noqa: F401 - Admission: what callers hand admit()
+from service.scheduling.slot_moves import SlotMoves
 from service.scheduling.tenant import Offer, Tenant, TenantKind
 from trainer.batch import TrainBatch
 from trainer.interface import TrainerInterface
@@ -109,7 +108,6 @@ class Scheduler(SlotMoves):
         self.rollout_stats: Callable[[], dict[str, Any]] | None = None  # set by the runtime (RL runs' stats)
         self._tenants: dict[str, Tenant] = {}  # every admitted tenant, resident or evicted (loop thread)
         self._tenants_lock = threading.Lock()  # readers on other threads (API, metrics)
-        self._admissions: deque[Admission] = deque()
         self._wake = threading.Condition()
         self._woken = False
         self._failures: dict[str, str] = {}
@@ -148,25 +146,21 @@ class Scheduler(SlotMoves):
             return [t for t in self._tenants.values() if kind is None or t.kind == kind]
 
     def clear(self) -> list[Tenant]:
-        """Forget every tenant (the trainer was lost: its slots and swap store with it). The Tinker
-        models' leases go with them; the runs keep their slot record (the controller prepares them
-        again from their checkpoints)."""
+        """The trainer was lost (its slots and swap store with it): forget every run (the runs keep
+        their slot record; the controller prepares them again from their checkpoints) and return
+        them. Tinker models stay, evicted: each comes back from its durable state when it next has
+        work (service/tenants/tinker_model.py M6)."""
         with self._tenants_lock:
-            gone, self._tenants = list(self._tenants.values()), {}
-        for t in gone:
-            if t.kind == TenantKind.TINKER:
-                self.registry.release_lease(t.key)
+            gone = [t for t in self._tenants.values() if t.kind != TenantKind.TINKER]
+            models = [t for t in self._tenants.values() if t.kind == TenantKind.TINKER]
+            self._tenants = {t.key: t for t in models}
+        for m in models:
+            self.registry.release_lease(m.key)
+            m.lost()
         self._spilled.clear()  # the lost trainer's swap store is gone: nothing of it to prefetch
         self._prefetched.clear()
         self._tiers_stale = True  # the new trainer's tiers are read at the next placement
-        while self._admissions:
-            self._admissions.popleft().done(RuntimeError("the trainer restarted; create the model again"))
         return gone
-
-    def admit(self, admission: Admission) -> None:
-        """Any thread: a tenant to admit at the next placement (S1)."""
-        self._admissions.append(admission)
-        self.notify()
 
     def notify(self) -> None:
         """Any thread: work arrived; a gather waiting for it returns now."""
@@ -317,8 +311,9 @@ class Scheduler(SlotMoves):
             try:
                 result = self.trainer.run_round(work)
             except Exception as e:
+                lost = self.is_lost(e)  # the trainer died: the work runs again once it is back
                 for tenant, _, offer in offers:
-                    tenant.give_back(offer, f"{type(e).__name__}: {e}")
+                    tenant.give_back(offer, f"{type(e).__name__}: {e}", retry=lost)
                 raise
         seconds = time.monotonic() - t0
         ctx = RoundContextOnce(seconds, self.rollout_stats)

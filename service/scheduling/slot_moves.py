@@ -8,25 +8,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-from service.errors import Conflict, NoFreeSlot
+from service.errors import Conflict
 from service.registry.registry import AdapterState
 from service.scheduling.residency import Resident, choose_evictions
 from service.scheduling.tenant import Tenant, TenantKind
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Admission:
-    """A tenant that needs a slot NOW or never (a Tinker model being created): `enter(slot)`
-    initializes its slot; `done(error)` is told the outcome (None: admitted)."""
-
-    tenant: Tenant
-    enter: Callable[[int], None]
-    done: Callable[[BaseException | None], None]
 
 
 class SlotMoves:
@@ -48,8 +37,6 @@ class SlotMoves:
 
     def _place(self) -> list[str]:
         events: list[str] = []
-        while self._admissions:
-            events += self._admit_now(self._admissions.popleft())
         holders = self.slot_holders()
         free = self.registry.free_slots()
         waiters = self._waiters(holders, want=len(free) + 2 * self.registry.num_slots)
@@ -103,9 +90,7 @@ class SlotMoves:
             log.info("swap tiers: %s: %s", type(e).__name__, e)
 
     def placement_pending(self) -> bool:
-        """Whether placing now would change something: a tenant to admit, or a free slot and a waiter."""
-        if self._admissions:
-            return True
+        """Whether placing now would change something: a free slot and a waiter."""
         return bool(self.registry.free_slots()) and bool(self._waiters(self.slot_holders(), want=1))
 
     def _waiters(self, holders: dict[int, Any], want: int) -> list[tuple[str, bool]]:
@@ -152,31 +137,6 @@ class SlotMoves:
                                 self.knobs.turn_of(t.owner))
                 for t, slot, state in self.residents(holders) if state in (None, AdapterState.ACTIVE)}
 
-    def _admit_now(self, a: Admission) -> list[str]:
-        events: list[str] = []
-        free = self.registry.free_slots()
-        if not free:
-            residents = self._resident_view(self.slot_holders())
-            for key in choose_evictions(list(residents.values()), 1, 0, self.knobs):  # idle first, else a turn used up
-                events += self._evict(self._tenants[key], residents[key].slot)
-            free = self.registry.free_slots()
-        if not free:
-            a.done(NoFreeSlot(
-                f"no free trainer slot: all {self.registry.num_slots} slots are held by adapter runs or Tinker models; "
-                "retry after an adapter is retired or a Tinker model is unloaded"))
-            return events
-        slot = free[0]
-        self._occupy(a.tenant, slot)
-        try:
-            a.enter(slot)
-        except BaseException as err:
-            self._vacate(a.tenant, slot)
-            a.done(err)
-            return events
-        self.add(a.tenant)
-        a.done(None)
-        return events + [f"{a.tenant.name} admitted in slot {slot}"]
-
     def _evict(self, tenant: Tenant, slot: int) -> list[str]:
         try:
             out = self.trainer.swap_out(slot, tenant.key)  # SwapError: the slot is as it was (C3)
@@ -201,14 +161,17 @@ class SlotMoves:
 
     def _restore(self, tenant: Tenant, slot: int) -> list[str]:
         self._occupy(tenant, slot)
+        restore = tenant.restore_from()  # its durable state (a revived or new Tinker model), else its swap
         try:
-            back = self.trainer.swap_in(slot, tenant.key)
-        except Exception as e:  # the snapshot stays stored for another try (C3)
+            back = restore(slot) if restore is not None else self.trainer.swap_in(slot, tenant.key)
+            back = back if isinstance(back, dict) else {}
+        except Exception as e:  # the snapshot (or the durable state) stays stored for another try (C3)
             self._vacate_quietly(tenant, slot)
             return [f"restoring {tenant.name} failed: {type(e).__name__}: {e}"]
         self._forget_swap(tenant.key)
         tenant.on_restored()
-        self.counters["restores"] += 1
+        if restore is None:  # a swap back in (a durable restore fills a created or revived model)
+            self.counters["restores"] += 1
         self.swap_in_s[tenant.name] = float(back.get("seconds", 0.0))
         return [f"restored {tenant.name} into slot {slot} ({back.get('seconds', 0.0):.4f} s)"]
 

@@ -107,7 +107,9 @@ class Tenant(Protocol):
         """``result``: trainer.rounds.RoundResult. Returns what the loop commits (dataset runs:
         a service.tenants.batches.SteppedRun, or None), or None."""
 
-    def give_back(self, offer: Offer, error: str) -> None: ...
+    def give_back(self, offer: Offer, error: str, retry: bool = False) -> None:
+        """The round failed before it ran: nothing it offered counts (T2). `retry`: the trainer was
+        lost and is restarted; what it offered runs again once it is back (no error to its callers)."""
 
     def settle_single(self, offer: Offer, value: Any, error: BaseException | None) -> None:
         """The outcome of the operation its offer ran alone (`Offer.single`; Tinker models)."""
@@ -115,6 +117,13 @@ class Tenant(Protocol):
     def on_evicted(self) -> None: ...
 
     def on_restored(self) -> None: ...
+
+    def restore_from(self) -> Callable[[int], Any] | None:
+        """How to fill its slot when its state is not in the trainer's swap store (a Tinker model revived
+        from its durable snapshot, or created: its seeded init); None: swap it in."""
+
+    def durable(self) -> bool:
+        """Whether its state needs no save at stop (it is in durable storage as it is)."""
 
     def release(self, reason: str | None = None) -> None:
         """It ends (retired, failed, unloaded, or lost with the trainer: ``reason`` says which)."""

@@ -85,6 +85,13 @@ class DatasetRun:
         self.waiting_reason = None
         self.steps_in, self.last_active = 0, now()
 
+    def restore_from(self) -> None:
+        """A run is swapped back in (its state in the swap store) or prepared anew by the controller."""
+        return None
+
+    def durable(self) -> bool:
+        return False  # its state since its last checkpoint lives in its slot: saved at stop
+
     def budget_used(self) -> bool:
         return self.config.num_step is not None and self.step >= self.config.num_step
 
@@ -175,7 +182,7 @@ class SftRun(DatasetRun):
         samples = [s if s.slot == slot else s.model_copy(update={"slot": slot}) for s in samples]
         return Offer(samples=samples, context=StepPlan(self.key, len(samples), None, None, 0))
 
-    def give_back(self, offer: Offer, error: str) -> None:
+    def give_back(self, offer: Offer, error: str, retry: bool = False) -> None:
         if self.in_flight is not None:
             self.sft.give_back(self.in_flight)
             self.in_flight = None
@@ -243,7 +250,7 @@ class RlRun(DatasetRun):
         samples, plan = rl_step(slot, self.key, self.staged[: self.groups_per_step])
         return Offer(samples=samples, context=plan)
 
-    def give_back(self, offer: Offer, error: str) -> None:
+    def give_back(self, offer: Offer, error: str, retry: bool = False) -> None:
         """The groups stay staged (R2): the next round offers them again."""
 
     def release(self, reason: str | None = None) -> None:

@@ -7,6 +7,7 @@ the scheduler (service/scheduling/scheduler.py) runs the operations in rounds on
 calls `done` there. Nothing here knows HTTP.
 
 What a model offers a round (`offer`), from the head of its queue:
+  * a snapshot, when its durability policy says one is due (service/tenants/tinker_durability.py);
   * the run of forward_backward / forward calls at the head (all go into the round's ONE
     mixed step: calls of different models pending together share it), then at most one
     optim_step after them (applied after the pass, so the calls before it see the weights
@@ -21,48 +22,34 @@ Invariants:
   M2 a cancelled operation (its future answered "cancelled" meanwhile) is dropped unrun;
   M3 while the model is evicted its operations wait in its queue, in order, and `waiting_reason`
      says why (the future answers try_again with it); `unload` never waits for a slot;
-  M4 a failed load_state leaves the model as it was (its state is saved before and restored).
+  M4 a failed load_state leaves the model as it was (its state is saved before and restored);
+  M5 every operation takes a sequence number in queue order; `applied_seq` is the last one whose
+     effect is in the slot, and a snapshot covers exactly that (its journal records both);
+  M6 a model whose slot state was lost (the service or its trainer) comes back from its last
+     snapshot, replaying the operations its journal logged after it; when some cannot be replayed
+     it has diverged, and every call is answered with why and from which step it could continue.
 """
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from enum import StrEnum
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from service.errors import ServiceStopping
 from service.scheduling.tenant import Offer, RoundContext, SlotOp, TenantKind
-from trainer.storage.slot_state_format import read_slot_meta
+from service.tenants.tinker_durability import ModelJournal, restore_plan
+from service.tenants.tinker_ops import Done, OpKind, TinkerOp, _no_answer, data_request, decode_adam, decode_data, optim_request
+from trainer.config import SlotHyperParams
 from trainer.interface import TrainerInterface
 from trainer.rounds import AdamStep, Call, Datum
+from trainer.storage.locations import readable_folder
+from trainer.storage.slot_state_format import META, read_slot_meta
 
-Done = Callable[[Any, BaseException | None], None]  # (value, error): exactly one is not None... or both None
-
-
-class OpKind(StrEnum):
-    FORWARD_BACKWARD = "forward_backward"
-    FORWARD = "forward"
-    OPTIM = "optim_step"
-    ALONE = "alone"  # runs alone, after a round's trainer call (save, load, unload)
-
-
-@dataclass
-class TinkerOp:
-    kind: OpKind
-    done: Done
-    data: list[Datum] | None = None  # FORWARD_BACKWARD / FORWARD
-    loss_fn: str = "cross_entropy"
-    loss_fn_config: dict[str, float] | None = None
-    adam: AdamStep | None = None  # OPTIM
-    run: Callable[[int | None], Any] | None = None  # ALONE: given the model's slot (None: evicted)
-    needs_slot: bool = True
-    cancelled: Callable[[], bool] = lambda: False
-    queued_at: float = field(default_factory=time.time)
+__all__ = ["LoraSpec", "OpKind", "TinkerModel", "TinkerOp", "checkpoint_lora"]
 
 
 @dataclass(frozen=True)
@@ -87,12 +74,15 @@ class TinkerModel:
     kind = TenantKind.TINKER
 
     def __init__(self, model_id: str, owner: str, lora: LoraSpec, *, trainer: TrainerInterface, clock: Callable[[], float],
-                 wake: Callable[[], None], end: Callable[[str], None]) -> None:
+                 wake: Callable[[], None], end: Callable[[str], None], hyper: SlotHyperParams, journal: ModelJournal) -> None:
         """`trainer`: the scheduler's trainer; `wake()`: the scheduler's notify; `end(key)`: the
-        scheduler's release (unload)."""
+        scheduler's release (unload); `hyper`: its slot's hyper-parameters (init and restore);
+        `journal`: its durability (its records and snapshots)."""
         self.key = self.name = model_id
         self.owner = owner
         self.lora = lora
+        self.hyper = hyper
+        self.journal = journal
         self._trainer = trainer
         self._clock = clock
         self._wake = wake
@@ -104,43 +94,64 @@ class TinkerModel:
         self.waiting_reason: str | None = None  # M3
         self.ended = False
         self.end_reason = f"model {model_id} is unloaded"  # what a call sent after its end is told
+        self.applied_seq = 0  # M5
+        self.step = 0  # optimizer steps applied (what a snapshot records)
+        self.dirty = False  # changed since its last snapshot
+        self.diverged: str | None = None  # M6
+        self._restore: Callable[[int], Any] | None = None  # fills its slot when its state is not in the swap store
+        self.closing = False  # the service saves its state for a restart: nothing more is queued
 
     # --- what the Tinker face calls (any thread) ------------------------------------------------
 
     def submit(self, op: TinkerOp) -> None:
-        if self.ended:
-            op.done(None, ValueError(self.end_reason))
+        """Queue `op` (M5). ServiceStopping when the service is saving its state for a restart: the
+        caller answers a retryable refusal, and the client's retry reaches the restarted service."""
+        if self.closing:
+            raise ServiceStopping("the service is restarting; send the request again (it is served after the restart)")
+        if self.ended or self.diverged is not None:
+            op.done(None, ValueError(self.diverged or self.end_reason))
             return
         with self._mu:
+            op.seq = self.journal.next_seq()
             self._queue.append(op)
+            self.journal.log(op)  # M5; under the lock: requests are recorded in queue order
         self._wake()
 
     def forward_backward(self, data: list[Datum], loss_fn: str, loss_fn_config: dict | None, done: Done, **kw: Any) -> None:
-        self.submit(TinkerOp(OpKind.FORWARD_BACKWARD, done, data=data, loss_fn=loss_fn, loss_fn_config=loss_fn_config, **kw))
+        self.submit(TinkerOp(OpKind.FORWARD_BACKWARD, done, data=data, loss_fn=loss_fn, loss_fn_config=loss_fn_config,
+                             request=lambda: data_request(OpKind.FORWARD_BACKWARD, data, loss_fn, loss_fn_config), **kw))
 
     def forward(self, data: list[Datum], loss_fn: str, loss_fn_config: dict | None, done: Done, **kw: Any) -> None:
-        self.submit(TinkerOp(OpKind.FORWARD, done, data=data, loss_fn=loss_fn, loss_fn_config=loss_fn_config, **kw))
+        self.submit(TinkerOp(OpKind.FORWARD, done, data=data, loss_fn=loss_fn, loss_fn_config=loss_fn_config,
+                             request=lambda: data_request(OpKind.FORWARD, data, loss_fn, loss_fn_config), **kw))
 
     def optim_step(self, adam: AdamStep, done: Done, **kw: Any) -> None:
         adam.check()  # refused now (ValueError), before it is queued
-        self.submit(TinkerOp(OpKind.OPTIM, done, adam=adam, **kw))
+        self.submit(TinkerOp(OpKind.OPTIM, done, adam=adam, request=lambda: optim_request(adam), **kw))
 
-    def save_state(self, folder: Path, done: Done, **kw: Any) -> None:
-        self.submit(TinkerOp(OpKind.ALONE, done, run=lambda slot: self._trainer.save_slot_state(slot, _new_folder(folder)), **kw))
+    def save_state(self, folder: str, done: Done, *, answer: dict | None = None, **kw: Any) -> None:
+        """`folder`: a store reference (trainer/storage/layouts.py tinker_checkpoint)."""
+        self.submit(TinkerOp(OpKind.ALONE, done, run=lambda slot: self._trainer.save_slot_state(slot, self._new_folder(folder)),
+                             request=lambda: {"kind": "save_state", "folder": folder, "answer": answer}, **kw))
 
-    def save_sampler_weights(self, folder: Path, done: Done, **kw: Any) -> None:
-        self.submit(TinkerOp(OpKind.ALONE, done, run=lambda slot: self._trainer.export_peft(slot, _new_folder(folder)), **kw))
+    def save_sampler_weights(self, folder: str, done: Done, *, answer: dict | None = None, **kw: Any) -> None:
+        self.submit(TinkerOp(OpKind.ALONE, done, run=lambda slot: self._trainer.export_peft(slot, self._new_folder(folder)),
+                             request=lambda: {"kind": "save_sampler_weights", "folder": folder, "answer": answer}, **kw))
 
-    def export_with(self, write: Callable[[Callable[[Path], str]], Any], done: Done, **kw: Any) -> None:
+    def export_with(self, write: Callable[[Callable[[str], str]], Any], done: Done, **kw: Any) -> None:
         """`write(export)` on the scheduler's thread, where `export(to)` writes the model's PEFT folder
-        to `to` (the Tinker face's external weights: it encrypts and renames what export wrote)."""
+        to the store reference `to` (the Tinker face's external weights). Not replayed after a restart
+        (its request is not recorded: the face's encryption key is not kept)."""
         self.submit(TinkerOp(OpKind.ALONE, done, run=lambda slot: write(lambda to: self._trainer.export_peft(slot, str(to))), **kw))
 
-    def load_state(self, folder: Path, optimizer: bool, done: Done, **kw: Any) -> None:
-        self.submit(TinkerOp(OpKind.ALONE, done, run=lambda slot: self._load(slot, Path(folder), optimizer), **kw))
+    def load_state(self, folder: str, optimizer: bool, done: Done, *, answer: dict | None = None, **kw: Any) -> None:
+        self.submit(TinkerOp(OpKind.ALONE, done, run=lambda slot: self._load(slot, folder, optimizer),
+                             request=lambda: {"kind": "load_state", "folder": folder, "optimizer": optimizer, "answer": answer},
+                             **kw))
 
     def unload(self, done: Done, **kw: Any) -> None:
-        self.submit(TinkerOp(OpKind.ALONE, done, run=lambda slot: self._end(self.key), needs_slot=False, **kw))
+        self.submit(TinkerOp(OpKind.ALONE, done, run=lambda slot: self._end(self.key), needs_slot=False,
+                             request=lambda: {"kind": "unload"}, **kw))
 
     # --- the tenant interface (the scheduler, on the loop's thread) ------------------------------
 
@@ -154,8 +165,11 @@ class TinkerModel:
                 self._queue.popleft()
             return self._queue[0] if self._queue else None
 
+    def _snapshot_due(self) -> bool:
+        return self.dirty and self.journal.due(time.time())
+
     def ready(self) -> bool:
-        return self._head() is not None
+        return self._head() is not None or self._snapshot_due()
 
     def wants_slot(self) -> bool:
         head = self._head()
@@ -169,6 +183,8 @@ class TinkerModel:
         self.waiting_reason = reason
 
     def offer(self, slot: int) -> Offer | None:
+        if self._snapshot_due():  # its policy's snapshot first: it covers what ran before (M5)
+            return Offer(single=SlotOp(self.snapshot), context=[])
         taken: list[TinkerOp] = []
         with self._mu:
             while self._queue and self._queue[0].kind in (OpKind.FORWARD_BACKWARD, OpKind.FORWARD):
@@ -198,28 +214,51 @@ class TinkerModel:
     def settle(self, offer: Offer, part: Any, slot: int, ctx: RoundContext) -> None:
         calls, forwards = iter(part.calls), iter(part.forwards)
         for op in offer.context:
+            self.applied_seq = op.seq
             if op.kind == OpKind.FORWARD_BACKWARD:
-                op.done(next(calls), None)
+                result = next(calls)
+                self.dirty = self.dirty or result.error is None
+                self._answer(op, result, None)
             elif op.kind == OpKind.FORWARD:
-                op.done(next(forwards), None)
+                self._answer(op, next(forwards), None)
             elif op.kind == OpKind.OPTIM:
                 if isinstance(part.optim, dict):
                     self.steps_in += 1
-                    op.done(part.optim, None)
+                    self.step += 1
+                    self.dirty = True
+                    if self.journal.durability.mode == "step":  # acknowledged only once durable
+                        self.snapshot(slot)
+                    self._answer(op, part.optim, None)
                 else:
-                    op.done(None, ValueError(str(part.optim)))
+                    self._answer(op, None, ValueError(str(part.optim)))
         self._worked()
         return None
 
     def settle_single(self, offer: Offer, value: Any, error: BaseException | None) -> None:
-        op = offer.context[0]
         self._worked()
-        op.done(value, error)
+        if not offer.context:  # its own snapshot: nothing to answer
+            return
+        op = offer.context[0]
+        self.applied_seq = op.seq
+        if error is None and op.request_id is not None and op.kind == OpKind.ALONE and op.needs_slot:
+            self.dirty = True  # a load changed it (a save did not, but a snapshot after it costs little)
+        self._answer(op, value, error)
 
-    def give_back(self, offer: Offer, error: str) -> None:
-        """The round failed before its work ran: every operation taken gets the error."""
+    def give_back(self, offer: Offer, error: str, retry: bool = False) -> None:
+        """The round failed before its work ran: every operation taken gets the error; `retry` (the
+        trainer was lost, service/scheduling/scheduler.py): they go back to the head of its queue, in
+        order, and run once it is restored (M6), unanswered till then."""
+        if retry:
+            with self._mu:
+                self._queue.extendleft(reversed(offer.context))
+            return
         for op in offer.context:
-            op.done(None, RuntimeError(error))
+            self._answer(op, None, RuntimeError(error))
+
+    @staticmethod
+    def _answer(op: TinkerOp, value: Any, error: BaseException | None) -> None:
+        if not op.replay:  # a replay's answer was given before the restart and stands
+            op.done(value, error)
 
     def _worked(self) -> None:
         self.last_active = self._clock()
@@ -230,6 +269,84 @@ class TinkerModel:
 
     def on_restored(self) -> None:
         self.steps_in, self.last_active, self.waiting_reason = 0, self._clock(), None
+        self._restore = None  # back in a slot: its state lives there (and in the swap store once evicted)
+
+    def restore_from(self) -> Callable[[int], Any] | None:
+        """How to fill its slot when its state is not in the trainer's swap store (M6): its last
+        snapshot, or its seeded init; None: swap it in as usual."""
+        return self._restore
+
+    def restore_durable(self, snapshot: str | None, replay: list[TinkerOp], diverged: str | None = None) -> None:
+        """M6: its slot state is gone; it comes back from `snapshot` (None: its seeded init) when it
+        next has work, the `replay` operations first (their answers stand), then what it has queued."""
+        def fill(slot: int) -> dict:
+            if snapshot is None:
+                return self._trainer.init_slot(slot, self.hyper, self.lora.seed, registration=self.key)
+            return self._trainer.load_slot_state(slot, snapshot, registration=self.key)
+
+        self._restore = fill
+        self.diverged = diverged
+        self.dirty = False
+        with self._mu:
+            self._queue.extendleft(reversed(replay))
+            left = list(self._queue) if diverged is not None else []
+            if diverged is not None:
+                self._queue.clear()
+        for op in left:
+            self._answer(op, None, ValueError(diverged))
+        self._wake()
+
+    def lost(self) -> None:
+        """Its slot state was lost with the trainer (a dead rank, a lost node): back from its last
+        snapshot, the operations it ran since replayed from its journal (M6); what it has queued stays."""
+        records = self.journal.records
+        row = next((r for r in records.live_models() if r.model_id == self.key), None)
+        if row is None:
+            return
+        done = [f for f in records.futures_after(self.key, row.snapshot_seq) if f.state == "done"]
+        plan = restore_plan(self.key, done, row.snapshot_step, row.snapshot_at)
+        self.applied_seq, self.step = row.snapshot_seq, row.snapshot_step
+        replay = [op for op in (self.rebuild(f, _no_answer, replay=True) for f in plan.replay) if op is not None]
+        self.restore_durable(row.snapshot, replay, plan.diverged)
+
+    def rebuild(self, f: Any, done: Done, *, replay: bool = False) -> TinkerOp | None:
+        """The operation a recorded future's request describes (service/tenants/tinker_ops.py), with
+        `done`; None when it cannot run again (its request was not recorded), `done` told why."""
+        r = f.request or {}
+        kind = r.get("kind")
+        kw = dict(seq=f.seq, request_id=f.request_id, request=lambda r=r: r, replay=replay)
+        if kind in (OpKind.FORWARD_BACKWARD, OpKind.FORWARD):
+            return TinkerOp(OpKind(kind), done, data=decode_data(r), loss_fn=r["loss_fn"], loss_fn_config=r["loss_fn_config"], **kw)
+        if kind == OpKind.OPTIM:
+            return TinkerOp(OpKind.OPTIM, done, adam=decode_adam(r), **kw)
+        t = self._trainer
+        runs = {  # a replayed save is not written again: its checkpoint was committed before the loss
+            "create": lambda slot: None,
+            "save_state": lambda slot: None if replay else t.save_slot_state(slot, self._new_folder(r["folder"])),
+            "save_sampler_weights": lambda slot: None if replay else t.export_peft(slot, self._new_folder(r["folder"])),
+            "load_state": lambda slot: self._load(slot, r["folder"], r["optimizer"]),
+            "unload": lambda slot: self._end(self.key),
+        }
+        if kind not in runs:
+            done(None, RuntimeError("the service restarted before this call ran and cannot run it again: send it again"))
+            return None
+        return TinkerOp(OpKind.ALONE, done, run=runs[kind], needs_slot=kind != "unload", **kw)
+
+    def durable(self) -> bool:
+        """Its state is its durable snapshot (revived, not back in a slot since): nothing to save at stop."""
+        return self._restore is not None and not self.dirty
+
+    def snapshot(self, slot: int | None = None) -> str:
+        """Its whole slot state committed in the store and recorded, covering `applied_seq` (M5)."""
+        url = self.journal.snapshot(self._trainer, slot, self.applied_seq, self.step)
+        self.dirty = False
+        return url
+
+    def persist_queue(self) -> None:
+        """A graceful stop: the requests of what waits are recorded, so it runs after the restart."""
+        with self._mu:
+            waiting = [op for op in self._queue if not op.cancelled()]
+        self.journal.persist(waiting)
 
     def release(self, reason: str | None = None, error: type[Exception] = RuntimeError) -> None:
         """It ends; operations still queued get `reason` as `error` (ValueError: the caller's, e.g.
@@ -240,37 +357,39 @@ class TinkerModel:
         with self._mu:
             left, self._queue = list(self._queue), deque()
         for op in left:
-            op.done(None, error(self.end_reason))
+            self._answer(op, None, error(self.end_reason))
+        self.journal.end()
 
     # --- slot operations ----------------------------------------------------------------------
 
-    def _load(self, slot: int, folder: Path, optimizer: bool) -> None:
+    def _new_folder(self, folder: str) -> str:
+        """A checkpoint is written once: an existing one is refused (ValueError), never overwritten."""
+        store = self.journal.store
+        if store.exists(store.key_of(folder)):
+            raise ValueError(f"checkpoint folder {Path(folder).name!r} exists; choose another name")
+        return folder
+
+    def _load(self, slot: int, folder: str, optimizer: bool) -> None:
         """M4: the slot's state is saved first and restored if the load fails."""
-        lora = checkpoint_lora(folder)
+        lora = checkpoint_lora(readable_folder(self.journal.store, folder, legacy_marker=META))
         if lora.rank != self.lora.rank:
             raise ValueError(f"checkpoint has LoRA rank {lora.rank}, the model has rank {self.lora.rank}")
         if lora.targets != self.lora.targets:
             raise ValueError(f"checkpoint trains {list(lora.targets)}, the model trains {list(self.lora.targets)} "
                              "(train_attn / train_mlp / train_unembed must match)")
-        backup = Path(tempfile.mkdtemp(prefix="tinker-restore-"))
+        store = self.journal.store
+        backup = f"{self.journal.snapshot_prefix}/load-backup"
         t = self._trainer
-        t.save_slot_state(slot, backup)
+        t.save_slot_state(slot, store.url(backup))
         try:
             t.clear_slot(slot)
             try:
                 t.load_slot_state(slot, folder, registration=self.key)
             except Exception:
                 t.clear_slot(slot)  # whatever the failed load left (clearing an empty slot is fine)
-                t.load_slot_state(slot, backup, registration=self.key)
+                t.load_slot_state(slot, store.url(backup), registration=self.key)
                 raise
             if not optimizer:
                 t.reset_optimizer(slot)
         finally:
-            shutil.rmtree(backup, ignore_errors=True)
-
-
-def _new_folder(folder: Path) -> str:
-    """A checkpoint is written once: an existing one is refused (ValueError), never overwritten."""
-    if Path(folder).exists():
-        raise ValueError(f"checkpoint folder {Path(folder).name!r} exists; choose another name")
-    return str(folder)
+            store.delete(backup)

@@ -200,7 +200,8 @@ def test_runs_and_models_rotate_through_two_slots_and_each_trains_as_alone(fleet
     f, tmp = fleet
     controller, runtime = f.controller, f.runtime
     spy = Spy(f.trainer, runtime.scheduler, tmp)
-    models = TinkerModels(runtime.scheduler, base_model="model", tokenizer_id=str(tiny_world / "model"), max_rank=8)
+    models = TinkerModels(runtime.scheduler, runtime.tinker_records, runtime.store, base_model="model",
+                          tokenizer_id=str(tiny_world / "model"), max_rank=8)
     hf_model = _hf(tiny_world)
     data = tiny_world / "data"
     rl_cfg = {"objective": "rl", "rank": 4, "alpha": 8, "learning_rate": 1e-2, "adam_eps": 1e-2, "adam_betas": [0.9, 0.98],
@@ -215,20 +216,16 @@ def test_runs_and_models_rotate_through_two_slots_and_each_trains_as_alone(fleet
                             args=(controller, runtime, LoopOptions(batch_mode=False, max_wait_s=0.2), stop))
     loop.start()
     try:
-        # The models come first, into the two free slots; then the runs register and wait for a slot,
-        # and the models' clients start at once. Both kinds then have work, so the fairness rule
-        # (turns of turn_steps = 1 step, R3) rotates them through the slots: evictions both ways,
-        # whatever the timing (a model created while the runs held the slots could be refused and
-        # admitted only after the runs had COMPLETED: CI saw no eviction at all that way).
+        # The models come first, into the two free slots (a slot still held by an earlier test's tenant:
+        # the creation waits for it); then the runs register and wait for a slot, and the models'
+        # clients start at once. Both kinds then have work, so the fairness rule (turns of
+        # turn_steps = 1 step, R3) rotates them through the slots: evictions both ways.
         created: dict[str, list] = {"m1": [], "m2": []}
-        handles = {n: models.create(n, "alice", LoraSpec(rank=4, seed=21 + i), created[n].append) for i, n in enumerate(created)}
-        wait_until(lambda: all(created.values()), "both models admitted or refused", timeout_s=600)
+        handles = {n: models.create(n, "alice", LoraSpec(rank=4, seed=21 + i), "session-0", lambda v, e, n=n: created[n].append(e))
+                   for i, n in enumerate(created)}
+        wait_until(lambda: all(created.values()), "both models created", timeout_s=600)
+        assert created == {"m1": [None], "m2": [None]}, created
         print("models:", created, "runs:", [(r.name, r.state.value, r.step) for r in controller.list()], flush=True)
-        for n in created:  # a slot still held by an earlier test's tenant: wait for admission
-            while created[n] != [None]:
-                created[n].clear()
-                handles[n] = models.create(n, "alice", LoraSpec(rank=4, seed=21 + (n == "m2")), created[n].append)
-                wait_until(lambda n=n: created[n], f"{n} admitted or refused", timeout_s=600)
         rl = controller.register("rl", rl_cfg)
         sft = controller.register("sft", sft_cfg)
         errors: list[str] = []

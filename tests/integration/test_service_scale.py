@@ -69,20 +69,14 @@ def _register_all(service: Service, tiny_world: Path) -> dict[str, tuple[str, in
 
 
 def _tinker_model(service: Service, client, data: list, i: int, out: dict, errors: list) -> None:
-    """One Tinker tenant: create (retried while every slot's resident is new in its turn), two steps, unload.
+    """One Tinker tenant: create (waits while every slot's resident is new in its turn), two steps, unload.
     `client`: the key's one ServiceClient (the SDK keeps one session per key and process; its training
     clients are numbered in it)."""
     try:
         from tinker import types
 
-        deadline = time.monotonic() + DONE_TIMEOUT_S
-        while True:
-            try:
-                tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=i, train_unembed=False).result()
-                break
-            except Exception as e:  # noqa: BLE001 - the SDK's error for a refused creation
-                assert "no free trainer slot" in str(e) and time.monotonic() < deadline, e
-                time.sleep(1.0)
+        # while every slot's resident is new in its turn, the creation waits for a slot (never refused for room)
+        tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=i, train_unembed=False).result()
         steps = []
         for _ in range(2):
             fb = tc.forward_backward(data, "cross_entropy")

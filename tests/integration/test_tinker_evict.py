@@ -5,8 +5,8 @@ The idle threshold is measured on a test-owned clock (``StepClock``: a number th
 forward), so "A has been idle for longer than the threshold" is a statement the test makes,
 not a race with wall time. The swap is the trainer's real swap_out/swap_in.
 
-* B cannot take the slot while A was called recently (refused: "no free trainer slot ...");
-  once A is idle, creating B evicts A; A's next forward_backward waits (try_again,
+* B's creation waits while A was called recently (its future answers try_again with why);
+  once A is idle, B's creation evicts A; A's next forward_backward waits (try_again,
   paused_capacity, with the reason) until B is idle, then swaps A back in, evicting B;
   A's weights, gradients and Adam moments after its 4 steps equal an uninterrupted twin's
   EXACTLY (torch.equal).
@@ -15,12 +15,14 @@ not a race with wall time. The swap is the trainer's real swap_out/swap_in.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import pytest
 import torch
 
 from tests.integration.sdk_clients import close_sdk_clients  # noqa: F401 - autouse fixture
-from tests.integration.tinker_views import core, evicted, scheduler, slot_of, trainer, waiting
+from tests.integration.tinker_views import core, evicted, scheduler, slot_of, waiting
 from tests.integration.test_tinker_sdk import BASE, KEYS, MAX_SEQ, client, sft_data, slot_state, train, training_client
 from tests.waiting import wait_until
 
@@ -69,12 +71,15 @@ def test_idle_model_evicted_and_returns_bit_exact(world, tiny_world):
     a = training_client(client(url, "t0"), seed=21)
     train(a, data, 2, ADAM)
     sc_b = client(url, "t1")
-    with pytest.raises(Exception, match="no free trainer slot: all 1 slots are held"):
-        training_client(sc_b, seed=5)  # A called just now: not idle, keeps its slot (E1)
-    assert slot_of(svc, a.model_id) is not None and not evicted(svc)
-
-    clock.idle_everyone()
-    b = training_client(sc_b, seed=5)  # A idle: swapped out for B
+    with ThreadPoolExecutor(1) as pool:
+        creating = pool.submit(training_client, sc_b, seed=5)  # A called just now: B's creation waits (E1)
+        wait_until(lambda: len(waiting(svc)) == 1, "B's creation to wait for the slot", timeout_s=120.0)
+        (b_id,) = waiting(svc)
+        assert b_id != a.model_id and slot_of(svc, a.model_id) is not None and slot_of(svc, b_id) is None
+        assert "waiting for a trainer slot" in next(m for m in svc.fleet.models() if m.key == b_id).waiting_reason
+        clock.idle_everyone()
+        b = creating.result(timeout=300)  # A idle: swapped out for B, whose creation then runs
+    assert b.model_id == b_id
     assert evicted(svc) == {a.model_id} and slot_of(svc, b.model_id) is not None
     assert core(svc).swap.swapped()["keys"] == [a.model_id]
     train(b, sft_data(b.get_tokenizer(), tiny_world, 0, 3), 1, ADAM)

@@ -330,8 +330,10 @@ def test_silent_session_is_saved_and_its_slot_freed(world):
             assert http.post("session_heartbeat", headers=key, json={"session_id": sid}).status_code == 404
     finally:
         svc.session_timeout_s = 300.0
-    saved = list((svc.checkpoint_root / "t3" / model_id.replace(":", "_") / "weights").glob("expired-*"))
-    assert len(saved) == 1 and (saved[0] / "slot_state.json").is_file()
+    saved = [c for c in svc.runs.list_checkpoints("t3", model_id)["checkpoints"] if "/weights/expired-" in c["tinker_path"]]
+    assert len(saved) == 1
+    name = saved[0]["tinker_path"].rsplit("/", 1)[1]
+    assert (svc.runs.checkpoint_folder("t3", model_id, "weights", name) / "slot_state.json").is_file()
     assert sum(1 for s in core(svc).slots if s is None) == free_before
 
 

@@ -2,10 +2,11 @@
 
 The trainer is a FAKE (`RecordingTrainer`): it records each round's work and each swap, and
 answers every call; the rules under test are the scheduler's (which work goes in which round,
-in which order; who is evicted, restored, refused). The numerics of a mixed round are proven in
+in which order; who is evicted, restored, who waits). The numerics of a mixed round are proven in
 tests/integration/test_tinker_joined_step.py (against references) and the whole path over a
 live service in tests/integration/test_scheduler_fleet.py. Real: the Scheduler, its SQLite
-registry, TinkerModels and TinkerModel tenants, their queues and done callbacks.
+registry and the Tinker records beside it, a local store, TinkerModels and TinkerModel tenants,
+their queues and done callbacks.
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ import threading
 
 import pytest
 
-from service.errors import NoFreeSlot
 from service.registry.registry import Registry
+from service.registry.tinker_records import TinkerRecords
 from service.scheduling.residency import ResidencyKnobs
 from service.scheduling.scheduler import Scheduler
 from service.tenants.tinker_model import LoraSpec
 from service.tenants.tinker_models import TinkerModels
 from trainer.rounds import AdamStep, CallResult, Datum, RoundResult
+from trainer.storage.local_store import LocalStore
 
 pytestmark = pytest.mark.unit
 
@@ -84,16 +86,19 @@ class World:
         self.registry = Registry(tmp_path / "reg.sqlite", num_slots)
         self.scheduler = Scheduler(self.registry, self.trainer, ResidencyKnobs(idle_evict_s=IDLE_S, turn_steps=turn_steps),
                                    window_s=0.0, clock=self.clock)
-        self.models = TinkerModels(self.scheduler, base_model="m", tokenizer_id="m", max_rank=8)
+        self.records = TinkerRecords(self.registry.db_path)
+        self.models = TinkerModels(self.scheduler, self.records, LocalStore(tmp_path / "store"), base_model="m",
+                                   tokenizer_id="m", max_rank=8)
         self.answers: dict[str, tuple] = {}  # tag -> (value, error)
 
     def done(self, tag: str):
         return lambda value, error: self.answers.__setitem__(tag, (value, error))
 
     def create(self, model_id: str) -> list:
+        """A model created and one round run: `out` gets its creation's error (None: it holds a slot)."""
         out: list = []
-        m = self.models.create(model_id, "alice", LoraSpec(rank=4, seed=1), out.append)
-        self.place()
+        m = self.models.create(model_id, "alice", LoraSpec(rank=4, seed=1), "s1", lambda value, error: out.append(error))
+        self.round()
         return m, out
 
     def place(self):
@@ -143,7 +148,7 @@ def test_an_operation_that_runs_alone_ends_its_models_part_of_the_round(tmp_path
     w = World(tmp_path)
     a, _ = w.create("a")
     c, _ = w.create("c")
-    c.save_state(tmp_path / "ckpt", w.done("c.save"))
+    c.save_state(str(tmp_path / "store" / "ckpt"), w.done("c.save"))
     w.fb(c, "c.fb")
     w.fb(a, "bad.a")
     w.fb(a, "a.ok")
@@ -171,20 +176,21 @@ def test_a_submission_wakes_a_waiting_gather(tmp_path):
     assert not waiter.is_alive() and [t.key for t, _ in got[0]] == ["a"]
 
 
-def test_creation_takes_a_free_or_an_idle_slot_else_is_refused(tmp_path):
-    """One slot: B's creation is refused while A was called recently (nothing changes: A keeps its
-    slot); once A is idle, B's creation evicts it (swapped out, lease released)."""
+def test_creation_waits_for_a_slot_and_is_never_refused_for_room(tmp_path):
+    """One slot: B's creation waits while A was called recently (A keeps its slot; B's future has no
+    answer and B says why it waits); once A is idle, B evicts it (swapped out, lease released) and
+    its slot is filled from its seeded init: its creation is answered."""
     w = World(tmp_path, num_slots=1)
     a, done_a = w.create("a")
-    assert done_a == [None] and w.trainer.events[-1][0] == "init"
+    assert done_a == [None] and ("init", 0, "a") in w.trainer.events
     w.fb(a, "a.fb")
     w.round()
     b, done_b = w.create("b")
-    assert isinstance(done_b[0], NoFreeSlot) and "no free trainer slot: all 1 slots are held" in str(done_b[0])
-    assert w.registry.leases() == {"a": (0, "alice")} and w.models.get("b") is None
+    assert done_b == [] and w.registry.leases() == {"a": (0, "alice")}
+    assert b.waiting_reason is not None and "waiting for a trainer slot" in b.waiting_reason
     w.clock.now += 2 * IDLE_S
-    b, done_b = w.create("b")
-    assert done_b == [None] and w.registry.leases() == {"b": (0, "alice")}
+    w.round()
+    assert done_b == [None] and w.registry.leases() == {"b": (0, "alice")} and ("init", 0, "b") in w.trainer.events
     assert ("swap_out", 0, "a") in w.trainer.events and w.models.stats()["models_evicted"] == 1
 
 
@@ -232,7 +238,7 @@ def test_a_failed_swap_out_leaves_the_model_resident(tmp_path):
     w.clock.now += 2 * IDLE_S
     w.trainer.fail_swap_out = True
     b, done_b = w.create("b")
-    assert isinstance(done_b[0], NoFreeSlot) and w.registry.leases() == {"a": (0, "alice")}
+    assert done_b == [] and w.registry.leases() == {"a": (0, "alice")}  # B waits; A is not moved
     w.fb(a, "a.fb")
     w.round()
     assert w.answers["a.fb"][0].error is None  # C3: a unchanged and still served
@@ -252,15 +258,15 @@ def test_unload_needs_no_slot(tmp_path):
     assert isinstance(w.answers["a.late"][1], ValueError)
 
 
-def test_a_lost_trainer_ends_the_models_and_frees_their_leases(tmp_path):
-    """The trainer restarted (its slots and swap store gone): every model is released with the reason,
-    its queued calls get it, its lease is freed; a call sent later is refused with it too."""
+def test_a_lost_trainer_keeps_the_models_and_brings_them_back_from_their_durable_state(tmp_path):
+    """The trainer restarted (its slots and swap store gone): the models stay (their leases freed), their
+    queued calls wait unanswered, and at the next placement each is filled from its durable state (here its
+    seeded init: it never took a snapshot), then its calls run."""
     w = World(tmp_path)
     a, _ = w.create("a")
     w.fb(a, "a.queued")
-    for t in w.scheduler.clear():
-        t.release("the trainer restarted: this model's state is lost")
-    assert w.registry.leases() == {} and w.models.get("a") is None
-    assert isinstance(w.answers["a.queued"][1], RuntimeError) and "restarted" in str(w.answers["a.queued"][1])
-    w.fb(a, "a.later")
-    assert isinstance(w.answers["a.later"][1], ValueError) and "restarted" in str(w.answers["a.later"][1])
+    assert w.scheduler.clear() == [] and w.registry.leases() == {} and w.models.get("a") is a
+    assert "a.queued" not in w.answers
+    before = len(w.trainer.events)
+    w.round()
+    assert ("init", w.scheduler.slot_of("a"), "a") in w.trainer.events[before:] and w.answers["a.queued"][1] is None

@@ -30,6 +30,7 @@ from service.config.adapter import AdapterConfig
 from service.config.quotas import Quotas
 from service.registry.registry import AdapterState as S
 from service.registry.registry import Registry
+from service.registry.tinker_records import TinkerRecords
 from service.scheduling.residency import ResidencyKnobs
 from service.scheduling.scheduler import Scheduler
 from service.tenants.tinker_model import LoraSpec
@@ -37,6 +38,7 @@ from service.scheduling.tenant import Offer, TenantKind
 from service.tenants.tinker_models import TinkerModels
 from trainer.batch import TrainSample
 from trainer.rounds import AdamStep, CallResult, Datum, RoundResult
+from trainer.storage.local_store import LocalStore
 
 pytestmark = pytest.mark.unit
 
@@ -120,11 +122,17 @@ class StepRun:
         self.steps_in += 1
         return None
 
-    def give_back(self, offer, error):
+    def give_back(self, offer, error, retry=False):
         raise AssertionError(error)
 
     def on_evicted(self) -> None:
         pass
+
+    def restore_from(self):
+        return None
+
+    def durable(self) -> bool:
+        return False
 
     def on_restored(self) -> None:
         self.steps_in = 0
@@ -294,12 +302,13 @@ def test_a_thousand_tinker_models_and_runs_share_the_slots(fast_tmp):
     """Mixed kinds: 64 Tinker models (each with a forward_backward and an optim_step queued) and 960
     runs through 8 slots, one FIFO: every model's calls are answered and every run finishes."""
     w = World(fast_tmp, 8, 1, idle_s=5.0)
-    models = TinkerModels(w.scheduler, base_model="m", tokenizer_id="m", max_rank=8)
+    models = TinkerModels(w.scheduler, TinkerRecords(w.registry.db_path), LocalStore(fast_tmp / "store"), base_model="m",
+                          tokenizer_id="m", max_rank=8)
     live = []
     for i in range(64):  # a creation takes a free slot, or an idle model's (they idle while the clock moves)
         done: list = []
-        live.append(models.create(f"m{i:02d}", "carol", LoraSpec(rank=4, seed=i), done.append))
-        w.scheduler.place()
+        live.append(models.create(f"m{i:02d}", "carol", LoraSpec(rank=4, seed=i), "s", lambda v, e, d=done: d.append(e)))
+        w.round()
         w.clock += 10.0
         assert done == [None], (i, done)
     for i in range(960):

@@ -18,15 +18,18 @@ pytestmark = pytest.mark.unit
 
 
 class DeterministicEngine:
-    """FAKE engine: only the server-info answer of a server with or without deterministic inference."""
+    """FAKE engine (a SamplerEngine's two fields: what it learned, and its client): only the server-info
+    answer of a server with or without deterministic inference."""
 
     def __init__(self, deterministic: bool) -> None:
-        self.deterministic = deterministic
+        self.flag = deterministic
+        self.deterministic: bool | None = None  # not asked yet
+        self.client = self
         self.asked = 0
 
     async def server_info(self) -> dict:
         self.asked += 1
-        return {"enable_deterministic_inference": self.deterministic}
+        return {"enable_deterministic_inference": self.flag}
 
 
 def test_seeds_per_sample():
@@ -36,7 +39,7 @@ def test_seeds_per_sample():
     assert asyncio.run(s.seeds(det, SEED_SPACE - 1, 2)) == [SEED_SPACE - 1, 0]  # stays a signed 64-bit seed
     fresh = asyncio.run(s.seeds(det, None, 4))
     assert len(set(fresh)) == 4 and all(0 <= x < SEED_SPACE for x in fresh)
-    assert det.asked == 1  # asked once per sampler
+    assert det.asked == 1  # asked once per engine
     with pytest.raises(ValueError, match="must be an integer"):
         asyncio.run(s.seeds(det, "7", 1))
     other = SglangSampler("http://unused")

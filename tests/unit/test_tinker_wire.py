@@ -120,11 +120,14 @@ def test_forward_backward_output_reads_back_in_the_sdk():
 # -- futures and coalescing -------------------------------------------------------------------------------
 
 
-def test_futures_try_again_then_result_and_owner_only():
+def test_futures_try_again_then_result_and_owner_only(tmp_path):
     from api.tinker.futures import FutureStore, Outcome
+    from service.registry.tinker_records import TinkerRecords
+
+    records = TinkerRecords(tmp_path / "records.sqlite")
 
     async def scenario():
-        store = FutureStore(poll_s=0.01)
+        store = FutureStore(records, poll_s=0.01)
         rid = store.create("alice", "m1")
         assert await store.retrieve("alice", rid) is None  # still running: try again
         with pytest.raises(KeyError):
@@ -136,9 +139,64 @@ def test_futures_try_again_then_result_and_owner_only():
         assert store.cancel("alice", rid) is False
 
     asyncio.run(scenario())
+    records.close()
+
+
+def test_a_request_in_flight_at_a_restart_is_answered_after_it(tmp_path):
+    """A sample pending when the process stopped answers HTTP 410 after the restart (the SDK's sampling
+    client sends it again: tinker/lib/api_future_impl.py, RETRYABLE_EXCEPTION); any other request of
+    no model answers a server error saying to send it again. Both are read from the records by a
+    new process's FutureStore."""
+    from api.tinker.auth import TenantKeys
+    from api.tinker.futures import FutureStore
+    from api.tinker.service import TinkerService
+
+    models = _models(tmp_path)
+
+    async def first_process():
+        store = FutureStore(models.records)
+        ids = store.create("alice", None, kind="sample"), store.create("alice", None, kind="check")
+        await store.durable()
+        return ids
+
+    sample, check = asyncio.run(first_process())
+    models.records.close()
+    models = _models(tmp_path)  # the next process, over the same records file
+
+    async def second_process():
+        svc = TinkerService(models, TenantKeys({"alice": "tml-alice-0123456789"}), poll_s=0.01, session_timeout_s=None)
+        await svc.start()
+        got_sample, got_check = await svc.futures.retrieve("alice", sample), await svc.futures.retrieve("alice", check)
+        await svc.futures.durable()
+        return got_sample, got_check
+
+    got_sample, got_check = asyncio.run(second_process())
+    assert got_sample.status == 410 and "send it again" in got_sample.json["error"]
+    assert got_check.status == 200 and got_check.json["category"] == "server" and "send it again" in got_check.json["error"]
+    models.records.close()
+    models = _models(tmp_path)  # a third process reads the same answers from the records
+
+    async def third_process():
+        store = FutureStore(models.records)
+        return await store.retrieve("alice", sample), await store.retrieve("alice", check)
+
+    again_sample, again_check = asyncio.run(third_process())
+    assert (again_sample.status, again_sample.json) == (410, got_sample.json)
+    assert (again_check.status, again_check.json) == (200, got_check.json)
+    models.records.close()
 
 
 # -- the LoRA options of create_model -------------------------------------------------------------
+
+
+def _models(tmp_path, **kw):
+    """TinkerModels over no scheduler (only its checks run here), with real records and a local store."""
+    from service.registry.tinker_records import TinkerRecords
+    from service.tenants.tinker_models import TinkerModels
+    from trainer.storage.local_store import LocalStore
+
+    return TinkerModels(None, TinkerRecords(tmp_path / "records.sqlite"), LocalStore(tmp_path / "store"), base_model="m",
+                        tokenizer_id="m", max_rank=8, **kw)
 
 
 @pytest.mark.parametrize(
@@ -155,9 +213,8 @@ def test_lora_flags_become_targets(flags, targets, problem, tmp_path):
     from api.tinker import wire
     from api.tinker.auth import TenantKeys
     from api.tinker.service import TinkerService, lora_flags, lora_spec
-    from service.tenants.tinker_models import TinkerModels
 
-    svc = TinkerService(TinkerModels(None, base_model="m", tokenizer_id="m", max_rank=8), TenantKeys({}), tmp_path)
+    svc = TinkerService(_models(tmp_path), TenantKeys({}))
     lc = wire.LoraConfigIn(rank=4, **flags)
     got = svc._lora_problem(wire.CreateModelRequest(session_id="s", model_seq_id=0, base_model="m", lora_config=lc))
     assert (got is None) == (problem is None) and (problem is None or problem in got), got
@@ -174,12 +231,11 @@ def test_a_flag_the_trainer_cannot_honour_is_refused(tmp_path):
     from api.tinker.auth import TenantKeys
     from api.tinker.service import TinkerService
     from service.tenants.tinker_model import LoraSpec
-    from service.tenants.tinker_models import TinkerModels
 
-    models = TinkerModels(None, base_model="m", tokenizer_id="m", max_rank=8, target_groups=("attention", "mlp"))
-    svc = TinkerService(models, TenantKeys({}), tmp_path)
+    models = _models(tmp_path, target_groups=("attention", "mlp"))
+    svc = TinkerService(models, TenantKeys({}))
     got = svc._lora_problem(wire.CreateModelRequest(session_id="s", model_seq_id=0, base_model="m",
                                                     lora_config=wire.LoraConfigIn(rank=4)))
     assert got.startswith("train_unembed=True is not available on this server") and "trainer.target_modules" in got, got
     with pytest.raises(ValueError, match=r"LoRA on \['unembed'\] is not available on this server"):
-        models.create("x", "alice", LoraSpec(4, 1), lambda error: None)
+        models.create("x", "alice", LoraSpec(4, 1), "s", lambda value, error: None)

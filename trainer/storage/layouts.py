@@ -10,6 +10,8 @@ where each kind of folder lives. Nothing else in the product composes these path
                                   state, sampler_weights and external_weights = PEFT folders); <run>
                                   is the model id with ':' -> '_'
     tinker/<tenant>/<run>/record/                          the Tinker training run's record (run.json)
+    tinker/<tenant>/<run>/snapshots/s-<seq>/               a model's durable snapshot (a slot state) covering its
+                                  operations up to <seq>
     handoff/<name>-<registration>/v<version>/             a publish folder for the engines (weight
                                   transfer by disk)
     swap/rank<r>/<key>/                                   an evicted slot's spill file, per trainer rank
@@ -76,3 +78,8 @@ def handoff(name: str, registration_id: str, version: int) -> str:
 
 def spill(rank: int, key: str) -> str:
     return f"{SWAP}/rank{rank}/{key}"
+
+
+def tinker_snapshot(tenant: str, run_id: str, seq: int) -> str:
+    """A Tinker model's durable snapshot covering its operations up to `seq` (service/tenants/tinker_durability.py)."""
+    return f"{tinker_run(tenant, run_id)}/snapshots/s-{seq:012d}"

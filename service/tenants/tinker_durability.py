@@ -1,0 +1,119 @@
+"""What of a Tinker model survives what (issue 40): the snapshot policy, its snapshots, and the plan of
+a model's restore after the service or the trainer was lost.
+
+The policy (`tinker_durability`, environment LORAFLEET_TINKER_DURABILITY):
+  * ``step``: an optim_step is acknowledged only after the model's whole slot state (weights, Adam
+    moments, step) is committed in the store and recorded (service/registry/tinker_records.py D2);
+    every operation's request is recorded before its id is answered, so the operations after the
+    last snapshot (forward_backward included) are a write-ahead log: a restore replays them, and the
+    gradient pending at a crash comes back. No acknowledged step is ever lost.
+  * ``interval:<seconds>`` (default ``interval:300``): a resident model whose state changed is
+    snapshotted when its last snapshot is that old; requests are recorded only while they wait (and
+    at a graceful stop). After a crash a model resumes from its last snapshot; if operations ran
+    after it, they are lost, and its calls are answered with an error that names the step it was
+    restored to.
+A graceful stop snapshots every model (pending gradient included) whatever the policy: a restart is
+then invisible.
+
+Snapshots live in the store under the model's prefix (trainer/storage/layouts.py ``tinker_snapshot``),
+one per covered operation; the previous one is deleted once the new one is recorded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from service.config.durability import Durability  # noqa: F401 - the policy; its home is the config
+from trainer.storage import layouts
+
+def snapshot_key(tenant: str, model_id: str, seq: int) -> str:
+    return layouts.tinker_snapshot(tenant, model_id, seq)
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    """What a model's restore does: the operations to replay (done before the loss: their effect is
+    rebuilt, their answers stand) and those to run (never answered); or why it cannot continue."""
+
+    replay: list  # FutureRow, in order
+    run: list  # FutureRow, in order
+    diverged: str | None = None
+
+
+def restore_plan(model_id: str, after: list, restored_step: int, snapshot_at: float) -> RestorePlan:
+    """`after`: the model's operations after its snapshot (FutureRow, in seq order). Done ones are
+    replayed when their requests were logged (policy step); otherwise the model diverged: the
+    snapshot lacks their effect and nothing can rebuild it."""
+    done = [f for f in after if f.state == "done"]
+    pending = [f for f in after if f.state != "done"]
+    lost = [f for f in done if f.request is None]
+    if lost:
+        import time
+
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(snapshot_at))
+        return RestorePlan([], pending, diverged=(
+            f"model {model_id} was restored to step {restored_step}, its last durable state (saved {when}), after the service "
+            f"stopped unexpectedly: the {len(lost)} call(s) it answered after that are lost. Continue from a checkpoint "
+            "(load_state / create_training_client_from_state), or run the service with tinker_durability: step, under which "
+            "no acknowledged step is ever lost"))
+    return RestorePlan(done, pending)
+
+
+class ModelJournal:
+    """One model's durability companion: its operations' order and requests in the records, its
+    snapshots in the store (module doc). Called on the scheduler's thread, except `log` (any thread)."""
+
+    def __init__(self, records, store, durability: Durability, tenant: str, model_id: str,  # noqa: ANN001 - TinkerRecords, CheckpointStore
+                 snapshot: str | None = None, snapshot_at: float | None = None) -> None:
+        import time
+
+        self.records = records
+        self.store = store
+        self.durability = durability
+        self.tenant = tenant
+        self.model_id = model_id
+        self.snapshot_ref = snapshot  # the store reference of the last snapshot (None: the seeded init)
+        self.snapshot_at = time.time() if snapshot_at is None else snapshot_at
+
+    @property
+    def snapshot_prefix(self) -> str:
+        """The model's own prefix in the store (its snapshots and scratch folders)."""
+        return layouts.tinker_run(self.tenant, self.model_id)
+
+    def next_seq(self) -> int:
+        return self.records.next_seq()
+
+    def log(self, op) -> None:  # noqa: ANN001 - a TinkerOp
+        """The operation's request, recorded (policy step: before its id is answered; the face waits)."""
+        if op.request_id is not None and self.durability.logs_requests:
+            request = op.request()
+            if request is not None:
+                self.records.set_request(op.request_id, op.seq, request)
+
+    def persist(self, ops: list) -> None:
+        """Requests of operations still waiting (a graceful stop: they run after the restart)."""
+        for op in ops:
+            request = op.request() if op.request_id is not None else None
+            if request is not None:
+                self.records.set_request(op.request_id, op.seq, request)
+
+    def snapshot(self, trainer, slot: int, covers: int, step: int) -> str:  # noqa: ANN001 - TrainerInterface
+        """The slot's whole state committed in the store, then recorded (D2); the previous snapshot goes."""
+        import time
+
+        key = snapshot_key(self.tenant, self.model_id, covers)
+        url = self.store.url(key)
+        self.store.delete(key)  # a snapshot of the same operation cut short before
+        trainer.save_slot_state(slot, url)
+        self.records.set_snapshot(self.model_id, url, covers, step).wait()
+        old, self.snapshot_ref, self.snapshot_at = self.snapshot_ref, url, time.time()
+        if old is not None and old != url:
+            self.store.delete(self.store.key_of(old))
+        return url
+
+    def due(self, now: float) -> bool:
+        return self.durability.due(self.snapshot_at, now)
+
+    def end(self) -> None:
+        self.records.end_model(self.model_id)
+        self.records.flush()
