@@ -106,7 +106,7 @@ def in_process_service(model_dir: str | Path, keys: TenantKeys, checkpoint_root:
                       checkpoint_root=checkpoint_root, window_s=window_s, max_seq_len=max_seq_len, idle_evict_s=idle_evict_s,
                       durability=durability,
                       **({"clock": clock} if clock is not None else {}))
-    from api.tinker.sampling import SglangSampler
+    from api.tinker.sampling.sampler import SglangSampler
 
     sampler = SglangSampler(sglang_url, records=host.registry) if sglang_url else None  # sessions and records in its registry
     service = TinkerService(host.models, keys, sampler=sampler, session_timeout_s=session_timeout_s, on_stop=host.close)

@@ -3,12 +3,10 @@
 The wire face only (the scheduler in service/ runs the work). Modules: ``auth`` (API keys ->
 tenants), ``wire`` (JSON bodies) and ``proto_io`` (the SDK's protobuf bodies), ``futures``
 (request ids, long-poll retrieve), ``service`` (sessions, model records, checkpoint paths; a
-request -> an operation on its model's queue), ``routes`` (the APIRouter), ``runs`` (training
-runs and checkpoints on disk: listing, deletion, TTL), ``external_weights`` (save_weights_external
-and its signed download URLs), ``runs_routes`` (the RestClient's routes), ``sampling`` (sampling
-sessions over SGLang) with ``sampler_engines`` (which engine serves a request, each engine's adapters),
-``stability`` (stable_reinforce's provenance checked against the sampling records), ``metrics``, and
-``fleet`` (the service over the running fleet).
+request -> an operation on its model's queue), ``routes`` (the APIRouter), ``outcomes`` (an operation's answer as
+the SDK reads it), ``metrics``, and ``fleet`` (the service over the running fleet). Sub-folders:
+``checkpoints`` (training runs, checkpoints, external weights and their routes) and ``sampling``
+(sampling sessions over the engines, the routing rule, stable_reinforce's provenance).
 
 May import: api, service, trainer.config, trainer.rounds, trainer.storage, trainer.losses, rollout.
 """

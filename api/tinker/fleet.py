@@ -6,7 +6,7 @@ Tinker models are tenants of the fleet's one scheduler (service/scheduling/sched
 their slots are registry leases counted with the dataset runs' slots, the same keep-warm and
 turns policy evicts and restores both kinds, and their calls ride in the training loop's rounds
 (ONE mixed step with the runs' samples). Sampling goes to every SGLang engine of the fleet
-(api/tinker/sampling.py, api/tinker/sampler_engines.py): the sampler follows the rollout worker's
+(api/tinker/sampling/sampler.py, api/tinker/sampling/engines.py): the sampler follows the rollout worker's
 engine list, and each engine keeps ``sampler_capacity(job)`` Tinker adapters loaded.
 """
 
@@ -15,8 +15,8 @@ from __future__ import annotations
 import logging
 
 from api.tinker.auth import TenantKeys
-from api.tinker.sampler_engines import EngineEntry, EngineSource
-from api.tinker.sampling import SglangSampler
+from api.tinker.sampling.engines import EngineEntry, EngineSource
+from api.tinker.sampling.sampler import SglangSampler
 from api.tinker.service import TinkerService
 from service.config.durability import Durability
 from service.config.settings import ServiceSettings
@@ -41,7 +41,7 @@ def sampler_capacity(job) -> int:  # noqa: ANN001 - a JobConfig
 
 def rollout_engines(runtime: FleetRuntime) -> EngineSource:
     """The rollout worker's engine list, read anew each time (an engine restarted or replaced is a new
-    URL or a new start: api/tinker/sampler_engines.py follows it)."""
+    URL or a new start: api/tinker/sampling/engines.py follows it)."""
     async def source() -> list[EngineEntry]:
         rollout = runtime.rollout
         if rollout is None:

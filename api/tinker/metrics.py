@@ -2,7 +2,7 @@
 
 The service's /metrics renders a fresh registry per scrape (api/metrics.py); it adds
 these with ``add_tinker_gauges(registry, service.metrics())``. The sampler's keys
-(api/tinker/sampling.py ``SglangSampler.metrics``) become labelled counters:
+(api/tinker/sampling/sampler.py ``SglangSampler.metrics``) become labelled counters:
 ``sampler.<count>.<engine index>`` -> ``lorafleet_tinker_sample_requests_total{engine="<index>"}``
 and the adapter loads and unloads (bounded: one series per engine of the fleet), and
 ``stable_reinforce.<statistic>`` -> the stable_reinforce calls' statistics, summed.

@@ -7,7 +7,7 @@ message classes are the SDK's own generated module (``tinker.proto``), so the tw
 sides cannot drift apart. Only text chunks are accepted (no images or audio). A datum's
 provenance spans (``Datum.with_provenance``) are read into ``provenance`` (one entry per
 datum, None without): what stable_reinforce checks against the sampling records
-(api/tinker/stability.py).
+(api/tinker/sampling/stability.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from api.tinker.stability import Provenance, Span
+from api.tinker.sampling.stability import Provenance, Span
 from trainer.rounds import CallResult, Datum
 
 PROTO_CONTENT_TYPE = "application/x-protobuf"

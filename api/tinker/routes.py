@@ -16,11 +16,11 @@ from fastapi.responses import JSONResponse
 from api.tinker import wire
 from api.tinker.futures import user_error
 from api.tinker.outcomes import fb_outcome, optim_outcome
-from api.tinker.runs_routes import runs_router
+from api.tinker.checkpoints.routes import runs_router
 from api.tinker.proto_io import PROTO_CONTENT_TYPE, decode_forward_backward
-from api.tinker.sampling import LogprobOptions
+from api.tinker.sampling.sampler import LogprobOptions
 from api.tinker.service import TinkerService, lora_flags
-from api.tinker.stability import attach_recorded_inputs, with_statistics
+from api.tinker.sampling.stability import attach_recorded_inputs, with_statistics
 from service.tenants.tinker_model import checkpoint_lora
 from trainer.rounds import AdamStep
 from trainer.storage.locations import readable_folder
@@ -126,7 +126,7 @@ def tinker_router(service: TinkerService) -> APIRouter:
         model = service.model(t, fb.model_id).model
         rid, answer = future(t, fb.model_id)
         sampler = service.sampler
-        try:  # stable_reinforce: its inputs from the server's sampling records (api/tinker/stability.py)
+        try:  # stable_reinforce: its inputs from the server's sampling records (api/tinker/sampling/stability.py)
             data = attach_recorded_inputs(t, fb.loss_fn, fb.data, fb.provenance, sampler.records if sampler else None)
         except ValueError as err:
             service.futures.resolve(rid, user_error(str(err)))
@@ -264,5 +264,5 @@ def tinker_router(service: TinkerService) -> APIRouter:
             raise HTTPException(404, f"unknown request id {body.request_id}") from None
         return {"cancelled": cancelled}
 
-    r.include_router(runs_router(service))  # training runs, checkpoints, external weights (api/tinker/runs_routes.py)
+    r.include_router(runs_router(service))  # training runs, checkpoints, external weights (api/tinker/checkpoints/routes.py)
     return r

@@ -38,8 +38,8 @@ from api.tinker import wire
 from api.tinker.auth import TenantKeys
 from api.tinker.futures import FutureStore, Outcome, gone, server_error, user_error
 from api.tinker.outcomes import answer_outcome, lora_flags, lora_spec, ok_for, outcome_of  # noqa: F401 - lora_flags: the routes'
-from api.tinker.runs import TrainingRuns, check_ttl, check_user_metadata
-from api.tinker.sampling import SglangSampler
+from api.tinker.checkpoints.runs import TrainingRuns, check_ttl, check_user_metadata
+from api.tinker.sampling.sampler import SglangSampler
 from service.errors import LorafleetError
 from service.tenants.tinker_model import LoraSpec, TinkerModel, checkpoint_lora
 from service.tenants.tinker_models import TinkerModels
@@ -83,7 +83,7 @@ class TinkerService:
         self._reaper = None
         self.sampler = sampler
         self.keys = keys
-        self.runs = TrainingRuns(self.records, self.store)  # training runs and checkpoints (RestClient; api/tinker/runs.py)
+        self.runs = TrainingRuns(self.records, self.store)  # training runs and checkpoints (RestClient; api/tinker/checkpoints/runs.py)
         self.runs.base_model = fleet.base_model
         self.futures = FutureStore(self.records, poll_s=poll_s)
         self.futures.reason_of = self._waiting_reason

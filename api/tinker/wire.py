@@ -67,7 +67,7 @@ class SaveWeightsRequest(_In):
     path: str | None = None
     seq_id: int | None = None
     sampling_session_seq_id: int | None = None  # save_weights_for_sampler: also open a sampling session
-    ttl_seconds: int | None = None  # api/tinker/runs.py: the checkpoint is deleted this long after the save
+    ttl_seconds: int | None = None  # api/tinker/checkpoints/runs.py: the checkpoint is deleted this long after the save
     user_metadata: dict[str, Any] | None = None
 
 
@@ -113,7 +113,7 @@ class SampleRequest(_In):
     prompt_logprobs_last_n: int | None = None
     target_prompt_logprobs: Any = None  # not served: refused with a message
     prompt_alt_tokens_k: int = 0  # not served: refused with a message
-    record_stability_info: bool | None = None  # record each sequence for stable_reinforce (api/tinker/sampling.py)
+    record_stability_info: bool | None = None  # record each sequence for stable_reinforce (api/tinker/sampling/sampler.py)
 
 
 class LoadWeightsRequest(_In):

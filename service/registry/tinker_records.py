@@ -7,7 +7,7 @@ SQLite registry file, next to the runs.
   tinker_futures   every future: its tenant and model, its operation's sequence number, kind and
                    request (what a replay needs), its state and, once done, its result
   tinker_checkpoints  every checkpoint a model saved (its folder is in the store): its time, expiry
-                   and user metadata (the RestClient's views: api/tinker/runs.py)
+                   and user metadata (the RestClient's views: api/tinker/checkpoints/runs.py)
 
 Why a connection of its own with group commit: a future is durable before its id is answered (a
 client that polls after a crash must find it: never "unknown request id"), and at fleet scale

@@ -1,7 +1,7 @@
 """GPU tier of Tinker sampling: ``sampling_params.seed`` on an SGLang server started with
 ``--enable-deterministic-inference`` (SGLang refuses that flag with the CPU's torch_native
 attention, so the default tier can only check that a seed is refused there:
-tests/integration/test_tinker_sampling.py). Through the sampler (api/tinker/sampling.py) on the
+tests/integration/test_tinker_sampling.py). Through the sampler (api/tinker/sampling/sampler.py) on the
 real server with the tiny model: the same seed gives the same samples, sample i of a request
 uses seed + i (so one request's samples differ, and request seed 7's sample 1 equals request
 seed 8's sample 0), another seed gives other samples, and unseeded samples are not all equal
@@ -33,7 +33,7 @@ PARAMS = {"max_tokens": 12, "temperature": 1.0}
 def _samples(url: str, n: int, params: dict) -> list[list[int]]:
     from tinker.proto import tinker_public_pb2 as pb
 
-    from api.tinker.sampling import SglangSampler
+    from api.tinker.sampling.sampler import SglangSampler
 
     async def run():
         sampler = SglangSampler(url)

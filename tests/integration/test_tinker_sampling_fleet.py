@@ -1,6 +1,6 @@
 """Tinker sampling over TWO real SGLang CPU engines (started once for the module, ~35-60 s and 3.5 GB
 each), the official SDK against the in-process Tinker service, whose sampler follows a live list of
-both engines (api/tinker/sampler_engines.py; in the fleet the list is the rollout worker's) and keeps
+both engines (api/tinker/sampling/engines.py; in the fleet the list is the rollout worker's) and keeps
 its sessions and stability records in the host's registry (service/registry/sampling_records.py):
 
 * several sessions of different adapters: both engines serve, each session sticks to its engine, no
@@ -60,8 +60,8 @@ def engines(tiny_world, tmp_path_factory):
 def world(tiny_world, tmp_path_factory, engines):
     from api.server import ApiServer
     from api.tinker.auth import TenantKeys
-    from api.tinker.sampler_engines import EngineEntry
-    from api.tinker.sampling import SglangSampler
+    from api.tinker.sampling.engines import EngineEntry
+    from api.tinker.sampling.sampler import SglangSampler
     from tests.tinker_in_process import in_process_service, tinker_app
 
     async def fleet_list():  # what the rollout worker's engine_health gives in the fleet
@@ -247,7 +247,7 @@ def test_a_session_outlives_its_sampler(world, tiny_world):
     """The service's sampling side restarts over the same registry (a new sampler; the engines keep
     what they held): the same SDK client samples on; its adapter is reloaded on demand (the stale copy
     the engine still held is unloaded first); the same greedy tokens."""
-    from api.tinker.sampling import SglangSampler
+    from api.tinker.sampling.sampler import SglangSampler
 
     svc, url = world
     _, tc, path, client, prompt = _sampling_client(svc, url, tiny_world, "survivor")

@@ -16,10 +16,10 @@ import sys
 from tests.unit.expert_kernel_mutations import run
 
 LOSS = "trainer/losses/stable_reinforce.py"
-CHECKS = "api/tinker/stability.py"
+CHECKS = "api/tinker/sampling/stability.py"
 RECORDS = "service/registry/sampling_records.py"
-ROUTING = "api/tinker/sampler_engines.py"
-SAMPLING = "api/tinker/sampling.py"
+ROUTING = "api/tinker/sampling/engines.py"
+SAMPLING = "api/tinker/sampling/sampler.py"
 
 # tests -> {name: (file, exact text, replacement, what the bug is)}
 GROUPS = {

@@ -1,5 +1,5 @@
 """The engines' adapter residency: the one rule of recency (service/scheduling/residency.py AdapterLru) and the
-Tinker sampler that uses it (api/tinker/sampling.py SglangSampler).
+Tinker sampler that uses it (api/tinker/sampling/sampler.py SglangSampler).
 
 The rule is pure and tested against a reference written from its definition (a list ordered by
 last use). The sampler is driven with a FAKE engine client (`CountingEngine`: load, unload and
@@ -99,8 +99,8 @@ class CountingEngine:
 
 def _sampler(tmp_path: Path, capacity: int, monkeypatch):
     pytest.importorskip("tinker")
-    from api.tinker import sampler_engines
-    from api.tinker.sampling import SglangSampler
+    from api.tinker.sampling import engines as sampler_engines
+    from api.tinker.sampling.sampler import SglangSampler
 
     engine = CountingEngine(capacity)
     monkeypatch.setattr(sampler_engines, "EngineClient", lambda url, **kw: engine)  # the FAKE in place of the HTTP client

@@ -1,4 +1,4 @@
-"""The Tinker sampler over several engines (api/tinker/sampler_engines.py, api/tinker/sampling.py): the
+"""The Tinker sampler over several engines (api/tinker/sampling/engines.py, api/tinker/sampling/sampler.py): the
 routing rule, one adapter cache per engine, following the fleet's list, and an engine lost mid-request.
 
 Driven with FAKE engine clients (`FakeEngine`: load, unload and generate answer when the test lets
@@ -78,9 +78,9 @@ class World:
 
     def __init__(self, tmp_path: Path, monkeypatch, capacity: int = 1, urls=("http://e0", "http://e1"), records=None,
                  refresh_s: float = 0.05):
-        from api.tinker import sampler_engines
-        from api.tinker.sampler_engines import EngineEntry
-        from api.tinker.sampling import SglangSampler
+        from api.tinker.sampling import engines as sampler_engines
+        from api.tinker.sampling.engines import EngineEntry
+        from api.tinker.sampling.sampler import SglangSampler
         from rollout.engines.weights import AdapterWeights
 
         self.fakes: dict[str, FakeEngine] = {}
@@ -240,7 +240,7 @@ def test_an_engine_lost_mid_request_gives_a_retry_on_another(tmp_path, monkeypat
 def test_the_sampler_follows_the_fleet_list(tmp_path, monkeypatch):
     """An engine replaced after a node loss (a new URL at its index) is used at once; the old one is
     forgotten; an engine added is used; with no engine at all a request fails after engine_wait_s."""
-    from api.tinker.sampler_engines import EngineEntry
+    from api.tinker.sampling.engines import EngineEntry
 
     w = World(tmp_path, monkeypatch, capacity=2, urls=("http://e0",), refresh_s=0.0)  # every request reads the list
 
@@ -310,10 +310,10 @@ def test_sessions_and_stability_records_outlive_the_sampler(tmp_path, monkeypatc
 
 def test_expired_records_are_swept_now_and_then(tmp_path, monkeypatch):
     """The sampler deletes expired sessions and records (sampling_records.py S2) at most every
-    SWEEP_EVERY_S, off the serving loop: a request past that interval starts a sweep."""
+    SWEEP_EVERY_S: a request past that interval sweeps (one indexed DELETE)."""
     import time
 
-    from api.tinker import sampling
+    from api.tinker.sampling import sampler as sampling
     from service.registry.registry import Registry
 
     registry = Registry(tmp_path / "registry.sqlite", 2)
@@ -321,13 +321,15 @@ def test_expired_records_are_swept_now_and_then(tmp_path, monkeypatch):
         registry.record_samples("old", "alice", "samp-x", "base", [1], [([2], [-0.5])], now=time.time() - 2 * 86400)
         w = World(tmp_path, monkeypatch, capacity=2, urls=("http://e0",), records=registry)
 
+        def left() -> int:
+            return registry._db.execute("SELECT COUNT(*) FROM tinker_sampled_sequences").fetchone()[0]
+
         async def scenario():
             a = w.session(0)
             assert (await w.sample(a)).proto is not None
-            assert w.sampler._sweep is None  # within the interval: no sweep
+            assert left() == 1  # within the interval: no sweep, the expired record is still there
             w.sampler._swept -= 2 * sampling.SWEEP_EVERY_S
             assert (await w.sample(a)).proto is not None
-            await w.sampler._sweep
 
         asyncio.run(scenario())
         assert registry._db.execute("SELECT COUNT(*) FROM tinker_sampled_sequences").fetchone()[0] == 0

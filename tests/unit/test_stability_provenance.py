@@ -1,4 +1,4 @@
-"""stable_reinforce's provenance (api/tinker/stability.py) through the wire: datums built and encoded by
+"""stable_reinforce's provenance (api/tinker/sampling/stability.py) through the wire: datums built and encoded by
 the official SDK (``Datum.with_provenance``, its protobuf encoder), decoded by the server
 (api/tinker/proto_io.py), checked against sampling records in a real Registry (SQLite,
 service/registry/sampling_records.py).
@@ -68,7 +68,7 @@ def wire(data, loss_fn="stable_reinforce"):
 
 
 def attach(registry, data, tenant="alice", loss_fn="stable_reinforce"):
-    from api.tinker.stability import attach_recorded_inputs
+    from api.tinker.sampling.stability import attach_recorded_inputs
 
     fb = wire(data, loss_fn)
     return attach_recorded_inputs(tenant, fb.loss_fn, fb.data, fb.provenance, registry)
@@ -161,7 +161,7 @@ def test_provenance_is_ignored_by_other_losses_and_a_refusal_uses_no_record(regi
     data = [rl_datum(0)]
     fb = wire(data, "importance_sampling")
     assert fb.provenance[0] is not None
-    from api.tinker.stability import attach_recorded_inputs
+    from api.tinker.sampling.stability import attach_recorded_inputs
 
     assert attach_recorded_inputs("alice", "importance_sampling", fb.data, fb.provenance, registry) is fb.data
     later = time.time() + 0.2 * DAY  # r1 was sampled 0.9 days ago: at `later` it expired unless used since

@@ -1,4 +1,4 @@
-"""The Tinker sampler's option handling (api/tinker/sampling.py) without a server: per-sample
+"""The Tinker sampler's option handling (api/tinker/sampling/sampler.py) without a server: per-sample
 seeds and the SDK's top-k layout. The deterministic engine is a FAKE (``DeterministicEngine``:
 answers only get_server_info) because the CPU SGLang server cannot be started with
 --enable-deterministic-inference; the real server's side is tests/integration/
@@ -12,7 +12,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from api.tinker.sampling import MAX_TOPK, SEED_SPACE, LogprobOptions, SglangSampler, _fill_topk
+from api.tinker.sampling.sampler import MAX_TOPK, SEED_SPACE, LogprobOptions, SglangSampler, _fill_topk
 
 pytestmark = pytest.mark.unit
 

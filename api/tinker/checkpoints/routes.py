@@ -3,7 +3,7 @@
 Training runs (get, list, by tinker path: the SDK parses the path and gets the run),
 checkpoints (list per run, list per caller, delete, TTL), ``save_weights_external`` and the
 signed download URLs of its files (``tinker_cookbook.weights.download``). Thin handlers over
-``api/tinker/runs.py`` (the records, R1-R4) and ``api/tinker/external_weights.py`` (the export
+``api/tinker/checkpoints/runs.py`` (the records, R1-R4) and ``api/tinker/checkpoints/external_weights.py`` (the export
 and its URLs, X1-X3). Every route but the signed download takes the caller's key and sees only
 the caller's runs: another tenant's id or path is 404. RestClient calls lorafleet does not serve
 (sessions search and listing, projects, traces, publishing, copies, audit, billing) answer 400
@@ -18,7 +18,7 @@ from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.responses import FileResponse
 
 from api.tinker import wire
-from api.tinker.external_weights import UrlSigner, file_in, parse_recipients, write_external
+from api.tinker.checkpoints.external_weights import UrlSigner, file_in, parse_recipients, write_external
 from api.tinker.futures import user_error
 from api.tinker.service import TinkerService
 

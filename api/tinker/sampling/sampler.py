@@ -4,7 +4,7 @@ A sampling session names what it samples from: the base model, or a sampler chec
 (``save_weights_for_sampler``: a PEFT folder) of the caller's. Its adapter is loaded into an engine
 when a request needs it there, under a name of its own (a session's weights never change: new
 weights are a new checkpoint and a new session, as in Tinker). Which engine serves a request, and
-which adapters each engine keeps, is api/tinker/sampler_engines.py (one routing rule; one LRU per
+which adapters each engine keeps, is api/tinker/sampling/engines.py (one routing rule; one LRU per
 engine; an engine lost mid-request gives a retry on another). ``num_samples`` generations run
 concurrently on one engine (they share the prompt's cache); the result is the SDK's SampleResponse
 protobuf (tokens, per-token logprobs, stop reason).
@@ -13,7 +13,7 @@ Sessions are recorded in the service's registry (service/registry/sampling_recor
 one: a session outlives a restart of the service, its adapter loaded again on its next request. A
 client made with ``record_stability_info=True`` has each sampled sequence recorded there under its
 ``sequence_id`` (the prompt, the tokens and the engine's log-probability of each, and the checkpoint
-that sampled it): what stable_reinforce trains with (api/tinker/stability.py).
+that sampled it): what stable_reinforce trains with (api/tinker/sampling/stability.py).
 
 Options served (the SDK's SamplingParams and SampleRequest):
   * ``max_tokens``, ``temperature``, ``top_k``, ``top_p``, ``stop`` -> SGLang's sampling params;
@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from api.tinker.futures import Outcome, server_error, user_error
-from api.tinker.sampler_engines import EngineFailed, EngineSource, NoEngine, SamplerEngine, SamplerEngines, static_engines
+from api.tinker.sampling.engines import EngineFailed, EngineSource, NoEngine, SamplerEngine, SamplerEngines, static_engines
 from rollout.engines.client import EngineError, EngineUnavailable
 from service.registry.sampling_records import SamplingRecords
 
@@ -105,7 +105,7 @@ class SglangSampler:
                  max_loaded: int = 6, request_timeout_s: float = 600.0, refresh_s: float = 2.0,
                  engine_wait_s: float = 120.0):
         """``engines``: an SGLang server's URL, a list of them, or the fleet's list (an EngineSource,
-        api/tinker/sampler_engines.py: followed as engines come and go). ``max_loaded``: sampler
+        api/tinker/sampling/engines.py: followed as engines come and go). ``max_loaded``: sampler
         adapters kept loaded per engine (what the engines' max_loaded_loras leaves to Tinker).
         ``records``: the service's registry (service/registry/sampling_records.py): sampling sessions
         outlive a restart, and samples of clients made with record_stability_info are recorded for
@@ -117,7 +117,7 @@ class SglangSampler:
                                       refresh_s=refresh_s, engine_wait_s=engine_wait_s)
         self.records = records
         self.sessions: dict[str, SamplingSession] = {}  # this process's sessions (the records hold them all)
-        self.stable_reinforce = Counter()  # the stable_reinforce calls' statistics, summed (api/tinker/stability.py)
+        self.stable_reinforce = Counter()  # the stable_reinforce calls' statistics, summed (api/tinker/sampling/stability.py)
         self._swept = time.monotonic()
 
     # -- sessions --------------------------------------------------------------------------------------
