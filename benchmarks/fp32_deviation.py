@@ -19,6 +19,9 @@ left at ``auto`` (bf16 on CUDA: what the CPU test measures when run unchanged on
 With 2 GPUs (``--parallel``), TP=2 and DP=2 over NCCL for the default and the all-off
 variant: mixed vs alone inside the run, and the TP/DP mixed run vs the 1-GPU one.
 
+Its CPU sibling, benchmarks/fp32_cpu_orders.py, runs the default tier's proofs under the kernel
+profiles of several x86 CPUs; the CPU tests' bounds are derived from it.
+
 Usage (repo root on the device, wheels installed as in benchmarks/gpu_suite.sh):
     python3 -m benchmarks.fp32_deviation --out fp32_deviation.json [--parallel]
 """
@@ -146,34 +149,24 @@ VARIANTS = {
 # -- measuring ---------------------------------------------------------------------------------
 
 
-def worst(scn, got: dict, ref: dict, kinds: tuple[str, ...]) -> dict[str, tuple[float, int]]:
-    """Max relative error per quantity over slots, with the slot where it is largest."""
-    out = {k: (0.0, -1) for k in kinds}
+QUANTITY_KIND = {"losses": "loss", "grad norms": "grad_norm"}  # equivalence_errors' names -> the table's
 
-    def put(k, e, slot):
+
+def worst(scn, got: dict, ref: dict, kinds: tuple[str, ...]) -> dict[str, tuple[float, int]]:
+    """Max relative error per quantity over slots, with the slot where it is largest (the tests'
+    own measure: test_trainer_equivalence.equivalence_errors)."""
+    out = {k: (0.0, -1) for k in kinds}
+    for e, slot, what in scn.equivalence_errors(got, ref, kinds=tuple(k for k in scn.KINDS if k in kinds)):
+        k = QUANTITY_KIND.get(what, what.split(" ")[0])
         if k in out and e > out[k][0]:
             out[k] = (e, slot)
-
-    for slot in ref:
-        g, r = got[slot], ref[slot]
-        put("loss", scn.rel_err(torch.tensor(g["losses"]), torch.tensor(r["losses"])), slot)
-        put("grad_norm", scn.rel_err(torch.tensor([s[2] for s in g["steps"]]), torch.tensor([s[2] for s in r["steps"]])), slot)
-        for kind in ("weight", "exp_avg", "exp_avg_sq", "grad"):
-            if kind not in out:
-                continue
-            for side in (0, 1):
-                for name, t in r["tensors"][kind][side].items():
-                    put(kind, scn.rel_err(g["tensors"][kind][side][name], t), slot)
     return out
 
 
 def build_trainer(scn, tiny, overrides: dict, tp: int = 1, dp: int = 1, rank: int = 0, port: int | None = None):
-    from trainer.config import TrainerConfig
     from trainer.core import MultiLoraTrainer
 
-    cfg = dict(base_model_path=str(tiny / "model"), num_slots=4, max_rank=8, micro_batch_tokens=scn.MICRO_BATCH_TOKENS,
-               dtype="float32", tp=tp, dp=dp) | overrides
-    return MultiLoraTrainer(TrainerConfig(**cfg), rank=rank, master_port=port)
+    return MultiLoraTrainer(scn.scenario_config(tiny, tp=tp, dp=dp, **overrides), rank=rank, master_port=port)
 
 
 def measure(scn, trainer, batches, objectives: str) -> dict:

@@ -4,14 +4,38 @@
   three train calls over 4 slots, different ranks, schedules, clipping, normalizations,
   accumulation across calls, a slot stepping twice) on the MoE base, with one slot training
   attention only: every adapter gets the weights, Adam moments, losses and gradient norms
-  it gets alone (max relative error <= 1e-5), for RL, SFT and both mixed; the loop kernel
-  gives what grouped_mm gives.
+  it gets alone (max relative error <= MOE_TOL), for RL, SFT and both mixed; the loop kernel
+  gives what grouped_mm gives, bit for bit.
 * Isolation: training some slots leaves the others bit-identical; an attention-only slot
   keeps exactly zero expert weights.
 * Export: the slot as a PEFT adapter (attention target_modules + expert target_parameters)
   loaded by HF+peft gives the trainer's logits; independently of the trainer's grouped
   GEMMs, since HF runs its own expert loop and PEFT its own expert delta.
 * Checkpoint: a slot state saved and loaded into another slot is the same slot.
+
+The bounds, derived as the dense module's (its docstring: mixed and alone are two fp32
+reduction orders; benchmarks/fp32_cpu_orders.py measures every proof under six CPU kernel
+profiles; a bound is the worst a profile reached times the larger of 3 and the spread between
+profiles). The MoE scenario is noisier than the dense one: a sample alone puts one to three
+tokens on an expert, and MKL rounds GEMMs of 3 rows or fewer another way; the worst quantities
+are the A moments of slot 2's expert fc1 after its second step (A's gradient is proportional to
+B after one update, a sum with much cancellation: relative noise 1e-5 at 1e-7 magnitudes).
+
+    bound           proofs                                         worst (profile)             spread  bound
+    MOE_TOL         mixed vs alone (rl, sft, mixed); TP=2 and      1.26e-5 (zen3-like, DP=2)    1.4x    4e-5
+                    DP=2 mixed vs alone; padded rows mixed vs
+                    alone and vs packed
+    TWO_CALLS_TOL   the Triton test: Triton mixed vs alone, and    2.09e-5 (mkl-compatible)     3.4x    8e-5
+                    against grouped_mm (two calls: nothing
+                    dilutes those A moments yet)
+    LOGITS_TOL      an exported slot's logits against HF+peft      2.86e-6 (every profile)      1.0x    9e-6
+                    (absolute)
+
+Two ranks against one take test_trainer_equivalence.py's ACROSS_LAYOUTS_TOL (worst here 1.08e-5).
+A slot started from another's export computes bit for bit what it computes (same weights, same
+shapes, same reduction order). Plants (measured): issue 13's first_weight_decay gives mixed vs
+alone 1.3e-4 (slot 1), first_betas_eps 4.3; on the Triton path a tile reaching one row into the
+next group 2.3e-2, each row scaled with its neighbour's slot scale 0.9.
 """
 
 from __future__ import annotations
@@ -24,18 +48,23 @@ import torch
 from tests.integration.export_check import export_matches_full_tensors
 
 from tests.integration.test_trainer_equivalence import (
+    ACROSS_LAYOUTS_TOL,
     OBJECTIVES,
     _assert_nontrivial,
-    PADDED_TOL,
     assert_equivalent,
     make_batches,
     make_hypers,
     run_scenario,
+    scenario_config,
 )
 from tests.trainer_probes import slot_status
 
 pytestmark = pytest.mark.integration
 
+# Bounds for two fp32 reduction orders, derived from six CPU kernel profiles (module doc)
+MOE_TOL = 4e-5  # worst 1.26e-5
+TWO_CALLS_TOL = 8e-5  # the Triton test's two calls (worst 2.09e-5)
+LOGITS_TOL = 9e-6  # absolute, an exported slot vs HF+peft (worst 2.86e-6)
 ATTENTION_ONLY_SLOT = 3  # trains attention LoRA only (lora_experts false)
 
 
@@ -48,11 +77,9 @@ def moe_world():
 
 @pytest.fixture(scope="module")
 def trainer(moe_world):
-    from trainer.config import TrainerConfig
     from trainer.core import MultiLoraTrainer
 
-    cfg = TrainerConfig(base_model_path=str(moe_world / "model"), num_slots=4, max_rank=8, micro_batch_tokens=40)
-    return MultiLoraTrainer(cfg)
+    return MultiLoraTrainer(scenario_config(moe_world))
 
 
 @pytest.fixture(scope="module")
@@ -90,13 +117,13 @@ def mixed_run(trainer, batches):
 def test_mixed_step_equals_each_adapter_alone(trainer, batches, objectives):
     run = run_scenario(trainer, moe_hypers(objectives), batches)
     _assert_nontrivial(run, OBJECTIVES[objectives])
-    assert_equivalent(run["mixed"], run["alone"])
+    assert_equivalent(run["mixed"], run["alone"], tol=MOE_TOL)
     _assert_experts_trained(run, trainer)
 
 
 def test_mixed_objectives_equal_each_adapter_alone(mixed_run, trainer):
     _assert_nontrivial(mixed_run, OBJECTIVES["mixed"])
-    assert_equivalent(mixed_run["mixed"], mixed_run["alone"])
+    assert_equivalent(mixed_run["mixed"], mixed_run["alone"], tol=MOE_TOL)
     _assert_experts_trained(mixed_run, trainer)
 
 
@@ -114,12 +141,14 @@ def _assert_experts_trained(run, trainer):
 
 
 def test_loop_kernel_equals_grouped_mm(trainer, batches, mixed_run):
+    """Bit for bit, expert GEMMs included: grouped_mm off CUDA is one mm per group, as the loop
+    (test_trainer_equivalence.py's test of the same name)."""
     trainer.routing.kernel = "loop"
     try:
         run = run_scenario(trainer, moe_hypers("mixed"), batches)
     finally:
         trainer.routing.kernel = "auto"
-    assert_equivalent(run["mixed"], mixed_run["mixed"])
+    assert_equivalent(run["mixed"], mixed_run["mixed"], tol=0.0)
 
 
 def test_triton_expert_kernels_equal_grouped_mm(trainer, batches):
@@ -128,7 +157,14 @@ def test_triton_expert_kernels_equal_grouped_mm(trainer, batches):
     two calls (accumulation across them, slots of different ranks, the attention-only slot),
     the same weights, moments, losses and gradient norms; and mixed equals alone. With
     ``lora_rank_kernels: triton`` as a user sets it, so the attention LoRA's rank kernels
-    (triton_lora.py) run in the interpreter too."""
+    (triton_lora.py) run in the interpreter too.
+
+    Both comparisons are two fp32 reduction orders (Triton's tiles against MKL's GEMMs; mixed
+    against alone, module doc), within TWO_CALLS_TOL: two calls, not three, to keep the
+    interpreter's time down, so slot 2's A moments come from one gradient proportional to B
+    after one update (the module doc's worst quantity) with no third call to dilute them.
+    1e-5 held where numpy's OpenBLAS runs its Haswell kernels (9.96e-6) and failed where it runs
+    its SkylakeX kernels (1.15e-5, a Zen 5 EPYC); on MKL's compatible path 2.09e-5."""
     from trainer.kernels import triton_expert_lora
 
     calls = []
@@ -148,8 +184,8 @@ def test_triton_expert_kernels_equal_grouped_mm(trainer, batches):
         finally:
             trainer.routing.rank_kernels = "auto"
     assert calls  # the expert path really ran on the Triton kernels
-    assert_equivalent(run["mixed"], reference["mixed"])
-    assert_equivalent(run["mixed"], run["alone"])
+    assert_equivalent(run["mixed"], reference["mixed"], tol=TWO_CALLS_TOL)
+    assert_equivalent(run["mixed"], run["alone"], tol=TWO_CALLS_TOL)
     _assert_experts_trained(run, trainer)
 
 
@@ -158,7 +194,7 @@ def _snapshot(trainer):
                    + trainer.buffers.exp_avg_views + trainer.buffers.exp_avg_sq_views] for slot in range(4)}
 
 
-def _fresh(trainer, hypers):
+def fresh_slots(trainer, hypers):
     for slot, h in enumerate(hypers):
         if slot_status(trainer, slot)["active"]:
             trainer.clear_slot(slot)
@@ -168,7 +204,7 @@ def _fresh(trainer, hypers):
 def test_isolation_other_slots_unchanged(trainer, batches):
     from trainer.batch import TrainBatch
 
-    _fresh(trainer, moe_hypers("mixed"))
+    fresh_slots(trainer, moe_hypers("mixed"))
     before = _snapshot(trainer)
     own = [s for s in batches[0].samples if s.slot in (0, 2)]
     res = trainer.train(TrainBatch(samples=own))
@@ -180,7 +216,12 @@ def test_isolation_other_slots_unchanged(trainer, batches):
     assert not torch.equal(before[0][1], after[0][1])  # slot 0 stepped: its first B moved
 
 
-def _hf_peft_logits(hf_model, folder, ids):
+def export_ids() -> torch.Tensor:
+    """The token ids the export parity runs on (2 sequences of 17)."""
+    return torch.randint(0, 400, (2, 17), generator=torch.Generator().manual_seed(5))
+
+
+def hf_peft_logits(hf_model, folder, ids):
     from peft import PeftModel
 
     model = PeftModel.from_pretrained(hf_model, str(folder))
@@ -196,11 +237,11 @@ def test_export_parity_with_hf_peft(trainer, batches, moe_world, tmp_path):
 
     from transformers import AutoModelForCausalLM
 
-    _fresh(trainer, moe_hypers("mixed"))
+    fresh_slots(trainer, moe_hypers("mixed"))
     for batch in batches:
         trainer.train(batch)
     hf = AutoModelForCausalLM.from_pretrained(moe_world / "model", dtype=torch.float32).eval()
-    ids = torch.randint(0, 400, (2, 17), generator=torch.Generator().manual_seed(5))
+    ids = export_ids()
     with torch.no_grad():
         base_logits = hf(ids).logits
     for slot in (0, ATTENTION_ONLY_SLOT):
@@ -212,8 +253,8 @@ def test_export_parity_with_hf_peft(trainer, batches, moe_world, tmp_path):
         else:
             assert cfg["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
         ours = forward_logits(trainer, ids, slot)
-        ref = _hf_peft_logits(hf, folder, ids)
-        assert (ours - ref).abs().max().item() <= 1e-5
+        ref = hf_peft_logits(hf, folder, ids)
+        assert (ours - ref).abs().max().item() <= LOGITS_TOL
         assert (ref - base_logits).abs().max().item() > 1e-3  # the adapter really changes the output
 
 
@@ -224,7 +265,7 @@ def test_expert_part_of_the_export_matters(trainer, batches, tmp_path):
 
     from trainer.export.peft_io import write_peft_folder
 
-    _fresh(trainer, moe_hypers("mixed"))
+    fresh_slots(trainer, moe_hypers("mixed"))
     for batch in batches:
         trainer.train(batch)
     cfg, tensors = trainer.export.peft_tensors(0)
@@ -248,7 +289,7 @@ def test_checkpoint_round_trip(trainer, batches, tmp_path):
 
     from trainer.batch import TrainBatch
 
-    _fresh(trainer, moe_hypers("mixed"))
+    fresh_slots(trainer, moe_hypers("mixed"))
     trainer.train(batches[0])
     trainer.train(TrainBatch(samples=[s for s in batches[1].samples if s.slot == 1][:1]))  # slot 1 pending
     saved = slot_state_tensors(trainer, 1)
@@ -269,7 +310,7 @@ def test_start_from_an_exported_expert_adapter(trainer, batches, tmp_path):
     from tests.trainer_probes import forward_logits
     from trainer.swap.slot_checkpoint import slot_state_tensors
 
-    _fresh(trainer, moe_hypers("mixed"))
+    fresh_slots(trainer, moe_hypers("mixed"))
     for batch in batches:
         trainer.train(batch)
     hyper = moe_hypers("mixed")[0]
@@ -278,7 +319,7 @@ def test_start_from_an_exported_expert_adapter(trainer, batches, tmp_path):
     want = forward_logits(trainer, ids, 0)
     trainer.clear_slot(3)
     trainer.init_slot(3, hyper, seed=0, init_from=folder)
-    assert (forward_logits(trainer, ids, 3) - want).abs().max().item() <= 1e-5
+    assert torch.equal(forward_logits(trainer, ids, 3), want)  # one reduction order: bit for bit
     for name, t in slot_state_tensors(trainer, 0)["weight"][0].items():
         assert torch.equal(slot_state_tensors(trainer, 3)["weight"][0][name], t), name
 
@@ -296,7 +337,7 @@ def test_start_from_an_exported_expert_adapter(trainer, batches, tmp_path):
 # -- two gloo processes: tensor parallel 2 (experts split over TP) and data parallel 2 -------------------
 
 
-def _parallel_worker(rank, port, cfg_kwargs, hypers, batches, out_path):
+def two_rank_worker(rank, port, cfg_kwargs, hypers, batches, out_path):
     import torch.distributed as dist
 
     from trainer.kernels import triton_expert_lora
@@ -332,7 +373,7 @@ def test_two_ranks_equivalence(trainer, batches, mixed_run, tmp_path, layout):
     parallel, _, kernels = layout.partition("-")
     cfg_kwargs = trainer.config.model_dump() | {parallel: 2} | ({"lora_rank_kernels": kernels} if kernels else {})
     out = tmp_path / f"{layout}2.pt"
-    mp.spawn(_parallel_worker, args=(free_loopback_port(), cfg_kwargs, moe_hypers("mixed"), batches, str(out)),
+    mp.spawn(two_rank_worker, args=(free_loopback_port(), cfg_kwargs, moe_hypers("mixed"), batches, str(out)),
              nprocs=2, join=True)
     run = torch.load(out, weights_only=False)
     _assert_nontrivial(run, OBJECTIVES["mixed"])
@@ -340,24 +381,19 @@ def test_two_ranks_equivalence(trainer, batches, mixed_run, tmp_path, layout):
     # the publish export (row snapshot, experts included) == the per-layer gather, in both layouts
     check = run["export_check"]
     assert check["names"] > 0 and check["mismatches"] == [], check
-    # Under DP a slot's gradient is the all-reduced sum of each rank's part, and which samples a
-    # rank gets differs between the mixed and the alone runs (dp_shard of each phase), so the
-    # fp32 summation order differs too: measured 1.01e-5 on slot 2 (clipped, token_mean, lr
-    # 2e-2, 4 steps). TP keeps the 1e-5 bound of the one-rank proofs.
-    tol = 3e-5 if parallel == "dp" else 1e-5
-    assert_equivalent(run["mixed"], run["alone"], tol=tol)
-    # and two ranks compute what one computes, up to the same fp32 summation order
-    assert_equivalent(run["mixed"], mixed_run["mixed"], tol=3e-5)
+    # Two reduction orders, as on one rank; under DP also which samples a rank gets (dp_shard of
+    # each phase) and the all-reduce of the parts: MOE_TOL covers both layouts (module doc).
+    assert_equivalent(run["mixed"], run["alone"], tol=MOE_TOL)
+    # and two ranks compute what one computes, up to another summation order of the same products
+    assert_equivalent(run["mixed"], mixed_run["mixed"], tol=ACROSS_LAYOUTS_TOL)
 
 
 def test_padded_micro_batches_route_each_sample_to_its_slot(moe_world, batches, mixed_run):
     """Padded rows ([s, b] activations, several samples of different slots side by side):
     the MoE layer maps Megatron's position-major tokens back to their samples' slots."""
-    from trainer.config import TrainerConfig
     from trainer.core import MultiLoraTrainer
 
-    padded = MultiLoraTrainer(TrainerConfig(base_model_path=str(moe_world / "model"), num_slots=4, max_rank=8,
-                                            micro_batch_tokens=40, packed=False))
+    padded = MultiLoraTrainer(scenario_config(moe_world, packed=False))
     run = run_scenario(padded, moe_hypers("mixed"), batches)
-    assert_equivalent(run["mixed"], run["alone"], tol=PADDED_TOL)  # padded rows' own fp32 order
-    assert_equivalent(run["mixed"], mixed_run["mixed"], tol=PADDED_TOL)  # padded computes what packed computes
+    assert_equivalent(run["mixed"], run["alone"], tol=MOE_TOL)  # padded rows' own fp32 order
+    assert_equivalent(run["mixed"], mixed_run["mixed"], tol=MOE_TOL)  # padded computes what packed computes

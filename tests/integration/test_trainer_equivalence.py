@@ -4,7 +4,7 @@ Equivalence: three train calls of a mixed batch over 4 slots (unequal sample
 counts, a slot absent from one call, different ranks / lrs / schedules /
 clipping / loss normalizations, accumulation across calls, a slot stepping twice
 in one call) give each adapter the same LoRA weights, Adam moments and losses as
-training it alone on its own samples: max relative error <= 1e-5 per tensor
+training it alone on its own samples: max relative error <= REL_TOL per tensor
 (max |mixed - alone| / max |alone|). RL, SFT and both objectives in one batch.
 
 Every adapter has its own Adam betas and eps as well (a leak of one slot's into
@@ -19,18 +19,49 @@ that noise of zero to anything in [-lr, lr] when eps is 1e-8 (a B matrix
 starting at zero then differs by up to 1e-3 relative after one step, alone vs
 alone, and the difference feeds later steps). With eps = 1e-2 the update is
 smooth in the gradient and the comparison measures the trainer, not Adam's
-conditioning (measured with eps = 1e-2: mixed vs alone <= 4e-6, alone vs alone <= 5e-6). The
+conditioning. The
 first-step test keeps tiny eps (1e-8 to 1e-6) and compares what does not pass
 through that division: losses, gradient norms, Adam moments after the first
 update, and gradients still accumulating.
 
 TP: the same scenario with tensor parallel 2 (two gloo processes) is
 equivalent too, and equals the TP=1 run.
+
+The bounds. Mixed and alone are the same math in two fp32 reduction orders, on any CPU: in the
+mixed run a slot's samples share micro-batches with other slots', so each slot's gradient is
+summed over other groups of tokens (its segment of each micro-batch, then over micro-batches),
+every GEMM over a micro-batch has another row count (MKL rounds a row differently when the GEMM
+has 3 rows or fewer: an MoE expert segment of one sample), and on the Triton path a row sits
+elsewhere in its 64-row tile (the interpreter's ``tl.dot`` is numpy's OpenBLAS, whose Haswell
+kernels round a row by its position in the tile). The two sides are thus two draws of rounding
+noise, and how far apart they land depends on the kernels the CPU runs: numpy's OpenBLAS picks
+them by core type, MKL by code path, ATen's vector kernels by CPU capability (one commit passed
+CI on one CPU and, at 1e-5, failed on a Zen 5 EPYC where OpenBLAS picks its SkylakeX kernels).
+benchmarks/fp32_cpu_orders.py runs every proof under six kernel profiles on one machine
+(environment variables force each library's choice; its docstring lists them). A bound is the
+worst any profile reached for the proofs it covers, times that family's spread between profiles
+(its worst profile over its best one: a CPU outside the profiles is taken to land up to that far
+beyond the worst seen) but at least 3 (six profiles are few, and on most proofs several of them
+run the same kernels), rounded up to one significant digit:
+
+    bound               proofs                                   worst (profile)          spread  bound
+    REL_TOL             mixed vs alone (rl, sft, mixed), first   5.04e-6 (mkl-compatible)  2.2x    2e-5
+                        step, TP=2 mixed vs alone
+    PADDED_TOL          padded rows mixed vs alone (test_        7.86e-6 (mkl-compatible)  1.9x    3e-5
+                        trainer_speed_paths.py's padded variant)
+    ACROSS_LAYOUTS_TOL  TP=2 vs TP=1; test_moe_trainer.py's      1.25e-5 (detected)        1.4x    4e-5
+                        two ranks vs one
+
+Pairs that share the reduction order are compared bit for bit: the loop kernel against
+grouped_mm (torch's grouped_mm off CUDA is one mm per group, as the loop). What the bounds keep
+out (measured): issue 13's planted optimizer bugs give mixed vs alone 1.3e-4 (every slot stepping
+with the first stepping slot's weight decay: slot 1) and 2.5 (with its betas and eps).
 """
 
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -40,12 +71,11 @@ from tests.trainer_probes import slot_status
 
 pytestmark = pytest.mark.integration
 
-REL_TOL = 1e-5
-# Padded rows ([s, b] activations: samples of different slots side by side, each padded to the
-# longest) reduce in another fp32 order than the same sample alone: measured 1.43e-5 (dense, fused
-# chunked) and 1.55e-5 (MoE) with torch 2.14.1 on 2 CPU threads (1e-5 held with the torch of
-# 2026-11). A sample routed to another slot's LoRA differs by ~1e-1 (the planted routing bugs).
-PADDED_TOL = 3e-5
+# Bounds for two fp32 reduction orders of this scenario, derived from six CPU kernel profiles
+# (module doc, benchmarks/fp32_cpu_orders.py)
+REL_TOL = 2e-5  # mixed vs alone (worst 5.04e-6)
+PADDED_TOL = 3e-5  # padded rows, mixed vs alone (worst 7.86e-6); tests/gpu/test_fp32_gpu.py takes it for CUDA
+ACROSS_LAYOUTS_TOL = 4e-5  # TP=2 (or DP=2) vs one rank (worst 1.25e-5)
 MICRO_BATCH_TOKENS = 40  # forces several micro-batches per call
 
 BASE_HYPERS = [  # every adapter its own betas and eps too, so a leak of one slot's into another shows
@@ -160,37 +190,57 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item() / (denom if denom > 0 else 1.0)
 
 
-def assert_equivalent(got: dict, ref: dict, tol: float = REL_TOL, kinds=("weight", "exp_avg", "exp_avg_sq", "grad")) -> float:
-    """Every slot: same step count, losses and step losses, weights, moments and pending grads."""
-    worst = 0.0
+KINDS = ("weight", "exp_avg", "exp_avg_sq", "grad")
+
+
+def equivalence_errors(got: dict, ref: dict, kinds=KINDS) -> list[tuple[float, int, str]]:
+    """(max relative error, slot, quantity) of every compared quantity of every slot, worst first:
+    losses, step losses, gradient norms, and each LoRA tensor of ``kinds``. Step counts, step
+    numbers and learning rates must match exactly (asserted here)."""
+    errors = []
     for slot in ref:
         g, r = got[slot], ref[slot]
         assert g["step"] == r["step"], (slot, g["step"], r["step"])
         assert len(g["losses"]) == len(r["losses"]) and len(g["steps"]) == len(r["steps"])
-        pairs = [(torch.tensor(g["losses"]), torch.tensor(r["losses"]))]
-        pairs += [(torch.tensor([s[1] for s in g["steps"]]), torch.tensor([s[1] for s in r["steps"]]))]
         assert [s[0] for s in g["steps"]] == [s[0] for s in r["steps"]]
         assert [s[3] for s in g["steps"]] == pytest.approx([s[3] for s in r["steps"]], rel=1e-12)
-        pairs += [(torch.tensor([s[2] for s in g["steps"]]), torch.tensor([s[2] for s in r["steps"]]))]  # grad norms
+        pairs = [("losses", torch.tensor(g["losses"]), torch.tensor(r["losses"]))]
+        pairs += [("step losses", torch.tensor([s[1] for s in g["steps"]]), torch.tensor([s[1] for s in r["steps"]]))]
+        pairs += [("grad norms", torch.tensor([s[2] for s in g["steps"]]), torch.tensor([s[2] for s in r["steps"]]))]
         for kind in kinds:
             for side in (0, 1):
                 for name, t in r["tensors"][kind][side].items():
-                    pairs.append((g["tensors"][kind][side][name], t))
-        for a, b in pairs:
-            e = rel_err(a, b)
-            worst = max(worst, e)
-            assert e <= tol, (slot, e)
-    return worst
+                    pairs.append((f"{kind} {'AB'[side]} {name}", g["tensors"][kind][side][name], t))
+        errors += [(_nan_as_inf(rel_err(a, b)), slot, what) for what, a, b in pairs]
+    return sorted(errors, key=lambda e: -e[0])
+
+
+def _nan_as_inf(err: float) -> float:
+    return math.inf if math.isnan(err) else err  # a NaN on either side is the largest error, never a pass
+
+
+def assert_equivalent(got: dict, ref: dict, tol: float = REL_TOL, kinds=KINDS) -> float:
+    """Every slot: same step count, losses and step losses, weights, moments and pending grads,
+    each within ``tol`` (0: bit for bit); returns the worst relative error."""
+    errors = equivalence_errors(got, ref, kinds)
+    over = [e for e in errors if not e[0] <= tol]
+    assert not over, f"{len(over)} quantities beyond {tol:.1e} (error, slot, quantity), worst first: {over[:4]}"
+    return errors[0][0] if errors else 0.0
+
+
+def scenario_config(world, **overrides):  # noqa: ANN001 - a tiny world folder (examples/tiny*/build.py)
+    """The proof's trainer: 4 slots up to rank 8, MICRO_BATCH_TOKENS per micro-batch, fp32 (on CUDA too)."""
+    from trainer.config import TrainerConfig
+
+    return TrainerConfig(**dict(base_model_path=str(world / "model"), num_slots=4, max_rank=8,
+                                micro_batch_tokens=MICRO_BATCH_TOKENS, lora_kernel="auto", dtype="float32") | overrides)
 
 
 @pytest.fixture(scope="module")
 def trainer(tiny_world):
-    from trainer.config import TrainerConfig
     from trainer.core import MultiLoraTrainer
 
-    cfg = TrainerConfig(base_model_path=str(tiny_world / "model"), num_slots=4, max_rank=8,
-                        micro_batch_tokens=MICRO_BATCH_TOKENS, lora_kernel="auto", dtype="float32")  # fp32 on CUDA too
-    return MultiLoraTrainer(cfg)
+    return MultiLoraTrainer(scenario_config(tiny_world))
 
 
 @pytest.fixture(scope="module")
@@ -244,18 +294,21 @@ def test_mixed_objectives_equal_each_adapter_alone(tp1_mixed_run):
 
 
 def test_loop_kernel_equals_grouped_mm(trainer, batches, tp1_mixed_run):
+    """Bit for bit: one reduction order. torch's grouped_mm off CUDA is its fallback, one
+    ``at::mm_out`` per group (ATen/native/GroupedMMUtils.h), which is what the loop kernel calls;
+    fp32 on CUDA takes the loop either way (segmented_mm.grouped_mm_eligible)."""
     trainer.routing.kernel = "loop"
     try:
         run = run_scenario(trainer, make_hypers(OBJECTIVES["mixed"]), batches)
     finally:
         trainer.routing.kernel = "auto"
-    assert_equivalent(run["mixed"], tp1_mixed_run["mixed"])
+    assert_equivalent(run["mixed"], tp1_mixed_run["mixed"], tol=0.0)
 
 
 # -- tensor parallel 2 (two gloo processes) -----------------------------------------------------
 
 
-def _tp_worker(rank, port, cfg_kwargs, hypers, batches, out_path):
+def tp_worker(rank, port, cfg_kwargs, hypers, batches, out_path):
     import torch.distributed as dist
 
     from trainer.config import TrainerConfig
@@ -277,7 +330,7 @@ def test_tensor_parallel_2_equivalence(trainer, batches, tp1_mixed_run, tmp_path
 
     cfg_kwargs = trainer.config.model_dump() | {"tp": 2}
     out = tmp_path / "tp2.pt"
-    mp.spawn(_tp_worker, args=(free_loopback_port(), cfg_kwargs, make_hypers(OBJECTIVES["mixed"]), batches, str(out)),
+    mp.spawn(tp_worker, args=(free_loopback_port(), cfg_kwargs, make_hypers(OBJECTIVES["mixed"]), batches, str(out)),
              nprocs=2, join=True)
     tp2 = torch.load(out, weights_only=False)
     _assert_nontrivial(tp2, OBJECTIVES["mixed"])
@@ -285,8 +338,6 @@ def test_tensor_parallel_2_equivalence(trainer, batches, tp1_mixed_run, tmp_path
     check = tp2["export_check"]
     assert check["names"] > 0 and check["mismatches"] == [], check
     assert_equivalent(tp2["mixed"], tp2["alone"])
-    # and TP=2 computes what TP=1 computes (the column/row-parallel LoRA math is right), to the
-    # across-layouts bound of tests/gpu/test_fp32_gpu.py: TP=2 sums partial products in another
-    # order and Adam carries that rounding on (measured on this CPU after three calls: general
-    # path 9.2e-6, fused node 1.25e-5, both exp_avg_sq of slot 0; mixed vs alone inside TP=2 8e-7).
-    assert_equivalent(tp2["mixed"], tp1_mixed_run["mixed"], tol=3e-5)
+    # and TP=2 computes what TP=1 computes (the column/row-parallel LoRA math is right): TP=2 sums
+    # partial products in another order and Adam carries that rounding on (module doc)
+    assert_equivalent(tp2["mixed"], tp1_mixed_run["mixed"], tol=ACROSS_LAYOUTS_TOL)
