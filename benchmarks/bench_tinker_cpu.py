@@ -11,6 +11,12 @@ coalescing factor (calls per mixed step, from the server's counters).
   .venv/bin/python -m benchmarks.bench_tinker_cpu                      # 1, 4, 16 clients
   .venv/bin/python -m benchmarks.bench_tinker_cpu --clients 4 --steps 3 --window-ms 20
 
+``--durability step`` runs the same with every optim_step acknowledged only after the model's
+snapshot is durable (issue 40; the default is ``interval:300``): compare the two rows' steps/s for
+the cost of ``step`` on this machine (docs/tinker.md, "Restarts, crashes and lost machines"):
+
+  .venv/bin/python -m benchmarks.bench_tinker_cpu --clients 1 4 --durability interval:300 step
+
 ``--ops`` measures the trainer primitives alone (no HTTP; runs on a GPU too): N models'
 forward_backward calls (one sequence of L tokens each, cross_entropy) as ONE coalesced
 mixed step vs N separate steps over the same tokens, each followed by the N optim_steps;
@@ -47,7 +53,7 @@ def sft_data(tok, data_dir: Path, start: int, n: int):  # noqa: ANN001, ANN201
     return out
 
 
-def run(clients: int, steps: int, datums: int, window_s: float) -> dict:
+def run(clients: int, steps: int, datums: int, window_s: float, durability: str = "interval:300") -> dict:
     import tinker
     from tinker import types
 
@@ -59,7 +65,7 @@ def run(clients: int, steps: int, datums: int, window_s: float) -> dict:
     world = ensure_tiny_world()
     keys = {f"bench{i}": f"tml-bench-{i:04d}-key" for i in range(clients)}
     svc = in_process_service(world / "model", TenantKeys(keys), tempfile.mkdtemp(prefix="tinker-bench-"), num_slots=clients,
-                             max_rank=8, base_model="tiny-qwen3", window_s=window_s)
+                             max_rank=8, base_model="tiny-qwen3", window_s=window_s, durability=durability)
     with ApiServer(tinker_app(svc)) as server:
         tcs = [tinker.ServiceClient(base_url=server.url, api_key=k).create_lora_training_client(
             base_model="tiny-qwen3", rank=8, seed=i, train_unembed=False).result() for i, k in enumerate(keys.values())]
@@ -87,7 +93,8 @@ def run(clients: int, steps: int, datums: int, window_s: float) -> dict:
         after = svc.metrics()
     calls = after["forward_backward_calls"] - before["forward_backward_calls"]
     mixed = after["mixed_steps"] - before["mixed_steps"]
-    return {"clients": clients, "steps": steps, "datums_per_call": datums, "window_ms": window_s * 1e3, "wall_s": round(wall, 2),
+    return {"clients": clients, "durability": durability, "steps": steps, "datums_per_call": datums,
+            "window_ms": window_s * 1e3, "wall_s": round(wall, 2), "steps_per_s": round(clients * steps / wall, 2),
             "fwdbwd_calls": calls, "calls_per_s": round(calls / wall, 2), "mixed_steps": mixed,
             "coalescing_factor": round(calls / mixed, 2) if mixed else 0.0}
 
@@ -149,6 +156,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--datums", type=int, default=4, help="datums per forward_backward call")
     ap.add_argument("--window-ms", type=float, default=20.0, help="coalescing window")
+    ap.add_argument("--durability", nargs="+", default=["interval:300"], help="tinker_durability policies to run (step, interval:<s>)")
     ap.add_argument("--out", type=str, default=None)
     ap.add_argument("--ops", action="store_true", help="trainer primitives only: coalesced vs separate steps")
     ap.add_argument("--models", type=int, default=16)
@@ -166,11 +174,12 @@ def main() -> None:
             Path(args.out).write_text(json.dumps(row, indent=2) + "\n")
         return
     torch.set_num_threads(1)
-    rows = [run(c, args.steps, args.datums, args.window_ms / 1e3) for c in args.clients]
-    print("| clients | fwd_bwd calls | wall s | calls/s | mixed steps | coalescing factor |")
-    print("|---|---|---|---|---|---|")
+    rows = [run(c, args.steps, args.datums, args.window_ms / 1e3, d) for d in args.durability for c in args.clients]
+    print("| clients | durability | fwd_bwd calls | wall s | steps/s | calls/s | mixed steps | coalescing factor |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['clients']} | {r['fwdbwd_calls']} | {r['wall_s']} | {r['calls_per_s']} | {r['mixed_steps']} | {r['coalescing_factor']} |")
+        print(f"| {r['clients']} | {r['durability']} | {r['fwdbwd_calls']} | {r['wall_s']} | {r['steps_per_s']} | {r['calls_per_s']} | "
+              f"{r['mixed_steps']} | {r['coalescing_factor']} |")
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=2) + "\n")
 
