@@ -293,6 +293,11 @@ class TinkerRecords:
                           + ("" if keep_request else ", request = NULL") + " WHERE request_id = ?",
                           (result_kind, result, time.time(), request_id))
 
+    def set_order(self, request_id: str, seq: int, operation: str) -> threading.Event:
+        """A model operation's place in its model's order and what it does (every policy: a restore
+        needs both to tell what ran after the snapshot; the request itself only under `step`)."""
+        return self.write("UPDATE tinker_futures SET seq = ?, kind = ? WHERE request_id = ?", (seq, operation, request_id))
+
     def set_request(self, request_id: str, seq: int, request: dict) -> threading.Event:
         """A queued operation's request written at stop (graceful: what was not run yet must run after)."""
         return self.write("UPDATE tinker_futures SET seq = ?, request = ? WHERE request_id = ?", (seq, json.dumps(request), request_id))

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from service.config.durability import Durability  # noqa: F401 - the policy; its home is the config
+from service.tenants.tinker_ops import CHANGES_STATE
 from trainer.storage import layouts
 
 def snapshot_key(tenant: str, model_id: str, seq: int) -> str:
@@ -41,10 +42,11 @@ class RestorePlan:
 
 
 def restore_plan(model_id: str, after: list, restored_step: int, snapshot_at: float) -> RestorePlan:
-    """`after`: the model's operations after its snapshot (FutureRow, in seq order). Done ones are
-    replayed when their requests were logged (policy step); otherwise the model diverged: the
-    snapshot lacks their effect and nothing can rebuild it."""
-    done = [f for f in after if f.state == "done"]
+    """`after`: the model's operations after its snapshot (FutureRow, in seq order; `kind` names the
+    operation). Done ones are replayed when their requests were logged (policy step); a done one that
+    changed the state (CHANGES_STATE) and was not logged means the model diverged: the snapshot lacks
+    its effect and nothing can rebuild it. Done ones that changed nothing need no replay."""
+    done = [f for f in after if f.state == "done" and (f.request is not None or f.kind in CHANGES_STATE)]
     pending = [f for f in after if f.state != "done"]
     lost = [f for f in done if f.request is None]
     if lost:
@@ -84,8 +86,12 @@ class ModelJournal:
         return self.records.next_seq()
 
     def log(self, op) -> None:  # noqa: ANN001 - a TinkerOp
-        """The operation's request, recorded (policy step: before its id is answered; the face waits)."""
-        if op.request_id is not None and self.durability.logs_requests:
+        """The operation's place and name, and under policy step its request (before its id is
+        answered: the face waits for the records), recorded."""
+        if op.request_id is None:
+            return
+        self.records.set_order(op.request_id, op.seq, op.name)
+        if self.durability.logs_requests:
             request = op.request()
             if request is not None:
                 self.records.set_request(op.request_id, op.seq, request)

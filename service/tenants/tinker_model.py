@@ -70,6 +70,9 @@ def checkpoint_lora(folder: str | Path) -> LoraSpec:
     return LoraSpec(rank=int(meta["hyper"]["rank"]), seed=int(meta["seed"]), targets=targets)
 
 
+RESTORE_TRIES = 3  # placements that may fail to read a model's durable state before its calls are told (M6)
+
+
 class TinkerModel:
     kind = TenantKind.TINKER
 
@@ -117,13 +120,17 @@ class TinkerModel:
             self.journal.log(op)  # M5; under the lock: requests are recorded in queue order
         self._wake()
 
-    def forward_backward(self, data: list[Datum], loss_fn: str, loss_fn_config: dict | None, done: Done, **kw: Any) -> None:
+    def forward_backward(self, data: list[Datum], loss_fn: str, loss_fn_config: dict | None, done: Done,
+                         custom_loss: dict | None = None, **kw: Any) -> None:
         self.submit(TinkerOp(OpKind.FORWARD_BACKWARD, done, data=data, loss_fn=loss_fn, loss_fn_config=loss_fn_config,
-                             request=lambda: data_request(OpKind.FORWARD_BACKWARD, data, loss_fn, loss_fn_config), **kw))
+                             custom_loss=custom_loss,
+                             request=lambda: data_request(OpKind.FORWARD_BACKWARD, data, loss_fn, loss_fn_config, custom_loss), **kw))
 
-    def forward(self, data: list[Datum], loss_fn: str, loss_fn_config: dict | None, done: Done, **kw: Any) -> None:
+    def forward(self, data: list[Datum], loss_fn: str, loss_fn_config: dict | None, done: Done,
+                custom_loss: dict | None = None, **kw: Any) -> None:
         self.submit(TinkerOp(OpKind.FORWARD, done, data=data, loss_fn=loss_fn, loss_fn_config=loss_fn_config,
-                             request=lambda: data_request(OpKind.FORWARD, data, loss_fn, loss_fn_config), **kw))
+                             custom_loss=custom_loss,
+                             request=lambda: data_request(OpKind.FORWARD, data, loss_fn, loss_fn_config, custom_loss), **kw))
 
     def optim_step(self, adam: AdamStep, done: Done, **kw: Any) -> None:
         adam.check()  # refused now (ValueError), before it is queued
@@ -198,8 +205,8 @@ class TinkerModel:
                 return Offer(single=SlotOp(op.run, op.needs_slot), context=[op])
         if not taken:
             return None
-        calls = [Call(slot, op.data, op.loss_fn, op.loss_fn_config) for op in taken if op.kind == OpKind.FORWARD_BACKWARD]
-        forwards = [Call(slot, op.data, op.loss_fn, op.loss_fn_config) for op in taken if op.kind == OpKind.FORWARD]
+        calls = [Call(slot, op.data, op.loss_fn, op.loss_fn_config, op.custom_loss) for op in taken if op.kind == OpKind.FORWARD_BACKWARD]
+        forwards = [Call(slot, op.data, op.loss_fn, op.loss_fn_config, op.custom_loss) for op in taken if op.kind == OpKind.FORWARD]
         optim = next((op.adam for op in taken if op.kind == OpKind.OPTIM), None)
         return Offer(calls=calls, forwards=forwards, optim=optim, context=taken)
 
@@ -279,22 +286,36 @@ class TinkerModel:
     def restore_durable(self, snapshot: str | None, replay: list[TinkerOp], diverged: str | None = None) -> None:
         """M6: its slot state is gone; it comes back from `snapshot` (None: its seeded init) when it
         next has work, the `replay` operations first (their answers stand), then what it has queued."""
+        failures = [0]
+
         def fill(slot: int) -> dict:
-            if snapshot is None:
-                return self._trainer.init_slot(slot, self.hyper, self.lora.seed, registration=self.key)
-            return self._trainer.load_slot_state(slot, snapshot, registration=self.key)
+            try:
+                if snapshot is None:
+                    return self._trainer.init_slot(slot, self.hyper, self.lora.seed, registration=self.key)
+                return self._trainer.load_slot_state(slot, snapshot, registration=self.key)
+            except Exception as e:  # the scheduler gives the slot back and tries again at a later placement
+                failures[0] += 1
+                if failures[0] >= RESTORE_TRIES:  # a durable state that cannot be read: say so, never wait forever
+                    self._give_up(f"model {self.key}'s durable state could not be restored ({type(e).__name__}: {e}); "
+                                  "load a saved state into a new model (create_training_client_from_state)")
+                raise
 
         self._restore = fill
-        self.diverged = diverged
         self.dirty = False
         with self._mu:
             self._queue.extendleft(reversed(replay))
-            left = list(self._queue) if diverged is not None else []
-            if diverged is not None:
-                self._queue.clear()
-        for op in left:
-            self._answer(op, None, ValueError(diverged))
+        if diverged is not None:
+            self._give_up(diverged)
         self._wake()
+
+    def _give_up(self, why: str) -> None:
+        """It cannot continue (M6): what it has queued, and every later call, is answered with `why`."""
+        self.diverged = why
+        with self._mu:
+            left = list(self._queue)
+            self._queue.clear()
+        for op in left:
+            self._answer(op, None, ValueError(why))
 
     def lost(self) -> None:
         """Its slot state was lost with the trainer (a dead rank, a lost node): back from its last
@@ -316,7 +337,8 @@ class TinkerModel:
         kind = r.get("kind")
         kw = dict(seq=f.seq, request_id=f.request_id, request=lambda r=r: r, replay=replay)
         if kind in (OpKind.FORWARD_BACKWARD, OpKind.FORWARD):
-            return TinkerOp(OpKind(kind), done, data=decode_data(r), loss_fn=r["loss_fn"], loss_fn_config=r["loss_fn_config"], **kw)
+            return TinkerOp(OpKind(kind), done, data=decode_data(r), loss_fn=r["loss_fn"], loss_fn_config=r["loss_fn_config"],
+                            custom_loss=r.get("custom_loss"), **kw)
         if kind == OpKind.OPTIM:
             return TinkerOp(OpKind.OPTIM, done, adam=decode_adam(r), **kw)
         t = self._trainer

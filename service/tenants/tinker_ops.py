@@ -41,6 +41,7 @@ class TinkerOp:
     data: list[Datum] | None = None  # FORWARD_BACKWARD / FORWARD
     loss_fn: str = "cross_entropy"
     loss_fn_config: dict[str, float] | None = None
+    custom_loss: dict | None = None  # loss_fn "custom": the tenant's loss as plain data (trainer/rounds.py Call)
     adam: AdamStep | None = None  # OPTIM
     run: Callable[[int | None], Any] | None = None  # ALONE: given the model's slot (None: evicted)
     needs_slot: bool = True
@@ -51,6 +52,20 @@ class TinkerOp:
     request: Callable[[], dict | None] = lambda: None  # its request, built when it must be recorded
     replay: bool = False  # answered before a restore: run for its effect only
 
+    @property
+    def name(self) -> str:
+        """What it does, as its recorded request says (``forward_backward``, ``optim_step``,
+        ``save_state``, ...); an ALONE operation's request is small, so building it is cheap."""
+        if self.kind != OpKind.ALONE:
+            return self.kind.value
+        return (self.request() or {}).get("kind", OpKind.ALONE.value)
+
+
+# The operations whose effect is in the model's state (weights, gradient, moments, step): one of them
+# answered after the last snapshot and not replayable means the model lost work (a restore diverged).
+# The others (forward, saves, unload) leave the state as it was: losing them loses nothing.
+CHANGES_STATE = frozenset({"create", OpKind.FORWARD_BACKWARD.value, OpKind.OPTIM.value, "load_state"})
+
 
 # -- requests: encode ----------------------------------------------------------------------------
 
@@ -59,8 +74,8 @@ def _tensor(t: torch.Tensor) -> list:
     return [str(t.dtype).removeprefix("torch."), t.tolist()]
 
 
-def data_request(kind: str, data: list[Datum], loss_fn: str, loss_fn_config: dict | None) -> dict:
-    return {"kind": kind, "loss_fn": loss_fn, "loss_fn_config": loss_fn_config,
+def data_request(kind: str, data: list[Datum], loss_fn: str, loss_fn_config: dict | None, custom_loss: dict | None = None) -> dict:
+    return {"kind": kind, "loss_fn": loss_fn, "loss_fn_config": loss_fn_config, "custom_loss": custom_loss,
             "data": [{"tokens": list(d.tokens), "inputs": {k: _tensor(v) for k, v in d.inputs.items()}} for d in data]}
 
 

@@ -15,6 +15,7 @@ import threading
 
 import pytest
 
+from service.config.durability import Durability
 from service.registry.registry import Registry
 from service.registry.tinker_records import TinkerRecords
 from service.scheduling.residency import ResidencyKnobs
@@ -39,6 +40,7 @@ class RecordingTrainer:
         self.rounds: list[dict] = []
         self.events: list[tuple] = []
         self.fail_swap_out = False
+        self.fail_load = False
 
     def run_round(self, work) -> RoundResult:
         self.rounds.append({"calls": [c.loss_fn for c in work.calls], "forwards": [c.loss_fn for c in work.forwards],
@@ -56,6 +58,11 @@ class RecordingTrainer:
 
     def save_slot_state(self, slot, folder):
         self.events.append(("save", slot))
+
+    def load_slot_state(self, slot, folder, registration=None):
+        if self.fail_load:
+            raise RuntimeError("StoreError: a file of the snapshot does not match its manifest (planted)")
+        self.events.append(("load", slot, registration))
 
     def swap_out(self, slot, key):
         if self.fail_swap_out:
@@ -80,7 +87,7 @@ class Clock:
 
 
 class World:
-    def __init__(self, tmp_path, num_slots: int = 2, turn_steps: int = 4) -> None:
+    def __init__(self, tmp_path, num_slots: int = 2, turn_steps: int = 4, durability: str = "interval:300") -> None:
         self.clock = Clock()
         self.trainer = RecordingTrainer(num_slots)
         self.registry = Registry(tmp_path / "reg.sqlite", num_slots)
@@ -88,7 +95,7 @@ class World:
                                    window_s=0.0, clock=self.clock)
         self.records = TinkerRecords(self.registry.db_path)
         self.models = TinkerModels(self.scheduler, self.records, LocalStore(tmp_path / "store"), base_model="m",
-                                   tokenizer_id="m", max_rank=8)
+                                   tokenizer_id="m", max_rank=8, durability=Durability.parse(durability))
         self.answers: dict[str, tuple] = {}  # tag -> (value, error)
 
     def done(self, tag: str):
@@ -111,6 +118,25 @@ class World:
 
     def optim(self, model, tag):
         model.optim_step(AdamStep(learning_rate=0.1), self.done(tag))
+
+    def call(self, model, rid: str, operation: str, *args) -> None:
+        """An operation with a future, as the Tinker face submits it: its record first, its answer
+        recorded when it comes (api/tinker/futures.py does both on the serving loop)."""
+        self.records.add_future(rid, model.owner, model.key, "call")
+
+        def done(value, error) -> None:
+            self.answers[rid] = (value, error)
+            self.records.resolve(rid, "json", b"{}", keep_request=True)
+
+        getattr(model, operation)(*args, done, request_id=rid)
+
+    def rounds_until(self, condition, limit: int = 10) -> None:
+        """Rounds as the loop runs them until `condition()` holds (a bounded number: a hang fails)."""
+        for _ in range(limit):
+            if condition():
+                return
+            self.round()
+        assert condition(), f"not after {limit} rounds; answers: {sorted(self.answers)}"
 
     def round(self):
         """One round as the loop runs it: place, gather (the tenants with work), one trainer call."""
@@ -270,3 +296,75 @@ def test_a_lost_trainer_keeps_the_models_and_brings_them_back_from_their_durable
     before = len(w.trainer.events)
     w.round()
     assert ("init", w.scheduler.slot_of("a"), "a") in w.trainer.events[before:] and w.answers["a.queued"][1] is None
+
+
+def _one_step(w: World, model, tag: str) -> None:
+    w.call(model, f"{tag}.fb", "forward_backward", [Datum([1, 2], {})], "cross_entropy", None)
+    w.call(model, f"{tag}.optim", "optim_step", AdamStep(learning_rate=0.1))
+    w.round()
+    assert w.answers[f"{tag}.fb"][1] is None and w.answers[f"{tag}.optim"][1] is None
+
+
+def test_under_interval_a_lost_step_is_named_and_calls_that_changed_nothing_are_not(tmp_path):
+    """Policy interval: requests are not logged, so after the trainer's loss a model whose state
+    changed after its snapshot (here: a step after its creation) answers every later call with the
+    step it was restored to; one that only ran calls that change nothing (forward, save_state) since
+    its snapshot carries on."""
+    w = World(tmp_path)
+    a, _ = w.create("a")
+    b, _ = w.create("b")
+    _one_step(w, a, "a1")
+    w.call(b, "b.forward", "forward", [Datum([1, 2], {})], "cross_entropy", None)
+    w.call(b, "b.save", "save_state", "file:///nowhere/b-save")
+    w.round()
+    w.records.flush()
+    w.scheduler.clear()  # the trainer is lost
+    w.call(a, "a2.fb", "forward_backward", [Datum([1, 2], {})], "cross_entropy", None)
+    w.call(b, "b2.fb", "forward_backward", [Datum([1, 2], {})], "cross_entropy", None)
+    w.rounds_until(lambda: {"a2.fb", "b2.fb"} <= set(w.answers))
+    error = w.answers["a2.fb"][1]
+    assert error is not None and "model a was restored to step 0" in str(error) and "1 call(s)" not in str(error), error
+    assert "2 call(s) it answered after that are lost" in str(error)  # its forward_backward and optim_step
+    assert w.answers["b2.fb"][1] is None  # b lost nothing
+
+
+def test_under_step_the_calls_after_the_snapshot_are_replayed(tmp_path):
+    """Policy step: every request is logged, and an optim_step is acknowledged after its snapshot; a
+    forward_backward after it is replayed into the restored slot (its answer stands), then the queued
+    calls run."""
+    w = World(tmp_path, durability="step")
+    a, _ = w.create("a")
+    _one_step(w, a, "a1")  # snapshot before the optim_step's answer
+    w.call(a, "a2.fb", "forward_backward", [Datum([1, 2], {})], "replayed", None)
+    w.round()
+    w.records.flush()
+    w.scheduler.clear()
+    w.call(a, "a3.optim", "optim_step", AdamStep(learning_rate=0.1))
+    before = len(w.trainer.rounds)
+    w.rounds_until(lambda: "a3.optim" in w.answers)
+    assert w.answers["a3.optim"][1] is None
+    replayed = w.trainer.rounds[before:]
+    assert replayed and replayed[0]["calls"] == ["replayed"] and replayed[0]["optim"], replayed
+
+
+def test_a_durable_state_that_cannot_be_read_is_told_not_waited_on(tmp_path):
+    """A snapshot the trainer cannot load (a FAKE fault: a corrupted file) is tried at RESTORE_TRIES
+    placements, then the model's queued calls and its later ones are answered with why; the slot
+    is free again and another model trains."""
+    from service.tenants.tinker_model import RESTORE_TRIES
+
+    w = World(tmp_path, durability="step")
+    a, _ = w.create("a")
+    _one_step(w, a, "a1")
+    w.records.flush()
+    w.scheduler.clear()
+    w.trainer.fail_load = True
+    w.call(a, "a2.fb", "forward_backward", [Datum([1, 2], {})], "cross_entropy", None)
+    w.rounds_until(lambda: "a2.fb" in w.answers, limit=2 * RESTORE_TRIES)
+    error = w.answers["a2.fb"][1]
+    assert error is not None and "durable state could not be restored" in str(error) and "planted" in str(error), error
+    w.call(a, "a3.fb", "forward_backward", [Datum([1, 2], {})], "cross_entropy", None)
+    assert "durable state could not be restored" in str(w.answers["a3.fb"][1])
+    assert w.scheduler.slot_of("a") is None
+    b, out = w.create("b")
+    _one_step(w, b, "b1")
