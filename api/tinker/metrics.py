@@ -31,6 +31,11 @@ SAMPLER_COUNTERS = {
     "adapter_loads": ("lorafleet_tinker_sampler_adapter_loads", "Tinker sampler adapters loaded into each engine"),
     "adapter_unloads": ("lorafleet_tinker_sampler_adapter_unloads", "Tinker sampler adapters unloaded from each engine for room"),
 }
+# the sampler's waits for adapter room (api/tinker/sampling/engines.py R3); Prometheus adds _total
+SAMPLER_WAITS = {
+    "room_waits": ("lorafleet_tinker_sample_room_waits", "Tinker sample requests that waited for sampler adapter room (every engine's adapters in use)"),
+    "waits_with_room": ("lorafleet_tinker_sample_waits_with_room", "Of those, requests that waited while an engine had room (a routing fault: stays 0)"),
+}
 STABLE_REINFORCE = {
     "calls": "stable_reinforce forward/forward_backward calls",
     "sequences": "sampled sequences trained on with stable_reinforce",
@@ -51,5 +56,7 @@ def add_tinker_gauges(registry: CollectorRegistry, stats: dict[str, float]) -> N
             _, what, engine = key.split(".", 2)
             if what in counters:
                 counters[what].labels(engine).inc(value)
+    for what, (name, doc) in SAMPLER_WAITS.items():
+        Counter(name, doc, registry=registry).inc(stats.get(f"sampler_waits.{what}", 0.0))
     for what, doc in STABLE_REINFORCE.items():
         Counter(f"lorafleet_tinker_stable_reinforce_{what}", doc, registry=registry).inc(stats.get(f"stable_reinforce.{what}", 0.0))

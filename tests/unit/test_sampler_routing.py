@@ -183,6 +183,8 @@ def test_no_request_waits_for_room_while_an_engine_has_room_then_waits_for_a_rel
         w.fakes["http://e1"].gate.set()  # e1's request ends: its idle adapter makes room there
         assert (await waiting).proto is not None
         assert w.served_by(s[2]) == ["http://e1"] and ("unload", s[1].lora_name) in w.fakes["http://e1"].log
+        assert w.sampler.metrics()["sampler_waits.room_waits"] == 1  # counted: it waited, when no engine had room
+        assert w.sampler.metrics()["sampler_waits.waits_with_room"] == 0
         w.fakes["http://e0"].gate.set()
         assert all(r.proto is not None for r in await asyncio.gather(*busy))
 
@@ -205,7 +207,9 @@ def test_a_new_adapter_goes_where_there_is_room_not_merely_to_the_least_loaded(t
         tasks += [w.sample(base), w.sample(base)]  # e1 (least loaded, then sticky): two requests, no adapter
         await _until(lambda: w.fakes["http://e1"].sampling.get(None) == 4)
         tasks.append(w.sample(c))
-        await _until(lambda: ("load", c.lora_name) in w.fakes["http://e1"].log)
+        await _until(lambda: ("load", c.lora_name) in w.fakes["http://e1"].log or w.sampler.engines.waits["room_waits"])
+        assert w.sampler.engines.waits["waits_with_room"] == 0, "c waited while e1 had room"
+        assert ("load", c.lora_name) in w.fakes["http://e1"].log
         for fake in w.fakes.values():
             fake.gate.set()
         assert all(r.proto is not None for r in await asyncio.gather(*tasks))

@@ -20,7 +20,9 @@ that no request is using is unloaded.
   R2 if none holds it: the session's previous engine if it can load it now, else the least loaded
      engine that can (a free place first, then one with an idle adapter to unload);
   R3 if no engine can load it now (every loaded adapter on every engine is in use), the request waits
-     for a request to end: it never waits while an engine has room.
+     for a request to end: it never waits while an engine has room. Counted (``waits``): requests that
+     waited for room (``room_waits``) and, checked apart from R1-R3 when a wait begins, those that
+     waited while an engine in routing had a free place or an idle adapter (``waits_with_room``: 0).
 Least loaded = fewest requests in flight there (the sampler's own and the rollout worker's at its
 last reading), then the lower index.
 
@@ -139,6 +141,7 @@ class SamplerEngines:
         self.engine_wait_s = engine_wait_s
         self.engines: dict[str, SamplerEngine] = {}  # by EngineEntry.key
         self.counts: dict[int, Counter] = {}  # engine index -> requests, adapter_loads, adapter_unloads
+        self.waits: Counter = Counter()  # room_waits, waits_with_room (R3, module doc)
         self._cond: asyncio.Condition | None = None  # guards routing; notified when a request ends or engines change
         self._refreshing: asyncio.Lock | None = None
         self._refreshed_at = -1e18
@@ -237,6 +240,7 @@ class SamplerEngines:
         cond = self._loop_state()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.engine_wait_s
+        waited = False
         while True:
             await self.refresh()
             async with cond:
@@ -260,6 +264,10 @@ class SamplerEngines:
                 elif not up and loop.time() > deadline:
                     raise NoEngine(f"no sampling engine is up (waited {self.engine_wait_s:.0f} s for the fleet's engines)")
                 else:  # R3, or no engine yet: until a request ends, or the list is read again
+                    if up and not waited:
+                        waited = True
+                        self.waits["room_waits"] += 1
+                        self.waits["waits_with_room"] += any(_has_room(e) for e in up if e.key not in tried)
                     try:
                         await asyncio.wait_for(cond.wait(), self.refresh_s)
                     except TimeoutError:
@@ -327,11 +335,18 @@ class SamplerEngines:
         return sorted(e.entry.index for e in self.engines.values() if e.up and name in e.lru)
 
     def metrics(self) -> dict[str, float]:
-        """Per engine index: ``sampler.<count>.<index>`` (api/tinker/metrics.py renders them with an engine label)."""
-        return {f"sampler.{what}.{index}": float(counts[what]) for index, counts in sorted(self.counts.items())
-                for what in ("requests", "adapter_loads", "adapter_unloads")}
+        """Per engine index: ``sampler.<count>.<index>`` (api/tinker/metrics.py renders them with an engine label);
+        the waits for room: ``sampler_waits.<count>``."""
+        return {**{f"sampler.{what}.{index}": float(counts[what]) for index, counts in sorted(self.counts.items())
+                   for what in ("requests", "adapter_loads", "adapter_unloads")},
+                **{f"sampler_waits.{what}": float(self.waits[what]) for what in ("room_waits", "waits_with_room")}}
 
     async def aclose(self) -> None:
         for e in self.engines.values():
             await e.client.aclose()
         self.engines.clear()
+
+
+def _has_room(e: SamplerEngine) -> bool:
+    """A free place, or a loaded adapter no request uses (what a load could take), on ``e``."""
+    return len(e.lru) < e.lru.capacity or any(not e.in_use[n] for n in e.lru.names())
