@@ -24,15 +24,7 @@ def call(ref: Any, timeout_s: float, what: str) -> Any:
     except GetTimeoutError:
         raise TimeoutError(f"{what} did not answer within {timeout_s:g} s") from None
     except RayTaskError as e:
-        cause = getattr(e, "cause", None)
-        if isinstance(cause, BaseException) and not is_actor_lost(e):
-            raise cause from None
-        raise
-
-
-def is_actor_lost(error: BaseException) -> bool:
-    """Whether `error` says the actor's process is gone (killed, crashed, node lost)."""
-    return isinstance(error, (RayActorError, ActorDiedError, ActorUnavailableError))
+        raise _unwrapped(e) from None
 
 
 async def call_async(ref: Any, timeout_s: float, what: str) -> Any:
@@ -42,7 +34,15 @@ async def call_async(ref: Any, timeout_s: float, what: str) -> Any:
     except TimeoutError:
         raise TimeoutError(f"{what} did not answer within {timeout_s:g} s") from None
     except RayTaskError as e:
-        cause = getattr(e, "cause", None)
-        if isinstance(cause, BaseException) and not is_actor_lost(e):
-            raise cause from None
-        raise
+        raise _unwrapped(e) from None
+
+
+def _unwrapped(error: RayTaskError) -> BaseException:
+    """The exception raised inside the actor (Ray's `cause`); Ray's own error when the actor is gone."""
+    cause = getattr(error, "cause", None)
+    return cause if isinstance(cause, BaseException) and not is_actor_lost(error) else error
+
+
+def is_actor_lost(error: BaseException) -> bool:
+    """Whether `error` says the actor's process is gone (killed, crashed, node lost)."""
+    return isinstance(error, (RayActorError, ActorDiedError, ActorUnavailableError))
