@@ -14,6 +14,7 @@ restarts it with an interval policy).
 (c) tinker_durability interval, kill -9: the model's next call is answered with the error naming
     the step it was restored to (never "unknown request id"); create_training_client_from_state on
     its last save_state works; another tenant whose model had nothing past its snapshot carries on.
+    (The snapshots are made by a graceful restart's drain, so the test does not race the interval.)
 
 Both runs of the recipe get the same LoRA init seed from the service (tinker_default_seed: the
 recipe passes none). Restart times (stop, start, first answered call) are printed.
@@ -215,28 +216,33 @@ def _step(tc, data) -> float:  # noqa: ANN001 - a TrainingClient, its datums
 
 
 def test_kill_9_with_interval_durability_names_the_restored_step(service, tiny_world):
+    """Deterministic snapshots: with `interval:3600` none is taken while the test runs, so the
+    graceful restart's drain makes each model's durable snapshot (alice at step 2, bob at step 1);
+    alice's step 3 after it is what the kill -9 loses."""
     import tinker
+    from transformers import AutoTokenizer
 
     from tests.integration.test_tinker_serve import sft_data
 
     service.sigterm()
-    service.start("interval:1")  # a changed model is snapshotted at most every second
+    service.start("interval:3600")
     alice = open_client(service.url, KEYS["alice"])
     tc = alice.create_lora_training_client(base_model=SERVED_NAME, rank=8, seed=1).result()
-    data = sft_data(tc.get_tokenizer(), tiny_world, 4)
+    data = sft_data(AutoTokenizer.from_pretrained(tiny_world / "model"), tiny_world, 4)  # this machine's copy
     _step(tc, data)
     _step(tc, data)
     saved = tc.save_state("after-2").result().path
-    wait_until(lambda: _snapshot_step(service, tc.model_id) == 2, "alice's snapshot of step 2", timeout_s=120)
     bob = open_client(service.url, KEYS["bob"])
     tb = bob.create_lora_training_client(base_model=SERVED_NAME, rank=8, seed=2).result()
     _step(tb, data)
     bob_saved = tb.save_state("bob-1").result().path
-    wait_until(lambda: _snapshot_step(service, tb.model_id) == 1, "bob's snapshot of step 1", timeout_s=120)
+    service.sigterm()  # the drain: every model's durable snapshot
+    service.start("interval:3600")
+    assert (_snapshot_step(service, tc.model_id), _snapshot_step(service, tb.model_id)) == (2, 1)
     _step(tc, data)  # alice's step 3: past her snapshot, lost in the crash
     service.kill9()
     t0 = time.monotonic()
-    service.start("interval:1")
+    service.start("interval:3600")
     with pytest.raises(tinker.RequestFailedError, match=r"restored to step 2") as err:
         _step(tc, data)
     assert "unknown request id" not in str(err.value)
