@@ -12,9 +12,12 @@ where each kind of folder lives. Nothing else in the product composes these path
     tinker/<tenant>/<run>/record/                          the Tinker training run's record (run.json)
     tinker/<tenant>/<run>/snapshots/s-<seq>/               a model's durable snapshot (a slot state) covering its
                                   operations up to <seq>
-    handoff/<name>-<registration>/v<version>/             a publish folder for the engines (weight
-                                  transfer by disk)
     swap/rank<r>/<key>/                                   an evicted slot's spill file, per trainer rank
+                                  (benchmarks/bench_storage.py prices it; the trainer keeps its spill
+                                  files on the node's disk: trainer/swap/swap_store.py says why)
+
+Not here: the weight hand-off folders of engines.weight_transfer 'disk' are files of the state dir on
+trainer rank 0's node, read by path (service/fleet/publishing.py U5, docs/ray-cluster.md).
 
 Names are checked where they enter (adapter names, tenant names, Tinker ids); a key built here is a
 relative path of those names, so a tenant can name nothing outside its own prefix.
@@ -24,7 +27,6 @@ from __future__ import annotations
 
 RUNS = "runs"
 TINKER = "tinker"
-HANDOFF = "handoff"
 SWAP = "swap"
 CHECKPOINTS = "checkpoints"
 STEP_PREFIX = "step-"
@@ -54,8 +56,13 @@ def run_export(name: str, registration_id: str) -> str:
     return f"{run_prefix(name, registration_id)}/export"
 
 
+def tinker_tenant(tenant: str) -> str:
+    """Everything of one tenant's Tinker face (its runs below)."""
+    return f"{TINKER}/{tenant}"
+
+
 def tinker_run(tenant: str, run_id: str) -> str:
-    return f"{TINKER}/{tenant}/{run_id.replace(':', '_')}"
+    return f"{tinker_tenant(tenant)}/{run_id.replace(':', '_')}"
 
 
 def tinker_checkpoint(tenant: str, run_id: str, kind: str, name: str) -> str:
@@ -66,14 +73,6 @@ def tinker_checkpoint(tenant: str, run_id: str, kind: str, name: str) -> str:
 
 def tinker_record(tenant: str, run_id: str) -> str:
     return f"{tinker_run(tenant, run_id)}/record"
-
-
-def handoff_root() -> str:
-    return HANDOFF
-
-
-def handoff(name: str, registration_id: str, version: int) -> str:
-    return f"{HANDOFF}/{name}-{registration_id}/v{version}"
 
 
 def spill(rank: int, key: str) -> str:

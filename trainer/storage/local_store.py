@@ -50,8 +50,16 @@ class LocalStore(CheckpointStore):
     def path(self, key: str | Path) -> Path:
         return self.root / self.key_of(key)
 
+    @property
+    def location(self) -> str:
+        return str(self.root)
+
     def url(self, key: str) -> str:
         return str(self.path(key))
+
+    def legacy_folder(self, key: str) -> Path | None:
+        folder = self.path(key)
+        return folder if folder.is_dir() else None
 
     def staging(self) -> Path:
         if self.root == Path("/"):
@@ -71,14 +79,9 @@ class LocalStore(CheckpointStore):
         return Manifest.from_json(text, str(mfile.parent))
 
     def get_folder(self, key: str, *, verify: bool = True) -> Path:
+        key = self.key_of(key)
         folder = self.path(key)
-        m = self.manifest(key)
-        if m is None:
-            raise StoreError(f"{folder} is not a complete folder of this store (no manifest: never committed, "
-                             "or a write that did not finish)")
-        missing = [c for c in m.children if not self.complete(f"{self.key_of(key)}/{c}")]
-        if missing:  # each sub-folder is verified by whoever reads it (its own get_folder)
-            raise StoreError(f"{folder}: its sub-folders {missing} are not committed")
+        m = self.committed(key, self.manifest(key))
         for rel, entry in m.files.items():
             f = folder / rel
             try:
@@ -96,6 +99,13 @@ class LocalStore(CheckpointStore):
             return []
         key = self.key_of(prefix)
         return [f"{key}/{p.name}" for p in sorted(base.iterdir()) if p.is_dir() and (p / MANIFEST).is_file()]
+
+    def folders(self, prefix: str) -> list[str]:
+        base = self.path(prefix)
+        if not base.is_dir():
+            return []
+        key = self.key_of(prefix)
+        return [f"{key}/{p.name}" for p in sorted(base.iterdir()) if p.is_dir()]
 
     # -- writes -----------------------------------------------------------------------------------
 
@@ -168,6 +178,5 @@ class LocalStore(CheckpointStore):
             shutil.rmtree(tmp, ignore_errors=True)
 
     def clear_staging(self) -> None:
-        """Remove what writes cut short left in the staging area (at start, before anything writes)."""
         if self.root != Path("/"):
             shutil.rmtree(self.root / STAGING, ignore_errors=True)

@@ -21,9 +21,9 @@ Invariants:
   * Folders written before the store (no manifest, ``run_state.json`` written last into a folder
     renamed into place) are read as complete when they hold all three parts (an upgrade resumes);
     they exist only in local stores (an object store was only ever written through the store).
-  * Works on every backend: the step folders below a prefix, committed or not, come from the local
-    folder or from the object store's listing (`_folders_below`); everything else goes through the
-    store's interface.
+  * Works on every backend: everything goes through the store's interface (the step folders below a
+    prefix, committed or not: `CheckpointStore.folders`); only folders written before the store are
+    looked for on a local disk.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from trainer.storage import layouts
-from trainer.storage.local_store import LocalStore
+from trainer.storage.locations import locate
 from trainer.storage.store import CheckpointStore, StoreError
 
 CHECKPOINT_FORMAT = "lorafleet-checkpoint-v1"
@@ -142,13 +142,7 @@ def load_checkpoint(store: CheckpointStore, reference: str | Path) -> Checkpoint
     """The checkpoint `reference` names: a step folder, or a run's folder or checkpoints folder
     (then its newest complete checkpoint). A reference outside `store` (a resume_from in a data
     root) is read from the local filesystem. CheckpointError when there is none."""
-    try:
-        key = store.key_of(reference)
-    except StoreError:
-        from trainer.storage.locations import open_store  # a reference outside this store
-
-        store = open_store(None)  # an absolute path elsewhere on this machine
-        key = store.key_of(reference)
+    store, key = locate(store, reference)  # a reference outside this store: an absolute path on this machine
     if _has_run_state(store, key) and (store.manifest(key) is not None or _legacy(store, key)):
         return _read(store, key)
     for candidate in (key, f"{key}/{layouts.CHECKPOINTS}"):
@@ -184,25 +178,15 @@ def prune_checkpoints(store: CheckpointStore, prefix: str, keep: int) -> list[st
 def _step_folders(store: CheckpointStore, prefix: str) -> list[str]:
     """Every step folder under `prefix`, committed or not, in step order (a write cut short leaves
     one without a manifest, which `store.list` would not show and pruning must see)."""
-    return sorted(k for k in _folders_below(store, prefix) if k.rsplit("/", 1)[-1].startswith(layouts.STEP_PREFIX))
-
-
-def _folders_below(store: CheckpointStore, prefix: str) -> list[str]:
-    """Every folder directly below `prefix`: a local store's sub-folders; an object store's prefixes
-    (trainer/storage/s3_store.py S3Store.folders)."""
-    if not isinstance(store, LocalStore):
-        return store.folders(prefix)
-    base = store.path(prefix)
-    if not base.is_dir():
-        return []
-    return [f"{store.key_of(prefix)}/{p.name}" for p in base.iterdir() if p.is_dir()]
+    return sorted(k for k in store.folders(prefix) if k.rsplit("/", 1)[-1].startswith(layouts.STEP_PREFIX))
 
 
 def _has_run_state(store: CheckpointStore, key: str) -> bool:
     m = store.manifest(key)
     if m is not None:
         return RUN_STATE_FILE in m.files
-    return isinstance(store, LocalStore) and (store.path(key) / RUN_STATE_FILE).is_file()  # written before the store
+    folder = store.legacy_folder(key)  # written before the store
+    return folder is not None and (folder / RUN_STATE_FILE).is_file()
 
 
 def _complete(store: CheckpointStore, key: str) -> bool:
@@ -215,10 +199,8 @@ def _complete(store: CheckpointStore, key: str) -> bool:
 def _legacy(store: CheckpointStore, key: str) -> bool:
     """A folder written before the store: all three parts there and no manifest anywhere in it (a write
     of this version cut short has manifests in its parts: it is incomplete, never legacy)."""
-    if not isinstance(store, LocalStore):  # object stores were only ever written through the store
-        return False
-    folder = store.path(key)
-    return ((folder / RUN_STATE_FILE).is_file() and all((folder / p).is_dir() for p in PARTS)
+    folder = store.legacy_folder(key)
+    return (folder is not None and (folder / RUN_STATE_FILE).is_file() and all((folder / p).is_dir() for p in PARTS)
             and not any(store.manifest(f"{key}/{p}") is not None for p in PARTS))
 
 
@@ -230,7 +212,7 @@ def _read(store: CheckpointStore, key: str) -> Checkpoint:
         except StoreError as e:
             raise CheckpointError(f"checkpoint {e}") from None
     elif _legacy(store, key):  # written before the store (module doc): a local folder
-        folder = store.path(key)
+        folder = store.legacy_folder(key)
     else:
         raise CheckpointError(f"checkpoint {where} is not complete (a write that did not finish): no manifest")
     try:

@@ -157,6 +157,10 @@ class S3Store(CheckpointStore):
     def url_root(self) -> str:
         return f"s3://{self.bucket}/{self.prefix}/" if self.prefix else f"s3://{self.bucket}/"
 
+    @property
+    def location(self) -> str:
+        return self.url_root.rstrip("/")
+
     def url(self, key: str) -> str:
         return self.url_root + self.key_of(key)
 
@@ -228,8 +232,6 @@ class S3Store(CheckpointStore):
         return [k for k in self.folders(prefix) if self.manifest(k) is not None]
 
     def folders(self, prefix: str) -> list[str]:
-        """Every folder directly below `prefix`, committed or not (a write cut short leaves one
-        without a manifest: run checkpoints prune those), sorted."""
         prefix = self.key_of(prefix)
         found = self._call(prefix, "listing", obstore.list_with_delimiter, self._client, self._object(prefix) + "/")
         start = len(self._object(prefix)) + 1
@@ -238,13 +240,7 @@ class S3Store(CheckpointStore):
     def get_folder(self, key: str, *, verify: bool = True) -> Path:
         key = self.key_of(key)
         text = self._manifest_text(key)
-        if text is None:
-            raise StoreError(f"{self.url(key)} is not a complete folder of this store (no manifest: never committed, "
-                             "or a write that did not finish)")
-        m = Manifest.from_json(text, self.url(key))
-        missing = [c for c in m.children if not self.complete(f"{key}/{c}")]
-        if missing:  # each sub-folder is verified by whoever reads it (its own get_folder)
-            raise StoreError(f"{self.url(key)}: its sub-folders {missing} are not committed")
+        m = self.committed(key, None if text is None else Manifest.from_json(text, self.url(key)))
         local = self.cache_dir / key
         with self._cache_lock(key):
             if _read_or_none(local / MANIFEST) == text and self._cached_ok(local, m, verify):
@@ -406,7 +402,6 @@ class S3Store(CheckpointStore):
                    chunk_size=self.retry.part_bytes, max_concurrency=self.retry.part_concurrency)
 
     def clear_staging(self) -> None:
-        """Remove what writes cut short left in the staging area (at start, before anything writes)."""
         shutil.rmtree(self.cache_dir / ".staging", ignore_errors=True)
 
     def clear_cache(self) -> None:

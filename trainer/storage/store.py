@@ -1,9 +1,9 @@
 """The one storage layer's interface: `CheckpointStore`, whole folders under keys, with checksums.
 
-Every layout lorafleet keeps (runs' checkpoints and exports, Tinker checkpoints and records, spill
-files of evicted slots, weight hand-off folders: trainer/storage/layouts.py names them) is a set of
-folders in one store; nothing else in the product writes those paths. Backends: local files
-(trainer/storage/local_store.py) and S3-compatible object storage.
+Every layout lorafleet keeps beside its registry (runs' checkpoints and exports, Tinker checkpoints
+and records: trainer/storage/layouts.py names them) is a set of folders in one store; nothing else
+in the product writes those paths. Backends: local files (trainer/storage/local_store.py) and
+S3-compatible object storage (trainer/storage/s3_store.py).
 
 A key is a relative POSIX path ("runs/digits-3f2a/checkpoints/step-000012"). A folder under a key
 is *committed* once its manifest (``MANIFEST``: every file's size and SHA-256, and the sub-keys it
@@ -133,12 +133,22 @@ class CheckpointStore(ABC):
         """The committed keys directly below `prefix`, sorted."""
 
     @abstractmethod
+    def folders(self, prefix: str) -> list[str]:
+        """Every folder directly below `prefix`, committed or not (a write cut short leaves one without
+        a manifest, which `list` does not show and pruning must see), sorted."""
+
+    @abstractmethod
     def delete(self, key: str) -> None:
         """Uncommit, then remove the folder under `key` and everything below it (idempotent)."""
 
     @abstractmethod
     def copy(self, src: str, dst: str) -> Manifest:
         """The committed folder `src` committed again under `dst` (a local store links the files)."""
+
+    @property
+    @abstractmethod
+    def location(self) -> str:
+        """Where the store is (what open_store was given, normalized): a local folder, or ``s3://bucket/prefix``."""
 
     @abstractmethod
     def url(self, key: str) -> str:
@@ -152,6 +162,29 @@ class CheckpointStore(ABC):
     def staging(self) -> Path:
         """A fresh local folder to build a folder in before `put_folder` (the caller removes it, or
         hands it over with move=True)."""
+
+    @abstractmethod
+    def clear_staging(self) -> None:
+        """Remove what writes cut short left in this machine's staging area (at start, before anything
+        writes through this store on this machine)."""
+
+    def committed(self, key: str, manifest: Manifest | None) -> Manifest:
+        """`manifest` (what `key`'s manifest read gave) when the folder is readable whole: StoreError when
+        it is None (never committed, or a write that did not finish: S2) or a sub-key it needs is not
+        complete (S4). Each sub-folder is verified by whoever reads it (its own get_folder)."""
+        if manifest is None:
+            raise StoreError(f"{self.url(key)} is not a complete folder of this store (no manifest: never committed, "
+                             "or a write that did not finish)")
+        missing = [c for c in manifest.children if not self.complete(f"{key}/{c}")]
+        if missing:
+            raise StoreError(f"{self.url(key)}: its sub-folders {missing} are not committed")
+        return manifest
+
+    def legacy_folder(self, key: str) -> Path | None:
+        """The local folder at `key` as written before the store existed (no manifest; its writer's own
+        marker file says whether it is whole), or None: a local store's folder when there is one; an
+        object store was only ever written through the store."""
+        return None
 
     def exists(self, key: str) -> bool:
         return self.manifest(key) is not None
