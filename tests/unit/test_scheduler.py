@@ -12,6 +12,7 @@ their queues and done callbacks.
 from __future__ import annotations
 
 import threading
+from collections import Counter
 
 import pytest
 
@@ -31,9 +32,14 @@ IDLE_S = 60.0
 DEADLINE_S = 60.0
 
 
+class TrainerGone(RuntimeError):
+    """FAKE: what a call to a trainer whose process died raises (in the fleet: Ray's RayActorError)."""
+
+
 class RecordingTrainer:
     """FAKE trainer: records rounds (their calls' loss_fn as tags, optimizer steps by slot) and swaps;
-    a call whose tag starts with "bad" gets an error, as a bad datum does."""
+    a call whose tag starts with "bad" gets an error, as a bad datum does. `lose_at` ("round" or
+    "save"): that call finds the trainer gone (TrainerGone; the scheduler's is_lost says so)."""
 
     def __init__(self, num_slots: int) -> None:
         self.config = type("Cfg", (), {"num_slots": num_slots, "max_rank": 8, "dp": 1})
@@ -41,8 +47,11 @@ class RecordingTrainer:
         self.events: list[tuple] = []
         self.fail_swap_out = False
         self.fail_load = False
+        self.lose_at: str | None = None
 
     def run_round(self, work) -> RoundResult:
+        if self.lose_at == "round":
+            raise TrainerGone("the trainer's process died during the round (planted)")
         self.rounds.append({"calls": [c.loss_fn for c in work.calls], "forwards": [c.loss_fn for c in work.forwards],
                             "optim": [slot for slot, _ in work.optim]})
         calls = [CallResult(error="bad datum") if c.loss_fn.startswith("bad") else CallResult(metrics={"loss:sum": 1.0})
@@ -57,6 +66,8 @@ class RecordingTrainer:
         self.events.append(("clear", slot))
 
     def save_slot_state(self, slot, folder):
+        if self.lose_at == "save":
+            raise TrainerGone("the trainer's process died before the save (planted)")
         self.events.append(("save", slot))
 
     def load_slot_state(self, slot, folder, registration=None):
@@ -92,11 +103,12 @@ class World:
         self.trainer = RecordingTrainer(num_slots)
         self.registry = Registry(tmp_path / "reg.sqlite", num_slots)
         self.scheduler = Scheduler(self.registry, self.trainer, ResidencyKnobs(idle_evict_s=IDLE_S, turn_steps=turn_steps),
-                                   window_s=0.0, clock=self.clock)
+                                   window_s=0.0, clock=self.clock, is_lost=lambda e: isinstance(e, TrainerGone))
         self.records = TinkerRecords(self.registry.db_path)
         self.models = TinkerModels(self.scheduler, self.records, LocalStore(tmp_path / "store"), base_model="m",
                                    tokenizer_id="m", max_rank=8, durability=Durability.parse(durability))
         self.answers: dict[str, tuple] = {}  # tag -> (value, error)
+        self.answered: Counter = Counter()  # request id -> how many times it was answered (call's futures)
 
     def done(self, tag: str):
         return lambda value, error: self.answers.__setitem__(tag, (value, error))
@@ -126,6 +138,7 @@ class World:
 
         def done(value, error) -> None:
             self.answers[rid] = (value, error)
+            self.answered[rid] += 1
             self.records.resolve(rid, "json", b"{}", keep_request=True)
 
         getattr(model, operation)(*args, done, request_id=rid)
@@ -347,6 +360,69 @@ def test_under_step_the_calls_after_the_snapshot_are_replayed(tmp_path):
     assert replayed and replayed[0]["calls"] == ["replayed"] and replayed[0]["optim"], replayed
 
 
+def _fb(w: World, model, rid: str) -> None:
+    """A forward_backward whose loss_fn is its request id: the trainer's rounds name it."""
+    w.call(model, rid, "forward_backward", [Datum([1, 2], {})], rid, None)
+
+
+def test_a_round_the_trainer_dies_in_runs_again_once_the_model_is_restored(tmp_path):
+    """Policy step, the trainer lost during a round (the node-loss drill's path, tests/integration/
+    test_multinode.py), then lost again in the round that replays: the round's calls are not
+    answered; they go back to the model's queue, and after the scheduler's clear they run on the
+    restored model: its snapshot, the forward_backward answered after it replayed first (its answer
+    stands; once, however many losses), then the round's calls, each answered once."""
+    w = World(tmp_path, durability="step")
+    a, _ = w.create("a")
+    _one_step(w, a, "a1")
+    _fb(w, a, "a2.fb1")
+    w.round()  # answered: a gradient no snapshot covers
+    _fb(w, a, "a2.fb2")
+    w.call(a, "a2.optim", "optim_step", AdamStep(learning_rate=0.1))
+    w.trainer.lose_at = "round"
+    with pytest.raises(TrainerGone):
+        w.round()
+    assert "a2.fb2" not in w.answers and "a2.optim" not in w.answers
+    w.records.flush()  # the answers' records committed (in the fleet: long before a loss is detected)
+    w.scheduler.clear()
+    with pytest.raises(TrainerGone):  # the restored model's first round: the replay and the round's calls
+        w.round()
+    w.scheduler.clear()
+    w.trainer.lose_at = None
+    before = (len(w.trainer.rounds), len(w.trainer.events))
+    w.rounds_until(lambda: "a2.optim" in w.answers)
+    slot = w.scheduler.slot_of("a")
+    assert ("load", slot, "a") in w.trainer.events[before[1]:]  # from its snapshot of step 1
+    assert w.trainer.rounds[before[0]:] == [{"calls": ["a2.fb1", "a2.fb2"], "forwards": [], "optim": [slot]}]
+    assert {r: w.answered[r] for r in ("a2.fb1", "a2.fb2", "a2.optim")} == {"a2.fb1": 1, "a2.fb2": 1, "a2.optim": 1}
+    assert w.answers["a2.fb2"][1] is None and w.answers["a2.optim"][1] is None and a.step == 2
+
+
+def test_a_snapshot_the_trainer_dies_in_acknowledges_nothing_and_runs_again(tmp_path):
+    """Policy step, the trainer lost after a round's pass, in model a's snapshot of its optim_step: the
+    step is not durable, so nothing of a's part of the round is answered (its forward_backward
+    neither), nor of model b's, settled after a; after the scheduler's clear both models' calls run
+    again on their restored states, each answered once. (Before: a's optim_step and b's call were
+    taken and never answered nor run again; an SDK client waited on them until its progress timeout.)"""
+    w = World(tmp_path, durability="step")
+    a, _ = w.create("a")
+    b, _ = w.create("b")
+    _one_step(w, a, "a1")
+    _fb(w, a, "a2.fb")
+    w.call(a, "a2.optim", "optim_step", AdamStep(learning_rate=0.1))
+    _fb(w, b, "b.fb")
+    w.trainer.lose_at = "save"
+    with pytest.raises(TrainerGone):
+        w.round()
+    assert not {"a2.fb", "a2.optim", "b.fb"} & set(w.answers), w.answers  # acknowledged only once durable
+    w.scheduler.clear()
+    w.trainer.lose_at = None
+    before = len(w.trainer.rounds)
+    w.rounds_until(lambda: {"a2.optim", "b.fb"} <= set(w.answers))
+    assert w.trainer.rounds[before:] == [{"calls": ["a2.fb", "b.fb"], "forwards": [], "optim": [w.scheduler.slot_of("a")]}]
+    assert {r: w.answered[r] for r in ("a2.fb", "a2.optim", "b.fb")} == {"a2.fb": 1, "a2.optim": 1, "b.fb": 1}
+    assert all(w.answers[r][1] is None for r in ("a2.fb", "a2.optim", "b.fb")) and a.step == 2
+
+
 def test_a_durable_state_that_cannot_be_read_is_told_not_waited_on(tmp_path):
     """A snapshot the trainer cannot load (a FAKE fault: a corrupted file) is tried at RESTORE_TRIES
     placements, then the model's queued calls and its later ones are answered with why; the slot
@@ -368,3 +444,20 @@ def test_a_durable_state_that_cannot_be_read_is_told_not_waited_on(tmp_path):
     assert w.scheduler.slot_of("a") is None
     b, out = w.create("b")
     _one_step(w, b, "b1")
+
+
+def test_a_creation_past_the_quota_is_refused_naming_quota_and_usage_and_changes_nothing(tmp_path):
+    """Admission never refuses for room, only for a quota: alice's quota counts her runs and models;
+    the refused creation leaves no model, no record and no queued work; another tenant is not bound."""
+    from service.config.quotas import Quotas
+    from service.errors import QuotaExceeded
+
+    w = World(tmp_path, num_slots=1)
+    w.models.quotas = Quotas(tenants={"alice": {"max_live_runs": 1}})
+    a, _ = w.create("a")
+    with pytest.raises(QuotaExceeded, match=r"holds 0 adapter run\(s\) and 1 Tinker model\(s\).*quotas.tenants.alice.max_live_runs is 1"):
+        w.models.create("a2", "alice", LoraSpec(rank=4, seed=2), "s1", w.done("a2"))
+    w.records.flush()
+    assert w.models.get("a2") is None and "a2" not in {r.model_id for r in w.records.live_models()}
+    b = w.models.create("b", "bob", LoraSpec(rank=4, seed=3), "s2", w.done("b.create"))  # waits for the one slot
+    assert w.models.get("b") is b and "b.create" not in w.answers
