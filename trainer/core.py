@@ -44,7 +44,7 @@ from trainer.step.micro_batch import forward_backward, micro_batches
 from trainer.lora.moe_lora import install_moe_lora, is_expert_layer, kaiming_a, moe_layers
 from trainer.export.moe_peft import read_expert_peft
 from trainer.lora.multi_lora import UNEMBED_MODULE, SlotRouting, install_multi_lora
-from trainer.export.peft_io import json_target_parameters, read_peft_folder
+from trainer.export.peft_io import ADAPTER_CONFIG, json_target_parameters, read_peft_folder
 from trainer.lora.slot_buffers import SlotBuffers
 from trainer.optim.step_overlap import StepOverlap
 from trainer.export.slot_export import SlotExporter
@@ -52,6 +52,7 @@ from trainer.optim.slot_steps import StepReport, TrainResult, adam_step, slot_me
 from trainer.swap.slot_swap import SlotSwap
 from trainer.lora.slots import N_STATS, SlotState, SlotTable, layer_trained, zero_stats
 from trainer.swap.swap_store import SwapStore
+from trainer.storage.locations import open_store, readable_folder
 from trainer.lora.unembed_lora import UnembedLora, install_unembed_lora
 
 
@@ -129,7 +130,8 @@ class MultiLoraTrainer:
                 a_full[layer.name] = None  # a target off (or experts off): exactly zero
             b_full[layer.name] = None
         rank, scale = hyper.rank, hyper.scale
-        if init_from is not None:
+        if init_from is not None:  # a local folder, or a folder of the storage (a verified copy of it)
+            init_from = readable_folder(open_store(self.config.storage), init_from, legacy_marker=ADAPTER_CONFIG)
             if json_target_parameters(init_from) and not self.expert_layers:
                 raise ValueError(f"init_from {init_from}: the adapter has expert LoRA (target_parameters) but "
                                  "this base has no expert layers with LoRA")

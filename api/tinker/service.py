@@ -442,8 +442,7 @@ class TinkerService:
 
 
 def _legacy_checkpoint(store, key: str) -> bool:  # noqa: ANN001 - a CheckpointStore
-    """A Tinker checkpoint folder written before the store (no manifest): a slot state or a PEFT folder."""
-    from pathlib import Path
-
-    url = store.url(key)
-    return not url.startswith("s3://") and any((Path(url) / f).is_file() for f in (META, "adapter_config.json"))
+    """A Tinker checkpoint folder written before the store (no manifest): a slot state or a PEFT folder.
+    Only a local store has them (CheckpointStore.legacy_folder)."""
+    folder = store.legacy_folder(key)
+    return folder is not None and any((folder / f).is_file() for f in (META, "adapter_config.json"))

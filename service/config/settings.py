@@ -68,7 +68,9 @@ class ServiceSettings(BaseSettings):
     host: str = Field("127.0.0.1", description="Address the REST API binds to.")
     port: int = Field(8000, ge=0, le=65535, description="TCP port of the REST API (0 = any free port).")
     state_dir: Path = Field(Path("runs/service"), description="Folder for the registry database, checkpoints and exports.")
-    storage: str | None = Field(None, description="Where checkpoints, exports and Tinker checkpoints are kept (the one storage layer, trainer/storage/): null = the state dir. Every node of the fleet must reach it.")
+    storage: str | None = Field(None, description="Where checkpoints, exports and Tinker checkpoints are kept (the one storage layer, trainer/storage/): null = the state dir; a local folder; or s3://bucket/prefix (S3-compatible object storage; endpoint, region and credentials from the standard AWS variables of each node's environment). The coordinator and every trainer node must reach it; checked at start.")
+    storage_cache: Path | None = Field(None, description="With s3:// storage: the local folder for this node's verified copies of what it reads and its staging folders (the default: <TMPDIR>/lorafleet-store-cache-<uid>). The coordinator exports it to the processes it starts on its own node; other nodes read LORAFLEET_STORAGE_CACHE from their own environment.")
+    export_destinations: dict[str, list[str]] = Field(default_factory=dict, description="Where a run's final export may also be copied (an adapter config's export_to): tenant name (as in the keys file) -> locations (s3://bucket/prefix, or an absolute local folder) below which that tenant's runs may name a folder; '*' lists locations every tenant may use; the admin may use any listed location. Empty: export_to is refused. Object storage is reached with the service's AWS variables. Environment: LORAFLEET_EXPORT_DESTINATIONS as JSON.")
     data_roots: Annotated[list[Path], NoDecode] = Field(default_factory=lambda: [Path.cwd()], description="Folders that adapter data, init_from and resume_from must lie in (state_dir is also allowed for init_from/resume_from).")
     reward_import_roots: Annotated[list[str], NoDecode] = Field(default_factory=list, description="Python package prefixes custom reward functions may be imported from (e.g. 'myorg.rewards'); builtin rewards are always allowed.")
     rollout_import_roots: Annotated[list[str], NoDecode] = Field(default_factory=list, description="Python package prefixes custom rollouts (environment classes, async rollout functions; an adapter's config.rollout) may be imported from (e.g. 'myorg.envs'); the built-in single_turn is always allowed.")
@@ -100,6 +102,17 @@ class ServiceSettings(BaseSettings):
     tinker_max_body_bytes: int = Field(64 << 20, ge=8 << 20, description="Largest request body of the Tinker API's data-carrying routes (forward, forward_backward); at least 8 MiB.")
 
     _split = field_validator("data_roots", "reward_import_roots", "rollout_import_roots", mode="before")(lambda cls, v: _split_list(v))
+
+    @field_validator("export_destinations")
+    @classmethod
+    def _export_locations(cls, v: dict[str, list[str]]) -> dict[str, list[str]]:
+        for who, locations in v.items():
+            for loc in locations:
+                plain = loc.startswith("s3://") and all(p not in ("", ".", "..") for p in loc[5:].rstrip("/").split("/"))
+                if not (plain or (Path(loc).is_absolute() and ".." not in Path(loc).parts and "://" not in loc)):
+                    raise ValueError(f"export_destinations[{who!r}]: {loc!r} is not a location: an s3://bucket/prefix "
+                                     "URL of named parts, or an absolute local folder without '..'")
+        return {who: [loc.rstrip("/") for loc in locations] for who, locations in v.items()}
 
     @field_validator("api_token", mode="after")
     @classmethod

@@ -14,6 +14,8 @@ Path confinement (the security boundary for tenant-supplied paths):
     every symlink (a symlink inside a root that points outside is refused);
   * the lexical check comes first, so a refused path outside the roots does not
     reveal whether it exists.
+`init_from` / `resume_from` may instead name a folder of the service's object storage by its s3://
+URL: it stays a URL, checked in the store (service/control/ownership.py check_store_start).
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ from rollout.rollouts import RolloutLoadError, load_rollout
 from service.config.adapter import AdapterConfig
 from service.config.job import SlotCapacity
 from service.config.settings import ServiceSettings
+from service.control.ownership import check_store_start, is_store_url
 from service.errors import BadValue
+from trainer.storage.locations import open_store
 
 # Rows whose keys are checked; the rest are only counted (a huge file is not parsed twice).
 ROWS_CHECKED = 200
@@ -81,12 +85,19 @@ def check_adapter_config(config: AdapterConfig, settings: ServiceSettings, capac
     limits = row_limits(config, settings, capacity if budget is None else capacity.model_copy(update={"context_tokens": budget}))
     rows = _check_data_file(data_path, config, settings, limits["max_row_bytes"])
     update: dict = {"data": config.data.model_copy(update={"path": str(data_path), **limits})}
-    if config.init_from is not None:
-        init_dir = confine_path(config.init_from, model_roots, "config.init_from", want="dir")
+    if config.init_from is not None:  # a local folder, or a URL of the service's object storage (ownership.py)
+        if is_store_url(config.init_from):
+            init_dir = check_store_start(config.init_from, open_store(settings.storage_location), "config.init_from",
+                                         peft_marker=PEFT_FILES[0])
+        else:
+            init_dir = confine_path(config.init_from, model_roots, "config.init_from", want="dir")
         _check_peft_folder(init_dir, config.rank, config.target_modules)
-        update["init_from"] = str(init_dir)
+        update["init_from"] = config.init_from if is_store_url(config.init_from) else str(init_dir)
     if config.resume_from is not None:
-        update["resume_from"] = str(confine_path(config.resume_from, model_roots, "config.resume_from", want="dir"))
+        if is_store_url(config.resume_from):
+            check_store_start(config.resume_from, open_store(settings.storage_location), "config.resume_from", peft_marker=None)
+        else:
+            update["resume_from"] = str(confine_path(config.resume_from, model_roots, "config.resume_from", want="dir"))
     if config.reward is not None:
         try:
             load_reward(config.reward, settings.reward_import_roots)

@@ -42,7 +42,6 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -52,12 +51,14 @@ from service.config.job import SlotCapacity
 from service.config.settings import ServiceSettings, format_validation_error
 from service.control.config_checks import PEFT_FILES, check_adapter_config
 from service.errors import BadValue, Conflict, NotReady
-from service.control.ownership import check_tenant_start_paths
+from service.control.ownership import check_export_to, check_tenant_start_paths, own_references
 from service.registry.registry import AdapterRef, AdapterState, Registry, StepRecord
 from service.registry.views import ListQuery, Page, RunQuota
 from service.scheduling.residency import ResidencyKnobs
-from service.control.runtime_protocol import ProcessInfo, Runtime, RuntimeStats, run_dir
+from service.control.runtime_protocol import ProcessInfo, Runtime, RuntimeStats
 from rollout.config import check_adapter_name
+from trainer.storage.locations import committed_files, open_store
+from trainer.storage.store import CheckpointStore
 
 log = logging.getLogger(__name__)
 
@@ -161,11 +162,13 @@ class Controller:
             except ValidationError as e:
                 raise BadValue(f"invalid adapter config:\n{format_validation_error(e, 'config')}", field="config") from None
         checked = check_adapter_config(config, self.settings, self.capacity)
+        if checked.config.export_to is not None:  # a location the operator allows the caller (ownership.py)
+            check_export_to(checked.config.export_to, self.settings.export_destinations, tenant)
         quota = None
         if tenant is not None:
             if checked.config.init_from is not None or checked.config.resume_from is not None:
-                own = [run_dir(self.settings.state_dir, r) for r in self.registry.owned_runs(tenant)]
-                own.append(self.settings.tinker_dir / tenant)  # its Tinker checkpoints (docs/tinker.md)
+                # its runs' folders and its Tinker checkpoints (docs/tinker.md), where the storage keeps them
+                own = own_references(open_store(self.settings.storage_location), self.registry.owned_runs(tenant), tenant)
                 check_tenant_start_paths(checked.config, state_dir=self.settings.state_dir,
                                          data_roots=self.settings.data_roots, own_dirs=own)
             q = self.settings.quotas.of(tenant)
@@ -384,7 +387,7 @@ class Controller:
                 if ref.activated_at is not None:  # never trained: nothing to export
                     stage = "finish_adapter"
                     finished = runtime.finish_adapter(ref)
-                    _check_export(finished.export_path)
+                    _check_export(open_store(self.settings.storage_location), finished.export_path)
                     export_path, checkpoint_path = finished.export_path, finished.checkpoint_path
                     checkpoint_step = finished.checkpoint_step
                 ref = self.registry.transition(
@@ -430,8 +433,9 @@ def _parse_state(state: str | AdapterState) -> AdapterState:
         raise BadValue(f"unknown state {state!r}; allowed: {', '.join(s.value for s in AdapterState)}", field="state") from None
 
 
-def _check_export(export_path: str) -> None:
-    folder = Path(export_path)
-    missing = [n for n in PEFT_FILES if not (folder / n).is_file()]
+def _check_export(store: CheckpointStore, export_path: str) -> None:
+    """The export is a PEFT folder: by its manifest (committed through the store), else its files."""
+    files = committed_files(store, export_path)
+    missing = [n for n in PEFT_FILES if n not in files]
     if missing:
         raise RuntimeError(f"export folder {export_path} lacks {missing}: not a PEFT adapter")

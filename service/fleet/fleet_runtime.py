@@ -39,7 +39,8 @@ from rollout.messages import AdapterRollout
 from service.tenants.batches import CollectedRound, RunFailed, SteppedRun, TrainerLost
 from trainer.storage import layouts
 from trainer.storage.run_checkpoints import Checkpoint, PendingCheckpoint, RunState, load_checkpoint, prune_checkpoints
-from trainer.storage.locations import open_store
+from trainer.storage.locations import copy_folder, open_store
+from service.control.ownership import check_export_to
 from service.config.job import JobConfig
 from service.config.settings import ServiceSettings
 from service.control.config_checks import no_step_refusal, planned_steps
@@ -246,6 +247,9 @@ class FleetRuntime:
         done = self._write_checkpoint(run)
         export = layouts.run_export(ref.name, ref.registration_id)
         self.store.copy(done.adapter_key, export)  # the final checkpoint's PEFT folder, linked
+        if ref.config.export_to is not None:  # and where the tenant asked for it (service/control/ownership.py)
+            location, key = check_export_to(ref.config.export_to, self.settings.export_destinations, ref.owner)
+            copy_folder(self.store, export, open_store(location), key)
         if run.is_rl:
             self._need_rollout().remove_adapter(run.name)
         # path and step from the one checkpoint just committed (issue 14 F9)

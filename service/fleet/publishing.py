@@ -21,7 +21,12 @@ Invariants:
      written (the trainer's writer drops it, trainer/export/export_writer.py) or loaded (the rollout worker
      loaded the newer one first) is reported superseded by the rollout worker: it is left out of the
      outcomes, so it is never marked served and never republished (it still counted for staleness:
-     it was a real step).
+     it was a real step);
+  U5 handoff folders are files of the state dir on trainer rank 0's node, never folders of the
+     storage, whatever `service.storage` is: every one (the first version's too) is written by rank
+     0's writer (a rename into place: trainer/storage/folder_io.py) and read by SGLang by path, so
+     with 'disk' the engines must share that node's filesystem; a fleet without a shared filesystem
+     uses 'tensors' (docs/ray-cluster.md gives the numbers behind that choice).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from rollout.messages import PUBLISH_SUPERSEDED
 from service.tenants.batches import PublishOutcome
 from service.config.job import JobConfig
 from service.config.settings import ServiceSettings
+from service.fleet.remote import call
 from service.fleet.rollout_client import RolloutClient
 from service.fleet.trainer_group import TrainerGroup
 
@@ -82,14 +88,14 @@ class Publisher:
 
     def weights_now(self, slot: int, name: str, registration_id: str, version: int) -> AdapterWeights:
         """The slot's weights as the engines take them, written and ready (a run's first version).
-        'disk': the trainer writes the PEFT folder straight into the handoff folder and only its path
-        travels (the rollout worker's pool deletes it once superseded); 'tensors' (remote engines):
-        the tensors, sent in the load request."""
+        'disk': the trainer writes the PEFT folder straight into the handoff folder (U5: rank 0's writer,
+        as every publish, waited for here) and only its path travels (the rollout worker's pool deletes
+        it once superseded); 'tensors' (remote engines): the tensors, sent in the load request."""
         if self.job.engines.weight_transfer != "disk":
             cfg, tensors = self.trainer.peft_tensors(slot)
             return AdapterWeights(cfg, tensors=tensors)
         folder = self._folder(name, registration_id, version)
-        self.trainer.export_peft(slot, folder, self.dtype)
+        call(self.trainer.begin_export_peft(slot, folder, self.dtype), self.trainer.call_timeout_s, "export_peft")
         return AdapterWeights.from_folder(folder, handoff=True)
 
     def publish(self, slot: int, name: str, registration_id: str, version: int) -> None:

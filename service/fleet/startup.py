@@ -14,7 +14,8 @@ start side by side because both are slow):
   3. placement: plan (refused before anything starts if it cannot fit) and reserve
   4. the controller, over the registry in settings.state_dir
   4b. checks of the plan against the cluster: engines reachable from the coordinator's node, the
-     state dir shared with the nodes that use it (service/fleet/cluster_checks.py)
+     state dir shared with the nodes that use it, the storage usable from every trainer node
+     (service/fleet/cluster_checks.py; the storage was checked from this process before step 1)
   5. one engine launcher per engine (in its placement group), the rollout worker (on this node;
      it starts the engines through the launchers) and the trainer ranks (in the trainer placement
      groups): engines and trainer start concurrently
@@ -39,7 +40,8 @@ from typing import Any
 import ray
 
 from service.fleet.actors import start_rollout_worker
-from service.fleet.cluster_checks import check_engines_reachable, check_shared_state_dir, state_dir_users
+from service.fleet.cluster_checks import (check_engines_reachable, check_shared_state_dir, check_storage,
+                                          check_storage_on_nodes, state_dir_users, storage_users)
 from service.config.job import JobConfig
 from service.config.settings import ServiceSettings, is_loopback_host
 from service.control.controller import Controller
@@ -131,6 +133,7 @@ def start_fleet(job: JobConfig, settings: ServiceSettings, *, start_api: ApiStar
     t0 = time.monotonic()
     settings.state_dir.mkdir(parents=True, exist_ok=True)
     check_state_dir_free(settings)  # before anything starts: a second service would only fail later
+    check_storage(settings)  # a wrong storage URL or credential fails now, not at the first checkpoint
     started_ray = _init_ray(job, settings)
     times["ray"] = time.monotonic() - t0
     _reap(settings.state_dir)
@@ -150,7 +153,9 @@ def start_fleet(job: JobConfig, settings: ServiceSettings, *, start_api: ApiStar
         trainer_groups = groups[: job.placement.trainer.data_parallel]
         engine_groups = groups[job.placement.trainer.data_parallel :]
         labels = {plan.node_id(n): plan.cluster.node_label(n) for n in range(plan.cluster.nodes)} if plan.cluster else {}
-        check_shared_state_dir(settings.state_dir, state_dir_users(plan, job.engines.weight_transfer, here_ip), labels)
+        check_shared_state_dir(settings.state_dir, state_dir_users(plan, job.engines.weight_transfer, here_ip, settings.storage),
+                               labels)
+        check_storage_on_nodes(settings.storage_location, storage_users(plan, ray.get_runtime_context().get_node_id()), labels)
         controller = Controller(settings, job.capacity)
         specs = placement_group_specs(plan, name_prefix="lorafleet")
         trainer_specs, engine_specs = specs[: len(trainer_groups)], specs[len(trainer_groups) :]

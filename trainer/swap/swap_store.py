@@ -18,6 +18,16 @@ Invariants:
   T4 the spill folder belongs to one trainer: each rank locks it, and at start removes the
      files a previous process left there (this rank's, and rank 0 also those of ranks beyond
      the world size); files of other names are never touched.
+
+Why the spill folder is a local folder and never the storage (service.storage, also when it is
+object storage; issue 44): a spill file is one rank's transient state, dropped with the trainer
+(a restarted trainer starts empty, T4, and the service prepares its runs again from their
+checkpoints), so object storage would make nothing more durable; it would only make each turn of
+an evicted tenant slower. Measured (docs/BENCHMARKS.md, "Storage": a Qwen3-8B-shape rank-16 slot,
+558 MiB): a turn (swap-out + swap-in) through SeaweedFS on loopback 5.0 + 1.4 = 6.4 s, through the
+local disk 0.98 + 0.80 s on the same machine, in host memory 21.4 ms (the H200 host's disk tier:
+0.49 + 0.37 s). With object storage, give each trainer node a local disk folder
+(trainer.swap_spill_dir; the default <state_dir>/swap is then a folder of that node).
 """
 
 from __future__ import annotations

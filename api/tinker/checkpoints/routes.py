@@ -12,6 +12,7 @@ with what is served instead, so a client learns it at once (the SDK does not ret
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Literal
 
 from fastapi import APIRouter, HTTPException, Query, Request
@@ -119,10 +120,20 @@ def runs_router(service: TinkerService, signer: UrlSigner | None = None) -> APIR
     @r.get("/training_runs/{run_id}/checkpoints/{kind}/{name}/external_weights_urls")
     async def external_weights_urls(run_id: str, kind: str, name: str, request: Request) -> dict:
         t = tenant(request)
-        folder = runs.checkpoint_folder(t, run_id, kind, name)
+        object_store = _object_store(service.store)
+        if object_store is not None:  # the object store's own presigned GET URLs: nothing is downloaded here
+            listed = runs.list_checkpoints(t, run_id)["checkpoints"]  # sweeps expired ones (R3); 404 for another's run
+            if not any(c["checkpoint_id"] == f"{kind}/{name}" for c in listed):
+                raise HTTPException(404, f"unknown checkpoint {kind}/{name} of training run {run_id}")
+        else:
+            folder = runs.checkpoint_folder(t, run_id, kind, name)
         if kind != "external_weights":
             raise HTTPException(400, f"only external_weights checkpoints have download URLs, not {kind}: save them with "
                                      "save_weights_external")
+        if object_store is not None:
+            expires = int(runs.clock() + signer.ttl_s)
+            urls = object_store.presigned_urls(runs.key(t, run_id, kind, name), int(signer.ttl_s))
+            return {"urls": urls, "expires": datetime.fromtimestamp(expires, UTC).isoformat()}
         return signer.urls(str(request.base_url), t, run_id, name, folder)
 
     @r.get("/external_weights_files/{owner}/{run_id}/{name}/{file:path}")
@@ -153,3 +164,10 @@ def runs_router(service: TinkerService, signer: UrlSigner | None = None) -> APIR
         r.add_api_route(path, refusal(why), methods=[method], name=f"not_served:{method} {path}")
 
     return r
+
+
+def _object_store(store):  # noqa: ANN001, ANN202 - a CheckpointStore; an S3Store or None
+    """The store when it is an object store, whose presigned URLs a client downloads from directly."""
+    from trainer.storage.s3_store import S3Store  # the object-storage client, imported only where one is used
+
+    return store if isinstance(store, S3Store) else None
