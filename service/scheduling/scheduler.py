@@ -319,12 +319,17 @@ class Scheduler(SlotMoves):
         ctx = RoundContextOnce(seconds, self.rollout_stats)
         outcome = RoundOutcome(seconds=seconds, samples=list(work.batch.samples) if work.batch else [], tenants=len(offers),
                                calls=sum(1 for r in result.calls if r.error is None))
-        for (tenant, slot, offer), span in zip(offers, spans):
+        for i, ((tenant, slot, offer), span) in enumerate(zip(offers, spans)):
             if result.refused is not None and offer.samples:  # the batch changed nothing (trainer/rounds.py)
                 tenant.give_back(offer, result.refused)
                 continue
             self.tokens.add(tenant.owner, offer_tokens(offer))
-            settled = tenant.settle(offer, span.part(result), slot, ctx)
+            try:
+                settled = tenant.settle(offer, span.part(result), slot, ctx)
+            except Exception as e:
+                if self.is_lost(e):  # the trainer died under a settle (a model's snapshot of its step)
+                    self._give_back_unsettled(offers, i, e)
+                raise
             if settled is not None:
                 outcome.settled.append(settled)
         for tenant, slot, offer in offers:  # operations that run alone, after the trainer call (R1)
@@ -334,6 +339,17 @@ class Scheduler(SlotMoves):
         if result.refused is not None:
             raise RoundRefused(f"the trainer refused the round's batch: {result.refused}")
         return outcome
+
+    @staticmethod
+    def _give_back_unsettled(offers: list[tuple[Tenant, int, Offer]], failed: int, error: Exception) -> None:
+        """The trainer died while the tenant of offer `failed` settled (a Tinker model's snapshot under
+        durability step, which answers nothing of its offer until the step is durable): that offer,
+        every later one and the operations that run alone (none ran yet) go back, to run once the
+        trainer is restored (T2); the earlier tenants settled."""
+        why = f"{type(error).__name__}: {error}"
+        for k, (tenant, _, offer) in enumerate(offers):
+            if k >= failed or offer.single is not None:
+                tenant.give_back(offer, why, retry=True)
 
     def _run_single(self, tenant: Tenant, slot: int, offer: Offer) -> None:
         op = offer.single

@@ -220,24 +220,27 @@ class TinkerModel:
 
     def settle(self, offer: Offer, part: Any, slot: int, ctx: RoundContext) -> None:
         calls, forwards = iter(part.calls), iter(part.forwards)
+        answers: list[tuple[TinkerOp, Any, BaseException | None]] = []  # given once its step is durable (below)
         for op in offer.context:
             self.applied_seq = op.seq
             if op.kind == OpKind.FORWARD_BACKWARD:
                 result = next(calls)
                 self.dirty = self.dirty or result.error is None
-                self._answer(op, result, None)
+                answers.append((op, result, None))
             elif op.kind == OpKind.FORWARD:
-                self._answer(op, next(forwards), None)
+                answers.append((op, next(forwards), None))
             elif op.kind == OpKind.OPTIM:
                 if isinstance(part.optim, dict):
                     self.steps_in += 1
                     self.step += 1
                     self.dirty = True
-                    if self.journal.durability.mode == "step":  # acknowledged only once durable
-                        self.snapshot(slot)
-                    self._answer(op, part.optim, None)
+                    if self.journal.durability.mode == "step":  # acknowledged only once durable: a snapshot
+                        self.snapshot(slot)  # cut short by the trainer's loss answers nothing (give_back, retry)
+                    answers.append((op, part.optim, None))
                 else:
-                    self._answer(op, None, ValueError(str(part.optim)))
+                    answers.append((op, None, ValueError(str(part.optim))))
+        for op, value, error in answers:
+            self._answer(op, value, error)
         self._worked()
         return None
 
@@ -252,12 +255,13 @@ class TinkerModel:
         self._answer(op, value, error)
 
     def give_back(self, offer: Offer, error: str, retry: bool = False) -> None:
-        """The round failed before its work ran: every operation taken gets the error; `retry` (the
-        trainer was lost, service/scheduling/scheduler.py): they go back to the head of its queue, in
-        order, and run once it is restored (M6), unanswered till then."""
-        if retry:
+        """The round failed before its work ran (or, `retry`, before its step was durable): every
+        operation taken gets the error; `retry` (the trainer was lost, service/scheduling/scheduler.py):
+        they go back to the head of its queue, in order, and run once it is restored (M6), unanswered
+        till then."""
+        if retry:  # replays left out: lost() rebuilds them from the journal (they would run twice)
             with self._mu:
-                self._queue.extendleft(reversed(offer.context))
+                self._queue.extendleft(reversed([op for op in offer.context if not op.replay]))
             return
         for op in offer.context:
             self._answer(op, None, RuntimeError(error))
