@@ -10,12 +10,14 @@ refusing with PlacementError that says what to change (service/fleet/startup.py 
   * `check_shared_state_dir`: nodes that write or read the state dir must see the same folder there:
     with a local storage every trainer node (trainer ranks write checkpoints and exports the
     coordinator records; with `s3://` storage they write to the object store and need no state dir),
-    and with `engines.weight_transfer: disk` every engine node (the engines read the handoff folders
-    trainer rank 0 writes: these stay files of the state dir, docs/ray-cluster.md says why). Checked
-    for real: the coordinator writes a file with a random token, a task on each such node reads it back.
+    and with `engines.weight_transfer: disk` trainer rank 0's node and every engine node (the engines
+    read the handoff folders trainer rank 0 writes: these stay files of the state dir whatever the
+    storage, docs/ray-cluster.md says why). Checked for real: the coordinator writes a file with a
+    random token, a task on each such node reads it back.
 """
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from collections.abc import Callable, Iterable
@@ -27,6 +29,8 @@ from service.errors import PlacementError
 from service.fleet.placement import PlacementPlan
 from trainer.storage.locations import check_location
 from trainer.storage.store import CheckpointStore, StoreError
+
+log = logging.getLogger(__name__)
 
 STORAGE_CACHE_VARIABLE = "LORAFLEET_STORAGE_CACHE"  # what trainer/storage/s3_store.py reads
 
@@ -102,7 +106,8 @@ def state_dir_users(plan: PlacementPlan, weight_transfer: str, coordinator_ip: s
     users: list[tuple[int, str]] = []
     if not is_object_storage(storage):
         users += [(r.node, "trainer ranks write checkpoints there") for r in plan.trainer]
-    if weight_transfer == "disk":
+    if weight_transfer == "disk":  # hand-off folders are files of the state dir whatever the storage (publishing.py U5)
+        users += [(r.node, "trainer rank 0 writes weight_transfer 'disk' handoff folders there") for r in plan.trainer if r.rank == 0]
         users += [(e.node, "engines read weight_transfer 'disk' handoff folders there") for e in plan.engines]
     out: dict[str, str] = {}
     for node, why in users:
@@ -166,3 +171,4 @@ def check_storage_on_nodes(location: str, nodes: dict[str, str], labels: dict[st
             "the storage is not usable from " + "; ".join(f"{labels.get(n, n)} ({nodes[n]}): {failed[n]}" for n in failed)
             + ". Give each node the AWS variables in the environment its Ray node runs in (the environment of "
             "`ray start`, docs/ray-cluster.md), not only the service's")
+    log.info("storage %s: usable from %s", location, "; ".join(labels.get(n, n) for n in nodes))

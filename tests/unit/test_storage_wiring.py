@@ -149,7 +149,8 @@ def test_object_storage_takes_the_trainer_nodes_off_the_state_dir():
     plan = plan_placement(PlacementConfig(), cluster)  # trainer on node 1, engine on node 2 (the planner's CPU rule)
     trainer, engine = "t" * 56, "e" * 56
     assert set(state_dir_users(plan, "disk", "10.0.0.1")) == {trainer, engine}
-    assert set(state_dir_users(plan, "disk", "10.0.0.1", "s3://b/p")) == {engine}  # only the hand-off folders
+    by_disk = state_dir_users(plan, "disk", "10.0.0.1", "s3://b/p")  # only the hand-off folders: rank 0 and the engines
+    assert set(by_disk) == {trainer, engine} and "handoff" in by_disk[trainer] and "checkpoints" not in by_disk[trainer]
     assert state_dir_users(plan, "tensors", "10.0.0.1", "s3://b/p") == {}
     assert set(state_dir_users(plan, "tensors", "10.0.0.1", "/shared/store")) == {trainer}  # a local storage
     assert set(storage_users(plan, "h" * 56)) == {trainer} and storage_users(plan, trainer) == {}
