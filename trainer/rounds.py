@@ -51,6 +51,9 @@ class Call:
     data: list[Datum]
     loss_fn: str
     loss_fn_config: dict[str, float] | None = None
+    # loss_fn "custom": the tenant's server-side custom loss as plain data ({name, inputs, graph}, what
+    # create_custom_loss received: trainer/losses/custom_graph.py), rebuilt and run in the round
+    custom_loss: dict | None = None
 
 
 @dataclass

@@ -7,7 +7,8 @@ message classes are the SDK's own generated module (``tinker.proto``), so the tw
 sides cannot drift apart. Only text chunks are accepted (no images or audio). A datum's
 provenance spans (``Datum.with_provenance``) are read into ``provenance`` (one entry per
 datum, None without): what stable_reinforce checks against the sampling records
-(api/tinker/sampling/stability.py).
+(api/tinker/sampling/stability.py). The one text value of ``loss_fn_config`` is ``loss_id``: the
+server-side custom loss (create_custom_loss) a ``custom`` call names (``ForwardBackwardBody.loss_id``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class ForwardBackwardBody:
     forward_only: bool
     data: list[Datum]
     provenance: list[Provenance | None] = field(default_factory=list)  # per datum
+    loss_id: str | None = None  # loss_fn "custom": the custom loss it names (api/tinker/custom_losses.py)
 
 
 _DTYPES = {1: np.float32, 2: np.int64, 3: np.int32}
@@ -68,14 +70,22 @@ def decode_forward_backward(body: bytes, content_encoding: str | None = None) ->
         msg.ParseFromString(body)
     except Exception as err:  # noqa: BLE001 - protobuf's DecodeError and friends
         raise ValueError(f"body is not a ForwardBackwardRequest protobuf: {err}") from None
+    loss_id = None
     if msg.loss_fn_config_v2:
         config: dict[str, float] = {}
         for k, v in msg.loss_fn_config_v2.items():
-            if v.WhichOneof("value") == "text":
-                raise ValueError(f"loss_fn_config[{k!r}] is text; only numbers are supported")
-            config[k] = v.number
+            if v.WhichOneof("value") != "text":
+                config[k] = v.number
+            elif k == "loss_id" and msg.loss_fn == "custom":
+                loss_id = v.text
+            else:
+                raise ValueError(f"loss_fn_config[{k!r}] is text; only numbers are supported (and loss_id, the text "
+                                 "that names a custom loss for loss_fn 'custom')")
     else:
         config = dict(msg.loss_fn_config)
+    if msg.loss_fn == "custom" and (loss_id is None or config):
+        raise ValueError("loss_fn 'custom' takes loss_fn_config {'loss_id': <the id create_custom_loss answered>} "
+                         f"and nothing else, got {sorted(config) + (['loss_id'] if loss_id else [])}")
     data, provenance = [], []
     for i, d in enumerate(msg.data):
         tokens: list[int] = []
@@ -88,7 +98,7 @@ def decode_forward_backward(body: bytes, content_encoding: str | None = None) ->
         data.append(Datum(tokens=tokens, inputs=inputs))
         provenance.append(_provenance(d, i))
     return ForwardBackwardBody(model_id=msg.model_id, seq_id=msg.seq_id, loss_fn=msg.loss_fn, loss_fn_config=config,
-                               forward_only=msg.forward_only, data=data, provenance=provenance)
+                               forward_only=msg.forward_only, data=data, provenance=provenance, loss_id=loss_id)
 
 
 def _provenance(d, i: int) -> Provenance | None:  # noqa: ANN001 - a pb Datum

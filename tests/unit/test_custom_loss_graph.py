@@ -211,7 +211,7 @@ def test_datum_checks_say_what_is_wrong():
 def test_the_sdks_forward_backward_request_reaches_the_loss_through_the_protobuf_wire():
     """What forward_backward_custom sends for an uploaded loss (forward_backward(data, "custom",
     {"loss_id": ...})), encoded by the SDK's proto writer and decoded by api/tinker/proto_io.py:
-    the loss_id arrives as text, and the rank-0 input (written with no shape, read as [1]) is
+    the loss_id arrives as text (the one text value proto_io reads), and the rank-0 input (written with no shape, read as [1]) is
     read by the loss as 0-dim, so the loss equals the user's function on the original data."""
     from api.tinker.proto_io import decode_forward_backward
     from tinker.proto.request_conv import forward_backward_request_to_proto
@@ -224,8 +224,8 @@ def test_the_sdks_forward_backward_request_reaches_the_loss_through_the_protobuf
         model_id="m", seq_id=1)
     msg = forward_backward_request_to_proto(request)
     assert msg.loss_fn == "custom" and msg.loss_fn_config_v2["loss_id"].text == "loss-1"
-    msg.ClearField("loss_fn_config_v2")  # proto_io refuses text config today (the wiring's part)
     received = decode_forward_backward(msg.SerializeToString())
+    assert (received.loss_fn, received.loss_id, received.loss_fn_config) == ("custom", "loss-1", {})
     assert tuple(received.data[0].inputs["beta"].shape) == (1,)  # rank 0 read as [1]
     loss = rebuilt(masked_mix)
     for lp, d in zip(logprobs, received.data):

@@ -168,10 +168,13 @@ def test_rest_offsets_are_converted_once_to_the_bounds_the_tinker_ppo_uses():
 # -- refusals --------------------------------------------------------------------------------------------
 
 
-def test_server_side_custom_is_refused_with_what_is_served():
+def test_custom_is_not_an_entry_and_is_refused_with_what_is_served():
+    """A custom loss is named by its loss_id in a Tinker call (trainer/step/custom_calls.py), never by a table
+    lookup: a dataset run naming "custom" is refused with what it can name."""
     from trainer.losses.table import resolve_loss
 
-    with pytest.raises(ValueError, match=r"server-side custom losses are not supported.*supported: \['cispo', "
+    with pytest.raises(ValueError, match=r"named by its loss_id in a Tinker forward_backward; a dataset run cannot name one; "
+                                         r"supported: \['cispo', "
                                          r"'cross_entropy', 'dro', 'gspo', 'importance_sampling', 'ppo', 'stable_reinforce'\]"):
         resolve_loss("custom", None)
     with pytest.raises(ValueError, match=r"keys \['kl'\] are not known to 'gspo'; allowed: \['clip_high_threshold', "

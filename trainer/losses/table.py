@@ -41,7 +41,9 @@ importance ratio exp(lp - q) of an rl entry (1 on-policy) and whether the clip w
   when its geometric-mean ratio leaves [L, H], plus kl_coeff / 2 * (lp - q) ** 2; q is the log-prob
   the server RECORDED at sampling time (the Tinker face replaces the client's ``logprobs`` with it).
 
-Server-side ``custom`` losses are not served yet (``REFUSED``).
+Server-side ``custom`` losses are not entries: a Tinker call names one by its ``loss_id``
+(create_custom_loss) and the round runs it (trainer/step/custom_calls.py); a dataset run cannot
+name one (``REFUSED``).
 """
 
 from __future__ import annotations
@@ -158,7 +160,8 @@ LOSSES: dict[str, LossSpec] = {
                                  stable_reinforce.check_inputs, stable_reinforce.check_config),
 }
 REFUSED = {
-    "custom": "server-side custom losses are not supported (forward_backward_custom runs client-side)",
+    "custom": "a custom loss is created with the Tinker API's create_custom_loss and named by its loss_id in a "
+              "Tinker forward_backward; a dataset run cannot name one",
 }
 # What each objective of a dataset run trains with when its config names no loss.
 DEFAULT_LOSS: dict[LossKind, str] = {"rl": "ppo", "sft": "cross_entropy"}

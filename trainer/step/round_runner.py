@@ -18,6 +18,9 @@ Its parts:
   steps them, the calls' slots only accumulate. ``forward_backward`` is this call with
   no batch, so both share every line of the pass.
 * ``forward(calls)``: the same outputs and losses, no gradient.
+* a call of loss_fn ``custom`` carries the tenant's server-side custom loss (``Call.custom_loss``):
+  rebuilt from its allow-list and run per datum in the same pass, its metrics combined as the SDK
+  combines them (trainer/step/custom_calls.py).
 * ``optim_step(slot, adam)``: the slot's accumulated gradient as is (Tinker scales by
   nothing: losses are sums), clipped to ``grad_clip_norm`` (0 = off) and applied with
   the call's AdamW parameters; then zeroed.
@@ -41,7 +44,9 @@ from trainer.batch import TrainBatch
 from trainer.batch import RiderSequence, rider_share
 from trainer.rounds import AdamStep, Call, CallResult, Datum, RoundResult, RoundWork  # noqa: F401 - the types live there
 from trainer.base.packing import split_by_token_budget
+from trainer.step.custom_calls import CompiledLosses, check_custom_datum, datum_floats, gather_datum_metrics
 from trainer.step.dp_outputs import DatumOutputs, gather_datum_outputs
+from trainer.losses.custom_graph import CustomLoss, combine_metrics
 from trainer.losses.table import LossSpec, check_inputs, resolve_loss
 
 
@@ -51,12 +56,15 @@ class RoundRunner:
         module, and this module needs only its public train call, slot states and passes)."""
         self.trainer = trainer
         self.max_seq_len = max_seq_len
+        self.custom_losses = CompiledLosses()  # server-side custom losses, compiled once (trainer/step/custom_calls.py)
 
     # -- validation -----------------------------------------------------------------------
 
-    def _validate(self, call: Call) -> tuple[LossSpec, dict[str, float]]:
+    def _validate(self, call: Call) -> tuple[LossSpec | None, dict[str, float], CustomLoss | None]:
+        """(the table's loss and its config, or None and the call's custom loss); ValueError naming the problem."""
         self.trainer.slot_state(call.slot)  # "slot N is not initialized" for a gone model
-        spec, cfg = resolve_loss(call.loss_fn, call.loss_fn_config)
+        custom = self.custom_losses.get(call.custom_loss) if call.loss_fn == "custom" else None
+        spec, cfg = (None, {}) if custom is not None else resolve_loss(call.loss_fn, call.loss_fn_config)
         if not call.data:
             raise ValueError("data is empty: send at least one datum")
         vocab = self.trainer.vocab_size
@@ -69,7 +77,10 @@ class RoundRunner:
                     raise ValueError(f"model_input has {n} tokens, more than this server allows ({self.max_seq_len})")
                 if min(d.tokens) < 0 or max(d.tokens) >= vocab:
                     raise ValueError(f"model_input token ids must be in [0, {vocab}), got {min(d.tokens)}..{max(d.tokens)}")
-                check_inputs(call.loss_fn, spec, n, d.inputs)
+                if custom is not None:
+                    check_custom_datum(custom, n, d.inputs)
+                else:
+                    check_inputs(call.loss_fn, spec, n, d.inputs)
                 tt = d.inputs["target_tokens"]
                 if tt.is_floating_point():
                     raise ValueError("loss_fn_inputs['target_tokens'] must be integers (int64)")
@@ -77,7 +88,7 @@ class RoundRunner:
                     raise ValueError(f"target_tokens must be in [0, {vocab}), got {int(tt.min())}..{int(tt.max())}")
             except ValueError as err:
                 raise ValueError(f"datum {i}: {err}") from None
-        return spec, cfg
+        return spec, cfg, custom
 
     # -- the mixed pass ---------------------------------------------------------------------
 
@@ -129,7 +140,7 @@ class RoundRunner:
         datum's per-token loss summed (trainer/losses/table.py) and records the datum's outputs;
         ``finish()`` fills the valid calls' outputs and ``loss:sum`` once the pass has run."""
         results = [CallResult() for _ in calls]
-        losses: dict[int, tuple[LossSpec, dict[str, float]]] = {}
+        losses: dict[int, tuple[LossSpec | None, dict[str, float], CustomLoss | None]] = {}
         for c, call in enumerate(calls):
             try:
                 if call.slot in batch_slots:
@@ -140,18 +151,23 @@ class RoundRunner:
         keys = [(c, i) for c in losses for i in range(len(calls[c].data))]  # rider k is datum i of call c
         fields = [_output_fields(calls[c].loss_fn) for c, _ in keys]
         ran: dict[int, DatumOutputs] = {}  # rider k -> its outputs and loss sum (under DP: this rank's share)
+        custom_metrics: dict[int, dict] = {}  # rider k of a custom call -> its metrics (this rank's share)
 
         def loss_fn(k: int) -> Callable[[torch.Tensor], torch.Tensor]:
             c, i = keys[k]
 
             def loss(seg: torch.Tensor) -> torch.Tensor:
-                spec, cfg = losses[c]
+                spec, cfg, custom = losses[c]
                 inputs = {name: v.to(seg.device) for name, v in calls[c].data[i].inputs.items()}
-                elementwise = spec.fn(seg, inputs, cfg).loss
-                per_position = {"logprobs": seg, "elementwise_loss": elementwise}
-                ran[k] = ({name: per_position[name].detach().float().cpu() for name in fields[k]},
-                          float(elementwise.detach().sum()))
-                return elementwise.sum()
+                if custom is not None:  # the datum's loss and metrics (trainer/losses/custom_graph.py)
+                    total, custom_metrics[k] = custom.datum(seg, inputs)
+                    per_position = {"logprobs": seg}
+                else:
+                    elementwise = spec.fn(seg, inputs, cfg).loss
+                    per_position = {"logprobs": seg, "elementwise_loss": elementwise}
+                    total = elementwise.sum()
+                ran[k] = ({name: per_position[name].detach().float().cpu() for name in fields[k]}, float(total.detach()))
+                return total
             return loss
 
         riders = [RiderSequence(calls[c].slot, calls[c].data[i].tokens, calls[c].data[i].inputs["target_tokens"].tolist(),
@@ -167,8 +183,25 @@ class RoundRunner:
                 out, loss_sum = got[k]
                 results[c].outputs.append(out)
                 results[c].metrics["loss:sum"] += loss_sum
+            self._custom_metrics(losses, keys, riders, got, custom_metrics, results)
 
         return results, riders, finish
+
+    def _custom_metrics(self, losses: dict, keys: list[tuple[int, int]], riders: list[RiderSequence],
+                        got: dict[int, DatumOutputs], mine: dict[int, dict], results: list[CallResult]) -> None:
+        """The custom calls' metrics (the SDK's combination over each call's datums, in datum order);
+        under DP every datum's metrics come from the rank that ran it."""
+        names = [tuple(losses[c][2].metric_refs) if losses[c][2] is not None else () for c, _ in keys]
+        if not any(names):
+            return
+        layout = self.trainer.layout
+        floats = {k: datum_floats(m) for k, m in mine.items()}
+        if layout.dp_size > 1:
+            floats = gather_datum_metrics(floats, names, riders, layout, self.trainer.device)
+        for c in {c for c, _ in keys if losses[c][2] is not None}:
+            ks = [k for k, (cc, _) in enumerate(keys) if cc == c]
+            combined = combine_metrics([got[k][1] for k in ks], [floats.get(k, {}) for k in ks])
+            results[c].metrics.update({name: v for name, v in combined.items() if name != "loss:sum"})
 
     # -- optimizer ----------------------------------------------------------------------------
 
