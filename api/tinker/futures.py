@@ -13,6 +13,9 @@ So a client that polls across a restart finds its future: pending (its operation
 the restart, or answers why it cannot; a sample in flight answers 410, which the SDK's sampling
 client answers by sending it again) or done (its result). Waiters of this process are in memory;
 a result asked for after a restart is read from the record.
+
+Batched polling (api/tinker/completions.py): a sample future made by a sampling client's session
+also reports its completion to that session's queue, which ``retrieve_futures`` answers.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
+from api.tinker.completions import Completions, Target
 from service.registry.tinker_records import TinkerRecords
 
 
@@ -44,12 +48,24 @@ class Outcome:
             return Outcome(proto=bytes(data))
         return Outcome(json=json.loads(bytes(data)), status=410 if kind == "gone" else 200)
 
+    @property
+    def failed(self) -> bool:
+        """An error answer (the SDK's retrieve_futures calls it a failed request)."""
+        return self.status != 200 or (self.json is not None and "error" in self.json)
+
+    @property
+    def size(self) -> int:
+        """Bytes of the answer's body (the SDK reserves them before it fetches the result)."""
+        return len(self.proto) if self.proto is not None else len(json.dumps(self.json).encode())
+
 
 @dataclass
 class _Entry:
     tenant: str
     model_id: str | None
     done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    target: Target | None = None  # a sample's sampling session and clone: its completion is reported there
+    adopted: bool = False  # a future of an earlier process
 
 
 def user_error(message: str) -> Outcome:
@@ -74,14 +90,16 @@ class FutureStore:
         self.poll_s = poll_s
         self.keep = keep
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self.completions = Completions(long_poll_s=poll_s)  # retrieve_futures (api/tinker/completions.py)
         # model -> why its queued calls wait (no trainer slot now: the scheduler's last placement), or
         # None: a retrieve of such a call answers try_again with queue_state paused_capacity and it.
         self.reason_of: Callable[[str], str | None] = lambda model_id: None
 
-    def create(self, tenant: str, model_id: str | None, kind: str = "call") -> str:
-        """A new future, recorded (D1: the route answers its id after `durable()`)."""
+    def create(self, tenant: str, model_id: str | None, kind: str = "call", target: Target | None = None) -> str:
+        """A new future, recorded (D1: the route answers its id after `durable()`). `target`: a sample's
+        poll target (completions.py Q1)."""
         request_id = uuid.uuid4().hex
-        self._entries[request_id] = _Entry(tenant, model_id)
+        self._entries[request_id] = _Entry(tenant, model_id, target=target)
         self.records.add_future(request_id, tenant, model_id, kind)
         self._trim()
         return request_id
@@ -89,7 +107,7 @@ class FutureStore:
     def adopt(self, request_id: str, tenant: str, model_id: str | None) -> None:
         """A future of an earlier process whose operation runs again in this one (a revived model's)."""
         if request_id not in self._entries:
-            self._entries[request_id] = _Entry(tenant, model_id)
+            self._entries[request_id] = _Entry(tenant, model_id, adopted=True)
 
     def _trim(self) -> None:
         if len(self._entries) > self.keep:  # oldest finished first; their results stay in the records
@@ -112,6 +130,10 @@ class FutureStore:
         self.records.resolve(request_id, kind, data, keep_request=True)  # a snapshot drops requests it covers
         if entry is not None:
             entry.done.set_result(outcome)
+            if entry.target is not None:  # completions.py Q1
+                self.completions.add(entry.tenant, entry.target, request_id, outcome.failed, outcome.size)
+            elif entry.adopted and entry.model_id is None:  # a sample in flight at the restart (Q5)
+                self.completions.add_orphan(entry.tenant, request_id)
 
     def entry(self, request_id: str) -> _Entry | None:
         return self._entries.get(request_id)
@@ -128,12 +150,16 @@ class FutureStore:
             if row is None or row.tenant != tenant:
                 raise KeyError(request_id)
             if row.state == "done":
+                self.completions.retrieved(tenant, [request_id])
                 return Outcome.from_record(row.result_kind, row.result)
             return None  # an earlier process's future whose operation cannot run here any more is answered at start
         try:
-            return await asyncio.wait_for(asyncio.shield(entry.done), self.poll_s)
+            outcome = await asyncio.wait_for(asyncio.shield(entry.done), self.poll_s)
         except TimeoutError:
             return None
+        if entry.target is not None or entry.adopted:  # its completion is needed no more (completions.py Q4)
+            self.completions.retrieved(tenant, [request_id], entry.target)
+        return outcome
 
     def queue_state(self, tenant: str, request_id: str) -> dict:
         """The try_again body's queue fields for a still-running request."""

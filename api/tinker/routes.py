@@ -14,6 +14,7 @@ from fastapi import APIRouter, Depends, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 
 from api.tinker import wire
+from api.tinker.completions import target_of
 from api.tinker.futures import user_error
 from api.tinker.outcomes import fb_outcome, optim_outcome
 from api.tinker.checkpoints.routes import runs_router
@@ -50,7 +51,8 @@ def tinker_router(service: TinkerService) -> APIRouter:
     async def client_config(request: Request) -> dict:
         tenant(request)
         # httpx transport (no pyqwest), plain protobuf bodies, no JWT exchange.
-        return {"pjwt_auth_enabled": False, "use_pyqwest_transport": False, "proto_compress_fwdbwd": False}
+        return {"pjwt_auth_enabled": False, "use_pyqwest_transport": False, "proto_compress_fwdbwd": False,
+                "sample_use_retrieve_futures": True}  # batched polling: retrieve_futures (api/tinker/completions.py)
 
     @r.post("/client/dynamic_config")
     async def client_dynamic_config(request: Request) -> dict:
@@ -210,7 +212,7 @@ def tinker_router(service: TinkerService) -> APIRouter:
     @r.post("/asample")
     async def asample(body: wire.SampleRequest, request: Request) -> dict:
         t = tenant(request)
-        rid = service.futures.create(t, None, kind="sample")
+        rid = service.futures.create(t, None, kind="sample", target=target_of(body.sampling_session_id, body.seq_id))
         answer = {"request_id": rid, "sample_sequence_ids": [f"{rid}-{i}" for i in range(body.num_samples)]}
         try:
             if body.target_prompt_logprobs is not None or body.prompt_alt_tokens_k:
@@ -255,6 +257,16 @@ def tinker_router(service: TinkerService) -> APIRouter:
         if outcome.proto is not None:
             return Response(outcome.proto, media_type=PROTO_CONTENT_TYPE)
         return JSONResponse(outcome.json, status_code=outcome.status)
+
+    @r.post("/retrieve_futures")
+    async def retrieve_futures(body: wire.FuturesRequest, request: Request) -> dict:
+        """A sampling client's batched long poll (api/tinker/completions.py Q1-Q5)."""
+        t = tenant(request)
+        sid = body.target.sampling_session_id
+        if service.sampler is None or service.sampler.session(t, sid) is None:
+            raise HTTPException(404, f"unknown sampling session {sid}")
+        return await service.futures.completions.poll(t, (sid, body.target.cloned_sampler_id), body.prev_cursor, body.timeout,
+                                                      body.retrieved_request_ids)
 
     @r.post("/cancel_future")
     async def cancel_future(body: wire.FutureRequest, request: Request) -> dict:

@@ -5,7 +5,7 @@ protobuf (proto_io.py), not JSON."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -134,3 +134,18 @@ class WeightsInfoRequest(_In):
 class FutureRequest(_In):
     request_id: str
     allow_metadata_only: bool = False
+
+
+class SamplingSessionTarget(_In):
+    type: Literal["sampling_session"] = "sampling_session"  # the one target SDK 0.38 polls
+    sampling_session_id: str
+    cloned_sampler_id: int = Field(0, ge=0)
+
+
+class FuturesRequest(_In):
+    """retrieve_futures (api/tinker/completions.py): a sampling client's batched poll."""
+
+    target: SamplingSessionTarget
+    prev_cursor: int = Field(0, ge=0)
+    timeout: float | None = Field(None, ge=0)  # 0: answer at once; None: the server's long poll
+    retrieved_request_ids: list[str] = Field([], max_length=10000)
