@@ -33,6 +33,7 @@ from api.errors import install_error_handlers
 from api.metrics import render_prometheus
 from api.public_paths import PUBLIC_HEADER, PublicPaths
 from api.front.read_cache import ReadCache
+from api.tinker.model_routes import add_model_routes, fleet_view, tinker_scrape
 from api.rest_auth import Caller, RestAuth
 from api.tenant_keys import TenantKeys
 from api.ui import mount_ui
@@ -157,11 +158,14 @@ def create_app(controller_obj: Controller, settings: ServiceSettings, fleet_stat
         return MetricsOut(name=run.name, registration_id=run.registration_id, steps=[StepOut.from_record(s) for s in run.steps])
 
     @v1.get("/fleet", response_model=FleetOut, dependencies=[Depends(auth.admin_only)],
-            summary="The service's processes and their ids (operators; the admin token)")
+            summary="The service's processes and their ids, and the Tinker models' slots (operators; the admin token)")
     async def fleet() -> FleetOut:
         procs = await controller.processes()
         return FleetOut(processes=[ProcessOut(name=p.name, role=p.role, pid=p.pid, detail=p.detail, node_id=p.node_id,
-                                              node_ip=p.node_ip) for p in procs])
+                                              node_ip=p.node_ip) for p in procs],
+                        tinker=fleet_view(tinker) if tinker is not None else None)
+
+    add_model_routes(v1, tinker, who, reads)  # GET /v1/tinker/models[/{id}] (api/tinker/model_routes.py)
 
     app.include_router(v1)
     mount_ui(app, auth.caller, fleet_stats, reads)  # the dashboard (/ui) and GET /v1/fleet/stats (no names): any caller
@@ -181,7 +185,8 @@ def create_app(controller_obj: Controller, settings: ServiceSettings, fleet_stat
              summary="Prometheus metrics (operators; the admin token)")
     async def metrics() -> Response:
         async def build() -> bytes:
-            body, _ = render_prometheus(await controller.snapshot(), tinker.metrics() if tinker is not None else None)
+            scrape = tinker_scrape(tinker, settings.metrics_adapter_series, settings.metrics_top_k) if tinker is not None else None
+            body, _ = render_prometheus(await controller.snapshot(), scrape)
             return body
 
         return Response(await reads.get(("metrics",), build), media_type=CONTENT_TYPE_LATEST)

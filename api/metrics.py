@@ -7,11 +7,14 @@ never stale and two apps in one process never share series.
 Bounded cardinality (issue 26): fleet-wide gauges are counts (adapters by state, live runs by
 residency, swap tiers); per-adapter series (label `adapter`) exist only for the adapters of the
 snapshot, which settings.metrics_adapter_series chooses: none, the metrics_top_k adapters updated
-most recently (the default), or every adapter name ever registered (all). So a scrape's size is
+most recently (the default), or every adapter name ever registered (all). Tinker models likewise
+(labels `model`, `tenant`: the same setting chooses among the live models). So a scrape's size is
 bounded by the setting, not by the tenants registered.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 
@@ -21,13 +24,15 @@ from service.registry.registry import AdapterState
 SWAP_TIERS = ("host", "disk", "prefetched")
 
 
-def render_prometheus(snap: MetricsSnapshot, tinker: dict[str, float] | None = None) -> tuple[bytes, str]:
-    """``tinker``: TinkerService.metrics() when the Tinker API is served (its gauges are added)."""
+def render_prometheus(snap: MetricsSnapshot, tinker: Any = None) -> tuple[bytes, str]:
+    """``tinker``: what the Tinker API shows when it is served (api/tinker/model_routes.py TinkerScrape:
+    its gauges, its models by state and the chosen models' series, bounded like the adapters')."""
     reg = CollectorRegistry(auto_describe=False)
     if tinker is not None:
-        from api.tinker.metrics import add_tinker_gauges
+        from api.tinker.metrics import add_model_series, add_tinker_gauges
 
-        add_tinker_gauges(reg, tinker)
+        add_tinker_gauges(reg, tinker.stats)
+        add_model_series(reg, tinker.residency, tinker.models)
 
     def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
         return Gauge(name, doc, labels, registry=reg)

@@ -173,10 +173,72 @@ class ProcessOut(_Out):
     node_ip: str = Field("", description="That node's address.")
 
 
+class TinkerSlotOut(_Out):
+    slot: int
+    model_id: str
+    owner: str
+
+
+class TinkerFleetOut(_Out):
+    """The Tinker models beside the runs (the Tinker API is served)."""
+
+    models: int = Field(description="Live Tinker models.")
+    residency: dict[str, int] = Field(description="Models by state: resident (holds a slot), queued (waits for its first slot), evicted (out of its slot).")
+    waiting_for_slot: int = Field(description="Models with a call waiting for a trainer slot.")
+    sessions: int = Field(description="Live Tinker sessions.")
+    slots: list[TinkerSlotOut] = Field(description="The trainer slots Tinker models hold now, in slot order (the runs' are in GET /v1/adapters).")
+
+
 class FleetOut(_Out):
-    """The service's processes, for operators (fault drills: kill one with a real signal)."""
+    """The service's processes, for operators (fault drills: kill one with a real signal), and the Tinker models' share of the slots."""
 
     processes: list[ProcessOut]
+    tinker: TinkerFleetOut | None = Field(None, description="null when the service does not serve the Tinker API.")
+
+
+class CurvePointOut(_Out):
+    step: int
+    loss: float
+
+
+class TinkerModelOut(_Out):
+    """One live Tinker model (api/tinker/model_views.py): its tenant, where it is, what it did."""
+
+    model_id: str
+    owner: str = Field(description="The tenant whose key created it.")
+    session_id: str
+    rank: int
+    residency: str = Field(description="resident (holds `slot`), queued (waits for its first slot), evicted (trained, out of its slot: `where`).")
+    slot: int | None = Field(description="The trainer slot it holds; null while queued or evicted.")
+    queue_position: int | None = Field(description="While a call of it waits for a slot: its 1-based place in the scheduler's one queue (runs and models that began to wait before it, plus one); else null.")
+    where: str | None = Field(description="An evicted model's state: host (trainer host memory), disk (spilled) or store (its durable snapshot only); null otherwise.")
+    waiting_reason: str | None = Field(description="Why its calls wait (what its futures answer with try_again), or null.")
+    step: int = Field(description="Optimizer steps applied.")
+    tokens_trained: int = Field(description="Datum positions of its forward_backward calls that ran (since the service started).")
+    forward_backward_calls: int
+    last_loss: float | None = Field(description="loss:sum of its last forward_backward call.")
+    loss_curve: list[CurvePointOut] = Field(description="Per optimizer step (the newest 64): the sum of loss:sum over the forward_backward calls the step applied.")
+    sample_calls: int = Field(description="Sample requests of sampling sessions on its sampler checkpoints.")
+    sampled_sequences: int
+    admissions: int = Field(description="Times it came into a slot.")
+    waited_grants: int | None = Field(description="Slot grants to Tinker models from its creation to its first slot (its own included; null before it): at most 1 + the models waiting ahead of it (first come, first served).")
+    created_at: float
+    first_slot_at: float | None
+    updated_at: float
+
+    @classmethod
+    def from_row(cls, r: Any) -> TinkerModelOut:  # an api.tinker.model_views.ModelRow
+        fields = {k: v for k, v in vars(r).items() if k in cls.model_fields and k != "loss_curve"}
+        return cls(**fields, loss_curve=[CurvePointOut(step=s, loss=v) for s, v in r.loss_curve if math.isfinite(v)])
+
+
+class TinkerModelList(_Out):
+    """One page of the Tinker models (GET /v1/tinker/models: limit, offset or cursor; filters state, owner, q)."""
+
+    tinker_api: bool = Field(description="Whether the service serves the Tinker API (false: no models ever).")
+    models: list[TinkerModelOut]
+    total: int = Field(description="Models matching the filters, in all pages.")
+    next_cursor: str | None = Field(None, description="Pass as `cursor` for the next page; null on the last page.")
 
 
 class ErrorOut(_Out):

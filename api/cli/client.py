@@ -114,3 +114,25 @@ class LorafleetClient:
     def fleet(self) -> list[dict[str, Any]]:
         """The service's processes: name, role, pid (GET /v1/fleet)."""
         return self.request("GET", "/v1/fleet")["processes"]
+
+    def fleet_view(self) -> dict[str, Any]:
+        """GET /v1/fleet whole: the processes and the Tinker models' part (null without the Tinker API)."""
+        return self.request("GET", "/v1/fleet")
+
+    def tinker_models(self, **filters: Any) -> list[dict[str, Any]]:
+        """Every live Tinker model the caller may see, page after page; `filters`: state, owner, q."""
+        out: list[dict[str, Any]] = []
+        params: dict[str, Any] = {"limit": 1000, **filters}
+        while True:
+            page = self.tinker_models_page(**params)
+            out += page["models"]
+            if page["next_cursor"] is None:
+                return out
+            params["cursor"] = page["next_cursor"]
+
+    def tinker_models_page(self, **params: Any) -> dict[str, Any]:
+        """One page of GET /v1/tinker/models (limit, offset or cursor; state, owner, q): models, total, next_cursor, tinker_api."""
+        return self.request("GET", "/v1/tinker/models", params=params or None)
+
+    def tinker_model(self, model_id: str) -> dict[str, Any]:
+        return self.request("GET", f"/v1/tinker/models/{model_id}")

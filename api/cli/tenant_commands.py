@@ -1,5 +1,6 @@
 """The commands over the REST API: `lorafleet adapters add|ls|show|runs|rm|abort`, `lorafleet fleet`
-(the operator's process list) and `lorafleet smoke`.
+(the operator's process list, and the slots Tinker models hold) and `lorafleet smoke`
+(`lorafleet tinker ...`: api/cli/tinker_commands.py).
 
 Credentials: `--token` (LORAFLEET_API_TOKEN) is the admin token; `--api-key` (TINKER_API_KEY)
 is the same option for a tenant's key, which sees only that tenant's runs. Both are sent as a
@@ -223,12 +224,25 @@ def abort(name: str, api_url: ApiUrl = DEFAULT_API_URL, token: Token = None, tim
 def fleet(api_url: ApiUrl = DEFAULT_API_URL, token: Token = None, timeout: Timeout = 30.0, as_json: AsJson = False) -> None:
     """The service's processes, their ids and nodes: coordinator, trainer ranks, rollout worker, engines (GET /v1/fleet)."""
     with api_client(api_url, token, timeout) as client:
-        procs = client.fleet()
+        view = client.fleet_view()
+    procs = view["processes"]
     table = Table("NAME", "ROLE", "PID", "NODE", "ADDRESS", "DETAIL")
     for p in procs:
         table.add_row(p["name"], p["role"], _fmt(p["pid"]), (p.get("node_id") or "")[:12], p.get("node_ip") or "",
                       p.get("detail") or "")
-    _print(procs, as_json, table)
+    _print(procs, as_json, table)  # --json: the processes (the Tinker part: `lorafleet tinker ls --json`, GET /v1/fleet)
+    if view.get("tinker") is not None and not as_json:
+        Console().print(tinker_fleet_table(view["tinker"]))
+
+
+def tinker_fleet_table(tinker: dict[str, Any]) -> Table:
+    """`lorafleet fleet`'s Tinker part: the slots the models hold, and how many are where (`lorafleet tinker ls`: each)."""
+    r = tinker["residency"]
+    table = Table("SLOT", "MODEL", "TENANT", title=f"Tinker models: {tinker['models']} ({r.get('resident', 0)} resident, "
+                  f"{r.get('queued', 0)} queued, {r.get('evicted', 0)} evicted; {tinker['waiting_for_slot']} waiting for a slot)")
+    for s in tinker["slots"]:
+        table.add_row(str(s["slot"]), s["model_id"], s["owner"])
+    return table
 
 
 def smoke(

@@ -2,7 +2,8 @@
 // per-adapter curves and the fleet view. Every request carries the API token
 // (Authorization: Bearer), taken once from `#token=...` or the login form and kept in
 // this tab's sessionStorage. The DOM carries data-* attributes with what is shown
-// (adapter names, steps, point counts) so a headless browser test can read it.
+// (adapter names, steps, point counts; Tinker models, their states and steps) so a headless
+// browser test can read it.
 "use strict";
 (() => {
   const POLL_MS = 2000;
@@ -12,6 +13,9 @@
   const PAGE_SIZE = 50;
   const CURVE_SERIES = 10;
   const view = { offset: 0, q: "" };
+  // The Tinker models' table pages the same way (GET /v1/tinker/models); it is shown when the service
+  // serves the Tinker API. Its curve: the loss of each optimizer step of the page's first CURVE_SERIES models.
+  const tinkerView = { offset: 0, q: "" };
   const TOKEN_KEY = "lorafleet.token";
   const COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22"];
   const PART_COLORS = { collect: "#5b8def", train: "#27865b", publish: "#e0a030", checkpoint: "#9467bd" };
@@ -131,12 +135,13 @@
     el.replaceChildren();
     const note = document.createElement("div");
     note.className = "empty";
-    note.textContent = key === "round_time" ? "no training round recorded yet" : "no step has reported this metric yet";
+    note.textContent = key === "round_time" ? "no training round recorded yet"
+      : key === "tinker_loss" ? "no model has taken an optimizer step yet" : "no step has reported this metric yet";
     note.hidden = points > 0;
     const opts = {
       title, width: chartWidth(el), height: 220,
       scales: { x: { time: false } },
-      series: [{ label: key === "round_time" ? "round" : "step" },
+      series: [{ label: key === "round_time" ? "round" : key === "tinker_loss" ? "model step" : "step" },
         ...names.map((n, i) => ({ label: n, stroke: seriesColors[i], width: 2, spanGaps: true, points: { size: 4 } }))],
       axes: [{}, { size: 70, values: (u, vals) => vals.map(tick) }],
       legend: { live: true },
@@ -157,6 +162,45 @@
       });
       draw(curve.key, curve.title, names, [steps, ...ys], names.map(color), container);
     }
+  }
+
+  // A Tinker model's state: where it is (resident in its slot, waiting with its place, or evicted and where).
+  function tinkerWhere(m) {
+    if (m.slot != null) return `slot ${m.slot}`;
+    if (m.queue_position != null) return `${m.residency} #${m.queue_position}`;
+    return m.residency === "evicted" ? `evicted (${m.where})` : m.residency;
+  }
+
+  function renderTinker(list) {
+    $("#tinker").hidden = !list.tinker_api;
+    if (!list.tinker_api) return;
+    renderPagerOf("tinker", tinkerView, list.total, list.models.length);
+    $("#tinker-models tbody").replaceChildren(...list.models.map((m) => {
+      const tr = document.createElement("tr");
+      tr.dataset.model = m.model_id;
+      tr.dataset.owner = m.owner;
+      tr.dataset.state = m.residency;
+      tr.dataset.step = m.step;
+      tr.dataset.slot = m.slot == null ? "" : m.slot;
+      tr.dataset.queue = m.queue_position == null ? "" : m.queue_position;
+      const name = document.createElement("span");
+      name.textContent = m.model_id;
+      const first = cell("name", "", `<span class="swatch" style="background:${color("tinker:" + m.model_id)}"></span>`);
+      first.appendChild(name);
+      tr.append(first, cell("owner", m.owner), cell("state", tinkerWhere(m)), cell("step", String(m.step)),
+        cell("tokens", String(m.tokens_trained)), cell("loss", fmt(m.last_loss, 4)), cell("samples", String(m.sample_calls)),
+        cell("rank", String(m.rank)));
+      if (m.waiting_reason) tr.title = m.waiting_reason;
+      return tr;
+    }));
+    const curved = list.models.slice(0, CURVE_SERIES);
+    const steps = [...new Set(curved.flatMap((m) => m.loss_curve.map((p) => p.step)))].sort((a, b) => a - b);
+    const ys = curved.map((m) => {
+      const byStep = new Map(m.loss_curve.map((p) => [p.step, p.loss]));
+      return steps.map((x) => (byStep.has(x) ? byStep.get(x) : null));
+    });
+    draw("tinker_loss", "Tinker loss per optimizer step (sum of loss:sum)", curved.map((m) => m.model_id), [steps, ...ys],
+      curved.map((m) => color("tinker:" + m.model_id)), $("#tinker .charts"));
   }
 
   function renderFleet(stats) {
@@ -192,7 +236,14 @@
     try {
       const query = new URLSearchParams({ limit: PAGE_SIZE, offset: view.offset });
       if (view.q) query.set("q", view.q);
-      const [list, stats] = await Promise.all([api(`v1/adapters?${query}`), api("v1/fleet/stats")]);
+      const tinkerQuery = new URLSearchParams({ limit: PAGE_SIZE, offset: tinkerView.offset });
+      if (tinkerView.q) tinkerQuery.set("q", tinkerView.q);
+      const [list, stats, models] = await Promise.all([api(`v1/adapters?${query}`), api("v1/fleet/stats"),
+        api(`v1/tinker/models?${tinkerQuery}`)]);
+      if (!models.models.length && tinkerView.offset > 0 && models.total > 0) {  // the page emptied (models unloaded): go back
+        tinkerView.offset = Math.max(0, Math.floor((models.total - 1) / PAGE_SIZE) * PAGE_SIZE);
+        return poll();
+      }
       const adapters = list.adapters;
       if (!adapters.length && view.offset > 0 && list.total > 0) {  // the page emptied (runs ended): go back
         view.offset = Math.max(0, Math.floor((list.total - 1) / PAGE_SIZE) * PAGE_SIZE);
@@ -207,8 +258,10 @@
       renderTable(adapters);
       renderCurves(series);
       renderFleet(stats);
+      renderTinker(models);
       polls += 1;
-      setStatus(`${list.total} adapter(s) · updated ${new Date().toLocaleTimeString()}`, "ok");
+      const tinkerNote = models.tinker_api ? ` · ${models.total} Tinker model(s)` : "";
+      setStatus(`${list.total} adapter(s)${tinkerNote} · updated ${new Date().toLocaleTimeString()}`, "ok");
     } catch (e) {
       if (e instanceof Unauthorized) {
         stop();
@@ -224,13 +277,17 @@
     }
   }
 
-  function renderPager(total, shown) {
-    const el = $("#page");
-    el.dataset.offset = view.offset;
+  function renderPager(total, shown) { renderPagerOf("", view, total, shown); }
+
+  // The pager of a table: ids `${prefix}page`, `${prefix}prev`, `${prefix}next` ("" for the adapters, "tinker-" for the models).
+  function renderPagerOf(prefix, v, total, shown) {
+    const p = prefix ? `${prefix}-` : "";
+    const el = $(`#${p}page`);
+    el.dataset.offset = v.offset;
     el.dataset.total = total;
-    el.textContent = total ? `${view.offset + 1}-${view.offset + shown} of ${total}` : "none";
-    $("#prev").disabled = view.offset === 0;
-    $("#next").disabled = view.offset + shown >= total;
+    el.textContent = total ? `${v.offset + 1}-${v.offset + shown} of ${total}` : "none";
+    $(`#${p}prev`).disabled = v.offset === 0;
+    $(`#${p}next`).disabled = v.offset + shown >= total;
   }
 
   function goTo(offset) { view.offset = Math.max(0, offset); poll(); }
@@ -240,6 +297,14 @@
   $("#search").addEventListener("input", (ev) => {
     clearTimeout(searchTimer);
     searchTimer = setTimeout(() => { view.q = ev.target.value.trim(); goTo(0); }, 250);
+  });
+  function tinkerGoTo(offset) { tinkerView.offset = Math.max(0, offset); poll(); }
+  $("#tinker-prev").addEventListener("click", () => tinkerGoTo(tinkerView.offset - PAGE_SIZE));
+  $("#tinker-next").addEventListener("click", () => tinkerGoTo(tinkerView.offset + PAGE_SIZE));
+  let tinkerSearchTimer = null;
+  $("#tinker-search").addEventListener("input", (ev) => {
+    clearTimeout(tinkerSearchTimer);
+    tinkerSearchTimer = setTimeout(() => { tinkerView.q = ev.target.value.trim(); tinkerGoTo(0); }, 250);
   });
 
   function start() { stop(); poll(); timer = setInterval(poll, POLL_MS); }

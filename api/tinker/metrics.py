@@ -60,3 +60,39 @@ def add_tinker_gauges(registry: CollectorRegistry, stats: dict[str, float]) -> N
         Counter(name, doc, registry=registry).inc(stats.get(f"sampler_waits.{what}", 0.0))
     for what, doc in STABLE_REINFORCE.items():
         Counter(f"lorafleet_tinker_stable_reinforce_{what}", doc, registry=registry).inc(stats.get(f"stable_reinforce.{what}", 0.0))
+
+
+# One series per model, for the models a scrape shows (api/tinker/model_routes.py TinkerScrape: the
+# metrics_adapter_series setting chooses them, as it does the runs'), labelled model and tenant.
+MODEL_SERIES = (  # (name, doc, the row's value)
+    ("lorafleet_tinker_model_step", "Optimizer steps the Tinker model applied", lambda r: r.step),
+    ("lorafleet_tinker_model_tokens_trained", "Datum positions of the model's forward_backward calls that ran",
+     lambda r: r.tokens_trained),
+    ("lorafleet_tinker_model_loss", "loss:sum of the model's last forward_backward call", lambda r: r.last_loss),
+    ("lorafleet_tinker_model_sample_calls", "Sample requests of sampling sessions on the model's sampler checkpoints",
+     lambda r: r.sample_calls),
+    ("lorafleet_tinker_model_admissions", "Times the model came into a trainer slot", lambda r: r.admissions),
+)
+
+
+def add_model_series(registry: CollectorRegistry, residency: dict[str, int], models: list) -> None:  # ModelRow list
+    """The models by state, and the chosen models' own series (bounded: one set per model shown)."""
+    by_state = Gauge("lorafleet_tinker_models_residency", "Tinker models by state: resident (holds a slot), queued (waits "
+                     "for its first slot), evicted (out of its slot)", ["residency"], registry=registry)
+    for where in ("resident", "queued", "evicted"):
+        by_state.labels(where).set(residency.get(where, 0))
+    Gauge("lorafleet_tinker_model_series", "Tinker models that have series of their own in this scrape (metrics_adapter_series)",
+          registry=registry).set(len(models))
+    series = [(Gauge(name, doc, ["model", "tenant"], registry=registry), value) for name, doc, value in MODEL_SERIES]
+    state = Gauge("lorafleet_tinker_model_state", "1 for the model's state (resident, queued, evicted)", ["model", "tenant", "state"],
+                  registry=registry)
+    slot = Gauge("lorafleet_tinker_model_slot", "The trainer slot the model holds (resident models only)", ["model", "tenant"],
+                 registry=registry)
+    for r in models:
+        for gauge, value_of in series:
+            value = value_of(r)
+            if value is not None:
+                gauge.labels(r.model_id, r.owner).set(value)
+        state.labels(r.model_id, r.owner, r.residency).set(1)
+        if r.slot is not None:
+            slot.labels(r.model_id, r.owner).set(r.slot)

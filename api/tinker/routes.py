@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 
 from api.tinker import wire
 from api.tinker.completions import target_of
+from api.tinker.model_views import note_sample
 from api.tinker.futures import user_error
 from api.tinker.outcomes import fb_outcome, optim_outcome
 from api.tinker.checkpoints.routes import runs_router
@@ -232,6 +233,8 @@ def tinker_router(service: TinkerService) -> APIRouter:
             service.futures.resolve(rid, user_error(str(err)))
             await service.futures.durable()
             return answer
+
+        note_sample(service, t, session.model_path, body.num_samples)  # its model's sample_calls (model_views.py)
 
         async def run() -> None:
             options = LogprobOptions(bool(body.prompt_logprobs), body.topk_prompt_logprobs, body.topk_sample_logprobs,

@@ -43,6 +43,7 @@ from service.errors import ServiceStopping
 from service.scheduling.tenant import Offer, RoundContext, SlotOp, TenantKind
 from service.tenants.tinker_durability import ModelJournal, restore_plan
 from service.tenants.tinker_ops import Done, OpKind, TinkerOp, _no_answer, data_request, decode_adam, decode_data, optim_request
+from service.tenants.tinker_stats import ModelStats
 from trainer.config import SlotHyperParams
 from trainer.interface import TrainerInterface
 from trainer.rounds import AdamStep, Call, Datum
@@ -77,10 +78,11 @@ class TinkerModel:
     kind = TenantKind.TINKER
 
     def __init__(self, model_id: str, owner: str, lora: LoraSpec, *, trainer: TrainerInterface, clock: Callable[[], float],
-                 wake: Callable[[], None], end: Callable[[str], None], hyper: SlotHyperParams, journal: ModelJournal) -> None:
+                 wake: Callable[[], None], end: Callable[[str], None], hyper: SlotHyperParams, journal: ModelJournal,
+                 stats: ModelStats | None = None) -> None:
         """`trainer`: the scheduler's trainer; `wake()`: the scheduler's notify; `end(key)`: the
         scheduler's release (unload); `hyper`: its slot's hyper-parameters (init and restore);
-        `journal`: its durability (its records and snapshots)."""
+        `journal`: its durability (its records and snapshots); `stats`: what it did, for the views."""
         self.key = self.name = model_id
         self.owner = owner
         self.lora = lora
@@ -103,6 +105,7 @@ class TinkerModel:
         self.diverged: str | None = None  # M6
         self._restore: Callable[[int], Any] | None = None  # fills its slot when its state is not in the swap store
         self.closing = False  # the service saves its state for a restart: nothing more is queued
+        self.stats = stats or ModelStats()  # service/tenants/tinker_stats.py
 
     # --- what the Tinker face calls (any thread) ------------------------------------------------
 
@@ -226,6 +229,8 @@ class TinkerModel:
             if op.kind == OpKind.FORWARD_BACKWARD:
                 result = next(calls)
                 self.dirty = self.dirty or result.error is None
+                if result.error is None and not op.replay:
+                    self.stats.trained(op.data, result.metrics)
                 answers.append((op, result, None))
             elif op.kind == OpKind.FORWARD:
                 answers.append((op, next(forwards), None))
@@ -234,6 +239,7 @@ class TinkerModel:
                     self.steps_in += 1
                     self.step += 1
                     self.dirty = True
+                    self.stats.stepped(self.step)
                     if self.journal.durability.mode == "step":  # acknowledged only once durable: a snapshot
                         self.snapshot(slot)  # cut short by the trainer's loss answers nothing (give_back, retry)
                     answers.append((op, part.optim, None))
@@ -280,6 +286,7 @@ class TinkerModel:
 
     def on_restored(self) -> None:
         self.steps_in, self.last_active, self.waiting_reason = 0, self._clock(), None
+        self.stats.placed()
         self._restore = None  # back in a slot: its state lives there (and in the swap store once evicted)
 
     def restore_from(self) -> Callable[[int], Any] | None:

@@ -37,6 +37,7 @@ from service.config.durability import Durability
 from service.tenants.tinker_durability import ModelJournal, restore_plan
 from service.tenants.tinker_model import LoraSpec, TinkerModel
 from service.tenants.tinker_ops import OpKind, TinkerOp, _no_answer
+from service.tenants.tinker_stats import ModelStats, SlotGrants
 from trainer.config import TARGET_GROUPS, SlotHyperParams
 from trainer.storage.store import CheckpointStore
 
@@ -62,6 +63,7 @@ class TinkerModels:
         self.target_groups = tuple(target_groups)
         self.lora_alpha = lora_alpha
         self.max_seq_len = max_seq_len
+        self.grants = SlotGrants()  # slots given to its models (their stats' waited_grants: tinker_stats.py)
 
     def _model(self, model_id: str, owner: str, lora: LoraSpec, snapshot: str | None = None,
                snapshot_at: float | None = None) -> TinkerModel:
@@ -69,7 +71,7 @@ class TinkerModels:
         journal = ModelJournal(self.records, self.store, self.durability, owner, model_id, snapshot, snapshot_at)
         hyper = SlotHyperParams(rank=lora.rank, alpha=self.lora_alpha, targets=lora.targets)
         return TinkerModel(model_id, owner, lora, trainer=s.trainer, clock=s.clock, wake=s.notify, end=s.release,
-                           hyper=hyper, journal=journal)
+                           hyper=hyper, journal=journal, stats=ModelStats(self.grants))
 
     def check_lora(self, lora: LoraSpec) -> None:
         if not 1 <= lora.rank <= self.max_rank:
@@ -133,6 +135,13 @@ class TinkerModels:
 
     def models(self) -> list[TinkerModel]:
         return [t for t in self.scheduler.tenants(TenantKind.TINKER) if isinstance(t, TinkerModel)]
+
+    def placement(self) -> tuple[dict[str, int], set[str]]:
+        """Where the models are, for the views (api/tinker/model_views.py): model id -> the slot it holds
+        (one read of the slot record), and the evicted ones whose snapshot the trainer spilled to disk
+        (the scheduler's S4 set; the others' are in host memory)."""
+        slots = {h.key: slot for slot, h in self.scheduler.slot_holders().items() if h.state is None}
+        return slots, set(self.scheduler._spilled)
 
     def stats(self) -> dict[str, float]:
         """The Tinker gauges of GET /metrics (the scheduler's counters and the models' residency)."""
