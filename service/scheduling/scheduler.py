@@ -299,7 +299,12 @@ class Scheduler(SlotMoves):
         when the trainer refused the dataset batch (its offers given back; the calls ran and settled)."""
         offers: list[tuple[Tenant, int, Offer]] = []
         for tenant, slot in ready:
-            offer = tenant.offer(slot)
+            try:
+                offer = tenant.offer(slot)
+            except Exception as e:  # one tenant's fault: the others' work taken so far runs in a later round
+                for other, _, taken in offers:
+                    other.give_back(taken, f"{tenant.name} could not offer its work: {type(e).__name__}: {e}", retry=True)
+                raise
             if offer is not None:
                 offers.append((tenant, slot, offer))
         if not offers:

@@ -461,3 +461,26 @@ def test_a_creation_past_the_quota_is_refused_naming_quota_and_usage_and_changes
     assert w.models.get("a2") is None and "a2" not in {r.model_id for r in w.records.live_models()}
     b = w.models.create("b", "bob", LoraSpec(rank=4, seed=3), "s2", w.done("b.create"))  # waits for the one slot
     assert w.models.get("b") is b and "b.create" not in w.answers
+
+
+def test_a_tenant_that_cannot_offer_loses_no_other_tenants_work(tmp_path, monkeypatch):
+    """A tenant whose offer raises (a FAKE fault: a bug in one tenant's code) fails the round, and the
+    work the round had already taken from the other tenants runs in the next round, answered once."""
+    w = World(tmp_path)
+    a, _ = w.create("a")
+    b, _ = w.create("b")
+    assert (w.scheduler.slot_of("a"), w.scheduler.slot_of("b")) == (0, 1)  # a offers first
+    w.fb(a, "a.fb")
+    w.fb(b, "b.fb")
+
+    def broken(slot):
+        raise RuntimeError("a bug in b's offer (planted)")
+
+    monkeypatch.setattr(b, "offer", broken)
+    with pytest.raises(RuntimeError, match="planted"):
+        w.round()
+    assert "a.fb" not in w.answers
+    monkeypatch.undo()
+    w.rounds_until(lambda: {"a.fb", "b.fb"} <= set(w.answers))
+    assert w.answers["a.fb"][1] is None and w.answers["b.fb"][1] is None
+    assert sum(r["calls"].count("a.fb") for r in w.trainer.rounds) == 1  # a's call ran once
