@@ -208,8 +208,14 @@ class TinkerModel:
                 return Offer(single=SlotOp(op.run, op.needs_slot), context=[op])
         if not taken:
             return None
-        calls = [Call(slot, op.data, op.loss_fn, op.loss_fn_config, op.custom_loss) for op in taken if op.kind == OpKind.FORWARD_BACKWARD]
-        forwards = [Call(slot, op.data, op.loss_fn, op.loss_fn_config, op.custom_loss) for op in taken if op.kind == OpKind.FORWARD]
+        try:
+            calls = [Call(slot, op.data, op.loss_fn, op.loss_fn_config, op.custom_loss) for op in taken
+                     if op.kind == OpKind.FORWARD_BACKWARD]
+            forwards = [Call(slot, op.data, op.loss_fn, op.loss_fn_config, op.custom_loss) for op in taken if op.kind == OpKind.FORWARD]
+        except Exception as e:  # taken off the queue: answered (a fault here must not leave a client waiting)
+            for op in taken:
+                self._answer(op, None, RuntimeError(f"the service could not run this call: {type(e).__name__}: {e}"))
+            raise
         optim = next((op.adam for op in taken if op.kind == OpKind.OPTIM), None)
         return Offer(calls=calls, forwards=forwards, optim=optim, context=taken)
 

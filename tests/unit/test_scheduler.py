@@ -484,3 +484,22 @@ def test_a_tenant_that_cannot_offer_loses_no_other_tenants_work(tmp_path, monkey
     w.rounds_until(lambda: {"a.fb", "b.fb"} <= set(w.answers))
     assert w.answers["a.fb"][1] is None and w.answers["b.fb"][1] is None
     assert sum(r["calls"].count("a.fb") for r in w.trainer.rounds) == 1  # a's call ran once
+
+
+def test_a_model_whose_calls_cannot_be_built_answers_them(tmp_path, monkeypatch):
+    """A fault while a model builds its round's calls (a FAKE one: Call raising, as a half-updated
+    tree once did) answers the calls it took off its queue with the error instead of dropping them."""
+    import service.tenants.tinker_model as tinker_model
+
+    w = World(tmp_path)
+    a, _ = w.create("a")
+    w.fb(a, "a.fb")
+
+    def broken(*args, **kwargs):
+        raise TypeError("Call() takes 4 positional arguments (planted)")
+
+    monkeypatch.setattr(tinker_model, "Call", broken)
+    with pytest.raises(TypeError, match="planted"):
+        w.round()
+    value, error = w.answers["a.fb"]
+    assert value is None and "could not run this call" in str(error) and "planted" in str(error)
