@@ -69,11 +69,16 @@ class LorafleetClient:
 
     def list(self, state: str | None = None, **filters: Any) -> list[dict[str, Any]]:
         """Every adapter (the newest run of each name), page after page; `filters`: owner, q."""
+        return self._every_page(self.list_page, "adapters", {**({"state": state} if state else {}), **filters})
+
+    @staticmethod
+    def _every_page(page_of: Any, key: str, filters: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every row of a paged list (`page_of(**params)` answers `key`, next_cursor), 1000 a page."""
         out: list[dict[str, Any]] = []
-        params: dict[str, Any] = {"limit": 1000, **({"state": state} if state else {}), **filters}
+        params: dict[str, Any] = {"limit": 1000, **filters}
         while True:
-            page = self.list_page(**params)
-            out += page["adapters"]
+            page = page_of(**params)
+            out += page[key]
             if page["next_cursor"] is None:
                 return out
             params["cursor"] = page["next_cursor"]
@@ -121,14 +126,7 @@ class LorafleetClient:
 
     def tinker_models(self, **filters: Any) -> list[dict[str, Any]]:
         """Every live Tinker model the caller may see, page after page; `filters`: state, owner, q."""
-        out: list[dict[str, Any]] = []
-        params: dict[str, Any] = {"limit": 1000, **filters}
-        while True:
-            page = self.tinker_models_page(**params)
-            out += page["models"]
-            if page["next_cursor"] is None:
-                return out
-            params["cursor"] = page["next_cursor"]
+        return self._every_page(self.tinker_models_page, "models", filters)
 
     def tinker_models_page(self, **params: Any) -> dict[str, Any]:
         """One page of GET /v1/tinker/models (limit, offset or cursor; state, owner, q): models, total, next_cursor, tinker_api."""

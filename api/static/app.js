@@ -249,7 +249,7 @@
         view.offset = Math.max(0, Math.floor((list.total - 1) / PAGE_SIZE) * PAGE_SIZE);
         return poll();
       }
-      renderPager(list.total, adapters.length);
+      renderPagerOf("", view, list.total, adapters.length);
       const curved = adapters.slice(0, CURVE_SERIES);
       const metrics = await Promise.all(curved.map((a) => api(`v1/adapters/${encodeURIComponent(a.name)}/metrics`)));
       const series = Object.fromEntries(metrics.map((m) => [m.name, m.steps]));
@@ -277,8 +277,6 @@
     }
   }
 
-  function renderPager(total, shown) { renderPagerOf("", view, total, shown); }
-
   // The pager of a table: ids `${prefix}page`, `${prefix}prev`, `${prefix}next` ("" for the adapters, "tinker-" for the models).
   function renderPagerOf(prefix, v, total, shown) {
     const p = prefix ? `${prefix}-` : "";
@@ -290,22 +288,20 @@
     $(`#${p}next`).disabled = v.offset + shown >= total;
   }
 
-  function goTo(offset) { view.offset = Math.max(0, offset); poll(); }
-  $("#prev").addEventListener("click", () => goTo(view.offset - PAGE_SIZE));
-  $("#next").addEventListener("click", () => goTo(view.offset + PAGE_SIZE));
-  let searchTimer = null;
-  $("#search").addEventListener("input", (ev) => {
-    clearTimeout(searchTimer);
-    searchTimer = setTimeout(() => { view.q = ev.target.value.trim(); goTo(0); }, 250);
-  });
-  function tinkerGoTo(offset) { tinkerView.offset = Math.max(0, offset); poll(); }
-  $("#tinker-prev").addEventListener("click", () => tinkerGoTo(tinkerView.offset - PAGE_SIZE));
-  $("#tinker-next").addEventListener("click", () => tinkerGoTo(tinkerView.offset + PAGE_SIZE));
-  let tinkerSearchTimer = null;
-  $("#tinker-search").addEventListener("input", (ev) => {
-    clearTimeout(tinkerSearchTimer);
-    tinkerSearchTimer = setTimeout(() => { tinkerView.q = ev.target.value.trim(); tinkerGoTo(0); }, 250);
-  });
+  // A table's pager and search box (ids as renderPagerOf's): they move its view and poll at once.
+  function wirePager(prefix, v, search) {
+    const p = prefix ? `${prefix}-` : "";
+    const goTo = (offset) => { v.offset = Math.max(0, offset); poll(); };
+    $(`#${p}prev`).addEventListener("click", () => goTo(v.offset - PAGE_SIZE));
+    $(`#${p}next`).addEventListener("click", () => goTo(v.offset + PAGE_SIZE));
+    let searchTimer = null;
+    $(search).addEventListener("input", (ev) => {
+      clearTimeout(searchTimer);
+      searchTimer = setTimeout(() => { v.q = ev.target.value.trim(); goTo(0); }, 250);
+    });
+  }
+  wirePager("", view, "#search");
+  wirePager("tinker", tinkerView, "#tinker-search");
 
   function start() { stop(); poll(); timer = setInterval(poll, POLL_MS); }
   function stop() { if (timer !== null) clearInterval(timer); timer = null; }
