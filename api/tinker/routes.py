@@ -16,12 +16,14 @@ from fastapi.responses import JSONResponse
 from api.tinker import wire
 from api.tinker.completions import target_of
 from api.tinker.model_views import note_sample
+from api.tinker.custom_losses import CustomLosses, custom_loss_router
 from api.tinker.futures import user_error
 from api.tinker.outcomes import fb_outcome, optim_outcome
 from api.tinker.checkpoints.routes import runs_router
 from api.tinker.proto_io import PROTO_CONTENT_TYPE, decode_forward_backward
 from api.tinker.sampling.sampler import LogprobOptions
 from api.tinker.service import TinkerService, lora_flags
+from api.tinker.sessions import sessions_router
 from api.tinker.sampling.stability import attach_recorded_inputs, with_statistics
 from service.tenants.tinker_model import checkpoint_lora
 from trainer.rounds import AdamStep
@@ -31,6 +33,7 @@ from trainer.storage.slot_state_format import META
 
 def tinker_router(service: TinkerService) -> APIRouter:
     r = APIRouter(prefix="/api/v1", dependencies=[Depends(service.start)])  # revives a restart first
+    losses = CustomLosses(service.records)  # server-side custom losses (api/tinker/custom_losses.py)
 
     def tenant(request: Request) -> str:
         return service.keys.authenticate(request)
@@ -53,12 +56,15 @@ def tinker_router(service: TinkerService) -> APIRouter:
         tenant(request)
         # httpx transport (no pyqwest), plain protobuf bodies, no JWT exchange.
         return {"pjwt_auth_enabled": False, "use_pyqwest_transport": False, "proto_compress_fwdbwd": False,
-                "sample_use_retrieve_futures": True}  # batched polling: retrieve_futures (api/tinker/completions.py)
+                "sample_use_retrieve_futures": True,  # batched polling: retrieve_futures (api/tinker/completions.py)
+                "custom_loss_server_side": True,  # create_custom_loss, run in the trainer's round (custom_losses.py)
+                "sample_join_sampling_session": True}  # a cloned sampling client asks for its id (sessions.py)
 
     @r.post("/client/dynamic_config")
     async def client_dynamic_config(request: Request) -> dict:
         tenant(request)
-        return {}
+        # cancel_future answers a sample's future but does not stop the engine's work: the SDK need not send it
+        return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
 
     @r.post("/telemetry")
     async def telemetry(request: Request) -> dict:
@@ -74,7 +80,7 @@ def tinker_router(service: TinkerService) -> APIRouter:
 
     @r.post("/create_session")
     async def create_session(body: wire.CreateSessionRequest, request: Request) -> dict:
-        sid = service.create_session(tenant(request))
+        sid = service.create_session(tenant(request), body)
         await service.futures.durable()  # D1: an id is answered only once it is recorded
         return {"type": "create_session", "session_id": sid}
 
@@ -84,8 +90,9 @@ def tinker_router(service: TinkerService) -> APIRouter:
         return {"type": "session_heartbeat"}
 
     @r.post("/sessions/{session_id}/finish")
-    async def finish_session(session_id: str, request: Request) -> dict:
-        await service.finish_session(tenant(request), session_id)
+    async def finish_session(session_id: str, request: Request, body: wire.FinishSessionRequest | None = None) -> dict:
+        reason = body.reason.type if body is not None and body.reason is not None else None
+        await service.finish_session(tenant(request), session_id, reason, body.detail if body is not None else None)
         return {}
 
     # -- models -----------------------------------------------------------------------------------
@@ -126,7 +133,9 @@ def tinker_router(service: TinkerService) -> APIRouter:
             fb = decode_forward_backward(await request.body(), request.headers.get("content-encoding"))
         except ValueError as err:
             raise HTTPException(400, str(err)) from None
-        model = service.model(t, fb.model_id).model
+        record = service.model(t, fb.model_id)
+        custom = losses.for_call(t, record.session_id, fb)  # loss_fn "custom": its loss (404 if not the session's)
+        model = record.model
         rid, answer = future(t, fb.model_id)
         sampler = service.sampler
         try:  # stable_reinforce: its inputs from the server's sampling records (api/tinker/sampling/stability.py)
@@ -137,7 +146,7 @@ def tinker_router(service: TinkerService) -> APIRouter:
             return answer
         ok = with_statistics(fb.loss_fn, fb.loss_fn_config, data, sampler.stable_reinforce if sampler else None, fb_outcome)
         submit = model.forward if fb.forward_only else model.forward_backward
-        submit(data, fb.loss_fn, fb.loss_fn_config, **service.op_kw(rid, ok))
+        submit(data, fb.loss_fn, fb.loss_fn_config, custom_loss=custom, **service.op_kw(rid, ok))
         await service.futures.durable()  # the future, and (tinker_durability step) its request: the log
         return answer
 
@@ -201,6 +210,7 @@ def tinker_router(service: TinkerService) -> APIRouter:
         except ValueError as err:
             raise HTTPException(404 if body.model_path else 400, str(err)) from None
         sid = service.sampler.create_session(t, folder, body.model_path)
+        service.records.link_sampler(body.session_id, sid)  # get_session's sampler_ids (api/tinker/sessions.py)
         return {"type": "create_sampling_session", "sampling_session_id": sid}
 
     @r.get("/samplers/{sampler_id}")
@@ -279,5 +289,7 @@ def tinker_router(service: TinkerService) -> APIRouter:
             raise HTTPException(404, f"unknown request id {body.request_id}") from None
         return {"cancelled": cancelled}
 
+    r.include_router(custom_loss_router(service, losses))  # create_custom_loss (api/tinker/custom_losses.py)
+    r.include_router(sessions_router(service))  # sessions list/get/search, join_sampling_session (api/tinker/sessions.py)
     r.include_router(runs_router(service))  # training runs, checkpoints, external weights (api/tinker/checkpoints/routes.py)
     return r

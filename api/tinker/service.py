@@ -17,8 +17,9 @@ again with why. A client that retries through a restart sees only latency.
 Ownership invariant: every session, model and future records its tenant, and every lookup
 takes the caller's tenant; a miss and another tenant's object answer the same 404. Checkpoints
 live in the store under ``tinker/<tenant>/<model>/<kind>/<name>`` (trainer/storage/layouts.py)
-and a ``tinker://<model>/<kind>/<name>`` path is always resolved under the CALLER's tenant, so
-another tenant's path cannot name anything the caller may load.
+and a ``tinker://<model>/<kind>/<name>`` path is resolved under the CALLER's tenant, so another
+tenant's path names nothing the caller may load, unless its owner published that checkpoint (then it
+is readable, never writable: api/tinker/checkpoints/runs.py R5).
 """
 
 from __future__ import annotations
@@ -181,10 +182,13 @@ class TinkerService:
 
     # -- ownership -----------------------------------------------------------------------------------
 
-    def create_session(self, tenant: str) -> str:
+    def create_session(self, tenant: str, body: wire.CreateSessionRequest | None = None) -> str:
+        """A session, recorded with what the client said of it (sessions list/get/search: api/tinker/sessions.py)."""
         sid = f"s-{uuid.uuid4().hex[:16]}"
         self.sessions[sid] = Session(tenant, sid)
-        self.records.add_session(sid, tenant)
+        meta = {str(k): str(v) for k, v in body.user_metadata.items()} if body is not None and body.user_metadata else None
+        self.records.add_session(sid, tenant, user_metadata=meta, display_name=body.display_name if body else None,
+                                 project_id=body.project_id if body else None)
         if self.session_timeout_s is not None and self._reaper is None:  # lazily, on the serving loop
             self._reaper = asyncio.get_running_loop().create_task(self._reap_forever(), name="tinker-session-reaper")
         return sid
@@ -207,7 +211,7 @@ class TinkerService:
                                    **self.op_kw(rid, self._saved(s.tenant, m.model_id, "weights", name, None, None)))
                 self._unload(m, self.futures.create(s.tenant, m.model_id))
             del self.sessions[s.session_id]
-            self.records.end_session(s.session_id)
+            self.records.end_session(s.session_id, "expired", f"no heartbeat for {self.session_timeout_s:g} s")
         return [s.session_id for s in expired]
 
     def session(self, tenant: str, session_id: str) -> Session:
@@ -320,12 +324,13 @@ class TinkerService:
         if errors:
             raise errors[0]
 
-    async def finish_session(self, tenant: str, session_id: str) -> None:
+    async def finish_session(self, tenant: str, session_id: str, reason: str | None = None, detail: str | None = None) -> None:
+        """The client closed its session (``reason``: success, errored, interrupted): its models are unloaded."""
         self.session(tenant, session_id)
         for m in [m for m in self.models.values() if m.session_id == session_id]:
             self._unload(m, self.futures.create(tenant, m.model_id))
         del self.sessions[session_id]
-        self.records.end_session(session_id)
+        self.records.end_session(session_id, reason, detail)
 
     # -- checkpoints -------------------------------------------------------------------------------------
 
@@ -337,7 +342,7 @@ class TinkerService:
         if len(parts) != 3 or parts[1] not in kinds or not NAME_RE.match(parts[2]) or not parts[0] or ".." in parts[0]:
             raise ValueError(f"checkpoint path {tinker_path!r} invalid: expected tinker://<model_id>/{'|'.join(kinds)}/<name>")
         self.runs.sweep(tenant)  # an expired checkpoint is never resolved (runs.py R3)
-        key = self.runs.key(tenant, parts[0], parts[1], parts[2])
+        key = self.runs.readable_key(tenant, parts[0], parts[1], parts[2])  # the caller's, or a published one (runs.py R5)
         if not self.store.exists(key) and not _legacy_checkpoint(self.store, key):
             raise ValueError(f"no checkpoint {tinker_path} for this API key")
         return self.store.url(key)
@@ -351,6 +356,8 @@ class TinkerService:
             if kind == "sampler_weights" and sampling_session_seq_id is not None and self.sampler is not None:
                 result["sampling_session_id"] = self.sampler.create_session(tenant, self.runs.folder(tenant, model_id, kind, name),
                                                                             result.get("path"))
+                if model_id in self.models:  # get_session's sampler_ids (api/tinker/sessions.py)
+                    self.records.link_sampler(self.models[model_id].session_id, result["sampling_session_id"])
             return Outcome(json=result)
         return ok
 

@@ -18,10 +18,23 @@ class CreateSessionRequest(_In):
     tags: list[str] = []
     user_metadata: dict[str, Any] | None = None
     sdk_version: str | None = None
+    display_name: str | None = None  # sessions list/get/search (api/tinker/sessions.py)
+    project_id: str | None = None  # a label: lorafleet has no projects
 
 
 class SessionRequest(_In):
     session_id: str
+
+
+class FinishReason(_In):
+    type: Literal["success", "errored", "interrupted"]
+
+
+class FinishSessionRequest(_In):
+    """ServiceClient.close(status, detail): why the client finished (search's client_finished status)."""
+
+    reason: FinishReason | None = None
+    detail: str | None = Field(None, max_length=4096)
 
 
 class LoraConfigIn(_In):

@@ -1,13 +1,19 @@
 """Durable records of the Tinker face (issue 40): sessions, models and every future, in the service's
 SQLite registry file, next to the runs.
 
-  tinker_sessions  a session's id and tenant (heartbeats stay in memory: a restart counts from its start)
+  tinker_sessions  a session's id and tenant (heartbeats stay in memory: a restart counts from its start),
+                   what the client said of it (user metadata, display name, project label) and how it
+                   ended (the client's finish reason, or 'expired')
+  tinker_session_samplers  the sampling sessions a session opened (get_session's sampler_ids)
   tinker_models    a model's tenant, session, LoRA (rank, seed, targets), its last durable snapshot
                    (a store reference, the last operation it covers, the step), and whether it ended
   tinker_futures   every future: its tenant and model, its operation's sequence number, kind and
                    request (what a replay needs), its state and, once done, its result
   tinker_checkpoints  every checkpoint a model saved (its folder is in the store): its time, expiry
-                   and user metadata (the RestClient's views: api/tinker/checkpoints/runs.py)
+                   and user metadata, and whether it is published (readable by every tenant, writable
+                   by its own only: the RestClient's views, api/tinker/checkpoints/runs.py)
+  tinker_custom_losses  every server-side custom loss (create_custom_loss): its tenant, session and
+                   the graph as sent (api/tinker/custom_losses.py)
 
 Why a connection of its own with group commit: a future is durable before its id is answered (a
 client that polls after a crash must find it: never "unknown request id"), and at fleet scale
@@ -41,7 +47,24 @@ CREATE TABLE IF NOT EXISTS tinker_sessions (
     session_id TEXT PRIMARY KEY,
     tenant TEXT NOT NULL,
     created_at REAL NOT NULL,
-    ended_at REAL
+    ended_at REAL,
+    user_metadata TEXT,             -- JSON (create_session's)
+    display_name TEXT,
+    project_id TEXT,                -- a label: lorafleet has no projects
+    finish_reason TEXT,             -- success | errored | interrupted (the client's close) | expired; NULL: live
+    finish_detail TEXT
+);
+CREATE TABLE IF NOT EXISTS tinker_session_samplers (
+    session_id TEXT NOT NULL,
+    sampler_id TEXT NOT NULL,
+    PRIMARY KEY (session_id, sampler_id)
+);
+CREATE TABLE IF NOT EXISTS tinker_custom_losses (
+    loss_id TEXT PRIMARY KEY,       -- <session>:loss:<custom_loss_seq_id>
+    tenant TEXT NOT NULL,
+    session_id TEXT NOT NULL,
+    spec TEXT NOT NULL,             -- JSON {name, inputs, graph} as the client sent it
+    created_at REAL NOT NULL
 );
 CREATE TABLE IF NOT EXISTS tinker_models (
     model_id TEXT PRIMARY KEY,
@@ -81,12 +104,20 @@ CREATE TABLE IF NOT EXISTS tinker_checkpoints (
     created_at REAL NOT NULL,
     expires_at REAL,                -- NULL: never
     user_metadata TEXT,             -- JSON
+    public INTEGER NOT NULL DEFAULT 0,  -- published: every tenant may read it (never write it)
     PRIMARY KEY (tenant, run_id, kind, name)
 );
+CREATE INDEX IF NOT EXISTS tinker_checkpoints_public ON tinker_checkpoints(run_id, kind, name) WHERE public = 1;
 CREATE INDEX IF NOT EXISTS tinker_checkpoints_expiring ON tinker_checkpoints(expires_at) WHERE expires_at IS NOT NULL;
 CREATE TABLE IF NOT EXISTS tinker_counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 INSERT OR IGNORE INTO tinker_counters VALUES ('seq', 0);
 """
+# Columns added after files were first written: (table, column, declaration) - added by `_migrate`.
+_ADDED_COLUMNS = (
+    ("tinker_sessions", "user_metadata", "TEXT"), ("tinker_sessions", "display_name", "TEXT"),
+    ("tinker_sessions", "project_id", "TEXT"), ("tinker_sessions", "finish_reason", "TEXT"),
+    ("tinker_sessions", "finish_detail", "TEXT"), ("tinker_checkpoints", "public", "INTEGER NOT NULL DEFAULT 0"),
+)
 
 
 @dataclass(frozen=True)
@@ -128,11 +159,14 @@ class TinkerRecords:
         self._db = sqlite3.connect(self.db_path, isolation_level=None, check_same_thread=False, timeout=30.0)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
+        self._migrate()
         self._db.executescript(_SCHEMA)
         self._lock = threading.Lock()
         row = self._db.execute("SELECT value FROM tinker_counters WHERE name = 'seq'").fetchone()
         self._seq = int(row[0])
         self._seq_lock = threading.Lock()
+        self._clone_lock = threading.Lock()
+        self._clones: dict[str, int] = {}  # join_sampling_session's counters handed out by this process
         self._writes: queue.Queue = queue.Queue()
         self._closed = False
         self._writer = threading.Thread(target=self._write_forever, name="tinker-records", daemon=True)
@@ -180,6 +214,13 @@ class TinkerRecords:
                 if then is not None:
                     then()
 
+    def _migrate(self) -> None:
+        """A file written before `_ADDED_COLUMNS` gets them (a fresh file gets them from the schema)."""
+        for table, column, declaration in _ADDED_COLUMNS:
+            columns = {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}
+            if columns and column not in columns:  # no columns: the table is new, the schema makes it whole
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}")
+
     def flush(self) -> None:
         """Wait until everything queued so far is committed."""
         self.write("SELECT 1", wait=True)
@@ -208,15 +249,61 @@ class TinkerRecords:
 
     # -- sessions ----------------------------------------------------------------------------------
 
-    def add_session(self, session_id: str, tenant: str) -> threading.Event:
-        return self.write("INSERT OR IGNORE INTO tinker_sessions VALUES (?, ?, ?, NULL)", (session_id, tenant, time.time()))
+    def add_session(self, session_id: str, tenant: str, *, user_metadata: dict | None = None, display_name: str | None = None,
+                    project_id: str | None = None, ended: tuple[str, str | None] | None = None) -> threading.Event:
+        """A session; ``ended``: (reason, detail) of a session that is over as it is made (a copy's)."""
+        now = time.time()
+        return self.write("INSERT OR IGNORE INTO tinker_sessions (session_id, tenant, created_at, ended_at, user_metadata, "
+                          "display_name, project_id, finish_reason, finish_detail) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                          (session_id, tenant, now, now if ended else None, _json(user_metadata), display_name, project_id,
+                           *(ended or (None, None))))
 
-    def end_session(self, session_id: str) -> None:
-        self.write("UPDATE tinker_sessions SET ended_at = ? WHERE session_id = ?", (time.time(), session_id))
+    def end_session(self, session_id: str, reason: str | None = None, detail: str | None = None) -> None:
+        """The session is over; its first reason stands (the SDK's close: first wins)."""
+        self.write("UPDATE tinker_sessions SET ended_at = COALESCE(ended_at, ?), finish_reason = COALESCE(finish_reason, ?), "
+                   "finish_detail = COALESCE(finish_detail, ?) WHERE session_id = ?", (time.time(), reason, detail, session_id))
 
     def live_sessions(self) -> list[tuple[str, str]]:
         """(session id, tenant) of every session not ended."""
         return [(r["session_id"], r["tenant"]) for r in self._read("SELECT session_id, tenant FROM tinker_sessions WHERE ended_at IS NULL")]
+
+    def sessions_of(self, tenant: str) -> list[dict]:
+        """Every session of `tenant`, live or ended, newest first, as raw rows."""
+        return self._read("SELECT * FROM tinker_sessions WHERE tenant = ? ORDER BY created_at DESC, session_id DESC", (tenant,))
+
+    def session_of(self, tenant: str, session_id: str) -> dict | None:
+        rows = self._read("SELECT * FROM tinker_sessions WHERE tenant = ? AND session_id = ?", (tenant, session_id))
+        return rows[0] if rows else None
+
+    def link_sampler(self, session_id: str, sampler_id: str) -> threading.Event:
+        return self.write("INSERT OR IGNORE INTO tinker_session_samplers VALUES (?, ?)", (session_id, sampler_id))
+
+    def samplers_of(self, session_id: str) -> list[str]:
+        return [r["sampler_id"] for r in self._read("SELECT sampler_id FROM tinker_session_samplers WHERE session_id = ? "
+                                                    "ORDER BY rowid", (session_id,))]
+
+    def next_clone(self, sampler_id: str) -> int:
+        """A number never handed out before for this sampling session, from 1 (the original client is 0):
+        join_sampling_session's client_counter. Its write is queued: the caller answers it after a
+        commit barrier (D1's rule), and numbers handed out meanwhile are counted in memory."""
+        name = f"clones:{sampler_id}"
+        with self._clone_lock:
+            rows = self._read("SELECT value FROM tinker_counters WHERE name = ?", (name,))
+            value = max(self._clones.get(name, 0), int(rows[0]["value"]) if rows else 0) + 1
+            self._clones[name] = value
+            self.write("INSERT OR REPLACE INTO tinker_counters VALUES (?, ?)", (name, value))
+        return value
+
+    # -- custom losses -------------------------------------------------------------------------------
+
+    def add_custom_loss(self, loss_id: str, tenant: str, session_id: str, spec: dict) -> threading.Event:
+        return self.write("INSERT OR IGNORE INTO tinker_custom_losses VALUES (?, ?, ?, ?, ?)",
+                          (loss_id, tenant, session_id, json.dumps(spec), time.time()))
+
+    def custom_loss(self, tenant: str, loss_id: str) -> tuple[str, dict] | None:
+        """(session id, spec) of the tenant's loss; None for another tenant's or an unknown id."""
+        rows = self._read("SELECT session_id, spec FROM tinker_custom_losses WHERE tenant = ? AND loss_id = ?", (tenant, loss_id))
+        return (rows[0]["session_id"], json.loads(rows[0]["spec"])) if rows else None
 
     # -- models --------------------------------------------------------------------------------------
 
@@ -247,9 +334,9 @@ class TinkerRecords:
 
     def add_checkpoint(self, tenant: str, run_id: str, kind: str, name: str, expires_at: float | None,
                        user_metadata: dict | None) -> threading.Event:
-        return self.write("INSERT OR REPLACE INTO tinker_checkpoints VALUES (?, ?, ?, ?, ?, ?, ?)",
-                          (tenant, run_id, kind, name, time.time(), expires_at,
-                           json.dumps(user_metadata) if user_metadata is not None else None))
+        return self.write("INSERT OR REPLACE INTO tinker_checkpoints (tenant, run_id, kind, name, created_at, expires_at, "
+                          "user_metadata) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                          (tenant, run_id, kind, name, time.time(), expires_at, _json(user_metadata)))
 
     def delete_checkpoint(self, tenant: str, run_id: str, kind: str, name: str) -> threading.Event:
         return self.write("DELETE FROM tinker_checkpoints WHERE tenant = ? AND run_id = ? AND kind = ? AND name = ?",
@@ -258,6 +345,20 @@ class TinkerRecords:
     def set_checkpoint_expiry(self, tenant: str, run_id: str, kind: str, name: str, expires_at: float | None) -> threading.Event:
         return self.write("UPDATE tinker_checkpoints SET expires_at = ? WHERE tenant = ? AND run_id = ? AND kind = ? AND name = ?",
                           (expires_at, tenant, run_id, kind, name))
+
+    def set_checkpoint_public(self, tenant: str, run_id: str, kind: str, name: str, public: bool) -> threading.Event:
+        return self.write("UPDATE tinker_checkpoints SET public = ? WHERE tenant = ? AND run_id = ? AND kind = ? AND name = ?",
+                          (int(public), tenant, run_id, kind, name))
+
+    def published(self, run_id: str, kind: str, name: str) -> dict | None:
+        """The published checkpoint of that path, whoever owns it (run ids are unique across tenants)."""
+        rows = self._read("SELECT * FROM tinker_checkpoints WHERE run_id = ? AND kind = ? AND name = ? AND public = 1",
+                          (run_id, kind, name))
+        return rows[0] if rows else None
+
+    def published_runs(self) -> list[tuple[str, str]]:
+        """(tenant, run id) of every run with a published checkpoint."""
+        return [(r["tenant"], r["run_id"]) for r in self._read("SELECT DISTINCT tenant, run_id FROM tinker_checkpoints WHERE public = 1")]
 
     def checkpoints(self, tenant: str, run_id: str | None = None) -> list[dict]:
         """The checkpoints of `tenant` (of one run), oldest first, as raw rows."""
@@ -319,6 +420,10 @@ class TinkerRecords:
         """D4: results older than the ttl go."""
         horizon = (time.time() if now is None else now) - self.result_ttl_s
         self.write("DELETE FROM tinker_futures WHERE state = 'done' AND done_at < ? AND request IS NULL", (horizon,))
+
+
+def _json(value: dict | None) -> str | None:
+    return json.dumps(value) if value is not None else None
 
 
 def _future(r: dict) -> FutureRow:

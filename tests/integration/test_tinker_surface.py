@@ -1,7 +1,7 @@
 """The RestClient's surface (tinker 0.38.0, unmodified) on lorafleet's Tinker routes: training
 runs, checkpoints, TTLs, external weights and their signed URLs, the served base-model name,
-and the calls that are refused. One in-process service on loopback for the module (the same
-routes `lorafleet serve` mounts), two tenants.
+and the calls that are refused (publishing, copies and sessions: tests/integration/test_tinker_calls.py).
+One in-process service on loopback for the module (the same routes `lorafleet serve` mounts), two tenants.
 
 * Scenario table: each of bob's calls on alice's run id or tinker path is 404 and changes
   nothing of alice's; each of alice's is served.
@@ -153,8 +153,7 @@ def test_runs_and_checkpoints_are_the_callers_own(world, tiny_world):
         ("unknown run", lambda: ra.get_training_run("s-0000000000000000:train:9").result(), 404),
         ("bad run id", lambda: ra.get_training_run("..").result(), 404),
         ("unknown checkpoint", lambda: ra.delete_checkpoint_from_tinker_path(f"tinker://{run_id}/weights/nope").result(), 404),
-        ("publish own", lambda: ra.publish_checkpoint_from_tinker_path(state).result(), 400),
-        ("sessions", lambda: ra.list_sessions().result(), 400),
+        ("assign project", lambda: ra.assign_session_project(alice.holder.get_session_id(), "p").result(), 400),
         ("bad ttl", lambda: ra.set_checkpoint_ttl_from_tinker_path(state, 10).result(), 400),
         ("own run", lambda: ra.get_training_run(run_id).result(), 200),
     ]
@@ -165,8 +164,8 @@ def test_runs_and_checkpoints_are_the_callers_own(world, tiny_world):
 
     with pytest.raises(tinker.BadRequestError, match="3600 \\(1 hour\\) to 315360000 \\(10 years\\)"):
         ra.set_checkpoint_ttl_from_tinker_path(state, 10).result()
-    with pytest.raises(tinker.BadRequestError, match="not served by lorafleet"):
-        ra.list_sessions().result()
+    with pytest.raises(tinker.BadRequestError, match="projects are not served by lorafleet"):
+        ra.assign_session_project(alice.holder.get_session_id(), "p").result()
 
     # Delete: gone from the listing and from disk; a second delete is 404.
     ra.delete_checkpoint_from_tinker_path(sampler).result()

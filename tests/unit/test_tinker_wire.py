@@ -59,7 +59,7 @@ def test_loss_resolution_defaults_and_refusals():
         ("cross_entropy", {"beta": 1}, "allowed: none"),
         ("ppo", {"clip_low_threshold": 1.5}, "clip_low_threshold <= clip_high_threshold"),
         ("dro", {"beta": float("inf")}, "must be a finite number"),
-        ("custom", None, "server-side custom losses are not supported"),
+        ("custom", None, "named by its loss_id in a Tinker forward_backward; a dataset run cannot name one"),
         ("mse", None, "unknown loss_fn 'mse'; supported: \\['cispo', 'cross_entropy', 'dro', 'gspo', 'importance_sampling', 'ppo', "
                         "'stable_reinforce'\\]"),
     ]:

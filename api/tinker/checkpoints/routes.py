@@ -5,9 +5,11 @@ checkpoints (list per run, list per caller, delete, TTL), ``save_weights_externa
 signed download URLs of its files (``tinker_cookbook.weights.download``). Thin handlers over
 ``api/tinker/checkpoints/runs.py`` (the records, R1-R4) and ``api/tinker/checkpoints/external_weights.py`` (the export
 and its URLs, X1-X3). Every route but the signed download takes the caller's key and sees only
-the caller's runs: another tenant's id or path is 404. RestClient calls lorafleet does not serve
-(sessions search and listing, projects, traces, publishing, copies, audit, billing) answer 400
-with what is served instead, so a client learns it at once (the SDK does not retry a 400).
+the caller's runs (and, with ``access_scope="accessible"``, the runs of checkpoints other tenants
+published: api/tinker/checkpoints/runs.py R5): another tenant's id or path is 404. Publishing and
+copies: api/tinker/checkpoints/sharing.py. RestClient calls lorafleet does not serve (projects,
+traces, audit, billing) answer 400 with what is served instead, so a client learns it at once (the
+SDK does not retry a 400).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from fastapi.responses import FileResponse
 
 from api.tinker import wire
 from api.tinker.checkpoints.external_weights import UrlSigner, file_in, parse_recipients, write_external
+from api.tinker.checkpoints.sharing import sharing_router
 from api.tinker.futures import user_error
 from api.tinker.service import TinkerService
 
@@ -27,22 +30,13 @@ MAX_PAGE = 1000
 
 # RestClient / AdminClient calls that are not served: (method, path) -> why, and what to use.
 NOT_SERVED = {
-    ("GET", "/sessions"): "listing sessions is not served by lorafleet; list_training_runs lists your training runs",
-    ("GET", "/sessions/{session_id}"): "get_session is not served by lorafleet; list_training_runs lists your training runs",
-    ("POST", "/sessions/search"): "searching sessions is not served by lorafleet; list_training_runs lists your training runs",
     ("PUT", "/sessions/{session_id}/project"): "projects are not served by lorafleet",
     ("GET", "/sessions/{session_id}/trace_export"): "session traces are not served by lorafleet",
-    ("POST", "/create_custom_loss"): "server-side custom losses are not served by lorafleet: forward_backward_custom "
-                                     "runs your loss on the client, or use a built-in loss_fn",
-    ("POST", "/copy_weights"): "copy_weights is not served by lorafleet: load the checkpoint "
-                                "(create_training_client_from_state) and save it under the new name",
     ("GET", "/audit"): "the audit log is not served by lorafleet",
     ("GET", "/billing/usage/events"): "billing is not served by lorafleet",
     ("GET", "/billing/usage/checkpoints/current"): "billing is not served by lorafleet; list_user_checkpoints shows "
                                                    "each checkpoint's size_bytes",
 }
-PUBLISH = ("publishing checkpoints is not served by lorafleet: a checkpoint is private to its tenant; "
-           "download it (get_external_weights_urls) to share it")
 
 
 def runs_router(service: TinkerService, signer: UrlSigner | None = None) -> APIRouter:
@@ -58,12 +52,12 @@ def runs_router(service: TinkerService, signer: UrlSigner | None = None) -> APIR
     @r.get("/training_runs")
     async def list_training_runs(request: Request, limit: int = Query(20, ge=1, le=MAX_PAGE), offset: int = Query(0, ge=0),
                                  access_scope: Literal["owned", "accessible"] = "owned") -> dict:
-        # "accessible" adds runs shared with the caller; nothing is shared here, so both are the caller's own.
-        return runs.list_runs(tenant(request), limit, offset)
+        # "accessible" adds the runs of checkpoints other tenants published (runs.py R5)
+        return runs.list_runs(tenant(request), limit, offset, accessible=access_scope == "accessible")
 
     @r.get("/training_runs/{run_id}")
     async def get_training_run(run_id: str, request: Request, access_scope: Literal["owned", "accessible"] = "owned") -> dict:
-        return runs.get_run(tenant(request), run_id)
+        return runs.get_run(tenant(request), run_id, accessible=access_scope == "accessible")
 
     # -- checkpoints ----------------------------------------------------------------------------
 
@@ -89,12 +83,6 @@ def runs_router(service: TinkerService, signer: UrlSigner | None = None) -> APIR
         except ValueError as err:
             raise HTTPException(400, str(err)) from None
         return {}
-
-    @r.post("/training_runs/{run_id}/checkpoints/{kind}/{name}/publish")
-    @r.delete("/training_runs/{run_id}/checkpoints/{kind}/{name}/publish")
-    async def publish(run_id: str, kind: str, name: str, request: Request) -> dict:
-        runs.checkpoint_folder(tenant(request), run_id, kind, name)  # another tenant's checkpoint stays 404
-        raise HTTPException(400, PUBLISH)
 
     # -- external weights -----------------------------------------------------------------------
 
@@ -150,6 +138,8 @@ def runs_router(service: TinkerService, signer: UrlSigner | None = None) -> APIR
         if path is None:
             raise missing
         return FileResponse(path, media_type="application/octet-stream")
+
+    r.include_router(sharing_router(service))  # publish, unpublish, copy_weights (api/tinker/checkpoints/sharing.py)
 
     # -- not served -----------------------------------------------------------------------------
 
