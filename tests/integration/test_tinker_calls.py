@@ -314,12 +314,21 @@ def test_publish_share_copy_and_unpublish(world, tiny_world):
 
 
 def test_join_sampling_session_counts_clones(world):
+    """A clone made from a sampler handle asks the server for its id (client/config says so) before its
+    first sample; the SDK's own join (run here without sampling: no engine) gets 1, the next ones 2, 3."""
+    import tinker
+
     _, url, _ = world
     sc = open_client(url, KEYS["alice"])
-    sid = sc.create_sampling_client(base_model=BASE).result()._sampling_session_id
+    original = sc.create_sampling_client(base_model=BASE).result()
+    sid = original._sampling_session_id
+    clone = tinker.SamplingClient.from_sampler_handle(original.get_sampler_handle(), api_key=KEYS["alice"])
+    assert clone._cloned_sampler_id is None  # waits for the server's number
+    clone.holder.run_coroutine_threadsafe(clone._join_sampling_session()).result(timeout=60)
+    assert clone._cloned_sampler_id == 1 and clone._request_id_counter == 1_000_000_000
     with http(url, "alice") as alice, http(url, "bob") as bob:
-        got = [alice.post("join_sampling_session", json={"sampling_session_id": sid}).json()["client_counter"] for _ in range(3)]
-        assert got == [1, 2, 3]
+        got = [alice.post("join_sampling_session", json={"sampling_session_id": sid}).json()["client_counter"] for _ in range(2)]
+        assert got == [2, 3]
         assert bob.post("join_sampling_session", json={"sampling_session_id": sid}).status_code == 404
         assert alice.post("join_sampling_session", json={"sampling_session_id": "samp-nope"}).status_code == 404
 

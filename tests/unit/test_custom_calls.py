@@ -112,3 +112,36 @@ def test_every_rank_gets_every_datums_metrics_exactly(tmp_path):
         assert got == want  # bit for bit: float64 on the wire
         call = [0, 2, 5]  # one call's riders: combined as one rank combines them
         assert combine_metrics([0.0] * 3, [got[k] for k in call]) == combine_metrics([0.0] * 3, [want[k] for k in call])
+
+
+# -- a replay after a restart runs the same loss (api/tinker/custom_losses.py C2) ---------------------------
+
+
+def test_a_replayed_custom_call_carries_its_loss(tmp_path):
+    """Under tinker_durability step a forward_backward after the last snapshot is replayed into the restored
+    slot from its recorded request: the request holds the custom loss, so the replay's Call carries the same
+    spec (the scheduler over the FAKE recording trainer of tests/unit/test_scheduler.py)."""
+    from tests.unit.test_scheduler import World, _one_step
+    from trainer.rounds import AdamStep, Datum
+
+    w = World(tmp_path, durability="step")
+    model, _ = w.create("a")
+    _one_step(w, model, "a1")
+    seen: list = []
+    recorded = w.trainer.run_round
+    w.trainer.run_round = lambda work: (seen.append([(c.loss_fn, c.custom_loss) for c in work.calls]), recorded(work))[1]
+    spec = spec_of(weighted, {"logprobs": 1, "weights": 1})
+    w.records.add_future("a2.fb", "alice", "a", "call")  # as World.call submits, with the loss as a keyword
+
+    def answered(value, error) -> None:  # noqa: ANN001 - the operation's done
+        w.answers["a2.fb"] = (value, error)
+        w.records.resolve("a2.fb", "json", b"{}", keep_request=True)
+
+    model.forward_backward([Datum([1, 2], {})], "custom", None, answered, custom_loss=spec, request_id="a2.fb")
+    w.round()
+    assert seen[-1] == [("custom", spec)]
+    w.records.flush()
+    w.scheduler.clear()  # the trainer lost: the model comes back from its snapshot and replays what came after
+    w.call(model, "a3.optim", "optim_step", AdamStep(learning_rate=0.1))
+    w.rounds_until(lambda: "a3.optim" in w.answers)
+    assert ("custom", spec) in [call for calls in seen[1:] for call in calls]  # the replay's call: the same loss

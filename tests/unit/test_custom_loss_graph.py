@@ -236,6 +236,29 @@ def test_the_sdks_forward_backward_request_reaches_the_loss_through_the_protobuf
     assert metrics == pytest.approx(want_metrics, rel=1e-6)
 
 
+def test_the_wire_reads_loss_id_only_as_a_custom_calls_name():
+    """proto_io: the one text value of loss_fn_config is a ``custom`` call's loss_id; anything else
+    textual, a custom call without its loss_id, or with other keys, is refused saying what to send."""
+    from api.tinker.proto_io import decode_forward_backward
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+
+    def body(loss_fn: str, config: dict | None) -> bytes:
+        data = sdk_data(*batch(weighted_ce))[:1]
+        request = types.ForwardBackwardRequest(model_id="m", seq_id=1, forward_backward_input=types.ForwardBackwardInput(
+            data=data, loss_fn=loss_fn, loss_fn_config=config))
+        return forward_backward_request_to_proto(request).SerializeToString()
+
+    cases = [
+        ("ppo", {"loss_id": "x"}, r"loss_fn_config\['loss_id'\] is text; only numbers are supported \(and loss_id"),
+        ("custom", None, r"loss_fn 'custom' takes loss_fn_config \{'loss_id'.* got \[\]"),
+        ("custom", {"loss_id": "x", "beta": 1.0}, r"and nothing else, got \['beta', 'loss_id'\]"),
+        ("custom", {"name": "x"}, r"loss_fn_config\['name'\] is text"),
+    ]
+    for loss_fn, config, message in cases:
+        with pytest.raises(ValueError, match=message):
+            decode_forward_backward(body(loss_fn, config))
+
+
 def no_gradient(logprobs, weights):
     return (logprobs.detach() * weights).sum(), {}
 
