@@ -18,6 +18,10 @@ slot segments, rank 16, bf16:
   ws(_lora)     persistent, the tile loop warp-specialised (Triton's autoWS: loader warps feed the
                 MMA warps; not flattened, which Hopper's autoWS does not take)
   tws(_lora)    one program per tile, its K loop warp-specialised
+  cutlass_lora  the CUTLASS kernel the trainer can use (trainer/kernels/cutlass_lora, lora_gemm = cutlass):
+                the expand as extra K blocks of a Hopper TMA/WGMMA GEMM, fastest of its kernel configs;
+                checked against the same fp32 reference. Not in the default --modes (it builds the
+                extension, minutes the first time): name it, e.g. --modes cutlass_lora
 
 Each Triton row is the fastest of a few tile configurations (printed). The probe's kernel needs
 every BM-row tile inside one segment (segments a multiple of BM tokens): a kernel for the trainer
@@ -26,6 +30,7 @@ reference (the epilogue accumulates in fp32, so it is not bit-equal to today's b
 
   python -m benchmarks.bench_lora_epilogue --out epilogue.json
   python -m benchmarks.bench_lora_epilogue --check     # CPU: Triton's interpreter, small shapes
+  python -m benchmarks.bench_lora_epilogue --modes cutlass_lora --groups 16,64   # the CUTLASS kernel
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from benchmarks.bench_lora_layer import timed  # noqa: E402
 
 SHAPES = {"qkv": (2048, 4096), "proj": (2048, 2048), "fc1": (2048, 12288), "fc2": (6144, 2048)}
 # (BM, BN, BK, warps, stages): Hopper-sized tiles of the Triton matmul tutorial, and a smaller one
+CUTLASS_MODE = "cutlass_lora"
 MODES = ["triton", "triton_lora", "tma", "tma_lora", "persistent", "persistent_lora", "ws", "ws_lora", "tws", "tws_lora"]
 CONFIGS = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4),
            (128, 256, 64, 8, 4), (128, 128, 128, 8, 3)]
@@ -272,6 +278,9 @@ def bench_shape(name: str, fan_in: int, fan_out: int, groups: int, tokens: int, 
             return mm_lora(lhs, w_kn, hh if lora else None, ll if lora else None, seg, config)
 
         for mode in modes:
+            if mode == CUTLASS_MODE:
+                row.update(_cutlass_row(side, lhs, w, hh, a if side == "dgrad" else b, counts, iters))
+                continue
             best = None
             for config in CONFIGS:
                 if seg % config[0]:
@@ -285,11 +294,37 @@ def bench_shape(name: str, fan_in: int, fan_out: int, groups: int, tokens: int, 
                     best = (ms, config)
             row[f"{side}_{mode}_ms"], row[f"{side}_{mode}_config"] = best if best else (None, None)
         want = reference(lhs, w_kn, hh, ll, seg)
-        for mode in (m for m in modes if m.endswith("_lora")):
+        if CUTLASS_MODE in modes:
+            row[f"{side}_{CUTLASS_MODE}_max_rel_err"] = max_rel_err(_cutlass_run(side, lhs, w, hh, a if side == "dgrad" else b, counts,
+                                                                                row[f"{side}_{CUTLASS_MODE}_config"]), want)
+        for mode in (m for m in modes if m.endswith("_lora") and m != CUTLASS_MODE):
             if row[f"{side}_{mode}_config"] is not None:
                 row[f"{side}_{mode}_max_rel_err"] = max_rel_err(run(mode, row[f"{side}_{mode}_config"]), want)
         row[f"{side}_today_max_rel_err"] = max_rel_err(today(), want)
     return row
+
+
+def _cutlass_run(side: str, lhs: torch.Tensor, w: torch.Tensor, rank_side: torch.Tensor, factor: torch.Tensor,
+                 counts: list[int], config: int) -> torch.Tensor:
+    """The trainer's CUTLASS kernel on one side: forward ("nk": lhs w^T + h B_g^T) or input gradient
+    ("kn": lhs w + gh A_g)."""
+    from trainer.kernels.cutlass_lora import kernels
+    from trainer.kernels.cutlass_lora.plan import TilePlan
+
+    plan = TilePlan.of(counts, kernels.CONFIGS[config].tile_m, lhs.device)
+    return kernels.run("nk" if side == "fwd" else "kn", lhs, w, rank_side, factor, plan, config)
+
+
+def _cutlass_row(side: str, lhs: torch.Tensor, w: torch.Tensor, rank_side: torch.Tensor, factor: torch.Tensor,
+                 counts: list[int], iters: int) -> dict:
+    """{side_cutlass_lora_ms, _config}: the fastest of the kernel's configs (name in the config column)."""
+    from trainer.kernels.cutlass_lora import kernels
+
+    times = {c: timed(lambda c=c: _cutlass_run(side, lhs, w, rank_side, factor, counts, c), iters)
+             for c in range(len(kernels.CONFIGS))}
+    best = min(times, key=times.get)
+    return {f"{side}_{CUTLASS_MODE}_ms": times[best], f"{side}_{CUTLASS_MODE}_config": best,
+            f"{side}_{CUTLASS_MODE}_all_ms": {kernels.CONFIGS[c].name: t for c, t in times.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -298,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--modes", default=",".join(MODES), help=f"comma list of the Triton modes to time ({','.join(MODES)})")
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help=f"comma list of the modes to time ({','.join(MODES)}, {CUTLASS_MODE})")
     ap.add_argument("--check", action="store_true", help="only check the kernel against the definition")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)

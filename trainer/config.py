@@ -126,6 +126,17 @@ class TrainerConfig(StrictModel):
             "H200), library otherwise."
         ),
     )
+    lora_gemm: Literal["library", "cutlass", "auto"] = Field(
+        "library",
+        description=(
+            "The fused node's base GEMM with its LoRA term (forward x W^T + h B^T, input gradient g W + gh A): "
+            "library = cuBLAS plus the segmented expand (today's path); cutlass = one CUTLASS GEMM with the "
+            "expand as extra K blocks (trainer/kernels/cutlass_lora: sm_90a, bf16, rank a multiple of 8; built "
+            "with nvcc on first use, refused where it cannot run); auto = cutlass where it can run and measured "
+            "faster on first use, else library. library stays the default until the H200 rows prove the kernel "
+            "(docs/BENCHMARKS.md)."
+        ),
+    )
     overlap_step: bool = Field(
         True,
         description=(

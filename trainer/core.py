@@ -66,7 +66,7 @@ class MultiLoraTrainer:
         )
         self.device = self.base.device
         self.routing = SlotRouting(config.num_slots, kernel=config.lora_kernel, fused=config.fused_lora,
-                                   rank_kernels=config.lora_rank_kernels)
+                                   rank_kernels=config.lora_rank_kernels, lora_gemm=config.lora_gemm)
         self.layers = install_multi_lora(
             self.base, target_modules=config.target_modules, num_slots=config.num_slots,
             max_rank=config.max_rank, routing=self.routing, tp_group=tp_group() if config.tp > 1 else None,

@@ -47,6 +47,14 @@ then stands in for the whole Megatron linear, its TP communication included:
 
 Same result as the general path up to float rounding (tests/unit/test_fused_lora.py; at
 TP 2: tests/integration/test_fused_lora_tp.py).
+
+LoRA in the GEMM (``lora_gemm``, trainer/kernels/cutlass_lora): with ``cutlass`` (or ``auto`` where it
+measured faster) the forward's ``x W^T + h B_g^T`` and the input gradient's ``g W + gh A_g`` run as ONE
+CUTLASS GEMM each, the expand as extra K blocks of the base GEMM, so the [T, out] delta and the
+[T, in] LoRA input gradient never exist. Everything else above is unchanged: h and gh are computed as
+before (and gh stays the partial sum under column-parallel TP), the row-parallel forward keeps its
+delta after the all-reduce on today's path, and ``library`` (the default) or a CPU tensor runs
+exactly today's code.
 """
 
 from __future__ import annotations
@@ -59,6 +67,8 @@ import torch
 import torch.distributed as dist
 
 from trainer.kernels import triton_lora
+from trainer.kernels.cutlass_lora import dispatch as lora_gemm_dispatch
+from trainer.kernels.cutlass_lora.plan import TilePlan
 from trainer.kernels.segmented_mm import Kernel, segment_mm, segment_mm_nt, segment_weight_grad
 
 
@@ -85,6 +95,15 @@ class SlotSpan:
         if t is None:
             t = self._tiles[device] = triton_lora.SlotTiles.of(self.counts, device)
         return t
+
+    def gemm_plan(self, tile_m: int, device: torch.device) -> TilePlan:
+        """The segments' row-tile table for the LoRA-in-the-GEMM kernel (made once per micro-batch and
+        tile height)."""
+        key = ("lora_gemm", tile_m, device)
+        plan = self._tiles.get(key)
+        if plan is None:
+            plan = self._tiles[key] = TilePlan.of(self.counts, tile_m, device)
+        return plan
 
     @staticmethod
     def of(offsets: torch.Tensor, counts: list[int]) -> "SlotSpan":
@@ -132,20 +151,23 @@ class FusedLoraLinear(torch.autograd.Function):
 
     ``kernel`` runs the GEMMs with a rank-R output dim (the expand and the LoRA input
     gradient); the four that reduce a wide operand to rank R (shrink, g B, dA, dB) run the
-    Triton kernels of triton_lora.py when ``rank_kernels == "triton"``, else ``kernel`` too."""
+    Triton kernels of triton_lora.py when ``rank_kernels == "triton"``, else ``kernel`` too. The base GEMM
+    with the expand, and with the LoRA input gradient, runs where ``lora_gemm`` says (module docstring)."""
 
     @staticmethod
     def forward(ctx, x, weight, a_param, b_param, a_c, b_c, span, scale_col, kernel, rank_kernels="library",  # noqa: ANN001
-                tp=None):
+                tp=None, lora_gemm="library"):
         a, b = a_c[span.lo : span.hi], b_c[span.lo : span.hi]
         if tp is not None and tp.mode == "row":
             y, h = _row_parallel_forward(x, weight, a, b, span, scale_col, kernel, rank_kernels, tp.group)
         else:
             h = _shrink_x(x, a, span, scale_col, kernel, rank_kernels)  # [T, R], scaled (whole: A is not split)
-            # In place on the fresh delta: out-of-place addmm would first copy C into its result.
-            y = segment_mm(h, b, span.offsets, span.counts, kernel).addmm_(x, weight.t())  # delta + x W^T
+            # Today's path in place on the fresh delta: out-of-place addmm would first copy C into its result.
+            y = lora_gemm_dispatch.base_plus_delta(
+                lora_gemm, "nk", x, weight, h, b, functools.partial(span.gemm_plan, device=x.device),
+                lambda: segment_mm(h, b, span.offsets, span.counts, kernel).addmm_(x, weight.t()))  # delta + x W^T
         ctx.save_for_backward(x, weight, h, a, b, scale_col)
-        ctx.span, ctx.kernel, ctx.rank_kernels, ctx.tp = span, kernel, rank_kernels, tp
+        ctx.span, ctx.kernel, ctx.rank_kernels, ctx.tp, ctx.lora_gemm = span, kernel, rank_kernels, tp, lora_gemm
         ctx.a_param, ctx.b_param = a_param, b_param
         return y
 
@@ -169,7 +191,9 @@ class FusedLoraLinear(torch.autograd.Function):
             gh_whole = gh.clone()
             gh_pending = dist.all_reduce(gh_whole, group=column_tp, async_op=True)
         if ctx.needs_input_grad[0]:
-            gx = segment_mm_nt(gh, a, span.offsets, span.counts, kernel).addmm_(gy, weight)
+            gx = lora_gemm_dispatch.base_plus_delta(
+                ctx.lora_gemm, "kn", gy, weight, gh, a, functools.partial(span.gemm_plan, device=x.device),
+                lambda: segment_mm_nt(gh, a, span.offsets, span.counts, kernel).addmm_(gy, weight))
             if column_tp is not None:
                 gx_pending = dist.all_reduce(gx, group=column_tp, async_op=True)
         for param in (ctx.a_param, ctx.b_param):
@@ -189,7 +213,7 @@ class FusedLoraLinear(torch.autograd.Function):
             grad_a.add_(segment_weight_grad(gh, x, span.offsets, span.counts, kernel))
         if gx_pending is not None:
             gx_pending.wait()
-        return gx, None, None, None, None, None, None, None, None, None, None
+        return gx, None, None, None, None, None, None, None, None, None, None, None
 
 
 def _shrink_x(x, a, span, scale_col, kernel, rank_kernels, out=None):  # noqa: ANN001

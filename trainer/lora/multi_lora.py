@@ -91,11 +91,13 @@ class SlotRouting:
     """
 
     def __init__(self, num_slots: int, kernel: Literal["auto", "grouped_mm", "loop"] = "auto", fused: bool = True,
-                 rank_kernels: Literal["auto", "triton", "library"] = "auto") -> None:
+                 rank_kernels: Literal["auto", "triton", "library"] = "auto",
+                 lora_gemm: Literal["library", "cutlass", "auto"] = "library") -> None:
         self.num_slots = num_slots
         self.kernel = kernel
         self.fused = fused  # layers that can take FusedLoraLinear (fused_lora.py) do
         self.rank_kernels = rank_kernels  # the fused node's rank-R reductions (triton_lora.py)
+        self.lora_gemm = lora_gemm  # the fused node's base GEMM with the LoRA term (kernels/cutlass_lora)
         self.enabled = False
         self.batch = 0
         self.seq_len = 0
@@ -276,7 +278,8 @@ class MultiLoraLinear(AwaitsStep, nn.Module):
             x_tok = grouped_operand(x_tok)
         y = FusedLoraLinear.apply(x_tok, self.base.weight, self.lora_A, self.lora_B, a_c, b_c, r.span,
                                   r.scale_column(x.dtype, self.group), kernel,
-                                  triton_lora.pick(r.rank_kernels, x_tok, r.span.segments), self._fused_tp)
+                                  triton_lora.pick(r.rank_kernels, x_tok, r.span.segments), self._fused_tp,
+                                  r.lora_gemm)
         return y.view(x.shape[0], 1, -1)
 
     def _delta(self, x: torch.Tensor) -> torch.Tensor:
