@@ -2,7 +2,12 @@
 # The trainer's GPU tier and benchmarks in one go, on the device machine (docs/BENCHMARKS.md).
 # Usage (repo root, megatron wheels installed on PYTHONPATH): bash benchmarks/gpu_suite.sh OUTDIR [PARTS]
 # PARTS: comma list of tests,fp32dev,lora,mixed16k,mixed8k,frozen,packed,parallel (default: all),
-# or tp2,dp2,tp2general,single (not in the default).
+# or tp2,dp2,tp2general,single,tinkerround,tinkerdp (not in the default).
+#   tinkerround  issue 45 item 4: benchmarks/bench_tinker_round.py, the Tinker round (64 models' datums and
+#              optim_steps, coalesced) against a dataset round of the same tokens, 64 x 256 and 16 x 1024: the
+#              overhead in ms and its phases, syncs and profile (one GPU; TINKER_CASES to change)
+#   tinkerdp   issue 46 item 1: tests/gpu/test_tinker_dp_gpu.py, a Tinker model's rounds in fp32 at DP=2 over
+#              NCCL against one GPU and against HF+peft+AdamW (2 GPUs; skipped with one)
 # parallel is benchmarks/bench_parallel_step.py (Qwen3-8B shape, TP=2 then DP=2, fused LoRA node; needs 2 GPUs, ~8 min).
 # The issue-18 rows one part at a time (each its own command, to stay inside a 10-minute limit;
 # N=1,16,64 unless N=... is set, e.g. N=64 bash benchmarks/gpu_suite.sh OUT tp2):
@@ -79,6 +84,22 @@ for part in tp2 dp2 tp2general; do
     esac
   fi
 done
+if has tinkerround; then
+  if timeout 400 python3 -m benchmarks.bench_tinker_round --cases "${TINKER_CASES:-64x256,16x1024}" --iters 10 --warmup 2 \
+      --repeats 2 --profile-out "$out/tinker_prof" --out "$out/tinker_round.json" > "$out/tinker_round.log" 2>&1; then
+    grep -E "^# (phases|syncs|profile|[0-9]+ x)|^\||^reproduce" "$out/tinker_round.log" | cut -c1-400
+  else
+    echo "tinkerround: FAILED"; tail -20 "$out/tinker_round.log"
+  fi
+fi
+if has tinkerdp; then
+  if [ "$ngpu" -ge 2 ]; then
+    timeout 400 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_tinker_dp_gpu.py -rf --durations=3 2>&1 \
+      | tee "$out/tinker_dp_gpu.log" | grep -E "passed|failed|error|^FAILED|dp=2|^[0-9.]+s " | cut -c1-400
+  else
+    echo "tinkerdp: skipped ($ngpu GPU; needs 2)"
+  fi
+fi
 if has single; then
   if [ "$ngpu" -ge 1 ]; then
     bench_parallel "parallel_single_${SINGLE_RECOMPUTE:-none}" --layout single --single-recompute "${SINGLE_RECOMPUTE:-none}"

@@ -13,8 +13,12 @@
 #            (N = 1, 8, 32) and dense (N = 16, 64) rounds back to back, step overlapped and in order
 #   compacttests  the compact optimizer state (bf16 moments, trainer/optim/compact_state.py): its GPU test
 #            (dense and MoE, overlapped vs in order) and its unit tests compiled on the device (carry .cache/tiny_moe too)
-#   compact  MoE N = 8, 32 with every adapter's moments fp32, then bf16: round by round (the step phase's ms
-#            and bytes/s: "# step" lines) and back to back, step overlapped and in order; 2 repeats alternating
+#   compact  MoE N = 8, 32 (COMPACT_N) with every adapter's moments fp32, then bf16, each run with its own frozen
+#            base: round by round (the step phase's ms and bytes/s: "# step" lines) and back to back, step
+#            overlapped and in order; 2 repeats alternating; then both runs side by side against the target
+#            (benchmarks/state_dtype_table.py: mixed / base <= 1.15 at N = 32). About 2 min a run on one H200.
+# BENCH_EXTRA: arguments appended to the compact part's benchmark runs (the CPU smoke test:
+#   BENCH_EXTRA="--tiny --iters 1 --warmup 0 --repeats 1" PATH=.venv/bin:$PATH bash benchmarks/issue28_moe.sh OUT compact)
 set -uo pipefail
 out=${1:?output folder}
 parts=${2:-tests,after,before,kernels}
@@ -43,10 +47,11 @@ if has compacttests; then
 fi
 if has compact; then
   for sd in float32 bfloat16; do
-    timeout 280 python3 -m benchmarks.bench_moe_step --n 8,32 --only mixed,mixed_b2b,mixed_b2b_in_order --iters 10 \
-      --warmup 2 --repeats 2 --state-dtype $sd --out "$out/moe_state_$sd.json" 2>&1 \
-      | quiet | tee "$out/moe_state_$sd.log" | grep -E "^\||^# step" | cut -c1-260
+    timeout 280 python3 -m benchmarks.bench_moe_step --n "${COMPACT_N:-8,32}" --only mixed,base,mixed_b2b,mixed_b2b_in_order,base_b2b \
+      --iters 10 --warmup 2 --repeats 2 --state-dtype $sd --out "$out/moe_state_$sd.json" ${BENCH_EXTRA:-} 2>&1 \
+      | quiet | tee "$out/moe_state_$sd.log" | grep -E "^\||^# step|^reproduce" | cut -c1-260
   done
+  python3 -m benchmarks.state_dtype_table "$out/moe_state_float32.json" "$out/moe_state_bfloat16.json" 2>&1 | tee "$out/moe_state_table.md"
 fi
 if has tests; then
   timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu --durations=5 -rf 2>&1 | tee "$out/gpu_tests.log" \
