@@ -11,7 +11,8 @@ Ray temp dir (RAY_TMPDIR), so neither reaches the test process or anybody else o
 record is removed when the cluster shuts down.
 
 Protocol (one JSON object per line): the child prints {"address": ..., "head": node_id} once up, then
-answers each command: {"op": "add", "num_cpus": N} -> {"node_id": ...}; {"op": "kill", "node_id": ...}
+answers each command: {"op": "add", "num_cpus": N, "env": {...}} -> {"node_id": ...} (env: variables of
+that node's own environment, which its Ray processes and workers inherit, as a node's `ray start` would); {"op": "kill", "node_id": ...}
 (every Ray process of that node SIGKILLed, as a lost machine) -> {"killed": node_id};
 {"op": "raylets"} -> {node_id: raylet pid}; {"op": "shutdown"} -> {"bye": true}.
 """
@@ -63,9 +64,9 @@ class LoopbackCluster:
             raise ValueError(f"cluster keeper: {answer['error']}")
         return answer
 
-    def add(self, num_cpus: int) -> str:
-        """A worker node joins; its Ray node id (in `workers` from now on)."""
-        node = self._ask(op="add", num_cpus=num_cpus)["node_id"]
+    def add(self, num_cpus: int, env: dict[str, str] | None = None) -> str:
+        """A worker node joins, with `env` added to its environment; its Ray node id (in `workers` from now on)."""
+        node = self._ask(op="add", num_cpus=num_cpus, env=env or {})["node_id"]
         self.workers.append(node)
         return node
 
@@ -110,7 +111,13 @@ def _serve(object_store_mb: int) -> None:
         for line in sys.stdin:
             cmd = json.loads(line)
             if cmd["op"] == "add":
-                node = cluster.add_node(node_ip_address="127.0.0.1", num_cpus=cmd["num_cpus"], object_store_memory=store)
+                before = dict(os.environ)
+                os.environ.update(cmd.get("env") or {})  # the raylet and its workers inherit it
+                try:
+                    node = cluster.add_node(node_ip_address="127.0.0.1", num_cpus=cmd["num_cpus"], object_store_memory=store)
+                finally:
+                    os.environ.clear()
+                    os.environ.update(before)
                 nodes[node.node_id] = node
                 out = {"node_id": node.node_id}
             elif cmd["op"] == "kill":
