@@ -159,8 +159,8 @@ def timed_back_to_back(fn, iters: int, warmup: int, phases: PhaseTimer | None = 
 
 
 def timer_for(mode: str) -> Callable:
-    """How a mode's rounds are timed: back to back for the *_b2b modes, else round by round."""
-    return timed_back_to_back if mode.endswith(("_b2b", "_b2b_in_order")) else timed
+    """How a mode's rounds are timed: back to back for the *_b2b* modes, else round by round."""
+    return timed_back_to_back if "_b2b" in mode else timed
 
 
 def measure_modes(row: dict, modes: list[str], repeats: int, measure: Callable[[str], dict], label: str) -> None:
@@ -284,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1, help="measure every mode this many times, alternating")
     ap.add_argument("--only", default=None, help="comma list of modes: serialized,mixed,base,mixed_library,"
                     "mixed_b2b,mixed_b2b_in_order,base_b2b (the last three: rounds back to back, timed_back_to_back) "
-                    "(mixed_library: the mixed step with lora_rank_kernels='library')")
+                    "(mixed_library: the mixed step with lora_rank_kernels='library'); mixed_cutlass, "
+                    "mixed_b2b_cutlass, mixed_b2b_in_order_cutlass: with lora_gemm='cutlass' (H200)")
     ap.add_argument("--n", default="all", help="comma list of the cases' N to run (default all: 1,4,16,64,32)")
     ap.add_argument("--serialized-n", default="all",
                     help="comma list of N whose serialized rounds are timed (they take N train calls), or 'all'")
@@ -345,9 +346,13 @@ def main(argv: list[str] | None = None) -> int:
             res = trainer.train(mixed)
             assert len(res.stepped) == n
 
+        run_cutlass = with_routing(trainer, "lora_gemm", "cutlass", run_mixed)
         runners = {"serialized": run_serialized, "mixed": run_mixed, "base": lambda: frozen_base_pass(trainer, mixed),
-                   "mixed_library": with_library_kernels(trainer, run_mixed)}
+                   "mixed_library": with_routing(trainer, "rank_kernels", "library", run_mixed),
+                   "mixed_cutlass": run_cutlass}
         runners.update(back_to_back_modes(trainer, run_mixed, runners["base"]))
+        runners.update({f"{mode}_cutlass": run for mode, run in back_to_back_modes(trainer, run_cutlass, runners["base"]).items()
+                        if mode.startswith("mixed")})
         def measure(mode: str) -> dict:
             n_iters = args.serialized_iters or iters if mode == "serialized" else iters
             return timer_for(mode)(runners[mode], n_iters, args.warmup, phases if mode != "base" else None)
@@ -375,18 +380,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def with_library_kernels(trainer, run: Callable[[], None]) -> Callable[[], None]:
-    """``run`` with the trainer's ``lora_rank_kernels`` set to 'library' (the mixed_library mode:
-    the library GEMMs where the default takes the Triton kernels)."""
+def with_routing(trainer, attr: str, value: str, run: Callable[[], None]) -> Callable[[], None]:
+    """``run`` with one of the trainer's kernel choices changed for its duration: mixed_library
+    (``rank_kernels`` 'library': the library GEMMs where the default takes the Triton kernels) and the
+    *_cutlass modes (``lora_gemm`` 'cutlass': the base GEMM with the LoRA term in one CUTLASS kernel,
+    trainer/kernels/cutlass_lora; CUDA sm_90a only, the mode fails with the reason elsewhere)."""
 
-    def run_library() -> None:
-        kept, trainer.routing.rank_kernels = trainer.routing.rank_kernels, "library"
+    def run_with() -> None:
+        kept = getattr(trainer.routing, attr)
+        setattr(trainer.routing, attr, value)
         try:
             run()
         finally:
-            trainer.routing.rank_kernels = kept
+            setattr(trainer.routing, attr, kept)
 
-    return run_library
+    return run_with
 
 
 def profile_round(trainer, batch, folder: str, tag: str) -> dict:

@@ -64,7 +64,7 @@ from benchmarks.bench_mixed_step import (  # noqa: E402
     measure_modes,
     profile_round,
     timer_for,
-    with_library_kernels,
+    with_routing,
 )
 from benchmarks.failures import describe_failure  # noqa: E402
 from benchmarks.sync_census import sync_sites  # noqa: E402
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         def run_mixed():
             assert len(trainer.train(mixed).stepped) == n
 
-        runners = {"serialized": run_serialized, "mixed": run_mixed, "mixed_library": with_library_kernels(trainer, run_mixed),
+        runners = {"serialized": run_serialized, "mixed": run_mixed, "mixed_library": with_routing(trainer, "rank_kernels", "library", run_mixed),
                    "base": lambda: frozen_base_pass(trainer, mixed)}
         runners.update(back_to_back_modes(trainer, run_mixed, runners["base"]))
         def measure(mode: str) -> dict:

@@ -110,7 +110,7 @@ def trainer_config(opts: dict, layout: str, num_slots: int, recompute: str, path
 
     return TrainerConfig(base_model_path=opts["folder"], random_init=True, num_slots=num_slots, max_rank=opts["rank"],
                          micro_batch_tokens=opts["micro_batch_tokens"], recompute=recompute, fused_lora=path == "fused",
-                         export_writer_threads=opts["export_threads"],
+                         export_writer_threads=opts["export_threads"], lora_gemm=opts["lora_gemm"],
                          **LAYOUTS[layout])
 
 
@@ -458,6 +458,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lora-path", default="fused",
                     help="comma list of fused, general for tp2 / dp2: each layout runs on each (fused = the fused "
                          "LoRA node, the trainer's default; general = fused_lora off)")
+    ap.add_argument("--lora-gemm", choices=["library", "cutlass", "auto"], default="library",
+                    help="TrainerConfig.lora_gemm: the fused node's base GEMM with its LoRA term (cutlass: H200 only)")
     ap.add_argument("--micro-batch-tokens", type=int, default=16384)
     ap.add_argument("--export-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                     help="mode export: the publish folders' dtype (engines.publish_dtype; auto is the engines' "
@@ -534,6 +536,7 @@ def main(argv: list[str] | None = None) -> int:
                 "export_dtype": args.export_dtype, "export_threads": args.export_threads,
                 "export_writers": args.export_writer.split(","), "export_sync": args.export_sync, "export_parts": args.export_parts,
                 "tokens": tokens, "plan": plan, "modes": modes, "slots": args.slots, "rank": args.rank,
+                "lora_gemm": args.lora_gemm,
                 "micro_batch_tokens": args.micro_batch_tokens if not args.tiny else min(args.micro_batch_tokens, tokens),
                 "collective_timeout_s": args.collective_timeout_s, "serialized_n": {int(x) for x in args.serialized_n.split(",")},
                 "iters": args.iters or (2 if args.tiny else 3), "warmup": args.warmup,

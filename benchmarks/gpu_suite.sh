@@ -2,7 +2,13 @@
 # The trainer's GPU tier and benchmarks in one go, on the device machine (docs/BENCHMARKS.md).
 # Usage (repo root, megatron wheels installed on PYTHONPATH): bash benchmarks/gpu_suite.sh OUTDIR [PARTS]
 # PARTS: comma list of tests,fp32dev,lora,mixed16k,mixed8k,frozen,packed,parallel (default: all),
-# or tp2,dp2,tp2general,single,tinkerround,tinkerdp (not in the default).
+# or tp2,dp2,tp2general,single,tinkerround,tinkerdp,cutlass,tp2cutlass (not in the default).
+#   cutlass    issue 45 item 1: LoRA in the GEMM (trainer/kernels/cutlass_lora; needs nvidia-cutlass's headers,
+#              pip install --no-deps nvidia-cutlass==4.2.0.0): the extension built (ptxas report), its GPU test,
+#              the kernel against cuBLAS and today's path (bench_lora_epilogue), then the dense mixed step with
+#              lora_gemm library and cutlass side by side in one process, 16 x 1024 and 64 x 256, back to back
+#   tp2cutlass issue 46 item 2: bench_parallel_step --layout tp2 --n 1,16,64 --only mixed,base with lora_gemm
+#              library, then cutlass (2 GPUs; the TP=2 case of tests/gpu/test_lora_gemm_gpu.py runs under cutlass)
 #   tinkerround  issue 45 item 4: benchmarks/bench_tinker_round.py, the Tinker round (64 models' datums and
 #              optim_steps, coalesced) against a dataset round of the same tokens, 64 x 256 and 16 x 1024: the
 #              overhead in ms and its phases, syncs and profile (one GPU; TINKER_CASES to change)
@@ -84,6 +90,24 @@ for part in tp2 dp2 tp2general; do
     esac
   fi
 done
+if has cutlass; then
+  timeout 900 python3 -m trainer.kernels.cutlass_lora.build > "$out/cutlass_build.log" 2>&1 || { echo "cutlass: BUILD FAILED"; tail -30 "$out/cutlass_build.log"; }
+  grep -E "compiled|registers|spill" "$out/cutlass_build.log" | tail -12
+  timeout 600 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_lora_gemm_gpu.py -rf 2>&1 | tee "$out/lora_gemm_gpu.log" \
+    | grep -E "passed|failed|error|^FAILED" | tail -5
+  timeout 400 python3 -m benchmarks.bench_lora_epilogue --modes triton,cutlass_lora --groups 16,64 --out "$out/cutlass_epilogue.json" 2>&1 | quiet | tail -12
+  timeout 500 python3 -m benchmarks.bench_mixed_step --n 16,64 --only mixed,mixed_cutlass,base,mixed_b2b,mixed_b2b_cutlass,base_b2b \
+    --iters 10 --warmup 2 --repeats 2 --out "$out/mixed_cutlass.json" 2>&1 | quiet | grep -E "^\||^N=|^reproduce" | cut -c1-300
+fi
+if has tp2cutlass; then
+  if [ "$ngpu" -ge 2 ]; then
+    for g in library cutlass; do
+      bench_parallel "parallel_tp2_$g" --layout tp2 --n 1,16,64 --only mixed,base --recompute none --lora-gemm $g
+    done
+  else
+    echo "tp2cutlass: skipped ($ngpu GPU; needs 2)"
+  fi
+fi
 if has tinkerround; then
   if timeout 400 python3 -m benchmarks.bench_tinker_round --cases "${TINKER_CASES:-64x256,16x1024}" --iters 10 --warmup 2 \
       --repeats 2 --profile-out "$out/tinker_prof" --out "$out/tinker_round.json" > "$out/tinker_round.log" 2>&1; then
