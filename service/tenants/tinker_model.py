@@ -106,6 +106,7 @@ class TinkerModel:
         self._restore: Callable[[int], Any] | None = None  # fills its slot when its state is not in the swap store
         self.closing = False  # the service saves its state for a restart: nothing more is queued
         self.stats = stats or ModelStats()  # service/tenants/tinker_stats.py
+        self._evicted_at = 0.0  # time.time() of its last eviction: it began to wait then (waiting_since)
 
     # --- what the Tinker face calls (any thread) ------------------------------------------------
 
@@ -186,8 +187,10 @@ class TinkerModel:
         return head is not None and head.needs_slot
 
     def waiting_since(self) -> float:
+        """Its head call's arrival, or its eviction when later: an evicted model joins the end of the
+        queue (docs/concepts.md "Fair turns"), behind those that began to wait while it held its slot."""
         head = self._head()
-        return head.queued_at if head is not None else time.time()
+        return max(head.queued_at, self._evicted_at) if head is not None else time.time()
 
     def waiting_for_slot(self, reason: str) -> None:
         self.waiting_reason = reason
@@ -288,7 +291,7 @@ class TinkerModel:
         self.waiting_reason = None
 
     def on_evicted(self) -> None:
-        pass
+        self._evicted_at = time.time()
 
     def on_restored(self) -> None:
         self.steps_in, self.last_active, self.waiting_reason = 0, self._clock(), None

@@ -503,3 +503,23 @@ def test_a_model_whose_calls_cannot_be_built_answers_them(tmp_path, monkeypatch)
         w.round()
     value, error = w.answers["a.fb"]
     assert value is None and "could not run this call" in str(error) and "planted" in str(error)
+
+
+def test_an_evicted_model_joins_the_end_of_the_queue(tmp_path):
+    """First come, first served counts from when a tenant BEGAN to wait (docs/concepts.md "Fair turns":
+    a just-evicted tenant joins the end). A's next call was queued while it held the slot, before C2
+    came; A is evicted (its turn used) after C2 began to wait: C2 gets the slot before A. (Seen with 64
+    SDK tenants through 4 slots: a model waited 62 grants for its first slot against the bound of 60.)"""
+    w = World(tmp_path, num_slots=1, turn_steps=1)
+    a, _ = w.create("a")
+    w.fb(a, "a.fb0")
+    w.optim(a, "a.optim0")
+    w.fb(a, "a.fb1")  # queued while A is resident
+    c1, _ = w.create("c1")  # waits; the round runs A's step: its turn is used
+    c2, _ = w.create("c2")  # waits; this round's placement evicts A for C1 (A now waits, behind C2)
+    assert w.scheduler.slot_of("c1") == 0 and "a.fb1" not in w.answers
+    w.fb(c1, "c1.fb")
+    w.optim(c1, "c1.optim")
+    w.round()  # C1's step: its turn is used
+    w.round()  # C1 evicted: the slot goes to C2, who began to wait before A did
+    assert w.scheduler.slot_of("c2") == 0 and "a.fb1" not in w.answers
