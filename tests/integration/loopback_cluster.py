@@ -94,6 +94,17 @@ class LoopbackCluster:
                 self._proc.wait(30)
         shutil.rmtree(self.tmp, ignore_errors=True)
 
+    def back_on_a_node_left(self, client, name: str, before: dict, deadline_s: float) -> dict:  # noqa: ANN001
+        """Wait until the service's process `name` (``client``: its LorafleetClient) runs again, a new pid,
+        on a worker node still in this cluster; its /v1/fleet record."""
+        from tests.waiting import wait_until
+
+        def back():
+            p = {x["name"]: x for x in client.fleet()}.get(name)  # a trainer being restarted is not listed
+            return p is not None and p["pid"] and p["pid"] != before["pid"] and p["node_id"] in self.workers and p
+
+        return wait_until(back, f"{name} running again on a node that is left", deadline_s, interval_s=0.5)
+
 
 def _serve(object_store_mb: int) -> None:
     import ray._private.ray_constants as ray_constants

@@ -164,15 +164,6 @@ def write_timeline(service: Service, name: str, marks: dict[str, float | None]) 
     return rel
 
 
-def back_on_a_node_left(client, cluster: LoopbackCluster, name: str, before: dict) -> dict:
-    """Wait until process `name` runs again (a new pid) on a worker node still in the cluster; its record."""
-    def back():
-        p = processes(client).get(name)  # a trainer being restarted is not listed
-        return p is not None and p["pid"] and p["pid"] != before["pid"] and p["node_id"] in cluster.workers and p
-
-    return wait_until(back, f"{name} running again on a node that is left", LONG_S, interval_s=0.5)
-
-
 def completed(client, names) -> tuple[dict[str, dict], dict[str, list[dict]], float]:
     """Wait until every run of `names` is COMPLETED: their records, their step series, the time it was so."""
     done = {n: wait_for(client, n, lambda r: r["state"] == "COMPLETED", "COMPLETED", LONG_S) for n in names}
@@ -208,11 +199,15 @@ def sample_outcome(future) -> str:  # the SDK's future of a sample
 def test_the_tiny_job_runs_with_trainer_and_engine_on_different_nodes(service, cluster, tinker, tiny_world):
     from tests.integration.sglang_fixtures import hf_greedy
 
-    def model_a() -> str:  # trains at once (the trainer serves before the engines are up): its sampler weights' path
+    def model_a() -> tuple[str, list, list]:
+        """Trains at once (the trainer serves before the engines are up); its sampler weights' path and the
+        greedy continuations of HF+PEFT on their folder and of the base (off the drill's critical path)."""
         tinker.a = tinker.client.create_lora_training_client(base_model=tinker_sdk.BASE, rank=4, seed=tinker_sdk.SEED,
                                                              train_unembed=False).result(tinker_sdk.CALL_TIMEOUT_S)
         tinker.a_losses += tinker_sdk.train(tinker.a, tinker.data, range(1, 3))
-        return tinker.a.save_weights_for_sampler("a-2").result(tinker_sdk.CALL_TIMEOUT_S).path
+        path = tinker.a.save_weights_for_sampler("a-2").result(tinker_sdk.CALL_TIMEOUT_S).path
+        folder = sampler_folder(service, tinker.a.model_id, "a-2")
+        return path, *(hf_greedy(tiny_world / "model", f, tinker.prompts, tinker_sdk.MAX_TOKENS) for f in (folder, None))
 
     with service.client() as c, ThreadPoolExecutor(1) as pool:
         a_weights = pool.submit(model_a)
@@ -232,12 +227,11 @@ def test_the_tiny_job_runs_with_trainer_and_engine_on_different_nodes(service, c
         assert f"placement: engine 0: node 2 (127.0.0.1, {engine['node_id'][:12]})" in printed
         # it trains on that split: the RL adapters generate on the engine's node, the trainer steps them
         wait_for(c, "digits", lambda r: r["step"] >= 2, "2 RL steps", LONG_S)
-        path = a_weights.result(LONG_S)
-    # the Tinker tenant samples A's weights on the engine: HF+PEFT's greedy continuations of its folder
+        path, peft, base = a_weights.result(LONG_S)
+    # the Tinker tenant samples A's weights on the engine: HF+PEFT's greedy continuations of their folder
     tinker.sampler = tinker.client.create_sampling_client(model_path=path).result(tinker_sdk.CALL_TIMEOUT_S)
     tinker.greedy = tinker_sdk.greedy(tinker.sampler, tinker.prompts)
-    peft = hf_greedy(tiny_world / "model", sampler_folder(service, tinker.a.model_id, "a-2"), tinker.prompts, tinker_sdk.MAX_TOKENS)
-    assert peft != hf_greedy(tiny_world / "model", None, tinker.prompts, tinker_sdk.MAX_TOKENS)  # A's steps changed them
+    assert peft != base  # A's two steps changed them: its adapter is what samples
     assert all(tinker_sdk.agrees(g, r) for g, r in zip(tinker.greedy, peft)), (tinker.greedy, peft)
 
 
@@ -258,7 +252,7 @@ def test_the_engine_node_lost_mid_run(service, cluster, tinker):
         # Tinker training needs no engine: model A's steps 3-5 meanwhile
         a_steps = pool.submit(lambda: (tinker_sdk.train(tinker.a, tinker.data, range(3, TINKER_STEPS + 1)), time.time()))
 
-        moved = back_on_a_node_left(c, cluster, "engine-0", before["engine-0"])
+        moved = cluster.back_on_a_node_left(c, "engine-0", before["engine-0"], LONG_S)
         marks["engine_back"] = time.time()
         sft_meanwhile = c.get("kinds_sft")["step"]
         c.retire("kinds_sft")
@@ -325,7 +319,7 @@ def test_the_trainer_node_lost_mid_run(service, cluster, tiny_world, tinker):
         finally:
             killed.set()  # B goes on: its second forward_backward and optim_step of the step meet the loss
 
-        moved = back_on_a_node_left(c, cluster, "trainer-rank-0", before["trainer-rank-0"])
+        moved = cluster.back_on_a_node_left(c, "trainer-rank-0", before["trainer-rank-0"], LONG_S)
         marks["trainer_back"] = time.time()
         b, b_losses = b_run.result(LONG_S)  # the same TrainingClient: no restart, no error
         marks["tinker_b_done"] = time.time()

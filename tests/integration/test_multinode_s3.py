@@ -10,12 +10,15 @@ filesystem here (one host), so the proof is what the service needs, not what it 
   1. the job runs with the trainer and the engine on the two worker nodes (the planner's choice, as in
      test_multinode.py); the trainer writes checkpoints into the object store (committed folders under
      runs/ in the bucket); the start-up probe ran on the trainer's node with that node's environment;
-  2. the coordinator is SIGKILLed mid-run, every run live with a checkpoint (the SFT run, ten times
+  2. the engine's node is lost (test_multinode.py's engine-node drill): a third node with its own
+     environment joins, the engine comes back there and the RL runs go on (two steps each), their
+     weights reaching the new engine from the trainer (no hand-off folder is shared);
+  3. the coordinator is SIGKILLed mid-run, every run live with a checkpoint (the SFT run, ten times
      faster here, registered over REST once the RL runs have theirs); then the dead coordinator's
      state dir and every node's scratch folder are DELETED, leaving only a copy of its registry
      (sqlite3's backup of registry.sqlite3, as an operator copies it) in a new state dir, as a
      coordinator restarted on another machine would have;
-  3. a new coordinator on that state dir resumes every run from the object store: each prepared again
+  4. a new coordinator on that state dir resumes every run from the object store: each prepared again
      at its last checkpoint's step (at least the one the registry recorded before the kill), every
      run ends COMPLETED at its total with each step recorded once, nothing trained twice past a
      checkpoint, and its export committed in the bucket (verified through the store; the SFT run's
@@ -57,11 +60,14 @@ LONG_S = 1500.0  # deadlines: a loaded 2-core machine starts an engine in minute
 def world(tiny_world, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("multinode-s3")
     with seaweedfs() as s3:
-        scratch = {name: tmp / name for name in ("node-a", "node-b", "coordinator")}
+        scratch = {name: tmp / name for name in ("node-a", "node-b", "node-c", "coordinator")}
+
+        def node_env(name: str) -> dict[str, str]:  # what `ray start` on that machine would have
+            return {**s3.env(), "LORAFLEET_STORAGE_CACHE": str(scratch[name] / "cache")}
+
         cluster = LoopbackCluster([])
         try:
-            nodes = {cluster.add(2, env={**s3.env(), "LORAFLEET_STORAGE_CACHE": str(scratch[n] / "cache")}): n
-                     for n in ("node-a", "node-b")}
+            nodes = {cluster.add(2, env=node_env(n)): n for n in ("node-a", "node-b")}
             path = serve_job(tmp, tiny_world, engines={"startup_deadline_s": 1200},
                              service={"storage": f"s3://{s3.bucket}/{PREFIX}", "export_destinations": {"*": [f"s3://{s3.bucket}/{EXPORTS}"]}})
             job = yaml.safe_load(path.read_text())
@@ -74,7 +80,7 @@ def world(tiny_world, tmp_path_factory):
             job["adapters"] = [{"name": n, "config": c} for n, c in adapters.items() if c["objective"] == "rl"]
             path.write_text(yaml.safe_dump(job))
             env = {**cluster.env, **s3.env(), "LORAFLEET_STORAGE_CACHE": str(scratch["coordinator"] / "cache")}
-            yield tmp, s3, cluster, nodes, scratch, path, env, adapters["kinds_sft"]
+            yield tmp, s3, cluster, nodes, node_env, scratch, path, env, adapters["kinds_sft"]
         finally:
             cluster.shutdown()
 
@@ -95,7 +101,7 @@ def backup_registry(src: Path, dst: Path) -> None:
 
 
 def test_a_coordinator_on_a_new_machine_resumes_every_run_from_the_object_store(world):
-    tmp, s3, cluster, nodes, scratch, path, env, sft = world
+    tmp, s3, cluster, nodes, node_env, scratch, path, env, sft = world
     store = s3.store(PREFIX)
     first = Service(path, tmp / "state", tmp / "serve-1.log", env=env)
     with serving(first):
@@ -106,6 +112,17 @@ def test_a_coordinator_on_a_new_machine_resumes_every_run_from_the_object_store(
             assert {trainer_node, procs["engine-0"]["node_id"]} == set(nodes)  # the two worker nodes
             for name in ("digits", "vowels"):
                 wait_for(c, name, lambda r: (r["checkpoint_step"] or 0) >= RL_INTERVAL, "a checkpoint", LONG_S)
+            # the engine-node drill (test_multinode.py's second) with no shared folder: a third node joins
+            # with its own environment, the engine's node is lost, the engine comes back on the new node
+            # and gets the adapters' newest weights from the trainer (no hand-off folder to read)
+            spare = cluster.add(2, env=node_env("node-c"))
+            nodes[spare] = "node-c"
+            cluster.kill(procs["engine-0"]["node_id"])
+            moved = cluster.back_on_a_node_left(c, "engine-0", procs["engine-0"], LONG_S)
+            assert moved["node_id"] == spare, (moved, spare)
+            back_at = {n: c.get(n)["step"] for n in ("digits", "vowels")}
+            for name in ("digits", "vowels"):  # two steps: the first may use groups generated before the loss
+                wait_for(c, name, lambda r, s=back_at[name]: r["step"] >= s + 2, "RL steps on the new engine", LONG_S)
             c.register("kinds_sft", {**sft, "export_to": f"s3://{s3.bucket}/{EXPORTS}/kinds_sft"})
             wait_for(c, "kinds_sft", lambda r: (r["checkpoint_step"] or 0) >= SFT_INTERVAL, "a checkpoint", LONG_S)
             at_kill = records(c)
