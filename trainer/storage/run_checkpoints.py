@@ -71,8 +71,23 @@ class RunState(BaseModel):
     created_at: float = Field(default_factory=time.time)
 
 
+class StepFolder:
+    """A checkpoint's step folder (``key``) and its two parts' keys: the trainer's slot state and the
+    adapter (layouts.TRAINER_PART, ADAPTER_PART)."""
+
+    key: str
+
+    @property
+    def trainer_key(self) -> str:
+        return f"{self.key}/{layouts.TRAINER_PART}"
+
+    @property
+    def adapter_key(self) -> str:
+        return f"{self.key}/{layouts.ADAPTER_PART}"
+
+
 @dataclass(frozen=True)
-class Checkpoint:
+class Checkpoint(StepFolder):
     """A complete checkpoint in the store."""
 
     store: CheckpointStore
@@ -84,16 +99,8 @@ class Checkpoint:
         """Its reference (a local path, or an s3:// URL): what the registry records."""
         return self.store.url(self.key)
 
-    @property
-    def trainer_key(self) -> str:
-        return f"{self.key}/{layouts.TRAINER_PART}"
 
-    @property
-    def adapter_key(self) -> str:
-        return f"{self.key}/{layouts.ADAPTER_PART}"
-
-
-class PendingCheckpoint:
+class PendingCheckpoint(StepFolder):
     """A checkpoint being written: the trainer commits `trainer_key` and `adapter_key`, then
     `commit(state)` commits the step folder. Use as a context manager: leaving it without a commit
     (an exception) removes what was written."""
@@ -104,14 +111,6 @@ class PendingCheckpoint:
         self.step = step
         self.committed: Checkpoint | None = None
         store.delete(self.key)  # a previous write of this step (a crash mid-write, or a drain right after a save)
-
-    @property
-    def trainer_key(self) -> str:
-        return f"{self.key}/{layouts.TRAINER_PART}"
-
-    @property
-    def adapter_key(self) -> str:
-        return f"{self.key}/{layouts.ADAPTER_PART}"
 
     def commit(self, state: RunState) -> Checkpoint:
         if state.step != self.step:
