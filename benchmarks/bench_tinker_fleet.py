@@ -1,0 +1,195 @@
+"""K concurrent Tinker RL tenants through one `lorafleet serve`, on CPU with the tiny world (issue 41 item 6).
+
+One `lorafleet serve` (a subprocess, as an operator starts it: Ray, one trainer rank with S slots, E
+SGLang CPU engines, the coordinator and its API front) with the Tinker API on. One client process runs
+the tenants: each is a Tinker model of its own running the cookbook's RL loop with the official SDK
+(benchmarks/tinker_rl_tenants.py: save_weights_and_get_sampling_client, a group of samples per prompt,
+importance_sampling forward_backward, optim_step), all on one event loop. Tenants are added in phases
+(K = 1, 16, 64, ... live at once; those of a phase go on in the next). After a phase's warm-up (every
+new tenant finished a first step), for --window-s seconds:
+
+  tenant-steps per minute   RL steps finished by all tenants (client side)
+  sampled tokens per second tokens the engines generated for them
+  engine shares             each engine's share of the Tinker sample requests (/metrics
+                            lorafleet_tinker_sample_requests_total{engine})
+  adapter loads per step    sampler adapters loaded into the engines (all engines) per tenant-step
+  room waits                sample requests that waited for adapter room, and those that waited
+                            while an engine had room (must be 0) (/metrics, api/tinker/sampling/engines.py)
+  p50 / p99 of each call    create, save_sampler, sample, forward_backward, optim_step, step (client side:
+                            from sending to the future's result, waits for a slot included)
+  coordinator memory        the coordinator's resident memory; per tenant: its growth over the phases
+                            (and the trainer rank's, which holds the evicted models' slot states)
+  client CPU                the client process's CPU time over the window (cores): what the client took
+                            from the 2 cores the service also runs on
+
+  PYTHONPATH=$PWD .venv/bin/python -m benchmarks.bench_tinker_fleet --phases 1,16,64 --window-s 60      # a quick look
+  PYTHONPATH=$PWD .venv/bin/python -m benchmarks.bench_tinker_fleet --phases 1,16,64,256,1024,4096 --out fleet2.json
+  PYTHONPATH=$PWD .venv/bin/python -m benchmarks.bench_tinker_fleet --engines 1 --out fleet1.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import re
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import yaml
+
+from benchmarks.tinker_rl_tenants import Fleet, RlWorkload
+from tests.integration.service_world import TOKEN, Service, serve_job
+
+BASE = "model"  # the served base model's name: its folder's name (the tiny world's .cache/tiny/model)
+SAMPLER_SERIES = {"requests": "lorafleet_tinker_sample_requests_total", "loads": "lorafleet_tinker_sampler_adapter_loads_total",
+                  "unloads": "lorafleet_tinker_sampler_adapter_unloads_total",
+                  "room_waits": "lorafleet_tinker_sample_room_waits_total",
+                  "waits_with_room": "lorafleet_tinker_sample_waits_with_room_total"}
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def sampler_counts(text: str) -> dict[str, dict[str, float]]:
+    """Each SAMPLER_SERIES series of a /metrics page by engine label ("" when it has none)."""
+    out: dict[str, dict[str, float]] = {k: {} for k in SAMPLER_SERIES}
+    for key, name in SAMPLER_SERIES.items():
+        for m in re.finditer(r"^" + re.escape(name) + r'(?:\{engine="([^"]*)"\})? (\S+)$', text, re.MULTILINE):
+            out[key][m.group(1) or ""] = float(m.group(2))
+    return out
+
+
+def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items()}
+
+
+def tinker_job(tmp: Path, tiny: Path, slots: int, engines: int, keys: dict[str, str], loaded_per_engine: int) -> Path:
+    """The tiny job without adapters: `slots` trainer slots, `engines` SGLang CPU engines, each with room
+    for `loaded_per_engine` Tinker sampler adapters beside the runs' (api/tinker/fleet.py sampler_capacity)."""
+    path = serve_job(tmp, tiny, slots={"num_slots": slots, "max_rank": 8, "turn_steps": 4, "evict_idle_s": 30.0},
+                     engines={"max_loaded_loras": loaded_per_engine + 2 * slots}, keys=keys,
+                     service={"tinker_max_seq_len": 128})
+    job = yaml.safe_load(path.read_text())
+    job["placement"]["engines"]["count"] = engines
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+async def measure(fleet: Fleet, svc: Service, http: httpx.AsyncClient, seconds: float, phase_start: float) -> dict:
+    """One window: the fleet's steps and tokens, the sampler's counts, the calls' latencies."""
+    import resource
+
+    def cpu() -> float:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+
+    c0, cpu0, t0 = sampler_counts((await http.get("/metrics")).text), cpu(), time.monotonic()
+    await asyncio.sleep(seconds)
+    c1, cpu1, t1 = sampler_counts((await http.get("/metrics")).text), cpu(), time.monotonic()
+    calls = fleet.log.window(t0, t1, creates_since=phase_start)
+    minutes = (t1 - t0) / 60
+    per_engine = _delta(c1["requests"], c0["requests"])
+    total = sum(per_engine.values())
+    loads = sum(_delta(c1["loads"], c0["loads"]).values())
+    return {"seconds": round(t1 - t0, 1), "tenant_steps": calls["steps"],
+            "tenant_steps_per_min": round(calls["steps"] / minutes, 1),
+            "sampled_tokens_per_s": round(calls["sampled_tokens"] / (t1 - t0), 1),
+            "sample_requests": total, "engine_shares": {e: round(n / total, 3) for e, n in sorted(per_engine.items())} if total else {},
+            "adapter_loads_per_step": round(loads / calls["steps"], 2) if calls["steps"] else None,
+            "adapter_unloads": sum(_delta(c1["unloads"], c0["unloads"]).values()),
+            "room_waits": sum(_delta(c1["room_waits"], c0["room_waits"]).values()),
+            "waits_with_room": sum(_delta(c1["waits_with_room"], c0["waits_with_room"]).values()),
+            "client_cores": round((cpu1 - cpu0) / (t1 - t0), 2),
+            "coordinator_rss_mib": round(rss_mib(svc.proc.pid), 1),
+            "trainer_rss_mib": round(sum(rss_mib(p["pid"]) for p in (await http.get("/v1/fleet")).json()["processes"]
+                                         if p["role"] == "trainer"), 1),
+            "latency_ms": {k: {q: round(v, 1) for q, v in calls[k].items()} for k in calls if k.endswith("_ms")}}
+
+
+async def run_phases(svc: Service, keys: list[str], work: RlWorkload, phases: list[int], window_s: float,
+                     warm_deadline_s: float, dump: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    fleet = Fleet(svc.url, keys, BASE, work)
+    rows: list[dict] = []
+    async with httpx.AsyncClient(base_url=svc.url, timeout=120, headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+        rss0 = rss_mib(svc.proc.pid)
+        try:
+            for k in phases:
+                t0 = time.monotonic()
+                new = fleet.grow(k)
+                warm = await fleet.until_stepped(new, warm_deadline_s)
+                row = {"tenants": k, "warm_s": round(time.monotonic() - t0, 1), "all_stepped": warm,
+                       "not_yet_stepped": sum(1 for t in new if t.steps == 0)}
+                if not warm:
+                    row["stopped"] = f"{row['not_yet_stepped']} of {len(new)} new tenants had no step after {warm_deadline_s:.0f} s"
+                row.update(await measure(fleet, svc, http, window_s, t0))
+                row["coordinator_rss_mib_at_start"] = round(rss0, 1)
+                row["errors"] = list(fleet.log.errors)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                if dump is not None:  # an interrupted run keeps its phases
+                    dump(rows)
+                if not warm or fleet.log.errors:
+                    break
+        finally:
+            await fleet.stop()
+    base = rows[0] if rows else None
+    for r in rows[1:]:
+        r["coordinator_kib_per_tenant"] = round(1024 * (r["coordinator_rss_mib"] - base["coordinator_rss_mib"])
+                                                / (r["tenants"] - base["tenants"]), 1)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--slots", type=int, default=8)
+    ap.add_argument("--engines", type=int, default=2)
+    ap.add_argument("--loaded-per-engine", type=int, default=8, help="Tinker sampler adapters each engine keeps loaded")
+    ap.add_argument("--phases", default="1,16,64,256,1024,4096", help="tenants live at once, ascending")
+    ap.add_argument("--window-s", type=float, default=120.0)
+    ap.add_argument("--warm-deadline-s", type=float, default=3600.0, help="a phase stops the benchmark when its new tenants have not all stepped by then")
+    ap.add_argument("--keys", type=int, default=4, help="tenant keys (one ServiceClient, one session each)")
+    ap.add_argument("--prompts-per-step", type=int, default=2)
+    ap.add_argument("--group", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=12)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    logging.getLogger("tinker").setLevel(logging.ERROR)  # the SDK warns at every try_again of a long poll
+    from examples.tiny.build import ensure_tiny_world
+    from service.fleet.engine_pids import reap_engines
+
+    tiny = ensure_tiny_world()
+    keys = {f"t{i}": f"tml-fleet-bench-{i:02d}-key" for i in range(args.keys)}
+    work = RlWorkload.from_tiny_world(tiny, prompts_per_step=args.prompts_per_step, group=args.group, max_tokens=args.max_tokens)
+    with tempfile.TemporaryDirectory(prefix="bench-tinker-fleet-") as d:
+        tmp = Path(d)
+        svc = Service(tinker_job(tmp, tiny, args.slots, args.engines, keys, args.loaded_per_engine), tmp / "state", tmp / "serve.log")
+        try:
+            t0 = time.monotonic()
+            svc.start()
+            print(f"service up in {time.monotonic() - t0:.0f} s", flush=True)
+            phases = [int(x) for x in args.phases.split(",") if x]
+            head = {"slots": args.slots, "engines": args.engines, "loaded_per_engine": args.loaded_per_engine,
+                    "workload": {"prompts_per_step": work.prompts_per_step, "group": work.group, "max_tokens": work.max_tokens}}
+
+            def dump(rows: list[dict]) -> None:
+                if args.out:
+                    Path(args.out).write_text(json.dumps({**head, "phases": rows}, indent=2))
+
+            dump(asyncio.run(run_phases(svc, list(keys.values()), work, phases, args.window_s, args.warm_deadline_s, dump)))
+        finally:
+            if svc.proc is not None and svc.proc.poll() is None:
+                svc.proc.kill()
+            reap_engines(svc.state_dir)
+
+
+if __name__ == "__main__":
+    main()

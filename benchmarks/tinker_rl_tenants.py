@@ -1,0 +1,250 @@
+"""Many Tinker RL tenants from one client process: the official SDK's futures awaited on one event loop.
+
+Each tenant is one coroutine running the cookbook's RL loop (tinker_cookbook/recipes/rl_loop.py, with
+importance_sampling as its loss) against a Tinker model of its own:
+
+  1. ``save_weights_and_get_sampling_client()``  (a sampler checkpoint of the current weights, a session)
+  2. ``sample(prompt, group, params)`` for each of the step's prompts, concurrently
+  3. rewards (the tiny world's target_share of the decoded text), advantages centred in each group
+  4. ``forward_backward(datums, "importance_sampling")`` and ``optim_step(adam)``, both sent before
+     either is awaited (as the Tinker docs recommend)
+
+Why one loop: thousands of tenants must not need thousands of threads on a 2-core machine. The SDK
+already runs every request on its own single background loop (tinker.lib.internal_client_holder's
+thread singleton); the tenants here only await its futures on the caller's loop, so the client is
+two threads however many tenants there are. ServiceClients are shared per key (one session per key;
+the SDK numbers a session's training clients), as tests/integration/test_service_scale.py does.
+
+``CallLog`` keeps every call's (end time, seconds) by kind, so a measurement window takes the calls
+that ended inside it: create, save_sampler (step 1), sample (one call of step 2), forward_backward,
+optim_step, step (1-4 whole). It also keeps each finished step's sampled tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+KINDS = ("create", "save_sampler", "sample", "forward_backward", "optim_step", "step")
+
+
+@dataclass(frozen=True)
+class RlWorkload:
+    """What every tenant's step does: ``prompts_per_step`` prompts (token ids), ``group`` samples of each,
+    at most ``max_tokens`` new tokens at ``temperature``; AdamW at ``learning_rate``."""
+
+    prompts: list[list[int]]
+    labels: list[str]
+    decode: Any  # token ids -> text (the tokenizer's decode)
+    prompts_per_step: int = 2
+    group: int = 4
+    max_tokens: int = 12
+    temperature: float = 1.0
+    learning_rate: float = 1e-3
+    rank: int = 8
+
+    @staticmethod
+    def from_tiny_world(world: Path, **over: Any) -> RlWorkload:
+        """The tiny world's digits task: its prompts tokenized once (the tenants never tokenize)."""
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(world / "model")
+        rows = [json.loads(line) for line in (world / "data" / "digits.jsonl").read_text().splitlines()]
+        return RlWorkload(prompts=[tok.encode(r["prompt"]) for r in rows], labels=[r["label"] for r in rows],
+                          decode=lambda ids: tok.decode(ids, skip_special_tokens=True), **over)
+
+
+@dataclass
+class CallLog:
+    """Every finished call by kind: (monotonic end, seconds); finished steps: (end, sampled tokens)."""
+
+    calls: dict[str, list[tuple[float, float]]] = field(default_factory=lambda: defaultdict(list))
+    steps: list[tuple[float, int]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    def add(self, kind: str, started: float) -> None:
+        now = time.monotonic()
+        self.calls[kind].append((now, now - started))
+
+    def window(self, t0: float, t1: float, creates_since: float | None = None) -> dict[str, Any]:
+        """Steps, sampled tokens and each kind's latencies (p50, p99, count) of what ended in [t0, t1)
+        (creations: in [creates_since, t1), the phase's, which mostly end before its window)."""
+        out: dict[str, Any] = {"steps": sum(1 for t, _ in self.steps if t0 <= t < t1),
+                               "sampled_tokens": sum(n for t, n in self.steps if t0 <= t < t1)}
+        for kind in KINDS:
+            since = creates_since if kind == "create" and creates_since is not None else t0
+            xs = sorted(s for t, s in self.calls.get(kind, []) if since <= t < t1)
+            if xs:
+                out[f"{kind}_ms"] = {"p50": 1e3 * pct(xs, 0.5), "p99": 1e3 * pct(xs, 0.99), "n": len(xs)}
+        return out
+
+
+def pct(xs: list[float], q: float) -> float:
+    """The q-quantile of sorted ``xs`` (nearest rank)."""
+    return xs[min(len(xs) - 1, max(0, round(q * len(xs)) - 1))] if xs else float("nan")
+
+
+def _centred(rewards: list[float]) -> list[float]:
+    mean = sum(rewards) / len(rewards)
+    return [r - mean for r in rewards]
+
+
+def rl_datums(prompt: list[int], sequences: list, advantages: list[float]) -> list:
+    """The cookbook's importance_sampling datums of one group: prompt + sampled tokens, shifted by one;
+    the sampler's logprobs and the sequence's advantage on the sampled positions, 0 on the prompt's."""
+    from tinker import types
+
+    out = []
+    for seq, adv in zip(sequences, advantages):
+        tokens = list(seq.tokens)
+        if not tokens:
+            continue
+        full = prompt + tokens
+        pad = [0.0] * (len(prompt) - 1)
+        out.append(types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
+                               loss_fn_inputs={"target_tokens": full[1:], "logprobs": pad + list(seq.logprobs),
+                                               "advantages": pad + [adv] * len(tokens)}))
+    return out
+
+
+async def timed(log: CallLog, kind: str, awaitable: Any, sent: float | None = None) -> Any:
+    """``awaitable``'s result, its time from ``sent`` (default: now) logged as ``kind``."""
+    t0 = time.monotonic() if sent is None else sent
+    result = await awaitable
+    log.add(kind, t0)
+    return result
+
+
+async def rl_step(tc: Any, work: RlWorkload, log: CallLog, step: int, salt: int) -> None:
+    """One tenant-step (module doc, 1-4)."""
+    from tinker import types
+
+    from rollout.rewards import target_share
+
+    t0 = time.monotonic()
+    sampler = await timed(log, "save_sampler", tc.save_weights_and_get_sampling_client())
+    params = types.SamplingParams(max_tokens=work.max_tokens, temperature=work.temperature)
+    picks = [(salt + step * work.prompts_per_step + j) % len(work.prompts) for j in range(work.prompts_per_step)]
+    groups = await asyncio.gather(*(timed(log, "sample", sampler.sample(types.ModelInput.from_ints(work.prompts[i]),
+                                                                        work.group, params)) for i in picks))
+    datums, sampled = [], 0
+    for i, group in zip(picks, groups):
+        rewards = [target_share(work.decode(list(s.tokens)), work.labels[i]) for s in group.sequences]
+        sampled += sum(len(s.tokens) for s in group.sequences)
+        datums += rl_datums(work.prompts[i], group.sequences, _centred(rewards))
+    sent = time.monotonic()
+    fb = tc.forward_backward(datums, "importance_sampling")
+    opt = tc.optim_step(types.AdamParams(learning_rate=work.learning_rate))
+    await timed(log, "forward_backward", fb, sent)
+    await timed(log, "optim_step", opt, sent)  # from its sending: it runs in the round after the pass
+    log.add("step", t0)
+    log.steps.append((time.monotonic(), sampled))
+
+
+@dataclass
+class Tenant:
+    index: int
+    steps: int = 0
+    model_id: str | None = None
+    task: asyncio.Task | None = None
+
+
+async def run_tenant(t: Tenant, service_client: Any, base_model: str, work: RlWorkload, log: CallLog,
+                     stop: asyncio.Event) -> None:
+    """Create the tenant's model (it waits for a slot while every slot is taken), then RL steps until
+    ``stop``. A failure is logged and ends this tenant only."""
+    try:
+        tc = await timed(log, "create", service_client.create_lora_training_client(
+            base_model=base_model, rank=work.rank, seed=t.index, train_unembed=False))
+        t.model_id = tc.model_id
+        while not stop.is_set():
+            await rl_step(tc, work, log, t.steps, t.index)
+            t.steps += 1
+    except Exception as err:  # noqa: BLE001 - reported by the benchmark, the others go on
+        log.errors.append(f"tenant {t.index} ({t.model_id}): {type(err).__name__}: {err}")
+
+
+class Fleet:
+    """The tenants of one client process, added in phases (`grow`), all stopped by `stop`."""
+
+    def __init__(self, url: str, keys: list[str], base_model: str, work: RlWorkload) -> None:
+        import tinker
+
+        self.clients = [tinker.ServiceClient(base_url=url, api_key=k) for k in keys]  # one per key (module doc)
+        self.base_model = base_model
+        self.work = work
+        self.log = CallLog()
+        self.tenants: list[Tenant] = []
+        self.stopping = asyncio.Event()
+
+    def grow(self, n: int) -> list[Tenant]:
+        """Start tenants until there are ``n``; the new ones."""
+        new = [Tenant(i) for i in range(len(self.tenants), n)]
+        for t in new:
+            client = self.clients[t.index % len(self.clients)]
+            t.task = asyncio.get_running_loop().create_task(run_tenant(t, client, self.base_model, self.work, self.log,
+                                                                       self.stopping))
+        self.tenants += new
+        return new
+
+    async def until_stepped(self, tenants: list[Tenant], deadline_s: float) -> bool:
+        """Wait until each of ``tenants`` finished a step (or failed); False at the deadline."""
+        end = time.monotonic() + deadline_s
+        while any(t.steps == 0 and not t.task.done() for t in tenants):
+            if time.monotonic() > end:
+                return False
+            await asyncio.sleep(1.0)
+        return True
+
+    async def stop(self, timeout_s: float = 60.0) -> None:
+        """Every tenant finishes the step it is in (those still in one after ``timeout_s`` are cancelled:
+        with hundreds of tenants, one waiting for its turn may take minutes), then the sessions close."""
+        self.stopping.set()
+        _, late = await asyncio.wait([t.task for t in self.tenants], timeout=timeout_s)
+        for task in late:
+            task.cancel()
+        for c in self.clients:
+            with contextlib.suppress(Exception):  # the server may be gone already
+                await c.close("success")
+
+
+class FleetThread:
+    """A `Fleet` on an event loop of its own thread, for a benchmark whose other clients are threads
+    (benchmarks/bench_scale_cpu.py): its calls block the caller until the loop has done them."""
+
+    def __init__(self, url: str, keys: list[str], base_model: str, work: RlWorkload) -> None:
+        import threading
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="tinker-tenants", daemon=True)
+        self.thread.start()
+
+        async def make() -> Fleet:
+            return Fleet(url, keys, base_model, work)
+
+        self.fleet = self._run(make())
+
+    def _run(self, coro: Any, timeout_s: float | None = None) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def grow(self, n: int) -> list[Tenant]:
+        async def grow() -> list[Tenant]:
+            return self.fleet.grow(n)
+
+        return self._run(grow())
+
+    def until_stepped(self, tenants: list[Tenant], deadline_s: float) -> bool:
+        return self._run(self.fleet.until_stepped(tenants, deadline_s))
+
+    def stop(self) -> None:
+        try:
+            self._run(self.fleet.stop(), timeout_s=900)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(30)
