@@ -1,10 +1,8 @@
-"""Cookbook runs that have no command line of their own, run as a user's script would:
+"""A cookbook run that has no command line of its own, run as a user's script would:
 ``python -m tests.integration.cookbook_runs <run> key=value ...`` (chz arguments, as the
 cookbook's recipes take them), in a process of its own with the tiny world's hub caches
 (`examples.tiny.build.hf_env`) and TINKER_API_KEY in its environment.
 
-* ``dpo``: ``tinker_cookbook.preference.train_dpo.main`` over the cookbook's own JSONL
-  comparison builder (``ComparisonBuilderFromJsonl``), the DPO CLI knowing only hub datasets.
 * ``digits_rl``: ``tinker_cookbook.rl.train.main`` over ``DigitsEnv``, a single-turn
   ``ProblemEnv`` through the cookbook's environment interface: the reward is the share of
   digits among the response's letters and digits (the tiny world's ``target_share`` task, which
@@ -121,32 +119,7 @@ def digits_rl(cfg: DigitsRL) -> None:
     asyncio.run(train.main(config))
 
 
-@chz.chz
-class Dpo(Run):
-    comparisons: str
-    learning_rate: float = 1e-3
-    batch_size: int = 4
-
-
-def dpo(cfg: Dpo) -> None:
-    from tinker_cookbook import model_info
-    from tinker_cookbook.preference import train_dpo
-    from tinker_cookbook.preference.dpo_datasets import DPODatasetBuilderFromComparisons
-    from tinker_cookbook.preference.preference_datasets import ComparisonBuilderFromJsonl
-    from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
-
-    renderer_name = model_info.get_recommended_renderer_name(cfg.model_name)
-    builder = DPODatasetBuilderFromComparisons(
-        common_config=ChatDatasetBuilderCommonConfig(model_name_for_tokenizer=cfg.model_name, renderer_name=renderer_name,
-                                                     max_length=256, batch_size=cfg.batch_size),
-        comparison_builder=ComparisonBuilderFromJsonl(train_path=cfg.comparisons))
-    train_dpo.main(train_dpo.Config(log_path=cfg.log_path, model_name=cfg.model_name, recipe_name="lorafleet_dpo",
-                                    dataset_builder=builder, renderer_name=renderer_name, learning_rate=cfg.learning_rate,
-                                    lora_rank=cfg.lora_rank, base_url=cfg.base_url, save_every=0, eval_every=0,
-                                    infrequent_eval_every=0, max_steps=cfg.max_steps))
-
-
-RUNS = {"digits_rl": (DigitsRL, digits_rl), "dpo": (Dpo, dpo)}
+RUNS = {"digits_rl": (DigitsRL, digits_rl)}
 
 if __name__ == "__main__":
     import sys

@@ -1,44 +1,34 @@
-"""tinker-cookbook 0.6.1's recipes, unmodified, against a live `lorafleet serve` (real CLI
-process, Ray trainer actor, one SGLang CPU engine) on the tiny world: one service for the module.
+"""tinker-cookbook 0.6.1's recipes, unmodified, with their default loss and settings except size,
+against a live `lorafleet serve` (real CLI process, Ray trainer actor, one SGLang CPU engine) on
+the tiny world: one service for the module.
 
-Each recipe runs as a user runs it: its own module with command-line arguments (or, for runs
-without a command line, the cookbook's own entry point called from a script,
-tests/integration/cookbook_runs.py), in a process of its own whose environment has the key
-(TINKER_API_KEY) and the tiny world's hub caches (examples.tiny.build.hf_env: the base model is
-served as `Qwen/Qwen3-8B-Base`, which the cookbook's tokenizer and renderer lookups resolve
-offline). Tiny sizes, local data. What each shows:
+Each recipe runs as a user runs it: its own module with command-line arguments, in a process of
+its own (tests/integration/cookbook_harness.py); what changes is only size (model: the tiny one
+under its served name `Qwen/Qwen3-8B-Base`, with its renderer `role_colon` where a recipe names
+another model's; steps, batch, group, lengths; LoRA rank where the default exceeds the slots'
+32). Learning rates, losses, schedules and the rest stay the recipes' own. Hub datasets come from
+the test's datasets cache (tests/integration/cookbook_datasets.py: tiny-world rows in each
+dataset's columns); local files are written here. Each test shows learning on the recipe's own
+metric, or says why the tiny world cannot and shows what it can (the objective's statistics on
+/metrics, the trainer/sampler agreement), and records its row of docs/tinker.md's verified-recipes
+table (tests/integration/cookbook_table.py).
 
-* chat_sl on a local JSONL: its NLL falls; its rolling checkpoints are deleted; the final state
-  downloads with `tinker_cookbook.weights.download` (age-encrypted external weights, signed URLs)
-  and, loaded by HF + PEFT, gives the engine's `compute_logprobs` of the final sampler weights.
-* the cookbook's RL loop (rl.train) on a tiny environment of ours (DigitsEnv): reward rises, and
-  a second run over the same log folder resumes from the first run's checkpoint.
-* DPO (train_dpo.main, the cookbook's JSONL comparison builder): runs; loss ln 2 at step 0.
-* math_rl with its default loss, stable_reinforce (lorafleet's definition, docs/tinker.md): it runs to
-  its last step; the tiny world cannot earn its reward, so what it shows is the objective's own
-  statistics on /metrics (every sampled sequence recorded and trained on, none masked, the
-  trainer/sampler ratio 1); sl_loop (its NLL falls) and rl_loop over the tiny world's rows cached
-  under the hub datasets they hard-code (rl_loop's reward, a boxed answer graded against gsm8k's,
-  never rewards the tiny model: it runs with its default loss, samples with record_stability_info
-  and checkpoints, and never trains).
-* Without any recipe: the SDK's get_tokenizer() loads the served name offline, and the engine's
-  compute_logprobs equals the trainer's forward on the same (untrained) model.
+Tiers. The default tier (CI's `-m "not gpu and not slow"`) runs the service, the SDK checks, sl_loop,
+chat_sl, math_rl and rl_loop with their default loss stable_reinforce, and the cookbook's RL loop
+(rl.train) over DigitsEnv with its resume: measured 151 s at load ~6 (the service's start 54 s of
+it), 470 s at load 30-60. The other recipes are marked slow (`-m slow`): about 110 s more at load
+~6, rl_basic apart (2048 samples a step, fixed in its code: it did not end one step within
+600 s at load 40-60, and the service then answered no connection for minutes; last in the module).
 
 Every recipe creates its model with the SDK's defaults (`train_unembed=True`: LoRA on the
-unembedding too, which lorafleet trains and serves).
-
-Runtime on the shared 2-core machine (load 3-6): 191 s, 74 s of it starting the service (chat_sl
-19 s, RL 37 s, DPO 10 s, sl_loop 13 s, rl_loop 14 s); math_rl with stable_reinforce 13 s and rl_loop
-17 s measured at load 20-40 (the service's start 124 s there).
+unembedding too, which lorafleet trains and serves). The service seeds each model's LoRA
+(tinker_default_seed), so the supervised recipes' numbers repeat from run to run (the sampled ones
+vary with the engine's sampling).
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -46,13 +36,31 @@ import torch
 import yaml
 
 from examples.tiny.build import SERVED_NAME, hf_env
+from tests.integration import cookbook_datasets as data
+from tests.integration.cookbook_harness import (
+    checkpoint_records,
+    client_env,
+    delta,
+    falls,
+    mean,
+    metrics,
+    run_recipe,
+    series,
+    stable_reinforce_metric,
+    tinker_counters,
+)
+from tests.integration.cookbook_table import Verified, publish, start_end
 from tests.integration.sdk_clients import close_sdk_clients, open_client  # noqa: F401 - autouse fixture
-from tests.integration.service_world import REPO, running_service
+from tests.integration.service_world import running_service
 
 pytestmark = pytest.mark.integration
 
 KEYS = {"alice": "tml-alice-cookbook-key-1", "bob": "tml-bob-cookbook-key-22"}
-RECIPE_TIMEOUT_S = 600
+RANK = 32  # the slots' largest rank: the default of most recipes (the DPO CLI cannot change its 32)
+SLOW = pytest.mark.slow(reason="the default tier (-m 'not gpu and not slow') has room for this module's "
+                        "service, the SDK checks, sl_loop, chat_sl, math_rl, rl_loop and the RL resume (~8 min loaded); "
+                        "the other recipes run with -m slow")
+CONTEXT = 512  # the tiny model's context (max_position_embeddings): the engine refuses a longer request
 
 
 @pytest.fixture(scope="module")
@@ -62,44 +70,55 @@ def service(tiny_world, tmp_path_factory):
     keys.write_text(yaml.safe_dump(KEYS))
     # Recipes end without unloading their models (their sessions time out): idle models give their
     # slots to the next recipe's (evict_idle_s), and dead sessions are reaped within a test.
-    with running_service(tmp, tiny_world, slots={"num_slots": 4, "max_rank": 8, "evict_idle_s": 2.0},
-                         base_model={"served_name": SERVED_NAME},
-                         service={"tinker_keys_file": str(keys), "tinker_window_ms": 10, "tinker_max_seq_len": 256,
-                                  "tinker_session_timeout_s": 60}) as svc:
+    with running_service(tmp, tiny_world, slots={"num_slots": 4, "max_rank": RANK, "evict_idle_s": 2.0},
+                         engines={"max_lora_rank": RANK}, base_model={"served_name": SERVED_NAME},
+                         service={"tinker_keys_file": str(keys), "tinker_window_ms": 10, "tinker_max_seq_len": 512,
+                                  "tinker_session_timeout_s": 60, "tinker_default_seed": 0}) as svc:
         yield svc
 
 
-def run(args: list[str], cwd: Path, tiny_world: Path, tenant: str = "alice") -> str:
-    """`python <args>` as a user's shell runs it: the key and the tiny world's hub caches in its
-    environment, nothing else of this test process. Returns its output; fails with its tail."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "TINKER_"))}
-    env.update(hf_env(tiny_world), TINKER_API_KEY=KEYS[tenant], WANDB_MODE="disabled", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=RECIPE_TIMEOUT_S)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{args[:2]} exited {proc.returncode}:\n{out[-6000:]}"
-    return out
+@pytest.fixture(scope="module")
+def hub(tiny_world, tmp_path_factory) -> dict[str, str]:
+    """The hub caches a recipe's process sees: the tiny world's model, this module's datasets."""
+    cache = data.build_datasets_cache(tmp_path_factory.mktemp("hf-datasets"))
+    return {**hf_env(tiny_world), "HF_DATASETS_CACHE": str(cache)}
 
 
-def metrics(log_path: Path) -> list[dict]:
-    return [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines() if line.strip()]
+@pytest.fixture(scope="module")
+def verified():
+    """Rows measured by this module's tests; published (cookbook_table.publish) when the module ends."""
+    rows: dict[str, Verified] = {}
+    yield rows
+    if rows:
+        publish(rows)
 
 
-def checkpoint_records(log_path: Path) -> list[dict]:
-    return [json.loads(line) for line in (log_path / "checkpoints.jsonl").read_text().splitlines() if line.strip()]
+@pytest.fixture(scope="module")
+def user_env(service, hub):
+    """A tenant's shell environment (cookbook_harness.client_env)."""
+    return lambda tenant="alice": client_env(hub, KEYS[tenant], service.url)
 
 
-def run_of(path: str) -> str:
-    return path[len("tinker://"):].split("/")[0]
+@pytest.fixture
+def recipe(service, user_env, tmp_path):
+    """``recipe(module, *settings)``: the recipe run by alice in ``tmp_path`` against the service, its log
+    folder ``tmp_path / "log"`` (``log_path``); base_url passed unless ``base_url=False`` (recipes
+    without that option read TINKER_BASE_URL)."""
+    def run(module: str, *settings: str, base_url: bool = True, expect_rc: int = 0):
+        args = ["-m", module, *([f"base_url={service.url}"] if base_url else []), f"model_name={SERVED_NAME}",
+                f"log_path={tmp_path / 'log'}", *settings]
+        return run_recipe(user_env(), tmp_path, args, expect_rc=expect_rc)
+
+    return run
 
 
 def kinds_chat(tiny_world: Path, out: Path, n: int) -> Path:
-    """The tiny world's kinds task ("42 ae" -> "digits vowels") as chat conversations (JSONL)."""
+    """The tiny world's kinds task ("42 ae" -> "digits vowels") as chat conversations (JSONL); the
+    restart test's data (tests/integration/test_tinker_restart.py)."""
+    import json
+
     rows = [json.loads(line) for line in (tiny_world / "data" / "kinds_sft.jsonl").read_text().splitlines()][:n]
-    out.write_text("".join(json.dumps({"messages": [{"role": "user", "content": r["prompt"]},
-                                                    {"role": "assistant", "content": r["completion"].strip()}]}) + "\n"
-                           for r in rows))
-    return out
+    return data.write_jsonl(out, data.chats([{"prompt": r["prompt"], "completion": r["completion"].strip()} for r in rows]))
 
 
 def _peft_logprobs(hf_model, folder: Path, tokens: list[int]) -> torch.Tensor:
@@ -121,12 +140,12 @@ print("IDS", tc.get_tokenizer().encode("User: 42 ae xk"))
 """
 
 
-def test_served_name_tokenizer_and_compute_logprobs(service, tiny_world, tmp_path):
+def test_served_name_tokenizer_and_compute_logprobs(service, user_env, tiny_world, tmp_path):
     from tinker import types
     from transformers import AutoTokenizer
 
     local = AutoTokenizer.from_pretrained(tiny_world / "model")
-    out = run(["-c", PROBE_TOKENIZER, service.url], tmp_path, tiny_world)
+    out = run_recipe(user_env(), tmp_path, ["-c", PROBE_TOKENIZER, service.url]).out
     assert f"IDS {local.encode('User: 42 ae xk')}" in out  # the SDK's get_tokenizer() loaded the served name offline
 
     sc = open_client(service.url, KEYS["bob"])
@@ -145,25 +164,51 @@ def test_served_name_tokenizer_and_compute_logprobs(service, tiny_world, tmp_pat
     assert last[:-3] == [None] * (len(tokens) - 3) and torch.allclose(torch.tensor(last[-3:]), engine[-3:], atol=1e-5)
 
 
-def test_chat_sl_learns_deletes_rolling_checkpoints_and_downloads(service, tiny_world, tmp_path, hf_model):
+# --- supervised recipes: cross_entropy, their NLL falls ------------------------------------------------------
+
+
+@SLOW
+def test_sl_basic(recipe, tmp_path, verified):
+    """sl_basic (no_robots: kinds chats). Its batch (128) and length are fixed in its code; its own
+    evaluator scores the same 128 held-out chats at steps 0 and 8 (eval_every=8): that NLL must fall."""
+    run = recipe("tinker_cookbook.recipes.sl_basic", "max_steps=10")
+    log = tmp_path / "log"
+    train, held_out = series(log, "train_mean_nll"), series(log, "test/nll")
+    print("sl_basic train_mean_nll", [round(x, 4) for x in train], "test/nll", held_out)
+    assert len(train) == 10 and len(held_out) >= 2
+    assert held_out[-1] < held_out[0] - 0.05, held_out
+    verified["sl_basic"] = run.row("sl_basic", "cross_entropy", len(train), start_end("held-out NLL", held_out))
+
+
+def test_sl_loop(recipe, tmp_path, verified):
+    run = recipe("tinker_cookbook.recipes.sl_loop", "batch_size=64", "max_steps=20")
+    nll = series(tmp_path / "log", "train_mean_nll")
+    print("sl_loop train_mean_nll", [round(x, 4) for x in nll])
+    assert len(nll) == 20 and falls(nll, 0.05), nll
+    verified["sl_loop"] = run.row("sl_loop", "cross_entropy", len(nll), start_end("train NLL", nll))
+
+
+def test_chat_sl_learns_deletes_rolling_checkpoints_and_downloads(recipe, service, user_env, tiny_world, tmp_path,
+                                                                  hf_model, verified):
     import tinker
     from tinker import types
+    from transformers import AutoTokenizer
 
-    log = tmp_path / "chat_sl"
-    run(["-m", "tinker_cookbook.recipes.chat_sl.train", f"base_url={service.url}", f"model_name={SERVED_NAME}",
-         f"dataset={kinds_chat(tiny_world, tmp_path / 'kinds_chat.jsonl', 96)}", f"log_path={log}", "batch_size=8",
-         "learning_rate=5e-3", "lora_rank=8", "max_length=128", "max_steps=12", "save_every=0", "eval_every=0",
-         "infrequent_eval_every=0", "rolling_save_every=3", "rolling_ttl_seconds=7200",
-         "behavior_if_log_dir_exists=delete"], tmp_path, tiny_world)
-    nll = [m["train_mean_nll"] for m in metrics(log) if "train_mean_nll" in m]
-    print("chat_sl train_mean_nll", [round(x, 3) for x in nll])
-    assert len(nll) == 12 and sum(nll[-3:]) / 3 < 0.8 * sum(nll[:3]) / 3, nll  # it learns the kinds task
+    chats = data.write_jsonl(tmp_path / "kinds_chat.jsonl", data.chats(data.kinds_rows(640)))
+    run = recipe("tinker_cookbook.recipes.chat_sl.train", f"dataset={chats}", "batch_size=64", "max_steps=10",
+                 "rolling_save_every=3", "behavior_if_log_dir_exists=delete")
+    log = tmp_path / "log"
+    nll = series(log, "train_mean_nll")
+    print("chat_sl train_mean_nll", [round(x, 4) for x in nll])
+    assert len(nll) == 10 and falls(nll, 0.05), nll
+    verified["chat_sl"] = run.row("chat_sl", "cross_entropy", len(nll), start_end("train NLL", nll))
 
     records = checkpoint_records(log)
     rolling = [r["state_path"] for r in records if r.get("rolling")]
     final = next(r for r in records if r["name"] == "final")
     rest = open_client(service.url, KEYS["alice"]).create_rest_client()
-    kept = {c.tinker_path for c in rest.list_checkpoints(run_of(final["state_path"])).result().checkpoints}
+    run_id = final["state_path"][len("tinker://"):].split("/")[0]
+    kept = {c.tinker_path for c in rest.list_checkpoints(run_id).result().checkpoints}
     assert rolling and not kept & set(rolling), (rolling, kept)  # each rolling checkpoint was deleted
     assert final["state_path"] in kept and final["sampler_path"] in kept
     bob = open_client(service.url, KEYS["bob"]).create_rest_client()
@@ -172,13 +217,11 @@ def test_chat_sl_learns_deletes_rolling_checkpoints_and_downloads(service, tiny_
 
     # weights.download of the final training state (export, signed URLs, age decryption, cleanup).
     out = tmp_path / "download"
-    run(["-c", "import sys; from tinker_cookbook import weights; "
-               "weights.download(tinker_path=sys.argv[1], output_dir=sys.argv[2], base_url=sys.argv[3])",
-         final["state_path"], str(out), service.url], tmp_path, tiny_world)
+    download = ("import sys; from tinker_cookbook import weights; "
+                "weights.download(tinker_path=sys.argv[1], output_dir=sys.argv[2], base_url=sys.argv[3])")
+    run_recipe(user_env(), tmp_path, ["-c", download, final["state_path"], str(out), service.url])
     assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     sampler = open_client(service.url, KEYS["alice"]).create_sampling_client(model_path=final["sampler_path"])
-    from transformers import AutoTokenizer
-
     tokens = AutoTokenizer.from_pretrained(tiny_world / "model").encode("User: 42 ae xk\n\nAssistant: digits vowels")
     engine = torch.tensor(sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result()[1:])
     peft = _peft_logprobs(hf_model, out, tokens)
@@ -186,103 +229,240 @@ def test_chat_sl_learns_deletes_rolling_checkpoints_and_downloads(service, tiny_
     assert torch.allclose(engine, peft, atol=1e-4), (engine - peft).abs().max()  # measured 4.8e-7
 
 
-def test_rl_reward_rises_and_a_second_run_resumes(service, tiny_world, tmp_path):
+@SLOW
+def test_prompt_distillation(recipe, tmp_path, verified):
+    """prompt_distillation's train step on its data format (the text, then the teacher's one-word label).
+    Its create_data step is not run: it samples a 35B teacher by name and keeps only answers that read
+    "Final Answer: xx", which the tiny model never writes; the labels here are the kinds task's."""
+    rows = data.write_jsonl(tmp_path / "labels.jsonl", data.labels(data.kinds_rows(640)))
+    run = recipe("tinker_cookbook.recipes.prompt_distillation.train", f"file_path={rows}", "batch_size=64",
+                 "max_steps=10", "behavior_if_log_dir_exists=delete")
+    nll = series(tmp_path / "log", "train_mean_nll")
+    print("prompt_distillation train_mean_nll", [round(x, 4) for x in nll])
+    assert len(nll) == 10 and falls(nll, 0.05), nll
+    verified["prompt_distillation"] = run.row("prompt_distillation", "cross_entropy", len(nll), start_end("train NLL", nll))
+
+
+# --- preference ----------------------------------------------------------------------------------------------
+
+
+@SLOW
+def test_dpo(recipe, tmp_path, verified):
+    """The DPO CLI on dataset=hhh (Anthropic/hh-rlhf rows: the kinds answer chosen over the words reversed).
+    At step 0 the policy is its reference: loss ln 2; then it falls."""
+    run = recipe("tinker_cookbook.recipes.preference.dpo.train", "batch_size=64", "max_steps=10",
+                 "behavior_if_log_dir_exists=delete")
+    loss = series(tmp_path / "log", "dpo_loss")
+    print("dpo_loss", [round(x, 5) for x in loss], "accuracy", series(tmp_path / "log", "accuracy"))
+    assert len(loss) == 10 and abs(loss[0] - math.log(2)) < 1e-4, loss
+    assert loss[-1] < loss[0] and falls(loss, 1e-4), loss
+    verified["preference/dpo"] = run.row("preference/dpo", "DPO (forward_backward_custom)", len(loss),
+                                         start_end("DPO loss", loss, 4))
+
+
+@SLOW
+def test_shorter(recipe, tmp_path, verified):
+    """preference/shorter: a preference model that prefers the shorter of two answers. Each answer's reward is
+    its wins minus losses against the group's other answers (zero-sum: the mean is 0) plus a format penalty
+    of -1 (the tiny model never writes role_colon's stop sequence), so the mean reward is -1 at every step
+    and cannot rise. Its default learning rate (3e-5) moves the tiny model's answer length by less than its
+    sampling noise within a CI-size run (measured over 6 steps of 8 answers: 9.5, 12.1, 9.0, 13.0, 6.8, 15.4
+    tokens), so no length trend is asserted. What it shows: every group mixed (answers of different lengths:
+    non-zero advantages), each step trained with importance_sampling and moving the policy (compute_post_kl,
+    on by the recipe's default: kl_pre_post_v2 > 0), the trainer's log-probs equal to the sampler's."""
+    run = recipe("tinker_cookbook.recipes.preference.shorter.train", "renderer_name=role_colon", "batch_size=2",
+                 "group_size=4", "max_steps=6", "behavior_if_log_dir_exists=delete", base_url=False)
+    rows = [m for m in metrics(tmp_path / "log") if "env/all/reward/total" in m]
+    tokens = [m["env/all/ac_tokens_per_turn"] for m in rows]
+    print("shorter ac_tokens_per_turn", tokens, "kl_pre_post_v2", [m.get("kl_pre_post_v2") for m in rows])
+    assert len(rows) == 6, rows
+    for m in rows:
+        assert m["env/all/reward/total"] == pytest.approx(-1.0) and abs(m["env/all/win_minus_loss"]) < 1e-9, m
+        assert m["env/all/by_group/frac_mixed"] == 1.0 and m["kl_pre_post_v2"] > 0, m
+        assert abs(m["optim/kl_sample_train_v1"]) < 1e-4, m
+    verified["preference/shorter"] = run.row(
+        "preference/shorter", "importance_sampling", len(rows),
+        f"reward -1 -> -1 (zero-sum wins minus losses, format penalty -1: cannot rise); {start_end('answer tokens', tokens, 1)} "
+        f"(no trend at lr 3e-5); every group mixed, policy moved each step (kl_pre_post_v2 {rows[0]['kl_pre_post_v2']:.1e} "
+        f"-> {rows[-1]['kl_pre_post_v2']:.1e})")
+
+
+# --- RL recipes ----------------------------------------------------------------------------------------------
+
+
+def test_rl_loop_with_its_default_loss(recipe, service, tmp_path, verified):
+    """rl_loop with its default loss (stable_reinforce): it samples with record_stability_info (one request
+    per question) and checkpoints. Its reward (a boxed answer graded against gsm8k's) stays 0 on the tiny
+    world, so every group's advantages are zero and it skips forward_backward: the loss itself is not
+    reached (math_rl's and rubric's tests reach it)."""
+    before = tinker_counters(service)
+    run = recipe("tinker_cookbook.recipes.rl_loop", "batch_size=2", "group_size=4", "max_tokens=8", "max_steps=2")
+    reward = series(tmp_path / "log", "reward/total")
+    d = delta(tinker_counters(service), before)
+    print("rl_loop reward", reward, "counters", d)
+    assert len(reward) == 2 and d["sample_requests"] == 2 * 2  # max_steps x batch_size questions, one request each
+    assert all(r == 0 for r in reward) and d.get("calls", 0) == 0  # advantages all zero: training skipped
+    verified["rl_loop"] = run.row("rl_loop", "stable_reinforce", 2, "reward 0 -> 0 (cannot be earned): "
+                                  "4 recorded sample requests, training skipped (advantages 0)")
+
+
+def test_math_rl_with_its_default_loss(recipe, service, tmp_path, verified):
+    """math_rl, env=arithmetic, with its default loss stable_reinforce, to its last step. Its reward cannot
+    rise on the tiny world: the model never writes the role_colon stop sequence (format penalty 0.1 on
+    every answer) and writes the sum of two numbers only by chance. What it shows instead is the
+    objective's own statistics (/metrics): every sequence it sampled was recorded and trained on (none
+    refused, none masked), and the trainer's log-probs equal the engine's recorded ones (ratio 1)."""
+    before = tinker_counters(service)
+    run = recipe("tinker_cookbook.recipes.math_rl.train", "env=arithmetic", "groups_per_batch=2", "max_steps=2",
+                 "behavior_if_log_dir_exists=delete")
+    reward = series(tmp_path / "log", "env/all/reward/total")
+    d = delta(tinker_counters(service), before)
+    print("math_rl reward", reward, "stable_reinforce", d)
+    assert len(reward) == 2 and d["calls"] >= 2 and d["sequences"] == 2 * 2 * 4, d  # steps x groups x group_size
+    assert d["masked_sequences"] == 0 and d["truncated_tokens"] == 0 and d["sampled_tokens"] > 0, d
+    assert abs(d["ratio_sum"] / d["sampled_tokens"] - 1) < 1e-4, d
+    verified["math_rl"] = run.row("math_rl", "stable_reinforce", 2, f"reward {reward[0]:.2f} -> {reward[-1]:.2f} "
+                                  f"(cannot be earned); {stable_reinforce_metric(d)}")
+
+
+@pytest.fixture(scope="module")
+def kinds_teacher(service, tiny_world) -> str:
+    """A sampler checkpoint of the tiny model taught the kinds task (12 SDK cross_entropy steps at 5e-3 on
+    role_colon chats): the distillation recipe's teacher, so that teacher and student differ."""
+    from tinker import types
+    from tinker_cookbook import renderers
+    from tinker_cookbook.supervised.data import conversation_to_datum
+    from transformers import AutoTokenizer
+
+    renderer = renderers.get_renderer("role_colon", AutoTokenizer.from_pretrained(tiny_world / "model"))
+    tc = open_client(service.url, KEYS["alice"]).create_lora_training_client(base_model=SERVED_NAME, rank=8, seed=1).result()
+    convos = data.chats(data.kinds_rows(96, seed=11))
+    for step in range(12):
+        batch = [conversation_to_datum(c["messages"], renderer, 128) for c in convos[8 * step: 8 * step + 8]]
+        tc.forward_backward(batch, "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=5e-3)).result()
+    return tc.save_weights_for_sampler("kinds-teacher").result().path
+
+
+@SLOW
+def test_on_policy_distillation(recipe, kinds_teacher, tmp_path, verified):
+    """distillation/on_policy_distillation (dataset=deepmath: kinds prompts), the tiny model as its own
+    teacher: the teacher is the tiny model taught the kinds task (kinds_teacher), the student the base.
+    Its metric, the student's reverse KL to the teacher on its own samples (teacher_kl), does not fall
+    within a CI-size run: at the recipe's learning rate (1e-4) six steps move the student by less than
+    the KL's sampling noise between steps (measured 4.81, 5.47, 5.22, 4.86, 5.90, 5.58 nats over 16
+    answers a step), so no trend is asserted. What it shows: the teacher scored every sampled token
+    (teacher_kl > 0: teacher and student differ), the reward is the KL penalty alone (the dataset's
+    reward 0), and each step trained with importance_sampling on the trainer's log-probs equal to the
+    sampler's."""
+    run = recipe("tinker_cookbook.recipes.distillation.on_policy_distillation", f"teacher_model={SERVED_NAME}",
+                 f"teacher_checkpoint={kinds_teacher}", f"lora_rank={RANK}", "groups_per_batch=4", "max_tokens=16",
+                 "max_steps=6", "behavior_if_log_dir_exists=delete")
+    rows = [m for m in metrics(tmp_path / "log") if "teacher_kl" in m]
+    kl = [m["teacher_kl"] for m in rows]
+    print("distillation teacher_kl", [round(x, 4) for x in kl])
+    assert len(rows) == 6, rows
+    for m in rows:
+        assert m["teacher_kl"] > 0.5 and m["env/all/reward/total"] == 0, m
+        assert abs(m["optim/kl_sample_train_v1"]) < 1e-4, m
+    verified["distillation"] = run.row("distillation", "importance_sampling", len(kl),
+                                       f"{start_end('teacher KL', kl)} (no trend: lr 1e-4, 6 steps, noise ~0.5 nat); "
+                                       "every sampled token scored by the teacher, sampler/trainer KL < 1e-4")
+
+
+@SLOW
+def test_guess_number(recipe, tmp_path, verified):
+    """multiplayer_rl/guess_number cannot run on the tiny world: a game is ten turns in one growing
+    conversation, and every turn the tiny model fails to write "Guess: <n>" adds the recipe's fixed
+    FAIL_TO_PARSE message (about 116 tokens of the tiny tokenizer with its turn's framing) to a system
+    prompt of about 200: by turn 4 the prompt passes the tiny model's 512-token context, and the engine
+    refuses the request. What it shows: the refusal reaches the recipe as a clear error naming both
+    lengths."""
+    run = recipe("tinker_cookbook.recipes.multiplayer_rl.guess_number.train", "renderer_name=role_colon",
+                 "batch_size=1", "group_size=2", "max_tokens=8", "eval_every=0", "max_steps=1",
+                 "behavior_if_log_dir_exists=delete", base_url=False, expect_rc=1)
+    refusal = f"is longer than the model's context length ({CONTEXT} tokens)"
+    assert refusal in run.out, run.out[-3000:]
+    verified["multiplayer_rl/guess_number"] = run.row(
+        "multiplayer_rl/guess_number", "importance_sampling", 0, "cannot run: a 10-turn game outgrows the tiny "
+        f"model's {CONTEXT}-token context by turn 4 (each failed turn adds the recipe's ~116-token parse-failure "
+        "message); the engine's refusal reaches the recipe, naming both lengths")
+
+
+@SLOW
+def test_rubric_with_the_tiny_model_as_grader(recipe, tmp_path, verified):
+    """rubric (default loss stable_reinforce) cannot run on the tiny world: its grader samples with
+    max_tokens=2048, fixed in the recipe's env code (rubric/env.py), and a request for more new tokens
+    than the model's context (512) is refused by the engine before anything is sampled. What it shows:
+    the refusal reaches the recipe as a clear error naming the context and the requested total."""
+    kinds = data.kinds_rows(8, seed=5)
+    train = data.write_jsonl(tmp_path / "rubric_train.jsonl", data.rubric_rows(kinds[:6]))
+    test = data.write_jsonl(tmp_path / "rubric_test.jsonl", data.rubric_rows(kinds[6:]))
+    run = recipe("tinker_cookbook.recipes.rubric.train", "renderer_name=role_colon", f"grader_llm_name={SERVED_NAME}",
+                 "grader_renderer_name=role_colon", "groups_per_batch=2", "max_tokens=8", f"train_jsonl_path={train}",
+                 f"test_jsonl_path={test}", "max_steps=2", "behavior_if_log_dir_exists=delete", expect_rc=1)
+    refusal = f"exceeds the model's maximum context length of {CONTEXT} tokens"
+    assert refusal in run.out and "2048 tokens for the completion" in run.out, run.out[-3000:]
+    verified["rubric"] = run.row("rubric", "stable_reinforce", 0, "cannot run: its grader asks for 2048 new tokens "
+                                 f"(fixed in rubric/env.py), beyond the tiny model's {CONTEXT}-token context; the "
+                                 "engine's refusal reaches the recipe, naming both")
+
+
+@SLOW
+def test_sdft(recipe, tmp_path, verified):
+    """sdft (dataset=sciknoweval rows: kinds questions with a golden answer): the teacher is the base model
+    with the golden answer in its prompt; the student learns the teacher's top-K distribution with
+    cross_entropy on (N, K) targets. lorafleet's cross_entropy takes (N,) targets and refuses (N, K) with a
+    message naming the shape: the test xfails on exactly that refusal (anything else fails it), and once
+    the shape is served the recipe's loss must fall. eval_every=0: the cookbook's own test-set evaluator
+    fails at step 0 whatever the server (0.6.1's RLTestSetEvaluator takes SDFTDataset.get_batch's
+    (builders, questions, answers) tuple for the builders: "'list' object has no attribute 'make_envs'")."""
+    run = recipe("tinker_cookbook.recipes.sdft.train", f"lora_rank={RANK}", "groups_per_batch=2", "max_tokens=16",
+                 "eval_every=0", "max_steps=3", "behavior_if_log_dir_exists=delete", expect_rc=None)
+    if run.rc != 0:
+        # trainer/losses/table.py check_inputs: "loss_fn_inputs[<key>] has shape (N, 20); model_input has N tokens"
+        assert ", 20); model_input has" in run.out, run.out[-3000:]
+        pytest.xfail("sdft's cross_entropy on top-K targets (target_tokens, weights of shape (N, K=20)) is refused: "
+                     "lorafleet's cross_entropy takes (N,)")
+    loss = series(tmp_path / "log", "train_mean_nll")
+    assert len(loss) == 3 and loss[-1] < loss[0], loss
+    verified["sdft"] = run.row("sdft", "cross_entropy (top-K)", len(loss), start_end("loss", loss))
+
+
+def test_rl_reward_rises_and_a_second_run_resumes(service, user_env, tiny_world, tmp_path, verified):
+    """The cookbook's RL loop (rl.train, its default loss importance_sampling) over DigitsEnv, a tiny
+    environment of ours (tests/integration/cookbook_runs.py) whose reward the tiny model can earn: it
+    rises, and a second run over the same log folder resumes from the first run's checkpoint."""
     log = tmp_path / "digits_rl"
     common = ["-m", "tests.integration.cookbook_runs", "digits_rl", f"base_url={service.url}", f"log_path={log}",
               f"data_path={tiny_world / 'data' / 'digits.jsonl'}", f"model_name={SERVED_NAME}", "save_every=3"]
-    run([*common, "max_steps=6"], tmp_path, tiny_world)
+    first_run = run_recipe(user_env(), tmp_path, [*common, "max_steps=6"])
     first = checkpoint_records(log)
     assert first and first[-1]["batch"] == 6, first
-    out = run([*common, "max_steps=12"], tmp_path, tiny_world)
-    assert "Resuming" in out or "resum" in out.lower(), out[-3000:]
+    second_run = run_recipe(user_env(), tmp_path, [*common, "max_steps=12"])
+    assert "resum" in second_run.out.lower(), second_run.out[-3000:]
     rows = [m for m in metrics(log) if "env/all/reward/total" in m]
-    steps = [m["step"] for m in rows]
-    assert steps == list(range(12)), steps  # the second run went on from step 6, no step twice
+    assert [m["step"] for m in rows] == list(range(12))  # the second run went on from step 6, no step twice
     reward = [m["env/all/reward/total"] for m in rows]
     print("digits_rl reward", [round(x, 3) for x in reward])
-    assert sum(reward[-4:]) / 4 > sum(reward[:4]) / 4 + 0.1, reward
+    assert mean(reward[-4:]) > mean(reward[:4]) + 0.1, reward
+    second_run.seconds += first_run.seconds
+    verified["rl.train (DigitsEnv)"] = second_run.row("rl.train (DigitsEnv)", "importance_sampling", 12,
+                                                      start_end("reward", reward))
 
 
-def test_dpo_on_local_comparisons(service, tiny_world, tmp_path):
-    rows = [json.loads(line) for line in (tiny_world / "data" / "kinds_sft.jsonl").read_text().splitlines()][:32]
-    comparisons = tmp_path / "comparisons.jsonl"
-    comparisons.write_text("".join(json.dumps({"label": "A", "comparison": {
-        "prompt_conversation": [{"role": "user", "content": r["prompt"]}],
-        "completion_A": [{"role": "assistant", "content": r["completion"].strip()}],
-        "completion_B": [{"role": "assistant", "content": " ".join(reversed(r["prompt"].split()))}]}}) + "\n" for r in rows))
-    log = tmp_path / "dpo"
-    run(["-m", "tests.integration.cookbook_runs", "dpo", f"base_url={service.url}", f"log_path={log}",
-         f"comparisons={comparisons}", f"model_name={SERVED_NAME}", "max_steps=4"], tmp_path, tiny_world)
-    losses = [m["dpo_loss"] for m in metrics(log) if "dpo_loss" in m]
-    print("dpo_loss", [round(x, 4) for x in losses])
-    assert len(losses) == 4 and abs(losses[0] - math.log(2)) < 1e-3, losses  # policy == reference at step 0
-
-
-def tinker_counters(service) -> dict[str, float]:
-    """The service's Tinker counters on /metrics: stable_reinforce's statistics and the sample requests
-    (summed over the engines)."""
-    from tests.integration.service_world import prometheus_text
-
-    out: dict[str, float] = {}
-    with service.client() as c:
-        for line in prometheus_text(c).splitlines():
-            name, _, value = line.rpartition(" ")
-            if name.startswith("lorafleet_tinker_stable_reinforce_") and name.endswith("_total"):
-                out[name[len("lorafleet_tinker_stable_reinforce_"):-len("_total")]] = float(value)
-            elif name.startswith("lorafleet_tinker_sample_requests_total{"):
-                out["sample_requests"] = out.get("sample_requests", 0.0) + float(value)
-    return out
-
-
-def _delta(after: dict, before: dict) -> dict:
-    return {k: v - before.get(k, 0.0) for k, v in after.items()}
-
-
-def test_math_rl_with_its_default_loss(service, tiny_world, tmp_path):
-    """math_rl, env=arithmetic, unmodified, with its default loss stable_reinforce, to its last step.
-    Its reward cannot rise on the tiny world: the model never writes the role_colon renderer's stop
-    sequence, so every answer is malformed (reward 0), every group all-bad and every advantage 0. What
-    it shows instead is the objective's own statistics (/metrics): the recipe asked for
-    record_stability_info, every sequence it sampled was recorded and trained on (none refused, none
-    masked), and the trainer's log-probs equal the engine's recorded ones (ratio 1 to 1e-4)."""
-    before = tinker_counters(service)
-    log = tmp_path / "math_rl"
-    run(["-m", "tinker_cookbook.recipes.math_rl.train", "env=arithmetic", f"model_name={SERVED_NAME}",
-         f"base_url={service.url}", f"log_path={log}", "groups_per_batch=2", "group_size=4", "max_tokens=6",
-         "lora_rank=8", "max_steps=2", "eval_every=0", "save_every=0", "behavior_if_log_dir_exists=delete"],
-        tmp_path, tiny_world)
-    rows = [m for m in metrics(log) if "env/all/reward/total" in m]
-    assert len(rows) == 2
-    d = _delta(tinker_counters(service), before)
-    print("math_rl reward", [m["env/all/reward/total"] for m in rows], "stable_reinforce", d)
-    assert d["calls"] >= 2 and d["sequences"] == 2 * 2 * 4, d  # max_steps x groups_per_batch x group_size
-    assert d["masked_sequences"] == 0 and d["truncated_tokens"] == 0 and d["sampled_tokens"] > 0, d
-    assert abs(d["ratio_sum"] / d["sampled_tokens"] - 1) < 1e-4, d
-
-
-def test_sl_loop_on_local_rows(service, tiny_world, tmp_path):
-    log = tmp_path / "sl_loop"
-    run(["-m", "tinker_cookbook.recipes.sl_loop", f"base_url={service.url}", f"model_name={SERVED_NAME}",
-         f"log_path={log}", "batch_size=8", "learning_rate=5e-3", "lora_rank=8", "max_length=128", "max_steps=10",
-         "save_every=0"], tmp_path, tiny_world)
-    nll = [m["train_mean_nll"] for m in metrics(log) if "train_mean_nll" in m]
-    print("sl_loop train_mean_nll", [round(x, 3) for x in nll])
-    assert len(nll) == 10 and sum(nll[-3:]) / 3 < 0.8 * sum(nll[:3]) / 3, nll
-
-
-def test_rl_loop_on_local_rows_with_its_default_loss(service, tiny_world, tmp_path):
-    """rl_loop with its default loss (stable_reinforce): it samples with record_stability_info (one
-    request per question) and checkpoints. Its reward (a boxed answer graded against gsm8k's) stays 0
-    on the tiny world's rows, so every group's advantages are zero and it skips forward_backward: the
-    loss itself is not reached (math_rl's test reaches it)."""
-    before = tinker_counters(service)
-    log = tmp_path / "rl_loop"
-    run(["-m", "tinker_cookbook.recipes.rl_loop", f"base_url={service.url}", f"model_name={SERVED_NAME}",
-         f"log_path={log}", "batch_size=2", "group_size=4", "max_tokens=8", "lora_rank=8", "max_steps=2",
-         "save_every=0"], tmp_path, tiny_world)
-    rows = [m for m in metrics(log) if "reward/total" in m]
-    assert len(rows) == 2
-    d = _delta(tinker_counters(service), before)
-    print("rl_loop reward", [m["reward/total"] for m in rows], "counters", d)
-    assert d["sample_requests"] == 2 * 2  # max_steps x batch_size questions, one request each
-    assert all(m["reward/total"] == 0 for m in rows) and d["calls"] == 0  # advantages all zero: training skipped
+@pytest.mark.slow(reason="its batch of 128 questions x 16 answers (2048 samples a step) is fixed in its code, not on "
+                         "its command line: one step did not end within 600 s on the loaded 2-core machine, and the "
+                         "service answered no connection for the next tests; last in the module for that reason")
+def test_rl_basic(recipe, tmp_path, verified):
+    """rl_basic (gsm8k rows; its batch of 128 questions x 16 is fixed in its code): its reward (a \\boxed{}
+    answer) cannot be earned on the tiny world (never a backslash or a brace), so every group is all-bad.
+    What it shows: one step of 2048 sampled answers trained with importance_sampling, the trainer's
+    log-probs equal to the sampler's (kl_sample_train about 0)."""
+    run = recipe("tinker_cookbook.recipes.rl_basic", "max_steps=1", "max_tokens=8")
+    rows = [m for m in metrics(tmp_path / "log") if "env/all/reward/total" in m]
+    print("rl_basic", {k: v for k, v in rows[0].items() if k.startswith(("env/all/reward", "optim/"))})
+    assert len(rows) == 1 and rows[0]["env/all/reward/total"] == pytest.approx(-0.1)  # malformed, wrong: -0.1
+    assert abs(rows[0]["optim/kl_sample_train_v1"]) < 1e-4, rows[0]
+    verified["rl_basic"] = run.row("rl_basic", "importance_sampling", 1, "reward -0.1 (cannot be earned); "
+                                   f"sampler/trainer KL {rows[0]['optim/kl_sample_train_v1']:.1e}")
