@@ -17,8 +17,9 @@ Tiers. The default tier (CI's `-m "not gpu and not slow"`) runs the service, the
 chat_sl, math_rl and rl_loop with their default loss stable_reinforce, and the cookbook's RL loop
 (rl.train) over DigitsEnv with its resume: measured 151 s at load ~6 (the service's start 54 s of
 it), 470 s at load 30-60. The other recipes are marked slow (`-m slow`): about 110 s more at load
-~6, rl_basic apart (2048 samples a step, fixed in its code: it did not end one step within
-600 s at load 40-60, and the service then answered no connection for minutes; last in the module).
+~6, and rl_basic (2048 samples a step, fixed in its code) 93 s at load ~8; at load 40-60 it did
+not end one step within 600 s, and the service then answered no connection for the next tests, so
+it is last in the module.
 
 Every recipe creates its model with the SDK's defaults (`train_unembed=True`: LoRA on the
 unembedding too, which lorafleet trains and serves). The service seeds each model's LoRA
@@ -452,8 +453,8 @@ def test_rl_reward_rises_and_a_second_run_resumes(service, user_env, tiny_world,
 
 
 @pytest.mark.slow(reason="its batch of 128 questions x 16 answers (2048 samples a step) is fixed in its code, not on "
-                         "its command line: one step did not end within 600 s on the loaded 2-core machine, and the "
-                         "service answered no connection for the next tests; last in the module for that reason")
+                         "its command line: one step took 93 s at load ~8, and did not end within 600 s at load 40-60, "
+                         "the service then answering no connection for the next tests; last in the module for that reason")
 def test_rl_basic(recipe, tmp_path, verified):
     """rl_basic (gsm8k rows; its batch of 128 questions x 16 is fixed in its code): its reward (a \\boxed{}
     answer) cannot be earned on the tiny world (never a backslash or a brace), so every group is all-bad.
@@ -464,5 +465,6 @@ def test_rl_basic(recipe, tmp_path, verified):
     print("rl_basic", {k: v for k, v in rows[0].items() if k.startswith(("env/all/reward", "optim/"))})
     assert len(rows) == 1 and rows[0]["env/all/reward/total"] == pytest.approx(-0.1)  # malformed, wrong: -0.1
     assert abs(rows[0]["optim/kl_sample_train_v1"]) < 1e-4, rows[0]
-    verified["rl_basic"] = run.row("rl_basic", "importance_sampling", 1, "reward -0.1 (cannot be earned); "
-                                   f"sampler/trainer KL {rows[0]['optim/kl_sample_train_v1']:.1e}")
+    verified["rl_basic"] = run.row("rl_basic", "importance_sampling", 1, "reward -0.1 (its \\boxed{} answer is never "
+                                   "written by the tiny model: cannot be earned); 2048 answers trained, sampler/trainer "
+                                   f"KL {rows[0]['optim/kl_sample_train_v1']:.1e}")
