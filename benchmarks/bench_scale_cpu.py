@@ -17,10 +17,19 @@ the two alternate `--pairs` times (the rates are summed over each kind's windows
 longest wait for a turn, read from the scheduler's own log (evicted -> restored: seconds,
 and placements of others between). Registration latency: p50/p99 of the 1,024 phase's POSTs.
 
+`--list-keys admin,alice,bob`: the list pages of a burst come from those credentials in turn (the
+admin token and the two tenant keys; /metrics is the admin's). `--tinker N`: N of the last phase's
+tenants are Tinker models (the official SDK, the cookbook's RL loop: benchmarks/tinker_rl_tenants.py,
+in a process of their own so that they do not share the readers' interpreter and its GIL, under the
+two tenant keys) in place of N REST runs; they count
+among the tenants, their steps are reported apart (`tinker_steps_per_min`, client side), and the
+warm-up waits until each has finished a step.
+
   .venv/bin/python -m benchmarks.bench_scale_cpu --out scale_cpu.json
   .venv/bin/python -m benchmarks.bench_scale_cpu --phases 8,64 --window-s 20   # a quick look
   .venv/bin/python -m benchmarks.bench_scale_cpu --phases 200,1024 --window-s 20 --pairs 3   # quiet and reads alternating
   .venv/bin/python -m benchmarks.bench_scale_cpu --phases "" --complete 1024   # 1,024 two-step runs from 8 clients, to the end
+  .venv/bin/python -m benchmarks.bench_scale_cpu --slots 4 --phases 200,1024 --tinker 256 --list-keys admin,alice,bob   # reads with Tinker tenants
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ from pathlib import Path
 import httpx
 import yaml
 
+from benchmarks.tinker_rl_tenants import FleetProcess
 from tests.integration.service_world import TOKEN, Service, serve_job, sft
 
 # Idle connections are dropped by the client before the server drops them (uvicorn: after 5 s): the
@@ -94,18 +104,22 @@ def _register(service: Service, tiny: Path, names: list[str], threads: int, num_
     return latencies
 
 
-def _window(service: Service, seconds: float, readers: int = 0, burst_every_s: float = 0.0) -> dict:
+def _window(service: Service, seconds: float, readers: int = 0, burst_every_s: float = 0.0, list_keys: tuple[str, ...] = (TOKEN,),
+            tinker: FleetProcess | None = None) -> dict:
     """Steps per minute and coordinator time per round over `seconds`, with `readers` concurrent read
     clients: each sends its GET at every burst (all together, every `burst_every_s`), or back to back
-    when that is 0 (a stress beyond bursts)."""
+    when that is 0 (a stress beyond bursts). List readers take the credentials of `list_keys` in turn;
+    an answer other than 200 is counted (`read_errors`). `tinker`: its tenants' steps in the window."""
     stop = threading.Event()
     reads: dict[str, list[float]] = {"page": [], "metrics": []}
     sizes: dict[str, int] = {}
+    failed: list[int] = []
     lock = threading.Lock()
     t_first = time.monotonic() + 0.5
 
     def reader(i: int) -> None:
-        with httpx.Client(base_url=service.url, timeout=120, headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+        key = list_keys[(i // 2) % len(list_keys)] if i % 2 == 0 else TOKEN
+        with httpx.Client(base_url=service.url, timeout=120, headers={"Authorization": f"Bearer {key}"}) as http:
             burst = 0
             while not stop.is_set():
                 if burst_every_s > 0:  # the next burst's start, shared by every reader
@@ -120,6 +134,8 @@ def _window(service: Service, seconds: float, readers: int = 0, burst_every_s: f
                 with lock:
                     reads[kind].append(dt)
                     sizes[kind] = len(r.content)
+                    if r.status_code != 200:
+                        failed.append(r.status_code)
 
     with httpx.Client(base_url=service.url, timeout=120, headers={"Authorization": f"Bearer {TOKEN}"}) as http:
         s0, g0, t0 = http.get("/v1/fleet/stats").json()["steps"], _gauges(http), time.monotonic()
@@ -136,19 +152,24 @@ def _window(service: Service, seconds: float, readers: int = 0, burst_every_s: f
            "coordinator_s": sum(g1[k] - g0[k] for k in (place, 'lorafleet_coordinator_seconds{part="reconcile"}')),
            "place_s": g1[place] - g0[place],
            "evictions": g1['lorafleet_scheduler_events{event="evictions"}'] - g0['lorafleet_scheduler_events{event="evictions"}'],
-           "latencies": reads, "sizes": sizes}
+           "latencies": reads, "sizes": sizes, "read_errors": len(failed)}
+    if tinker is not None:
+        raw["tinker_steps"] = tinker.steps_in(t0, t1)
     return raw
 
 
 def _summary(windows: list[dict]) -> dict:
     """Windows of one kind (quiet, or with readers) taken together: steps per minute over their whole
     time, the coordinator's time per round over all their rounds, read percentiles over all reads."""
-    total = {k: sum(w[k] for w in windows) for k in ("steps", "seconds", "rounds", "coordinator_s", "place_s", "evictions")}
+    total = {k: sum(w.get(k, 0) for w in windows) for k in ("steps", "seconds", "rounds", "coordinator_s", "place_s", "evictions",
+                                                            "read_errors", "tinker_steps")}
     rounds = total["rounds"]
     out = {"tenant_steps_per_min": total["steps"] / total["seconds"] * 60, "rounds": rounds, "windows": len(windows),
            "coordinator_ms_per_round": 1e3 * total["coordinator_s"] / rounds if rounds else float("nan"),
            "place_ms_per_round": 1e3 * total["place_s"] / rounds if rounds else float("nan"),
-           "evictions": total["evictions"]}
+           "evictions": total["evictions"], "read_errors": total["read_errors"]}
+    if any("tinker_steps" in w for w in windows):
+        out["tinker_steps_per_min"] = total["tinker_steps"] / total["seconds"] * 60
     for kind in ("page", "metrics"):
         xs = [x for w in windows for x in w["latencies"].get(kind, [])]
         if xs:
@@ -233,6 +254,8 @@ def main() -> None:
     ap.add_argument("--complete", type=int, default=0, help="then register this many runs of --complete-steps steps at once and wait until all end")
     ap.add_argument("--complete-steps", type=int, default=2)
     ap.add_argument("--complete-clients", type=int, default=8)
+    ap.add_argument("--list-keys", default="admin", help="credentials of the bursts' list pages, in turn: admin, alice, bob")
+    ap.add_argument("--tinker", type=int, default=0, help="Tinker RL tenants among the last phase's tenants (module doc)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from examples.tiny.build import ensure_tiny_world
@@ -240,6 +263,8 @@ def main() -> None:
 
     tiny = ensure_tiny_world()
     phases = [int(x) for x in args.phases.split(",") if x]
+    list_keys = tuple(TOKEN if k == "admin" else KEYS[k] for k in args.list_keys.split(","))
+    tinker: FleetProcess | None = None
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as d:
         tmp = Path(d)
@@ -259,25 +284,32 @@ def main() -> None:
                 rss0 = _rss_mib(svc.proc.pid)
                 live = 0
                 for n in phases:
-                    names = [f"t{i:04d}" for i in range(live, n)]
+                    models = args.tinker if n == phases[-1] else 0
+                    names = [f"t{i:04d}" for i in range(live, n - models)]
                     t0 = time.monotonic()
                     lat = _register(svc, tiny, names, args.clients if n == phases[-1] else 8)
                     reg_s = time.monotonic() - t0
                     live = n
                     deadline = time.monotonic() + 3600
+                    if models:
+                        tinker = FleetProcess(svc.url, [KEYS["alice"], KEYS["bob"]], "model", models)
                     while _gauges(http)['lorafleet_adapters_residency{residency="queued"}'] > 0:
                         assert time.monotonic() < deadline, "tenants never all got a first slot"
                         time.sleep(2.0)
+                    if models:
+                        assert tinker.until_stepped(max(1.0, deadline - time.monotonic())), f"Tinker tenants never all stepped: {tinker.errors[:5]}"
                     warm = time.monotonic() - t0
                     since = time.time()
                     # quiet and read windows alternate (--pairs): the fleet's rate drifts as turns rotate,
                     # and one quiet window before one read window measured that drift as much as the reads
-                    windows = [(_window(svc, args.window_s),
-                                _window(svc, args.window_s, readers=args.readers, burst_every_s=args.burst_every_s))
+                    windows = [(_window(svc, args.window_s, tinker=tinker),
+                                _window(svc, args.window_s, readers=args.readers, burst_every_s=args.burst_every_s,
+                                        list_keys=list_keys, tinker=tinker))
                                for _ in range(args.pairs)]
                     quiet, reads = _summary([q for q, _ in windows]), _summary([r for _, r in windows])
                     reads["pair_ratios"] = [r["steps"] / r["seconds"] / (q["steps"] / q["seconds"]) for q, r in windows]
-                    row = {"tenants": n, "slots": args.slots, "register_s": reg_s, "warm_s": warm,
+                    row = {"tenants": n, "tinker_tenants": models, "list_keys": args.list_keys, "slots": args.slots,
+                           "register_s": reg_s, "warm_s": warm,
                            "register_p50_ms": 1e3 * _pct(lat, 0.5), "register_p99_ms": 1e3 * _pct(lat, 0.99),
                            "register_clients": args.clients if n == phases[-1] else 8,
                            "rss_mib": _rss_mib(svc.proc.pid), "rss_mib_at_start": rss0,
@@ -288,6 +320,9 @@ def main() -> None:
             base = rows[0] if rows else None
             for r in rows[1:]:
                 r["mib_per_tenant"] = (r["rss_mib"] - base["rss_mib"]) / (r["tenants"] - base["tenants"])
+            if tinker is not None:
+                tinker.stop()
+                tinker = None
             if args.complete:
                 if rows:  # the endless tenants of the phases end first: the runs to completion have the slots alone
                     with httpx.Client(base_url=svc.url, timeout=120, headers={"Authorization": f"Bearer {TOKEN}"}) as http:
@@ -300,6 +335,8 @@ def main() -> None:
             if args.out:
                 Path(args.out).write_text(json.dumps(rows, indent=2))
         finally:
+            if tinker is not None:
+                tinker.stop()
             if svc.proc is not None and svc.proc.poll() is None:
                 svc.proc.kill()
             reap_engines(svc.state_dir)

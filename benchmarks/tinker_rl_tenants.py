@@ -214,37 +214,84 @@ class Fleet:
                 await c.close("success")
 
 
-class FleetThread:
-    """A `Fleet` on an event loop of its own thread, for a benchmark whose other clients are threads
-    (benchmarks/bench_scale_cpu.py): its calls block the caller until the loop has done them."""
+class FleetProcess:
+    """The same tenants in a process of their own (``python -m benchmarks.tinker_rl_tenants``), for a
+    benchmark that times other clients in its own interpreter (bench_scale_cpu's readers): hundreds of SDK
+    tenants would otherwise share the GIL with the clocks it reads. The child prints its counts every
+    0.5 s ("<steps> <tenants stepped> <errors>"); they are kept with this process's monotonic time."""
 
-    def __init__(self, url: str, keys: list[str], base_model: str, work: RlWorkload) -> None:
+    def __init__(self, url: str, keys: list[str], base_model: str, tenants: int) -> None:
+        import subprocess
+        import sys
         import threading
 
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="tinker-tenants", daemon=True)
-        self.thread.start()
+        self.tenants = tenants
+        self.counts: list[tuple[float, int, int]] = [(time.monotonic(), 0, 0)]  # (received, steps, stepped)
+        self.errors: list[str] = []
+        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.tinker_rl_tenants", url, base_model, str(tenants), *keys],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.reader = threading.Thread(target=self._read, name="tinker-tenants-counts", daemon=True)
+        self.reader.start()
 
-        async def make() -> Fleet:
-            return Fleet(url, keys, base_model, work)
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith("error "):
+                self.errors.append(line[6:].strip())
+            elif line.startswith("counts "):
+                steps, stepped = (int(x) for x in line.split()[1:3])
+                self.counts.append((time.monotonic(), steps, stepped))
 
-        self.fleet = self._run(make())
+    def until_stepped(self, deadline_s: float) -> bool:
+        """Every tenant finished a step (False at the deadline, on an error, or when the child ended)."""
+        end = time.monotonic() + deadline_s
+        while self.counts[-1][2] < self.tenants:
+            if time.monotonic() > end or self.errors or self.proc.poll() is not None:
+                return False
+            time.sleep(1.0)
+        return True
 
-    def _run(self, coro: Any, timeout_s: float | None = None) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
-
-    def grow(self, n: int) -> list[Tenant]:
-        async def grow() -> list[Tenant]:
-            return self.fleet.grow(n)
-
-        return self._run(grow())
-
-    def until_stepped(self, tenants: list[Tenant], deadline_s: float) -> bool:
-        return self._run(self.fleet.until_stepped(tenants, deadline_s))
+    def steps_in(self, t0: float, t1: float) -> int:
+        """Tenant-steps finished in [t0, t1): the counts last received before each end (0.5 s resolution)."""
+        def at(t: float) -> int:
+            return max((steps for when, steps, _ in self.counts if when <= t), default=0)
+        return at(t1) - at(t0)
 
     def stop(self) -> None:
+        """Closing its stdin stops the child: its tenants finish their steps (Fleet.stop), its sessions close."""
+        self.proc.stdin.close()
         try:
-            self._run(self.fleet.stop(), timeout_s=900)
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(30)
+            self.proc.wait(180)
+        except Exception:  # noqa: BLE001 - it had its chance
+            self.proc.kill()
+
+
+def _child(url: str, base_model: str, tenants: int, keys: list[str]) -> None:
+    """FleetProcess's child: `tenants` RL tenants until stdin closes; counts on stdout every 0.5 s."""
+    import sys
+    import threading
+
+    from examples.tiny.build import ensure_tiny_world
+
+    async def run() -> None:
+        fleet = Fleet(url, keys, base_model, RlWorkload.from_tiny_world(ensure_tiny_world()))
+        loop = asyncio.get_running_loop()
+        threading.Thread(target=lambda: (sys.stdin.read(), loop.call_soon_threadsafe(fleet.stopping.set)), daemon=True).start()
+        fleet.grow(tenants)
+        told = 0
+        while not fleet.stopping.is_set():
+            for err in fleet.log.errors[told:]:
+                print(f"error {err}", flush=True)
+            told = len(fleet.log.errors)
+            print(f"counts {len(fleet.log.steps)} {sum(1 for t in fleet.tenants if t.steps > 0)}", flush=True)
+            await asyncio.sleep(0.5)
+        await fleet.stop()
+
+    asyncio.run(run())
+
+
+if __name__ == "__main__":
+    import logging
+    import sys
+
+    logging.getLogger("tinker").setLevel(logging.ERROR)  # the SDK warns at every try_again of a long poll
+    _child(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:])
