@@ -7,10 +7,10 @@ restarts it with an interval policy).
     equals an uninterrupted run's bit for bit (every tensor torch.equal): the graceful stop saved
     every model whole (pending gradient included) and the calls it had queued, and the SDK's
     retries rode through the gap.
-(b) kill -9 of the whole process group with tinker_durability: step: the recipe finishes; its
-    losses equal the uninterrupted run's (the forward_backward calls after the last snapshot are
-    replayed from the log: within 1e-6 relative, a replayed call may share a micro-batch
-    differently than it did the first time, which moves fp32 sums in their last bits).
+(b) kill -9 of the whole process group with tinker_durability: step: the recipe finishes; no
+    acknowledged optim_step is lost (the model comes back at least at the step the recipe had been
+    answered) and none runs twice (its snapshot step at the end is the recipe's step count); its
+    losses follow the uninterrupted run's within the spread two trainer starts show (ACROSS_STARTS_REL).
 (c) tinker_durability interval, kill -9: the model's next call is answered with the error naming
     the step it was restored to (never "unknown request id"); create_training_client_from_state on
     its last save_state works; another tenant whose model had nothing past its snapshot carries on.
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import sqlite3
@@ -133,12 +134,16 @@ def _finish(proc: subprocess.Popen, log: Path) -> None:
     assert proc.wait(RECIPE_TIMEOUT_S) == 0, Path(f"{log}.out").read_text()[-6000:]
 
 
+def _final_path(log: Path) -> list[str]:
+    """The recipe's final state: [model, kind, name] of its tinker://<model>/weights/final."""
+    records = [json.loads(x) for x in (log / "checkpoints.jsonl").read_text().splitlines() if x.strip()]
+    return next(r for r in records if r["name"] == "final")["state_path"][len("tinker://"):].split("/")
+
+
 def _final_state(service: Restartable, log: Path) -> dict:
     from safetensors.torch import load_file
 
-    records = [json.loads(x) for x in (log / "checkpoints.jsonl").read_text().splitlines() if x.strip()]
-    path = next(r for r in records if r["name"] == "final")["state_path"]  # tinker://<model>/weights/final
-    model, kind, name = path[len("tinker://"):].split("/")
+    model, kind, name = _final_path(log)
     folder = service.svc.state_dir / "tinker" / "alice" / model.replace(":", "_") / kind / name
     return load_file(str(folder / "slot_state.safetensors"))
 
@@ -159,12 +164,12 @@ def uninterrupted(service, tiny_world, chat_data, tmp_path_factory):
 
 
 def _interrupted(service, tiny_world, chat_data, tmp_path_factory, name: str, interrupt) -> tuple[list[float], dict]:  # noqa: ANN001
-    """The recipe, with `interrupt()` (a stop and a start) after its third step; (losses, final state)."""
+    """The recipe, with `interrupt(log)` (a stop and a start) after its third step; (losses, final state)."""
     log = tmp_path_factory.mktemp(name) / "run"
     proc = _recipe(service, log, tiny_world, chat_data)
     wait_until(lambda: len(_nll(log)) >= 3 or proc.poll() is not None, "the recipe's third step", timeout_s=RECIPE_TIMEOUT_S)
     assert proc.poll() is None, Path(f"{log}.out").read_text()[-3000:]
-    interrupt()
+    interrupt(log)
     _finish(proc, log)
     return _nll(log), _final_state(service, log)
 
@@ -175,7 +180,7 @@ def test_a_graceful_restart_mid_recipe_is_invisible(service, tiny_world, chat_da
 
     times: dict[str, float] = {}
 
-    def restart() -> None:
+    def restart(_log: Path) -> None:
         times["stop"] = service.sigterm()
         times["start"] = service.start("step")
 
@@ -187,15 +192,33 @@ def test_a_graceful_restart_mid_recipe_is_invisible(service, tiny_world, chat_da
     assert all(torch.equal(state[k], base_state[k]) for k in state), [k for k in state if not torch.equal(state[k], base_state[k])]
 
 
+# Two starts of the trainer can round the same step's fp32 sums differently in their last bits (measured
+# 2026-12-05: the same recipe on one start repeats bit for bit, on another start its second loss differs by
+# 1e-7 relative), and the recipe's Adam (eps 1e-12) turns such a difference into an update of a full
+# learning rate on a near-zero gradient: its final loss then differs by up to 1.0% between starts. So the
+# losses are compared at a bound above that spread, and "no acknowledged step lost, none run twice" is
+# checked exactly, on the model's own step counts.
+ACROSS_STARTS_REL = 5e-2
+
+
 @pytest.mark.timeout(1200)
 def test_kill_9_with_step_durability_loses_no_acknowledged_step(service, tiny_world, chat_data, uninterrupted, tmp_path_factory):
-    def crash() -> None:
+    acked: list[int] = []
+    logs: list[Path] = []
+
+    def crash(log: Path) -> None:
         service.kill9()
+        acked.append(len(_nll(log)))  # the recipe logs a step's metrics once its optim_step is answered
+        logs.append(log)
         service.start("step")
 
     nll, _ = _interrupted(service, tiny_world, chat_data, tmp_path_factory, "kill9", crash)
     base_nll, _ = uninterrupted
-    assert len(nll) == STEPS and nll == pytest.approx(base_nll, rel=1e-6), (nll, base_nll)
+    assert len(nll) == STEPS and nll == pytest.approx(base_nll, rel=ACROSS_STARTS_REL), (nll, base_nll)
+    model = _final_path(logs[0])[0]
+    revived = re.findall(rf"revived Tinker model {re.escape(model)} of alice: step (\d+)", service.svc.log_path.read_text())
+    assert revived and int(revived[-1]) >= acked[0], (revived, acked)  # every acknowledged optim_step survived the kill
+    assert _snapshot_step(service, model) == STEPS  # and none ran twice (under step: a snapshot per optim_step)
 
 
 def _snapshot_step(service: Restartable, model_id: str) -> int:
