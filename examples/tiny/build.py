@@ -266,33 +266,37 @@ def build_hf_cache(world: Path) -> None:
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(HF_REVISION)
     for repo_id, config, rows_fn in HF_DATASETS:
-        _cache_dataset(repo_id, config, globals()[rows_fn](world / "data"), datasets_dir)
+        cache_dataset(repo_id, config, {"train": globals()[rows_fn](world / "data")}, datasets_dir)
     (world / "hf" / "STAMP").write_text(HF_VERSION + "\n")
 
 
-def _cache_dataset(repo_id: str, config: str, rows: list[dict], cache: Path) -> None:
-    """``rows`` as the train split of ``repo_id``/``config`` in a ``datasets`` cache, in the layout
-    ``load_dataset(repo_id, config)`` falls back to offline (``<org>___<name>/<config>/0.0.0/<hash>``).
-    Written by datasets' own parquet builder under the dataset's short name, then moved under its org."""
+def cache_dataset(repo_id: str, config: str, splits: dict[str, list[dict]], cache: Path) -> None:
+    """``splits`` (split name -> rows) as the splits of ``repo_id``/``config`` in a ``datasets`` cache, in
+    the layout ``load_dataset(repo_id, config)`` falls back to offline (``<org>___<name>/<config>/0.0.0/<hash>``):
+    written by datasets' own parquet builder under the dataset's short name, then moved under its org
+    (also the cookbook tests' datasets: tests/integration/cookbook_datasets.py)."""
     import tempfile
 
     import pyarrow as pa
     import pyarrow.parquet as pq
+    from datasets.naming import camelcase_to_snakecase
     from datasets.packaged_modules.parquet.parquet import Parquet
     from datasets.utils.logging import disable_progress_bar
 
     disable_progress_bar()
-
     org, name = repo_id.split("/")
     with tempfile.TemporaryDirectory() as tmp:
-        source = Path(tmp) / "train.parquet"
-        pq.write_table(pa.Table.from_pylist(rows), source)
+        files = {}
+        for split, rows in splits.items():
+            files[split] = str(Path(tmp) / f"{split}.parquet")
+            pq.write_table(pa.Table.from_pylist(rows), files[split])
         builder = Parquet(cache_dir=str(Path(tmp) / "cache"), dataset_name=name, config_name=config, config_id=config,
-                          data_files={"train": str(source)}, hash="tiny")
+                          data_files=files, hash="tiny")
         builder.download_and_prepare()
-        target = cache / f"{org}___{name}"
+        folder = camelcase_to_snakecase(name)  # datasets' name for it ("DeepMath-103K" -> "deep_math-103_k")
+        target = cache / f"{org}___{folder}"
         target.parent.mkdir(parents=True, exist_ok=True)
-        (Path(tmp) / "cache" / name).rename(target)
+        (Path(tmp) / "cache" / folder).rename(target)
     for lock in target.rglob("*.lock"):
         lock.unlink()
 

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import json
 import random
-import tempfile
 from pathlib import Path
+
+from examples.tiny.build import cache_dataset
 
 KINDS = ("digits", "vowels", "consonants", "mixed")
 # sl_basic's batch (128 rows) is fixed in its code, not on its command line: 10 steps need 1280 rows,
@@ -87,34 +88,6 @@ def hub_datasets() -> dict[tuple[str, str], dict[str, list[dict]]]:
         ("zwhe99/DeepMath-103K", "default"): {"train": [{"question": r["prompt"]} for r in train]},
         ("hicai-zju/SciKnowEval", "default"): {"test": _sciknoweval(train)},
     }
-
-
-def cache_dataset(repo_id: str, config: str, splits: dict[str, list[dict]], cache: Path) -> None:
-    """``splits`` as the splits of ``repo_id``/``config`` in a ``datasets`` cache, in the layout
-    ``load_dataset(repo_id, config)`` falls back to offline (``<org>___<name>/<config>/0.0.0/<hash>``):
-    written by datasets' own parquet builder under the dataset's short name, then moved under its org."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    from datasets.naming import camelcase_to_snakecase
-    from datasets.packaged_modules.parquet.parquet import Parquet
-    from datasets.utils.logging import disable_progress_bar
-
-    disable_progress_bar()
-    org, name = repo_id.split("/")
-    with tempfile.TemporaryDirectory() as tmp:
-        files = {}
-        for split, rows in splits.items():
-            files[split] = str(Path(tmp) / f"{split}.parquet")
-            pq.write_table(pa.Table.from_pylist(rows), files[split])
-        builder = Parquet(cache_dir=str(Path(tmp) / "cache"), dataset_name=name, config_name=config, config_id=config,
-                          data_files=files, hash="tiny")
-        builder.download_and_prepare()
-        folder = camelcase_to_snakecase(name)  # datasets' name for it ("DeepMath-103K" -> "deep_math-103_k")
-        target = cache / f"{org}___{folder}"
-        target.parent.mkdir(parents=True, exist_ok=True)
-        (Path(tmp) / "cache" / folder).rename(target)
-    for lock in target.rglob("*.lock"):
-        lock.unlink()
 
 
 def build_datasets_cache(cache: Path) -> Path:
