@@ -21,7 +21,13 @@ Invariants:
      (Authorization, X-API-Key), so no caller gets an answer built for another credential; only
      200 answers are stored (a 401 or 403 is the coordinator's to say, every time);
   F2 a request with another method than GET, HEAD or OPTIONS clears the cache once its answer is
-     back: a caller reads its own writes at once, as without the front;
+     back: a caller reads its own writes at once, as without the front. Except the Tinker wire's
+     (`TINKER_WIRE`, /api/v1/...): its calls change no run, no page of /v1/adapters and nothing a
+     Tinker client reads back through the cached reads (its models have their own routes), only
+     counters of /metrics and /v1/fleet/stats, which show them within `ttl_s` as they show training.
+     A fleet of Tinker tenants posts many calls a second: clearing on each made every burst of
+     reads miss (measured with 128 Tinker tenants among 1,024 runs: p99 2.97 s for the list, 4.45 s
+     for /metrics, against 0.30 s without them);
   F3 everything else passes unchanged, streamed both ways: method, path, query, headers (less the
      hop-by-hop ones), body, status; the coordinator does every check (auth, limits, validation);
   F4 the front dies with the coordinator: it exits when its parent process is gone (checked every
@@ -54,6 +60,7 @@ CREDENTIAL_HEADERS = (b"authorization", b"x-api-key")  # F1: the headers that sa
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"proxy-authenticate", b"proxy-authorization",
                         b"te", b"trailer", b"transfer-encoding", b"upgrade", b"host"})
 READ_ONLY_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+TINKER_WIRE = "/api/v1/"  # F2: writes under it do not clear the cache
 PARENT_CHECK_S = 0.5
 
 
@@ -99,7 +106,7 @@ class FrontApp:
             else:
                 await self._pass(scope, receive, send)
         finally:
-            if method not in READ_ONLY_METHODS:
+            if method not in READ_ONLY_METHODS and not path.startswith(TINKER_WIRE):
                 self.cache.clear()  # F2
 
     async def _cached_read(self, scope: dict) -> Answer:

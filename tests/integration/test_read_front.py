@@ -6,7 +6,7 @@ real app (uvicorn on loopback) over a real controller and SQLite registry with t
     body, content type), writes and refusals included;
   * a burst of 100 concurrent polled reads costs the app one request (counted at the app);
   * answers are never shared between credentials, and a refused one is never stored (F1);
-  * a write through the front is read at once (F2);
+  * a write through the front is read at once (F2), a Tinker wire call keeps the cached reads;
   * the front exits when its parent is killed (F4), and says 503 with a reason when the app does
     not answer; a port in use is refused naming the setting.
 """
@@ -142,6 +142,21 @@ def test_a_write_through_the_front_is_read_at_once(world):
         assert "written-now" in [a["name"] for a in after["adapters"]] and after["total"] == before["total"] + 1
         assert c.delete("/v1/adapters/written-now").status_code == 202
         assert c.get("/v1/adapters", params={"limit": 500}).json()["total"] == after["total"]  # retiring, still listed
+
+
+def test_a_tinker_call_keeps_the_cached_reads(world):
+    """F2's exception: a write of the Tinker wire (/api/v1/...: here a heartbeat the app refuses, no
+    Tinker API being on) leaves the cached reads in place, where a REST write clears them."""
+    _, app, _, front = world
+    with _client(front) as c:
+        c.get("/v1/adapters", params={"limit": 3})  # stored (ttl 60 s)
+        seen = app.seen[("GET", "/v1/adapters")]
+        assert c.post("/api/v1/session_heartbeat", json={"session_id": "s-1"}).status_code >= 400
+        c.get("/v1/adapters", params={"limit": 3})
+        assert app.seen[("GET", "/v1/adapters")] == seen  # from the front's cache
+        c.delete("/v1/adapters/no-such-run")  # a REST write (refused, 404): still clears
+        c.get("/v1/adapters", params={"limit": 3})
+        assert app.seen[("GET", "/v1/adapters")] == seen + 1
 
 
 def test_a_burst_of_100_reads_costs_the_app_one_request_each(world):
