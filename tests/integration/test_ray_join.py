@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent("""
     import json, os, sys
-    from service.config.job.ray import RayConfig
+    from service.config.ray import RayConfig
     from service.fleet.ray_connect import connect_ray, ray_on_loopback, recorded_cluster_address
     ray_on_loopback()
     import ray
