@@ -199,7 +199,8 @@ def test_runs_and_models_rotate_through_two_slots_and_each_trains_as_alone(fleet
 
     f, tmp = fleet
     controller, runtime = f.controller, f.runtime
-    spy = Spy(f.trainer, runtime.scheduler, tmp)
+    own = Path(f.settings.state_dir) / "test"  # the test's folders inside the store: the trainer writes nowhere else
+    spy = Spy(f.trainer, runtime.scheduler, own)
     models = TinkerModels(runtime.scheduler, runtime.tinker_records, runtime.store, base_model="model",
                           tokenizer_id=str(tiny_world / "model"), max_rank=8)
     hf_model = _hf(tiny_world)
@@ -242,7 +243,7 @@ def test_runs_and_models_rotate_through_two_slots_and_each_trains_as_alone(fleet
         print("evictions:", spy.evicted, flush=True)
         saved: dict[str, list] = {n: [] for n in handles}
         for n, m in handles.items():
-            m.save_sampler_weights(tmp / f"final-{n}", lambda v, e, n=n: saved[n].append(e))
+            m.save_sampler_weights(own / f"final-{n}", lambda v, e, n=n: saved[n].append(e))
         wait_until(lambda: all(saved.values()), "the models' sampler weights saved", timeout_s=600)
         assert all(v == [None] for v in saved.values()), saved
     finally:
@@ -271,7 +272,7 @@ def test_runs_and_models_rotate_through_two_slots_and_each_trains_as_alone(fleet
         assert any(want[k].abs().max() > 0 for k in want if "lora_B" in k)  # it trained
     for name in handles:
         want = _tinker_reference(hf_model, spy.init[name], name, spy.rounds)
-        got = _peft(tmp / f"final-{name}")
+        got = _peft(own / f"final-{name}")
         assert got.keys() == want.keys(), name
         worst = max(max_rel_err(got[k], want[k]) for k in want)
         print(f"{name}: worst relative error against the reference {worst:.2e}")
