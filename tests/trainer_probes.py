@@ -6,6 +6,7 @@
 * ``hold_export_writes(group, held)``: the named fault injection of the export tests: while held,
   rank 0's writer starts no folder (the snapshots queue); ``hold_writer(writer, held)`` does it to
   one trainer/export/export_writer.py ``ExportWriter`` in this process;
+* ``swapped(group)``: rank 0's evicted slots (keys, host bytes, spilled keys);
 * ``slot_status(trainer, slot)``: a slot's status dict (active, rank, step, pending samples, ...);
 * ``use_export_writer(exporter, kind, threads)``: a trainer's background exports switched to another
   writer kind on the same build (tests and benchmarks compare them).
@@ -49,6 +50,17 @@ def slot_state_tensors_all_ranks(group, slot: int) -> list:  # noqa: ANN001 - a 
 
     return ray.get([w.__ray_call__.remote(_worker_slot_state_tensors, slot) for w in group.workers],
                    timeout=group.call_timeout_s)
+
+
+def _worker_swapped(worker) -> dict:  # noqa: ANN001 - runs on a TrainWorker actor
+    return worker.trainer.swap.swapped()
+
+
+def swapped(group) -> dict:  # noqa: ANN001 - a service.fleet.trainer_group.TrainerGroup
+    """Rank 0's swap store (trainer/swap/slot_swap.py ``SlotSwap.swapped``): keys, host bytes, spilled keys."""
+    import ray
+
+    return ray.get(group.workers[0].__ray_call__.remote(_worker_swapped), timeout=group.call_timeout_s)
 
 
 def slot_status(trainer, slot: int) -> dict:  # noqa: ANN001 - a trainer.core.MultiLoraTrainer

@@ -17,6 +17,7 @@ data cursor, so runs are deterministic (as in test_service_resume.py).
 from __future__ import annotations
 
 from tests.local_ray import start_ray, stop_ray
+from tests.trainer_probes import swapped
 
 import logging
 import os
@@ -87,7 +88,7 @@ def test_turns_through_one_slot_are_bit_exact(world, caplog):
     from service.registry.registry import AdapterState
 
     _, trainer, _, data = world
-    caplog.set_level(logging.INFO, logger="service.scheduling.scheduler")
+    caplog.set_level(logging.INFO, logger="service.scheduling")  # the scheduler and its placement (slot_moves)
     turns, rt = _controller(world, "turns", turn_steps=1)
     try:
         turns.register("x", _sft(data, seed=7))
@@ -98,7 +99,7 @@ def test_turns_through_one_slot_are_bit_exact(world, caplog):
         turns.close()
     evictions = [r.getMessage() for r in caplog.records if r.getMessage().startswith("evicted ")]
     assert len(evictions) >= 2 * (STEPS - 1) - 1 and all("(disk," in m for m in evictions), evictions  # every one spilled
-    assert trainer.swapped() == {"keys": [], "host_bytes": 0, "spilled": []}  # nothing left behind
+    assert swapped(trainer) == {"keys": [], "host_bytes": 0, "spilled": []}  # nothing left behind
 
     for name, seed in (("x", 7), ("y", 8)):
         alone, rt2 = _controller(world, f"alone_{name}", turn_steps=1)
@@ -133,7 +134,7 @@ def test_disk_full_while_spilling_fails_that_run_only(world):
         assert p.state == AdapterState.FAILED and p.step == 1, p
         assert p.failure_reason.startswith("evict failed: SwapError: spilling slot snapshot") and "No space left on device" in p.failure_reason, p
         assert q.state == AdapterState.COMPLETED and q.step == STEPS, q
-        assert trainer.swapped()["keys"] == []
+        assert swapped(trainer)["keys"] == []
     finally:
         controller.close()
         full.unlink(missing_ok=True)
