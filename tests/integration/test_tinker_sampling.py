@@ -10,6 +10,7 @@ torch_native backend)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -51,7 +52,7 @@ def sft_then_sampler_weights(svc, tc, rows, steps, name):
         tc.forward_backward(data, "cross_entropy").result()
         tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
     path = tc.save_weights_for_sampler(name).result().path
-    return path, svc.checkpoint_folder("alice", path, kinds=("sampler_weights",))
+    return path, Path(svc.checkpoint_folder("alice", path, kinds=("sampler_weights",)))  # a local store's reference
 
 
 def greedy(sampler, prompt, n=2, max_tokens=12):

@@ -244,7 +244,7 @@ def test_init_from_peft_folder(trainer, hf_model, tmp_path):
     for hp, folder, message in [
         (hyper(0, rank=8), tmp_path / "slot0", "init_from adapter has r=4"),
         (hyper(0, rank=3, alpha=3.0), tmp_path / "wide", "needs rank 9 in the slot .* above max_rank 8"),
-        (hyper(0), tmp_path / "missing", "is not a PEFT adapter folder"),
+        (hyper(0), tmp_path / "missing", "missing is not a complete folder"),
     ]:
         with pytest.raises((ValueError, FileNotFoundError), match=message):
             trainer.init_slot(2, hp, seed=1, init_from=folder)

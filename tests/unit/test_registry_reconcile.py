@@ -130,6 +130,9 @@ class _ScriptedTenant:
     def on_restored(self) -> None:
         pass
 
+    def restore_from(self):  # noqa: ANN201 - a run's state comes back from the swap store
+        return None
+
     def release(self, reason=None) -> None:
         pass
 
