@@ -194,7 +194,9 @@ def test_64_tinker_tenants_through_4_slots_and_2_engines(service, tiny_world):
     assert int(dom.status.get("data-polls", "0")) >= 1 and pager.get("total") == str(MODELS), (dom.status, pager)
     assert len(page_rows) == 50 and set(page_rows) <= set(models.values())  # the first page of 50
     states = Counter(r["state"] for r in page_rows.values())
-    assert set(states) <= {"resident", "queued", "evicted"} and 1 <= states["resident"] <= SLOTS, states
+    # a state for each row; the residents (at most the slots) may all be on the second page: the first 50
+    # in creation order had their turns first, so the page can show them all evicted (seen in a full run)
+    assert set(states) <= {"resident", "queued", "evicted"} and states["resident"] <= SLOTS, states
     assert all(r["slot"] != "" for r in page_rows.values() if r["state"] == "resident")
     assert seen["cli"] == ("t1", MODELS // len(KEYS))
 
