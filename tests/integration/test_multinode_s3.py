@@ -10,21 +10,22 @@ filesystem here (one host), so the proof is what the service needs, not what it 
   1. the job runs with the trainer and the engine on the two worker nodes (the planner's choice, as in
      test_multinode.py); the trainer writes checkpoints into the object store (committed folders under
      runs/ in the bucket); the start-up probe ran on the trainer's node with that node's environment;
-  2. the engine's node is lost (test_multinode.py's engine-node drill): a third node with its own
-     environment joins, the engine comes back there and the RL runs go on (two steps each), their
-     weights reaching the new engine from the trainer (no hand-off folder is shared);
-  3. the coordinator is SIGKILLed mid-run, every run live with a checkpoint (the SFT run, ten times
+  2. the coordinator is SIGKILLed mid-run, every run live with a checkpoint (the SFT run, ten times
      faster here, registered over REST once the RL runs have theirs); then the dead coordinator's
      state dir and every node's scratch folder are DELETED, leaving only a copy of its registry
      (sqlite3's backup of registry.sqlite3, as an operator copies it) in a new state dir, as a
      coordinator restarted on another machine would have;
-  4. a new coordinator on that state dir resumes every run from the object store: each prepared again
+  3. a new coordinator on that state dir resumes every run from the object store: each prepared again
      at its last checkpoint's step (at least the one the registry recorded before the kill), every
      run ends COMPLETED at its total with each step recorded once, nothing trained twice past a
      checkpoint, and its export committed in the bucket (verified through the store; the SFT run's
      also copied below the location the operator allows for exports, as its export_to asked); each
      run is prepared from its checkpoint's s3:// URL, the resumed slot states downloaded into the
-     trainer node's own scratch folder, and the new state dir never holds a runs/ folder.
+     trainer node's own scratch folder, and the new state dir never holds a runs/ folder;
+  4. meanwhile, once the resumed RL runs step, the engine's node is lost (test_multinode.py's
+     engine-node drill): a third node with its own environment joins, the engine comes back there
+     and the RL runs go on (two steps each), their weights reaching the new engine from the trainer
+     (no hand-off folder is shared).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ TINY = yaml.safe_load((REPO / "examples" / "tiny" / "job.yaml").read_text())
 # Small (CI budget). The RL adapters are the job's (prepared once the engine is up); the SFT one, which
 # trains at once and ~10x faster on the tiny world, is registered over REST once both RL runs have a
 # checkpoint, so the kill finds all three live, each with a checkpoint.
-RL_STEPS, RL_INTERVAL, SFT_STEPS, SFT_INTERVAL = 10, 2, 60, 5
+RL_STEPS, RL_INTERVAL, SFT_STEPS, SFT_INTERVAL = 14, 2, 60, 5
 PER_STEP = {"digits": 4 * 8, "vowels": 4 * 8, "kinds_sft": 6}  # prompts_per_step x group size; examples per step
 INTERVAL = {"digits": RL_INTERVAL, "vowels": RL_INTERVAL, "kinds_sft": SFT_INTERVAL}
 PREFIX, EXPORTS = "fleet", "exports"  # the storage's prefix; where runs may also export to (export_to)
@@ -112,17 +113,6 @@ def test_a_coordinator_on_a_new_machine_resumes_every_run_from_the_object_store(
             assert {trainer_node, procs["engine-0"]["node_id"]} == set(nodes)  # the two worker nodes
             for name in ("digits", "vowels"):
                 wait_for(c, name, lambda r: (r["checkpoint_step"] or 0) >= RL_INTERVAL, "a checkpoint", LONG_S)
-            # the engine-node drill (test_multinode.py's second) with no shared folder: a third node joins
-            # with its own environment, the engine's node is lost, the engine comes back on the new node
-            # and gets the adapters' newest weights from the trainer (no hand-off folder to read)
-            spare = cluster.add(2, env=node_env("node-c"))
-            nodes[spare] = "node-c"
-            cluster.kill(procs["engine-0"]["node_id"])
-            moved = cluster.back_on_a_node_left(c, "engine-0", procs["engine-0"], LONG_S)
-            assert moved["node_id"] == spare, (moved, spare)
-            back_at = {n: c.get(n)["step"] for n in ("digits", "vowels")}
-            for name in ("digits", "vowels"):  # two steps: the first may use groups generated before the loss
-                wait_for(c, name, lambda r, s=back_at[name]: r["step"] >= s + 2, "RL steps on the new engine", LONG_S)
             c.register("kinds_sft", {**sft, "export_to": f"s3://{s3.bucket}/{EXPORTS}/kinds_sft"})
             wait_for(c, "kinds_sft", lambda r: (r["checkpoint_step"] or 0) >= SFT_INTERVAL, "a checkpoint", LONG_S)
             at_kill = records(c)
@@ -145,6 +135,21 @@ def test_a_coordinator_on_a_new_machine_resumes_every_run_from_the_object_store(
     restarted_at = time.time()
     with serving(second):
         with second.client() as c:
+            # the engine-node drill (test_multinode.py's second) with no shared folder, once the resumed RL
+            # runs step here: a third node joins with its own environment, the engine's node is lost, the
+            # engine comes back on the new node and gets the adapters' newest weights from the trainer
+            for name in ("digits", "vowels"):
+                wait_for(c, name, lambda r, s=at_kill[name]["step"]: r["step"] > s, "an RL step after the resume", LONG_S)
+            engine = {x["name"]: x for x in c.fleet()}["engine-0"]
+            spare = cluster.add(2, env=node_env("node-c"))
+            nodes[spare] = "node-c"
+            cluster.kill(engine["node_id"])
+            moved = cluster.back_on_a_node_left(c, "engine-0", engine, LONG_S)
+            assert moved["node_id"] == spare, (moved, spare)
+            back_at = {n: c.get(n) for n in ("digits", "vowels")}
+            assert all(r["state"] == "ACTIVE" for r in back_at.values()), back_at  # the drill hit live runs
+            for name in ("digits", "vowels"):  # two steps: the first may use groups generated before the loss
+                wait_for(c, name, lambda r, s=back_at[name]["step"]: r["step"] >= s + 2, "RL steps on the new engine", LONG_S)
             done = {n: wait_for(c, n, lambda r: r["state"] == "COMPLETED", "COMPLETED", LONG_S) for n in PER_STEP}
             series = {n: c.metrics(n)["steps"] for n in PER_STEP}
             trainer_node_2 = {x["name"]: x for x in c.fleet()}["trainer-rank-0"]["node_id"]
