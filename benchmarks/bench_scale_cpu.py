@@ -307,7 +307,8 @@ def main() -> None:
                                         list_keys=list_keys, tinker=tinker))
                                for _ in range(args.pairs)]
                     quiet, reads = _summary([q for q, _ in windows]), _summary([r for _, r in windows])
-                    reads["pair_ratios"] = [r["steps"] / r["seconds"] / (q["steps"] / q["seconds"]) for q, r in windows]
+                    reads["pair_ratios"] = [r["steps"] / r["seconds"] / (q["steps"] / q["seconds"]) if q["steps"] else None
+                                            for q, r in windows]  # None: no step ended in the quiet window
                     row = {"tenants": n, "tinker_tenants": models, "list_keys": args.list_keys, "slots": args.slots,
                            "register_s": reg_s, "warm_s": warm,
                            "register_p50_ms": 1e3 * _pct(lat, 0.5), "register_p99_ms": 1e3 * _pct(lat, 0.99),
