@@ -54,7 +54,8 @@ from tests.waiting import wait_until
 
 # slow tier until its failure in the full default-tier run of 2026-12-05 is diagnosed (it passed alone 3 of 3
 # times, 129-221 s; in the full run, after the other modules, it failed twice: a dashboard page with no
-# resident, fixed, then a second failure not yet read): a flaky test must not stop CI (issue 41 stays open)
+# resident, fixed; then a swap gauge read before it followed the unloads, now waited for): rerun in the
+# full tier before it goes back to the default tier (issue 41 stays open)
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 MODELS, SLOTS, ENGINES, STEPS = 64, 4, 2, 3
@@ -203,16 +204,14 @@ def test_64_tinker_tenants_through_4_slots_and_2_engines(service, tiny_world):
     assert all(r["slot"] != "" for r in page_rows.values() if r["state"] == "resident")
     assert seen["cli"] == ("t1", MODELS // len(KEYS))
 
-    # everything back to zero
+    # everything back to zero (the swap tiers' gauges follow the unloads a little later: read until all are)
+    zeros = [f'lorafleet_tinker_models_residency{{residency="{w}"}} 0.0' for w in ("resident", "queued", "evicted")] + \
+            [f'lorafleet_swap_snapshots{{tier="{t}"}} 0.0' for t in ("host", "disk", "prefetched")] + \
+            ["lorafleet_tinker_models 0.0", "lorafleet_tinker_models_waiting_for_slot 0.0", "lorafleet_tinker_models_evicted 0.0"]
     with LorafleetClient(service.url, TOKEN, 60) as admin:
-        wait_until(lambda: "lorafleet_tinker_models 0.0" in prometheus_text(admin), "every model unloaded",
+        wait_until(lambda: (lambda text: all(z in text for z in zeros))(prometheus_text(admin)) or None, "every gauge back to 0",
                    timeout_s=300, interval_s=0.5)
         assert admin.ready()["slots"]["free"] == SLOTS
-        text = prometheus_text(admin)
-    for series in [f'lorafleet_tinker_models_residency{{residency="{w}"}} 0.0' for w in ("resident", "queued", "evicted")] + \
-                  [f'lorafleet_swap_snapshots{{tier="{t}"}} 0.0' for t in ("host", "disk", "prefetched")] + \
-                  ["lorafleet_tinker_models_waiting_for_slot 0.0", "lorafleet_tinker_models_evicted 0.0"]:
-        assert series in text, series
     shares = {e: round(n / sum(per_engine.values()), 2) for e, n in per_engine.items()}
     print(f"64 Tinker tenants x {STEPS} RL steps: {wall:.0f} s (service start {service.start_s:.0f} s); longest first-slot "
           f"wait {longest} grants ({math.ceil(longest / SLOTS)} turns of {SLOTS}, bound {FAIR_BOUND}); engine shares "
