@@ -209,8 +209,11 @@ def test_64_tinker_tenants_through_4_slots_and_2_engines(service, tiny_world):
             [f'lorafleet_swap_snapshots{{tier="{t}"}} 0.0' for t in ("host", "disk", "prefetched")] + \
             ["lorafleet_tinker_models 0.0", "lorafleet_tinker_models_waiting_for_slot 0.0", "lorafleet_tinker_models_evicted 0.0"]
     with LorafleetClient(service.url, TOKEN, 60) as admin:
-        wait_until(lambda: (lambda text: all(z in text for z in zeros))(prometheus_text(admin)) or None, "every gauge back to 0",
-                   timeout_s=300, interval_s=0.5)
+        def all_zero() -> bool:
+            text = prometheus_text(admin)
+            return all(z in text for z in zeros)
+
+        wait_until(all_zero, "every gauge back to 0", timeout_s=300, interval_s=0.5)
         assert admin.ready()["slots"]["free"] == SLOTS
     shares = {e: round(n / sum(per_engine.values()), 2) for e, n in per_engine.items()}
     print(f"64 Tinker tenants x {STEPS} RL steps: {wall:.0f} s (service start {service.start_s:.0f} s); longest first-slot "
