@@ -123,17 +123,28 @@ def _provenance(d, i: int) -> Provenance | None:  # noqa: ANN001 - a pb Datum
 
 
 def encode_forward_backward_output(result: CallResult) -> bytes:
-    """One ArrayRecord holding every datum's outputs (float32, one flat array per datum)."""
+    """The datums' outputs (float32) as ArrayRecords: one record per run of consecutive datums whose
+    outputs share a trailing shape ([n]: none; a top-K cross_entropy datum's [n, K]: (K,)), each
+    field one flat array per datum with its byte offsets; the SDK reads the records in order and
+    reshapes each datum's array by its record's trailing shape."""
     pb = _pb()
     out = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", metrics=result.metrics)
-    record = out.loss_fn_outputs.add()
-    record.type_tag = "ArrayRecord"
-    record.num_datums = len(result.outputs)
-    for name in (result.outputs[0] if result.outputs else {}):
-        arrays = [o[name].numpy().astype(np.float32).ravel() for o in result.outputs]
-        offsets = np.cumsum([0] + [a.nbytes for a in arrays]).astype(np.int64)
-        bt = record.fields[name]
-        bt.data = b"".join(a.tobytes() for a in arrays)
-        bt.offsets = offsets.tobytes()
-        bt.dtype = pb.DTYPE_FLOAT32
+    runs: list[tuple[tuple[int, ...], list[dict]]] = []
+    for o in result.outputs:
+        trailing = tuple(next(iter(o.values())).shape[1:]) if o else ()
+        if not runs or runs[-1][0] != trailing:
+            runs.append((trailing, []))
+        runs[-1][1].append(o)
+    for trailing, outputs in runs or [((), [])]:
+        record = out.loss_fn_outputs.add()
+        record.type_tag = "ArrayRecord"
+        record.num_datums = len(outputs)
+        for name in (outputs[0] if outputs else {}):
+            arrays = [o[name].numpy().astype(np.float32).ravel() for o in outputs]
+            offsets = np.cumsum([0] + [a.nbytes for a in arrays]).astype(np.int64)
+            bt = record.fields[name]
+            bt.data = b"".join(a.tobytes() for a in arrays)
+            bt.offsets = offsets.tobytes()
+            bt.dtype = pb.DTYPE_FLOAT32
+            bt.trailing_shape.extend(trailing)
     return out.SerializeToString()

@@ -414,18 +414,13 @@ def test_rubric_with_the_tiny_model_as_grader(recipe, tmp_path, verified):
 def test_sdft(recipe, tmp_path, verified):
     """sdft (dataset=sciknoweval rows: kinds questions with a golden answer): the teacher is the base model
     with the golden answer in its prompt; the student learns the teacher's top-K distribution with
-    cross_entropy on (N, K) targets. lorafleet's cross_entropy takes (N,) targets and refuses (N, K) with a
-    message naming the shape: the test xfails on exactly that refusal (anything else fails it), and once
-    the shape is served the recipe's loss must fall. eval_every=0: the cookbook's own test-set evaluator
-    fails at step 0 whatever the server (0.6.1's RLTestSetEvaluator takes SDFTDataset.get_batch's
-    (builders, questions, answers) tuple for the builders: "'list' object has no attribute 'make_envs'")."""
+    cross_entropy on (N, K=20) targets (trainer/losses/table.py: K columns of one datum; the definition is
+    proven in tests/integration/test_tinker_calls.py against Hugging Face): the recipe's loss falls.
+    eval_every=0: the cookbook's own test-set evaluator fails at step 0 whatever the server (0.6.1's
+    RLTestSetEvaluator takes SDFTDataset.get_batch's (builders, questions, answers) tuple for the builders:
+    "'list' object has no attribute 'make_envs'")."""
     run = recipe("tinker_cookbook.recipes.sdft.train", f"lora_rank={RANK}", "groups_per_batch=2", "max_tokens=16",
-                 "eval_every=0", "max_steps=3", "behavior_if_log_dir_exists=delete", expect_rc=None)
-    if run.rc != 0:
-        # trainer/losses/table.py check_inputs: "loss_fn_inputs[<key>] has shape (N, 20); model_input has N tokens"
-        assert ", 20); model_input has" in run.out, run.out[-3000:]
-        pytest.xfail("sdft's cross_entropy on top-K targets (target_tokens, weights of shape (N, K=20)) is refused: "
-                     "lorafleet's cross_entropy takes (N,)")
+                 "eval_every=0", "max_steps=3", "behavior_if_log_dir_exists=delete")
     loss = series(tmp_path / "log", "train_mean_nll")
     assert len(loss) == 3 and loss[-1] < loss[0], loss
     verified["sdft"] = run.row("sdft", "cross_entropy (top-K)", len(loss), start_end("loss", loss))

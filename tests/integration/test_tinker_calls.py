@@ -204,6 +204,100 @@ def test_hostile_custom_graphs_are_refused_naming_the_op(world):
             assert svc.records.custom_loss("alice", f"{session}:loss:{seq}") is None  # nothing stored
 
 
+# -- top-K cross_entropy ([N, K] targets: the cookbook's sdft) ------------------------------------------
+
+
+def topk_data(k: int = 5, same_column: bool = False):
+    """Two datums whose target_tokens and weights are [N, K] (the first position weighted 0, as a
+    prompt's); ``same_column``: every column names the same target (the 1-D identity below)."""
+    from tinker import types
+
+    g = torch.Generator().manual_seed(11)
+    out = []
+    for i in range(2):
+        tokens = torch.randint(1, 399, (7 + 3 * i,), generator=g).tolist()
+        n = len(tokens) - 1
+        targets = torch.randint(0, 400, (n, 1 if same_column else k), generator=g).expand(n, k).contiguous()
+        weights = torch.rand(n, k, generator=g)
+        weights[0] = 0.0
+        out.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                               loss_fn_inputs={"target_tokens": types.TensorData.from_torch(targets),
+                                               "weights": types.TensorData.from_torch(weights)}))
+    return out
+
+
+def hf_logprobs(model_dir, tokens: list[int], targets: torch.Tensor) -> torch.Tensor:
+    """log p(targets[t, k] | tokens[:t + 1]) under the base model in Hugging Face transformers, fp32
+    (a fresh model's LoRA adds nothing: B starts at 0)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1).gather(1, targets)
+
+
+def test_top_k_cross_entropy_is_its_definition(world, tiny_world):
+    """cross_entropy with [N, K] inputs (tinker-docs losses/cross-entropy, "Top-K distillation"): loss:sum
+    = -sum_t sum_k w[t, k] log p(x[t, k]) and logprobs [N, K], both against Hugging Face's base model;
+    its gradient equals the 1-D datum it reduces to when every column names the same target (weights
+    summed over k); shapes off the definition are refused and change nothing."""
+    from tinker import types
+
+    svc, url, _ = world
+    sc = open_client(url, KEYS["alice"])
+    topk, one_d = (sc.create_lora_training_client(base_model=BASE, rank=4, seed=31, train_unembed=False).result()
+                   for _ in range(2))
+    data = topk_data()
+    out = topk.forward(data, "cross_entropy").result()
+    want_loss, worst = 0.0, 0.0
+    for d, o in zip(data, out.loss_fn_outputs):
+        targets, weights = d.loss_fn_inputs["target_tokens"].to_torch(), d.loss_fn_inputs["weights"].to_torch()
+        ref = hf_logprobs(tiny_world / "model", d.model_input.to_ints(), targets)
+        got = o["logprobs"].to_torch()
+        assert tuple(got.shape) == tuple(targets.shape) == tuple(o["elementwise_loss"].to_torch().shape)
+        worst = max(worst, (got - ref).abs().max().item())
+        assert torch.allclose(o["elementwise_loss"].to_torch(), -got * weights, atol=1e-6)
+        want_loss += float(-(ref * weights).sum())
+    print(f"top-K logprobs against HF: worst {worst:.2e}; loss:sum {out.metrics['loss:sum']:.6f} vs {want_loss:.6f}")
+    assert worst <= 1e-5
+    assert out.metrics["loss:sum"] == pytest.approx(want_loss, rel=1e-5)
+
+    # the gradient: K columns of one target with weights w[t, k] == one 1-D datum with weights sum_k w[t, k]
+    same = topk_data(same_column=True)
+    reduced = [types.Datum(model_input=d.model_input, loss_fn_inputs={
+        "target_tokens": types.TensorData.from_torch(d.loss_fn_inputs["target_tokens"].to_torch()[:, 0].contiguous()),
+        "weights": types.TensorData.from_torch(d.loss_fn_inputs["weights"].to_torch().sum(1))}) for d in same]
+    a = topk.forward_backward(same, "cross_entropy").result()
+    b = one_d.forward_backward(reduced, "cross_entropy").result()
+    assert a.metrics["loss:sum"] == pytest.approx(b.metrics["loss:sum"], rel=1e-5)
+    ga, gb = slot_state(svc, topk.model_id), slot_state(svc, one_d.model_id)
+    grads = [k for k in ga if k.startswith("grad.") and gb[k].abs().max() > 0]
+    worst = max(max_rel_err(ga[k], gb[k]) for k in grads)
+    print(f"top-K vs its 1-D reduction: gradients worst {worst:.2e} over {len(grads)} tensors")
+    assert grads and worst <= 1e-5
+
+    # refused, naming what is allowed, and nothing changes
+    before = slot_state(svc, topk.model_id)
+    bad_weights = topk_data()
+    bad_weights[1].loss_fn_inputs["weights"] = types.TensorData.from_torch(torch.ones(len(bad_weights[1].model_input.to_ints())))
+    too_wide = topk_data(k=65)
+    rl_topk = topk_data()  # only cross_entropy takes [N, K]
+    for d in rl_topk:
+        w = d.loss_fn_inputs.pop("weights").to_torch()
+        d.loss_fn_inputs.update(logprobs=types.TensorData.from_torch(-w), advantages=types.TensorData.from_torch(w))
+    cases = [(bad_weights, "cross_entropy", r"datum 1: loss_fn_inputs have different shapes"),
+             (too_wide, "cross_entropy", r"datum 0: loss_fn_inputs\['(target_tokens|weights)'\] has shape \(6, 65\); .*need \(6,\) or \(6, K\) with 1 <= K <= 64"),
+             (rl_topk, "importance_sampling", r"datum 0: loss_fn_inputs\['(target_tokens|logprobs|advantages)'\] has shape \(6, 5\); model_input has 6 tokens, need \(6,\) for")]
+    for bad, loss_fn, message in cases:
+        with pytest.raises(Exception, match=message):
+            topk.forward_backward(bad, loss_fn).result()
+    after = slot_state(svc, topk.model_id)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    for m in (topk, one_d):
+        svc.unload(m.model_id)
+
+
 # -- the other calls ----------------------------------------------------------------------------------
 
 

@@ -17,7 +17,11 @@ a call's the sum over its datums; no mean) or masks and normalizes (dataset runs
 Definitions (tinker-docs.thinkingmachines.ai/tinker/losses and its per-loss pages; q = the
 ``logprobs`` input, the sampler's log-probability; A = ``advantages``; ratio = exp(lp - q)):
 
-* cross_entropy (sft):        -lp * weights
+* cross_entropy (sft):        -lp * weights; with inputs of shape [N, K] (top-K distillation: K
+  target tokens a position, each with its weight), -sum_k w[t, k] * log p(x[t, k]) at position t.
+  The round evaluates it as K columns of the same datum (column k: targets x[:, k], weights
+  w[:, k]), each a 1-D cross_entropy: the sum over columns IS the definition. Its outputs are
+  [N, K] too (``columns`` below; MAX_COLUMNS bounds K, as each column is one more pass).
 * importance_sampling (rl):   -ratio * A
 * ppo (rl):                   -min(ratio * A, clip(ratio, lo, hi) * A)
 * cispo (rl):                 -sg(clip(ratio, lo, hi)) * lp * A
@@ -103,6 +107,7 @@ class LossSpec:
     fn: Callable[[torch.Tensor, Inputs, Config], TokenLoss]
     check: Callable[[Inputs], None] | None = None
     check_config: Callable[[Config], None] | None = None  # the resolved config's ranges (ValueError)
+    columns: bool = False  # its inputs may be [n, K]: K targets a position, the loss summed over them (module doc)
 
 
 def _ratio(lp: torch.Tensor, inp: Inputs) -> torch.Tensor:
@@ -149,7 +154,7 @@ def _check_gspo(inp: Inputs) -> None:
 _CLIP = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
 _RL_INPUTS = ("target_tokens", "logprobs", "advantages")
 LOSSES: dict[str, LossSpec] = {
-    "cross_entropy": LossSpec("sft", ("target_tokens", "weights"), {}, _cross_entropy),
+    "cross_entropy": LossSpec("sft", ("target_tokens", "weights"), {}, _cross_entropy, columns=True),
     "importance_sampling": LossSpec("rl", _RL_INPUTS, {}, _importance_sampling),
     "ppo": LossSpec("rl", _RL_INPUTS, dict(_CLIP), _ppo),
     "cispo": LossSpec("rl", _RL_INPUTS, dict(_CLIP), _cispo),
@@ -197,6 +202,22 @@ def resolve_loss(loss_fn: str, config: dict[str, float] | None) -> tuple[LossSpe
     return spec, out
 
 
+# The most target columns a datum of a ``columns`` loss may have (lorafleet's own bound: each column
+# is one more pass over the datum's tokens; the cookbook's top-K distillation uses K = 20).
+MAX_COLUMNS = 64
+
+
+def datum_columns(inputs: Inputs) -> int | None:
+    """K for a datum whose inputs are [n, K] (checked by check_inputs), None for [n]."""
+    t = inputs.get("target_tokens")
+    return int(t.shape[1]) if t is not None and t.dim() == 2 else None
+
+
+def column_inputs(inputs: Inputs, column: int | None) -> Inputs:
+    """Column ``column`` of a datum's [n, K] inputs (each [n]); the inputs themselves for None."""
+    return inputs if column is None else {name: t[:, column] for name, t in inputs.items()}
+
+
 def check_inputs(loss_fn: str, spec: LossSpec | None, n: int, inputs: Inputs) -> None:
     """Input names and shapes of one datum of ``n`` input tokens (spec None: forward only)."""
     required = ("target_tokens",) if spec is None else spec.inputs
@@ -207,10 +228,16 @@ def check_inputs(loss_fn: str, spec: LossSpec | None, n: int, inputs: Inputs) ->
         extra = sorted(set(inputs) - set(spec.inputs))
         if extra:
             raise ValueError(f"loss_fn_inputs {extra} are not used by {loss_fn!r}; it takes {list(spec.inputs)}")
+    columns = spec is not None and spec.columns
     for key, t in inputs.items():
-        if tuple(t.shape) != (n,):
-            raise ValueError(f"loss_fn_inputs[{key!r}] has shape {tuple(t.shape)}; model_input has {n} tokens, need ({n},)")
+        shape = tuple(t.shape)
+        if shape != (n,) and not (columns and len(shape) == 2 and shape[0] == n and 1 <= shape[1] <= MAX_COLUMNS):
+            need = f"({n},) or ({n}, K) with 1 <= K <= {MAX_COLUMNS} (top-K targets)" if columns else f"({n},)"
+            raise ValueError(f"loss_fn_inputs[{key!r}] has shape {shape}; model_input has {n} tokens, need {need}")
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise ValueError(f"loss_fn_inputs[{key!r}] has non-finite values")
+    shapes = {k: tuple(t.shape) for k, t in inputs.items()}
+    if len(set(shapes.values())) > 1:
+        raise ValueError(f"loss_fn_inputs have different shapes {shapes}; they must all be ({n},) or all the same ({n}, K)")
     if spec is not None and spec.check is not None:
         spec.check(inputs)

@@ -47,7 +47,7 @@ from trainer.base.packing import split_by_token_budget
 from trainer.step.custom_calls import CompiledLosses, check_custom_datum, datum_floats, gather_datum_metrics
 from trainer.step.dp_outputs import DatumOutputs, gather_datum_outputs
 from trainer.losses.custom_graph import CustomLoss, combine_metrics
-from trainer.losses.table import LossSpec, check_inputs, resolve_loss
+from trainer.losses.table import LossSpec, check_inputs, column_inputs, datum_columns, resolve_loss
 
 
 class RoundRunner:
@@ -148,17 +148,19 @@ class RoundRunner:
                 losses[c] = self._validate(call)
             except ValueError as err:
                 results[c].error = str(err)
-        keys = [(c, i) for c in losses for i in range(len(calls[c].data))]  # rider k is datum i of call c
-        fields = [_output_fields(calls[c].loss_fn) for c, _ in keys]
+        # rider k is column j of datum i of call c (j None: a datum of [n] inputs; a datum of [n, K]
+        # inputs rides as its K columns, each a 1-D datum of the same loss: table.py's definition)
+        keys = [(c, i, j) for c in losses for i, d in enumerate(calls[c].data) for j in _columns(d.inputs)]
+        fields = [_output_fields(calls[c].loss_fn) for c, _, _ in keys]
         ran: dict[int, DatumOutputs] = {}  # rider k -> its outputs and loss sum (under DP: this rank's share)
         custom_metrics: dict[int, dict] = {}  # rider k of a custom call -> its metrics (this rank's share)
 
         def loss_fn(k: int) -> Callable[[torch.Tensor], torch.Tensor]:
-            c, i = keys[k]
+            c, i, j = keys[k]
 
             def loss(seg: torch.Tensor) -> torch.Tensor:
                 spec, cfg, custom = losses[c]
-                inputs = {name: v.to(seg.device) for name, v in calls[c].data[i].inputs.items()}
+                inputs = {name: v.to(seg.device) for name, v in column_inputs(calls[c].data[i].inputs, j).items()}
                 if custom is not None:  # the datum's loss and metrics (trainer/losses/custom_graph.py)
                     total, custom_metrics[k] = custom.datum(seg, inputs)
                     per_position = {"logprobs": seg}
@@ -170,8 +172,9 @@ class RoundRunner:
                 return total
             return loss
 
-        riders = [RiderSequence(calls[c].slot, calls[c].data[i].tokens, calls[c].data[i].inputs["target_tokens"].tolist(),
-                                loss_fn(k)) for k, (c, i) in enumerate(keys)]
+        riders = [RiderSequence(calls[c].slot, calls[c].data[i].tokens,
+                                column_inputs(calls[c].data[i].inputs, j)["target_tokens"].tolist(), loss_fn(k))
+                  for k, (c, i, j) in enumerate(keys)]
 
         def finish() -> None:
             layout = self.trainer.layout
@@ -179,10 +182,17 @@ class RoundRunner:
                    if layout.dp_size > 1 and riders else ran)
             for c in losses:
                 results[c].outputs, results[c].metrics = [], {"loss:sum": 0.0}
-            for k, (c, _) in enumerate(keys):  # datum order: each call's loss:sum added up as one rank adds it
+            columns: dict[tuple[int, int], list] = {}  # a datum of [n, K] inputs: its columns' outputs
+            for k, (c, i, j) in enumerate(keys):  # datum order: each call's loss:sum added up as one rank adds it
                 out, loss_sum = got[k]
-                results[c].outputs.append(out)
                 results[c].metrics["loss:sum"] += loss_sum
+                if j is None:
+                    results[c].outputs.append(out)
+                    continue
+                columns.setdefault((c, i), []).append(out)
+                if len(columns[(c, i)]) == datum_columns(calls[c].data[i].inputs):  # its last column: [n, K] outputs
+                    parts = columns.pop((c, i))
+                    results[c].outputs.append({name: torch.stack([p[name] for p in parts], dim=1) for name in parts[0]})
             self._custom_metrics(losses, keys, riders, got, custom_metrics, results)
 
         return results, riders, finish
@@ -191,15 +201,15 @@ class RoundRunner:
                         got: dict[int, DatumOutputs], mine: dict[int, dict], results: list[CallResult]) -> None:
         """The custom calls' metrics (the SDK's combination over each call's datums, in datum order);
         under DP every datum's metrics come from the rank that ran it."""
-        names = [tuple(losses[c][2].metric_refs) if losses[c][2] is not None else () for c, _ in keys]
+        names = [tuple(losses[c][2].metric_refs) if losses[c][2] is not None else () for c, _, _ in keys]
         if not any(names):
             return
         layout = self.trainer.layout
         floats = {k: datum_floats(m) for k, m in mine.items()}
         if layout.dp_size > 1:
             floats = gather_datum_metrics(floats, names, riders, layout, self.trainer.device)
-        for c in {c for c, _ in keys if losses[c][2] is not None}:
-            ks = [k for k, (cc, _) in enumerate(keys) if cc == c]
+        for c in {c for c, _, _ in keys if losses[c][2] is not None}:
+            ks = [k for k, (cc, _, _) in enumerate(keys) if cc == c]
             combined = combine_metrics([got[k][1] for k in ks], [floats.get(k, {}) for k in ks])
             results[c].metrics.update({name: v for name, v in combined.items() if name != "loss:sum"})
 
@@ -237,6 +247,12 @@ class RoundRunner:
             except ValueError as err:  # a bad parameter or a non-finite gradient: this step only
                 out.optim.append(str(err))
         return out
+
+
+def _columns(inputs: dict) -> tuple[int | None, ...] | range:
+    """A datum's riders: one (None) for [n] inputs, its K columns for [n, K] inputs."""
+    k = datum_columns(inputs)
+    return (None,) if k is None else range(k)
 
 
 def _output_fields(loss_fn: str) -> tuple[str, ...]:
