@@ -52,11 +52,7 @@ from tests.integration.service_world import (
 from tests.integration.test_dashboard_browser import CHROMIUM, DashboardDom, chromium
 from tests.waiting import wait_until
 
-# slow tier until its failure in the full default-tier run of 2026-12-05 is diagnosed (it passed alone 3 of 3
-# times, 129-221 s; in the full run, after the other modules, it failed twice: a dashboard page with no
-# resident, fixed; then a swap gauge read before it followed the unloads, now waited for): rerun in the
-# full tier before it goes back to the default tier (issue 41 stays open)
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = pytest.mark.integration  # the default tier (issue 41's done-when)
 
 MODELS, SLOTS, ENGINES, STEPS = 64, 4, 2, 3
 FAIR_BOUND = MODELS  # slot grants a model may wait for its first slot (module doc)
