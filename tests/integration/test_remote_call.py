@@ -10,6 +10,7 @@ import asyncio
 import pytest
 
 from tests.local_ray import start_ray, stop_ray
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -73,6 +74,15 @@ def test_a_dead_actor_is_rays_own_error(actor):
 
     doomed = Doomed.remote()
     assert ray.get(doomed.answer.remote(), timeout=30) == 1
-    ray.kill(doomed)
+    ray.kill(doomed)  # asynchronous: a call sent just after may still reach the actor and be answered
+
+    def dead() -> bool:
+        try:
+            ray.get(doomed.answer.remote(), timeout=30)
+            return False
+        except Exception:  # noqa: BLE001 - any failure: the kill has landed; what it is, is checked below
+            return True
+
+    wait_until(dead, "the killed actor stops answering", timeout_s=60, interval_s=0.1)
     for got in _both(lambda: doomed.answer.remote(), 30, "doomed answer"):
         assert is_actor_lost(got), repr(got)
