@@ -91,8 +91,13 @@ class FrontApp:
         if self._http is None:  # made on the serving loop, where it is used
             self._http = httpx.AsyncClient(base_url=self.upstream, timeout=httpx.Timeout(None, connect=10.0),
                                            # idle connections dropped here before the app's server drops them
-                                           # (uvicorn: 5 s), or a request could go out on one being closed
-                                           limits=httpx.Limits(max_connections=256, max_keepalive_connections=64,
+                                           # (uvicorn: 5 s), or a request could go out on one being closed.
+                                           # No cap on connections: a capped pool queues the requests past it,
+                                           # and httpcore rescans that queue against every connection at each
+                                           # change (quadratic): the cookbook's rl_basic (128 sample calls
+                                           # held open, the SDK's retries and polls) pinned the front's loop
+                                           # at 80% of a core, and every client's heartbeat timed out
+                                           limits=httpx.Limits(max_connections=None, max_keepalive_connections=64,
                                                                keepalive_expiry=2.0))
         return self._http
 

@@ -8,7 +8,9 @@ real app (uvicorn on loopback) over a real controller and SQLite registry with t
   * answers are never shared between credentials, and a refused one is never stored (F1);
   * a write through the front is read at once (F2), a Tinker wire call keeps the cached reads;
   * the front exits when its parent is killed (F4), and says 503 with a reason when the app does
-    not answer; a port in use is refused naming the setting.
+    not answer; a port in use is refused naming the setting;
+  * hundreds of calls held open by the app (Tinker sample calls) all reach it, and a request beside
+    them is answered: no pool cap queues them.
 """
 
 from __future__ import annotations
@@ -198,6 +200,55 @@ def test_a_port_in_use_is_refused_naming_the_setting():
             bind_public("127.0.0.1", held.getsockname()[1])
     finally:
         held.close()
+
+
+class HoldingApp:
+    """An app whose /hold answers only once `release` is set (as a Tinker sample call waits for its
+    engine) and whose /ping answers at once; it counts the /hold calls that reached it."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.release, self.held = threading.Event(), 0
+
+    async def __call__(self, scope, receive, send) -> None:
+        import asyncio
+
+        if scope["type"] != "http":
+            return
+        if scope["path"] == "/hold":
+            self.held += 1
+            while not self.release.is_set():
+                await asyncio.sleep(0.02)
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": scope["path"].encode()})
+
+
+HELD = 300  # more calls held open at once than the front's pool took before (256)
+
+
+def test_hundreds_of_calls_held_open_do_not_stall_the_front():
+    """Each call the app holds open keeps one connection from the front to it. With HELD of them at once
+    every one reaches the app, and a request beside them is passed and answered while they are held.
+    A capped pool queued the calls past its cap, and another request behind them; httpcore rescans that
+    queue at every change, so the cookbook's rl_basic (128 sample calls held open, the SDK's retries and
+    polls) pinned the front's loop and every client's heartbeat timed out. Plant: the cap back."""
+    app = HoldingApp()
+    upstream = ApiServer(app, "127.0.0.1", 0).start()
+    pool = ThreadPoolExecutor(HELD)
+    try:
+        with front_over(upstream.url) as url, httpx.Client(base_url=url, timeout=120,
+                                                           limits=httpx.Limits(max_connections=HELD + 10)) as client:
+            held = [pool.submit(client.get, "/hold") for _ in range(HELD)]
+            wait_until(lambda: app.held == HELD, f"all {HELD} held calls reach the app", timeout_s=60, interval_s=0.1)
+            beside = client.get("/ping", timeout=30)
+            assert beside.status_code == 200 and beside.text == "/ping" and not any(f.done() for f in held)
+            app.release.set()
+            assert all(f.result(timeout=60).text == "/hold" for f in held)
+    finally:
+        app.release.set()
+        pool.shutdown(wait=True)
+        upstream.stop()
 
 
 def test_an_app_that_does_not_answer_gets_503_with_a_reason():
