@@ -13,14 +13,12 @@ metric, or says why the tiny world cannot and shows what it can (the objective's
 /metrics, the trainer/sampler agreement), and records its row of docs/tinker.md's verified-recipes
 table (tests/integration/cookbook_table.py).
 
-Tiers. The default tier (CI's `-m "not gpu and not slow"`) runs the service, the SDK checks and 11
+Tiers. The default tier (CI's `-m "not gpu and not slow"`) runs the service, the SDK checks and 12
 recipes: sl_basic, sl_loop, chat_sl, prompt_distillation, dpo, shorter, rl_loop and math_rl (their
-default loss stable_reinforce), on-policy distillation, sdft, and the cookbook's RL loop (rl.train)
-over DigitsEnv with its resume (the module measured 151 s at load ~6 with the first five of those;
-the six added cost about 110 s at load ~6). Marked slow (`-m slow`): guess_number and rubric, which
-show only the engine's refusal (the tiny model's 512-token context), and rl_basic (2048 samples a
-step, fixed in its code): 93 s at load ~8; at load 40-60 it did not end one step within 600 s, and the
-service then answered no connection for the next tests, so it is last in the module.
+default loss stable_reinforce), on-policy distillation, sdft, the cookbook's RL loop (rl.train) over
+DigitsEnv with its resume, and rl_basic, last (2048 samples a step, fixed in its code: 70 s on a
+quiet machine). The whole module took about 5 min on a quiet machine. Marked slow (`-m slow`):
+guess_number and rubric, which show only the engine's refusal (the tiny model's 512-token context).
 
 Every recipe creates its model with the SDK's defaults (`train_unembed=True`: LoRA on the
 unembedding too, which lorafleet trains and serves). The service seeds each model's LoRA
@@ -451,9 +449,9 @@ def test_rl_reward_rises_and_a_second_run_resumes(service, user_env, tiny_world,
                                                       start_end("reward", reward))
 
 
-@pytest.mark.slow(reason="its batch of 128 questions x 16 answers (2048 samples a step) is fixed in its code, not on "
-                         "its command line: one step took 93 s at load ~8, and did not end within 600 s at load 40-60, "
-                         "the service then answering no connection for the next tests; last in the module for that reason")
+# last in the module: its 2048 samples a step are the heaviest load here (70 s on a quiet machine). It
+# used to hang the service (> 600 s, every heartbeat timing out): the read front's capped pool, fixed
+# in b2bec2b (tests/integration/test_read_front.py)
 def test_rl_basic(recipe, tmp_path, verified):
     """rl_basic (gsm8k rows; its batch of 128 questions x 16 is fixed in its code): its reward (a \\boxed{}
     answer) cannot be earned on the tiny world (never a backslash or a brace), so every group is all-bad.
