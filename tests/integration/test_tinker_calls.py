@@ -89,6 +89,15 @@ def slot_state(svc, model_id: str) -> dict[str, torch.Tensor]:
             for n, t in parts[k][i].items()}
 
 
+def assert_same_gradients(svc, model_a: str, model_b: str, what: str, tol: float = 1e-5) -> None:
+    """The two models' pending gradients agree within `tol` (relative) on every tensor b has non-zero."""
+    a, b = slot_state(svc, model_a), slot_state(svc, model_b)
+    grads = [k for k in a if k.startswith("grad.") and b[k].abs().max() > 0]
+    worst = max(max_rel_err(a[k], b[k]) for k in grads)
+    print(f"{what}: gradients worst {worst:.2e} over {len(grads)} tensors")
+    assert grads and worst <= tol
+
+
 def retrieve(client: httpx.Client, rid: str) -> dict:
     from tests.waiting import wait_until
 
@@ -146,11 +155,7 @@ def test_custom_loss_server_side_equals_client_side(world):
     for key, value in want.items():
         assert on_server.metrics[key] == pytest.approx(value, rel=1e-5), key
         assert on_client.metrics[key] == pytest.approx(value, rel=1e-5), key
-    a, b = slot_state(svc, server.model_id), slot_state(svc, client_side.model_id)
-    grads = [k for k in a if k.startswith("grad.") and b[k].abs().max() > 0]
-    worst = max(max_rel_err(a[k], b[k]) for k in grads)
-    print(f"server-side vs client-side gradients: worst {worst:.2e} over {len(grads)} tensors")
-    assert grads and worst <= 1e-5
+    assert_same_gradients(svc, server.model_id, client_side.model_id, "server-side vs client-side")
 
     # a forward with the loss: its loss, no gradient added; bad data refused before the pass (the datum check's
     # message, not the pass's)
@@ -271,11 +276,7 @@ def test_top_k_cross_entropy_is_its_definition(world, tiny_world):
     a = topk.forward_backward(same, "cross_entropy").result()
     b = one_d.forward_backward(reduced, "cross_entropy").result()
     assert a.metrics["loss:sum"] == pytest.approx(b.metrics["loss:sum"], rel=1e-5)
-    ga, gb = slot_state(svc, topk.model_id), slot_state(svc, one_d.model_id)
-    grads = [k for k in ga if k.startswith("grad.") and gb[k].abs().max() > 0]
-    worst = max(max_rel_err(ga[k], gb[k]) for k in grads)
-    print(f"top-K vs its 1-D reduction: gradients worst {worst:.2e} over {len(grads)} tensors")
-    assert grads and worst <= 1e-5
+    assert_same_gradients(svc, topk.model_id, one_d.model_id, "top-K vs its 1-D reduction")
 
     # refused, naming what is allowed, and nothing changes
     before = slot_state(svc, topk.model_id)
