@@ -38,7 +38,14 @@ from rollout.data import DataCursor, open_rows
 from rollout.messages import AdapterRollout
 from service.tenants.batches import CollectedRound, RunFailed, SteppedRun, TrainerLost
 from trainer.storage import layouts
-from trainer.storage.run_checkpoints import Checkpoint, PendingCheckpoint, RunState, load_checkpoint, prune_checkpoints
+from trainer.storage.run_checkpoints import (
+    Checkpoint,
+    PendingCheckpoint,
+    RunState,
+    load_checkpoint,
+    prune_checkpoints,
+    write_checkpoint,
+)
 from trainer.storage.locations import copy_folder, open_store
 from service.control.ownership import check_export_to
 from service.config.job import JobConfig
@@ -371,18 +378,20 @@ class FleetRuntime:
         """`slot`: where the run's state is now (default: the slot it holds; an evicted run has none)."""
         slot = self._resident_slot(run, "checkpointed") if slot is None else slot
         cursor = run.cursor()
-        with PendingCheckpoint(self.store, run.name, run.key, run.step) as pending:
+        state = RunState(
+            name=run.name, registration_id=run.key, objective=run.config.objective, rank=run.config.rank,
+            samples_per_step=run.config.samples_per_step,
+            step=run.step, samples_trained=run.samples_trained, weight_version=run.weight_version,
+            data_cursor=cursor.model_dump(mode="json") if cursor is not None else None,
+            rng={"data_shuffle_seed": run.config.seed, "slot_init_seed": run.config.seed},
+            metrics=run.finite_metrics(),
+        )
+
+        def write_parts(pending: PendingCheckpoint) -> None:
             self.trainer.save_slot_state(slot, self.store.url(pending.trainer_key))
             self.trainer.export_peft(slot, self.store.url(pending.adapter_key))
-            state = RunState(
-                name=run.name, registration_id=run.key, objective=run.config.objective, rank=run.config.rank,
-                samples_per_step=run.config.samples_per_step,
-                step=run.step, samples_trained=run.samples_trained, weight_version=run.weight_version,
-                data_cursor=cursor.model_dump(mode="json") if cursor is not None else None,
-                rng={"data_shuffle_seed": run.config.seed, "slot_init_seed": run.config.seed},
-                metrics=run.finite_metrics(),
-            )
-            done = pending.commit(state)
+
+        done = write_checkpoint(self.store, state, write_parts)  # an unchanged run's checkpoint kept as it is
         prune_checkpoints(self.store, layouts.run_checkpoints(run.name, run.key), KEEP_CHECKPOINTS)
         return done
 

@@ -18,6 +18,7 @@ from trainer.storage.run_checkpoints import (
     latest_checkpoint,
     load_checkpoint,
     prune_checkpoints,
+    write_checkpoint,
 )
 from trainer.storage.store import MANIFEST
 
@@ -65,6 +66,44 @@ def test_commit_is_atomic_and_lookup_finds_the_newest(tmp_path):
         assert ck.state.step == 6 and ck.state.data_cursor["consumed"] == 24
         assert (store.get_folder(ck.adapter_key) / "x").read_text() == "6"
     assert load_checkpoint(store, tmp_path / CKPTS / "step-000003").state.step == 3
+
+
+def _parts(calls: list):
+    def write_parts(p: PendingCheckpoint) -> None:
+        calls.append(p.step)
+        _part(p.store, p.adapter_key, "a")
+        _part(p.store, p.trainer_key, "t")
+    return write_parts
+
+
+class Killed(Exception):
+    """Stands in for a kill -9 of the service while it writes a checkpoint's parts (the fault itself is
+    tests/integration/test_service_scale.py's kill -9; here only its effect: the step's folder gone)."""
+
+
+def _crash(p: PendingCheckpoint) -> None:
+    raise Killed("killed mid-write (stand-in)")
+
+
+def test_an_unchanged_runs_checkpoint_is_kept_and_a_changed_one_rewritten(tmp_path):
+    """A run checkpointed at step 4 and checkpointed again with the same state (its final checkpoint
+    right after its last periodic one) keeps the committed folder: nothing is deleted or written, so a
+    crash then loses nothing. A changed state at the same step is written anew."""
+    store = LocalStore(tmp_path)
+    calls: list = []
+
+    def same(a: RunState, b: RunState) -> bool:
+        return a.model_dump(exclude={"created_at"}) == b.model_dump(exclude={"created_at"})
+
+    first = write_checkpoint(store, _state(4), _parts(calls))
+    assert calls == [4] and same(load_checkpoint(store, first.folder).state, _state(4))
+    again = write_checkpoint(store, _state(4), _crash)  # the same state: the crash stand-in is never reached
+    assert again.folder == first.folder and again.state == first.state == load_checkpoint(store, first.folder).state
+    changed = _state(4, metrics={"loss": 1.5})
+    with pytest.raises(Killed):  # a changed state is rewritten: a crash mid-write loses that write
+        write_checkpoint(store, changed, _crash)
+    assert same(write_checkpoint(store, changed, _parts(calls)).state, changed) and calls == [4, 4]
+    assert same(load_checkpoint(store, first.folder).state, changed)
 
 
 def test_commit_refuses_incomplete_or_mismatched(tmp_path):

@@ -33,7 +33,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -110,7 +110,10 @@ class PendingCheckpoint(StepFolder):
         self.key = layouts.run_checkpoint(name, registration_id, step)
         self.step = step
         self.committed: Checkpoint | None = None
-        store.delete(self.key)  # a previous write of this step (a crash mid-write, or a drain right after a save)
+        # a previous write of this step: a crash mid-write, or a run's state that changed since its step's
+        # checkpoint (an RL run's aborted prompts back in its cursor); write_checkpoint never gets here
+        # for a checkpoint of the same state, which stays as it is
+        store.delete(self.key)
 
     def commit(self, state: RunState) -> Checkpoint:
         if state.step != self.step:
@@ -135,6 +138,31 @@ class PendingCheckpoint(StepFolder):
                     raise
                 log.warning("checkpoint %s: removing the unfinished write failed (%s); it stays uncommitted, and "
                             "the next write of this step replaces it", self.store.url(self.key), e)
+
+
+def write_checkpoint(store: CheckpointStore, state: RunState, write_parts: Callable[[PendingCheckpoint], None]) -> Checkpoint:
+    """The run's checkpoint of `state`: `write_parts(pending)` commits its trainer and adapter parts,
+    then the step folder is committed. Unless the step's folder is already a complete checkpoint of
+    exactly `state` (nothing changed since: a run's final checkpoint right after its last periodic
+    one): that one is returned as it is. Rewriting it would delete it first (PendingCheckpoint), and a
+    crash before the new commit would lose the checkpoint the registry records (seen: a kill -9 while
+    a retiring run rewrote its step 4, and its restart refused the half-written folder)."""
+    key = layouts.run_checkpoint(state.name, state.registration_id, state.step)
+    if _complete(store, key) and _has_run_state(store, key):
+        try:
+            existing = _read(store, key)
+        except CheckpointError:
+            existing = None
+        if existing is not None and _same_run_state(existing.state, state):
+            return existing
+    with PendingCheckpoint(store, state.name, state.registration_id, state.step) as pending:
+        write_parts(pending)
+        return pending.commit(state)
+
+
+def _same_run_state(a: RunState, b: RunState) -> bool:
+    """The same state of the run, whenever each was written (created_at apart)."""
+    return a.model_dump(exclude={"created_at"}) == b.model_dump(exclude={"created_at"})
 
 
 def load_checkpoint(store: CheckpointStore, reference: str | Path) -> Checkpoint:
