@@ -204,7 +204,9 @@ def run_service(job: JobConfig, settings: ServiceSettings, *, start_api: ApiStar
                       "Ctrl-C drains and stops", highlight=False, soft_wrap=True)
         _print_plan(console, fleet)
         info = settings.state_dir / SERVICE_INFO_FILE
-        info.write_text(json.dumps({"api_url": fleet.api_url, "ray_address": fleet.ray_address, "pid": os.getpid()}))
+        partial = info.with_suffix(".json.partial")  # written whole, then renamed: a reader never sees it half-written
+        partial.write_text(json.dumps({"api_url": fleet.api_url, "ray_address": fleet.ray_address, "pid": os.getpid()}))
+        os.replace(partial, info)
         console.print(f"dashboard: {fleet.api_url}/ui · TensorBoard logs: {tensorboard_dir(settings.state_dir)}",
                       highlight=False, soft_wrap=True)
         try:

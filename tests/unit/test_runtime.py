@@ -17,7 +17,7 @@ import pytest
 
 from service.tenants.batches import TrainerLost
 from service.registry.registry import AdapterState as S
-from tests.fleet_fakes import FakeRankDied, FakeRollout, FakeTrainer
+from tests.fleet_fakes import FakeRollout, FakeTrainer
 
 pytestmark = pytest.mark.unit
 
@@ -110,8 +110,10 @@ def test_lifecycle_of_one_sft_run(fleet):
     changes = controller.reconcile()
     assert [(c.from_state, c.to_state) for c in changes] == [(S.RETIRING, S.CLEANUP), (S.CLEANUP, S.COMPLETED)]
     done = controller.get("a")
-    # retirement wrote the PEFT export once (the final checkpoint's), linked as the run's export folder
-    assert sum(c[0] == "export_peft" for c in trainer.calls) == exports_before + 1
+    # nothing trained since the checkpoint above: retirement keeps it as the final one (write_checkpoint) and
+    # writes no PEFT export again; the checkpoint's is linked as the run's export folder
+    assert sum(c[0] == "export_peft" for c in trainer.calls) == exports_before
+    assert done.checkpoint_path == folder
     export, final = Path(done.export_path), Path(done.checkpoint_path) / "adapter"
     assert export.name == "export" and os.path.samefile(export / "adapter_model.safetensors", final / "adapter_model.safetensors")
     assert runtime.runs() == [] and ref.slot not in trainer.slots  # released
