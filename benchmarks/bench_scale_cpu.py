@@ -111,7 +111,9 @@ def _window(service: Service, seconds: float, readers: int = 0, burst_every_s: f
     an answer other than 200 is counted (`read_errors`). `tinker`: its tenants' steps in the window."""
     stop = threading.Event()
     reads: dict[str, list[float]] = {"page": [], "metrics": []}
-    first_burst: dict[str, list[float]] = {"page": [], "metrics": []}  # the window's first burst: the front's cache cold
+    # bursts apart (burst_every_s > 0): the window's first, the front's cache cold after the quiet window, and the rest
+    first_burst: dict[str, list[float]] = {"page": [], "metrics": []}
+    later_bursts: dict[str, list[float]] = {"page": [], "metrics": []}
     sizes: dict[str, int] = {}
     failed: list[int] = []
     lock = threading.Lock()
@@ -133,8 +135,8 @@ def _window(service: Service, seconds: float, readers: int = 0, burst_every_s: f
                 dt = time.perf_counter() - t0
                 with lock:
                     reads[kind].append(dt)
-                    if burst_every_s > 0 and burst == 1:
-                        first_burst[kind].append(dt)
+                    if burst_every_s > 0:
+                        (first_burst if burst == 1 else later_bursts)[kind].append(dt)
                     sizes[kind] = len(r.content)
                     if r.status_code != 200:
                         failed.append(r.status_code)
@@ -154,7 +156,7 @@ def _window(service: Service, seconds: float, readers: int = 0, burst_every_s: f
            "coordinator_s": sum(g1[k] - g0[k] for k in (place, 'lorafleet_coordinator_seconds{part="reconcile"}')),
            "place_s": g1[place] - g0[place],
            "evictions": g1['lorafleet_scheduler_events{event="evictions"}'] - g0['lorafleet_scheduler_events{event="evictions"}'],
-           "latencies": reads, "first_burst": first_burst, "sizes": sizes, "read_errors": len(failed)}
+           "latencies": reads, "first_burst": first_burst, "later_bursts": later_bursts, "sizes": sizes, "read_errors": len(failed)}
     if tinker is not None:
         raw["tinker_steps"] = tinker.steps_in(t0, t1)
     return raw
@@ -178,10 +180,8 @@ def _summary(windows: list[dict]) -> dict:
             out[f"{kind}_p50_ms"], out[f"{kind}_p99_ms"] = 1e3 * _pct(xs, 0.5), 1e3 * _pct(xs, 0.99)
             out[f"{kind}_bytes"], out[f"{kind}_reads"] = max(w["sizes"][kind] for w in windows if kind in w["sizes"]), len(xs)
             cold = [x for w in windows for x in w.get("first_burst", {}).get(kind, [])]
+            warm = [x for w in windows for x in w.get("later_bursts", {}).get(kind, [])]
             if cold:  # the first burst of each window (the cache cold after the quiet window) apart from the rest
-                warm = sorted(xs)
-                for x in cold:
-                    warm.remove(x)
                 out[f"{kind}_first_burst_p50_ms"], out[f"{kind}_first_burst_max_ms"] = 1e3 * _pct(cold, 0.5), 1e3 * max(cold)
                 if warm:
                     out[f"{kind}_later_bursts_p99_ms"] = 1e3 * _pct(warm, 0.99)

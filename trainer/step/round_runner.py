@@ -36,6 +36,7 @@ output and ``loss:sum`` is what one rank would answer. TP: every rank of a TP gr
 
 from __future__ import annotations
 
+from itertools import groupby
 from typing import Any, Callable
 
 import torch
@@ -182,16 +183,16 @@ class RoundRunner:
                    if layout.dp_size > 1 and riders else ran)
             for c in losses:
                 results[c].outputs, results[c].metrics = [], {"loss:sum": 0.0}
-            columns: dict[tuple[int, int], list] = {}  # a datum of [n, K] inputs: its columns' outputs
-            for k, (c, i, j) in enumerate(keys):  # datum order: each call's loss:sum added up as one rank adds it
-                out, loss_sum = got[k]
-                results[c].metrics["loss:sum"] += loss_sum
-                if j is None:
-                    results[c].outputs.append(out)
-                    continue
-                columns.setdefault((c, i), []).append(out)
-                if len(columns[(c, i)]) == datum_columns(calls[c].data[i].inputs):  # its last column: [n, K] outputs
-                    parts = columns.pop((c, i))
+            # datum order: each call's loss:sum added up as one rank adds it; a datum's riders are consecutive
+            for (c, _), riders_of in groupby(range(len(keys)), key=lambda k: keys[k][:2]):
+                parts = []
+                for k in riders_of:
+                    out, loss_sum = got[k]
+                    results[c].metrics["loss:sum"] += loss_sum
+                    parts.append(out)
+                if keys[k][2] is None:  # one rider: the datum's [n] outputs
+                    results[c].outputs.append(parts[0])
+                else:  # its K columns: [n, K] outputs
                     results[c].outputs.append({name: torch.stack([p[name] for p in parts], dim=1) for name in parts[0]})
             self._custom_metrics(losses, keys, riders, got, custom_metrics, results)
 

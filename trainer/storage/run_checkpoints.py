@@ -148,13 +148,12 @@ def write_checkpoint(store: CheckpointStore, state: RunState, write_parts: Calla
     crash before the new commit would lose the checkpoint the registry records (seen: a kill -9 while
     a retiring run rewrote its step 4, and its restart refused the half-written folder)."""
     key = layouts.run_checkpoint(state.name, state.registration_id, state.step)
-    if _complete(store, key) and _has_run_state(store, key):
-        try:
-            existing = _read(store, key)
-        except CheckpointError:
-            existing = None
-        if existing is not None and _same_run_state(existing.state, state):
-            return existing
+    try:
+        existing = _read(store, key)  # the step folder's own files only (run_state.json), not its parts
+    except CheckpointError:  # none, or not complete: written anew
+        existing = None
+    if existing is not None and _same_run_state(existing.state, state):
+        return existing
     with PendingCheckpoint(store, state.name, state.registration_id, state.step) as pending:
         write_parts(pending)
         return pending.commit(state)
