@@ -24,7 +24,7 @@ Invariants:
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Literal
 
 from fastapi import APIRouter, HTTPException, Query, Request
@@ -69,8 +69,20 @@ class JoinIn(_In):
     sampling_session_id: str
 
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def _micros_of(d: datetime) -> int:
+    """A time's whole microseconds since the epoch, in integers (no float rounding)."""
+    aware = d.replace(tzinfo=UTC) if d.tzinfo is None else d
+    return (aware - _EPOCH) // timedelta(microseconds=1)
+
+
 def _micros(t: float) -> int:
-    return round(t * 1e6)  # creation times compared at the wire's precision (an ISO time keeps microseconds)
+    """A creation time at the wire's precision: the microseconds `_iso` writes, so a row and a cursor
+    naming it compare equal (round(t * 1e6) could land one microsecond off the ISO time's rounding,
+    and a page then repeated its last session)."""
+    return _micros_of(datetime.fromtimestamp(t, UTC))
 
 
 def _iso(t: float) -> str:
@@ -149,7 +161,7 @@ def sessions_router(service: TinkerService) -> APIRouter:
         rows = sorted((row for row in records.sessions_of(t) if _matches(row, body)),
                       key=lambda row: (_micros(row["created_at"]), row["session_id"]), reverse=True)
         if body.cursor is not None:  # N2: strictly after the cursor's session in (newest first) order
-            after = (_micros(body.cursor.last_created_at.timestamp()), body.cursor.last_session_id)
+            after = (_micros_of(body.cursor.last_created_at), body.cursor.last_session_id)
             rows = [row for row in rows if (_micros(row["created_at"]), row["session_id"]) < after]
         page = rows[: body.limit]
         more = len(rows) > len(page)
