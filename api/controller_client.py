@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio.to_thread
 
-from service.control.controller import Controller, MetricsSnapshot, RunMetrics
-from service.registry.registry import AdapterRef
-from service.control.runtime_protocol import ProcessInfo
+if TYPE_CHECKING:  # annotations only: the API's front imports this module's error without the controller (and torch)
+    from service.control.controller import Controller, MetricsSnapshot, RunMetrics
+    from service.control.runtime_protocol import ProcessInfo
+    from service.registry.registry import AdapterRef
 
 
 class ControllerUnavailable(Exception):

@@ -21,6 +21,7 @@ from service.registry.records import (
     AdapterState,
     QueuedRun,
     SlotHolder,
+    queue_positions,
 )
 
 
@@ -142,7 +143,7 @@ class RegistrySlots:
 
     def _queue_positions(self) -> dict[str, int]:
         """registration id -> 1-based queue position (caller holds the lock)."""
-        return {rid: i + 1 for i, rid in enumerate(self._queue())}
+        return queue_positions(self._db)
 
     def _waiting(self, registration_id: str) -> bool:
         """Whether the run waits in the queue (one row's test; caller holds the lock)."""
