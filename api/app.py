@@ -32,7 +32,6 @@ from api.controller_client import ControllerClient
 from api.errors import install_error_handlers
 from api.metrics import render_prometheus
 from api.public_paths import PUBLIC_HEADER, PublicPaths
-from api.front.list_pages import page_json
 from api.front.read_cache import ReadCache
 from api.tinker.model_routes import add_model_routes, fleet_view, tinker_scrape
 from api.rest_auth import Caller, RestAuth
@@ -119,7 +118,9 @@ def create_app(controller_obj: Controller, settings: ServiceSettings, fleet_stat
         query = ListQuery(state=state, owner=owner, name_contains=q, limit=limit, offset=offset, cursor=cursor)
 
         async def build() -> bytes:
-            return page_json(await controller.list_page(query, caller.tenant), paths)
+            page = await controller.list_page(query, caller.tenant)
+            return paths.json_bytes(AdapterList(adapters=[AdapterOut.from_ref(r) for r in page.refs], total=page.total,
+                                                next_cursor=page.next_cursor).model_dump_json().encode())
 
         return _json(await reads.get(("adapters", caller.tenant, query), build))
 

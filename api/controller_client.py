@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio.to_thread
 
-if TYPE_CHECKING:  # annotations only: the API's front imports this module's error without the controller (and torch)
-    from service.control.controller import Controller, MetricsSnapshot, RunMetrics
-    from service.control.runtime_protocol import ProcessInfo
-    from service.registry.registry import AdapterRef
+from service.control.controller import Controller, MetricsSnapshot, RunMetrics
+from service.registry.registry import AdapterRef
+from service.control.runtime_protocol import ProcessInfo
 
 
 class ControllerUnavailable(Exception):

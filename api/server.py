@@ -105,7 +105,6 @@ def start_api_server(controller: Any, settings: ServiceSettings, fleet_stats: An
         server = ApiServer(app, settings.host, settings.port, token_configured=settings.api_token is not None,
                            on_stop=app.state.on_stop)
         return server.start()
-    from api.front.list_pages import PageSource
     from api.front.read_front import bind_public, start_front
 
     # The front caches the reads (read_cache_s / read_stale_s); behind it the app only merges concurrent
@@ -115,8 +114,7 @@ def start_api_server(controller: Any, settings: ServiceSettings, fleet_stats: An
     try:
         inner = ApiServer(app, "127.0.0.1", 0, on_stop=app.state.on_stop).start()
         try:
-            front = start_front(sock, inner.url, settings.read_cache_s, settings.read_stale_s,
-                                PageSource.from_settings(settings))
+            front = start_front(sock, inner.url, settings.read_cache_s, settings.read_stale_s)
         except BaseException:
             inner.stop()
             raise

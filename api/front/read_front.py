@@ -31,11 +31,7 @@ Invariants:
   F3 everything else passes unchanged, streamed both ways: method, path, query, headers (less the
      hop-by-hop ones), body, status; the coordinator does every check (auth, limits, validation);
   F4 the front dies with the coordinator: it exits when its parent process is gone (checked every
-     `PARENT_CHECK_S`, and Linux's parent-death signal), so a killed service leaves no listener;
-  F5 a list page (GET /v1/adapters) it has not cached is built here, from the registry's SQLite file
-     read-only (api/front/list_pages.py: the app's page byte for byte, or the app answers), so not even
-     a cold page waits for the coordinator's interpreter (issue 41: with 128 Tinker tenants among 1,024
-     runs, the first burst after a quiet window waited for the coordinator's builds: p99 0.93 s).
+     `PARENT_CHECK_S`, and Linux's parent-death signal), so a killed service leaves no listener.
 """
 
 from __future__ import annotations
@@ -44,27 +40,21 @@ import argparse
 import asyncio
 import ctypes
 import json
-import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
-import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
 from api.front.read_cache import ReadCache
 
-if TYPE_CHECKING:  # loaded in the front's background thread (`_load_pages`): they import torch (the loss table)
-    from api.front.list_pages import LocalPages, PageSource
-
 # The reads a dashboard or a scraper polls: the routes the coordinator caches too (api/app.py, api/ui.py).
-LIST_PATH = "/v1/adapters"  # F5
-CACHED_GETS = frozenset({LIST_PATH, "/metrics", "/v1/fleet/stats"})
+CACHED_GETS = frozenset({"/v1/adapters", "/metrics", "/v1/fleet/stats"})
 CREDENTIAL_HEADERS = (b"authorization", b"x-api-key")  # F1: the headers that say who the caller is
 # Headers of one connection, not of the request (RFC 9110 7.6.1), and the ones httpx sets itself.
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"proxy-authenticate", b"proxy-authorization",
@@ -91,10 +81,9 @@ class _NotStored(Exception):
 class FrontApp:
     """The front's ASGI app over the coordinator's API at `upstream` (http://127.0.0.1:PORT)."""
 
-    def __init__(self, upstream: str, ttl_s: float, stale_s: float, pages: LocalPages | None = None) -> None:
+    def __init__(self, upstream: str, ttl_s: float, stale_s: float) -> None:
         self.upstream = upstream
         self.cache = ReadCache(ttl_s, stale_s=stale_s)
-        self.pages = pages  # F5: list pages built here, from the registry's file
         self._http: httpx.AsyncClient | None = None
 
     @property
@@ -127,21 +116,12 @@ class FrontApp:
 
     async def _cached_read(self, scope: dict) -> Answer:
         key = (scope["path"], scope.get("query_string", b""), _credentials(scope))
-        build = self._page if self.pages is not None and scope["path"] == LIST_PATH else self._read
         try:
-            return await self.cache.get(key, lambda: build(scope))
+            return await self.cache.get(key, lambda: self._read(scope))
         except _NotStored as refused:
             return refused.answer
         except httpx.HTTPError as err:
             return _unavailable(err)
-
-    async def _page(self, scope: dict) -> Answer:
-        """F5: a list page built here (in a worker thread: SQLite and the JSON), or the app's answer
-        where the page is not one the front answers (api/front/list_pages.py L1, L3)."""
-        body = await asyncio.to_thread(self.pages.answer, scope)
-        if body is None:
-            return await self._read(scope)
-        return Answer(200, [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())], body)
 
     async def _read(self, scope: dict) -> Answer:
         r = await self.http.get(_target(scope), headers=_forwarded(scope["headers"]))
@@ -173,8 +153,6 @@ class FrontApp:
     async def close(self) -> None:
         if self._http is not None:
             await self._http.aclose()
-        if self.pages is not None:
-            self.pages.close()
 
 
 def _target(scope: dict) -> str:
@@ -219,21 +197,13 @@ def _unavailable(err: Exception) -> Answer:
 
 # --- the process ------------------------------------------------------------------------------
 
-def start_front(sock: socket.socket, upstream: str, ttl_s: float, stale_s: float,
-                pages: PageSource | None = None) -> subprocess.Popen:
+def start_front(sock: socket.socket, upstream: str, ttl_s: float, stale_s: float) -> subprocess.Popen:
     """Start the front on the bound socket `sock` (handed over: the caller closes its copy) in front of
-    `upstream`; it serves once its interpreter is up (connections wait in the socket's backlog).
-    `pages`: the registry and credentials the front answers list pages from (F5), sent on its stdin."""
+    `upstream`; it serves once its interpreter is up (connections wait in the socket's backlog)."""
     fd = sock.fileno()
-    proc = subprocess.Popen([sys.executable, "-m", "api.front.read_front", "--fd", str(fd), "--upstream", upstream,
-                             "--ttl-s", str(ttl_s), "--stale-s", str(stale_s), "--parent", str(os.getpid()),
-                             *(["--pages-on-stdin"] if pages is not None else [])],
-                            pass_fds=[fd], preexec_fn=_die_with_parent,
-                            stdin=subprocess.PIPE if pages is not None else subprocess.DEVNULL)
-    if pages is not None:
-        with proc.stdin:
-            proc.stdin.write(pages.to_json().encode())
-    return proc
+    return subprocess.Popen([sys.executable, "-m", "api.front.read_front", "--fd", str(fd), "--upstream", upstream,
+                             "--ttl-s", str(ttl_s), "--stale-s", str(stale_s), "--parent", str(os.getpid())],
+                            pass_fds=[fd], preexec_fn=_die_with_parent, stdin=subprocess.DEVNULL)
 
 
 def bind_public(host: str, port: int) -> socket.socket:
@@ -255,18 +225,6 @@ def _die_with_parent() -> None:
         pass
 
 
-def _load_pages(app: FrontApp, source: str) -> None:
-    """F5's pages, loaded beside the serving loop: their modules take the interpreter about 1.5 s (the
-    config's loss table imports torch), which the front's start does not wait for. Where they cannot be
-    read, logged, and the app answers the list pages."""
-    from api.front.list_pages import LocalPages, PageSource
-
-    try:
-        app.pages = LocalPages(PageSource.from_json(source))
-    except Exception:
-        logging.getLogger(__name__).warning("the front answers no list page itself; the app does", exc_info=True)
-
-
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
@@ -276,12 +234,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ttl-s", type=float, default=1.0)
     ap.add_argument("--stale-s", type=float, default=2.0)
     ap.add_argument("--parent", type=int, required=True, help="exit when this process is gone")
-    ap.add_argument("--pages-on-stdin", action="store_true", help="read a PageSource (JSON) on stdin and answer list pages (F5)")
     args = ap.parse_args(argv)
     sock = socket.socket(fileno=args.fd)
     app = FrontApp(args.upstream, args.ttl_s, args.stale_s)
-    if args.pages_on_stdin:  # F5 once loaded; the app answers list pages until then
-        threading.Thread(target=_load_pages, args=(app, sys.stdin.read()), name="load-pages", daemon=True).start()
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
                                            timeout_graceful_shutdown=5))
 

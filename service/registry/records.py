@@ -217,11 +217,6 @@ class _Transaction:
             self._lock.release()
 
 
-def queue_positions(db: sqlite3.Connection) -> dict[str, int]:
-    """registration id -> 1-based place in the queue for a slot, of every waiting run (one indexed read)."""
-    return {r[0]: i + 1 for i, r in enumerate(db.execute(_QUEUED_SQL))}
-
-
 def _visible(tenant: str | None) -> tuple[str, tuple]:
     """The SQL condition (and its arguments) on `runs` rows the caller may see (I8): every row
     for the admin (None), the tenant's own rows otherwise."""

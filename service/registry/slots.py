@@ -21,7 +21,6 @@ from service.registry.records import (
     AdapterState,
     QueuedRun,
     SlotHolder,
-    queue_positions,
 )
 
 
@@ -143,7 +142,7 @@ class RegistrySlots:
 
     def _queue_positions(self) -> dict[str, int]:
         """registration id -> 1-based queue position (caller holds the lock)."""
-        return queue_positions(self._db)
+        return {rid: i + 1 for i, rid in enumerate(self._queue())}
 
     def _waiting(self, registration_id: str) -> bool:
         """Whether the run waits in the queue (one row's test; caller holds the lock)."""

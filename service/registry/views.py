@@ -17,14 +17,13 @@ only are built (service/registry/registry.py), outside the registry lock.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import sqlite3
 import threading
 
 from service.errors import BadValue, QuotaExceeded
-from service.registry.records import _LIVE_WHERE, _UNQUEUED, _WAITING, AdapterRef, AdapterState, _visible, queue_positions
+from service.registry.records import _LIVE_WHERE, _UNQUEUED, _WAITING, AdapterRef, AdapterState, _visible
 
 MAX_PAGE = 1000  # rows a page may ask for
 DEFAULT_PAGE = 100
@@ -98,25 +97,6 @@ def page_sql(query: ListQuery, tenant: str | None) -> tuple[str, tuple, str, tup
     return rows_sql, (*row_args, query.limit + 1, query.offset), count_sql, tuple(cond_args)
 
 
-def page_rows(db: sqlite3.Connection, query: ListQuery, tenant: str | None) -> tuple[list[sqlite3.Row], int, dict[str, int]]:
-    """The rows of one page (at most `limit` + 1: one more says there is a next page), the count of
-    every matching row, and the queue positions (registration id -> 1-based) when a row may wait.
-    One consistent read: the caller holds the registry's lock, or reads in one transaction
-    (service/registry/page_reader.py)."""
-    rows_sql, rows_args, count_sql, count_args = page_sql(query, tenant)
-    rows = db.execute(rows_sql, rows_args).fetchall()
-    total = db.execute(count_sql, count_args).fetchone()[0]
-    positions = queue_positions(db) if any(r["slot"] is None for r in rows) else {}
-    return rows, total, positions
-
-
-def page_of(rows: list[sqlite3.Row], total: int, query: ListQuery, ref: Callable[[sqlite3.Row], AdapterRef]) -> Page:
-    """The page of `page_rows`' answer, its refs made by `ref` (outside any lock)."""
-    more = len(rows) > query.limit
-    rows = rows[: query.limit]
-    return Page([ref(r) for r in rows], total, cursor_of(rows[-1]["run_id"]) if more and rows else None)
-
-
 @dataclass(frozen=True)
 class RunQuota:
     """What one tenant key may hold (service/config/quotas.py TenantQuota, resolved for it): live runs, and
@@ -149,9 +129,14 @@ class RegistryViews:
 
     def list_page(self, query: ListQuery, tenant: str | None = None) -> Page:
         """One page of `list` (ListQuery above); refs built after the lock (the loop never waits on them)."""
+        rows_sql, rows_args, count_sql, count_args = page_sql(query, tenant)
         with self._lock:
-            rows, total, positions = page_rows(self._db, query, tenant)
-        return page_of(rows, total, query, lambda row: self._ref(row, positions))
+            rows = self._db.execute(rows_sql, rows_args).fetchall()
+            total = self._db.execute(count_sql, count_args).fetchone()[0]
+            positions = self._queue_positions() if any(r["slot"] is None for r in rows) else {}
+        more = len(rows) > query.limit
+        rows = rows[: query.limit]
+        return Page([self._ref(r, positions) for r in rows], total, cursor_of(rows[-1]["run_id"]) if more and rows else None)
 
     def state_counts(self, tenant: str | None = None) -> dict[AdapterState, int]:
         """Newest run of every name by state (what /health and /metrics count), in SQL."""

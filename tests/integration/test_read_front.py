@@ -7,9 +7,6 @@ real app (uvicorn on loopback) over a real controller and SQLite registry with t
   * a burst of 100 concurrent polled reads costs the app one request (counted at the app);
   * answers are never shared between credentials, and a refused one is never stored (F1);
   * a write through the front is read at once (F2), a Tinker wire call keeps the cached reads;
-  * list pages are built in the front from the registry's file (F5), never asking the app: the same
-    bytes as the app's for every query of a table (filters, owners, cursors, pages), refusals and odd
-    spellings passed to the app; and answered while the app answers nothing at all;
   * the front exits when its parent is killed (F4), and says 503 with a reason when the app does
     not answer; a port in use is refused naming the setting;
   * hundreds of calls held open by the app (Tinker sample calls) all reach it, and a request beside
@@ -28,14 +25,10 @@ from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-import time
-
 import httpx
 import pytest
-import yaml
 
 from api.app import create_app
-from api.front.list_pages import PageSource
 from api.front.read_front import bind_public, start_front
 from api.server import ApiServer
 from api.tenant_keys import TenantKeys
@@ -61,18 +54,15 @@ class CountingApp:
 
 
 @contextlib.contextmanager
-def front_over(upstream: str, ttl_s: float = 60.0, stale_s: float = 0.0, pages: PageSource | None = None,
-               wait: bool = True) -> Iterator[str]:
-    """A front process over `upstream`; with `wait`, yielded once it answers /health (through the app)."""
+def front_over(upstream: str, ttl_s: float = 60.0, stale_s: float = 0.0) -> Iterator[str]:
     sock = bind_public("127.0.0.1", 0)
     try:
-        proc = start_front(sock, upstream, ttl_s, stale_s, pages)
+        proc = start_front(sock, upstream, ttl_s, stale_s)
         url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     finally:
         sock.close()
     try:
-        if wait:
-            wait_until(lambda: _answers(url), "the front answers", 60, interval_s=0.2)
+        wait_until(lambda: _answers(url), "the front answers", 60, interval_s=0.2)
         yield url
     finally:
         proc.terminate()
@@ -86,27 +76,11 @@ def _answers(url: str) -> bool:
         return False
 
 
-def page_source(w, tmp) -> PageSource:
-    """The front's list pages over `w`'s registry, with this module's tenant keys (F5)."""
-    keys = tmp / "keys.yaml"
-    keys.write_text(yaml.safe_dump(KEYS))
-    return PageSource.from_settings(w.settings.model_copy(update={"tinker_keys_file": keys}))
-
-
-def pages_loaded(app: CountingApp, url: str) -> bool:
-    """Whether the front builds list pages itself (loaded in its background): a new page reaches no app."""
-    seen = app.seen[("GET", "/v1/adapters")]
-    with _client(url) as c:  # a query no other request uses (an unknown parameter is ignored): never cached
-        assert c.get("/v1/adapters", params={"limit": 1, "probe": time.monotonic_ns()}).status_code == 200
-    return app.seen[("GET", "/v1/adapters")] == seen
-
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     from service.control.controller import Controller
 
-    tmp = tmp_path_factory.mktemp("front")
-    w = make_world(tmp)
+    w = make_world(tmp_path_factory.mktemp("front"))
     controller = Controller(w.settings, SlotCapacity(num_slots=2, max_rank=16))
     cfg = w.rl_config(num_step=2)
     for i in range(30):
@@ -115,8 +89,7 @@ def world(tmp_path_factory):
                                  tenant_keys=TenantKeys(KEYS)))
     inner = ApiServer(app, "127.0.0.1", 0).start()
     try:
-        with front_over(inner.url, pages=page_source(w, tmp)) as url:
-            wait_until(lambda: pages_loaded(app, url), "the front builds list pages itself", 60, interval_s=0.2)
+        with front_over(inner.url) as url:
             yield w, app, inner.url, url
     finally:
         inner.stop()
@@ -145,30 +118,6 @@ SCENARIOS = [
     ("DELETE", "/v1/adapters/nope", TOKEN, None),
     ("PUT", "/v1/adapters", TOKEN, None),  # 405
     ("GET", "/openapi.json", None, None),
-    # list pages (F5): built by the front, compared with the app's
-    ("GET", "/v1/adapters", TOKEN, None),
-    ("GET", "/v1/adapters?limit=1000", TOKEN, None),
-    ("GET", "/v1/adapters?state=PENDING&limit=5", TOKEN, None),
-    ("GET", "/v1/adapters?state=COMPLETED", TOKEN, None),
-    ("GET", "/v1/adapters?q=UN1&limit=3", TOKEN, None),  # a part of the name, any case
-    ("GET", "/v1/adapters?owner=alice&limit=4", TOKEN, None),
-    ("GET", "/v1/adapters?owner=", TOKEN, None),  # the admin's own runs
-    ("GET", "/v1/adapters?offset=7&limit=4", TOKEN, None),
-    ("GET", "/v1/adapters?limit=4&cursor=r5", TOKEN, None),
-    ("GET", "/v1/adapters?limit=4&cursor=r5", KEYS["bob"], None),
-    ("GET", "/v1/adapters?owner=alice&limit=2", KEYS["alice"], None),  # a tenant naming itself
-    ("GET", "/v1/adapters?q=run&state=PENDING&limit=2&unknown=1", KEYS["alice"], None),
-    ("GET", "/v1/adapters?owner=bob", KEYS["alice"], None),  # refused by the app: a tenant's list is its own
-    ("GET", "/v1/adapters?cursor=x5", TOKEN, None),  # 400: not a cursor of this service
-    ("GET", "/v1/adapters?cursor=r5&offset=2", TOKEN, None),  # 400: one or the other
-    ("GET", "/v1/adapters?limit=1001", TOKEN, None),  # 422
-    ("GET", "/v1/adapters?limit=%2B5", TOKEN, None),  # "+5": the app's reading
-    ("GET", "/v1/adapters?state=active", TOKEN, None),  # 422: states are upper case
-    ("GET", "/v1/adapters?state=", TOKEN, None),
-    ("GET", "/v1/adapters?limit=2&limit=3", TOKEN, None),  # repeated: the app's reading
-    ("GET", "/v1/adapters?q=" + "x" * 65, TOKEN, None),  # 422: q is at most 64
-    ("GET", "/v1/adapters?limit=3", KEYS["alice"], None),
-    ("GET", "/v1/adapters?limit=3", None, None),  # 401
 ]
 
 
@@ -199,42 +148,36 @@ def test_a_write_through_the_front_is_read_at_once(world):
 
 def test_a_tinker_call_keeps_the_cached_reads(world):
     """F2's exception: a write of the Tinker wire (/api/v1/...: here a heartbeat the app refuses, no
-    Tinker API being on) leaves the cached reads in place, where a REST write clears them (seen on
-    /metrics: list pages never reach the app, F5)."""
+    Tinker API being on) leaves the cached reads in place, where a REST write clears them."""
     _, app, _, front = world
     with _client(front) as c:
-        c.get("/metrics")  # stored (ttl 60 s)
-        seen = app.seen[("GET", "/metrics")]
+        c.get("/v1/adapters", params={"limit": 3})  # stored (ttl 60 s)
+        seen = app.seen[("GET", "/v1/adapters")]
         assert c.post("/api/v1/session_heartbeat", json={"session_id": "s-1"}).status_code >= 400
-        c.get("/metrics")
-        assert app.seen[("GET", "/metrics")] == seen  # from the front's cache
+        c.get("/v1/adapters", params={"limit": 3})
+        assert app.seen[("GET", "/v1/adapters")] == seen  # from the front's cache
         c.delete("/v1/adapters/no-such-run")  # a REST write (refused, 404): still clears
-        c.get("/metrics")
-        assert app.seen[("GET", "/metrics")] == seen + 1
+        c.get("/v1/adapters", params={"limit": 3})
+        assert app.seen[("GET", "/v1/adapters")] == seen + 1
 
 
 def test_a_burst_of_100_reads_costs_the_app_one_request_each(world):
-    """A burst of 100: /metrics asks the app once; the list page (F5) not at all."""
     _, app, direct, front = world
     paths = ["/v1/adapters?limit=17", "/metrics"]
     with _client(direct) as d:
         want = {p: d.get(p).content for p in paths}
     wanted_page = want[paths[0]]
-    with _client(front) as f:
-        f.delete("/v1/adapters/no-such-run")  # a REST write (refused) clears the front's cache (F2): this test's own
     seen = app.seen.copy()
     with _client(front) as f, ThreadPoolExecutor(100) as pool:
         got = list(pool.map(lambda i: (paths[i % 2], f.get(paths[i % 2])), range(100)))
     assert all(r.status_code == 200 for _, r in got)
     assert all(r.content == wanted_page for p, r in got if p == paths[0])
     assert all(b"lorafleet_slots_free" in r.content for p, r in got if p == "/metrics")
-    assert app.seen[("GET", "/v1/adapters")] - seen[("GET", "/v1/adapters")] == 0
+    assert app.seen[("GET", "/v1/adapters")] - seen[("GET", "/v1/adapters")] == 1
     assert app.seen[("GET", "/metrics")] - seen[("GET", "/metrics")] == 1
 
 
 def test_answers_are_never_shared_across_credentials_and_refusals_are_not_stored(world):
-    """Each credential gets the app's own page (built by the front, F5), its tenant's runs only; the
-    front's cache keeps each apart (F1). Plant: the front's page for the admin whatever the credential."""
     _, app, direct, front = world
     for _ in range(2):  # the second time from the front's cache
         for key in (TOKEN, KEYS["alice"], KEYS["bob"]):
@@ -305,54 +248,6 @@ def test_hundreds_of_calls_held_open_do_not_stall_the_front():
     finally:
         app.release.set()
         pool.shutdown(wait=True)
-        upstream.stop()
-
-
-class StalledApp:
-    """An app that answers nothing until `release` is set: a coordinator whose interpreter is taken."""
-
-    def __init__(self) -> None:
-        import threading
-
-        self.release, self.reached = threading.Event(), 0
-
-    async def __call__(self, scope, receive, send) -> None:
-        import asyncio
-
-        if scope["type"] != "http":
-            return
-        self.reached += 1
-        while not self.release.is_set():
-            await asyncio.sleep(0.02)
-        await send({"type": "http.response.start", "status": 503, "headers": [(b"content-type", b"text/plain")]})
-        await send({"type": "http.response.body", "body": b"released"})
-
-
-def test_list_pages_are_answered_while_the_app_answers_nothing(world, tmp_path):
-    """F5: a front over an app that answers nothing still answers list pages, the same bytes as the real
-    app's, for the admin and a tenant. Each try has a query of its own (an unknown parameter, ignored by
-    both): a try sent before the front's pages were loaded waits at the app, and its key's flight with it."""
-    w, _, direct, _ = world
-    app = StalledApp()
-    upstream = ApiServer(app, "127.0.0.1", 0).start()
-    try:
-        with front_over(upstream.url, pages=page_source(w, tmp_path), wait=False) as url:
-            for key in (TOKEN, KEYS["alice"]):
-                with _client(direct, key) as d, _client(url, key) as f:
-                    want = d.get("/v1/adapters?limit=7&state=PENDING")
-                    assert want.status_code == 200
-
-                    def answered_by_the_front() -> bool:
-                        try:
-                            got = f.get("/v1/adapters", params={"limit": 7, "state": "PENDING", "try": time.monotonic_ns()},
-                                        timeout=2)
-                        except httpx.HTTPError:  # not listening yet (ConnectError), or waiting at the app (timeout)
-                            return False
-                        assert got.status_code == 200 and got.content == want.content, got.text[:300]
-                        return True
-                    wait_until(answered_by_the_front, "the front answers the page itself", 60, interval_s=0.2)
-    finally:
-        app.release.set()
         upstream.stop()
 
 
