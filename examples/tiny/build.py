@@ -32,6 +32,10 @@ says otherwise):
   ``rl_loop`` hard-code. ``hf_env()`` gives the environment that points a client there
   (``HF_HUB_OFFLINE=1``). See ``SERVED_NAME`` for why that name.
 
+* ``long_context_view(world, out, tokens)``: a view of a built world whose model takes a
+  longer context (``max_position_embeddings`` raised in a config.json of its own, every
+  other file a symlink into the world), for the tests whose requests outgrow 512 tokens.
+
 Everything is seeded and runs single-threaded, so two builds give the same
 bytes. A stamp file records the build version; ``ensure_tiny_world()`` builds
 only when it is missing or stale (the ``hf/`` folder has a stamp of its own, so
@@ -304,6 +308,41 @@ def cache_dataset(repo_id: str, config: str, splits: dict[str, list[dict]], cach
 def ensure_hf_cache(world: Path) -> None:
     if not is_current(world / "hf", HF_VERSION):
         build_hf_cache(world)
+
+
+def long_context_view(world: Path, out: Path, tokens: int = 4096) -> Path:
+    """``out``: the tiny ``world`` with a model of ``tokens`` positions, nothing copied or downloaded.
+    ``out/model/`` holds symlinks to the world model's files (weights, tokenizer) but config.json,
+    written with ``max_position_embeddings = tokens``; the world's other parts (``data/``, ``hf/``,
+    ``STAMP``) are symlinks. The same weights serve the longer context because the model's only
+    position signal is RoPE of type default, computed from each position index and sized by nothing
+    in the config: positions below the world's own context give the same logits (checked with HF
+    transformers by tests/integration/test_cookbook_recipes.py's ``long_world``). The hub cache
+    (``hf/``) keeps the world's config.json: clients read only its tokenizer. Rebuilt in place
+    when called again; ``out`` is returned."""
+    world = world.resolve()
+    config = json.loads((world / "model" / "config.json").read_text())
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"{world}: RoPE of type {rope['rope_type']!r} depends on the context it was sized for")
+    if tokens < config["max_position_embeddings"]:
+        raise ValueError(f"{tokens} tokens is shorter than the world's {config['max_position_embeddings']}")
+    model = out / "model"
+    model.mkdir(parents=True, exist_ok=True)
+
+    def link(target: Path, at: Path) -> None:
+        if at.is_symlink() or at.is_file():
+            at.unlink()
+        at.symlink_to(target, target_is_directory=target.is_dir())
+
+    for f in sorted((world / "model").iterdir()):
+        if f.name != "config.json":
+            link(f, model / f.name)
+    (model / "config.json").unlink(missing_ok=True)
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": tokens}, indent=2, sort_keys=True) + "\n")
+    for part in ("data", "hf", "STAMP"):
+        link(world / part, out / part)
+    return out
 
 
 def build_world(out: Path, build_model_fn, version: str, tag: str, *, steps: int, quiet: bool) -> Path:  # noqa: ANN001

@@ -1,6 +1,8 @@
 """tinker-cookbook 0.6.1's recipes, unmodified, with their default loss and settings except size,
 against a live `lorafleet serve` (real CLI process, Ray trainer actor, one SGLang CPU engine) on
-the tiny world: one service for the module.
+the tiny world: one service for the module, and a second on the tiny world's long-context view
+(long_world: the same weights with a 4096-token context) for the two recipes whose requests outgrow
+the tiny model's 512 tokens (guess_number, rubric), which run last.
 
 Each recipe runs as a user runs it: its own module with command-line arguments, in a process of
 its own (tests/integration/cookbook_harness.py); what changes is only size (model: the tiny one
@@ -13,12 +15,12 @@ metric, or says why the tiny world cannot and shows what it can (the objective's
 /metrics, the trainer/sampler agreement), and records its row of docs/tinker.md's verified-recipes
 table (tests/integration/cookbook_table.py).
 
-Tiers. The default tier (CI's `-m "not gpu and not slow"`) runs the service, the SDK checks and 12
-recipes: sl_basic, sl_loop, chat_sl, prompt_distillation, dpo, shorter, rl_loop and math_rl (their
-default loss stable_reinforce), on-policy distillation, sdft, the cookbook's RL loop (rl.train) over
-DigitsEnv with its resume, and rl_basic, last (2048 samples a step, fixed in its code: 70 s on a
-quiet machine). The whole module took about 5 min on a quiet machine. Marked slow (`-m slow`):
-guess_number and rubric, which show only the engine's refusal (the tiny model's 512-token context).
+Tiers. The default tier (CI's `-m "not gpu and not slow"`) runs the whole module: the service, the
+SDK checks and 14 recipes: sl_basic, sl_loop, chat_sl, prompt_distillation, dpo, shorter, rl_loop
+and math_rl (their default loss stable_reinforce), on-policy distillation, sdft, the cookbook's RL
+loop (rl.train) over DigitsEnv with its resume, rl_basic (2048 samples a step, fixed in its code:
+70 s on a quiet machine), then on the long-context service guess_number (15 to 18 s) and rubric (8 s; the
+second service's start about 25 s). The whole module took 5 min 44 s on the shared 2-core machine.
 
 Every recipe creates its model with the SDK's defaults (`train_unembed=True`: LoRA on the
 unembedding too, which lorafleet trains and serves). The service seeds each model's LoRA
@@ -35,7 +37,7 @@ import pytest
 import torch
 import yaml
 
-from examples.tiny.build import SERVED_NAME, hf_env
+from examples.tiny.build import SERVED_NAME, hf_env, long_context_view
 from tests.integration import cookbook_datasets as data
 from tests.integration.cookbook_harness import (
     checkpoint_records,
@@ -57,22 +59,54 @@ pytestmark = pytest.mark.integration
 
 KEYS = {"alice": "tml-alice-cookbook-key-1", "bob": "tml-bob-cookbook-key-22"}
 RANK = 32  # the slots' largest rank: the default of most recipes (the DPO CLI cannot change its 32)
-SLOW = pytest.mark.slow(reason="it shows only a refusal (the tiny model's 512-token context), so the default "
-                        "tier (-m 'not gpu and not slow') keeps its minutes for the recipes that run")
 CONTEXT = 512  # the tiny model's context (max_position_embeddings): the engine refuses a longer request
+LONG_CONTEXT = 4096  # the long-context view's (long_world): guess_number's and rubric's requests fit
 
 
-@pytest.fixture(scope="module")
-def service(tiny_world, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("cookbook-serve")
+def serve(tmp: Path, world: Path, context: int, engines: dict | None = None):
+    """The module's `lorafleet serve` on ``world``, taking Tinker datums of up to ``context`` tokens."""
     keys = tmp / "tinker_keys.yaml"
     keys.write_text(yaml.safe_dump(KEYS))
     # Recipes end without unloading their models (their sessions time out): idle models give their
     # slots to the next recipe's (evict_idle_s), and dead sessions are reaped within a test.
-    with running_service(tmp, tiny_world, slots={"num_slots": 4, "max_rank": RANK, "evict_idle_s": 2.0},
-                         engines={"max_lora_rank": RANK}, base_model={"served_name": SERVED_NAME},
-                         service={"tinker_keys_file": str(keys), "tinker_window_ms": 10, "tinker_max_seq_len": 512,
-                                  "tinker_session_timeout_s": 60, "tinker_default_seed": 0}) as svc:
+    return running_service(tmp, world, slots={"num_slots": 4, "max_rank": RANK, "evict_idle_s": 2.0},
+                           engines={"max_lora_rank": RANK, **(engines or {})}, base_model={"served_name": SERVED_NAME},
+                           service={"tinker_keys_file": str(keys), "tinker_window_ms": 10, "tinker_max_seq_len": context,
+                                    "tinker_session_timeout_s": 60, "tinker_default_seed": 0})
+
+
+@pytest.fixture(scope="module")
+def service(tiny_world, tmp_path_factory):
+    with serve(tmp_path_factory.mktemp("cookbook-serve"), tiny_world, CONTEXT) as svc:
+        yield svc
+
+
+@pytest.fixture(scope="module")
+def long_world(tiny_world, hf_model, tmp_path_factory) -> Path:
+    """The tiny world with a LONG_CONTEXT-token context (examples/tiny/build.py long_context_view: the same
+    weights and tokenizer, max_position_embeddings raised). Checked here with HF transformers: at every
+    position of the tiny model's own context the two give bit-identical logits (RoPE of type default
+    depends on the position alone), and past it the view gives finite ones."""
+    from transformers import AutoModelForCausalLM
+
+    view = long_context_view(tiny_world, tmp_path_factory.mktemp("tiny-long"), LONG_CONTEXT)
+    model = AutoModelForCausalLM.from_pretrained(view / "model", dtype=torch.float32).eval()
+    assert model.config.max_position_embeddings == LONG_CONTEXT and hf_model.config.max_position_embeddings == CONTEXT
+    ids = torch.randint(0, model.config.vocab_size, (1, 3 * CONTEXT), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+        assert torch.equal(logits[:, :CONTEXT], hf_model(input_ids=ids[:, :CONTEXT]).logits)
+    assert torch.isfinite(logits).all()
+    return view
+
+
+@pytest.fixture(scope="module")
+def long_service(long_world, tmp_path_factory):
+    """A second service, on long_world, for the recipes whose requests outgrow CONTEXT (guess_number,
+    rubric); the rest of the module keeps the tiny world's. Its engine's KV cache holds 32768 tokens
+    (the tiny model's: 32 MiB), room for rubric's graders' 2048-token budgets at once."""
+    with serve(tmp_path_factory.mktemp("cookbook-serve-long"), long_world, LONG_CONTEXT,
+               {"max_total_tokens": 32768}) as svc:
         yield svc
 
 
@@ -98,17 +132,27 @@ def user_env(service, hub):
     return lambda tenant="alice": client_env(hub, KEYS[tenant], service.url)
 
 
+def recipe_runner(svc, hub: dict[str, str], tmp_path: Path):
+    def run(module: str, *settings: str, base_url: bool = True, expect_rc: int = 0):
+        args = ["-m", module, *([f"base_url={svc.url}"] if base_url else []), f"model_name={SERVED_NAME}",
+                f"log_path={tmp_path / 'log'}", *settings]
+        return run_recipe(client_env(hub, KEYS["alice"], svc.url), tmp_path, args, expect_rc=expect_rc)
+
+    return run
+
+
 @pytest.fixture
-def recipe(service, user_env, tmp_path):
+def recipe(service, hub, tmp_path):
     """``recipe(module, *settings)``: the recipe run by alice in ``tmp_path`` against the service, its log
     folder ``tmp_path / "log"`` (``log_path``); base_url passed unless ``base_url=False`` (recipes
     without that option read TINKER_BASE_URL)."""
-    def run(module: str, *settings: str, base_url: bool = True, expect_rc: int = 0):
-        args = ["-m", module, *([f"base_url={service.url}"] if base_url else []), f"model_name={SERVED_NAME}",
-                f"log_path={tmp_path / 'log'}", *settings]
-        return run_recipe(user_env(), tmp_path, args, expect_rc=expect_rc)
+    return recipe_runner(service, hub, tmp_path)
 
-    return run
+
+@pytest.fixture
+def long_recipe(long_service, hub, tmp_path):
+    """``recipe`` against long_service (the long-context view of the tiny world)."""
+    return recipe_runner(long_service, hub, tmp_path)
 
 
 def kinds_chat(tiny_world: Path, out: Path, n: int) -> Path:
@@ -365,44 +409,6 @@ def test_on_policy_distillation(recipe, kinds_teacher, tmp_path, verified):
                                        "every sampled token scored by the teacher, sampler/trainer KL < 1e-4")
 
 
-@SLOW
-def test_guess_number(recipe, tmp_path, verified):
-    """multiplayer_rl/guess_number cannot run on the tiny world: a game is ten turns in one growing
-    conversation, and every turn the tiny model fails to write "Guess: <n>" adds the recipe's fixed
-    FAIL_TO_PARSE message (about 116 tokens of the tiny tokenizer with its turn's framing) to a system
-    prompt of about 200: by turn 4 the prompt passes the tiny model's 512-token context, and the engine
-    refuses the request. What it shows: the refusal reaches the recipe as a clear error naming both
-    lengths."""
-    run = recipe("tinker_cookbook.recipes.multiplayer_rl.guess_number.train", "renderer_name=role_colon",
-                 "batch_size=1", "group_size=2", "max_tokens=8", "eval_every=0", "max_steps=1",
-                 "behavior_if_log_dir_exists=delete", base_url=False, expect_rc=1)
-    refusal = f"is longer than the model's context length ({CONTEXT} tokens)"
-    assert refusal in run.out, run.out[-3000:]
-    verified["multiplayer_rl/guess_number"] = run.row(
-        "multiplayer_rl/guess_number", "importance_sampling", 0, "cannot run: a 10-turn game outgrows the tiny "
-        f"model's {CONTEXT}-token context by turn 4 (each failed turn adds the recipe's ~116-token parse-failure "
-        "message); the engine's refusal reaches the recipe, naming both lengths")
-
-
-@SLOW
-def test_rubric_with_the_tiny_model_as_grader(recipe, tmp_path, verified):
-    """rubric (default loss stable_reinforce) cannot run on the tiny world: its grader samples with
-    max_tokens=2048, fixed in the recipe's env code (rubric/env.py), and a request for more new tokens
-    than the model's context (512) is refused by the engine before anything is sampled. What it shows:
-    the refusal reaches the recipe as a clear error naming the context and the requested total."""
-    kinds = data.kinds_rows(8, seed=5)
-    train = data.write_jsonl(tmp_path / "rubric_train.jsonl", data.rubric_rows(kinds[:6]))
-    test = data.write_jsonl(tmp_path / "rubric_test.jsonl", data.rubric_rows(kinds[6:]))
-    run = recipe("tinker_cookbook.recipes.rubric.train", "renderer_name=role_colon", f"grader_llm_name={SERVED_NAME}",
-                 "grader_renderer_name=role_colon", "groups_per_batch=2", "max_tokens=8", f"train_jsonl_path={train}",
-                 f"test_jsonl_path={test}", "max_steps=2", "behavior_if_log_dir_exists=delete", expect_rc=1)
-    refusal = f"exceeds the model's maximum context length of {CONTEXT} tokens"
-    assert refusal in run.out and "2048 tokens for the completion" in run.out, run.out[-3000:]
-    verified["rubric"] = run.row("rubric", "stable_reinforce", 0, "cannot run: its grader asks for 2048 new tokens "
-                                 f"(fixed in rubric/env.py), beyond the tiny model's {CONTEXT}-token context; the "
-                                 "engine's refusal reaches the recipe, naming both")
-
-
 def test_sdft(recipe, tmp_path, verified):
     """sdft (dataset=sciknoweval rows: kinds questions with a golden answer): the teacher is the base model
     with the golden answer in its prompt; the student learns the teacher's top-K distribution with
@@ -449,7 +455,7 @@ def test_rl_reward_rises_and_a_second_run_resumes(service, user_env, tiny_world,
                                                       start_end("reward", reward))
 
 
-# last in the module: its 2048 samples a step are the heaviest load here (70 s on a quiet machine). It
+# last on the tiny world's service: its 2048 samples a step are the heaviest load here (70 s on a quiet machine). It
 # used to hang the service (> 600 s, every heartbeat timing out): the read front's capped pool, fixed
 # in b2bec2b (tests/integration/test_read_front.py)
 def test_rl_basic(recipe, tmp_path, verified):
@@ -465,3 +471,83 @@ def test_rl_basic(recipe, tmp_path, verified):
     verified["rl_basic"] = run.row("rl_basic", "importance_sampling", 1, "reward -0.1 (its \\boxed{} answer is never "
                                    "written by the tiny model: cannot be earned); 2048 answers trained, sampler/trainer "
                                    f"KL {rows[0]['optim/kl_sample_train_v1']:.1e}")
+
+
+# --- on the long-context view (long_service) ------------------------------------------------------------------
+
+
+def test_guess_number(long_recipe, long_service, tmp_path, verified):
+    """multiplayer_rl/guess_number, its default loss importance_sampling, to its last step, on the long-context
+    view: a game is up to ten turns in one growing conversation, and each turn the tiny model fails to
+    write "Guess: <n>" adds the recipe's fixed parse-failure message (about 117 tokens with its framing) to a
+    prompt of 203, so the tenth turn's prompt is about 1,250 tokens (the tiny world's 512 were passed by
+    turn 4, and the engine refused it). Its reward cannot rise: the tiny model never writes "Guess: ",
+    so every turn earns the format penalty (-1), every game runs all ten turns (reward -10) and every
+    group's advantages are zero (grad_norm 0). What it shows: every game ran its ten turns, each turn one
+    sample request (the service's counter), prompts averaging past 512 tokens, and every turn's answer
+    scored by the trainer with the sampler's log-probs (kl_sample_train about 0: engine and trainer agree
+    at positions past 512 too)."""
+    before = tinker_counters(long_service)
+    run = long_recipe("tinker_cookbook.recipes.multiplayer_rl.guess_number.train", "renderer_name=role_colon",
+                      "batch_size=1", "group_size=2", "max_tokens=8", "eval_every=0", "max_steps=3",
+                      "behavior_if_log_dir_exists=delete", base_url=False)
+    d = delta(tinker_counters(long_service), before)
+    rows = [m for m in metrics(tmp_path / "log") if "env/all/reward/total" in m]
+    reward, prompt = [m["env/all/reward/total"] for m in rows], [m["env/all/ob_tokens_per_turn"] for m in rows]
+    print("guess_number reward", reward, "prompt tokens per turn", prompt, "trained tokens",
+          [m["tokens/trained"] for m in rows], "kl", [m["optim/kl_sample_train_v1"] for m in rows], "counters", d)
+    assert len(rows) == 3, rows
+    for m in rows:
+        assert m["env/all/total_episodes"] == 2 and m["env/all/turns_per_episode"] == 10, m  # batch 1 x group 2
+        assert m["env/all/reward/total"] == -10 and m["env/all/by_group/frac_all_bad"] == 1, m
+        assert m["grad_norm:last"] == 0, m  # advantages all zero: the policy does not move
+        assert m["env/all/ob_tokens_per_turn"] > CONTEXT and m["tokens/trained"] > m["env/all/total_ac_tokens"], m
+        assert abs(m["optim/kl_sample_train_v1"]) < 1e-4, m
+    assert d["sample_requests"] == sum(m["env/all/total_turns"] for m in rows) == 3 * 2 * 10, d
+    verified["multiplayer_rl/guess_number"] = run.row(
+        "multiplayer_rl/guess_number", "importance_sampling", len(rows),
+        f"reward -10 -> -10 (never writes \"Guess: <n>\": -1 on each of a game's 10 turns, cannot rise); "
+        f"{3 * 2 * 10} turns sampled and trained (advantages 0), prompts {mean(prompt):.0f} tokens a turn on average, "
+        f"about 1,250 at turn 10 (past the tiny world's {CONTEXT}: long-context view); sampler/trainer KL "
+        f"{max(abs(m['optim/kl_sample_train_v1']) for m in rows):.0e}")
+
+
+def test_rubric_with_the_tiny_model_as_grader(long_recipe, long_service, tmp_path, verified):
+    """rubric with its default loss stable_reinforce, to its last step, on the long-context view: the
+    grader (the tiny base model, sampled by the recipe's own TinkerMessageCompleter) asks for 2048 new
+    tokens after a prompt of about 350 (max_tokens fixed in rubric/env.py), more than the tiny world's
+    512-token context, where the engine refused it. Its reward cannot rise: the tiny grader judges
+    nothing (the rows' extraction_regex reads the first digit it writes: cookbook_datasets.rubric_rows),
+    so the reward is that digit's noise (measured over 3 steps: 1.5, 5.3, 1.1, then 6.0, 2.9, 4.2) less
+    the format penalty 0.1 (the policy never writes role_colon's stop sequence). What it shows: each
+    answer, train and test, was graded by one 2048-token grader request (sample requests = 2 x answers),
+    scores varied within groups (non-zero advantages, grad_norm > 0), and the objective's statistics on
+    /metrics: every sequence recorded and trained on, none masked, the trainer's log-probs equal to the
+    engine's (ratio 1)."""
+    kinds = data.kinds_rows(8, seed=5)
+    train = data.write_jsonl(tmp_path / "rubric_train.jsonl", data.rubric_rows(kinds[:6]))
+    test = data.write_jsonl(tmp_path / "rubric_test.jsonl", data.rubric_rows(kinds[6:]))
+    before = tinker_counters(long_service)
+    run = long_recipe("tinker_cookbook.recipes.rubric.train", "renderer_name=role_colon", f"grader_llm_name={SERVED_NAME}",
+                      "grader_renderer_name=role_colon", "groups_per_batch=2", "max_tokens=8", f"train_jsonl_path={train}",
+                      f"test_jsonl_path={test}", "max_steps=3", "behavior_if_log_dir_exists=delete")
+    d = delta(tinker_counters(long_service), before)
+    logged = metrics(tmp_path / "log")
+    rows = [m for m in logged if "env/all/reward/total" in m]
+    reward = [m["env/all/reward/total"] for m in rows]
+    answers = sum(m.get("env/all/total_episodes", 0) + m.get("test/env/all/total_episodes", 0) for m in logged)
+    print("rubric reward", reward, "rubric_score", [m["env/all/rubric_score"] for m in rows], "grad_norm",
+          [m["grad_norm:last"] for m in rows], "answers", answers, "stable_reinforce", d)
+    assert len(rows) == 3 and all(m["env/all/total_episodes"] == 2 * 4 for m in rows), rows  # groups x group_size 4
+    assert d["sample_requests"] == 2 * answers, (answers, d)  # each answer sampled, then graded once (1 rubric item)
+    for m in rows:
+        assert m["env/all/format"] == 0 and m["env/all/reward/total"] == pytest.approx(m["env/all/rubric_score"] - 0.1), m
+        assert m["grad_norm:last"] > 0 or m["env/all/by_group/frac_mixed"] == 0, m  # a mixed group moves the policy
+    assert any(m["env/all/by_group/frac_mixed"] > 0 for m in rows), rows
+    assert d["calls"] >= 3 and d["sequences"] == 3 * 2 * 4, d  # steps x groups x group_size
+    assert d["masked_sequences"] == 0 and d["truncated_tokens"] == 0 and d["sampled_tokens"] > 0, d
+    assert abs(d["ratio_sum"] / d["sampled_tokens"] - 1) < 1e-4, d
+    verified["rubric"] = run.row("rubric", "stable_reinforce", len(rows), f"reward {reward[0]:.2f} -> {reward[-1]:.2f} "
+                                 "(the tiny grader's first digit: judges nothing, cannot rise); "
+                                 f"{answers} answers each graded by a 2048-token grader request (long-context view); "
+                                 f"{stable_reinforce_metric(d)}")

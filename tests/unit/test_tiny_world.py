@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from examples.tiny.build import MODEL_CONFIG, build_datasets, ensure_tiny_world, word_kind
+from examples.tiny.build import MODEL_CONFIG, build_datasets, ensure_tiny_world, long_context_view, word_kind
 
 pytestmark = pytest.mark.unit
 
@@ -60,3 +60,33 @@ def test_ensure_is_idempotent(tiny_world):
     before = _digest(tiny_world / "model")
     assert ensure_tiny_world() == tiny_world
     assert _digest(tiny_world / "model") == before
+
+
+def test_long_context_view_links_the_world_and_raises_only_the_context(tiny_world, tmp_path):
+    """The view's model is the world's files (symlinks) but config.json, which differs in
+    max_position_embeddings alone; made again in place, it is the same. Its logits are checked against
+    the world's with HF transformers in tests/integration/test_cookbook_recipes.py (long_world)."""
+    view = long_context_view(tiny_world, tmp_path / "long", 4096)
+    assert long_context_view(tiny_world, tmp_path / "long", 4096) == view
+    model = tiny_world / "model"
+    assert sorted(p.name for p in (view / "model").iterdir()) == sorted(p.name for p in model.iterdir())
+    for f in (view / "model").iterdir():
+        if f.name != "config.json":
+            assert f.is_symlink() and f.resolve() == (model / f.name).resolve(), f
+    config = json.loads((view / "model" / "config.json").read_text())
+    assert not (view / "model" / "config.json").is_symlink()
+    assert config == {**json.loads((model / "config.json").read_text()), "max_position_embeddings": 4096}
+    for part in ("data", "hf", "STAMP"):
+        assert (view / part).is_symlink() and (view / part).resolve() == (tiny_world / part).resolve()
+
+
+def test_long_context_view_refuses_what_the_weights_cannot_serve(tiny_world, tmp_path):
+    with pytest.raises(ValueError, match="shorter than"):
+        long_context_view(tiny_world, tmp_path / "short", 256)
+    world = tmp_path / "yarn"
+    (world / "model").mkdir(parents=True)
+    config = json.loads((tiny_world / "model" / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    (world / "model" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="yarn"):
+        long_context_view(world, tmp_path / "long", 4096)
