@@ -111,6 +111,9 @@ def parse_generate_response(rid: str, body: dict[str, Any]) -> GenerateResult:
     )
 
 
+KEEPALIVE_EXPIRY_S = 2.0  # below the engine server's keep-alive timeout (EngineClient)
+
+
 class EngineClient:
     """Client of one SGLang server at `base_url`. Use as an async context manager, or call `aclose()`."""
 
@@ -123,7 +126,13 @@ class EngineClient:
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
             timeout=httpx.Timeout(admin_timeout_s, connect=10.0),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=64),
+            # Idle connections are dropped here before the engine drops them (SGLang's uvicorn closes one
+            # idle for SGLANG_TIMEOUT_KEEP_ALIVE, 5 s). httpx's default expiry is also 5 s, so a request
+            # sent after a pause of about 5 s could go out on a connection the engine was closing, and
+            # fail with ReadError: CI's DPO recipe lost a step's reference log-probs that way
+            # (tests/unit/test_engine_client.py holds the order).
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=64,
+                                keepalive_expiry=KEEPALIVE_EXPIRY_S),
         )
 
     async def __aenter__(self) -> EngineClient:
