@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import itertools
 import json
 import os
 import signal
@@ -81,25 +82,38 @@ class _NotStored(Exception):
 class FrontApp:
     """The front's ASGI app over the coordinator's API at `upstream` (http://127.0.0.1:PORT)."""
 
-    def __init__(self, upstream: str, ttl_s: float, stale_s: float) -> None:
+    def __init__(self, upstream: str, ttl_s: float, stale_s: float, pool_shards: int = 16) -> None:
         self.upstream = upstream
+        self.pool_shards = pool_shards
         self.cache = ReadCache(ttl_s, stale_s=stale_s)
-        self._http: httpx.AsyncClient | None = None
+        self._pools: list[httpx.AsyncClient] = []
+        self._turn = itertools.count()
 
     @property
     def http(self) -> httpx.AsyncClient:
-        if self._http is None:  # made on the serving loop, where it is used
-            self._http = httpx.AsyncClient(base_url=self.upstream, timeout=httpx.Timeout(None, connect=10.0),
-                                           # idle connections dropped here before the app's server drops them
-                                           # (uvicorn: 5 s), or a request could go out on one being closed.
-                                           # No cap on connections: a capped pool queues the requests past it,
-                                           # and httpcore rescans that queue against every connection at each
-                                           # change (quadratic): the cookbook's rl_basic (128 sample calls
-                                           # held open, the SDK's retries and polls) pinned the front's loop
-                                           # at 80% of a core, and every client's heartbeat timed out
-                                           limits=httpx.Limits(max_connections=None, max_keepalive_connections=64,
-                                                               keepalive_expiry=2.0))
-        return self._http
+        """One of `pool_shards` clients to the app, in turn (one request's client for all its parts).
+
+        httpcore's pool scans every connection it holds at each request's start and end, so a pool of
+        n connections costs O(n) per request, and it closes every connection that goes idle once it holds
+        more than 64 (it counts them all, not the idle ones). A thousand Tinker tenants each hold a long
+        poll open: with one pool of about a thousand connections the front's loop spent 0.7 of a core in
+        those scans (py-spy, K = 1,024 Tinker tenants) and reopened a connection for nearly every
+        request. Shards of a sixteenth keep each scan short and their idle connections alive."""
+        if not self._pools:  # made on the serving loop, where they are used
+            self._pools = [self._client() for _ in range(self.pool_shards)]
+        return self._pools[next(self._turn) % self.pool_shards]
+
+    def _client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.upstream, timeout=httpx.Timeout(None, connect=10.0),
+                                 # idle connections dropped here before the app's server drops them
+                                 # (uvicorn: 5 s), or a request could go out on one being closed.
+                                 # No cap on connections: a capped pool queues the requests past it,
+                                 # and httpcore rescans that queue against every connection at each
+                                 # change (quadratic): the cookbook's rl_basic (128 sample calls
+                                 # held open, the SDK's retries and polls) pinned the front's loop
+                                 # at 80% of a core, and every client's heartbeat timed out
+                                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=64,
+                                                     keepalive_expiry=2.0))
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":  # no websockets here; lifespan is off
@@ -133,10 +147,11 @@ class FrontApp:
     async def _pass(self, scope: dict, receive: Any, send: Any) -> None:
         headers = _forwarded(scope["headers"])
         has_body = any(k in (b"content-length", b"transfer-encoding") for k, _ in scope["headers"])
-        request = self.http.build_request(scope["method"], _target(scope), headers=headers,
-                                          content=_body(receive) if has_body else None)
+        http = self.http
+        request = http.build_request(scope["method"], _target(scope), headers=headers,
+                                     content=_body(receive) if has_body else None)
         try:
-            response = await self.http.send(request, stream=True)
+            response = await http.send(request, stream=True)
         except httpx.HTTPError as err:
             await _send_answer(send, _unavailable(err))
             return
@@ -151,8 +166,8 @@ class FrontApp:
             await response.aclose()
 
     async def close(self) -> None:
-        if self._http is not None:
-            await self._http.aclose()
+        for pool in self._pools:
+            await pool.aclose()
 
 
 def _target(scope: dict) -> str:
@@ -234,9 +249,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ttl-s", type=float, default=1.0)
     ap.add_argument("--stale-s", type=float, default=2.0)
     ap.add_argument("--parent", type=int, required=True, help="exit when this process is gone")
+    ap.add_argument("--pool-shards", type=int, default=16, help="clients to the app, used in turn (FrontApp.http)")
     args = ap.parse_args(argv)
     sock = socket.socket(fileno=args.fd)
-    app = FrontApp(args.upstream, args.ttl_s, args.stale_s)
+    app = FrontApp(args.upstream, args.ttl_s, args.stale_s, args.pool_shards)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
                                            timeout_graceful_shutdown=5))
 
