@@ -36,7 +36,11 @@ class LorafleetClient:
         # `token`: the admin token or a tenant key (docs/concepts.md "Tenants"); both go as a bearer token.
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.base_url = base_url.rstrip("/")
-        self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_s)
+        # Idle connections dropped after 2 s, before the service's server closes them (uvicorn: 5 s, as
+        # httpx's own default): a call after a pause of about 5 s (`adapters watch --interval 5`) could
+        # otherwise go out on a connection being closed (rollout/engines/client.py, the same race).
+        self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_s,
+                                  limits=httpx.Limits(max_connections=100, max_keepalive_connections=20, keepalive_expiry=2.0))
 
     def close(self) -> None:
         self._http.close()

@@ -130,7 +130,7 @@ class EngineClient:
             # idle for SGLANG_TIMEOUT_KEEP_ALIVE, 5 s). httpx's default expiry is also 5 s, so a request
             # sent after a pause of about 5 s could go out on a connection the engine was closing, and
             # fail with ReadError: CI's DPO recipe lost a step's reference log-probs that way
-            # (tests/unit/test_engine_client.py holds the order).
+            # (tests/unit/test_keepalive_order.py holds the order).
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=64,
                                 keepalive_expiry=KEEPALIVE_EXPIRY_S),
         )
