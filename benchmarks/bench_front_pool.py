@@ -19,30 +19,13 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
 
 from api.front.read_front import bind_public
 from api.server import ApiServer
-
-
-class HoldingApp:
-    """/hold answers once `release` is set; anything else at once."""
-
-    def __init__(self) -> None:
-        self.release, self.held = threading.Event(), 0
-
-    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
-        if scope["type"] != "http":
-            return
-        if scope["path"] == "/hold":
-            self.held += 1
-            while not self.release.is_set():
-                await asyncio.sleep(0.05)
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
-        await send({"type": "http.response.body", "body": b"ok"})
+from tests.integration.holding_app import HoldingApp
 
 
 def cpu_s(pid: int) -> float:

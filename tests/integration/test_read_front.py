@@ -34,6 +34,7 @@ from api.server import ApiServer
 from api.tenant_keys import TenantKeys
 from service.config.job import SlotCapacity
 from tests.integration.api_world import TOKEN, make_world
+from tests.integration.holding_app import HoldingApp
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -200,28 +201,6 @@ def test_a_port_in_use_is_refused_naming_the_setting():
             bind_public("127.0.0.1", held.getsockname()[1])
     finally:
         held.close()
-
-
-class HoldingApp:
-    """An app whose /hold answers only once `release` is set (as a Tinker sample call waits for its
-    engine) and whose /ping answers at once; it counts the /hold calls that reached it."""
-
-    def __init__(self) -> None:
-        import threading
-
-        self.release, self.held = threading.Event(), 0
-
-    async def __call__(self, scope, receive, send) -> None:
-        import asyncio
-
-        if scope["type"] != "http":
-            return
-        if scope["path"] == "/hold":
-            self.held += 1
-            while not self.release.is_set():
-                await asyncio.sleep(0.02)
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
-        await send({"type": "http.response.body", "body": scope["path"].encode()})
 
 
 HELD = 300  # more calls held open at once than the front's pool took before (256)
