@@ -63,6 +63,7 @@ HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"pro
 READ_ONLY_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 TINKER_WIRE = "/api/v1/"  # F2: writes under it do not clear the cache
 PARENT_CHECK_S = 0.5
+POOL_SHARDS = 16  # clients to the app, used in turn (FrontApp.http)
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ class _NotStored(Exception):
 class FrontApp:
     """The front's ASGI app over the coordinator's API at `upstream` (http://127.0.0.1:PORT)."""
 
-    def __init__(self, upstream: str, ttl_s: float, stale_s: float, pool_shards: int = 16) -> None:
+    def __init__(self, upstream: str, ttl_s: float, stale_s: float, pool_shards: int = POOL_SHARDS) -> None:
         self.upstream = upstream
         self.pool_shards = pool_shards
         self.cache = ReadCache(ttl_s, stale_s=stale_s)
@@ -249,7 +250,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ttl-s", type=float, default=1.0)
     ap.add_argument("--stale-s", type=float, default=2.0)
     ap.add_argument("--parent", type=int, required=True, help="exit when this process is gone")
-    ap.add_argument("--pool-shards", type=int, default=16, help="clients to the app, used in turn (FrontApp.http)")
+    ap.add_argument("--pool-shards", type=int, default=POOL_SHARDS, help="clients to the app, used in turn (FrontApp.http)")
     args = ap.parse_args(argv)
     sock = socket.socket(fileno=args.fd)
     app = FrontApp(args.upstream, args.ttl_s, args.stale_s, args.pool_shards)
