@@ -25,12 +25,8 @@ import httpx
 
 from api.front.read_front import bind_public
 from api.server import ApiServer
+from benchmarks.proc_stats import cpu_s
 from tests.integration.holding_app import HoldingApp
-
-
-def cpu_s(pid: int) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def hold(port: int, n: int) -> list[asyncio.StreamWriter]:

@@ -47,6 +47,7 @@ from pathlib import Path
 import httpx
 import yaml
 
+from benchmarks.proc_stats import rss_mib
 from benchmarks.tinker_rl_tenants import FleetProcess
 from tests.integration.service_world import TOKEN, Service, serve_job, sft
 
@@ -59,13 +60,6 @@ KEYS = {"alice": "tml-alice-bench-key-1", "bob": "tml-bob-bench-key-22"}
 def _pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, max(0, int(round(q * len(xs))) - 1))] if xs else float("nan")
-
-
-def _rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def _gauges(http: httpx.Client) -> dict[str, float]:
@@ -298,7 +292,7 @@ def main() -> None:
             svc.start()
             print(f"service up in {time.monotonic() - t_start:.0f} s", flush=True)
             with httpx.Client(base_url=svc.url, timeout=60, headers={"Authorization": f"Bearer {TOKEN}"}, limits=IDLE_FIRST) as http:
-                rss0 = _rss_mib(svc.proc.pid)
+                rss0 = rss_mib(svc.proc.pid)
                 live = 0
                 for n in phases:
                     models = args.tinker if n == phases[-1] else 0
@@ -330,7 +324,7 @@ def main() -> None:
                            "register_s": reg_s, "warm_s": warm,
                            "register_p50_ms": 1e3 * _pct(lat, 0.5), "register_p99_ms": 1e3 * _pct(lat, 0.99),
                            "register_clients": args.clients if n == phases[-1] else 8,
-                           "rss_mib": _rss_mib(svc.proc.pid), "rss_mib_at_start": rss0,
+                           "rss_mib": rss_mib(svc.proc.pid), "rss_mib_at_start": rss0,
                            "quiet": quiet, "reads": reads, **_longest_wait(svc.log_path, since)}
                     row["reads_vs_quiet"] = reads["tenant_steps_per_min"] / quiet["tenant_steps_per_min"]
                     rows.append(row)

@@ -21,6 +21,8 @@ new tenant finished a first step), for --window-s seconds:
                             (and the trainer rank's, which holds the evicted models' slot states)
   client CPU                the client process's CPU time over the window (cores): what the client took
                             from the 2 cores the service also runs on
+  cores by process          every process of the machine over the window, by role (benchmarks/proc_stats.py):
+                            the coordinator (service.main), its API front, the trainer, the engines, the client
 
   PYTHONPATH=$PWD .venv/bin/python -m benchmarks.bench_tinker_fleet --phases 1,16,64 --window-s 60      # a quick look
   PYTHONPATH=$PWD .venv/bin/python -m benchmarks.bench_tinker_fleet --phases 1,16,64,256,1024,4096 --out fleet2.json
@@ -42,6 +44,7 @@ from pathlib import Path
 import httpx
 import yaml
 
+from benchmarks.proc_stats import cores_by_role, cpu_by_pid, rss_mib
 from benchmarks.tinker_rl_tenants import Fleet, RlWorkload
 from tests.integration.service_world import TOKEN, Service, serve_job
 
@@ -50,13 +53,6 @@ SAMPLER_SERIES = {"requests": "lorafleet_tinker_sample_requests_total", "loads":
                   "unloads": "lorafleet_tinker_sampler_adapter_unloads_total",
                   "room_waits": "lorafleet_tinker_sample_room_waits_total",
                   "waits_with_room": "lorafleet_tinker_sample_waits_with_room_total"}
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def sampler_counts(text: str) -> dict[str, dict[str, float]]:
@@ -92,9 +88,9 @@ async def measure(fleet: Fleet, svc: Service, http: httpx.AsyncClient, seconds: 
         r = resource.getrusage(resource.RUSAGE_SELF)
         return r.ru_utime + r.ru_stime
 
-    c0, cpu0, t0 = sampler_counts((await http.get("/metrics")).text), cpu(), time.monotonic()
+    c0, cpu0, procs0, t0 = sampler_counts((await http.get("/metrics")).text), cpu(), cpu_by_pid(), time.monotonic()
     await asyncio.sleep(seconds)
-    c1, cpu1, t1 = sampler_counts((await http.get("/metrics")).text), cpu(), time.monotonic()
+    c1, cpu1, procs1, t1 = sampler_counts((await http.get("/metrics")).text), cpu(), cpu_by_pid(), time.monotonic()
     calls = fleet.log.window(t0, t1, creates_since=phase_start)
     minutes = (t1 - t0) / 60
     per_engine = _delta(c1["requests"], c0["requests"])
@@ -109,6 +105,7 @@ async def measure(fleet: Fleet, svc: Service, http: httpx.AsyncClient, seconds: 
             "room_waits": sum(_delta(c1["room_waits"], c0["room_waits"]).values()),
             "waits_with_room": sum(_delta(c1["waits_with_room"], c0["waits_with_room"]).values()),
             "client_cores": round((cpu1 - cpu0) / (t1 - t0), 2),
+            "cores_by_process": cores_by_role(procs0, procs1, t1 - t0),
             "coordinator_rss_mib": round(rss_mib(svc.proc.pid), 1),
             "trainer_rss_mib": round(sum(rss_mib(p["pid"]) for p in (await http.get("/v1/fleet")).json()["processes"]
                                          if p["role"] == "trainer"), 1),

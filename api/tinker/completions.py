@@ -69,7 +69,7 @@ def completion(request_id: str, failed: bool, size: int) -> dict:
 
 
 class Completions:
-    def __init__(self, long_poll_s: float = 10.0, max_per_target: int = 10000, clock=time.time) -> None:  # noqa: ANN001
+    def __init__(self, long_poll_s: float, max_per_target: int = 10000, clock=time.time) -> None:  # noqa: ANN001
         self.long_poll_s = long_poll_s
         self.max_per_target = max_per_target
         self.base = int(clock() * 1e6)  # Q5

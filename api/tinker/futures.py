@@ -1,7 +1,7 @@
 """Request ids and their results: the SDK's futures protocol, durable (issue 40).
 
 Every POST that starts work answers ``{"request_id", "model_id"}`` at once; the SDK
-then polls ``retrieve_future``. A retrieve waits up to ``poll_s`` for the result and
+then polls ``retrieve_future``. A retrieve waits up to ``poll_s`` (POLL_HOLD_S) for the result and
 otherwise answers ``{"type": "try_again", ...}`` (the SDK polls again). A finished
 request answers its JSON result, protobuf bytes (ForwardBackwardOutput), or
 ``{"error", "category"}`` (category ``user`` for bad input: the SDK raises it and does
@@ -29,6 +29,13 @@ from typing import Callable
 
 from api.tinker.completions import Completions, Target
 from service.registry.tinker_records import TinkerRecords
+
+# How long a poll (retrieve_future, retrieve_futures) is held for a result before it answers try_again:
+# Tinker's own server holds ~30 s (the SDK's session_futures_poller says so), under the SDK's 45 s client
+# timeout for either poll. Each waiting call costs one poll per hold: 1,016 tenants queued for 8 slots
+# sent about 100 polls a second through the front and the coordinator at a 10 s hold (issue 41's
+# benchmark, docs/BENCHMARKS.md), 34 at 30 s. A result that comes sooner answers the poll at once.
+POLL_HOLD_S = 30.0
 
 
 @dataclass
@@ -86,7 +93,7 @@ class FutureStore:
     ones and the newest finished ones, at most `keep` (plus an eighth between trims) unless more are
     pending; older results come from the records."""
 
-    def __init__(self, records: TinkerRecords, poll_s: float = 10.0, keep: int = 10000):
+    def __init__(self, records: TinkerRecords, poll_s: float = POLL_HOLD_S, keep: int = 10000):
         self.records = records
         self.poll_s = poll_s
         self.keep = keep

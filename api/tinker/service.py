@@ -37,7 +37,7 @@ from fastapi import HTTPException
 
 from api.tinker import wire
 from api.tinker.auth import TenantKeys
-from api.tinker.futures import FutureStore, Outcome, gone, server_error, user_error
+from api.tinker.futures import POLL_HOLD_S, FutureStore, Outcome, gone, server_error, user_error
 from api.tinker.outcomes import answer_outcome, lora_flags, lora_spec, ok_for, outcome_of  # noqa: F401 - lora_flags: the routes'
 from api.tinker.checkpoints.runs import TrainingRuns, check_ttl, check_user_metadata
 from api.tinker.sampling.sampler import SglangSampler
@@ -71,7 +71,7 @@ class ModelRecord:
 
 
 class TinkerService:
-    def __init__(self, fleet: TinkerModels, keys: TenantKeys, *, poll_s: float = 10.0, sampler: SglangSampler | None = None,
+    def __init__(self, fleet: TinkerModels, keys: TenantKeys, *, poll_s: float = POLL_HOLD_S, sampler: SglangSampler | None = None,
                  session_timeout_s: float | None = 300.0, on_stop: Callable[[], None] | None = None,
                  default_seed: int | None = None):
         """``session_timeout_s``: a session without a heartbeat for this long (the SDK sends one

@@ -169,3 +169,41 @@ def test_a_sample_in_flight_at_a_restart_reaches_the_pollers_of_its_tenant(tmp_p
         store.records.close()
 
     asyncio.run(after())
+
+
+def test_the_poll_hold_is_tinkers_and_under_both_sdk_timeouts():
+    """POLL_HOLD_S (api/tinker/futures.py): a held poll must answer before the SDK gives up on it, with
+    room for the round trip, for retrieve_futures (the session poller's timeout) and retrieve_future
+    (a literal in the SDK's _fetch_via_rest, read from its source); the store and the service hold it."""
+    import inspect
+    import re
+
+    from tinker.lib import api_future_impl, session_futures_poller
+
+    from api.tinker.futures import POLL_HOLD_S
+    from api.tinker.service import TinkerService
+
+    (retrieve_timeout,) = re.findall(r"timeout=(\d+)", inspect.getsource(api_future_impl._APIFuture._fetch_via_rest))
+    for sdk_timeout in (session_futures_poller._POLL_HTTP_TIMEOUT_SEC, float(retrieve_timeout)):
+        assert POLL_HOLD_S + 10 <= sdk_timeout, (POLL_HOLD_S, sdk_timeout)
+    assert POLL_HOLD_S >= 30  # Tinker's own hold (session_futures_poller: "The server long-polls up to ~30s")
+    assert inspect.signature(TinkerService).parameters["poll_s"].default == POLL_HOLD_S
+
+
+def test_a_pending_retrieve_is_held_for_the_hold_and_answers_at_once_when_done(tmp_path):
+    async def go():
+        store = _store(tmp_path)
+        from api.tinker.futures import POLL_HOLD_S, Outcome
+
+        assert store.poll_s == POLL_HOLD_S and store.completions.long_poll_s == POLL_HOLD_S
+        store.poll_s = 0.05  # a pending one answers try again (None) after the hold
+        rid = store.create("alice", "m1")
+        assert await store.retrieve("alice", rid) is None
+        store.poll_s = POLL_HOLD_S
+        held = asyncio.ensure_future(store.retrieve("alice", rid))
+        await asyncio.sleep(0)
+        store.resolve(rid, Outcome(json={"ok": 1}))
+        assert (await asyncio.wait_for(held, 5)).json == {"ok": 1}
+        store.records.close()
+
+    asyncio.run(go())

@@ -1,0 +1,77 @@
+"""What the benchmarks read from /proc (Linux): a process's resident memory and CPU time, and the
+machine's CPU time by process role over a window (who took the 2 cores of the CPU machine)."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def rss_mib(pid: int) -> float:
+    """VmRSS of `pid` in MiB (NaN once it is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds `pid` has used (its threads included, not its children)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def role(pid: int) -> str:
+    """A short name for what `pid` is: Ray's process title up to the method (``ray::TrainerActor``),
+    a Python process's module or script (``service.main``, ``pytest``), else its program's name."""
+    argv = [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
+    if not argv:
+        return "[" + Path(f"/proc/{pid}/comm").read_text().strip().split("/")[0] + "]"  # a kernel thread
+    head = argv[0]
+    if head.startswith("ray::"):
+        return re.split(r"[.\s]", head, maxsplit=1)[0]
+    name = os.path.basename(head.split()[0])
+    if name.startswith("python"):
+        rest = argv[1:]
+        if "-m" in rest and rest.index("-m") + 1 < len(rest):
+            return rest[rest.index("-m") + 1]
+        scripts = [a for a in rest if not a.startswith("-")]
+        return os.path.basename(scripts[0]) if scripts else name
+    return name
+
+
+def cpu_by_pid() -> dict[int, tuple[str, float]]:
+    """Every process of the machine: its role and CPU seconds so far (those that vanish while read are left out)."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                out[int(entry)] = (role(int(entry)), cpu_s(int(entry)))
+            except (OSError, IndexError, ValueError):
+                continue
+    return out
+
+
+def cores_by_role(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], seconds: float,
+                  floor: float = 0.01) -> dict[str, float]:
+    """Cores each role used between two `cpu_by_pid` readings `seconds` apart, busiest first; roles under
+    `floor` cores are summed as "other". A process born in the window counts from zero; one that died in it
+    is missed (its time is not in /proc any more)."""
+    used: dict[str, float] = {}
+    for pid, (name, t1) in after.items():
+        t0 = before[pid][1] if pid in before else 0.0  # a process may retitle itself (Ray's workers do)
+        used[name] = used.get(name, 0.0) + max(t1 - t0, 0.0) / seconds
+    out, other = {}, 0.0
+    for name, cores in sorted(used.items(), key=lambda kv: -kv[1]):
+        if cores >= floor:
+            out[name] = round(cores, 3)
+        else:
+            other += cores
+    out["other"] = round(other, 3)
+    return out
