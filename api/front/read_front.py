@@ -95,11 +95,10 @@ class FrontApp:
         """One of `pool_shards` clients to the app, in turn (one request's client for all its parts).
 
         httpcore's pool scans every connection it holds at each request's start and end, so a pool of
-        n connections costs O(n) per request, and it closes every connection that goes idle once it holds
-        more than 64 (it counts them all, not the idle ones). A thousand Tinker tenants each hold a long
-        poll open: with one pool of about a thousand connections the front's loop spent 0.7 of a core in
-        those scans (py-spy, K = 1,024 Tinker tenants) and reopened a connection for nearly every
-        request. Shards of a sixteenth keep each scan short and their idle connections alive."""
+        n connections costs O(n) per request. A thousand Tinker tenants each hold a long poll open: with
+        one pool of about a thousand connections the front's loop spent 0.7 of a core in those scans
+        (py-spy, K = 1,024 Tinker tenants). Shards of a sixteenth keep each scan short; `_client` says
+        why no shard caps its idle connections."""
         if not self._pools:  # made on the serving loop, where they are used
             self._pools = [self._client() for _ in range(self.pool_shards)]
         return self._pools[next(self._turn) % self.pool_shards]
@@ -112,8 +111,13 @@ class FrontApp:
                                  # and httpcore rescans that queue against every connection at each
                                  # change (quadratic): the cookbook's rl_basic (128 sample calls
                                  # held open, the SDK's retries and polls) pinned the front's loop
-                                 # at 80% of a core, and every client's heartbeat timed out
-                                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=64,
+                                 # at 80% of a core, and every client's heartbeat timed out.
+                                 # No cap on idle ones either: httpcore closes a connection going idle
+                                 # when the pool holds more than the cap counting busy ones too, so
+                                 # with a thousand polls held (64 a shard) nearly every answered call
+                                 # closed its connection and the next opened one. Idle connections
+                                 # still go after 2 s, so they number at most the recent peak.
+                                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=None,
                                                      keepalive_expiry=2.0))
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:

@@ -10,7 +10,8 @@ real app (uvicorn on loopback) over a real controller and SQLite registry with t
   * the front exits when its parent is killed (F4), and says 503 with a reason when the app does
     not answer; a port in use is refused naming the setting;
   * hundreds of calls held open by the app (Tinker sample calls) all reach it, and a request beside
-    them is answered: no pool cap queues them.
+    them is answered: no pool cap queues them; calls beside more held ones than httpcore's idle cap
+    reuse their connection to the app.
 """
 
 from __future__ import annotations
@@ -227,6 +228,33 @@ def test_hundreds_of_calls_held_open_do_not_stall_the_front():
     finally:
         app.release.set()
         pool.shutdown(wait=True)
+        upstream.stop()
+
+
+def test_calls_beside_many_held_ones_reuse_their_connection():
+    """One pool (a shard) holding more calls open than httpcore's idle cap: the calls beside them go over
+    one connection to the app, not a new one each. httpcore closes a connection going idle when its pool
+    holds more than the cap, counting the busy ones too, so with a thousand Tinker polls held each
+    answered call cost a new connection to the app (read_front.py `_client`). Plant: the cap back (64)."""
+    from api.front.read_front import FrontApp
+
+    app, n_held = HoldingApp(), 80
+    upstream = ApiServer(app, "127.0.0.1", 0).start()
+    front = ApiServer(FrontApp(upstream.url, ttl_s=60.0, stale_s=0.0, pool_shards=1), "127.0.0.1", 0).start()
+    pool = ThreadPoolExecutor(n_held)
+    try:
+        with httpx.Client(base_url=front.url, timeout=120, limits=httpx.Limits(max_connections=n_held + 10)) as client:
+            held = [pool.submit(client.get, "/hold") for _ in range(n_held)]
+            wait_until(lambda: app.held == n_held, f"all {n_held} held calls reach the app", timeout_s=60, interval_s=0.1)
+            for i in range(20):
+                assert client.get(f"/ping/{i}", timeout=30).text == f"/ping/{i}"
+            assert len(app.ping_connections) <= 2, app.ping_connections  # one, or two if one aged out (2 s)
+            app.release.set()
+            assert all(f.result(timeout=60).text == "/hold" for f in held)
+    finally:
+        app.release.set()
+        pool.shutdown(wait=True)
+        front.stop()
         upstream.stop()
 
 
