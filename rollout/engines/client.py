@@ -130,8 +130,10 @@ class EngineClient:
             # idle for SGLANG_TIMEOUT_KEEP_ALIVE, 5 s). httpx's default expiry is also 5 s, so a request
             # sent after a pause of about 5 s could go out on a connection the engine was closing, and
             # fail with ReadError: CI's DPO recipe lost a step's reference log-probs that way
-            # (tests/unit/test_keepalive_order.py holds the order).
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=64,
+            # (tests/unit/test_keepalive_order.py holds the order). Idle ones are not capped below the
+            # busy cap: httpcore counts busy connections against the idle cap, so with more requests in
+            # flight than it every answered one closed its connection (api/front/read_front.py `_client`).
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
                                 keepalive_expiry=KEEPALIVE_EXPIRY_S),
         )
 
