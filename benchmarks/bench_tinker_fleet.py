@@ -24,6 +24,9 @@ new tenant finished a first step), for --window-s seconds:
   cores by process          every process of the machine over the window, by role (benchmarks/proc_stats.py):
                             the coordinator (service.main), its API front, the trainer, the engines, the client
 
+With --client-nice 10 the tenants' process yields the cores to the service's (on a real fleet the tenants
+run on machines of their own); both ways are reported in docs/BENCHMARKS.md.
+
   PYTHONPATH=$PWD .venv/bin/python -m benchmarks.bench_tinker_fleet --phases 1,16,64 --window-s 60      # a quick look
   PYTHONPATH=$PWD .venv/bin/python -m benchmarks.bench_tinker_fleet --phases 1,16,64,256,1024,4096 --out fleet2.json
   PYTHONPATH=$PWD .venv/bin/python -m benchmarks.bench_tinker_fleet --engines 1 --out fleet1.json
@@ -35,6 +38,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import re
 import tempfile
 import time
@@ -157,6 +161,9 @@ def main() -> None:
     ap.add_argument("--prompts-per-step", type=int, default=2)
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=12)
+    ap.add_argument("--client-nice", type=int, default=0,
+                    help="run the tenants (this process, once the service is up) at this niceness: 10 lets the "
+                         "service's processes go first on the shared cores, as if the clients had machines of their own")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     logging.getLogger("tinker").setLevel(logging.ERROR)  # the SDK warns at every try_again of a long poll
@@ -173,8 +180,10 @@ def main() -> None:
             t0 = time.monotonic()
             svc.start()
             print(f"service up in {time.monotonic() - t0:.0f} s", flush=True)
+            if args.client_nice:
+                os.nice(args.client_nice)  # after the service's processes started: they keep niceness 0
             phases = [int(x) for x in args.phases.split(",") if x]
-            head = {"slots": args.slots, "engines": args.engines, "loaded_per_engine": args.loaded_per_engine,
+            head = {"slots": args.slots, "engines": args.engines, "loaded_per_engine": args.loaded_per_engine, "client_nice": args.client_nice,
                     "workload": {"prompts_per_step": work.prompts_per_step, "group": work.group, "max_tokens": work.max_tokens}}
 
             def dump(rows: list[dict]) -> None:
