@@ -207,6 +207,23 @@ def test_a_port_in_use_is_refused_naming_the_setting():
 HELD = 300  # more calls held open at once than the front's pool took before (256)
 
 
+@contextlib.contextmanager
+def calls_held(app: HoldingApp, url: str, n: int) -> Iterator[tuple[httpx.Client, list]]:
+    """`n` calls to /hold through the front at `url`, all arrived at `app` and still held; at the end
+    released, and each answered."""
+    pool = ThreadPoolExecutor(n)
+    try:
+        with httpx.Client(base_url=url, timeout=120, limits=httpx.Limits(max_connections=n + 10)) as client:
+            held = [pool.submit(client.get, "/hold") for _ in range(n)]
+            wait_until(lambda: app.held == n, f"all {n} held calls reach the app", timeout_s=60, interval_s=0.1)
+            yield client, held
+            app.release.set()
+            assert all(f.result(timeout=60).text == "/hold" for f in held)
+    finally:
+        app.release.set()
+        pool.shutdown(wait=True)
+
+
 def test_hundreds_of_calls_held_open_do_not_stall_the_front():
     """Each call the app holds open keeps one connection from the front to it. With HELD of them at once
     every one reaches the app, and a request beside them is passed and answered while they are held.
@@ -215,19 +232,11 @@ def test_hundreds_of_calls_held_open_do_not_stall_the_front():
     polls) pinned the front's loop and every client's heartbeat timed out. Plant: the cap back."""
     app = HoldingApp()
     upstream = ApiServer(app, "127.0.0.1", 0).start()
-    pool = ThreadPoolExecutor(HELD)
     try:
-        with front_over(upstream.url) as url, httpx.Client(base_url=url, timeout=120,
-                                                           limits=httpx.Limits(max_connections=HELD + 10)) as client:
-            held = [pool.submit(client.get, "/hold") for _ in range(HELD)]
-            wait_until(lambda: app.held == HELD, f"all {HELD} held calls reach the app", timeout_s=60, interval_s=0.1)
+        with front_over(upstream.url) as url, calls_held(app, url, HELD) as (client, held):
             beside = client.get("/ping", timeout=30)
             assert beside.status_code == 200 and beside.text == "/ping" and not any(f.done() for f in held)
-            app.release.set()
-            assert all(f.result(timeout=60).text == "/hold" for f in held)
     finally:
-        app.release.set()
-        pool.shutdown(wait=True)
         upstream.stop()
 
 
@@ -238,22 +247,15 @@ def test_calls_beside_many_held_ones_reuse_their_connection():
     answered call cost a new connection to the app (read_front.py `_client`). Plant: the cap back (64)."""
     from api.front.read_front import FrontApp
 
-    app, n_held = HoldingApp(), 80
+    app = HoldingApp()
     upstream = ApiServer(app, "127.0.0.1", 0).start()
     front = ApiServer(FrontApp(upstream.url, ttl_s=60.0, stale_s=0.0, pool_shards=1), "127.0.0.1", 0).start()
-    pool = ThreadPoolExecutor(n_held)
     try:
-        with httpx.Client(base_url=front.url, timeout=120, limits=httpx.Limits(max_connections=n_held + 10)) as client:
-            held = [pool.submit(client.get, "/hold") for _ in range(n_held)]
-            wait_until(lambda: app.held == n_held, f"all {n_held} held calls reach the app", timeout_s=60, interval_s=0.1)
+        with calls_held(app, front.url, 80) as (client, _):
             for i in range(20):
                 assert client.get(f"/ping/{i}", timeout=30).text == f"/ping/{i}"
             assert len(app.ping_connections) <= 2, app.ping_connections  # one, or two if one aged out (2 s)
-            app.release.set()
-            assert all(f.result(timeout=60).text == "/hold" for f in held)
     finally:
-        app.release.set()
-        pool.shutdown(wait=True)
         front.stop()
         upstream.stop()
 
