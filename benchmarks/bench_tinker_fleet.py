@@ -22,7 +22,7 @@ new tenant finished a first step), for --window-s seconds:
   client CPU                the client process's CPU time over the window (cores): what the client took
                             from the 2 cores the service also runs on
   cores by process          every process of the machine over the window, by role (benchmarks/proc_stats.py):
-                            the coordinator (service.main), its API front, the trainer, the engines, the client
+                            the coordinator (api.cli.main), its API front, the trainer, the engines, the client
 
 With --client-nice 10 the tenants' process yields the cores to the service's (on a real fleet the tenants
 run on machines of their own); both ways are reported in docs/BENCHMARKS.md.
@@ -48,7 +48,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from benchmarks.proc_stats import cores_by_role, cpu_by_pid, rss_mib
+from benchmarks.proc_stats import cores_by_role, cpu_by_pid, cpu_s, rss_mib
 from benchmarks.tinker_rl_tenants import Fleet, RlWorkload
 from tests.integration.service_world import TOKEN, Service, serve_job
 
@@ -86,15 +86,9 @@ def tinker_job(tmp: Path, tiny: Path, slots: int, engines: int, keys: dict[str, 
 
 async def measure(fleet: Fleet, svc: Service, http: httpx.AsyncClient, seconds: float, phase_start: float) -> dict:
     """One window: the fleet's steps and tokens, the sampler's counts, the calls' latencies."""
-    import resource
-
-    def cpu() -> float:
-        r = resource.getrusage(resource.RUSAGE_SELF)
-        return r.ru_utime + r.ru_stime
-
-    c0, cpu0, procs0, t0 = sampler_counts((await http.get("/metrics")).text), cpu(), cpu_by_pid(), time.monotonic()
+    c0, cpu0, procs0, t0 = sampler_counts((await http.get("/metrics")).text), cpu_s(os.getpid()), cpu_by_pid(), time.monotonic()
     await asyncio.sleep(seconds)
-    c1, cpu1, procs1, t1 = sampler_counts((await http.get("/metrics")).text), cpu(), cpu_by_pid(), time.monotonic()
+    c1, cpu1, procs1, t1 = sampler_counts((await http.get("/metrics")).text), cpu_s(os.getpid()), cpu_by_pid(), time.monotonic()
     calls = fleet.log.window(t0, t1, creates_since=phase_start)
     minutes = (t1 - t0) / 60
     per_engine = _delta(c1["requests"], c0["requests"])
