@@ -110,6 +110,39 @@ def test_two_adapters_concurrently_each_served_by_its_own_weights(sglang_server,
     assert max(abs(a - b) for a, b in zip(out[0].results[0].logprobs, ref)) < 1e-4
 
 
+def test_generate_many_runs_a_group_in_one_request_each_sample_by_the_adapter(sglang_server, adapters, prompts, tiny_world):
+    """EngineClient.generate_many (the Tinker sampler's one request per group): one answer per rid, in
+    order, each the served adapter's HF+PEFT greedy tokens with its log-probabilities; the base model
+    (lora_name None) likewise."""
+    model_dir = tiny_world / "model"
+    want = hf_greedy(model_dir, adapters["one"], prompts[:1])[0]
+    base = hf_greedy(model_dir, None, prompts[:1])[0]
+    assert want != base
+
+    async def run():
+        pool = EnginePool([sglang_server.client()], weight_transfer="disk")
+        client = sglang_server.client()
+        try:
+            await pool.publish("many-a", 0, AdapterWeights.from_folder(adapters["one"]))
+            rids = [f"many::{i}" for i in range(3)]
+            got = await client.generate_many(rids=rids, input_ids=prompts[0], sampling_params=[GREEDY] * 3,
+                                              lora_name="many-a@v0")
+            on_base = await client.generate_many(rids=["many::b0", "many::b1"], input_ids=prompts[0],
+                                                 sampling_params=[GREEDY] * 2, lora_name=None)
+            await pool.remove_adapter("many-a")
+            await wait_unloaded(pool)
+            return got, on_base
+        finally:
+            await pool.aclose()
+            await client.aclose()
+
+    got, on_base = asyncio.run(run())
+    assert [r.rid for r in got] == [f"many::{i}" for i in range(3)]
+    assert all(r.token_ids == want for r in got) and all(r.token_ids == base for r in on_base)
+    ref = hf_logprobs(model_dir, adapters["one"], prompts[0], want)
+    assert max(abs(a - b) for r in got for a, b in zip(r.logprobs, ref)) < 1e-4
+
+
 def test_stock_server_advertises_no_upsert_or_prefix_abort(sglang_server):
     async def run():
         async with sglang_server.client() as c:

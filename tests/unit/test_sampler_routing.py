@@ -48,18 +48,20 @@ class FakeEngine:
         self.loaded.discard(name)
         self.log.append(("unload", name))
 
-    async def generate(self, rid, input_ids, sampling_params, lora_name, logprob_start_len, top_logprobs_num):
+    async def generate_many(self, rids, input_ids, sampling_params, lora_name, logprob_start_len, top_logprobs_num):
+        """One request for the group, as the real client sends it: it holds the engine until the gate
+        opens, and logs one ("generate", lora) per sample, the generations the engine runs."""
         self._alive()
         assert lora_name is None or lora_name in self.loaded, f"{lora_name} sampled on {self.url} while not loaded"
-        self.log.append(("generate", lora_name))
-        self.sampling[lora_name] = self.sampling.get(lora_name, 0) + 1
+        self.log += [("generate", lora_name)] * len(rids)
+        self.sampling[lora_name] = self.sampling.get(lora_name, 0) + len(rids)  # generations in flight
         try:
             await self.gate.wait()
         finally:
-            self.sampling[lora_name] -= 1
+            self.sampling[lora_name] -= len(rids)
         self._alive()  # killed while the request ran: the connection drops
-        return type("R", (), {"finish_reason": "length", "token_ids": [7, 8], "logprobs": [-0.5, -0.25], "top_logprobs": None,
-                              "prompt_logprobs": None, "prompt_top_logprobs": None})()
+        return [type("R", (), {"finish_reason": "length", "token_ids": [7, 8], "logprobs": [-0.5, -0.25], "top_logprobs": None,
+                               "prompt_logprobs": None, "prompt_top_logprobs": None})() for _ in rids]
 
     async def server_info(self):
         self._alive()

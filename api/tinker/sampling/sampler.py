@@ -6,7 +6,7 @@ when a request needs it there, under a name of its own (a session's weights neve
 weights are a new checkpoint and a new session, as in Tinker). Which engine serves a request, and
 which adapters each engine keeps, is api/tinker/sampling/engines.py (one routing rule; one LRU per
 engine; an engine lost mid-request gives a retry on another). ``num_samples`` generations run
-concurrently on one engine (they share the prompt's cache); the result is the SDK's SampleResponse
+concurrently on one engine, sent as one batched request (they share the prompt's cache); the result is the SDK's SampleResponse
 protobuf (tokens, per-token logprobs, stop reason).
 
 Sessions are recorded in the service's registry (service/registry/sampling_records.py) when it has
@@ -31,7 +31,6 @@ Not served (refused with a message): ``target_prompt_logprobs``, ``prompt_alt_to
 
 from __future__ import annotations
 
-import asyncio
 import math
 import secrets
 import uuid
@@ -210,23 +209,21 @@ class SglangSampler:
             session.engine = engine.key  # the session's engine from now on (its next requests, concurrent ones too)
             try:
                 seeds = await self.seeds(engine, params.get("seed"), num_samples)
-                results = await asyncio.gather(*(
-                    engine.client.generate(rid=f"tinker::{uuid.uuid4().hex}", input_ids=prompt,
-                                           sampling_params=sp if s is None else {**sp, "sampling_seed": s},
-                                           lora_name=session.lora_name, logprob_start_len=options.start(len(prompt)),
-                                           top_logprobs_num=max(options.topk_prompt, options.topk_sample))
-                    for s in seeds), return_exceptions=True)
+                # the group in one request (EngineClient.generate_many: one HTTP request, not one per sample)
+                results = await engine.client.generate_many(
+                    rids=[f"tinker::{uuid.uuid4().hex}" for _ in seeds], input_ids=prompt,
+                    sampling_params=[sp if s is None else {**sp, "sampling_seed": s} for s in seeds],
+                    lora_name=session.lora_name, logprob_start_len=options.start(len(prompt)),
+                    top_logprobs_num=max(options.topk_prompt, options.topk_sample))
+                error = None
             except ValueError as err:
                 return user_error(str(err))
             except EngineError as err:
-                results = [err]
+                error = err
             finally:
                 await self.engines.release(engine, session.lora_name)
-            error = next((r for r in results if isinstance(r, BaseException)), None)
             if error is None:
                 break
-            if not isinstance(error, EngineError):
-                raise error
             if not _engine_lost(error):
                 return user_error(f"sampling failed: {error}") if error.status == 400 else server_error(str(error))
             self.engines.lost(engine, error)
