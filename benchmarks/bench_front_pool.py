@@ -1,14 +1,13 @@
-"""The API front's cost per passed request while many calls are held open (api/front/read_front.py
-FrontApp.http: its clients to the app), with the front's pool sharded or not.
+"""The API front's cost per passed request while many calls are held open (api/front/read_front.py and
+its connections to the app, api/front/upstream.py).
 
 A Tinker fleet holds one long poll per waiting tenant open through the front, so the front holds about
-as many connections to the app as there are tenants. httpcore scans every connection of a pool at each
-request's start and end. This benchmark runs the real front process (`python -m api.front.read_front`)
-over an app (uvicorn on loopback) that holds `--held` calls open, then passes `--requests` short calls
-(20 at a time) beside them, and reports the front's CPU time per short call (from /proc) and the calls'
-p50 / p99, for each `--shards` value.
+as many connections to the app as there are tenants; what a request costs must not grow with them.
+This benchmark runs the real front process (`python -m api.front.read_front`) over an app (uvicorn on
+loopback) that holds H calls open, then passes `--requests` short calls (20 at a time) beside them, and
+reports the front's CPU time per short call (from /proc) and the calls' p50 / p99, for each H of `--held`.
 
-  PYTHONPATH=$PWD .venv/bin/python -m benchmarks.bench_front_pool --held 1000 --requests 3000 --shards 1,16
+  PYTHONPATH=$PWD .venv/bin/python -m benchmarks.bench_front_pool --held 0,1000 --requests 3000
 """
 
 from __future__ import annotations
@@ -52,13 +51,13 @@ async def short_calls(url: str, n: int, concurrency: int = 20) -> list[float]:
     return latencies
 
 
-def run(shards: int, held: int, requests: int) -> dict:
+def run(held: int, requests: int) -> dict:
     app = HoldingApp()
     upstream = ApiServer(app, "127.0.0.1", 0).start()
     sock = bind_public("127.0.0.1", 0)
     port = sock.getsockname()[1]
     front = subprocess.Popen([sys.executable, "-m", "api.front.read_front", "--fd", str(sock.fileno()), "--upstream", upstream.url,
-                              "--ttl-s", "1", "--stale-s", "0", "--parent", str(os.getpid()), "--pool-shards", str(shards)],
+                              "--ttl-s", "1", "--stale-s", "0", "--parent", str(os.getpid())],
                              pass_fds=[sock.fileno()], stdin=subprocess.DEVNULL)
     sock.close()
     url = f"http://127.0.0.1:{port}"
@@ -83,7 +82,7 @@ def run(shards: int, held: int, requests: int) -> dict:
             c1, t1 = cpu_s(front.pid), time.monotonic()
             for w in writers:
                 w.close()
-            return {"shards": shards, "held": app.held, "requests": len(lat), "front_cpu_ms_per_call": 1e3 * (c1 - c0) / len(lat),
+            return {"held": app.held, "requests": len(lat), "front_cpu_ms_per_call": 1e3 * (c1 - c0) / len(lat),
                     "calls_per_s": len(lat) / (t1 - t0), "p50_ms": 1e3 * lat[len(lat) // 2], "p99_ms": 1e3 * lat[int(len(lat) * 0.99)]}
 
         return asyncio.run(scenario())
@@ -96,12 +95,11 @@ def run(shards: int, held: int, requests: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--held", type=int, default=1000)
+    ap.add_argument("--held", default="0,1000", help="calls held open while the short ones pass, one run each")
     ap.add_argument("--requests", type=int, default=3000)
-    ap.add_argument("--shards", default="1,16")
     args = ap.parse_args()
-    for shards in [int(s) for s in args.shards.split(",")]:
-        print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in run(shards, args.held, args.requests).items()}), flush=True)
+    for held in [int(h) for h in args.held.split(",")]:
+        print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in run(held, args.requests).items()}), flush=True)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,9 @@ Invariants:
      reads miss (measured with 128 Tinker tenants among 1,024 runs: p99 2.97 s for the list, 4.45 s
      for /metrics, against 0.30 s without them);
   F3 everything else passes unchanged, streamed both ways: method, path, query, headers (less the
-     hop-by-hop ones), body, status; the coordinator does every check (auth, limits, validation);
+     hop-by-hop ones), body, status; the coordinator does every check (auth, limits, validation).
+     The connections to the coordinator are api/front/upstream.py's (O(1) a request however many
+     long polls are held);
   F4 the front dies with the coordinator: it exits when its parent process is gone (checked every
      `PARENT_CHECK_S`, and Linux's parent-death signal), so a killed service leaves no listener.
 """
@@ -39,7 +41,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
-import itertools
 import json
 import os
 import signal
@@ -50,20 +51,18 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
-
 from api.front.read_cache import ReadCache
+from api.front.upstream import Upstream, UpstreamError
 
 # The reads a dashboard or a scraper polls: the routes the coordinator caches too (api/app.py, api/ui.py).
 CACHED_GETS = frozenset({"/v1/adapters", "/metrics", "/v1/fleet/stats"})
 CREDENTIAL_HEADERS = (b"authorization", b"x-api-key")  # F1: the headers that say who the caller is
-# Headers of one connection, not of the request (RFC 9110 7.6.1), and the ones httpx sets itself.
+# Headers of one connection, not of the request (RFC 9110 7.6.1), and the ones upstream.py sets itself (host, framing).
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"proxy-authenticate", b"proxy-authorization",
                         b"te", b"trailer", b"transfer-encoding", b"upgrade", b"host"})
 READ_ONLY_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 TINKER_WIRE = "/api/v1/"  # F2: writes under it do not clear the cache
 PARENT_CHECK_S = 0.5
-POOL_SHARDS = 16  # clients to the app, used in turn (FrontApp.http)
 
 
 @dataclass(frozen=True)
@@ -83,42 +82,12 @@ class _NotStored(Exception):
 class FrontApp:
     """The front's ASGI app over the coordinator's API at `upstream` (http://127.0.0.1:PORT)."""
 
-    def __init__(self, upstream: str, ttl_s: float, stale_s: float, pool_shards: int = POOL_SHARDS) -> None:
+    def __init__(self, upstream: str, ttl_s: float, stale_s: float) -> None:
         self.upstream = upstream
-        self.pool_shards = pool_shards
         self.cache = ReadCache(ttl_s, stale_s=stale_s)
-        self._pools: list[httpx.AsyncClient] = []
-        self._turn = itertools.count()
-
-    @property
-    def http(self) -> httpx.AsyncClient:
-        """One of `pool_shards` clients to the app, in turn (one request's client for all its parts).
-
-        httpcore's pool scans every connection it holds at each request's start and end, so a pool of
-        n connections costs O(n) per request. A thousand Tinker tenants each hold a long poll open: with
-        one pool of about a thousand connections the front's loop spent 0.7 of a core in those scans
-        (py-spy, K = 1,024 Tinker tenants). Shards of a sixteenth keep each scan short; `_client` says
-        why no shard caps its idle connections."""
-        if not self._pools:  # made on the serving loop, where they are used
-            self._pools = [self._client() for _ in range(self.pool_shards)]
-        return self._pools[next(self._turn) % self.pool_shards]
-
-    def _client(self) -> httpx.AsyncClient:
-        return httpx.AsyncClient(base_url=self.upstream, timeout=httpx.Timeout(None, connect=10.0),
-                                 # idle connections dropped here before the app's server drops them
-                                 # (uvicorn: 5 s), or a request could go out on one being closed.
-                                 # No cap on connections: a capped pool queues the requests past it,
-                                 # and httpcore rescans that queue against every connection at each
-                                 # change (quadratic): the cookbook's rl_basic (128 sample calls
-                                 # held open, the SDK's retries and polls) pinned the front's loop
-                                 # at 80% of a core, and every client's heartbeat timed out.
-                                 # No cap on idle ones either: httpcore closes a connection going idle
-                                 # when the pool holds more than the cap counting busy ones too, so
-                                 # with a thousand polls held (64 a shard) nearly every answered call
-                                 # closed its connection and the next opened one. Idle connections
-                                 # still go after 2 s, so they number at most the recent peak.
-                                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=None,
-                                                     keepalive_expiry=2.0))
+        # Connections to the app (api/front/upstream.py: O(1) per request however many long polls are
+        # held; idle ones dropped after 2 s, before the app's server drops them at 5 s).
+        self.app = Upstream(upstream, idle_expiry_s=2.0, connect_timeout_s=10.0)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":  # no websockets here; lifespan is off
@@ -139,12 +108,15 @@ class FrontApp:
             return await self.cache.get(key, lambda: self._read(scope))
         except _NotStored as refused:
             return refused.answer
-        except httpx.HTTPError as err:
+        except UpstreamError as err:
             return _unavailable(err)
 
     async def _read(self, scope: dict) -> Answer:
-        r = await self.http.get(_target(scope), headers=_forwarded(scope["headers"]))
-        answer = Answer(r.status_code, _answer_headers(r), r.content)
+        r = await self.app.request("GET", _target(scope), _forwarded(scope["headers"]))
+        try:
+            answer = Answer(r.status_code, _forwarded(r.headers), await r.read())
+        finally:
+            await r.aclose()
         if r.status_code != 200:
             raise _NotStored(answer)
         return answer
@@ -152,18 +124,15 @@ class FrontApp:
     async def _pass(self, scope: dict, receive: Any, send: Any) -> None:
         headers = _forwarded(scope["headers"])
         has_body = any(k in (b"content-length", b"transfer-encoding") for k, _ in scope["headers"])
-        http = self.http
-        request = http.build_request(scope["method"], _target(scope), headers=headers,
-                                     content=_body(receive) if has_body else None)
         try:
-            response = await http.send(request, stream=True)
-        except httpx.HTTPError as err:
+            response = await self.app.request(scope["method"], _target(scope), headers, _body(receive) if has_body else None)
+        except UpstreamError as err:
             await _send_answer(send, _unavailable(err))
             return
         except ConnectionAbortedError:  # the client left while sending its body: nobody to answer
             return
         try:
-            await send({"type": "http.response.start", "status": response.status_code, "headers": _answer_headers(response)})
+            await send({"type": "http.response.start", "status": response.status_code, "headers": _forwarded(response.headers)})
             async for chunk in response.aiter_raw():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -171,8 +140,7 @@ class FrontApp:
             await response.aclose()
 
     async def close(self) -> None:
-        for pool in self._pools:
-            await pool.aclose()
+        await self.app.aclose()
 
 
 def _target(scope: dict) -> str:
@@ -187,10 +155,6 @@ def _credentials(scope: dict) -> tuple[bytes, ...]:
 
 def _forwarded(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     return [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP]
-
-
-def _answer_headers(response: httpx.Response) -> list[tuple[bytes, bytes]]:
-    return [(k, v) for k, v in response.headers.raw if k.lower() not in HOP_BY_HOP]
 
 
 async def _body(receive: Any) -> AsyncIterator[bytes]:
@@ -254,10 +218,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ttl-s", type=float, default=1.0)
     ap.add_argument("--stale-s", type=float, default=2.0)
     ap.add_argument("--parent", type=int, required=True, help="exit when this process is gone")
-    ap.add_argument("--pool-shards", type=int, default=POOL_SHARDS, help="clients to the app, used in turn (FrontApp.http)")
     args = ap.parse_args(argv)
     sock = socket.socket(fileno=args.fd)
-    app = FrontApp(args.upstream, args.ttl_s, args.stale_s, args.pool_shards)
+    app = FrontApp(args.upstream, args.ttl_s, args.stale_s)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
                                            timeout_graceful_shutdown=5))
 

@@ -10,8 +10,8 @@ real app (uvicorn on loopback) over a real controller and SQLite registry with t
   * the front exits when its parent is killed (F4), and says 503 with a reason when the app does
     not answer; a port in use is refused naming the setting;
   * hundreds of calls held open by the app (Tinker sample calls) all reach it, and a request beside
-    them is answered: no pool cap queues them; calls beside more held ones than httpcore's idle cap
-    reuse their connection to the app.
+    them is answered: no pool cap queues them; calls beside many held ones reuse their connection to
+    the app (api/front/upstream.py; its own framing and reuse rules: tests/integration/test_front_upstream.py).
 """
 
 from __future__ import annotations
@@ -227,9 +227,10 @@ def calls_held(app: HoldingApp, url: str, n: int) -> Iterator[tuple[httpx.Client
 def test_hundreds_of_calls_held_open_do_not_stall_the_front():
     """Each call the app holds open keeps one connection from the front to it. With HELD of them at once
     every one reaches the app, and a request beside them is passed and answered while they are held.
-    A capped pool queued the calls past its cap, and another request behind them; httpcore rescans that
-    queue at every change, so the cookbook's rl_basic (128 sample calls held open, the SDK's retries and
-    polls) pinned the front's loop and every client's heartbeat timed out. Plant: the cap back."""
+    A capped pool (httpx's, before api/front/upstream.py) queued the calls past its cap, and another
+    request behind them, so the cookbook's rl_basic (128 sample calls held open, the SDK's retries and
+    polls) pinned the front's loop and every client's heartbeat timed out. The front's connections to
+    the app have no cap."""
     app = HoldingApp()
     upstream = ApiServer(app, "127.0.0.1", 0).start()
     try:
@@ -241,15 +242,16 @@ def test_hundreds_of_calls_held_open_do_not_stall_the_front():
 
 
 def test_calls_beside_many_held_ones_reuse_their_connection():
-    """One pool (a shard) holding more calls open than httpcore's idle cap: the calls beside them go over
-    one connection to the app, not a new one each. httpcore closes a connection going idle when its pool
-    holds more than the cap, counting the busy ones too, so with a thousand Tinker polls held each
-    answered call cost a new connection to the app (read_front.py `_client`). Plant: the cap back (64)."""
+    """80 calls held open: the 20 calls beside them, one after another, go over one connection to the
+    app, not a new one each (upstream.py U1). httpx's pool, which the front used before, closed a
+    connection going idle when it held more than its idle cap counting the busy ones too, so with a
+    thousand Tinker polls held each answered call cost a new connection. Plant: close the connection
+    after each answer (UpstreamResponse.aclose) -> 20 connections."""
     from api.front.read_front import FrontApp
 
     app = HoldingApp()
     upstream = ApiServer(app, "127.0.0.1", 0).start()
-    front = ApiServer(FrontApp(upstream.url, ttl_s=60.0, stale_s=0.0, pool_shards=1), "127.0.0.1", 0).start()
+    front = ApiServer(FrontApp(upstream.url, ttl_s=60.0, stale_s=0.0), "127.0.0.1", 0).start()
     try:
         with calls_held(app, front.url, 80) as (client, _):
             for i in range(20):
