@@ -54,8 +54,9 @@ def tinker_router(service: TinkerService) -> APIRouter:
     @r.post("/client/config")
     async def client_config(request: Request) -> dict:
         tenant(request)
-        # httpx transport (no pyqwest), plain protobuf bodies, no JWT exchange.
-        return {"pjwt_auth_enabled": False, "use_pyqwest_transport": False, "proto_compress_fwdbwd": False,
+        # The SDK's own default transport (pyqwest: reqwest under httpx's API, lighter on the client's
+        # CPU than httpx's pool), plain protobuf bodies, no JWT exchange.
+        return {"pjwt_auth_enabled": False, "use_pyqwest_transport": True, "proto_compress_fwdbwd": False,
                 "sample_use_retrieve_futures": True,  # batched polling: retrieve_futures (api/tinker/completions.py)
                 "custom_loss_server_side": True,  # create_custom_loss, run in the trainer's round (custom_losses.py)
                 "sample_join_sampling_session": True}  # a cloned sampling client asks for its id (sessions.py)

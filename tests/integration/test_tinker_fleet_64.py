@@ -83,7 +83,8 @@ def service(tiny_world, tmp_path_factory):
 
 class Responses:
     """Every HTTP answer the SDK's clients get in this process (an observer of httpx.AsyncClient.send,
-    the SDK's transport here: /client/config turns pyqwest off): status classes and paths."""
+    whose send every SDK request goes through, over the pyqwest transport /client/config asks for): status
+    classes and paths."""
 
     def __init__(self) -> None:
         self.by_status: Counter = Counter()
