@@ -16,12 +16,15 @@ stock-SGLang path (exact rids; versioned names + unload).
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import httpx
 from pydantic import BaseModel, ConfigDict
 
 from rollout.engines.weights import AdapterWeights
+
+_T = TypeVar("_T")
 
 
 class EngineError(RuntimeError):
@@ -173,21 +176,8 @@ class EngineClient:
         """Generate one response for `input_ids` with adapter `lora_name` (None = base model).
         `logprob_start_len` >= 0: also the prompt's logprobs from that position on;
         `top_logprobs_num` > 0: also that many top tokens at each scored position."""
-        payload = {
-            "rid": rid,
-            "input_ids": list(input_ids),
-            "sampling_params": sampling_params,
-            "lora_path": lora_name,
-            "return_logprob": True,
-            "logprob_start_len": logprob_start_len,
-        }
-        if top_logprobs_num > 0:
-            payload["top_logprobs_num"] = top_logprobs_num
-        resp = await self._call("POST", "/generate", json=payload, timeout=self.request_timeout_s)
-        try:
-            return parse_generate_response(rid, resp.json())
-        except (ValueError, KeyError, TypeError, IndexError) as e:
-            raise EngineError(f"unreadable /generate answer: {e}", url=self.base_url + "/generate", status=resp.status_code, body=resp.text) from e
+        return await self._generate(rid, list(input_ids), sampling_params, lora_name, logprob_start_len, top_logprobs_num,
+                                    lambda body: parse_generate_response(rid, body))
 
     async def generate_many(
         self,
@@ -206,10 +196,22 @@ class EngineClient:
         The engine runs them as n requests, each with its own rid (abort by rid or prefix as before)."""
         if len(rids) != len(sampling_params) or not rids:
             raise ValueError(f"generate_many: {len(rids)} rids and {len(sampling_params)} sampling_params (one each, at least one)")
-        payload: dict[str, Any] = {
-            "rid": list(rids),
-            "input_ids": [list(input_ids)] * len(rids),
-            "sampling_params": list(sampling_params),
+
+        def read(bodies: Any) -> list[GenerateResult]:
+            if not isinstance(bodies, list) or len(bodies) != len(rids):
+                raise ValueError(f"expected a list of {len(rids)} answers")
+            return [parse_generate_response(rid, body) for rid, body in zip(rids, bodies)]
+
+        return await self._generate(list(rids), [list(input_ids)] * len(rids), list(sampling_params), lora_name,
+                                    logprob_start_len, top_logprobs_num, read)
+
+    async def _generate(self, rid: Any, input_ids: Any, sampling_params: Any, lora_name: str | None, logprob_start_len: int,
+                        top_logprobs_num: int, read: Callable[[Any], _T]) -> _T:
+        """One POST /generate (one request, or SGLang's batch form when the fields are lists), its answer by `read`."""
+        payload = {
+            "rid": rid,
+            "input_ids": input_ids,
+            "sampling_params": sampling_params,
             "lora_path": lora_name,
             "return_logprob": True,
             "logprob_start_len": logprob_start_len,
@@ -218,12 +220,9 @@ class EngineClient:
             payload["top_logprobs_num"] = top_logprobs_num
         resp = await self._call("POST", "/generate", json=payload, timeout=self.request_timeout_s)
         try:
-            bodies = resp.json()
-            if not isinstance(bodies, list) or len(bodies) != len(rids):
-                raise ValueError(f"expected a list of {len(rids)} answers")
-            return [parse_generate_response(rid, body) for rid, body in zip(rids, bodies)]
+            return read(resp.json())
         except (ValueError, KeyError, TypeError, IndexError) as e:
-            raise EngineError(f"unreadable batched /generate answer: {e}", url=self.base_url + "/generate", status=resp.status_code, body=resp.text) from e
+            raise EngineError(f"unreadable /generate answer: {e}", url=self.base_url + "/generate", status=resp.status_code, body=resp.text) from e
 
     async def abort(self, rid: str) -> None:
         """Abort the request with exactly this rid (the scheduler matches by prefix: keep rids prefix-free)."""

@@ -65,6 +65,18 @@ def server():
         s.stop()
 
 
+def _run(url: str, scenario, idle_expiry_s: float) -> None:  # noqa: ANN001
+    """`scenario(pool)` on a fresh loop with an Upstream to `url`, closed afterwards."""
+    async def main() -> None:
+        pool = Upstream(url, idle_expiry_s=idle_expiry_s)
+        try:
+            await scenario(pool)
+        finally:
+            await pool.aclose()
+
+    asyncio.run(main())
+
+
 async def _call(pool: Upstream, method: str, target: str, headers=(), body=None) -> tuple[int, dict, bytes]:
     r = await pool.request(method, target, list(headers), body)
     try:
@@ -80,50 +92,38 @@ async def _parts(*parts: bytes):
 
 
 def test_every_framing_is_read_to_its_end_and_the_connection_reused(server):
-    async def scenario():
-        pool = Upstream(server.url, idle_expiry_s=60.0)
-        try:
-            status, headers, body = await _call(pool, "GET", "/a?x=1")
-            assert (status, body, headers[b"content-length"], headers[b"content-type"]) == (200, b"/a", b"2", b"text/plain")
-            status, headers, body = await _call(pool, "GET", "/stream")
-            assert (status, body, headers.get(b"transfer-encoding")) == (200, b"one,two,three", b"chunked")
-            assert (await _call(pool, "GET", "/empty"))[::2] == (204, b"")
-            assert (await _call(pool, "HEAD", "/head"))[::2] == (200, b"")  # no body, whatever the headers say
-            assert (await _call(pool, "GET", "/last"))[::2] == (200, b"/last")
-            assert pool.opened == 1  # U1: one connection for all of them
-        finally:
-            await pool.aclose()
+    async def scenario(pool: Upstream) -> None:
+        status, headers, body = await _call(pool, "GET", "/a?x=1")
+        assert (status, body, headers[b"content-length"], headers[b"content-type"]) == (200, b"/a", b"2", b"text/plain")
+        status, headers, body = await _call(pool, "GET", "/stream")
+        assert (status, body, headers.get(b"transfer-encoding")) == (200, b"one,two,three", b"chunked")
+        assert (await _call(pool, "GET", "/empty"))[::2] == (204, b"")
+        assert (await _call(pool, "HEAD", "/head"))[::2] == (200, b"")  # no body, whatever the headers say
+        assert (await _call(pool, "GET", "/last"))[::2] == (200, b"/last")
+        assert pool.opened == 1  # U1: one connection for all of them
 
-    asyncio.run(scenario())
+    _run(server.url, scenario, idle_expiry_s=60.0)
 
 
 def test_a_body_goes_with_its_length_or_chunked(server):
-    async def scenario():
-        pool = Upstream(server.url, idle_expiry_s=60.0)
-        try:
-            sized = await _call(pool, "POST", "/echo", [(b"content-length", b"11")], _parts(b"hello ", b"world"))
-            assert (sized[0], sized[2], sized[1][b"x-chunked"]) == (200, b"hello world", b"no")
-            chunked = await _call(pool, "POST", "/echo", [], _parts(b"a" * 70000, b"", b"b" * 3))
-            assert (chunked[0], chunked[2], chunked[1][b"x-chunked"]) == (200, b"a" * 70000 + b"b" * 3, b"yes")
-            assert pool.opened == 1
-        finally:
-            await pool.aclose()
+    async def scenario(pool: Upstream) -> None:
+        sized = await _call(pool, "POST", "/echo", [(b"content-length", b"11")], _parts(b"hello ", b"world"))
+        assert (sized[0], sized[2], sized[1][b"x-chunked"]) == (200, b"hello world", b"no")
+        chunked = await _call(pool, "POST", "/echo", [], _parts(b"a" * 70000, b"", b"b" * 3))
+        assert (chunked[0], chunked[2], chunked[1][b"x-chunked"]) == (200, b"a" * 70000 + b"b" * 3, b"yes")
+        assert pool.opened == 1
 
-    asyncio.run(scenario())
+    _run(server.url, scenario, idle_expiry_s=60.0)
 
 
 def test_an_expired_idle_connection_is_not_reused(server):
     """U2 with expiry 0: every idle connection has expired by the next request, so each opens its own."""
-    async def scenario():
-        pool = Upstream(server.url, idle_expiry_s=0.0)
-        try:
-            for i in range(3):
-                assert (await _call(pool, "GET", f"/{i}"))[2] == f"/{i}".encode()
-            assert pool.opened == 3
-        finally:
-            await pool.aclose()
+    async def scenario(pool: Upstream) -> None:
+        for i in range(3):
+            assert (await _call(pool, "GET", f"/{i}"))[2] == f"/{i}".encode()
+        assert pool.opened == 3
 
-    asyncio.run(scenario())
+    _run(server.url, scenario, idle_expiry_s=0.0)
 
 
 @contextlib.asynccontextmanager
@@ -193,15 +193,11 @@ def test_a_body_refused_early_gets_the_apps_answer(server):
     U4's own path (the write fails because the app closed first) is not reproduced here: on loopback the
     kernel may drop the answer with the reset, so no test of it could pass every time; the code mirrors
     httpcore's rule there."""
-    async def scenario():
-        pool = Upstream(server.url, idle_expiry_s=60.0)
-        try:
-            status, _, body = await _call(pool, "POST", "/refuse", [(b"content-length", b"4000000")], _parts(b"x" * 4_000_000))
-            assert (status, body) == (413, b"body too large")
-        finally:
-            await pool.aclose()
+    async def scenario(pool: Upstream) -> None:
+        status, _, body = await _call(pool, "POST", "/refuse", [(b"content-length", b"4000000")], _parts(b"x" * 4_000_000))
+        assert (status, body) == (413, b"body too large")
 
-    asyncio.run(scenario())
+    _run(server.url, scenario, idle_expiry_s=60.0)
 
 
 def test_an_app_that_is_not_there_or_not_http_is_an_upstream_error():
