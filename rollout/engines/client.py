@@ -135,7 +135,7 @@ class EngineClient:
             # fail with ReadError: CI's DPO recipe lost a step's reference log-probs that way
             # (tests/unit/test_keepalive_order.py holds the order). Idle ones are not capped below the
             # busy cap: httpcore counts busy connections against the idle cap, so with more requests in
-            # flight than it every answered one closed its connection (api/front/read_front.py `_client`).
+            # flight than it every answered one closed its connection (seen in the API front, issue 41).
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
                                 keepalive_expiry=KEEPALIVE_EXPIRY_S),
         )

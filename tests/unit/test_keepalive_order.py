@@ -44,3 +44,11 @@ def test_the_cli_client_drops_idle_connections_before_the_api_server():
     finally:
         client.close()
     assert expiry <= server_keep_alive_s / 2, (expiry, server_keep_alive_s)
+
+
+def test_the_front_drops_idle_connections_before_the_coordinators_api():
+    from api.front.read_front import FrontApp
+
+    server_keep_alive_s = uvicorn.Config(app=None).timeout_keep_alive  # api/server.py keeps uvicorn's
+    expiry = FrontApp("http://127.0.0.1:9", ttl_s=1.0, stale_s=0.0).app.idle_expiry_s
+    assert 0 < expiry <= server_keep_alive_s / 2, (expiry, server_keep_alive_s)
