@@ -77,15 +77,16 @@ class CountingEngine:
         self.loaded.discard(name)
         self.log.append(("unload", name))
 
-    async def generate(self, rid, input_ids, sampling_params, lora_name, logprob_start_len, top_logprobs_num):
+    async def generate_many(self, rids, input_ids, sampling_params, lora_name, logprob_start_len, top_logprobs_num):
+        """A sample's group, one request (as EngineClient sends it); `sampling` counts its generations."""
         assert lora_name in self.loaded, f"{lora_name} sampled while not loaded"
-        self.sampling[lora_name] = self.sampling.get(lora_name, 0) + 1
+        self.sampling[lora_name] = self.sampling.get(lora_name, 0) + len(rids)
         try:
             await self.gate.wait()
         finally:
-            self.sampling[lora_name] -= 1
-        return type("R", (), {"finish_reason": "length", "token_ids": [1, 2], "logprobs": [-0.1, -0.2], "top_logprobs": None,
-                              "prompt_logprobs": None, "prompt_top_logprobs": None})()
+            self.sampling[lora_name] -= len(rids)
+        return [type("R", (), {"finish_reason": "length", "token_ids": [1, 2], "logprobs": [-0.1, -0.2], "top_logprobs": None,
+                               "prompt_logprobs": None, "prompt_top_logprobs": None})() for _ in rids]
 
     async def server_info(self):
         return {}
