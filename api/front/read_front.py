@@ -83,7 +83,6 @@ class FrontApp:
     """The front's ASGI app over the coordinator's API at `upstream` (http://127.0.0.1:PORT)."""
 
     def __init__(self, upstream: str, ttl_s: float, stale_s: float) -> None:
-        self.upstream = upstream
         self.cache = ReadCache(ttl_s, stale_s=stale_s)
         # Connections to the app (api/front/upstream.py: O(1) per request however many long polls are
         # held; idle ones dropped after 2 s, before the app's server drops them at 5 s).

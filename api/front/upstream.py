@@ -31,6 +31,8 @@ from urllib.parse import urlsplit
 READ_CHUNK = 64 * 1024
 HEAD_LIMIT = 1 << 20  # bytes of an answer's status line and headers
 NO_BODY_STATUS = frozenset({204, 304})
+# What a broken or non-HTTP answer raises while it is read (each becomes an UpstreamError)
+_BROKEN_WIRE = (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError)
 
 
 class UpstreamError(Exception):
@@ -92,7 +94,7 @@ class UpstreamResponse:
                 while chunk := await reader.read(READ_CHUNK):
                     yield chunk
             self._done = True
-        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as err:
+        except _BROKEN_WIRE as err:
             raise UpstreamError(f"the app's answer broke off: {type(err).__name__}: {err}") from err
 
     async def read(self) -> bytes:
@@ -187,7 +189,7 @@ class Upstream:
             conn.close()
             if isinstance(err, ConnectionAbortedError):
                 raise
-            if isinstance(err, (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError)):
+            if isinstance(err, _BROKEN_WIRE):
                 raise UpstreamError(f"the app did not answer: {type(err).__name__}: {err}") from err
             raise
 
