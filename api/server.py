@@ -22,6 +22,11 @@ from service.config.settings import ServiceSettings, is_loopback_host
 
 log = logging.getLogger(__name__)
 
+# How long the API keeps an idle connection (uvicorn's own default is 5 s). Its clients that lorafleet
+# runs (the API front's upstream, the CLI) drop theirs after 2 s; the margin covers a busy client that
+# reads an answer late (the same reason and number as the engines': rollout/engines/client.py).
+API_KEEP_ALIVE_S = 60
+
 
 class ApiServer:
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, *, token_configured: bool = False, log_level: str = "warning",
@@ -35,7 +40,8 @@ class ApiServer:
         self.on_start = list(getattr(state, "on_start", None) or [])
         if not is_loopback_host(host) and not token_configured:
             raise ValueError(f"refusing to bind {host!r} without an API token (set LORAFLEET_API_TOKEN)")
-        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off", timeout_graceful_shutdown=5)
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off", timeout_graceful_shutdown=5,
+                                timeout_keep_alive=API_KEEP_ALIVE_S)
         self._server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
         self.host = host

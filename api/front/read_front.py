@@ -85,7 +85,7 @@ class FrontApp:
     def __init__(self, upstream: str, ttl_s: float, stale_s: float) -> None:
         self.cache = ReadCache(ttl_s, stale_s=stale_s)
         # Connections to the app (api/front/upstream.py: O(1) per request however many long polls are
-        # held; idle ones dropped after 2 s, before the app's server drops them at 5 s).
+        # held; idle ones dropped after 2 s, long before the app's server drops them: api.server.API_KEEP_ALIVE_S).
         self.app = Upstream(upstream, idle_expiry_s=2.0, connect_timeout_s=10.0)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:

@@ -12,7 +12,7 @@ Invariants:
   U1 a connection is reused only after its answer was read to the end in the framing it stated
      (Content-Length, chunked, or none for HEAD, 1xx, 204 and 304) and the answer did not say
      `Connection: close`; any other end (an error, a consumer that stops early) closes it;
-  U2 an idle connection is dropped after `idle_expiry_s` (below uvicorn's 5 s keep-alive), and one the
+  U2 an idle connection is dropped after `idle_expiry_s` (far below the app's keep-alive), and one the
      app closed meanwhile is never reused, so a request never goes out on a connection being closed;
   U3 bodies stream both ways: a request's body is written as it arrives (with its Content-Length, else
      chunked), an answer's is yielded as it is read;

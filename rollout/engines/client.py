@@ -114,7 +114,16 @@ def parse_generate_response(rid: str, body: dict[str, Any]) -> GenerateResult:
     )
 
 
-KEEPALIVE_EXPIRY_S = 2.0  # below the engine server's keep-alive timeout (EngineClient)
+KEEPALIVE_EXPIRY_S = 2.0  # how long EngineClient keeps an idle connection to an engine
+# How long the engines lorafleet starts keep an idle connection (SGLANG_TIMEOUT_KEEP_ALIVE, set by
+# rollout/engines/sglang_cpu.py; SGLang's own default is 5 s). Invariant: the client drops an idle
+# connection before the server does, or a request can go out on a connection the server is closing
+# and fail with ReadError. The two clocks start at different moments: the server's when it sent the
+# answer, the client's when its loop read it. Under load the client reads late: in a full test run
+# the coordinator, busy with a burst of 344 answers, read one about 3 s late and reused its connection
+# just as SGLang's 5 s ran out (the cookbook RL recipe lost a sample call, issue 41). So the margin
+# must cover the client's worst lag, not only the two timeouts: 60 s against 2 s.
+ENGINE_KEEP_ALIVE_S = 60
 
 
 class EngineClient:
@@ -129,11 +138,11 @@ class EngineClient:
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
             timeout=httpx.Timeout(admin_timeout_s, connect=10.0),
-            # Idle connections are dropped here before the engine drops them (SGLang's uvicorn closes one
-            # idle for SGLANG_TIMEOUT_KEEP_ALIVE, 5 s). httpx's default expiry is also 5 s, so a request
-            # sent after a pause of about 5 s could go out on a connection the engine was closing, and
-            # fail with ReadError: CI's DPO recipe lost a step's reference log-probs that way
-            # (tests/unit/test_keepalive_order.py holds the order). Idle ones are not capped below the
+            # Idle connections are dropped here long before the engine drops them (ENGINE_KEEP_ALIVE_S).
+            # With httpx's default expiry and SGLang's keep-alive both at 5 s, a request sent after a pause
+            # of about 5 s went out on a connection the engine was closing and failed with ReadError: CI's
+            # DPO recipe lost a step's reference log-probs that way (tests/unit/test_keepalive_order.py
+            # holds the order). Idle ones are not capped below the
             # busy cap: httpcore counts busy connections against the idle cap, so with more requests in
             # flight than it every answered one closed its connection (seen in the API front, issue 41).
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,

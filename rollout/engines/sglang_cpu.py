@@ -56,6 +56,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from rollout.config import EngineConfig
+from rollout.engines.client import ENGINE_KEEP_ALIVE_S
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SGL_KERNEL_SHIM_DIR = Path(__file__).resolve().parent / "_cpu_shims"
@@ -114,6 +115,8 @@ def build_server_launch(
     """The command line and environment of one SGLang server with LoRA enabled."""
     device = device or resolve_device(cfg.device)
     env = dict(os.environ if base_env is None else base_env)
+    # idle connections outlive the engine client's expiry by far (rollout/engines/client.py says why)
+    env.setdefault("SGLANG_TIMEOUT_KEEP_ALIVE", str(ENGINE_KEEP_ALIVE_S))
     args = [
         "--model-path", str(model_path),
         "--host", cfg.host,
