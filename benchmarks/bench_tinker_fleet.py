@@ -23,6 +23,9 @@ new tenant finished a first step), for --window-s seconds:
                             from the 2 cores the service also runs on
   cores by process          every process of the machine over the window, by role (benchmarks/proc_stats.py):
                             the coordinator (api.cli.main), its API front, the trainer, the engines, the client
+  loop                      the training loop's rounds, restores and evictions per tenant-step, its placement's
+                            time per round, and the Tinker records' group commits (per step, statements each,
+                            mean time) (/metrics)
 
 With --client-nice 10 the tenants' process yields the cores to the service's (on a real fleet the tenants
 run on machines of their own); both ways are reported in docs/BENCHMARKS.md.
@@ -68,6 +71,34 @@ def sampler_counts(text: str) -> dict[str, dict[str, float]]:
     return out
 
 
+LOOP_SERIES = {"rounds": "lorafleet_reconciles", "place_s": 'lorafleet_coordinator_seconds{part="place"}',
+               "evictions": 'lorafleet_scheduler_events{event="evictions"}', "restores": 'lorafleet_scheduler_events{event="restores"}',
+               "commits": "lorafleet_tinker_record_commits", "writes": "lorafleet_tinker_record_writes",
+               "commit_s": "lorafleet_tinker_record_commit_seconds"}
+
+
+def loop_counts(text: str) -> dict[str, float]:
+    """The training loop's and the records' counters of a /metrics page (LOOP_SERIES; 0 when absent)."""
+    out = {}
+    for key, series in LOOP_SERIES.items():
+        m = re.search(r"^" + re.escape(series) + r" (\S+)$", text, re.MULTILINE)
+        out[key] = float(m.group(1)) if m else 0.0
+    return out
+
+
+def loop_row(after: dict[str, float], before: dict[str, float], steps: int) -> dict[str, float | None]:
+    """Per window: the loop's rounds and swaps per tenant-step, placement time per round, and the records'
+    group commits (per step, statements each, mean time: the durable write every call's answer waits for)."""
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    per_step = (lambda v: round(v / steps, 2)) if steps else (lambda v: None)
+    return {"rounds_per_step": per_step(d["rounds"]), "restores_per_step": per_step(d["restores"]),
+            "evictions_per_step": per_step(d["evictions"]),
+            "place_ms_per_round": round(1000 * d["place_s"] / d["rounds"], 2) if d["rounds"] else None,
+            "commits_per_step": per_step(d["commits"]),
+            "writes_per_commit": round(d["writes"] / d["commits"], 1) if d["commits"] else None,
+            "commit_ms_mean": round(1000 * d["commit_s"] / d["commits"], 2) if d["commits"] else None}
+
+
 def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     return {k: v - before.get(k, 0.0) for k, v in after.items()}
 
@@ -86,9 +117,10 @@ def tinker_job(tmp: Path, tiny: Path, slots: int, engines: int, keys: dict[str, 
 
 async def measure(fleet: Fleet, svc: Service, http: httpx.AsyncClient, seconds: float, phase_start: float) -> dict:
     """One window: the fleet's steps and tokens, the sampler's counts, the calls' latencies."""
-    c0, cpu0, procs0, t0 = sampler_counts((await http.get("/metrics")).text), cpu_s(os.getpid()), cpu_by_pid(), time.monotonic()
+    m0, cpu0, procs0, t0 = (await http.get("/metrics")).text, cpu_s(os.getpid()), cpu_by_pid(), time.monotonic()
     await asyncio.sleep(seconds)
-    c1, cpu1, procs1, t1 = sampler_counts((await http.get("/metrics")).text), cpu_s(os.getpid()), cpu_by_pid(), time.monotonic()
+    m1, cpu1, procs1, t1 = (await http.get("/metrics")).text, cpu_s(os.getpid()), cpu_by_pid(), time.monotonic()
+    c0, c1 = sampler_counts(m0), sampler_counts(m1)
     calls = fleet.log.window(t0, t1, creates_since=phase_start)
     minutes = (t1 - t0) / 60
     per_engine = _delta(c1["requests"], c0["requests"])
@@ -107,6 +139,7 @@ async def measure(fleet: Fleet, svc: Service, http: httpx.AsyncClient, seconds: 
             "coordinator_rss_mib": round(rss_mib(svc.proc.pid), 1),
             "trainer_rss_mib": round(sum(rss_mib(p["pid"]) for p in (await http.get("/v1/fleet")).json()["processes"]
                                          if p["role"] == "trainer"), 1),
+            "loop": loop_row(loop_counts(m1), loop_counts(m0), calls["steps"]),
             "latency_ms": {k: {q: round(v, 1) for q, v in calls[k].items()} for k in calls if k.endswith("_ms")}}
 
 

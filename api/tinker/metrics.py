@@ -24,6 +24,10 @@ GAUGES = {
     "evictions": ("lorafleet_tinker_evictions", "Idle Tinker models swapped out so far"),
     "restores": ("lorafleet_tinker_restores", "Evicted Tinker models swapped back in so far"),
     "sessions": ("lorafleet_tinker_sessions", "Live Tinker sessions"),
+    "record_commits": ("lorafleet_tinker_record_commits", "Group commits of the Tinker records (each durable, fsync'd) since start"),
+    "record_writes": ("lorafleet_tinker_record_writes", "Statements those commits carried (futures, results, journal entries)"),
+    "record_commit_seconds": ("lorafleet_tinker_record_commit_seconds",
+                              "Time spent in those commits since start (divided by the commits: the durable write a call's answer waits for)"),
 }
 # per engine (label engine = its index in the fleet); Prometheus adds _total
 SAMPLER_COUNTERS = {

@@ -123,9 +123,12 @@ class TinkerService:
         task.add_done_callback(self._tasks.discard)
 
     def metrics(self) -> dict[str, float]:
-        """The Tinker gauges of /metrics: the models' residency, and the sampler's counts (per engine)."""
+        """The Tinker gauges of /metrics: the models' residency, the records' group commits, and the
+        sampler's counts (per engine)."""
         sampler = self.sampler.metrics() if self.sampler is not None else {}
-        return {**self.fleet.stats(), "models": len(self.models), "sessions": len(self.sessions), **sampler}
+        r = self.records
+        return {**self.fleet.stats(), "models": len(self.models), "sessions": len(self.sessions), "record_commits": r.commits,
+                "record_writes": r.committed_writes, "record_commit_seconds": r.commit_seconds, **sampler}
 
     def _waiting_reason(self, model_id: str) -> str | None:
         record = self.models.get(model_id)

@@ -168,6 +168,11 @@ class TinkerRecords:
         self._clone_lock = threading.Lock()
         self._clones: dict[str, int] = {}  # join_sampling_session's counters handed out by this process
         self._writes: queue.Queue = queue.Queue()
+        # the writer's group commits so far (/metrics: their mean time is the durable write that every
+        # call's answer waits for); written by the writer's thread only
+        self.commits = 0
+        self.committed_writes = 0
+        self.commit_seconds = 0.0
         self._closed = False
         self._writer = threading.Thread(target=self._write_forever, name="tinker-records", daemon=True)
         self._writer.start()
@@ -199,6 +204,7 @@ class TinkerRecords:
                     self._writes.put(None)
                     break
                 batch.append(nxt)
+            t0 = time.perf_counter()
             with self._lock:
                 self._db.execute("BEGIN IMMEDIATE")
                 try:
@@ -209,6 +215,9 @@ class TinkerRecords:
                 except BaseException:
                     self._db.execute("ROLLBACK")
                     raise
+            self.commit_seconds += time.perf_counter() - t0
+            self.commits += 1
+            self.committed_writes += len(batch)
             for _, _, (done, then) in batch:
                 done.set()
                 if then is not None:

@@ -45,12 +45,13 @@ class SlotMoves:
             for key in choose_evictions(list(residents.values()), len(waiters), len(free), self.knobs):
                 events += self._evict(self._tenants[key], residents[key].slot)
             free = self.registry.free_slots()
+        reason = (f"waiting for a trainer slot: all {self.registry.num_slots} slots are held "
+                  f"({len(waiters) - len(free)} tenant(s) wait; they rotate in turns)")
         for i, (key, _) in enumerate(waiters):
             tenant = self._tenants.get(key)
             if i >= len(free):  # C4: it is told why it waits (a Tinker future answers try_again with it)
                 if tenant is not None:
-                    tenant.waiting_for_slot(f"waiting for a trainer slot: all {self.registry.num_slots} slots are held "
-                                            f"({len(waiters) - len(free)} tenant(s) wait; they rotate in turns)")
+                    tenant.waiting_for_slot(reason)
                 continue
             slot = free[i]
             if tenant is None:  # a run to prepare: bound now, prepared by the controller's reconcile
@@ -101,27 +102,39 @@ class SlotMoves:
         or is retiring (its final checkpoint); an evicted model when a call of it is queued.
 
         Runs are read from the queue in pages until `want` of them want a slot (or the queue ends):
-        a placement needs no more. Every evicted model is looked at (they are in memory; C4)."""
+        a placement needs no more. Every evicted model is looked at (they are in memory; C4), once
+        each (`slot_wait`), and each owner's share once: with a thousand models waiting this scan
+        runs every round (issue 41)."""
         resident = {h.key for h in holders.values()}
         out: list[tuple[bool, float, str, bool]] = []
+        shares: dict[str | None, bool] = {}
+
+        def over_share(owner: str | None) -> bool:
+            if owner not in shares:
+                shares[owner] = self._over_share(owner)
+            return shares[owner]
+
         page, offset, found = max(want, 16), 0, 0
         while found < want:
             heads = self.registry.queue_heads(page, offset)
             for q in heads:
                 tenant = self._tenants.get(q.registration_id)
                 if tenant is None:  # new, or trained in an earlier process: prepared (from its checkpoint) once bound
-                    out.append((self._over_share(q.owner), q.queued_at, q.registration_id, q.trained))
+                    out.append((over_share(q.owner), q.queued_at, q.registration_id, q.trained))
                 elif q.state == AdapterState.RETIRING or tenant.wants_slot():
-                    out.append((self._over_share(tenant.owner), q.queued_at, tenant.key, True))
+                    out.append((over_share(tenant.owner), q.queued_at, tenant.key, True))
                 else:
                     continue
                 found += 1
             if len(heads) < page:
                 break
             offset += page
-        out += [(self._over_share(m.owner), m.waiting_since(), m.key, True) for m in self.tenants(TenantKind.TINKER)
-                if m.key not in resident and m.wants_slot()]
-        return [(key, trained) for _, _, key, trained in sorted(out, key=lambda e: (e[0], e[1]))]
+        for m in self.tenants(TenantKind.TINKER):
+            since = None if m.key in resident else m.slot_wait()
+            if since is not None:
+                out.append((over_share(m.owner), since, m.key, True))
+        out.sort(key=lambda e: (e[0], e[1]))
+        return [(key, trained) for _, _, key, trained in out]
 
     def _over_share(self, owner: str | None) -> bool:
         """Whether `owner` trained more than its token share of the last window (service/config/quotas.py)."""

@@ -192,6 +192,12 @@ class TinkerModel:
         head = self._head()
         return max(head.queued_at, self._evicted_at) if head is not None else time.time()
 
+    def slot_wait(self) -> float | None:
+        """``waiting_since()`` when it wants a slot, else None: both from one look at its head (the
+        placement asks this of every evicted model, so once each: service/scheduling/slot_moves.py)."""
+        head = self._head()
+        return max(head.queued_at, self._evicted_at) if head is not None and head.needs_slot else None
+
     def waiting_for_slot(self, reason: str) -> None:
         self.waiting_reason = reason
 
@@ -223,7 +229,15 @@ class TinkerModel:
         return Offer(calls=calls, forwards=forwards, optim=optim, context=taken)
 
     def offer_unplaced(self) -> Offer | None:
-        """While evicted: the head operation if it needs no slot (unload), taken."""
+        """While evicted: the head operation if it needs no slot (unload), taken. The loop asks every
+        evicted model each round, so a model whose head needs a slot (or that has none) answers from
+        a look without the lock (reading a deque's first item is atomic). A look that raced a change
+        only answers None, and the unload runs a round later; what is taken is decided under the lock."""
+        try:
+            if self._queue[0].needs_slot:
+                return None
+        except IndexError:  # empty
+            return None
         with self._mu:
             if self._queue and self._queue[0].kind == OpKind.ALONE and not self._queue[0].needs_slot:
                 op = self._queue.popleft()
