@@ -27,6 +27,7 @@ from rollout.messages import AdapterStats, EngineHealth
 from service.control.runtime_protocol import ComponentHealth
 from service.fleet.trainer_group import TrainerState
 from trainer.optim.slot_steps import SlotMetrics, StepReport, TrainResult
+from trainer.interface import WrittenFolder
 from trainer.rounds import RoundResult
 from trainer.storage.locations import open_store, readable_folder
 
@@ -119,6 +120,10 @@ class FakeTrainer:
         with open_store(None).write_folder(str(out_dir)) as tmp:
             (tmp / "slot.json").write_text(json.dumps({"step": self.slots[slot]["step"]}))
         return str(out_dir)
+
+    def begin_save_slot_state(self, slot, out_dir):
+        """Written before it answers (a trainer may: trainer/interface.py WrittenFolder)."""
+        return WrittenFolder(self.save_slot_state(slot, out_dir))
 
     def export_peft(self, slot, out_dir) -> str:
         self._check("export_peft", slot)

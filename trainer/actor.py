@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from pathlib import Path
 from typing import Any
 
 from trainer.config import SlotHyperParams, TrainerConfig
-from trainer.interface import Health
+from trainer.interface import Health, WrittenFolder
 from trainer.rounds import RoundResult, RoundWork
 from trainer.step.round_runner import RoundRunner
 
@@ -49,6 +50,8 @@ class TrainWorker:
 
     def __init__(self, trainer: Any = None) -> None:
         self.trainer: Any = trainer  # trainer.core.MultiLoraTrainer (after setup, as an actor)
+        self._slot_state_writer: Any = None  # made on first use (_state_writer)
+        self._state_writer_lock = threading.Lock()  # the default group and EXPORT_GROUP may both ask first
 
     def pid(self) -> int:
         """This rank's process id (GET /v1/fleet lists it; also the cheapest liveness probe)."""
@@ -107,6 +110,36 @@ class TrainWorker:
         from trainer.swap.slot_checkpoint import save_slot_state
 
         return save_slot_state(self._core(), slot, str(out_dir))
+
+    def begin_save_slot_state(self, slot: int, out_dir: str | Path) -> WrittenFolder:
+        """In process (the tests' in-process host): `save_slot_state`, written before it returns. As an
+        actor the trainer group calls the two halves below instead (service/fleet/trainer_group.py)."""
+        return WrittenFolder(self.save_slot_state(slot, out_dir))
+
+    def save_slot_state_in_background(self, slot: int, out_dir: str | Path) -> str:
+        """The slot's state taken now (default group: in order with train calls, collective), its write
+        on rank 0's slot-state writer thread; `wait_slot_state` (EXPORT_GROUP) returns once it is
+        committed. The next train call does not wait for the write (issue 41: a Tinker model's
+        periodic snapshot no longer holds up every slot's round)."""
+        from trainer.swap.slot_checkpoint import save_slot_state_in_background
+
+        return save_slot_state_in_background(self._core(), slot, str(out_dir), self._state_writer())
+
+    def wait_slot_state(self, out_dir: str | Path) -> str:
+        """Returns once the background save to `out_dir` is committed; raises if it failed. Ranks
+        other than 0 write nothing and return at once."""
+        if self._core().layout.rank != 0:
+            return str(out_dir)
+        return self._state_writer().wait(str(out_dir))
+
+    def _state_writer(self) -> Any:  # trainer.export.export_writer.ExportWriter
+        """Rank 0's slot-state writer: one thread, each job a closure that writes one folder."""
+        from trainer.export.export_writer import ExportWriter
+
+        with self._state_writer_lock:
+            if self._slot_state_writer is None:
+                self._slot_state_writer = ExportWriter(lambda folder, write: write(), threads=1, name="slot-state-writer")
+            return self._slot_state_writer
 
     def load_slot_state(self, slot: int, in_dir: str | Path, registration: str | None = None) -> dict:
         from trainer.swap.slot_checkpoint import load_slot_state

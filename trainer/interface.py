@@ -14,7 +14,7 @@ that is not free is refused).
 Slots: `init_slot` / `load_slot_state` fill a free slot (fresh, from a PEFT folder, or from a
 saved state), `clear_slot` frees one; `run_round` trains (trainer/rounds.py: every tenant's work
 of a scheduler round in ONE mixed step); `save_slot_state` / `export_peft` / `peft_tensors` read
-one; `swap_out` / `swap_in` move a slot's whole state out of the device and back under a key
+one (`begin_save_slot_state`: the state taken now, its folder written in the background); `swap_out` / `swap_in` move a slot's whole state out of the device and back under a key
 (keep-warm eviction, bit-exact), with `drop_swapped`, `prefetch_swapped` and `swap_tiers` over
 what is swapped out; `health` says whether the trainer answers.
 """
@@ -37,6 +37,31 @@ class Health:
     detail: str = ""
 
 
+class PendingWrite(Protocol):
+    """A folder a trainer is writing in the background (`begin_save_slot_state`)."""
+
+    def done(self) -> bool:
+        """Whether the write has ended (committed or failed), without waiting."""
+        ...
+
+    def result(self) -> str:
+        """The committed folder, once written (waits); raises the write's error."""
+        ...
+
+
+@dataclass(frozen=True)
+class WrittenFolder:
+    """A PendingWrite already committed (a trainer that wrote before it answered)."""
+
+    folder: str
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> str:
+        return self.folder
+
+
 @runtime_checkable
 class TrainerInterface(Protocol):
     def init_slot(self, slot: int, hyper: SlotHyperParams, seed: int, init_from: str | None = None,
@@ -56,6 +81,11 @@ class TrainerInterface(Protocol):
 
     def save_slot_state(self, slot: int, out_dir: str | Path) -> str:
         """Everything needed to resume the slot (weights, moments, pending gradient, step) to a folder."""
+        ...
+
+    def begin_save_slot_state(self, slot: int, out_dir: str | Path) -> PendingWrite:
+        """`save_slot_state` without waiting for the write: the state is taken now (later calls do not
+        change what is written), the folder is committed in the background (`PendingWrite`)."""
         ...
 
     def load_slot_state(self, slot: int, in_dir: str | Path, registration: str | None = None) -> dict:

@@ -34,6 +34,7 @@ from service.fleet.actors import start_train_workers
 from service.fleet.remote import call, is_actor_lost
 from service.control.runtime_protocol import ComponentHealth
 from trainer.config import SlotHyperParams, TrainerConfig
+from trainer.interface import PendingWrite
 from trainer.rounds import RoundResult, RoundWork
 
 log = logging.getLogger(__name__)
@@ -246,6 +247,20 @@ class TrainerGroup:
     def save_slot_state(self, slot: int, out_dir: str | Path) -> str:
         return self._all(lambda w: w.save_slot_state.remote(slot, str(out_dir)), what="save_slot_state")
 
+    def begin_save_slot_state(self, slot: int, out_dir: str | Path) -> PendingWrite:
+        """The slot's state taken now on every rank (in order with the collective calls, under the
+        collective lock like begin_export_peft), its folder written on rank 0's slot-state writer
+        thread: the returned write is done once `wait_slot_state` (EXPORT_GROUP) answered."""
+        from trainer.actor import EXPORT_GROUP
+
+        if not self.workers:
+            raise RuntimeError(f"the trainer is not running ({self.stopped_reason or 'not started'})")
+        out = str(out_dir)
+        with self._collective_lock:
+            refs = [w.save_slot_state_in_background.remote(slot, out) for w in self.workers]
+            refs.append(self.workers[0].wait_slot_state.options(concurrency_group=EXPORT_GROUP).remote(out))
+        return _RayWrite(refs, self.call_timeout_s)
+
     def load_slot_state(self, slot: int, in_dir: str | Path, registration: str | None = None) -> dict:
         return self._all(lambda w: w.load_slot_state.remote(slot, str(in_dir), registration=registration), what="load_slot_state")
 
@@ -270,3 +285,19 @@ class TrainerGroup:
     def swap_tiers(self) -> dict:
         """Rank 0's swap tiers, for the gauges: {"host"|"disk"|"prefetched": {"count", "bytes"[, "budget_bytes"]}}."""
         return self._all(lambda w: w.swap_tiers.remote(), what="swap_tiers")
+
+
+class _RayWrite:
+    """A background slot-state write on the trainer's ranks (TrainerGroup.begin_save_slot_state): done
+    once every rank took the state and rank 0 committed the folder; `result` raises what failed."""
+
+    def __init__(self, refs: list[Any], timeout_s: float) -> None:
+        self.refs = refs
+        self.timeout_s = timeout_s
+
+    def done(self) -> bool:
+        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
+        return len(ready) == len(self.refs)
+
+    def result(self) -> str:
+        return call(self.refs, self.timeout_s, "trainer save_slot_state (background)")[-1]

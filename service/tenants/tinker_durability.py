@@ -11,7 +11,9 @@ The policy (`tinker_durability`, environment LORAFLEET_TINKER_DURABILITY):
     snapshotted when its last snapshot is that old; requests are recorded only while they wait (and
     at a graceful stop). After a crash a model resumes from its last snapshot; if operations ran
     after it, they are lost, and its calls are answered with an error that names the step it was
-    restored to.
+    restored to. These snapshots are written in the background (``ModelJournal.snapshot``): the
+    trainer takes the state between rounds and writes it while the next rounds run; it is recorded
+    once written, and until then the record names the previous snapshot, which stays whole.
 A graceful stop snapshots every model (pending gradient included) whatever the policy: a restart is
 then invisible.
 
@@ -21,11 +23,16 @@ one per covered operation; the previous one is deleted once the new one is recor
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from service.config.durability import Durability  # noqa: F401 - the policy; its home is the config
 from service.tenants.tinker_ops import CHANGES_STATE
+from trainer.interface import PendingWrite
 from trainer.storage import layouts
+
+log = logging.getLogger(__name__)
+
 
 def snapshot_key(tenant: str, model_id: str, seq: int) -> str:
     return layouts.tinker_snapshot(tenant, model_id, seq)
@@ -61,6 +68,17 @@ def restore_plan(model_id: str, after: list, restored_step: int, snapshot_at: fl
     return RestorePlan(done, pending)
 
 
+@dataclass
+class Writing:
+    """A snapshot the trainer is writing in the background: recorded once `pending` is done."""
+
+    pending: PendingWrite
+    url: str
+    covers: int
+    step: int
+    taken_at: float  # when its state was taken (the policy's clock counts from then)
+
+
 class ModelJournal:
     """One model's durability companion: its operations' order and requests in the records, its
     snapshots in the store (module doc). Called on the scheduler's thread, except `log` (any thread)."""
@@ -76,6 +94,7 @@ class ModelJournal:
         self.model_id = model_id
         self.snapshot_ref = snapshot  # the store reference of the last snapshot (None: the seeded init)
         self.snapshot_at = time.time() if snapshot_at is None else snapshot_at
+        self.writing: Writing | None = None  # a snapshot the trainer writes in the background (snapshot)
 
     @property
     def snapshot_prefix(self) -> str:
@@ -103,23 +122,59 @@ class ModelJournal:
             if request is not None:
                 self.records.set_request(op.request_id, op.seq, request)
 
-    def snapshot(self, trainer, slot: int, covers: int, step: int) -> str:  # noqa: ANN001 - TrainerInterface
-        """The slot's whole state committed in the store, then recorded (D2); the previous snapshot goes."""
+    def snapshot(self, trainer, slot: int, covers: int, step: int, *, background: bool = False) -> str:  # noqa: ANN001 - TrainerInterface
+        """The slot's whole state committed in the store, then recorded (D2); the previous snapshot goes.
+        `background` (the interval policy's periodic snapshot): the trainer takes the state now and
+        writes it while the rounds go on (`writing`); it is recorded, and the previous one deleted,
+        when `settle` finds it written. Until then the record names the previous snapshot, which
+        stays whole, so a crash meanwhile restores from it as if this one had not begun.
+        A snapshot that waits (a graceful stop's, policy step's) first settles one being written."""
         import time
 
+        self.settle(block=True)
         key = snapshot_key(self.tenant, self.model_id, covers)
         url = self.store.url(key)
         self.store.delete(key)  # a snapshot of the same operation cut short before
+        if background:
+            self.writing = Writing(trainer.begin_save_slot_state(slot, url), url, covers, step, time.time())
+            return url
+        taken_at = time.time()
         trainer.save_slot_state(slot, url)
-        self.records.set_snapshot(self.model_id, url, covers, step).wait()
-        old, self.snapshot_ref, self.snapshot_at = self.snapshot_ref, url, time.time()
-        if old is not None and old != url:
-            self.store.delete(self.store.key_of(old))
+        self._record(url, covers, step, taken_at)
         return url
 
+    def settle(self, block: bool = False) -> bool | None:
+        """The snapshot being written, if it has ended (or `block`: once it ends): True when it was
+        committed and is now recorded; False when it failed (logged; the previous one stands, and
+        the model is dirty again); None when there is none or it is still being written."""
+        w = self.writing
+        if w is None or not (block or w.pending.done()):
+            return None
+        self.writing = None
+        try:
+            w.pending.result()
+        except Exception as e:  # noqa: BLE001 - the trainer's write failed, or the trainer was lost
+            log.warning("Tinker model %s: its snapshot %s failed (%s: %s); the previous one stands", self.model_id,
+                        w.url, type(e).__name__, e)
+            return False
+        self._record(w.url, w.covers, w.step, w.taken_at)
+        return True
+
+    def forget_writing(self) -> None:
+        """The trainer was lost, or the model ended: a snapshot being written is never recorded."""
+        self.writing = None
+
+    def _record(self, url: str, covers: int, step: int, taken_at: float) -> None:
+        self.records.set_snapshot(self.model_id, url, covers, step).wait()
+        old, self.snapshot_ref, self.snapshot_at = self.snapshot_ref, url, taken_at
+        if old is not None and old != url:
+            self.store.delete(self.store.key_of(old))
+
     def due(self, now: float) -> bool:
-        return self.durability.due(self.snapshot_at, now)
+        """A snapshot is due (the policy), and none is being written."""
+        return self.writing is None and self.durability.due(self.snapshot_at, now)
 
     def end(self) -> None:
+        self.forget_writing()
         self.records.end_model(self.model_id)
         self.records.flush()

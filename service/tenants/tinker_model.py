@@ -180,6 +180,7 @@ class TinkerModel:
         return self.dirty and self.journal.due(time.time())
 
     def ready(self) -> bool:
+        self._settle_snapshot()  # a resident with no calls is asked this, not offer, while it idles
         return self._head() is not None or self._snapshot_due()
 
     def wants_slot(self) -> bool:
@@ -202,8 +203,9 @@ class TinkerModel:
         self.waiting_reason = reason
 
     def offer(self, slot: int) -> Offer | None:
-        if self._snapshot_due():  # its policy's snapshot first: it covers what ran before (M5)
-            return Offer(single=SlotOp(self.snapshot), context=[])
+        self._settle_snapshot()
+        if self._snapshot_due():  # its policy's snapshot first: it covers what ran before (M5); written
+            return Offer(single=SlotOp(lambda s: self.snapshot(s, background=True)), context=[])  # while rounds go on
         taken: list[TinkerOp] = []
         with self._mu:
             while self._queue and self._queue[0].kind in (OpKind.FORWARD_BACKWARD, OpKind.FORWARD):
@@ -233,6 +235,7 @@ class TinkerModel:
         evicted model each round, so a model whose head needs a slot (or that has none) answers from
         a look without the lock (reading a deque's first item is atomic). A look that raced a change
         only answers None, and the unload runs a round later; what is taken is decided under the lock."""
+        self._settle_snapshot()
         try:
             if self._queue[0].needs_slot:
                 return None
@@ -354,6 +357,7 @@ class TinkerModel:
     def lost(self) -> None:
         """Its slot state was lost with the trainer (a dead rank, a lost node): back from its last
         snapshot, the operations it ran since replayed from its journal (M6); what it has queued stays."""
+        self.journal.forget_writing()  # written by the lost trainer, or not: the recorded snapshot stands
         records = self.journal.records
         row = next((r for r in records.live_models() if r.model_id == self.key), None)
         if row is None:
@@ -392,11 +396,19 @@ class TinkerModel:
         """Its state is its durable snapshot (revived, not back in a slot since): nothing to save at stop."""
         return self._restore is not None and not self.dirty
 
-    def snapshot(self, slot: int | None = None) -> str:
-        """Its whole slot state committed in the store and recorded, covering `applied_seq` (M5)."""
-        url = self.journal.snapshot(self._trainer, slot, self.applied_seq, self.step)
+    def snapshot(self, slot: int | None = None, background: bool = False) -> str:
+        """Its whole slot state committed in the store and recorded, covering `applied_seq` (M5);
+        `background`: taken now, recorded once the trainer has written it (ModelJournal.snapshot)."""
+        url = self.journal.snapshot(self._trainer, slot, self.applied_seq, self.step, background=background)
         self.dirty = False
         return url
+
+    def _settle_snapshot(self) -> None:
+        """A background snapshot that ended is recorded; one that failed leaves it dirty, so the
+        policy takes another (its last recorded snapshot is as old as before). The loop's thread
+        asks every model each round (ready / offer / offer_unplaced): one attribute read when none is written."""
+        if self.journal.writing is not None and self.journal.settle() is False:
+            self.dirty = True
 
     def persist_queue(self) -> None:
         """A graceful stop: the requests of what waits are recorded, so it runs after the restart."""

@@ -279,3 +279,26 @@ def test_kill_9_with_interval_durability_names_the_restored_step(service, tiny_w
     assert _step(tb, data) > 0
     kept = {c.tinker_path for c in bob.create_rest_client().list_checkpoints(tb.model_id).result().checkpoints}
     assert bob_saved in kept
+
+
+def test_a_periodic_snapshot_written_in_the_background_is_what_a_kill_9_restores(service, tiny_world):
+    """`interval:1`: a changed model is snapshotted once its last snapshot is a second old; the trainer
+    takes the state in order with the rounds and rank 0's writer thread writes it while they go on
+    (issue 41); it is recorded once written. A kill -9 then brings the model back from it: its next
+    step is answered (nothing was lost), and the next periodic snapshot records step 3."""
+    from transformers import AutoTokenizer
+
+    from tests.integration.test_tinker_serve import sft_data
+
+    service.sigterm()
+    service.start("interval:1")
+    alice = open_client(service.url, KEYS["alice"])
+    tc = alice.create_lora_training_client(base_model=SERVED_NAME, rank=8, seed=3).result()
+    data = sft_data(AutoTokenizer.from_pretrained(tiny_world / "model"), tiny_world, 4)
+    _step(tc, data)
+    _step(tc, data)
+    wait_until(lambda: _snapshot_step(service, tc.model_id) == 2, "a periodic snapshot of step 2 recorded", timeout_s=120)
+    service.kill9()
+    service.start("interval:1")
+    assert _step(tc, data) > 0  # restored at step 2 from the background snapshot: no step lost
+    wait_until(lambda: _snapshot_step(service, tc.model_id) == 3, "the next periodic snapshot, of step 3", timeout_s=120)

@@ -287,3 +287,34 @@ def test_slot_state_round_trip_resumes_exactly(trainer, tmp_path):
             assert all(torch.equal(after_orig[kind][side][k], after_loaded[kind][side][k]) for k in after_orig[kind][side])
     with pytest.raises(ValueError, match="slot 2 is in use"):
         load_slot_state(trainer, 2, tmp_path / "state")
+
+
+def test_a_background_slot_state_holds_the_state_when_it_was_asked_for(trainer, tmp_path):
+    """TrainWorker.save_slot_state_in_background (a Tinker model's periodic snapshot, issue 41): the state
+    is taken at the call, written later on rank 0's slot-state writer (held here until the slot has
+    trained on), and the folder equals the one save_slot_state writes at the same point, file by file:
+    what trains after the call is not in it (on a CPU trainer the gathered blocks are views of the
+    slot's buffers, so the snapshot must copy them)."""
+    from safetensors.torch import load_file
+
+    from tests.trainer_probes import hold_writer
+    from trainer.actor import TrainWorker
+    from trainer.swap.slot_checkpoint import save_slot_state
+
+    reset(trainer, {1: dict(samples_per_step=3)})
+    trainer.train(batch([1, 1, 1], seed=0))  # one step
+    trainer.train(batch([1], seed=1))  # one sample pending: a gradient too
+    worker = TrainWorker(trainer)
+    save_slot_state(trainer, 1, tmp_path / "now")  # the reference, written at once
+    hold_writer(worker._state_writer(), True)  # noqa: SLF001 - the write waits until the slot has changed
+    assert worker.save_slot_state_in_background(1, tmp_path / "later") == str(tmp_path / "later")
+    trainer.train(batch([1, 1], seed=2))  # completes the step: weights, moments and gradient change
+    assert not (tmp_path / "later").exists()
+    hold_writer(worker._state_writer(), False)  # noqa: SLF001
+    assert worker.wait_slot_state(tmp_path / "later") == str(tmp_path / "later")
+    now, later = load_file(str(tmp_path / "now" / "slot_state.safetensors")), load_file(str(tmp_path / "later" / "slot_state.safetensors"))
+    assert now.keys() == later.keys() and all(torch.equal(now[k], later[k]) for k in now)
+    assert (tmp_path / "now" / "slot_state.json").read_text() == (tmp_path / "later" / "slot_state.json").read_text()
+    save_slot_state(trainer, 1, tmp_path / "after")
+    after = load_file(str(tmp_path / "after" / "slot_state.safetensors"))
+    assert any(not torch.equal(now[k], after[k]) for k in now)  # the slot did change after the call

@@ -23,6 +23,7 @@ from service.scheduling.residency import ResidencyKnobs
 from service.scheduling.scheduler import Scheduler
 from service.tenants.tinker_model import LoraSpec
 from service.tenants.tinker_models import TinkerModels
+from trainer.interface import WrittenFolder
 from trainer.rounds import AdamStep, CallResult, Datum, RoundResult
 from trainer.storage.local_store import LocalStore
 
@@ -48,6 +49,8 @@ class RecordingTrainer:
         self.fail_swap_out = False
         self.fail_load = False
         self.lose_at: str | None = None
+        self.hold_writes = False  # begin_save_slot_state answers a HeldWrite (below) instead of a written folder
+        self.writes: list[HeldWrite] = []
 
     def run_round(self, work) -> RoundResult:
         if self.lose_at == "round":
@@ -70,6 +73,13 @@ class RecordingTrainer:
             raise TrainerGone("the trainer's process died before the save (planted)")
         self.events.append(("save", slot))
 
+    def begin_save_slot_state(self, slot, folder):
+        self.save_slot_state(slot, folder)
+        if self.hold_writes:  # written in the background until the test ends it
+            self.writes.append(HeldWrite(str(folder)))
+            return self.writes[-1]
+        return WrittenFolder(str(folder))
+
     def load_slot_state(self, slot, folder, registration=None):
         if self.fail_load:
             raise RuntimeError("StoreError: a file of the snapshot does not match its manifest (planted)")
@@ -87,6 +97,24 @@ class RecordingTrainer:
 
     def drop_swapped(self, key):
         self.events.append(("drop", key))
+
+
+class HeldWrite:
+    """FAKE background write (trainer/interface.py PendingWrite) that the test ends (`state`: "writing",
+    "written" or "failed"); `result()` while writing stands for the wait until it is written."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder, self.state, self.waited = folder, "writing", False
+
+    def done(self) -> bool:
+        return self.state != "writing"
+
+    def result(self) -> str:
+        if self.state == "writing":
+            self.waited, self.state = True, "written"
+        if self.state == "failed":
+            raise RuntimeError("OSError: no space left on device (planted)")
+        return self.folder
 
 
 class Clock:
@@ -308,7 +336,7 @@ def test_a_lost_trainer_keeps_the_models_and_brings_them_back_from_their_durable
     assert "a.queued" not in w.answers
     before = len(w.trainer.events)
     w.round()
-    assert ("init", w.scheduler.slot_of("a"), "a") in w.trainer.events[before:] and w.answers["a.queued"][1] is None
+    print(w.trainer.events[before-3:]); assert ("init", w.scheduler.slot_of("a"), "a") in w.trainer.events[before:] and w.answers["a.queued"][1] is None
 
 
 def _one_step(w: World, model, tag: str) -> None:
@@ -523,3 +551,91 @@ def test_an_evicted_model_joins_the_end_of_the_queue(tmp_path):
     w.round()  # C1's step: its turn is used
     w.round()  # C1 evicted: the slot goes to C2, who began to wait before A did
     assert w.scheduler.slot_of("c2") == 0 and "a.fb1" not in w.answers
+
+
+def _snapshot_row(w: World, model_id: str):
+    w.records.flush()
+    return next(r for r in w.records.live_models() if r.model_id == model_id)
+
+
+def _make_due(model) -> None:
+    model.journal.snapshot_at -= 400  # its last snapshot older than the policy's 300 s
+
+
+def test_a_periodic_snapshot_is_written_while_rounds_go_on_and_recorded_once_written(tmp_path):
+    """Policy interval: a due snapshot is taken at once and written in the background. Until it is
+    written the record names the previous snapshot (here the seeded init) and no second one begins;
+    the model's calls go on meanwhile; once written, the next round records it, covering what ran
+    before it was taken (not the step after)."""
+    w = World(tmp_path)
+    w.trainer.hold_writes = True
+    a, _ = w.create("a")
+    _one_step(w, a, "a1")
+    covers, step = a.applied_seq, a.step
+    _make_due(a)
+    w.round()
+    assert len(w.trainer.writes) == 1 and a.journal.writing is not None and not a.dirty
+    assert _snapshot_row(w, "a").snapshot is None  # the seeded init still
+    _one_step(w, a, "a2")  # goes on while it is written
+    _make_due(a)
+    w.round()
+    assert len(w.trainer.writes) == 1, "a second snapshot began while one was written"
+    w.trainer.writes[0].state = "written"
+    w.round()
+    row = _snapshot_row(w, "a")
+    assert (row.snapshot, row.snapshot_seq, row.snapshot_step) == (w.trainer.writes[0].folder, covers, step)
+    assert a.journal.writing is None and a.dirty and a.step == step + 1  # a2's step is after it
+
+
+def test_a_failed_background_snapshot_leaves_the_previous_one_and_the_model_dirty(tmp_path):
+    """The write failed (a FAKE fault: the disk is full): the record keeps the previous snapshot, the
+    model is dirty again and, its last snapshot as old as before, the next round takes another."""
+    w = World(tmp_path)
+    w.trainer.hold_writes = True
+    a, _ = w.create("a")
+    _one_step(w, a, "a1")
+    _make_due(a)
+    w.round()
+    w.trainer.writes[0].state = "failed"
+    w.round()  # settles it (failed), then takes the next one: due at once
+    assert _snapshot_row(w, "a").snapshot is None
+    assert len(w.trainer.writes) == 2 and a.journal.writing is not None
+    w.trainer.writes[1].state = "written"
+    w.round()
+    assert _snapshot_row(w, "a").snapshot == w.trainer.writes[1].folder and not a.dirty
+
+
+def test_a_snapshot_that_waits_records_the_one_being_written_first(tmp_path):
+    """A graceful stop's snapshot (it waits for its write) while a periodic one is written: the
+    periodic one is waited for and recorded first, then the stop's, so the record never goes back
+    to an older state."""
+    w = World(tmp_path)
+    w.trainer.hold_writes = True
+    a, _ = w.create("a")
+    _one_step(w, a, "a1")
+    _make_due(a)
+    w.round()
+    _one_step(w, a, "a2")
+    url = a.snapshot(w.scheduler.slot_of("a"))  # as fleet_runtime's drain does
+    assert w.trainer.writes[0].waited
+    row = _snapshot_row(w, "a")
+    assert row.snapshot == url != w.trainer.writes[0].folder and row.snapshot_step == a.step == 2
+
+
+def test_a_snapshot_being_written_when_the_trainer_is_lost_is_never_recorded(tmp_path):
+    """The trainer lost while a periodic snapshot is written: the model comes back from its recorded
+    state (its seeded init here; policy interval, so its step after it is named lost) and the write,
+    even if it ends, is not recorded."""
+    w = World(tmp_path)
+    w.trainer.hold_writes = True
+    a, _ = w.create("a")
+    _one_step(w, a, "a1")
+    _make_due(a)
+    w.round()
+    w.scheduler.clear()  # the trainer is lost
+    w.trainer.writes[0].state = "written"
+    _fb(w, a, "a2.fb")
+    w.rounds_until(lambda: "a2.fb" in w.answers)
+    assert _snapshot_row(w, "a").snapshot is None and a.journal.writing is None
+    error = w.answers["a2.fb"][1]
+    assert error is not None and "model a was restored to step 0" in str(error), error

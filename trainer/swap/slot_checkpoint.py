@@ -22,8 +22,10 @@ both are collective (every rank calls them; rank 0 writes).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -36,7 +38,9 @@ from trainer.platform.distributed import dp_group
 from trainer.storage.locations import open_store, readable_folder
 from trainer.storage.slot_state_format import FORMAT, META, TENSORS
 
-# ``trainer`` below is a trainer.core.MultiLoraTrainer (not imported: the core composes this room).
+if TYPE_CHECKING:  # for annotations only (the core composes this room: no import at run time)
+    from trainer.core import MultiLoraTrainer
+    from trainer.export.export_writer import ExportWriter
 
 
 def slot_state_tensors(trainer: "MultiLoraTrainer", slot: int) -> dict[str, tuple[dict, dict]]:
@@ -55,22 +59,58 @@ def save_slot_state(trainer: "MultiLoraTrainer", slot: int, out_dir: str | Path)
     Tensors are stored gathered in TP=1 layout and summed over DP, so a state
     reloads under any tp/dp. Collective; rank 0 writes.
     """
+    state, pending, parts = slot_state_snapshot(trainer, slot)
+    if trainer.layout.rank == 0:
+        write_slot_state(trainer.config, out_dir, state, pending, parts)
+    return str(out_dir)
+
+
+def save_slot_state_in_background(trainer: "MultiLoraTrainer", slot: int, out_dir: str | Path, writer: "ExportWriter") -> str:
+    """`save_slot_state` whose write runs on rank 0's `writer` thread (trainer/export/export_writer.py):
+    the state is taken now, as copies no later call changes (collective, in call order with the
+    train calls), and the call returns before the folder is written; `writer.wait(out_dir)` returns
+    once it is committed, or raises the write's error. Other ranks write nothing."""
+    out = str(out_dir)
+    try:
+        state, pending, parts = slot_state_snapshot(trainer, slot, copy=True)
+    except BaseException as e:
+        if trainer.layout.rank == 0:
+            writer.fail(out, e)  # its waiter raises instead of waiting for a write that never comes
+        raise
+    if trainer.layout.rank == 0:
+        nbytes = sum(t.numel() * t.element_size() for pair in parts.values() for d in pair for t in d.values())
+        writer.submit(out, lambda: write_slot_state(trainer.config, out, state, pending, parts), nbytes)
+    return out
+
+
+def slot_state_snapshot(trainer: "MultiLoraTrainer", slot: int, *, copy: bool = False) -> tuple[SlotState, torch.Tensor, dict]:
+    """The slot's state as `save_slot_checkpoint` takes it: its counters, its pending statistics and its
+    tensors (slot_state_tensors; the pending gradient and statistics summed over DP). Collective.
+    `copy`: nothing returned shares memory with the live slot, so later calls cannot change it (on a
+    CPU trainer the gathered TP=1 blocks are views of the slot's buffers)."""
     state = trainer.slots.state(slot)
     parts = slot_state_tensors(trainer, slot)
     pending = state.pending.clone()
     if trainer.layout.dp_size > 1:  # pending gradient and statistics are per DP rank: save their sum
         for d in parts["grad"]:
             for name, t in d.items():
-                t = t.to(trainer.device)
+                t = t.to(trainer.device, copy=True)  # a copy: on a CPU trainer `t` is a view of the live gradient
                 dist.all_reduce(t, group=dp_group())
                 d[name] = t.cpu()
         pending_dev = pending.to(trainer.device)
         dist.all_reduce(pending_dev, group=dp_group())
         pending = pending_dev.cpu()
-    if trainer.layout.rank == 0:  # committed whole in the trainer's store (trainer/storage/store.py)
-        with open_store(trainer.config.storage).write_folder(out_dir) as tmp:
-            save_slot_checkpoint(tmp, state, pending, parts, trainer.config)
-    return str(out_dir)
+    if copy:
+        state = dataclasses.replace(state)  # its counters as they are now
+        if trainer.device.type == "cpu":  # on a GPU trainer the gathered tensors are host copies already
+            parts = {kind: tuple({name: t.clone() for name, t in d.items()} for d in pair) for kind, pair in parts.items()}
+    return state, pending, parts
+
+
+def write_slot_state(config: TrainerConfig, out_dir: str | Path, state: SlotState, pending: torch.Tensor, parts: dict) -> None:
+    """Rank 0's write: committed whole in the trainer's store (trainer/storage/store.py)."""
+    with open_store(config.storage).write_folder(out_dir) as tmp:
+        save_slot_checkpoint(tmp, state, pending, parts, config)
 
 
 @torch.no_grad()
