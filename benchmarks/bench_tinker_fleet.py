@@ -24,8 +24,8 @@ new tenant finished a first step), for --window-s seconds:
   cores by process          every process of the machine over the window, by role (benchmarks/proc_stats.py):
                             the coordinator (api.cli.main), its API front, the trainer, the engines, the client
   loop                      the training loop's rounds, restores and evictions per tenant-step, its placement's
-                            time per round, and the Tinker records' group commits (per step, statements each,
-                            mean time) (/metrics)
+                            time per round, the models' snapshots per step and the loop's time taking each, and
+                            the Tinker records' group commits (per step, statements each, mean time) (/metrics)
 
 With --client-nice 10 the tenants' process yields the cores to the service's (on a real fleet the tenants
 run on machines of their own); both ways are reported in docs/BENCHMARKS.md.
@@ -74,7 +74,8 @@ def sampler_counts(text: str) -> dict[str, dict[str, float]]:
 LOOP_SERIES = {"rounds": "lorafleet_reconciles", "place_s": 'lorafleet_coordinator_seconds{part="place"}',
                "evictions": 'lorafleet_scheduler_events{event="evictions"}', "restores": 'lorafleet_scheduler_events{event="restores"}',
                "commits": "lorafleet_tinker_record_commits", "writes": "lorafleet_tinker_record_writes",
-               "commit_s": "lorafleet_tinker_record_commit_seconds"}
+               "commit_s": "lorafleet_tinker_record_commit_seconds", "snapshots": "lorafleet_tinker_snapshots_taken",
+               "snapshot_loop_s": "lorafleet_tinker_snapshot_loop_seconds"}
 
 
 def loop_counts(text: str) -> dict[str, float]:
@@ -94,6 +95,8 @@ def loop_row(after: dict[str, float], before: dict[str, float], steps: int) -> d
     return {"rounds_per_step": per_step(d["rounds"]), "restores_per_step": per_step(d["restores"]),
             "evictions_per_step": per_step(d["evictions"]),
             "place_ms_per_round": round(1000 * d["place_s"] / d["rounds"], 2) if d["rounds"] else None,
+            "snapshots_per_step": per_step(d["snapshots"]),
+            "snapshot_loop_ms": round(1000 * d["snapshot_loop_s"] / d["snapshots"], 2) if d["snapshots"] else None,
             "commits_per_step": per_step(d["commits"]),
             "writes_per_commit": round(d["writes"] / d["commits"], 1) if d["commits"] else None,
             "commit_ms_mean": round(1000 * d["commit_s"] / d["commits"], 2) if d["commits"] else None}

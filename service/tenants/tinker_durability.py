@@ -24,6 +24,7 @@ one per covered operation; the previous one is deleted once the new one is recor
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from service.config.durability import Durability  # noqa: F401 - the policy; its home is the config
@@ -57,8 +58,6 @@ def restore_plan(model_id: str, after: list, restored_step: int, snapshot_at: fl
     pending = [f for f in after if f.state != "done"]
     lost = [f for f in done if f.request is None]
     if lost:
-        import time
-
         when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(snapshot_at))
         return RestorePlan([], pending, diverged=(
             f"model {model_id} was restored to step {restored_step}, its last durable state (saved {when}), after the service "
@@ -66,6 +65,20 @@ def restore_plan(model_id: str, after: list, restored_step: int, snapshot_at: fl
             "(load_state / create_training_client_from_state), or run the service with tinker_durability: step, under which "
             "no acknowledged step is ever lost"))
     return RestorePlan(done, pending)
+
+
+@dataclass
+class SnapshotCounts:
+    """Every model's snapshots since start (TinkerModels owns one; /metrics): how many were taken, how
+    many recorded and failed, the loop's time taking them (what a snapshot holds up: the whole write
+    for a waiting one, the state's gathering for a background one), and the time from taking to
+    recording a background one."""
+
+    taken: int = 0
+    recorded: int = 0
+    failed: int = 0
+    loop_seconds: float = 0.0
+    background_seconds: float = 0.0
 
 
 @dataclass
@@ -84,9 +97,7 @@ class ModelJournal:
     snapshots in the store (module doc). Called on the scheduler's thread, except `log` (any thread)."""
 
     def __init__(self, records, store, durability: Durability, tenant: str, model_id: str,  # noqa: ANN001 - TinkerRecords, CheckpointStore
-                 snapshot: str | None = None, snapshot_at: float | None = None) -> None:
-        import time
-
+                 snapshot: str | None = None, snapshot_at: float | None = None, counts: SnapshotCounts | None = None) -> None:
         self.records = records
         self.store = store
         self.durability = durability
@@ -95,6 +106,7 @@ class ModelJournal:
         self.snapshot_ref = snapshot  # the store reference of the last snapshot (None: the seeded init)
         self.snapshot_at = time.time() if snapshot_at is None else snapshot_at
         self.writing: Writing | None = None  # a snapshot the trainer writes in the background (snapshot)
+        self.counts = counts if counts is not None else SnapshotCounts()
 
     @property
     def snapshot_prefix(self) -> str:
@@ -129,19 +141,22 @@ class ModelJournal:
         when `settle` finds it written. Until then the record names the previous snapshot, which
         stays whole, so a crash meanwhile restores from it as if this one had not begun.
         A snapshot that waits (a graceful stop's, policy step's) first settles one being written."""
-        import time
-
         self.settle(block=True)
+        t0 = time.perf_counter()
         key = snapshot_key(self.tenant, self.model_id, covers)
         url = self.store.url(key)
         self.store.delete(key)  # a snapshot of the same operation cut short before
-        if background:
-            self.writing = Writing(trainer.begin_save_slot_state(slot, url), url, covers, step, time.time())
+        self.counts.taken += 1
+        try:
+            if background:
+                self.writing = Writing(trainer.begin_save_slot_state(slot, url), url, covers, step, time.time())
+                return url
+            taken_at = time.time()
+            trainer.save_slot_state(slot, url)
+            self._record(url, covers, step, taken_at)
             return url
-        taken_at = time.time()
-        trainer.save_slot_state(slot, url)
-        self._record(url, covers, step, taken_at)
-        return url
+        finally:
+            self.counts.loop_seconds += time.perf_counter() - t0
 
     def settle(self, block: bool = False) -> bool | None:
         """The snapshot being written, if it has ended (or `block`: once it ends): True when it was
@@ -156,8 +171,10 @@ class ModelJournal:
         except Exception as e:  # noqa: BLE001 - the trainer's write failed, or the trainer was lost
             log.warning("Tinker model %s: its snapshot %s failed (%s: %s); the previous one stands", self.model_id,
                         w.url, type(e).__name__, e)
+            self.counts.failed += 1
             return False
         self._record(w.url, w.covers, w.step, w.taken_at)
+        self.counts.background_seconds += time.time() - w.taken_at
         return True
 
     def forget_writing(self) -> None:
@@ -166,6 +183,7 @@ class ModelJournal:
 
     def _record(self, url: str, covers: int, step: int, taken_at: float) -> None:
         self.records.set_snapshot(self.model_id, url, covers, step).wait()
+        self.counts.recorded += 1
         old, self.snapshot_ref, self.snapshot_at = self.snapshot_ref, url, taken_at
         if old is not None and old != url:
             self.store.delete(self.store.key_of(old))

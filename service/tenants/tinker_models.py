@@ -34,7 +34,7 @@ from service.registry.tinker_records import TinkerRecords
 from service.scheduling.scheduler import Scheduler
 from service.scheduling.tenant import TenantKind
 from service.config.durability import Durability
-from service.tenants.tinker_durability import ModelJournal, restore_plan
+from service.tenants.tinker_durability import ModelJournal, SnapshotCounts, restore_plan
 from service.tenants.tinker_model import LoraSpec, TinkerModel
 from service.tenants.tinker_ops import OpKind, TinkerOp, _no_answer
 from service.tenants.tinker_stats import ModelStats, SlotGrants
@@ -64,11 +64,12 @@ class TinkerModels:
         self.lora_alpha = lora_alpha
         self.max_seq_len = max_seq_len
         self.grants = SlotGrants()  # slots given to its models (their stats' waited_grants: tinker_stats.py)
+        self.snapshots = SnapshotCounts()  # every model's snapshots (tinker_durability.py; /metrics)
 
     def _model(self, model_id: str, owner: str, lora: LoraSpec, snapshot: str | None = None,
                snapshot_at: float | None = None) -> TinkerModel:
         s = self.scheduler
-        journal = ModelJournal(self.records, self.store, self.durability, owner, model_id, snapshot, snapshot_at)
+        journal = ModelJournal(self.records, self.store, self.durability, owner, model_id, snapshot, snapshot_at, self.snapshots)
         hyper = SlotHyperParams(rank=lora.rank, alpha=self.lora_alpha, targets=lora.targets)
         return TinkerModel(model_id, owner, lora, trainer=s.trainer, clock=s.clock, wake=s.notify, end=s.release,
                            hyper=hyper, journal=journal, stats=ModelStats(self.grants))
@@ -155,4 +156,7 @@ class TinkerModels:
             "models_evicted": sum(1 for m in models if m.key not in resident),
             "models_waiting_for_slot": sum(1 for m in models if m.waiting_reason is not None),
             "evictions": c["evictions"], "restores": c["restores"],
+            "snapshots_taken": self.snapshots.taken, "snapshots_recorded": self.snapshots.recorded,
+            "snapshots_failed": self.snapshots.failed, "snapshot_loop_seconds": self.snapshots.loop_seconds,
+            "snapshot_background_seconds": self.snapshots.background_seconds,
         }

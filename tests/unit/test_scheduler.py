@@ -585,6 +585,8 @@ def test_a_periodic_snapshot_is_written_while_rounds_go_on_and_recorded_once_wri
     row = _snapshot_row(w, "a")
     assert (row.snapshot, row.snapshot_seq, row.snapshot_step) == (w.trainer.writes[0].folder, covers, step)
     assert a.journal.writing is None and a.dirty and a.step == step + 1  # a2's step is after it
+    counts = w.models.snapshots
+    assert (counts.taken, counts.recorded, counts.failed) == (1, 1, 0) and counts.background_seconds >= 0.0
 
 
 def test_a_failed_background_snapshot_leaves_the_previous_one_and_the_model_dirty(tmp_path):
@@ -603,6 +605,8 @@ def test_a_failed_background_snapshot_leaves_the_previous_one_and_the_model_dirt
     w.trainer.writes[1].state = "written"
     w.round()
     assert _snapshot_row(w, "a").snapshot == w.trainer.writes[1].folder and not a.dirty
+    assert (w.models.snapshots.taken, w.models.snapshots.recorded, w.models.snapshots.failed) == (2, 1, 1)
+    assert w.models.stats()["snapshots_failed"] == 1
 
 
 def test_a_snapshot_that_waits_records_the_one_being_written_first(tmp_path):
