@@ -60,8 +60,10 @@ def render_prometheus(snap: MetricsSnapshot, tinker: Any = None) -> tuple[bytes,
     for event in ("evictions", "restores", "prefetches", "placements"):
         counters.labels(event).set(snap.scheduler_counters.get(event, 0))
     gauge("lorafleet_reconciles", "Reconcile passes since start (one per loop round)").set(snap.reconciles)
-    spent = gauge("lorafleet_coordinator_seconds", "Coordinator time since start in the loop's per-round work: place (the trainer's swaps included), reconcile", ("part",))
-    for part in ("place", "reconcile"):
+    spent = gauge("lorafleet_coordinator_seconds", "Coordinator time since start in the loop's per-round work: place (the trainer's "
+                  "swaps included), reconcile, gather (waiting for ready work), offer, train (the trainer call), settle, single "
+                  "(operations that run alone: saves, exports, snapshots)", ("part",))
+    for part in ("place", "reconcile", "gather", "offer", "train", "settle", "single"):
         spent.labels(part).set(snap.coordinator_seconds.get(part, 0.0))
     inflight = gauge("lorafleet_engine_inflight_requests", "Generation requests in flight", ("engine",))
     if snap.runtime is not None:

@@ -23,8 +23,8 @@ new tenant finished a first step), for --window-s seconds:
                             from the 2 cores the service also runs on
   cores by process          every process of the machine over the window, by role (benchmarks/proc_stats.py):
                             the coordinator (api.cli.main), its API front, the trainer, the engines, the client
-  loop                      the training loop's rounds, restores and evictions per tenant-step, its placement's
-                            time per round, the models' snapshots per step and the loop's time taking each, and
+  loop                      the training loop's rounds, restores and evictions per tenant-step, the time of each
+                            part of a round (place, gather, offer, train, settle, single), the models' snapshots per step and the loop's time taking each, and
                             the Tinker records' group commits (per step, statements each, mean time) (/metrics)
 
 With --client-nice 10 the tenants' process yields the cores to the service's (on a real fleet the tenants
@@ -71,7 +71,8 @@ def sampler_counts(text: str) -> dict[str, dict[str, float]]:
     return out
 
 
-LOOP_SERIES = {"rounds": "lorafleet_reconciles", "place_s": 'lorafleet_coordinator_seconds{part="place"}',
+LOOP_PARTS = ("place", "gather", "offer", "train", "settle", "single")  # lorafleet_coordinator_seconds{part}
+LOOP_SERIES = {"rounds": "lorafleet_reconciles", **{f"{p}_s": f'lorafleet_coordinator_seconds{{part="{p}"}}' for p in LOOP_PARTS},
                "evictions": 'lorafleet_scheduler_events{event="evictions"}', "restores": 'lorafleet_scheduler_events{event="restores"}',
                "commits": "lorafleet_tinker_record_commits", "writes": "lorafleet_tinker_record_writes",
                "commit_s": "lorafleet_tinker_record_commit_seconds", "snapshots": "lorafleet_tinker_snapshots_taken",
@@ -94,7 +95,7 @@ def loop_row(after: dict[str, float], before: dict[str, float], steps: int) -> d
     per_step = (lambda v: round(v / steps, 2)) if steps else (lambda v: None)
     return {"rounds_per_step": per_step(d["rounds"]), "restores_per_step": per_step(d["restores"]),
             "evictions_per_step": per_step(d["evictions"]),
-            "place_ms_per_round": round(1000 * d["place_s"] / d["rounds"], 2) if d["rounds"] else None,
+            "ms_per_round": {p: round(1000 * d[f"{p}_s"] / d["rounds"], 2) for p in LOOP_PARTS} if d["rounds"] else None,
             "snapshots_per_step": per_step(d["snapshots"]),
             "snapshot_loop_ms": round(1000 * d["snapshot_loop_s"] / d["snapshots"], 2) if d["snapshots"] else None,
             "commits_per_step": per_step(d["commits"]),

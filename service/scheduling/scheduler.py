@@ -125,7 +125,10 @@ class Scheduler(SlotMoves):
         # the calls in them; evictions and restores of every kind
         self.counters = dict(rounds=0, mixed_steps=0, joined_steps=0, joined_calls=0, forward_backward_calls=0,
                              largest_step=0, evictions=0, restores=0, prefetches=0, placements=0)
-        self.seconds = {"place": 0.0}  # coordinator time in placement since start (the trainer's swaps included)
+        # coordinator time since start in the loop's parts of a round (/metrics lorafleet_coordinator_seconds):
+        # place (the trainer's swaps included), gather (waiting for ready work), offer (taking it), train (the
+        # trainer call), settle (answering it), single (operations that run alone: saves, exports, snapshots)
+        self.seconds = {"place": 0.0, "gather": 0.0, "offer": 0.0, "train": 0.0, "settle": 0.0, "single": 0.0}
 
     # --- tenants --------------------------------------------------------------------------------
 
@@ -269,6 +272,12 @@ class Scheduler(SlotMoves):
         models. Empty when nothing got ready within `max_wait_s`, or at once when placement has
         work (a model to create, a free slot and a waiter)."""
         start = time.monotonic()  # waits are wall time; `clock` measures idleness only (tests move it)
+        try:
+            return self._gather(start, max_wait_s, stop, poll_s)
+        finally:
+            self.seconds["gather"] += time.monotonic() - start
+
+    def _gather(self, start: float, max_wait_s: float, stop: Any, poll_s: float) -> list[tuple[Tenant, int]]:
         first_ready: float | None = None
         while True:
             residents = [(t, slot) for t, slot, state in self.residents() if state in (None, AdapterState.ACTIVE)]
@@ -297,6 +306,7 @@ class Scheduler(SlotMoves):
         """R1-R2 over the tenants `gather` returned. Raises what the trainer call raised (after every
         offer was given back; `is_lost` tells the loop whether the trainer died), and RoundRefused
         when the trainer refused the dataset batch (its offers given back; the calls ran and settled)."""
+        t_offer = time.monotonic()
         offers: list[tuple[Tenant, int, Offer]] = []
         for tenant, slot in ready:
             try:
@@ -311,6 +321,7 @@ class Scheduler(SlotMoves):
             return RoundOutcome()
         work, spans = self._work(offers)
         t0 = time.monotonic()
+        self.seconds["offer"] += t0 - t_offer
         result = RoundResult()
         if not work.empty:
             try:
@@ -321,6 +332,8 @@ class Scheduler(SlotMoves):
                     tenant.give_back(offer, f"{type(e).__name__}: {e}", retry=lost)
                 raise
         seconds = time.monotonic() - t0
+        self.seconds["train"] += seconds
+        t_settle = time.monotonic()
         ctx = RoundContextOnce(seconds, self.rollout_stats)
         outcome = RoundOutcome(seconds=seconds, samples=list(work.batch.samples) if work.batch else [], tenants=len(offers),
                                calls=sum(1 for r in result.calls if r.error is None))
@@ -337,9 +350,12 @@ class Scheduler(SlotMoves):
                 raise
             if settled is not None:
                 outcome.settled.append(settled)
+        t_single = time.monotonic()
+        self.seconds["settle"] += t_single - t_settle
         for tenant, slot, offer in offers:  # operations that run alone, after the trainer call (R1)
             if offer.single is not None:
                 self._run_single(tenant, slot, offer)
+        self.seconds["single"] += time.monotonic() - t_single
         self._count(work, outcome)
         if result.refused is not None:
             raise RoundRefused(f"the trainer refused the round's batch: {result.refused}")

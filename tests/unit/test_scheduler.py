@@ -643,3 +643,18 @@ def test_a_snapshot_being_written_when_the_trainer_is_lost_is_never_recorded(tmp
     assert _snapshot_row(w, "a").snapshot is None and a.journal.writing is None
     error = w.answers["a2.fb"][1]
     assert error is not None and "model a was restored to step 0" in str(error), error
+
+
+def test_each_part_of_a_round_is_timed_for_metrics(tmp_path):
+    """scheduler.seconds (/metrics lorafleet_coordinator_seconds{part}): a round's offer, trainer call and
+    settle add time, and a gather that finds nothing ready adds its wait."""
+    w = World(tmp_path)
+    a, _ = w.create("a")
+    before = dict(w.scheduler.seconds)
+    _one_step(w, a, "a1")
+    spent = {k: w.scheduler.seconds[k] - before[k] for k in before}
+    assert set(spent) == {"place", "gather", "offer", "train", "settle", "single"}
+    assert all(spent[k] > 0 for k in ("place", "offer", "train", "settle")), spent
+    waited = w.scheduler.seconds["gather"]
+    assert w.scheduler.gather(max_wait_s=0.05) == []
+    assert w.scheduler.seconds["gather"] - waited >= 0.05
