@@ -456,11 +456,14 @@ class FleetRuntime:
         saved = self.scheduler.drain(self._drain_save)
         return {k: v for k, v in saved.items() if isinstance(v, tuple)}
 
-    def _drain_save(self, tenant: Any, slot: int) -> Any:
+    def _drain_save(self, tenant: Any, slot: int | None) -> Any:
         if isinstance(tenant, DatasetRun):
             return self._write_checkpoint(tenant, slot).folder, tenant.step
         if not isinstance(tenant, TinkerModel):
             return None
+        if slot is None:  # durable as it is (revived, no slot since): only what it has queued to keep
+            tenant.persist_queue()
+            return tenant.journal.snapshot_ref
         url = tenant.snapshot(slot)  # its whole state, pending gradient included: the restart is invisible
         tenant.persist_queue()  # and what it has queued runs after it, in order
         log.info("drained Tinker model %s to %s", tenant.name, url)

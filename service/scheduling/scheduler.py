@@ -231,7 +231,8 @@ class Scheduler(SlotMoves):
 
     def drain(self, save: Callable[[Tenant, int], Any]) -> dict[str, Any]:
         """At stop (nothing trains any more): `save(tenant, slot)` for every admitted tenant, resident
-        ones where they are, evicted ones swapped into a free slot or one whose tenant was saved
+        ones where they are, those whose state is durable as it is with slot None (their queued calls
+        still need saving), evicted ones swapped into a free slot or one whose tenant was saved
         already (its trainer state is not needed again in this process; the slot record is left as
         it is, so a restart finds every run where it was). key -> what `save` returned; a tenant whose
         save failed is logged and left out (the others are still saved)."""
@@ -242,6 +243,9 @@ class Scheduler(SlotMoves):
         spare = self.registry.free_slots() + [slot for t, slot, _ in resident if t.key in out]
         keys = {t.key for t, _, _ in resident}
         for tenant in [t for t in self.tenants() if t.key not in keys]:
+            if tenant.durable():  # its state is its durable snapshot (revived, no slot since): nothing to swap in
+                self._save_quietly(save, tenant, None, out)
+                continue
             if not spare:
                 log.warning("draining %s: no slot to swap it into; it resumes from its last checkpoint", tenant.name)
                 continue

@@ -658,3 +658,21 @@ def test_each_part_of_a_round_is_timed_for_metrics(tmp_path):
     waited = w.scheduler.seconds["gather"]
     assert w.scheduler.gather(max_wait_s=0.05) == []
     assert w.scheduler.seconds["gather"] - waited >= 0.05
+
+
+def test_a_stop_saves_the_queue_of_a_model_whose_state_is_durable_without_swapping_it_in(tmp_path):
+    """A graceful stop's drain: a model whose state is its durable snapshot (here after the trainer's loss;
+    likewise revived after a restart) and that has not had a slot since is handed over with slot None
+    (its queued calls are what to save), not swapped in: it has nothing in the swap store. (Before, its
+    swap-in failed, was logged as an error, and its queued calls were not kept for the restart.)"""
+    w = World(tmp_path, durability="interval:300")
+    a, _ = w.create("a")
+    b, _ = w.create("b")
+    w.scheduler.clear()  # the trainer is lost: both come back from their durable state when they next run
+    w.call(a, "a.fb", "forward_backward", [Datum([1, 2], {})], "cross_entropy", None)
+    assert a.durable() and b.durable()
+    saved: list = []
+    before = len(w.trainer.events)
+    out = w.scheduler.drain(lambda tenant, slot: saved.append((tenant.key, slot)) or "kept")
+    assert sorted(saved) == [("a", None), ("b", None)] and out == {"a": "kept", "b": "kept"}
+    assert not [e for e in w.trainer.events[before:] if e[0] in ("swap_in", "clear")]
