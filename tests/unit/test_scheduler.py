@@ -562,18 +562,25 @@ def _make_due(model) -> None:
     model.journal.snapshot_at -= 400  # its last snapshot older than the policy's 300 s
 
 
+def _snapshot_being_written(tmp_path):
+    """A world whose trainer holds background writes, and its model a, one step in, whose periodic
+    snapshot has just been taken (its write held: w.trainer.writes[0])."""
+    w = World(tmp_path)
+    w.trainer.hold_writes = True
+    a, _ = w.create("a")
+    _one_step(w, a, "a1")
+    _make_due(a)
+    w.round()
+    return w, a
+
+
 def test_a_periodic_snapshot_is_written_while_rounds_go_on_and_recorded_once_written(tmp_path):
     """Policy interval: a due snapshot is taken at once and written in the background. Until it is
     written the record names the previous snapshot (here the seeded init) and no second one begins;
     the model's calls go on meanwhile; once written, the next round records it, covering what ran
     before it was taken (not the step after)."""
-    w = World(tmp_path)
-    w.trainer.hold_writes = True
-    a, _ = w.create("a")
-    _one_step(w, a, "a1")
-    covers, step = a.applied_seq, a.step
-    _make_due(a)
-    w.round()
+    w, a = _snapshot_being_written(tmp_path)
+    covers, step = a.applied_seq, a.step  # what it covers: nothing ran since it was taken
     assert len(w.trainer.writes) == 1 and a.journal.writing is not None and not a.dirty
     assert _snapshot_row(w, "a").snapshot is None  # the seeded init still
     _one_step(w, a, "a2")  # goes on while it is written
@@ -592,12 +599,7 @@ def test_a_periodic_snapshot_is_written_while_rounds_go_on_and_recorded_once_wri
 def test_a_failed_background_snapshot_leaves_the_previous_one_and_the_model_dirty(tmp_path):
     """The write failed (a FAKE fault: the disk is full): the record keeps the previous snapshot, the
     model is dirty again and, its last snapshot as old as before, the next round takes another."""
-    w = World(tmp_path)
-    w.trainer.hold_writes = True
-    a, _ = w.create("a")
-    _one_step(w, a, "a1")
-    _make_due(a)
-    w.round()
+    w, a = _snapshot_being_written(tmp_path)
     w.trainer.writes[0].state = "failed"
     w.round()  # settles it (failed), then takes the next one: due at once
     assert _snapshot_row(w, "a").snapshot is None
@@ -613,12 +615,7 @@ def test_a_snapshot_that_waits_records_the_one_being_written_first(tmp_path):
     """A graceful stop's snapshot (it waits for its write) while a periodic one is written: the
     periodic one is waited for and recorded first, then the stop's, so the record never goes back
     to an older state."""
-    w = World(tmp_path)
-    w.trainer.hold_writes = True
-    a, _ = w.create("a")
-    _one_step(w, a, "a1")
-    _make_due(a)
-    w.round()
+    w, a = _snapshot_being_written(tmp_path)
     _one_step(w, a, "a2")
     url = a.snapshot(w.scheduler.slot_of("a"))  # as fleet_runtime's drain does
     assert w.trainer.writes[0].waited
@@ -630,12 +627,7 @@ def test_a_snapshot_being_written_when_the_trainer_is_lost_is_never_recorded(tmp
     """The trainer lost while a periodic snapshot is written: the model comes back from its recorded
     state (its seeded init here; policy interval, so its step after it is named lost) and the write,
     even if it ends, is not recorded."""
-    w = World(tmp_path)
-    w.trainer.hold_writes = True
-    a, _ = w.create("a")
-    _one_step(w, a, "a1")
-    _make_due(a)
-    w.round()
+    w, a = _snapshot_being_written(tmp_path)
     w.scheduler.clear()  # the trainer is lost
     w.trainer.writes[0].state = "written"
     _fb(w, a, "a2.fb")
