@@ -93,4 +93,5 @@ def test_gpu_launch_has_no_cpu_adjustment():
     launch = build_server_launch(EngineConfig(), "/m", 1234, device="cuda", base_env={"PATH": "/bin"})
     assert launch.argv[1:3] == ["-m", "sglang.launch_server"]
     assert not {"--attention-backend", "--lora-backend", "--dtype", "--device", "--sleep-on-idle"} & set(launch.argv)
-    assert launch.env == {"PATH": "/bin"} and not launch.sgl_kernel_stand_in
+    # only the keep-alive every engine gets (rollout/engines/client.py ENGINE_KEEP_ALIVE_S), no CPU setting
+    assert launch.env == {"PATH": "/bin", "SGLANG_TIMEOUT_KEEP_ALIVE": "60"} and not launch.sgl_kernel_stand_in

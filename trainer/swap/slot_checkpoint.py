@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -38,9 +37,8 @@ from trainer.platform.distributed import dp_group
 from trainer.storage.locations import open_store, readable_folder
 from trainer.storage.slot_state_format import FORMAT, META, TENSORS
 
-if TYPE_CHECKING:  # for annotations only (the core composes this room: no import at run time)
-    from trainer.core import MultiLoraTrainer
-    from trainer.export.export_writer import ExportWriter
+# ``trainer`` below is a trainer.core.MultiLoraTrainer and ``writer`` a trainer.export.export_writer.ExportWriter:
+# neither is imported (the core composes this room; trainer.swap imports only what test_import_graph allows).
 
 
 def slot_state_tensors(trainer: "MultiLoraTrainer", slot: int) -> dict[str, tuple[dict, dict]]:
