@@ -96,7 +96,8 @@ def model_rows(service: TinkerService) -> list[ModelRow]:
     """Every live model, in creation order (module doc)."""
     records = sorted(service.models.values(), key=lambda r: r.model.stats.number)
     slots, spilled = service.fleet.placement()
-    waiting = {r.model_id: r.model.waiting_since() for r in records if r.model_id not in slots and r.model.wants_slot()}
+    since = {r.model_id: r.model.slot_wait() for r in records if r.model_id not in slots}  # one look at each head
+    waiting = {model_id: t for model_id, t in since.items() if t is not None}
     places = _places(service, waiting)
     return [_row(r, slots.get(r.model_id), places.get(r.model_id), r.model_id in spilled) for r in records]
 

@@ -232,17 +232,11 @@ class TrainerGroup:
         unwritten export of the same key is superseded by this one and never written; its
         `wait_export` then resolves to a trainer.export.export_writer.Superseded. Submitted under the collective lock: the
         snapshot is collective (TP gather), so no other thread's call may interleave its submissions."""
-        from trainer.actor import EXPORT_GROUP
         from trainer.export.export_writer import export_dtype
 
-        if not self.workers:
-            raise RuntimeError(f"the trainer is not running ({self.stopped_reason or 'not started'})")
         out = str(out_dir)
         export_dtype(dtype)  # refused here, before any rank starts a collective call
-        with self._collective_lock:
-            refs = [w.export_peft_in_background.remote(slot, out, dtype, key) for w in self.workers]
-            refs.append(self.workers[0].wait_export.options(concurrency_group=EXPORT_GROUP).remote(out))
-        return refs
+        return self._in_background(lambda w: w.export_peft_in_background.remote(slot, out, dtype, key), lambda w: w.wait_export, out)
 
     def save_slot_state(self, slot: int, out_dir: str | Path) -> str:
         return self._all(lambda w: w.save_slot_state.remote(slot, str(out_dir)), what="save_slot_state")
@@ -251,15 +245,22 @@ class TrainerGroup:
         """The slot's state taken now on every rank (in order with the collective calls, under the
         collective lock like begin_export_peft), its folder written on rank 0's slot-state writer
         thread: the returned write is done once `wait_slot_state` (EXPORT_GROUP) answered."""
+        out = str(out_dir)
+        return _RayWrite(self._in_background(lambda w: w.save_slot_state_in_background.remote(slot, out), lambda w: w.wait_slot_state, out),
+                         self.call_timeout_s)
+
+    def _in_background(self, take: Callable[[Any], Any], wait: Callable[[Any], Any], out: str) -> list[Any]:
+        """`take(worker)` on every rank (what it writes taken now, collective: submitted under the collective
+        lock so no other thread's call interleaves), then rank 0's `wait(worker)` method for `out` in
+        EXPORT_GROUP: the refs, the last one resolving once rank 0 has written the folder (or raising)."""
         from trainer.actor import EXPORT_GROUP
 
         if not self.workers:
             raise RuntimeError(f"the trainer is not running ({self.stopped_reason or 'not started'})")
-        out = str(out_dir)
         with self._collective_lock:
-            refs = [w.save_slot_state_in_background.remote(slot, out) for w in self.workers]
-            refs.append(self.workers[0].wait_slot_state.options(concurrency_group=EXPORT_GROUP).remote(out))
-        return _RayWrite(refs, self.call_timeout_s)
+            refs = [take(w) for w in self.workers]
+            refs.append(wait(self.workers[0]).options(concurrency_group=EXPORT_GROUP).remote(out))
+        return refs
 
     def load_slot_state(self, slot: int, in_dir: str | Path, registration: str | None = None) -> dict:
         return self._all(lambda w: w.load_slot_state.remote(slot, str(in_dir), registration=registration), what="load_slot_state")

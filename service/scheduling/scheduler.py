@@ -335,9 +335,9 @@ class Scheduler(SlotMoves):
                 for tenant, _, offer in offers:
                     tenant.give_back(offer, f"{type(e).__name__}: {e}", retry=lost)
                 raise
-        seconds = time.monotonic() - t0
-        self.seconds["train"] += seconds
         t_settle = time.monotonic()
+        seconds = t_settle - t0
+        self.seconds["train"] += seconds
         ctx = RoundContextOnce(seconds, self.rollout_stats)
         outcome = RoundOutcome(seconds=seconds, samples=list(work.batch.samples) if work.batch else [], tenants=len(offers),
                                calls=sum(1 for r in result.calls if r.error is None))

@@ -184,8 +184,7 @@ class TinkerModel:
         return self._head() is not None or self._snapshot_due()
 
     def wants_slot(self) -> bool:
-        head = self._head()
-        return head is not None and head.needs_slot
+        return self.slot_wait() is not None
 
     def waiting_since(self) -> float:
         """Its head call's arrival, or its eviction when later: an evicted model joins the end of the
