@@ -125,10 +125,6 @@ class FakeTrainer:
         """Written before it answers (a trainer may: trainer/interface.py WrittenFolder)."""
         return WrittenFolder(self.save_slot_state(slot, out_dir))
 
-    def begin_save_peft(self, slot, out_dir):
-        """Written before it answers (as begin_save_slot_state)."""
-        return WrittenFolder(self.export_peft(slot, out_dir))
-
     def export_peft(self, slot, out_dir) -> str:
         self._check("export_peft", slot)
         with open_store(None).write_folder(str(out_dir)) as out:

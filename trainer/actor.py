@@ -50,8 +50,8 @@ class TrainWorker:
 
     def __init__(self, trainer: Any = None) -> None:
         self.trainer: Any = trainer  # trainer.core.MultiLoraTrainer (after setup, as an actor)
-        self._checkpoints: Any = None  # made on first use (_checkpoint_writer)
-        self._checkpoint_writer_lock = threading.Lock()  # the default group and EXPORT_GROUP may both ask first
+        self._slot_state_writer: Any = None  # made on first use (_state_writer)
+        self._state_writer_lock = threading.Lock()  # the default group and EXPORT_GROUP may both ask first
 
     def pid(self) -> int:
         """This rank's process id (GET /v1/fleet lists it; also the cheapest liveness probe)."""
@@ -118,39 +118,28 @@ class TrainWorker:
 
     def save_slot_state_in_background(self, slot: int, out_dir: str | Path) -> str:
         """The slot's state taken now (default group: in order with train calls, collective), its write
-        on rank 0's checkpoint writer thread; `wait_written` (EXPORT_GROUP) returns once it is
+        on rank 0's slot-state writer thread; `wait_slot_state` (EXPORT_GROUP) returns once it is
         committed. The next train call does not wait for the write (issue 41: a Tinker model's
         periodic snapshot no longer holds up every slot's round)."""
         from trainer.swap.slot_checkpoint import save_slot_state_in_background
 
-        return save_slot_state_in_background(self._core(), slot, str(out_dir), self._checkpoint_writer())
+        return save_slot_state_in_background(self._core(), slot, str(out_dir), self._state_writer())
 
-    def begin_save_peft(self, slot: int, out_dir: str | Path) -> WrittenFolder:
-        """In process: `export_peft` (float32), written before it returns (as begin_save_slot_state)."""
-        return WrittenFolder(self.export_peft(slot, out_dir))
-
-    def save_peft_in_background(self, slot: int, out_dir: str | Path) -> str:
-        """The slot's weights taken now (default group, collective), its PEFT folder committed on rank
-        0's checkpoint writer thread; `wait_written` (EXPORT_GROUP) returns once it is committed."""
-        return self._core().export.save_peft_in_background(slot, str(out_dir), self._checkpoint_writer())
-
-    def wait_written(self, out_dir: str | Path) -> str:
-        """Returns once the background save to `out_dir` (`save_slot_state_in_background` or
-        `save_peft_in_background`) is committed; raises if it failed. Ranks other than 0 write
-        nothing and return at once."""
+    def wait_slot_state(self, out_dir: str | Path) -> str:
+        """Returns once the background save to `out_dir` is committed; raises if it failed. Ranks
+        other than 0 write nothing and return at once."""
         if self._core().layout.rank != 0:
             return str(out_dir)
-        return self._checkpoint_writer().wait(str(out_dir))
+        return self._state_writer().wait(str(out_dir))
 
-    def _checkpoint_writer(self) -> Any:  # trainer.export.export_writer.ExportWriter
-        """Rank 0's checkpoint writer (slot states and Tinker sampler saves): one thread, in the
-        order they were taken, each job a closure that writes one folder."""
+    def _state_writer(self) -> Any:  # trainer.export.export_writer.ExportWriter
+        """Rank 0's slot-state writer: one thread, each job a closure that writes one folder."""
         from trainer.export.export_writer import ExportWriter
 
-        with self._checkpoint_writer_lock:
-            if self._checkpoints is None:
-                self._checkpoints = ExportWriter(lambda folder, write: write(), threads=1, name="checkpoint-writer")
-            return self._checkpoints
+        with self._state_writer_lock:
+            if self._slot_state_writer is None:
+                self._slot_state_writer = ExportWriter(lambda folder, write: write(), threads=1, name="slot-state-writer")
+            return self._slot_state_writer
 
     def load_slot_state(self, slot: int, in_dir: str | Path, registration: str | None = None) -> dict:
         from trainer.swap.slot_checkpoint import load_slot_state

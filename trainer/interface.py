@@ -14,7 +14,7 @@ that is not free is refused).
 Slots: `init_slot` / `load_slot_state` fill a free slot (fresh, from a PEFT folder, or from a
 saved state), `clear_slot` frees one; `run_round` trains (trainer/rounds.py: every tenant's work
 of a scheduler round in ONE mixed step); `save_slot_state` / `export_peft` / `peft_tensors` read
-one (`begin_save_slot_state` / `begin_save_peft`: taken now, the folder written in the background); `swap_out` / `swap_in` move a slot's whole state out of the device and back under a key
+one (`begin_save_slot_state`: the state taken now, its folder written in the background); `swap_out` / `swap_in` move a slot's whole state out of the device and back under a key
 (keep-warm eviction, bit-exact), with `drop_swapped`, `prefetch_swapped` and `swap_tiers` over
 what is swapped out; `health` says whether the trainer answers.
 """
@@ -38,7 +38,7 @@ class Health:
 
 
 class PendingWrite(Protocol):
-    """A folder a trainer is writing in the background (`begin_save_slot_state`, `begin_save_peft`)."""
+    """A folder a trainer is writing in the background (`begin_save_slot_state`)."""
 
     def done(self) -> bool:
         """Whether the write has ended (committed or failed), without waiting."""
@@ -98,11 +98,6 @@ class TrainerInterface(Protocol):
 
     def export_peft(self, slot: int, out_dir: str | Path, dtype: str = "float32") -> str:
         """The slot as a PEFT adapter folder (adapter_config.json + adapter_model.safetensors)."""
-        ...
-
-    def begin_save_peft(self, slot: int, out_dir: str | Path) -> PendingWrite:
-        """`export_peft` (float32) without waiting for the write: the weights are taken now (later
-        calls do not change what is written), the folder is committed in the background."""
         ...
 
     def peft_tensors(self, slot: int) -> Any:

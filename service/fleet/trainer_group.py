@@ -243,18 +243,11 @@ class TrainerGroup:
 
     def begin_save_slot_state(self, slot: int, out_dir: str | Path) -> PendingWrite:
         """The slot's state taken now on every rank (in order with the collective calls, under the
-        collective lock like begin_export_peft), its folder written on rank 0's checkpoint writer
-        thread: the returned write is done once `wait_written` (EXPORT_GROUP) answered."""
+        collective lock like begin_export_peft), its folder written on rank 0's slot-state writer
+        thread: the returned write is done once `wait_slot_state` (EXPORT_GROUP) answered."""
         out = str(out_dir)
-        return _RayWrite(self._in_background(lambda w: w.save_slot_state_in_background.remote(slot, out), lambda w: w.wait_written, out),
-                         self.call_timeout_s, "save_slot_state")
-
-    def begin_save_peft(self, slot: int, out_dir: str | Path) -> PendingWrite:
-        """The slot's weights taken now on every rank, its PEFT folder (float32) written on rank 0's
-        checkpoint writer thread after the slot states taken before it (as begin_save_slot_state)."""
-        out = str(out_dir)
-        return _RayWrite(self._in_background(lambda w: w.save_peft_in_background.remote(slot, out), lambda w: w.wait_written, out),
-                         self.call_timeout_s, "export_peft")
+        return _RayWrite(self._in_background(lambda w: w.save_slot_state_in_background.remote(slot, out), lambda w: w.wait_slot_state, out),
+                         self.call_timeout_s)
 
     def _in_background(self, take: Callable[[Any], Any], wait: Callable[[Any], Any], out: str) -> list[Any]:
         """`take(worker)` on every rank (what it writes taken now, collective: submitted under the collective
@@ -296,17 +289,16 @@ class TrainerGroup:
 
 
 class _RayWrite:
-    """A background write on the trainer's ranks (TrainerGroup.begin_save_slot_state, begin_save_peft):
-    done once every rank took what it writes and rank 0 committed the folder; `result` raises what failed."""
+    """A background slot-state write on the trainer's ranks (TrainerGroup.begin_save_slot_state): done
+    once every rank took the state and rank 0 committed the folder; `result` raises what failed."""
 
-    def __init__(self, refs: list[Any], timeout_s: float, what: str) -> None:
+    def __init__(self, refs: list[Any], timeout_s: float) -> None:
         self.refs = refs
         self.timeout_s = timeout_s
-        self.what = what
 
     def done(self) -> bool:
         ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
         return len(ready) == len(self.refs)
 
     def result(self) -> str:
-        return call(self.refs, self.timeout_s, f"trainer {self.what} (background)")[-1]
+        return call(self.refs, self.timeout_s, "trainer save_slot_state (background)")[-1]

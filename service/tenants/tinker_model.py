@@ -14,10 +14,7 @@ What a model offers a round (`offer`), from the head of its queue:
     before it, and the calls after it wait for the next round); or
   * one operation that runs alone (save, load, unload), when that is the head.
 So a model's operations run in the order it sent them (T3): an optim_step is never overtaken
-by a later forward_backward, nor runs before an earlier one. A save (save_state,
-save_sampler_weights) is taken in that order and written by the trainer in the background
-while other models' rounds go on; it is answered once committed, and the model offers nothing
-more until then (M7).
+by a later forward_backward, nor runs before an earlier one.
 
 Invariants:
   M1 losses are sums and gradients accumulate across forward_backward calls until optim_step
@@ -30,10 +27,7 @@ Invariants:
      effect is in the slot, and a snapshot covers exactly that (its journal records both);
   M6 a model whose slot state was lost (the service or its trainer) comes back from its last
      snapshot, replaying the operations its journal logged after it; when some cannot be replayed
-     it has diverged, and every call is answered with why and from which step it could continue;
-  M7 answers keep the queue's order: while a save is written in the background nothing later of
-     the model runs, a snapshot (or a graceful stop, or its end) first waits for the save's answer,
-     and a save lost with the trainer runs again after the replays (nothing after it had run).
+     it has diverged, and every call is answered with why and from which step it could continue.
 """
 
 from __future__ import annotations
@@ -41,19 +35,40 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 from service.errors import ServiceStopping
 from service.scheduling.tenant import Offer, RoundContext, SlotOp, TenantKind
-from service.tenants.tinker_checkpoints import LoraSpec, load_into_slot, new_folder
 from service.tenants.tinker_durability import ModelJournal, restore_plan
 from service.tenants.tinker_ops import Done, OpKind, TinkerOp, _no_answer, data_request, decode_adam, decode_data, optim_request
 from service.tenants.tinker_stats import ModelStats
 from trainer.config import SlotHyperParams
-from trainer.interface import PendingWrite, TrainerInterface
+from trainer.interface import TrainerInterface
 from trainer.rounds import AdamStep, Call, Datum
+from trainer.storage.locations import readable_folder
+from trainer.storage.slot_state_format import META, read_slot_meta
 
 __all__ = ["LoraSpec", "OpKind", "TinkerModel", "TinkerOp", "checkpoint_lora"]
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    rank: int
+    seed: int
+    # What the model trains (trainer.config.TARGET_GROUPS order): the SDK's train_attn, train_mlp
+    # and train_unembed.
+    targets: tuple[str, ...] = ("attention", "mlp", "unembed")
+
+
+def checkpoint_lora(folder: str | Path) -> LoraSpec:
+    """The LoRA shape of a Tinker training checkpoint (save_state's folder); ValueError if none."""
+    meta = read_slot_meta(folder)
+    if meta is None:
+        raise ValueError("no training checkpoint at that path (save_state makes one)")
+    targets = tuple(meta["hyper"].get("targets") or ("attention", "mlp"))  # states saved before targets: attention + MLP
+    return LoraSpec(rank=int(meta["hyper"]["rank"]), seed=int(meta["seed"]), targets=targets)
 
 
 RESTORE_TRIES = 3  # placements that may fail to read a model's durable state before its calls are told (M6)
@@ -92,10 +107,6 @@ class TinkerModel:
         self.closing = False  # the service saves its state for a restart: nothing more is queued
         self.stats = stats or ModelStats()  # service/tenants/tinker_stats.py
         self._evicted_at = 0.0  # time.time() of its last eviction: it began to wait then (waiting_since)
-        # A save the trainer is writing in the background (`TinkerOp.writes`), answered once written. Its
-        # later operations wait for it (ready/offer say nothing), so answers keep the queue's order and a
-        # restore never runs a later operation before it (lost, restart). Touched on the loop's thread only.
-        self._writing: tuple[TinkerOp, PendingWrite] | None = None
 
     # --- what the Tinker face calls (any thread) ------------------------------------------------
 
@@ -130,20 +141,13 @@ class TinkerModel:
         self.submit(TinkerOp(OpKind.OPTIM, done, adam=adam, request=lambda: optim_request(adam), **kw))
 
     def save_state(self, folder: str, done: Done, *, answer: dict | None = None, **kw: Any) -> None:
-        """`folder`: a store reference (trainer/storage/layouts.py tinker_checkpoint). Taken in order,
-        written in the background, answered once committed (as save_sampler_weights)."""
-        self.submit(TinkerOp(OpKind.ALONE, done, run=self._save_run("save_state", folder), writes=True,
+        """`folder`: a store reference (trainer/storage/layouts.py tinker_checkpoint)."""
+        self.submit(TinkerOp(OpKind.ALONE, done, run=lambda slot: self._trainer.save_slot_state(slot, self._new_folder(folder)),
                              request=lambda: {"kind": "save_state", "folder": folder, "answer": answer}, **kw))
 
     def save_sampler_weights(self, folder: str, done: Done, *, answer: dict | None = None, **kw: Any) -> None:
-        """The weights taken in order, the PEFT folder written in the background (the loop goes on with
-        the other slots' rounds), answered once committed: the client samples from it only then."""
-        self.submit(TinkerOp(OpKind.ALONE, done, run=self._save_run("save_sampler_weights", folder), writes=True,
+        self.submit(TinkerOp(OpKind.ALONE, done, run=lambda slot: self._trainer.export_peft(slot, self._new_folder(folder)),
                              request=lambda: {"kind": "save_sampler_weights", "folder": folder, "answer": answer}, **kw))
-
-    def _save_run(self, kind: str, folder: str) -> Callable[[int | None], PendingWrite]:
-        begin = self._trainer.begin_save_slot_state if kind == "save_state" else self._trainer.begin_save_peft
-        return lambda slot: begin(slot, self._new_folder(folder))
 
     def export_with(self, write: Callable[[Callable[[str], str]], Any], done: Done, **kw: Any) -> None:
         """`write(export)` on the scheduler's thread, where `export(to)` writes the model's PEFT folder
@@ -176,8 +180,7 @@ class TinkerModel:
         return self.dirty and self.journal.due(time.time())
 
     def ready(self) -> bool:
-        if self._settle_background():  # a resident with no calls is asked this, not offer, while it idles
-            return False  # its save is being written: nothing of it runs before that is answered
+        self._settle_snapshot()  # a resident with no calls is asked this, not offer, while it idles
         return self._head() is not None or self._snapshot_due()
 
     def wants_slot(self) -> bool:
@@ -199,8 +202,7 @@ class TinkerModel:
         self.waiting_reason = reason
 
     def offer(self, slot: int) -> Offer | None:
-        if self._settle_background():
-            return None
+        self._settle_snapshot()
         if self._snapshot_due():  # its policy's snapshot first: it covers what ran before (M5); written
             return Offer(single=SlotOp(lambda s: self.snapshot(s, background=True)), context=[])  # while rounds go on
         taken: list[TinkerOp] = []
@@ -232,8 +234,7 @@ class TinkerModel:
         evicted model each round, so a model whose head needs a slot (or that has none) answers from
         a look without the lock (reading a deque's first item is atomic). A look that raced a change
         only answers None, and the unload runs a round later; what is taken is decided under the lock."""
-        if self._settle_background():
-            return None
+        self._settle_snapshot()
         try:
             if self._queue[0].needs_slot:
                 return None
@@ -280,12 +281,8 @@ class TinkerModel:
             return
         op = offer.context[0]
         self.applied_seq = op.seq
-        if error is None and op.writes:  # answered once the trainer has written it (_settle_background):
-            self._writing = (op, value)  # now, when it wrote before it answered (an in-process trainer)
-            self._settle_background()
-            return
         if error is None and op.request_id is not None and op.kind == OpKind.ALONE and op.needs_slot:
-            self.dirty = True  # a load changed it
+            self.dirty = True  # a load changed it (a save did not, but a snapshot after it costs little)
         self._answer(op, value, error)
 
     def give_back(self, offer: Offer, error: str, retry: bool = False) -> None:
@@ -358,10 +355,8 @@ class TinkerModel:
 
     def lost(self) -> None:
         """Its slot state was lost with the trainer (a dead rank, a lost node): back from its last
-        snapshot, the operations it ran since replayed from its journal (M6); what it has queued stays.
-        A save being written runs again after the replays (nothing after it ran), unless it was committed."""
+        snapshot, the operations it ran since replayed from its journal (M6); what it has queued stays."""
         self.journal.forget_writing()  # written by the lost trainer, or not: the recorded snapshot stands
-        self._settle_background(block=True, retry=True)  # a dead rank's write answers its error at once
         records = self.journal.records
         row = next((r for r in records.live_models() if r.model_id == self.key), None)
         if row is None:
@@ -386,16 +381,15 @@ class TinkerModel:
         t = self._trainer
         runs = {  # a replayed save is not written again: its checkpoint was committed before the loss
             "create": lambda slot: None,
-            "save_state": (lambda slot: None) if replay else self._save_run("save_state", r.get("folder", "")),
-            "save_sampler_weights": (lambda slot: None) if replay else self._save_run("save_sampler_weights", r.get("folder", "")),
+            "save_state": lambda slot: None if replay else t.save_slot_state(slot, self._new_folder(r["folder"])),
+            "save_sampler_weights": lambda slot: None if replay else t.export_peft(slot, self._new_folder(r["folder"])),
             "load_state": lambda slot: self._load(slot, r["folder"], r["optimizer"]),
             "unload": lambda slot: self._end(self.key),
         }
         if kind not in runs:
             done(None, RuntimeError("the service restarted before this call ran and cannot run it again: send it again"))
             return None
-        writes = kind in ("save_state", "save_sampler_weights") and not replay
-        return TinkerOp(OpKind.ALONE, done, run=runs[kind], needs_slot=kind != "unload", writes=writes, **kw)
+        return TinkerOp(OpKind.ALONE, done, run=runs[kind], needs_slot=kind != "unload", **kw)
 
     def durable(self) -> bool:
         """Its state is its durable snapshot (revived, not back in a slot since): nothing to save at stop."""
@@ -403,44 +397,20 @@ class TinkerModel:
 
     def snapshot(self, slot: int | None = None, background: bool = False) -> str:
         """Its whole slot state committed in the store and recorded, covering `applied_seq` (M5);
-        `background`: taken now, recorded once the trainer has written it (ModelJournal.snapshot).
-        A save being written is answered first: a snapshot never covers an unanswered operation."""
-        self._settle_background(block=True)
+        `background`: taken now, recorded once the trainer has written it (ModelJournal.snapshot)."""
         url = self.journal.snapshot(self._trainer, slot, self.applied_seq, self.step, background=background)
         self.dirty = False
         return url
 
-    def _settle_background(self, block: bool = False, retry: bool = False) -> bool:
-        """What the trainer writes for it in the background, if ended (`block`: once ended): a
-        snapshot is recorded (one that failed leaves it dirty, so the policy takes another; its last
-        recorded snapshot is as old as before); a save is answered, its folder or its error (as a
-        save that failed in the loop is), or with `retry` (the trainer was lost) a failed one goes
-        back to the head of its queue, unanswered, to run again (nothing after it ran). True while
-        a save is still being written. The loop's thread asks every model each round (ready /
-        offer / offer_unplaced): two attribute reads when nothing is written."""
-        if self.journal.writing is not None and self.journal.settle(block) is False:
+    def _settle_snapshot(self) -> None:
+        """A background snapshot that ended is recorded; one that failed leaves it dirty, so the
+        policy takes another (its last recorded snapshot is as old as before). The loop's thread
+        asks every model each round (ready / offer / offer_unplaced): one attribute read when none is written."""
+        if self.journal.writing is not None and self.journal.settle() is False:
             self.dirty = True
-        if self._writing is None:
-            return False
-        op, pending = self._writing
-        if not (block or pending.done()):
-            return True
-        self._writing = None
-        try:
-            folder = pending.result()
-        except Exception as e:  # noqa: BLE001 - the write failed, or the trainer was lost
-            if retry:
-                with self._mu:
-                    self._queue.appendleft(op)
-            else:
-                self._answer(op, None, e)
-            return False
-        self._answer(op, folder, None)
-        return False
 
     def persist_queue(self) -> None:
         """A graceful stop: the requests of what waits are recorded, so it runs after the restart."""
-        self._settle_background(block=True)
         with self._mu:
             waiting = [op for op in self._queue if not op.cancelled()]
         self.journal.persist(waiting)
@@ -451,7 +421,6 @@ class TinkerModel:
         self.ended = True
         if reason:
             self.end_reason = reason
-        self._settle_background(block=True)
         with self._mu:
             left, self._queue = list(self._queue), deque()
         for op in left:
@@ -461,8 +430,33 @@ class TinkerModel:
     # --- slot operations ----------------------------------------------------------------------
 
     def _new_folder(self, folder: str) -> str:
-        return new_folder(self.journal.store, folder)
+        """A checkpoint is written once: an existing one is refused (ValueError), never overwritten."""
+        store = self.journal.store
+        if store.exists(store.key_of(folder)):
+            raise ValueError(f"checkpoint folder {Path(folder).name!r} exists; choose another name")
+        return folder
 
     def _load(self, slot: int, folder: str, optimizer: bool) -> None:
-        load_into_slot(self._trainer, self.journal.store, f"{self.journal.snapshot_prefix}/load-backup", slot, folder,
-                       optimizer=optimizer, lora=self.lora, registration=self.key)
+        """M4: the slot's state is saved first and restored if the load fails."""
+        lora = checkpoint_lora(readable_folder(self.journal.store, folder, legacy_marker=META))
+        if lora.rank != self.lora.rank:
+            raise ValueError(f"checkpoint has LoRA rank {lora.rank}, the model has rank {self.lora.rank}")
+        if lora.targets != self.lora.targets:
+            raise ValueError(f"checkpoint trains {list(lora.targets)}, the model trains {list(self.lora.targets)} "
+                             "(train_attn / train_mlp / train_unembed must match)")
+        store = self.journal.store
+        backup = f"{self.journal.snapshot_prefix}/load-backup"
+        t = self._trainer
+        t.save_slot_state(slot, store.url(backup))
+        try:
+            t.clear_slot(slot)
+            try:
+                t.load_slot_state(slot, folder, registration=self.key)
+            except Exception:
+                t.clear_slot(slot)  # whatever the failed load left (clearing an empty slot is fine)
+                t.load_slot_state(slot, store.url(backup), registration=self.key)
+                raise
+            if not optimizer:
+                t.reset_optimizer(slot)
+        finally:
+            store.delete(backup)

@@ -35,8 +35,7 @@ from service.scheduling.scheduler import Scheduler
 from service.scheduling.tenant import TenantKind
 from service.config.durability import Durability
 from service.tenants.tinker_durability import ModelJournal, SnapshotCounts, restore_plan
-from service.tenants.tinker_checkpoints import LoraSpec
-from service.tenants.tinker_model import TinkerModel
+from service.tenants.tinker_model import LoraSpec, TinkerModel
 from service.tenants.tinker_ops import OpKind, TinkerOp, _no_answer
 from service.tenants.tinker_stats import ModelStats, SlotGrants
 from trainer.config import TARGET_GROUPS, SlotHyperParams

@@ -51,7 +51,6 @@ class TinkerOp:
     request_id: str | None = None  # its future (None: an internal operation, e.g. a snapshot)
     request: Callable[[], dict | None] = lambda: None  # its request, built when it must be recorded
     replay: bool = False  # answered before a restore: run for its effect only
-    writes: bool = False  # ALONE: `run` answers a trainer.interface PendingWrite; the op is answered once it is written
 
     @property
     def name(self) -> str:

@@ -291,7 +291,7 @@ def test_slot_state_round_trip_resumes_exactly(trainer, tmp_path):
 
 def test_a_background_slot_state_holds_the_state_when_it_was_asked_for(trainer, tmp_path):
     """TrainWorker.save_slot_state_in_background (a Tinker model's periodic snapshot, issue 41): the state
-    is taken at the call, written later on rank 0's checkpoint writer (held here until the slot has
+    is taken at the call, written later on rank 0's slot-state writer (held here until the slot has
     trained on), and the folder equals the one save_slot_state writes at the same point, file by file:
     what trains after the call is not in it (on a CPU trainer the gathered blocks are views of the
     slot's buffers, so the snapshot must copy them)."""
@@ -306,44 +306,15 @@ def test_a_background_slot_state_holds_the_state_when_it_was_asked_for(trainer, 
     trainer.train(batch([1], seed=1))  # one sample pending: a gradient too
     worker = TrainWorker(trainer)
     save_slot_state(trainer, 1, tmp_path / "now")  # the reference, written at once
-    hold_writer(worker._checkpoint_writer(), True)  # noqa: SLF001 - the write waits until the slot has changed
+    hold_writer(worker._state_writer(), True)  # noqa: SLF001 - the write waits until the slot has changed
     assert worker.save_slot_state_in_background(1, tmp_path / "later") == str(tmp_path / "later")
     trainer.train(batch([1, 1], seed=2))  # completes the step: weights, moments and gradient change
     assert not (tmp_path / "later").exists()
-    hold_writer(worker._checkpoint_writer(), False)  # noqa: SLF001
-    assert worker.wait_written(tmp_path / "later") == str(tmp_path / "later")
+    hold_writer(worker._state_writer(), False)  # noqa: SLF001
+    assert worker.wait_slot_state(tmp_path / "later") == str(tmp_path / "later")
     now, later = load_file(str(tmp_path / "now" / "slot_state.safetensors")), load_file(str(tmp_path / "later" / "slot_state.safetensors"))
     assert now.keys() == later.keys() and all(torch.equal(now[k], later[k]) for k in now)
     assert (tmp_path / "now" / "slot_state.json").read_text() == (tmp_path / "later" / "slot_state.json").read_text()
     save_slot_state(trainer, 1, tmp_path / "after")
     after = load_file(str(tmp_path / "after" / "slot_state.safetensors"))
-    assert any(not torch.equal(now[k], after[k]) for k in now)  # the slot did change after the call
-
-
-def test_a_background_sampler_save_holds_the_weights_when_it_was_asked_for(trainer, tmp_path):
-    """TrainWorker.save_peft_in_background (a Tinker model's save_weights_for_sampler, issue 41): the
-    weights are taken at the call, the PEFT folder written later on rank 0's checkpoint writer (held
-    here until the slot has stepped), and it equals the folder export_peft writes at the same point,
-    file by file; the step after the call is not in it."""
-    from safetensors.torch import load_file
-
-    from tests.trainer_probes import hold_writer
-    from trainer.actor import TrainWorker
-
-    reset(trainer, {1: dict(samples_per_step=1)})
-    trainer.train(batch([1], seed=0))  # one step: B is no longer zero
-    worker = TrainWorker(trainer)
-    worker.export_peft(1, tmp_path / "now")  # the reference, written at once
-    hold_writer(worker._checkpoint_writer(), True)  # noqa: SLF001 - the write waits until the slot has stepped
-    assert worker.save_peft_in_background(1, tmp_path / "later") == str(tmp_path / "later")
-    trainer.train(batch([1], seed=1))  # another step: the weights change
-    assert not (tmp_path / "later").exists()
-    hold_writer(worker._checkpoint_writer(), False)  # noqa: SLF001
-    assert worker.wait_written(tmp_path / "later") == str(tmp_path / "later")
-    now = load_file(str(tmp_path / "now" / "adapter_model.safetensors"))
-    later = load_file(str(tmp_path / "later" / "adapter_model.safetensors"))
-    assert now.keys() == later.keys() and all(torch.equal(now[k], later[k]) for k in now)
-    assert (tmp_path / "now" / "adapter_config.json").read_text() == (tmp_path / "later" / "adapter_config.json").read_text()
-    worker.export_peft(1, tmp_path / "after")
-    after = load_file(str(tmp_path / "after" / "adapter_model.safetensors"))
     assert any(not torch.equal(now[k], after[k]) for k in now)  # the slot did change after the call

@@ -21,7 +21,7 @@ from service.registry.registry import Registry
 from service.registry.tinker_records import TinkerRecords
 from service.scheduling.residency import ResidencyKnobs
 from service.scheduling.scheduler import Scheduler
-from service.tenants.tinker_checkpoints import LoraSpec
+from service.tenants.tinker_model import LoraSpec
 from service.tenants.tinker_models import TinkerModels
 from trainer.interface import WrittenFolder
 from trainer.rounds import AdamStep, CallResult, Datum, RoundResult
@@ -49,7 +49,7 @@ class RecordingTrainer:
         self.fail_swap_out = False
         self.fail_load = False
         self.lose_at: str | None = None
-        self.hold_writes = False  # begin_save_slot_state / begin_save_peft answer a HeldWrite (below), not a written folder
+        self.hold_writes = False  # begin_save_slot_state answers a HeldWrite (below) instead of a written folder
         self.writes: list[HeldWrite] = []
 
     def run_round(self, work) -> RoundResult:
@@ -76,15 +76,6 @@ class RecordingTrainer:
     def begin_save_slot_state(self, slot, folder):
         self.save_slot_state(slot, folder)
         if self.hold_writes:  # written in the background until the test ends it
-            self.writes.append(HeldWrite(str(folder)))
-            return self.writes[-1]
-        return WrittenFolder(str(folder))
-
-    def begin_save_peft(self, slot, folder):
-        if self.lose_at == "save":
-            raise TrainerGone("the trainer's process died before the save (planted)")
-        self.events.append(("save_peft", slot))
-        if self.hold_writes:
             self.writes.append(HeldWrite(str(folder)))
             return self.writes[-1]
         return WrittenFolder(str(folder))
@@ -677,75 +668,3 @@ def test_a_stop_saves_the_queue_of_a_model_whose_state_is_durable_without_swappi
     out = w.scheduler.drain(lambda tenant, slot: saved.append((tenant.key, slot)) or "kept")
     assert sorted(saved) == [("a", None), ("b", None)] and out == {"a": "kept", "b": "kept"}
     assert not [e for e in w.trainer.events[before:] if e[0] in ("swap_in", "clear")]
-
-
-def _save_being_written(tmp_path, durability: str = "interval:300"):
-    """Models a and b, one step each; a's save_weights_for_sampler taken (its write held:
-    w.trainer.writes[0]) with a forward_backward queued behind it."""
-    w = World(tmp_path, durability=durability)
-    w.trainer.hold_writes = True
-    a, _ = w.create("a")
-    b, _ = w.create("b")
-    _one_step(w, a, "a1")
-    _one_step(w, b, "b1")
-    w.call(a, "a.save", "save_sampler_weights", str(tmp_path / "store" / "a-sampler"))
-    _fb(w, a, "a.fb2")
-    w.round()
-    assert [e for e in w.trainer.events if e[0] == "save_peft"] == [("save_peft", w.scheduler.slot_of("a"))]
-    return w, a, b
-
-
-def test_a_save_is_answered_once_written_and_its_model_waits_while_the_others_train(tmp_path):
-    """save_weights_for_sampler is taken in order and written in the background: the rounds go on
-    (b trains), a's later call does not run and the save is not answered until the write ends; then
-    the save is answered (its folder) before a's next call runs (M7)."""
-    w, a, b = _save_being_written(tmp_path)
-    assert "a.save" not in w.answers and len(w.trainer.writes) == 1
-    _fb(w, b, "b.fb2")
-    w.round()
-    w.round()
-    assert "b.fb2" in w.answers and "a.fb2" not in w.answers
-    assert all("a.fb2" not in r["calls"] for r in w.trainer.rounds), "a's call ran before its save was answered"
-    w.trainer.writes[0].state = "written"
-    w.rounds_until(lambda: "a.fb2" in w.answers)
-    assert w.answers["a.save"] == (w.trainer.writes[0].folder, None)
-    assert list(w.answers).index("a.save") < list(w.answers).index("a.fb2")
-    assert w.answered["a.save"] == 1
-
-
-def test_a_save_whose_write_failed_answers_its_error_and_the_model_goes_on(tmp_path):
-    w, a, _ = _save_being_written(tmp_path)
-    w.trainer.writes[0].state = "failed"  # a FAKE fault: the disk is full
-    w.rounds_until(lambda: "a.fb2" in w.answers)
-    value, error = w.answers["a.save"]
-    assert value is None and "no space left on device" in str(error)
-    assert w.answers["a.fb2"][1] is None
-
-
-def test_a_snapshot_and_the_end_answer_the_save_being_written_first(tmp_path):
-    """A graceful stop's snapshot waits for the save's write and answers it before it records a state
-    that covers it (a snapshot never covers an unanswered call); an unload likewise answers it first."""
-    w, a, _ = _save_being_written(tmp_path)
-    a.snapshot(w.scheduler.slot_of("a"))  # as fleet_runtime's drain does
-    assert w.trainer.writes[0].waited and w.answers["a.save"] == (w.trainer.writes[0].folder, None)
-    assert _snapshot_row(w, "a").snapshot_seq >= a.applied_seq
-    w.call(a, "b.save", "save_sampler_weights", str(tmp_path / "store" / "a-sampler-2"))
-    w.rounds_until(lambda: len(w.trainer.writes) == 2)  # a.fb2 ran, then the second save was taken
-    a.release("unloaded")
-    assert w.trainer.writes[1].waited and w.answers["b.save"] == (w.trainer.writes[1].folder, None)
-
-
-def test_a_save_lost_with_the_trainer_runs_again_after_the_replays_and_is_answered_once(tmp_path):
-    """Policy step: the trainer lost while a's save was written (its write fails with the trainer):
-    the save is not answered with the loss; a comes back from its snapshot and the save runs again,
-    before a's later call (nothing after it had run), and is answered once, with its folder."""
-    w, a, _ = _save_being_written(tmp_path, durability="step")
-    w.trainer.writes[0].state = "failed"  # the lost trainer's write
-    w.scheduler.clear()
-    assert "a.save" not in w.answers
-    w.rounds_until(lambda: len(w.trainer.writes) == 2)  # restored from its snapshot, then the save again
-    assert "a.save" not in w.answers and "a.fb2" not in w.answers
-    w.trainer.writes[-1].state = "written"
-    w.rounds_until(lambda: "a.fb2" in w.answers)
-    assert w.answers["a.save"] == (w.trainer.writes[-1].folder, None) and w.answered["a.save"] == 1
-    assert list(w.answers).index("a.save") < list(w.answers).index("a.fb2")

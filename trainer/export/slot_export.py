@@ -169,32 +169,10 @@ class SlotExporter:
         told: checkpoints and retire exports keep every bit; only publish folders take the engines' dtype."""
         writes = self.layout.rank == 0
         snap = self.snapshot_peft(slot, to_host=writes, dtype=dtype)
-        if writes:
-            self._commit_peft(str(out_dir), snap)
+        if writes:  # committed whole in the trainer's store (trainer/storage/store.py)
+            with open_store(self.config.storage).write_folder(out_dir) as tmp:
+                write_peft_snapshot(tmp, snap)
         return str(out_dir)
-
-    def save_peft_in_background(self, slot: int, out_dir: str | Path, writer: ExportWriter) -> str:
-        """`export_peft` (float32) whose write runs on rank 0's `writer` (a writer of closures,
-        trainer/actor.py): the weights taken now (snapshot_peft: a fresh tensor in call order, so
-        later steps do not change what is written), the folder committed in the store by the
-        writer; returns before it is written. `writer.wait(out_dir)` returns once it is committed,
-        or raises the write's error. What a Tinker model's `save_weights_for_sampler` runs (issue 41:
-        the loop no longer waits for the file)."""
-        writes, out = self.layout.rank == 0, str(out_dir)
-        try:
-            snap = self.snapshot_peft(slot, to_host=writes)
-        except BaseException as e:
-            if writes:
-                writer.fail(out, e)  # its waiter raises instead of waiting for a write that never comes
-            raise
-        if writes:
-            writer.submit(out, lambda: self._commit_peft(out, snap), snap.nbytes)
-        return out
-
-    def _commit_peft(self, out_dir: str, snap: PeftSnapshot) -> None:
-        """The snapshot's folder committed whole in the trainer's store (trainer/storage/store.py)."""
-        with open_store(self.config.storage).write_folder(out_dir) as tmp:
-            write_peft_snapshot(tmp, snap)
 
     # Background export (issues 18, 28): the snapshot in call order, the write off the critical path.
     def export_peft_in_background(self, slot: int, out_dir: str | Path, *, dtype: str = "float32", key: str | None = None) -> str:
