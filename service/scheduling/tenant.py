@@ -93,10 +93,10 @@ class Tenant(Protocol):
     def wants_slot(self) -> bool:
         """While evicted: whether it has work waiting for a slot."""
 
-    def waiting_since(self) -> float:
-        """A Tinker model, while evicted and wanting a slot: since when (time.time()); orders it among
-        the waiting runs of the registry's queue (queued_at), one FIFO across kinds. (A run's place
-        is its queue entry.)"""
+    def slot_wait(self) -> float | None:
+        """A Tinker model, while evicted: since when (time.time()) it wants a slot, None when it wants
+        none; orders it among the waiting runs of the registry's queue (queued_at), one FIFO across
+        kinds. (A run's place is its queue entry.)"""
 
     def waiting_for_slot(self, reason: str) -> None:
         """It waits for a slot (placement found none): why, for its callers."""

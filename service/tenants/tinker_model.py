@@ -106,7 +106,7 @@ class TinkerModel:
         self._restore: Callable[[int], Any] | None = None  # fills its slot when its state is not in the swap store
         self.closing = False  # the service saves its state for a restart: nothing more is queued
         self.stats = stats or ModelStats()  # service/tenants/tinker_stats.py
-        self._evicted_at = 0.0  # time.time() of its last eviction: it began to wait then (waiting_since)
+        self._evicted_at = 0.0  # time.time() of its last eviction: it began to wait then (slot_wait)
 
     # --- what the Tinker face calls (any thread) ------------------------------------------------
 
@@ -186,15 +186,11 @@ class TinkerModel:
     def wants_slot(self) -> bool:
         return self.slot_wait() is not None
 
-    def waiting_since(self) -> float:
-        """Its head call's arrival, or its eviction when later: an evicted model joins the end of the
-        queue (docs/concepts.md "Fair turns"), behind those that began to wait while it held its slot."""
-        head = self._head()
-        return max(head.queued_at, self._evicted_at) if head is not None else time.time()
-
     def slot_wait(self) -> float | None:
-        """``waiting_since()`` when it wants a slot, else None: both from one look at its head (the
-        placement asks this of every evicted model, so once each: service/scheduling/slot_moves.py)."""
+        """When its head call needs a slot: that call's arrival, or its eviction when later (an evicted
+        model joins the end of the queue, docs/concepts.md "Fair turns", behind those that began to
+        wait while it held its slot); else None. One look at its head (the placement asks this of
+        every evicted model, so once each: service/scheduling/slot_moves.py)."""
         head = self._head()
         return max(head.queued_at, self._evicted_at) if head is not None and head.needs_slot else None
 

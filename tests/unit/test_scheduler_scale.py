@@ -106,9 +106,6 @@ class StepRun:
 
     wants_slot = ready
 
-    def waiting_since(self) -> float:
-        return 0.0
-
     def waiting_for_slot(self, reason: str) -> None:
         pass
 
