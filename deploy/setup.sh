@@ -80,6 +80,8 @@ else
   echo "$inputs_hash" > "$STAMP"
 fi
 
+# transformers infers every distribution's top-level names at import, 1.3 s in each process: record them once
+"$VENV/bin/python" deploy/record_top_levels.py
 log "checking imports"
 "$VENV/bin/python" -W ignore - <<'PY'
 import importlib
