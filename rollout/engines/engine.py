@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -33,7 +34,7 @@ from pathlib import Path
 import httpx
 
 from rollout.config import EngineConfig
-from rollout.engines.sglang_cpu import ServerLaunch, build_server_launch
+from rollout.engines.sglang_cpu import ENGINE_SCRATCH_ENV, ServerLaunch, build_server_launch
 
 
 class EngineStartError(RuntimeError):
@@ -79,6 +80,7 @@ class EngineProcess:
         self._proc: subprocess.Popen | None = None
         self._log_file = None
         self._log_offset = 0  # where this start's lines begin in log_path
+        self._scratch: Path | None = None  # this start's scratch folder (ENGINE_SCRATCH_ENV), removed at stop
 
     @property
     def url(self) -> str:
@@ -96,6 +98,8 @@ class EngineProcess:
             raise RuntimeError(f"engine {self.index} is already running (pid {self._proc.pid})")
         self.port = self.cfg.port_for(self.index) or pick_free_port(self.cfg.host)
         self.launch = build_server_launch(self.cfg, self.model_path, self.port)
+        self._scratch = Path(tempfile.mkdtemp(prefix=f"engine-{self.index}-scratch-", dir=self.log_dir))
+        self.launch.env[ENGINE_SCRATCH_ENV] = str(self._scratch)
         self._log_file = open(self.log_path, "ab")
         self._log_file.write(f"\n=== lorafleet: start {self.starts + 1}: {' '.join(self.launch.argv)}\n".encode())
         self._log_file.flush()
@@ -191,6 +195,9 @@ class EngineProcess:
                 pass
             if pgid is not None:
                 _wait_group_gone(pgid, timeout_s=10.0)
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._scratch = None
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
@@ -109,6 +110,7 @@ class EnginePool:
         self._engines = [_Engine(i, c) for i, c in enumerate(clients)]
         self._adapters: dict[str, _Adapter] = {}
         self.weight_transfer = weight_transfer
+        self._own_spill_dir = spill_dir is None  # made here, so removed by aclose
         self.spill_dir = spill_dir or tempfile.mkdtemp(prefix="lorafleet-spill-")
         self.abort_wait_s = abort_wait_s
         self._unload_tasks: set[asyncio.Task] = set()
@@ -460,3 +462,5 @@ class EnginePool:
             t.cancel()
         for e in self._engines:
             await e.client.aclose()
+        if self._own_spill_dir:
+            shutil.rmtree(self.spill_dir, ignore_errors=True)

@@ -62,6 +62,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 SGL_KERNEL_SHIM_DIR = Path(__file__).resolve().parent / "_cpu_shims"
 # Read by rollout/engines/sglang_server.py in every server process (parent and spawned children).
 CPU_PATCH_ENV = "LORAFLEET_SGLANG_CPU_PATCHES"
+# A folder the server process may write scratch files in; EngineProcess makes it at start and removes it at stop.
+ENGINE_SCRATCH_ENV = "LORAFLEET_ENGINE_SCRATCH"
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 8192
 
 

@@ -32,6 +32,7 @@ import shutil
 import tempfile
 
 CPU_PATCH_ENV = "LORAFLEET_SGLANG_CPU_PATCHES"  # same value as rollout.engines.sglang_cpu.CPU_PATCH_ENV
+ENGINE_SCRATCH_ENV = "LORAFLEET_ENGINE_SCRATCH"  # same value as rollout.engines.sglang_cpu.ENGINE_SCRATCH_ENV
 
 
 def apply_cpu_process_patches() -> None:
@@ -75,7 +76,10 @@ def _one_rank_groups_without_a_port() -> None:
     def init_process_group(*args, **kwargs):
         method = kwargs.get("init_method")
         if kwargs.get("world_size") == 1 and isinstance(method, str) and method.startswith("tcp://"):
-            folder = tempfile.mkdtemp(prefix="lorafleet-sglang-store-")
+            # In the engine's scratch folder, which its EngineProcess removes at stop: the atexit
+            # below does not run in SGLang's children, which end by signal (it left one folder in
+            # /tmp per engine start).
+            folder = tempfile.mkdtemp(prefix="lorafleet-sglang-store-", dir=os.environ.get(ENGINE_SCRATCH_ENV) or None)
             atexit.register(shutil.rmtree, folder, True)
             kwargs["init_method"] = f"file://{folder}/store"
         return init(*args, **kwargs)

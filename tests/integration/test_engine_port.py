@@ -24,6 +24,7 @@ from rollout.config import EngineConfig
 from rollout.engines.engine import EngineProcess, EngineStartError
 from tests.integration.net_probe import is_loopback, listeners
 from tests.integration.sglang_fixtures import DEFAULT_ENGINE
+from tests.waiting import wait_until
 
 
 @pytest.fixture
@@ -40,11 +41,15 @@ def test_configured_port_in_use_is_refused_with_the_setting_named(tiny_world, tm
     engine = EngineProcess(0, cfg, tiny_world / "model", log_dir=tmp_path)
     try:
         engine.start()
+        # the one-rank process group's FileStore (made before the bind) goes into this start's scratch folder
+        wait_until(lambda: list(tmp_path.glob("engine-0-scratch-*/lorafleet-sglang-store-*/store")),
+                   "the scheduler's FileStore in the engine's scratch folder", timeout_s=300, interval_s=0.2)
         with pytest.raises(EngineStartError, match=rf"could not bind 127\.0\.0\.1:{held_port}.*engines\.ports"):
             engine.wait_ready()
         assert not engine.is_alive()
     finally:
         engine.stop()
+    assert not list(tmp_path.glob("engine-0-scratch-*"))  # and the stop removed it (it used to stay in /tmp)
 
 
 # Opt-in (-m slow, CI budget: about 100 s on 2 cores for two engine starts); the refusal case above

@@ -56,3 +56,18 @@ def test_readmit_keeps_an_unreachable_engine_out():
 
     assert asyncio.run(probe()) == (False, True)  # engine 0 was never out: nothing to do
     assert not pool.healthy(1) and pool.healthy(0)
+
+
+def test_a_spill_folder_the_pool_made_is_removed_at_close_and_a_given_one_kept(tmp_path):
+    from pathlib import Path
+
+    made, given = make_pool(1), EnginePool([EngineClient("http://127.0.0.1:9/0")], spill_dir=str(tmp_path))
+    assert Path(made.spill_dir).is_dir()
+
+    async def close_both():
+        await made.aclose()
+        await given.aclose()
+
+    asyncio.run(close_both())
+    assert not Path(made.spill_dir).exists()  # it used to stay in /tmp, one per pool
+    assert tmp_path.is_dir()  # the caller's folder is the caller's
