@@ -69,9 +69,11 @@ class Restartable:
                                  "tinker_session_timeout_s": 3600, "tinker_default_seed": SEED, "port": self.port})
         self.svc = Service(job, tmp / "state", tmp / "serve.log")
         self.url = f"http://127.0.0.1:{self.port}"
+        self.durability = ""  # the policy of the last start
 
     def start(self, durability: str) -> float:
         t0 = time.monotonic()
+        self.durability = durability
         self.svc.env = {**os.environ, "LORAFLEET_TINKER_DURABILITY": durability, "PYTHONFAULTHANDLER": "1"}
         try:
             self.svc.start(new_session=True)
@@ -92,6 +94,13 @@ class Restartable:
         os.killpg(os.getpgid(self.svc.proc.pid), signal.SIGKILL)
         self.svc.proc.wait(30)
         reap_engines(self.svc.state_dir)
+
+    def ensure(self, durability: str) -> None:
+        """The service under `durability`: a graceful restart only if another policy is in force (a
+        restart is the costliest thing these tests do, about 40 s on a 2-core machine)."""
+        if self.durability != durability:
+            self.sigterm()
+            self.start(durability)
 
     def close(self) -> None:
         from service.fleet.engine_pids import reap_engines
@@ -158,6 +167,7 @@ def chat_data(tiny_world, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def uninterrupted(service, tiny_world, chat_data, tmp_path_factory):
     """The recipe run to its end with no restart: (its losses, its final state's tensors)."""
+    service.ensure("step")
     log = tmp_path_factory.mktemp("uninterrupted") / "run"
     _finish(_recipe(service, log, tiny_world, chat_data), log)
     return _nll(log), _final_state(service, log)
@@ -165,6 +175,7 @@ def uninterrupted(service, tiny_world, chat_data, tmp_path_factory):
 
 def _interrupted(service, tiny_world, chat_data, tmp_path_factory, name: str, interrupt) -> tuple[list[float], dict]:  # noqa: ANN001
     """The recipe, with `interrupt(log)` (a stop and a start) after its third step; (losses, final state)."""
+    service.ensure("step")  # (a) and (b) are about tinker_durability: step, whatever ran before them
     log = tmp_path_factory.mktemp(name) / "run"
     proc = _recipe(service, log, tiny_world, chat_data)
     wait_until(lambda: len(_nll(log)) >= 3 or proc.poll() is not None, "the recipe's third step", timeout_s=RECIPE_TIMEOUT_S)
@@ -240,16 +251,16 @@ def _step(tc, data) -> float:  # noqa: ANN001 - a TrainingClient, its datums
 
 
 def test_kill_9_with_interval_durability_names_the_restored_step(service, tiny_world):
-    """Deterministic snapshots: with `interval:3600` none is taken while the test runs, so the
-    graceful restart's drain makes each model's durable snapshot (alice at step 2, bob at step 1);
-    alice's step 3 after it is what the kill -9 loses."""
+    """Deterministic snapshots: the models train under whatever policy is in force, then a graceful
+    restart into `interval:3600` drains them (its drain snapshots every model: alice at step 2, bob at
+    step 1), and under `interval:3600` no snapshot is taken while the test runs, so alice's step 3
+    after it is what the kill -9 loses. The start after the kill is under `interval:1` (the policy at
+    the kill is what decides what is lost; the next test wants interval:1, so this saves it a restart)."""
     import tinker
     from transformers import AutoTokenizer
 
     from tests.integration.test_tinker_serve import sft_data
 
-    service.sigterm()
-    service.start("interval:3600")
     alice = open_client(service.url, KEYS["alice"])
     tc = alice.create_lora_training_client(base_model=SERVED_NAME, rank=8, seed=1).result()
     data = sft_data(AutoTokenizer.from_pretrained(tiny_world / "model"), tiny_world, 4)  # this machine's copy
@@ -266,7 +277,7 @@ def test_kill_9_with_interval_durability_names_the_restored_step(service, tiny_w
     _step(tc, data)  # alice's step 3: past her snapshot, lost in the crash
     service.kill9()
     t0 = time.monotonic()
-    service.start("interval:3600")
+    service.start("interval:1")
     with pytest.raises(tinker.RequestFailedError, match=r"restored to step 2") as err:
         _step(tc, data)
     assert "unknown request id" not in str(err.value)
@@ -290,8 +301,7 @@ def test_a_periodic_snapshot_written_in_the_background_is_what_a_kill_9_restores
 
     from tests.integration.test_tinker_serve import sft_data
 
-    service.sigterm()
-    service.start("interval:1")
+    service.ensure("interval:1")
     alice = open_client(service.url, KEYS["alice"])
     tc = alice.create_lora_training_client(base_model=SERVED_NAME, rank=8, seed=3).result()
     data = sft_data(AutoTokenizer.from_pretrained(tiny_world / "model"), tiny_world, 4)
