@@ -98,6 +98,8 @@ class EngineProcess:
             raise RuntimeError(f"engine {self.index} is already running (pid {self._proc.pid})")
         self.port = self.cfg.port_for(self.index) or pick_free_port(self.cfg.host)
         self.launch = build_server_launch(self.cfg, self.model_path, self.port)
+        if self._scratch is not None:  # a start whose process ended without a stop
+            shutil.rmtree(self._scratch, ignore_errors=True)
         self._scratch = Path(tempfile.mkdtemp(prefix=f"engine-{self.index}-scratch-", dir=self.log_dir))
         self.launch.env[ENGINE_SCRATCH_ENV] = str(self._scratch)
         self._log_file = open(self.log_path, "ab")
