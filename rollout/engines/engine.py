@@ -98,8 +98,7 @@ class EngineProcess:
             raise RuntimeError(f"engine {self.index} is already running (pid {self._proc.pid})")
         self.port = self.cfg.port_for(self.index) or pick_free_port(self.cfg.host)
         self.launch = build_server_launch(self.cfg, self.model_path, self.port)
-        if self._scratch is not None:  # a start whose process ended without a stop
-            shutil.rmtree(self._scratch, ignore_errors=True)
+        self._drop_scratch()  # a start whose process ended without a stop left one
         self._scratch = Path(tempfile.mkdtemp(prefix=f"engine-{self.index}-scratch-", dir=self.log_dir))
         self.launch.env[ENGINE_SCRATCH_ENV] = str(self._scratch)
         self._log_file = open(self.log_path, "ab")
@@ -197,12 +196,15 @@ class EngineProcess:
                 pass
             if pgid is not None:
                 _wait_group_gone(pgid, timeout_s=10.0)
-        if self._scratch is not None:
-            shutil.rmtree(self._scratch, ignore_errors=True)
-            self._scratch = None
+        self._drop_scratch()
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
+
+    def _drop_scratch(self) -> None:
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._scratch = None
 
     def restart(self, deadline_s: float | None = None) -> float:
         """Stop (if needed), start again, wait until ready. Adapters must be loaded again afterwards."""
