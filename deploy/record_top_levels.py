@@ -40,25 +40,19 @@ def _mapping() -> dict[str, list[str]]:
 
 
 def main() -> int:
-    before = _mapping()
-    written: list[Path] = []
-    for dist in md.distributions():
-        if dist.read_text("top_level.txt") is not None:
-            continue
-        folder = getattr(dist, "_path", None)
-        names = _inferred(dist)
-        if folder is None or not names:
-            continue
-        target = Path(folder) / "top_level.txt"
+    todo = [(Path(dist._path) / "top_level.txt", names) for dist in md.distributions()
+            if dist.read_text("top_level.txt") is None and getattr(dist, "_path", None) is not None
+            and (names := _inferred(dist))]
+    before = _mapping() if todo else {}  # the check's reference, only when something is written (a second run: nothing)
+    for target, names in todo:
         target.write_text("\n".join(names) + "\n")
-        written.append(target)
-    if written and _mapping() != before:
-        for target in written:
+    if todo and _mapping() != before:
+        for target, _ in todo:
             target.unlink(missing_ok=True)
         print("[setup] warning: recorded top-level names changed packages_distributions(); removed them again",
               file=sys.stderr)
         return 0
-    print(f"[setup] recorded the top-level names of {len(written)} distributions (importlib.metadata's inference, once)")
+    print(f"[setup] recorded the top-level names of {len(todo)} distributions (importlib.metadata's inference, once)")
     return 0
 
 

@@ -1,6 +1,6 @@
 """deploy/record_top_levels.py writes, for a distribution without `top_level.txt`, exactly what
 importlib.metadata infers for it: checked against the standard library's own inference, for
-distributions of this interpreter, and on a distribution made here (a folder on sys.path)."""
+distributions of this interpreter, and on a distribution made here (a dist-info folder read directly)."""
 
 import importlib.metadata as md
 import runpy
