@@ -1,8 +1,8 @@
 """tinker-cookbook 0.6.1's recipes, unmodified, with their default loss and settings except size,
-against a live `lorafleet serve` (real CLI process, Ray trainer actor, one SGLang CPU engine) on
-the tiny world: one service for the module, and a second on the tiny world's long-context view
-(long_world: the same weights with a 4096-token context) for the two recipes whose requests outgrow
-the tiny model's 512 tokens (guess_number, rubric), which run last.
+against a live `lorafleet serve` (real CLI process, Ray trainer actor, one SGLang CPU engine): one
+service for the module, on the tiny world's long-context view (long_world: the same weights with a
+4096-token context, the same logits at the tiny model's 512 positions), so the two recipes whose
+requests outgrow those 512 tokens (guess_number, rubric) run beside the others.
 
 Each recipe runs as a user runs it: its own module with command-line arguments, in a process of
 its own (tests/integration/cookbook_harness.py); what changes is only size (model: the tiny one
@@ -19,8 +19,8 @@ Tiers. The default tier (CI's `-m "not gpu and not slow"`) runs the whole module
 SDK checks and 14 recipes: sl_basic, sl_loop, chat_sl, prompt_distillation, dpo, shorter, rl_loop
 and math_rl (their default loss stable_reinforce), on-policy distillation, sdft, the cookbook's RL
 loop (rl.train) over DigitsEnv with its resume, rl_basic (2048 samples a step, fixed in its code:
-70 s on a quiet machine), then on the long-context service guess_number (15 to 18 s) and rubric (8 s; the
-second service's start about 25 s). The whole module took 5 min 44 s on the shared 2-core machine.
+70 s on a quiet machine), then guess_number (15 to 18 s) and rubric (8 s), whose requests pass 512 tokens.
+The whole module took 5 min 44 s on the shared 2-core machine with a second service for the last two.
 
 Every recipe creates its model with the SDK's defaults (`train_unembed=True`: LoRA on the
 unembedding too, which lorafleet trains and serves). The service seeds each model's LoRA
@@ -76,12 +76,6 @@ def serve(tmp: Path, world: Path, context: int, engines: dict | None = None):
 
 
 @pytest.fixture(scope="module")
-def service(tiny_world, tmp_path_factory):
-    with serve(tmp_path_factory.mktemp("cookbook-serve"), tiny_world, CONTEXT) as svc:
-        yield svc
-
-
-@pytest.fixture(scope="module")
 def long_world(tiny_world, hf_model, tmp_path_factory) -> Path:
     """The tiny world with a LONG_CONTEXT-token context (examples/tiny/build.py long_context_view: the same
     weights and tokenizer, max_position_embeddings raised). Checked here with HF transformers: at every
@@ -101,12 +95,13 @@ def long_world(tiny_world, hf_model, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def long_service(long_world, tmp_path_factory):
-    """A second service, on long_world, for the recipes whose requests outgrow CONTEXT (guess_number,
-    rubric); the rest of the module keeps the tiny world's. Its engine's KV cache holds 32768 tokens
-    (the tiny model's: 32 MiB), room for rubric's graders' 2048-token budgets at once."""
-    with serve(tmp_path_factory.mktemp("cookbook-serve-long"), long_world, LONG_CONTEXT,
-               {"max_total_tokens": 32768}) as svc:
+def service(long_world, tmp_path_factory):
+    """The module's one service, on long_world: guess_number's and rubric's requests outgrow the tiny
+    model's CONTEXT, and every other recipe's stay within it, where long_world's logits are the tiny
+    world's own (long_world's check), so one service serves them all (a second one cost a start and
+    a stop). Its engine's KV cache holds 32768 tokens (the tiny model's: 32 MiB), room for rubric's
+    graders' 2048-token budgets at once."""
+    with serve(tmp_path_factory.mktemp("cookbook-serve"), long_world, LONG_CONTEXT, {"max_total_tokens": 32768}) as svc:
         yield svc
 
 
@@ -147,12 +142,6 @@ def recipe(service, hub, tmp_path):
     folder ``tmp_path / "log"`` (``log_path``); base_url passed unless ``base_url=False`` (recipes
     without that option read TINKER_BASE_URL)."""
     return recipe_runner(service, hub, tmp_path)
-
-
-@pytest.fixture
-def long_recipe(long_service, hub, tmp_path):
-    """``recipe`` against long_service (the long-context view of the tiny world)."""
-    return recipe_runner(long_service, hub, tmp_path)
 
 
 def kinds_chat(tiny_world: Path, out: Path, n: int) -> Path:
@@ -473,10 +462,10 @@ def test_rl_basic(recipe, tmp_path, verified):
                                    f"KL {rows[0]['optim/kl_sample_train_v1']:.1e}")
 
 
-# --- on the long-context view (long_service) ------------------------------------------------------------------
+# --- past the tiny model's context (the long-context view) ------------------------------------------------------------------
 
 
-def test_guess_number(long_recipe, long_service, tmp_path, verified):
+def test_guess_number(recipe, service, tmp_path, verified):
     """multiplayer_rl/guess_number, its default loss importance_sampling, to its last step, on the long-context
     view: a game is up to ten turns in one growing conversation, and each turn the tiny model fails to
     write "Guess: <n>" adds the recipe's fixed parse-failure message (about 117 tokens with its framing) to a
@@ -487,11 +476,11 @@ def test_guess_number(long_recipe, long_service, tmp_path, verified):
     sample request (the service's counter), prompts averaging past 512 tokens, and every turn's answer
     scored by the trainer with the sampler's log-probs (kl_sample_train about 0: engine and trainer agree
     at positions past 512 too)."""
-    before = tinker_counters(long_service)
-    run = long_recipe("tinker_cookbook.recipes.multiplayer_rl.guess_number.train", "renderer_name=role_colon",
+    before = tinker_counters(service)
+    run = recipe("tinker_cookbook.recipes.multiplayer_rl.guess_number.train", "renderer_name=role_colon",
                       "batch_size=1", "group_size=2", "max_tokens=8", "eval_every=0", "max_steps=3",
                       "behavior_if_log_dir_exists=delete", base_url=False)
-    d = delta(tinker_counters(long_service), before)
+    d = delta(tinker_counters(service), before)
     rows = [m for m in metrics(tmp_path / "log") if "env/all/reward/total" in m]
     reward, prompt = [m["env/all/reward/total"] for m in rows], [m["env/all/ob_tokens_per_turn"] for m in rows]
     print("guess_number reward", reward, "prompt tokens per turn", prompt, "trained tokens",
@@ -512,7 +501,7 @@ def test_guess_number(long_recipe, long_service, tmp_path, verified):
         f"{max(abs(m['optim/kl_sample_train_v1']) for m in rows):.0e}")
 
 
-def test_rubric_with_the_tiny_model_as_grader(long_recipe, long_service, tmp_path, verified):
+def test_rubric_with_the_tiny_model_as_grader(recipe, service, tmp_path, verified):
     """rubric with its default loss stable_reinforce, to its last step, on the long-context view: the
     grader (the tiny base model, sampled by the recipe's own TinkerMessageCompleter) asks for 2048 new
     tokens after a prompt of about 350 (max_tokens fixed in rubric/env.py), more than the tiny world's
@@ -527,11 +516,11 @@ def test_rubric_with_the_tiny_model_as_grader(long_recipe, long_service, tmp_pat
     kinds = data.kinds_rows(8, seed=5)
     train = data.write_jsonl(tmp_path / "rubric_train.jsonl", data.rubric_rows(kinds[:6]))
     test = data.write_jsonl(tmp_path / "rubric_test.jsonl", data.rubric_rows(kinds[6:]))
-    before = tinker_counters(long_service)
-    run = long_recipe("tinker_cookbook.recipes.rubric.train", "renderer_name=role_colon", f"grader_llm_name={SERVED_NAME}",
+    before = tinker_counters(service)
+    run = recipe("tinker_cookbook.recipes.rubric.train", "renderer_name=role_colon", f"grader_llm_name={SERVED_NAME}",
                       "grader_renderer_name=role_colon", "groups_per_batch=2", "max_tokens=8", f"train_jsonl_path={train}",
                       f"test_jsonl_path={test}", "max_steps=3", "behavior_if_log_dir_exists=delete")
-    d = delta(tinker_counters(long_service), before)
+    d = delta(tinker_counters(service), before)
     logged = metrics(tmp_path / "log")
     rows = [m for m in logged if "env/all/reward/total" in m]
     reward = [m["env/all/reward/total"] for m in rows]
