@@ -25,19 +25,19 @@ from tests.waiting import wait_until
 
 pytestmark = pytest.mark.unit
 
-# The group leader: starts a child that sleeps in the same group, writes its pid, notes SIGTERM, waits.
+# The group leader: starts a child that waits for a signal in the same group, writes its pid, notes
+# SIGTERM, waits for a signal.
 LEADER = """
-import signal, subprocess, sys, time
+import signal, subprocess, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+child = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])
 def on_term(*_):
     (out / "sigterm").write_text("seen")
     sys.exit(0)
 signal.signal(signal.SIGTERM, on_term)
 (out / "ready").write_text(str(child.pid))
-while True:
-    time.sleep(0.05)
+signal.pause()
 """
 
 

@@ -1,6 +1,6 @@
 """tests/s3_server.py's SeaweedFS, when a port picked for it is taken before the server binds it.
 
-The tier runs two test files at once, and CI-like runs saw it: another file's process took a picked
+The tier runs two test files at once, and a full run of it here saw it: another file's process took a picked
 port in the moment between the pick and the server's bind, and the server exited ("bind: address
 already in use"). The race cannot be caused on demand, so the first pick here returns ports of which
 one is held by this test (a named fault injection); the server, its bind failure and the retry on
@@ -29,7 +29,7 @@ def test_a_taken_port_gets_the_server_fresh_ports(monkeypatch):
         def first_pick_has_a_taken_port(n: int) -> list[int]:
             ports = real(n)
             if not picks:
-                ports[s3_server._LISTENERS.index("filer")] = taken  # the listener CI saw fail
+                ports[s3_server._LISTENERS.index("filer")] = taken  # the listener that run saw fail
             picks.append(ports)
             return ports
 
