@@ -84,6 +84,7 @@ def create_app(controller_obj: Controller, settings: ServiceSettings, fleet_stat
     )
     tinker = _tinker_service(controller_obj, settings)
     app.state.on_stop = [tinker.stop] if tinker is not None else []  # api/server.py awaits these on stop
+    app.state.tinker_futures = tinker.futures if tinker is not None else None  # api/server.py: the front's feed (F5)
     app.state.on_start = [tinker.start] if tinker is not None else []  # ... and these once it listens (a restart revived)
     tinker_paths = {"/api/v1/forward_backward": settings.tinker_max_body_bytes,
                     "/api/v1/forward": settings.tinker_max_body_bytes} if tinker is not None else {}

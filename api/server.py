@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import subprocess
 import threading
 import time
@@ -18,6 +19,7 @@ from typing import Any
 
 import uvicorn
 
+from api.tinker.resolved_feed import ResolvedFeed
 from service.config.settings import ServiceSettings, is_loopback_host
 
 log = logging.getLogger(__name__)
@@ -111,20 +113,38 @@ def start_api_server(controller: Any, settings: ServiceSettings, fleet_stats: An
         server = ApiServer(app, settings.host, settings.port, token_configured=settings.api_token is not None,
                            on_stop=app.state.on_stop)
         return server.start()
-    from api.front.read_front import bind_public, start_front
+    from api.front.read_front import bind_public
 
     # The front caches the reads (read_cache_s / read_stale_s); behind it the app only merges concurrent
     # builds, so an answer is never stale twice over.
     app = create_app(controller, settings.model_copy(update={"read_cache_s": 0.0, "read_stale_s": 0.0}), fleet_stats)
     sock = bind_public(settings.host, settings.port)  # a port in use fails here, naming the setting
+    return start_fronted(app, sock, settings.read_cache_s, settings.read_stale_s, http_url(settings.host, sock.getsockname()[1]))
+
+
+def start_fronted(app: Any, sock: Any, read_cache_s: float, read_stale_s: float, url: str) -> FrontedApi:
+    """`app` on a loopback port behind a front process on the bound socket `sock` (handed over: closed
+    here), and, when the app serves the Tinker API (`app.state.tinker_futures`), the feed of its finished
+    futures to the front (F5 in api/front/read_front.py: the front holds a queued call's repeat polls)."""
+    from api.front.read_front import start_front
+
     try:
         inner = ApiServer(app, "127.0.0.1", 0, on_stop=app.state.on_stop).start()
+        futures = getattr(app.state, "tinker_futures", None)
+        feed_r, feed_w = os.pipe() if futures is not None else (None, None)
         try:
-            front = start_front(sock, inner.url, settings.read_cache_s, settings.read_stale_s)
+            front = start_front(sock, inner.url, read_cache_s, read_stale_s, feed_fd=feed_r,
+                                park_hold_s=futures.poll_s if futures is not None else 0.0)
         except BaseException:
             inner.stop()
+            for fd in (feed_r, feed_w):
+                if fd is not None:
+                    os.close(fd)
             raise
-        return FrontedApi(inner, front, http_url(settings.host, sock.getsockname()[1]))
+        if futures is not None:
+            os.close(feed_r)  # the front holds it now
+            futures.feed = ResolvedFeed(feed_w)
+        return FrontedApi(inner, front, url, futures.feed if futures is not None else None)
     finally:
         sock.close()  # the front holds it now
 
@@ -132,8 +152,8 @@ def start_api_server(controller: Any, settings: ServiceSettings, fleet_stats: An
 class FrontedApi:
     """The API behind its front process (api/front/read_front.py): `url` is the front's, `stop()` stops both."""
 
-    def __init__(self, inner: ApiServer, front: subprocess.Popen, url: str) -> None:
-        self.inner, self.front, self.url = inner, front, url
+    def __init__(self, inner: ApiServer, front: subprocess.Popen, url: str, feed: ResolvedFeed | None = None) -> None:
+        self.inner, self.front, self.url, self.feed = inner, front, url, feed
 
     def stop(self, timeout_s: float = 10.0) -> None:
         if self.front.poll() is None:  # the front first: no request reaches a stopping app
@@ -144,3 +164,5 @@ class FrontedApi:
                 self.front.kill()
                 self.front.wait(5)
         self.inner.stop(timeout_s)
+        if self.feed is not None:  # after the app's loop stopped: nothing announces any more
+            self.feed.close()

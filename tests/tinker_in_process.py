@@ -119,4 +119,5 @@ def tinker_app(service: TinkerService) -> FastAPI:
     app.include_router(tinker_router(service))
     app.state.on_stop = [service.stop]  # api/server.py awaits these on stop
     app.state.on_start = [service.start]
+    app.state.tinker_futures = service.futures  # api/server.py start_fronted: the front's feed (F5)
     return app

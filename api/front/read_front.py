@@ -33,7 +33,11 @@ Invariants:
      The connections to the coordinator are api/front/upstream.py's (O(1) a request however many
      long polls are held);
   F4 the front dies with the coordinator: it exits when its parent process is gone (checked every
-     `PARENT_CHECK_S`, and Linux's parent-death signal), so a killed service leaves no listener.
+     `PARENT_CHECK_S`, and Linux's parent-death signal), so a killed service leaves no listener;
+  F5 with a feed of finished futures from the coordinator (`feed_fd`), a Tinker `retrieve_future` whose
+     last answer was a parkable try again is held here until its future finishes (api/front/parked_polls.py
+     P1-P4): a call queued for a trainer slot costs the coordinator about one poll in `REFRESH_S`
+     instead of one every `POLL_HOLD_S`.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from api.front.parked_polls import PARKABLE_HEADER, RETRIEVE_PATH, ParkedPolls, request_id_of
 from api.front.read_cache import ReadCache
 from api.front.upstream import Upstream, UpstreamError
 
@@ -82,11 +87,12 @@ class _NotStored(Exception):
 class FrontApp:
     """The front's ASGI app over the coordinator's API at `upstream` (http://127.0.0.1:PORT)."""
 
-    def __init__(self, upstream: str, ttl_s: float, stale_s: float) -> None:
+    def __init__(self, upstream: str, ttl_s: float, stale_s: float, parked: ParkedPolls | None = None) -> None:
         self.cache = ReadCache(ttl_s, stale_s=stale_s)
         # Connections to the app (api/front/upstream.py: O(1) per request however many long polls are
         # held; idle ones dropped after 2 s, long before the app's server drops them: api.server.API_KEEP_ALIVE_S).
         self.app = Upstream(upstream, idle_expiry_s=2.0, connect_timeout_s=10.0)
+        self.parked = parked  # F5: a queued Tinker call's repeat polls held here (api/front/parked_polls.py)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":  # no websockets here; lifespan is off
@@ -95,6 +101,8 @@ class FrontApp:
         try:
             if method == "GET" and path in CACHED_GETS:
                 await _send_answer(send, await self._cached_read(scope))
+            elif method == "POST" and path == RETRIEVE_PATH and self.parked is not None and self.parked.alive:
+                await self._retrieve_future(scope, receive, send)
             else:
                 await self._pass(scope, receive, send)
         finally:
@@ -138,7 +146,33 @@ class FrontApp:
         finally:
             await response.aclose()
 
+    async def _retrieve_future(self, scope: dict, receive: Any, send: Any) -> None:
+        """F5: a Tinker poll, parked while the coordinator's last answer for it is a parkable try again."""
+        try:
+            body = b"".join([chunk async for chunk in _body(receive)])
+        except ConnectionAbortedError:
+            return
+        rid, credentials = request_id_of(body), _credentials(scope)
+        parked = self.parked.parked_answer(credentials, rid) if rid is not None else None
+        if parked is not None and not await self.parked.wait(rid):
+            await _send_answer(send, Answer(parked.status, _client_headers(parked.headers), parked.body))
+            return
+        headers = _forwarded(scope["headers"])
+        try:
+            response = await self.app.request("POST", _target(scope), headers, _chunks(body))
+            try:
+                answer = Answer(response.status_code, _forwarded(response.headers), await response.read())
+            finally:
+                await response.aclose()
+        except UpstreamError as err:
+            answer = _unavailable(err)
+        if rid is not None:
+            self.parked.note(credentials, rid, answer.status, answer.headers, answer.body)
+        await _send_answer(send, Answer(answer.status, _client_headers(answer.headers), answer.body))
+
     async def close(self) -> None:
+        if self.parked is not None:
+            await self.parked.close()
         await self.app.aclose()
 
 
@@ -166,6 +200,15 @@ async def _body(receive: Any) -> AsyncIterator[bytes]:
             return
 
 
+async def _chunks(body: bytes) -> AsyncIterator[bytes]:
+    yield body
+
+
+def _client_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """An answer's headers less the front's own (the parkable mark is between the coordinator and the front)."""
+    return [(k, v) for k, v in headers if k.lower() != PARKABLE_HEADER]
+
+
 async def _send_answer(send: Any, answer: Answer) -> None:
     await send({"type": "http.response.start", "status": answer.status, "headers": answer.headers})
     await send({"type": "http.response.body", "body": answer.body, "more_body": False})
@@ -180,13 +223,19 @@ def _unavailable(err: Exception) -> Answer:
 
 # --- the process ------------------------------------------------------------------------------
 
-def start_front(sock: socket.socket, upstream: str, ttl_s: float, stale_s: float) -> subprocess.Popen:
+def start_front(sock: socket.socket, upstream: str, ttl_s: float, stale_s: float, *, feed_fd: int | None = None,
+                park_hold_s: float = 30.0) -> subprocess.Popen:
     """Start the front on the bound socket `sock` (handed over: the caller closes its copy) in front of
-    `upstream`; it serves once its interpreter is up (connections wait in the socket's backlog)."""
+    `upstream`; it serves once its interpreter is up (connections wait in the socket's backlog).
+    `feed_fd`: the read end of the coordinator's feed of finished futures (F5; the caller closes its
+    copy), and `park_hold_s` how long a parked poll is held (the coordinator's own hold)."""
     fd = sock.fileno()
-    return subprocess.Popen([sys.executable, "-m", "api.front.read_front", "--fd", str(fd), "--upstream", upstream,
-                             "--ttl-s", str(ttl_s), "--stale-s", str(stale_s), "--parent", str(os.getpid())],
-                            pass_fds=[fd], preexec_fn=_die_with_parent, stdin=subprocess.DEVNULL)
+    argv = [sys.executable, "-m", "api.front.read_front", "--fd", str(fd), "--upstream", upstream,
+            "--ttl-s", str(ttl_s), "--stale-s", str(stale_s), "--parent", str(os.getpid())]
+    if feed_fd is not None:
+        argv += ["--feed-fd", str(feed_fd), "--park-hold-s", str(park_hold_s)]
+    return subprocess.Popen(argv, pass_fds=[fd] + ([feed_fd] if feed_fd is not None else []), preexec_fn=_die_with_parent,
+                            stdin=subprocess.DEVNULL)
 
 
 def bind_public(host: str, port: int) -> socket.socket:
@@ -217,9 +266,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ttl-s", type=float, default=1.0)
     ap.add_argument("--stale-s", type=float, default=2.0)
     ap.add_argument("--parent", type=int, required=True, help="exit when this process is gone")
+    ap.add_argument("--feed-fd", type=int, default=None, help="the coordinator's feed of finished futures (F5)")
+    ap.add_argument("--park-hold-s", type=float, default=30.0, help="how long a parked poll is held (F5)")
     args = ap.parse_args(argv)
     sock = socket.socket(fileno=args.fd)
-    app = FrontApp(args.upstream, args.ttl_s, args.stale_s)
+    parked = ParkedPolls(args.feed_fd, args.park_hold_s) if args.feed_fd is not None else None
+    app = FrontApp(args.upstream, args.ttl_s, args.stale_s, parked)
     config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
 
@@ -231,6 +283,8 @@ def main(argv: list[str] | None = None) -> None:
 
     async def serve() -> None:
         watcher = asyncio.get_running_loop().create_task(watch_parent())
+        if parked is not None:
+            await parked.start()
         try:
             await server.serve(sockets=[sock])
         finally:

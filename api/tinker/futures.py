@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from api.tinker.completions import Completions, Target
+from api.tinker.resolved_feed import ResolvedFeed
 from service.registry.tinker_records import TinkerRecords
 
 # How long a poll (retrieve_future, retrieve_futures) is held for a result before it answers try_again:
@@ -73,6 +74,7 @@ class _Entry:
     done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     target: Target | None = None  # a sample's sampling session and clone: its completion is reported there
     adopted: bool = False  # a future of an earlier process
+    watched: bool = False  # its id goes to the front's feed when it finishes (api/tinker/resolved_feed.py)
 
 
 def user_error(message: str) -> Outcome:
@@ -102,6 +104,7 @@ class FutureStore:
         # model -> why its queued calls wait (no trainer slot now: the scheduler's last placement), or
         # None: a retrieve of such a call answers try_again with queue_state paused_capacity and it.
         self.reason_of: Callable[[str], str | None] = lambda model_id: None
+        self.feed: ResolvedFeed | None = None  # set when the API front parks polls (api/server.py)
 
     def create(self, tenant: str, model_id: str | None, kind: str = "call", target: Target | None = None) -> str:
         """A new future, recorded (D1: the route answers its id after `durable()`). `target`: a sample's
@@ -154,6 +157,8 @@ class FutureStore:
                 self.completions.add(entry.tenant, entry.target, request_id, outcome.failed, outcome.size)
             elif entry.adopted and entry.model_id is None:  # a sample in flight at the restart (Q5)
                 self.completions.add_orphan(entry.tenant, request_id)
+            if entry.watched and self.feed is not None:
+                self.feed.announce(request_id)
 
     def entry(self, request_id: str) -> _Entry | None:
         return self._entries.get(request_id)
@@ -180,6 +185,15 @@ class FutureStore:
         if entry.target is not None or entry.adopted:  # its completion is needed no more (completions.py Q4)
             self.completions.retrieved(tenant, [request_id], entry.target)
         return outcome
+
+    def watch(self, tenant: str, request_id: str) -> bool:
+        """After a retrieve answered try again: whether its finish will be announced on the front's feed
+        (resolved_feed.py), which it now is for this still-running future of `tenant` held in memory."""
+        entry = self.owned(tenant, request_id)
+        if self.feed is None or self.feed.fd is None or entry is None or entry.done.done():
+            return False
+        entry.watched = True
+        return True
 
     def queue_state(self, tenant: str, request_id: str) -> dict:
         """The try_again body's queue fields for a still-running request."""

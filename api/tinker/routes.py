@@ -21,6 +21,7 @@ from api.tinker.futures import user_error
 from api.tinker.outcomes import fb_outcome, optim_outcome
 from api.tinker.checkpoints.routes import runs_router
 from api.tinker.proto_io import PROTO_CONTENT_TYPE, decode_forward_backward
+from api.tinker.resolved_feed import PARKABLE_HEADER
 from api.tinker.sampling.sampler import LogprobOptions
 from api.tinker.service import TinkerService, lora_flags
 from api.tinker.sessions import sessions_router
@@ -266,8 +267,10 @@ def tinker_router(service: TinkerService) -> APIRouter:
             outcome = await service.futures.retrieve(t, body.request_id)
         except KeyError:
             raise HTTPException(404, f"unknown request id {body.request_id}") from None
-        if outcome is None:
-            return JSONResponse({"type": "try_again", "request_id": body.request_id, **service.futures.queue_state(t, body.request_id)})
+        if outcome is None:  # still running; the front may hold the next polls (api/tinker/resolved_feed.py)
+            parkable = {PARKABLE_HEADER: "1"} if service.futures.watch(t, body.request_id) else None
+            return JSONResponse({"type": "try_again", "request_id": body.request_id, **service.futures.queue_state(t, body.request_id)},
+                                headers=parkable)
         if outcome.proto is not None:
             return Response(outcome.proto, media_type=PROTO_CONTENT_TYPE)
         return JSONResponse(outcome.json, status_code=outcome.status)
