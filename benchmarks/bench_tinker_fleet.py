@@ -25,7 +25,9 @@ new tenant finished a first step), for --window-s seconds:
                             the coordinator (api.cli.main), its API front, the trainer, the engines, the client
   loop                      the training loop's rounds, restores and evictions per tenant-step, the time of each
                             part of a round (place, gather, offer, train, settle, single), the models' snapshots per step and the loop's time taking each, and
-                            the Tinker records' group commits (per step, statements each, mean time) (/metrics)
+                            the Tinker records' group commits (per step, statements each, mean time), the polls the
+                            coordinator answered try again and the futures it announced to the API front (per step:
+                            a queued call's repeat polls are held by the front, api/front/parked_polls.py) (/metrics)
 
 With --client-nice 10 the tenants' process yields the cores to the service's (on a real fleet the tenants
 run on machines of their own); both ways are reported in docs/BENCHMARKS.md.
@@ -76,7 +78,8 @@ LOOP_SERIES = {"rounds": "lorafleet_reconciles", **{f"{p}_s": f'lorafleet_coordi
                "evictions": 'lorafleet_scheduler_events{event="evictions"}', "restores": 'lorafleet_scheduler_events{event="restores"}',
                "commits": "lorafleet_tinker_record_commits", "writes": "lorafleet_tinker_record_writes",
                "commit_s": "lorafleet_tinker_record_commit_seconds", "snapshots": "lorafleet_tinker_snapshots_taken",
-               "snapshot_loop_s": "lorafleet_tinker_snapshot_loop_seconds"}
+               "snapshot_loop_s": "lorafleet_tinker_snapshot_loop_seconds",
+               "try_again": "lorafleet_tinker_retrieve_try_again", "announced": "lorafleet_tinker_futures_announced"}
 
 
 def loop_counts(text: str) -> dict[str, float]:
@@ -98,6 +101,7 @@ def loop_row(after: dict[str, float], before: dict[str, float], steps: int) -> d
             "ms_per_round": {p: round(1000 * d[f"{p}_s"] / d["rounds"], 2) for p in LOOP_PARTS} if d["rounds"] else None,
             "snapshots_per_step": per_step(d["snapshots"]),
             "snapshot_loop_ms": round(1000 * d["snapshot_loop_s"] / d["snapshots"], 2) if d["snapshots"] else None,
+            "coordinator_try_agains_per_step": per_step(d["try_again"]), "announced_per_step": per_step(d["announced"]),
             "commits_per_step": per_step(d["commits"]),
             "writes_per_commit": round(d["writes"] / d["commits"], 1) if d["commits"] else None,
             "commit_ms_mean": round(1000 * d["commit_s"] / d["commits"], 2) if d["commits"] else None}

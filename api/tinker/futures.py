@@ -105,6 +105,7 @@ class FutureStore:
         # None: a retrieve of such a call answers try_again with queue_state paused_capacity and it.
         self.reason_of: Callable[[str], str | None] = lambda model_id: None
         self.feed: ResolvedFeed | None = None  # set when the API front parks polls (api/server.py)
+        self.try_again = 0  # polls answered try again here (/metrics: with the front, its parked ones are not)
 
     def create(self, tenant: str, model_id: str | None, kind: str = "call", target: Target | None = None) -> str:
         """A new future, recorded (D1: the route answers its id after `durable()`). `target`: a sample's
@@ -189,6 +190,7 @@ class FutureStore:
     def watch(self, tenant: str, request_id: str) -> bool:
         """After a retrieve answered try again: whether its finish will be announced on the front's feed
         (resolved_feed.py), which it now is for this still-running future of `tenant` held in memory."""
+        self.try_again += 1
         entry = self.owned(tenant, request_id)
         if self.feed is None or self.feed.fd is None or entry is None or entry.done.done():
             return False

@@ -35,6 +35,11 @@ GAUGES = {
     "record_writes": ("lorafleet_tinker_record_writes", "Statements those commits carried (futures, results, journal entries)"),
     "record_commit_seconds": ("lorafleet_tinker_record_commit_seconds",
                               "Time spent in those commits since start (divided by the commits: the durable write a call's answer waits for)"),
+    "retrieve_try_again": ("lorafleet_tinker_retrieve_try_again",
+                           "retrieve_future polls the coordinator answered try again since start (with the API front on, a "
+                           "queued call's repeat polls are held by the front and do not count: api/front/parked_polls.py)"),
+    "futures_announced": ("lorafleet_tinker_futures_announced",
+                          "Futures whose finish was told to the API front since start (the polls it held for them then pass)"),
 }
 # per engine (label engine = its index in the fleet); Prometheus adds _total
 SAMPLER_COUNTERS = {

@@ -128,7 +128,9 @@ class TinkerService:
         sampler = self.sampler.metrics() if self.sampler is not None else {}
         r = self.records
         return {**self.fleet.stats(), "models": len(self.models), "sessions": len(self.sessions), "record_commits": r.commits,
-                "record_writes": r.committed_writes, "record_commit_seconds": r.commit_seconds, **sampler}
+                "record_writes": r.committed_writes, "record_commit_seconds": r.commit_seconds,
+                "retrieve_try_again": self.futures.try_again,
+                "futures_announced": self.futures.feed.announced if self.futures.feed is not None else 0, **sampler}
 
     def _waiting_reason(self, model_id: str) -> str | None:
         record = self.models.get(model_id)

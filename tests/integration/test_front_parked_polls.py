@@ -91,11 +91,12 @@ def test_repeat_polls_are_held_by_the_front_until_the_future_finishes(world):
     first = _poll(url, rid)
     assert first.status_code == 200 and first.json()["type"] == "try_again"
     assert "x-lorafleet-parkable" not in first.headers  # the front's own header stays between it and the app
-    reached = app.seen["/api/v1/retrieve_future"]
+    reached, tries = app.seen["/api/v1/retrieve_future"], service.futures.try_again
     for _ in range(3):
         again = _poll(url, rid)
         assert again.status_code == 200 and again.json() == first.json()  # the coordinator's answer, from the front
     assert app.seen["/api/v1/retrieve_future"] == reached  # none of the three reached the app
+    assert service.futures.try_again == tries  # what /metrics counts (lorafleet_tinker_retrieve_try_again)
 
     with ThreadPoolExecutor(1) as pool:
         late = pool.submit(_poll, url, rid)
