@@ -151,6 +151,7 @@ class SlotMoves:
                 for t, slot, state in self.residents(holders) if state in (None, AdapterState.ACTIVE)}
 
     def _evict(self, tenant: Tenant, slot: int) -> list[str]:
+        tenant.on_evicting(slot)  # a Tinker model's due snapshot, taken from the slot before it leaves
         try:
             out = self.trainer.swap_out(slot, tenant.key)  # SwapError: the slot is as it was (C3)
         except Exception as e:

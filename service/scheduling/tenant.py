@@ -15,8 +15,8 @@ A tenant, each round it holds a slot:
     error)`` when the round failed before it ran (nothing it offered is lost: rows and
     groups go back, calls get the error).
 And across rounds: ``idle_s`` / ``last_active`` / ``steps_in`` for the residency policy
-(service/scheduling/residency.py), ``wants_slot()`` while it is evicted, ``on_evicted()`` /
-``on_restored()`` around a swap, and ``release()`` when it ends.
+(service/scheduling/residency.py), ``wants_slot()`` while it is evicted, ``on_evicting(slot)`` /
+``on_evicted()`` / ``on_restored()`` around a swap, and ``release()`` when it ends.
 
 Invariants the scheduler keeps for every tenant (docs/design.md "The scheduler"):
   T1 a tenant is offered a round only while it holds a slot, and its offer names that slot;
@@ -113,6 +113,10 @@ class Tenant(Protocol):
 
     def settle_single(self, offer: Offer, value: Any, error: BaseException | None) -> None:
         """The outcome of the operation its offer ran alone (`Offer.single`; Tinker models)."""
+
+    def on_evicting(self, slot: int) -> None:
+        """Its last look at `slot` before the swap-out takes its state (a Tinker model: its policy's
+        snapshot when due); it raises nothing (what fails here is tried again later)."""
 
     def on_evicted(self) -> None: ...
 

@@ -78,6 +78,9 @@ class DatasetRun:
     def waiting_for_slot(self, reason: str) -> None:
         self.waiting_reason = reason
 
+    def on_evicting(self, slot: int) -> None:
+        pass  # its checkpoints are the publishes' and the retirement's (the swap store keeps its state)
+
     def on_evicted(self) -> None:
         pass  # its state stays here as it is (R4); the registry's queue orders it among the waiters
 

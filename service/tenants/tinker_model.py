@@ -7,7 +7,8 @@ the scheduler (service/scheduling/scheduler.py) runs the operations in rounds on
 calls `done` there. Nothing here knows HTTP.
 
 What a model offers a round (`offer`), from the head of its queue:
-  * a snapshot, when its durability policy says one is due (service/tenants/tinker_durability.py);
+  * a snapshot, when its durability policy says one is due (service/tenants/tinker_durability.py;
+    one due when it is evicted is taken then: M7);
   * the run of forward_backward / forward calls at the head (all go into the round's ONE
     mixed step: calls of different models pending together share it), then at most one
     optim_step after them (applied after the pass, so the calls before it see the weights
@@ -27,11 +28,14 @@ Invariants:
      effect is in the slot, and a snapshot covers exactly that (its journal records both);
   M6 a model whose slot state was lost (the service or its trainer) comes back from its last
      snapshot, replaying the operations its journal logged after it; when some cannot be replayed
-     it has diverged, and every call is answered with why and from which step it could continue.
+     it has diverged, and every call is answered with why and from which step it could continue;
+  M7 a snapshot its policy makes due is taken as it leaves its slot (`on_evicting`) or, while it
+     stays resident, as its next offer; either way it covers what ran before it (M5).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -48,6 +52,8 @@ from trainer.config import SlotHyperParams
 from trainer.interface import TrainerInterface
 from trainer.rounds import AdamStep, Call, Datum
 from trainer.storage.locations import readable_folder
+
+log = logging.getLogger(__name__)
 from trainer.storage.slot_state_format import META, read_slot_meta
 
 __all__ = ["LoraSpec", "OpKind", "TinkerModel", "TinkerOp", "checkpoint_lora"]
@@ -301,6 +307,21 @@ class TinkerModel:
     def _worked(self) -> None:
         self.last_active = self._clock()
         self.waiting_reason = None
+
+    def on_evicting(self, slot: int) -> None:
+        """M7: its policy's snapshot, when due, is taken as it leaves its slot (and written in the
+        background), not as its next turn begins: with a thousand models through 8 slots a model waits
+        minutes between turns, so nearly every turn used to begin with one (issue 41). Its last turn is
+        then durable while it waits, and its next turn begins with its calls. A snapshot that cannot
+        begin leaves it dirty: its next turn takes it, as before."""
+        self._settle_snapshot()
+        if not self._snapshot_due():
+            return
+        try:
+            self.snapshot(slot, background=True)
+        except Exception as e:  # noqa: BLE001 - the trainer may be lost: the swap-out says so next
+            log.warning("Tinker model %s: its snapshot at eviction did not begin (%s: %s); its next turn takes it",
+                        self.key, type(e).__name__, e)
 
     def on_evicted(self) -> None:
         self._evicted_at = time.time()

@@ -668,3 +668,28 @@ def test_a_stop_saves_the_queue_of_a_model_whose_state_is_durable_without_swappi
     out = w.scheduler.drain(lambda tenant, slot: saved.append((tenant.key, slot)) or "kept")
     assert sorted(saved) == [("a", None), ("b", None)] and out == {"a": "kept", "b": "kept"}
     assert not [e for e in w.trainer.events[before:] if e[0] in ("swap_in", "clear")]
+
+
+def test_a_due_snapshot_is_taken_as_the_model_leaves_its_slot_and_its_next_turn_begins_with_its_calls(tmp_path):
+    """M7 (issue 41): model a, one step in and its snapshot due, is evicted for b (one slot, turns of one
+    step): its snapshot is taken from the slot before the swap-out, covering that step. When a is back,
+    its first round runs its queued call (no snapshot first: nothing changed since) and the snapshot is
+    recorded. A model evicted with no snapshot due takes none then."""
+    w = World(tmp_path, num_slots=1, turn_steps=1)
+    a, _ = w.create("a")
+    _one_step(w, a, "a1")
+    covers, step = a.applied_seq, a.step
+    _make_due(a)
+    b, _ = w.create("b")  # waits; the placement evicts a (its turn used) for b
+    slot = w.scheduler.slot_of("b")
+    assert slot is not None and w.scheduler.slot_of("a") is None
+    i = w.trainer.events.index(("swap_out", slot, "a"))
+    assert w.trainer.events[i - 1] == ("save", slot) and not a.dirty  # taken from a's slot, before it left
+    assert w.models.snapshots.taken == 1
+    _one_step(w, b, "b1")
+    w.call(a, "a2.fb", "forward_backward", [Datum([1, 2], {})], "cross_entropy", None)
+    w.rounds_until(lambda: "a2.fb" in w.answers)  # b's turn used: a is back, its call in its first round
+    assert w.trainer.events.count(("save", w.scheduler.slot_of("a"))) <= 1 and w.models.snapshots.taken == 1
+    row = _snapshot_row(w, "a")
+    assert (row.snapshot_seq, row.snapshot_step) == (covers, step)  # what ran before it left, not a2
+    assert ("swap_out", slot, "b") in w.trainer.events and w.models.snapshots.taken == 1  # b: none due, none taken
