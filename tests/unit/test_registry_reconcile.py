@@ -124,6 +124,9 @@ class _ScriptedTenant:
 
     wants_slot = ready
 
+    def on_evicting(self, slot: int) -> None:
+        pass
+
     def on_evicted(self) -> None:
         pass
 

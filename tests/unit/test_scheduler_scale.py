@@ -122,6 +122,9 @@ class StepRun:
     def give_back(self, offer, error, retry=False):
         raise AssertionError(error)
 
+    def on_evicting(self, slot: int) -> None:
+        pass
+
     def on_evicted(self) -> None:
         pass
 
