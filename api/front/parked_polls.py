@@ -60,7 +60,6 @@ class ParkedPolls:
         self._waiting: dict[str, asyncio.Event] = {}  # request id -> the event its parked polls wait on
         self._recent: OrderedDict[str, None] = OrderedDict()  # ids announced lately (P4's race)
         self._reader: asyncio.Task | None = None
-        self.counts = {"parked": 0, "woken": 0, "answered": 0, "resets": 0}
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -97,7 +96,6 @@ class ParkedPolls:
             event.set()
 
     def _reset(self) -> None:
-        self.counts["resets"] += 1
         self._answers.clear()
         for event in self._waiting.values():
             event.set()
@@ -120,13 +118,12 @@ class ParkedPolls:
         event = self._waiting.get(rid)
         if event is None:
             event = self._waiting[rid] = asyncio.Event()
-        self.counts["parked"] += 1
         try:
             await asyncio.wait_for(event.wait(), self.hold_s)
         except TimeoutError:
-            self.counts["answered"] += 1
+            if self._waiting.get(rid) is event:  # its next poll waits on a new one (none kept for a client that left)
+                del self._waiting[rid]
             return False
-        self.counts["woken"] += 1
         return True
 
     def note(self, credentials: tuple, rid: str, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
