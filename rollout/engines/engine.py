@@ -22,7 +22,9 @@ Invariants:
 from __future__ import annotations
 
 import ctypes
+import getpass
 import os
+import re
 import shutil
 import signal
 import socket
@@ -63,6 +65,20 @@ def tail(path: Path, lines: int = 40) -> str:
         return "<no log>"
 
 
+def scratch_env(scratch: Path) -> dict[str, str]:
+    """The server's environment for its scratch folder: ENGINE_SCRATCH_ENV and the temporary directory.
+    SGLang names its ZeroMQ sockets with `tempfile.NamedTemporaryFile(delete=False)` and never removes
+    them: six files in the system's temp dir at every start, a long-running service's restarts
+    included. With TMPDIR set here they go into this folder, removed at stop. It is made in the
+    system's temp dir, not under the state dir, because a socket's path has at most 107 bytes.
+    Torch's compile cache stays where it was (its default is under the temp dir too), so a restart
+    keeps it."""
+    user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())  # torch's own rule (torch._inductor's default_cache_dir)
+    return {ENGINE_SCRATCH_ENV: str(scratch), "TMPDIR": str(scratch),
+            "TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+            or os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")}
+
+
 class EngineProcess:
     """One SGLang server process."""
 
@@ -81,13 +97,18 @@ class EngineProcess:
         self._proc: subprocess.Popen | None = None
         self._log_file = None
         self._log_offset = 0  # where this start's lines begin in log_path
-        self._scratch: Path | None = None  # this start's scratch folder (ENGINE_SCRATCH_ENV), removed at stop
+        self._scratch: Path | None = None  # this start's scratch folder (scratch_env), removed at stop
 
     @property
     def url(self) -> str:
         if self.port is None:
             raise RuntimeError(f"engine {self.index} is not started")
         return f"http://{self.cfg.host}:{self.port}"
+
+    @property
+    def scratch(self) -> Path | None:
+        """This start's scratch folder (scratch_env), None once stopped."""
+        return self._scratch
 
     @property
     def pid(self) -> int | None:
@@ -100,8 +121,8 @@ class EngineProcess:
         self.port = self.cfg.port_for(self.index) or pick_free_port(self.cfg.host)
         self.launch = build_server_launch(self.cfg, self.model_path, self.port)
         self._drop_scratch()  # a start whose process ended without a stop left one
-        self._scratch = Path(tempfile.mkdtemp(prefix=f"engine-{self.index}-scratch-", dir=self.log_dir))
-        self.launch.env[ENGINE_SCRATCH_ENV] = str(self._scratch)
+        self._scratch = Path(tempfile.mkdtemp(prefix=f"lorafleet-engine-{self.index}-"))
+        self.launch.env.update(scratch_env(self._scratch))
         self._log_file = open(self.log_path, "ab")
         self._log_file.write(f"\n=== lorafleet: start {self.starts + 1}: {' '.join(self.launch.argv)}\n".encode())
         self._log_file.flush()

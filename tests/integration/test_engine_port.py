@@ -41,15 +41,18 @@ def test_configured_port_in_use_is_refused_with_the_setting_named(tiny_world, tm
     engine = EngineProcess(0, cfg, tiny_world / "model", log_dir=tmp_path)
     try:
         engine.start()
+        scratch = engine.scratch
         # the one-rank process group's FileStore (made before the bind) goes into this start's scratch folder
-        wait_until(lambda: list(tmp_path.glob("engine-0-scratch-*/lorafleet-sglang-store-*/store")),
+        wait_until(lambda: list(scratch.glob("lorafleet-sglang-store-*/store")),
                    "the scheduler's FileStore in the engine's scratch folder", timeout_s=300, interval_s=0.2)
+        # and so do SGLang's ZeroMQ socket files (NamedTemporaryFile(delete=False): it never removes them)
+        assert len([p for p in scratch.iterdir() if p.name.startswith("tmp")]) >= 3, sorted(scratch.iterdir())
         with pytest.raises(EngineStartError, match=rf"could not bind 127\.0\.0\.1:{held_port}.*engines\.ports"):
             engine.wait_ready()
         assert not engine.is_alive()
     finally:
         engine.stop()
-    assert not list(tmp_path.glob("engine-0-scratch-*"))  # and the stop removed it (it used to stay in /tmp)
+    assert not scratch.exists() and engine.scratch is None  # the stop removed them (they used to stay in /tmp)
 
 
 # Opt-in (-m slow, CI budget: about 100 s on 2 cores for two engine starts); the refusal case above
