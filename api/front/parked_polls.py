@@ -35,7 +35,7 @@ from dataclasses import dataclass
 PARKABLE_HEADER = b"x-lorafleet-parkable"  # on a try_again answer: its id will be announced on the feed (P1)
 RESET = b"*"  # on the feed: ids may have been lost (P4)
 RETRIEVE_PATH = "/api/v1/retrieve_future"
-MAX_POLL_BODY = 64 * 1024  # a retrieve_future body is a request id and a flag; a larger one is passed as it is
+MAX_POLL_BODY = 64 * 1024  # a retrieve_future body is a request id and a flag; a larger (or unsized) one streams past
 REFRESH_S = 300.0  # P3: how old a reused try-again answer (its queue state and reason) may be
 MAX_PARKED = 200_000  # answers kept at most (oldest dropped: their next poll is passed); ~1 KB each
 MAX_RECENT = 65_536  # finished ids kept for P4's race
@@ -138,8 +138,6 @@ class ParkedPolls:
 
 def request_id_of(body: bytes) -> str | None:
     """The request id of a retrieve_future body (JSON), or None when it is not one."""
-    if len(body) > MAX_POLL_BODY:
-        return None
     try:
         rid = json.loads(body).get("request_id")
     except (ValueError, AttributeError):

@@ -55,7 +55,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from api.front.parked_polls import PARKABLE_HEADER, RETRIEVE_PATH, ParkedPolls, request_id_of
+from api.front.parked_polls import MAX_POLL_BODY, PARKABLE_HEADER, RETRIEVE_PATH, ParkedPolls, request_id_of
 from api.front.read_cache import ReadCache
 from api.front.upstream import Upstream, UpstreamError
 
@@ -101,7 +101,8 @@ class FrontApp:
         try:
             if method == "GET" and path in CACHED_GETS:
                 await _send_answer(send, await self._cached_read(scope))
-            elif method == "POST" and path == RETRIEVE_PATH and self.parked is not None and self.parked.alive:
+            elif method == "POST" and path == RETRIEVE_PATH and self.parked is not None and self.parked.alive \
+                    and _sized_under(scope, MAX_POLL_BODY):  # read whole here; anything else streams as it is (F3)
                 await self._retrieve_future(scope, receive, send)
             else:
                 await self._pass(scope, receive, send)
@@ -198,6 +199,14 @@ async def _body(receive: Any) -> AsyncIterator[bytes]:
         yield message.get("body", b"")
         if not message.get("more_body", False):
             return
+
+
+def _sized_under(scope: dict, limit: int) -> bool:
+    """Whether the request says its body's length (Content-Length) and it is at most `limit` bytes."""
+    for k, v in scope["headers"]:
+        if k.lower() == b"content-length":
+            return v.isdigit() and int(v) <= limit
+    return False
 
 
 async def _chunks(body: bytes) -> AsyncIterator[bytes]:

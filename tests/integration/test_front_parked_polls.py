@@ -128,3 +128,18 @@ def test_a_cancel_finishes_a_parked_future(world):
         assert cancel.status_code == 200 and cancel.json() == {"cancelled": True}
         answer = parked.result(60)
     assert answer.json()["category"] == "user" and "cancelled by the client" in answer.json()["error"]
+
+
+def test_a_poll_without_a_length_streams_past_and_is_not_held(world):
+    """F3/F5: only a body whose Content-Length is small is read whole by the front; a chunked one (no
+    length) streams to the app as any request does, and is answered by it every time."""
+    service, app, url, loop = world
+    rid = _on_loop(loop, lambda: service.futures.create("alice", "m-chunked"))
+    body = f'{{"request_id": "{rid}"}}'.encode()
+    for _ in range(2):
+        reached = app.seen["/api/v1/retrieve_future"]
+        answer = httpx.post(f"{url}/api/v1/retrieve_future", content=iter([body]), timeout=45,
+                             headers={"X-API-Key": KEYS["alice"], "Content-Type": "application/json"})
+        assert answer.status_code == 200 and answer.json()["type"] == "try_again"
+        assert app.seen["/api/v1/retrieve_future"] == reached + 1
+    _on_loop(loop, lambda: service.futures.resolve(rid, Outcome(json={})))
