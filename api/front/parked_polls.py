@@ -105,8 +105,8 @@ class ParkedPolls:
 
     def parked_answer(self, credentials: tuple, rid: str) -> _Parked | None:
         """The answer a poll of `rid` with `credentials` may wait on (P1, P3), or None: pass it."""
-        parked = self._answers.get(rid)
-        if parked is None or parked.credentials != credentials or not self.alive or rid in self._recent:
+        parked = self._answers.get(rid)  # never a finished id's: `_finished` drops it, `note` refuses it
+        if parked is None or parked.credentials != credentials or not self.alive:
             return None
         if time.monotonic() - parked.at >= self.refresh_s:  # P3
             del self._answers[rid]

@@ -120,14 +120,18 @@ class FrontApp:
             return _unavailable(err)
 
     async def _read(self, scope: dict) -> Answer:
-        r = await self.app.request("GET", _target(scope), _forwarded(scope["headers"]))
-        try:
-            answer = Answer(r.status_code, _forwarded(r.headers), await r.read())
-        finally:
-            await r.aclose()
-        if r.status_code != 200:
+        answer = await self._ask("GET", scope)
+        if answer.status != 200:
             raise _NotStored(answer)
         return answer
+
+    async def _ask(self, method: str, scope: dict, body: bytes | None = None) -> Answer:
+        """The coordinator's whole answer to the request of `scope` (its body given here, read already)."""
+        r = await self.app.request(method, _target(scope), _forwarded(scope["headers"]), _chunks(body) if body is not None else None)
+        try:
+            return Answer(r.status_code, _forwarded(r.headers), await r.read())
+        finally:
+            await r.aclose()
 
     async def _pass(self, scope: dict, receive: Any, send: Any) -> None:
         headers = _forwarded(scope["headers"])
@@ -158,13 +162,8 @@ class FrontApp:
         if parked is not None and not await self.parked.wait(rid):
             await _send_answer(send, Answer(parked.status, _client_headers(parked.headers), parked.body))
             return
-        headers = _forwarded(scope["headers"])
         try:
-            response = await self.app.request("POST", _target(scope), headers, _chunks(body))
-            try:
-                answer = Answer(response.status_code, _forwarded(response.headers), await response.read())
-            finally:
-                await response.aclose()
+            answer = await self._ask("POST", scope, body)
         except UpstreamError as err:
             answer = _unavailable(err)
         if rid is not None:

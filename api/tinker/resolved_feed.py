@@ -9,7 +9,7 @@ future finished or its last answer is old. This module tells it when a future fi
 
 Protocol, over a pipe the coordinator makes when it starts the front (api/server.py):
   * the coordinator answers a poll of a still-running future it watches with the header
-    ``PARKABLE_HEADER`` (FutureStore.retrieve marks the entry watched): a promise that its id is written
+    ``PARKABLE_HEADER`` (FutureStore.watch marks the entry watched): a promise that its id is written
     here when it finishes, whatever finishes it (result, error, cancel: FutureStore.resolve, the one
     place a future finishes);
   * each finished watched future: its request id and a newline;
