@@ -5,8 +5,12 @@ SGLang CPU engines, the coordinator and its API front) with the Tinker API on. O
 the tenants: each is a Tinker model of its own running the cookbook's RL loop with the official SDK
 (benchmarks/tinker_rl_tenants.py: save_weights_and_get_sampling_client, a group of samples per prompt,
 importance_sampling forward_backward, optim_step), all on one event loop. Tenants are added in phases
-(K = 1, 16, 64, ... live at once; those of a phase go on in the next). After a phase's warm-up (every
-new tenant finished a first step), for --window-s seconds:
+(K = 1, 16, 64, ... live at once; those of a phase go on in the next). A phase smaller than the one
+before pauses the tenants past its K: each finishes the step it is in and stops, its model kept idle on
+the service (so --phases 64,1024,64 measures K = 64 on both sides of K = 1,024, and the large window's
+ratio to each: the machine's drift between windows a quarter of an hour apart shows). After a phase's
+warm-up (every new tenant finished a first step; after a pause, every active tenant finished a step
+begun after it), for --window-s seconds:
 
   tenant-steps per minute   RL steps finished by all tenants (client side)
   sampled tokens per second tokens the engines generated for them
@@ -35,6 +39,7 @@ run on machines of their own); both ways are reported in docs/BENCHMARKS.md.
   PYTHONPATH=$PWD .venv/bin/python -m benchmarks.bench_tinker_fleet --phases 1,16,64 --window-s 60      # a quick look
   PYTHONPATH=$PWD .venv/bin/python -m benchmarks.bench_tinker_fleet --phases 1,16,64,256,1024,4096 --out fleet2.json
   PYTHONPATH=$PWD .venv/bin/python -m benchmarks.bench_tinker_fleet --engines 1 --out fleet1.json
+  PYTHONPATH=$PWD .venv/bin/python -m benchmarks.bench_tinker_fleet --phases 64,1024,64 --window-s 60 --warm-deadline-s 1500 --out bracket.json
 """
 
 from __future__ import annotations
@@ -160,12 +165,9 @@ async def run_phases(svc: Service, keys: list[str], work: RlWorkload, phases: li
         try:
             for k in phases:
                 t0 = time.monotonic()
-                new = fleet.grow(k)
-                warm = await fleet.until_stepped(new, warm_deadline_s)
-                row = {"tenants": k, "warm_s": round(time.monotonic() - t0, 1), "all_stepped": warm,
-                       "not_yet_stepped": sum(1 for t in new if t.steps == 0)}
-                if not warm:
-                    row["stopped"] = f"{row['not_yet_stepped']} of {len(new)} new tenants had no step after {warm_deadline_s:.0f} s"
+                row = await (shrink_to(fleet, k, warm_deadline_s) if k < len(fleet.active()) else grow_to(fleet, k, warm_deadline_s))
+                warm = "stopped" not in row
+                row["models"] = len(fleet.tenants)
                 row.update(await measure(fleet, svc, http, window_s, t0))
                 row["coordinator_rss_mib_at_start"] = round(rss0, 1)
                 row["errors"] = list(fleet.log.errors)
@@ -179,9 +181,51 @@ async def run_phases(svc: Service, keys: list[str], work: RlWorkload, phases: li
             await fleet.stop()
     base = rows[0] if rows else None
     for r in rows[1:]:
-        r["coordinator_kib_per_tenant"] = round(1024 * (r["coordinator_rss_mib"] - base["coordinator_rss_mib"])
-                                                / (r["tenants"] - base["tenants"]), 1)
+        if r["models"] > base["models"]:
+            r["coordinator_kib_per_tenant"] = round(1024 * (r["coordinator_rss_mib"] - base["coordinator_rss_mib"])
+                                                    / (r["models"] - base["models"]), 1)
+    bracket(rows)
     return rows
+
+
+async def grow_to(fleet: Fleet, k: int, deadline_s: float) -> dict:
+    """Start tenants until ``k`` are active; the warm-up: until each new one finished a step."""
+    t0, new = time.monotonic(), fleet.grow(len(fleet.tenants) + k - len(fleet.active()))
+    warm = await fleet.until_stepped(new, deadline_s)
+    row = {"tenants": k, "warm_s": round(time.monotonic() - t0, 1), "all_stepped": warm,
+           "not_yet_stepped": sum(1 for t in new if t.steps == 0)}
+    if not warm:
+        row["stopped"] = f"{row['not_yet_stepped']} of {len(new)} new tenants had no step after {deadline_s:.0f} s"
+    return row
+
+
+async def shrink_to(fleet: Fleet, k: int, deadline_s: float) -> dict:
+    """Pause the active tenants past the first ``k`` (Fleet.shrink: each finishes its step, its model
+    stays, idle); then the settling: until each of the ``k`` finished a step begun after that."""
+    t0, paused = time.monotonic(), len(fleet.active()) - k
+    late = await fleet.shrink(k, deadline_s)
+    row = {"tenants": k, "paused": paused, "drain_s": round(time.monotonic() - t0, 1), "not_drained": len(late)}
+    if late:
+        row["stopped"] = f"{len(late)} of {paused} paused tenants were still in a step after {deadline_s:.0f} s"
+        return row
+    t1, active = time.monotonic(), fleet.active()
+    settled = await fleet.until_stepped(active, deadline_s, more_than={t.index: t.steps + 1 for t in active})
+    row["warm_s"] = round(time.monotonic() - t1, 1)
+    if not settled:
+        row["stopped"] = f"the {k} active tenants had not all finished two steps {deadline_s:.0f} s after the drain"
+    return row
+
+
+def bracket(rows: list[dict]) -> None:
+    """A window of K tenants measured between two windows of fewer (phases such as 64,1024,64) gets its
+    rate's ratio to each of them and to their mean: the machine's drift between the windows shows as the
+    two small windows' difference, instead of passing for the large K's cost."""
+    for before, big, after in zip(rows, rows[1:], rows[2:]):
+        if before["tenants"] == after["tenants"] < big["tenants"] and before["tenant_steps_per_min"] and after["tenant_steps_per_min"]:
+            rate, lo, hi = big["tenant_steps_per_min"], before["tenant_steps_per_min"], after["tenant_steps_per_min"]
+            big["ratio_to_smaller"] = {"k": before["tenants"], "before": round(rate / lo, 3), "after": round(rate / hi, 3),
+                                       "mean": round(rate / ((lo + hi) / 2), 3)}
+            print(json.dumps({"bracket": big["ratio_to_smaller"], "rates": [lo, rate, hi]}), flush=True)
 
 
 def main() -> None:
@@ -189,7 +233,7 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=8)
     ap.add_argument("--engines", type=int, default=2)
     ap.add_argument("--loaded-per-engine", type=int, default=8, help="Tinker sampler adapters each engine keeps loaded")
-    ap.add_argument("--phases", default="1,16,64,256,1024,4096", help="tenants live at once, ascending")
+    ap.add_argument("--phases", default="1,16,64,256,1024,4096", help="tenants active at once; a K smaller than the one before pauses the rest")
     ap.add_argument("--window-s", type=float, default=120.0)
     ap.add_argument("--warm-deadline-s", type=float, default=3600.0, help="a phase stops the benchmark when its new tenants have not all stepped by then")
     ap.add_argument("--keys", type=int, default=4, help="tenant keys (one ServiceClient, one session each)")

@@ -153,17 +153,18 @@ class Tenant:
     steps: int = 0
     model_id: str | None = None
     task: asyncio.Task | None = None
+    paused: bool = False  # set by Fleet.shrink: finish the step in hand, then stop (the model is kept)
 
 
 async def run_tenant(t: Tenant, service_client: Any, base_model: str, work: RlWorkload, log: CallLog,
                      stop: asyncio.Event) -> None:
     """Create the tenant's model (it waits for a slot while every slot is taken), then RL steps until
-    ``stop``. A failure is logged and ends this tenant only."""
+    ``stop`` or the tenant is paused. A failure is logged and ends this tenant only."""
     try:
         tc = await timed(log, "create", service_client.create_lora_training_client(
             base_model=base_model, rank=work.rank, seed=t.index, train_unembed=False))
         t.model_id = tc.model_id
-        while not stop.is_set():
+        while not stop.is_set() and not t.paused:
             await rl_step(tc, work, log, t.steps, t.index)
             t.steps += 1
     except Exception as err:  # noqa: BLE001 - reported by the benchmark, the others go on
@@ -193,14 +194,31 @@ class Fleet:
         self.tenants += new
         return new
 
-    async def until_stepped(self, tenants: list[Tenant], deadline_s: float) -> bool:
-        """Wait until each of ``tenants`` finished a step (or failed); False at the deadline."""
+    def active(self) -> list[Tenant]:
+        """The tenants not paused."""
+        return [t for t in self.tenants if not t.paused]
+
+    async def until_stepped(self, tenants: list[Tenant], deadline_s: float, more_than: dict[int, int] | None = None) -> bool:
+        """Wait until each of ``tenants`` finished a step (more steps than ``more_than[index]``, default 0)
+        or failed; False at the deadline."""
         end = time.monotonic() + deadline_s
-        while any(t.steps == 0 and not t.task.done() for t in tenants):
+        floor = more_than or {}
+        while any(t.steps <= floor.get(t.index, 0) and not t.task.done() for t in tenants):
             if time.monotonic() > end:
                 return False
             await asyncio.sleep(1.0)
         return True
+
+    async def shrink(self, n: int, deadline_s: float) -> list[Tenant]:
+        """Pause the active tenants past the first ``n``: each finishes the step it is in (its calls may be
+        queued for a turn) and then sends nothing; its model stays on the service, idle. Returns those not
+        finished by the deadline (still in a step). Cancelling instead would leave their sent calls queued
+        on the service, drained by later turns inside the next measurement."""
+        going = self.active()[n:]
+        for t in going:
+            t.paused = True
+        _, late = await asyncio.wait([t.task for t in going], timeout=deadline_s) if going else (set(), set())
+        return [t for t in going if t.task in late]
 
     async def stop(self, timeout_s: float = 60.0) -> None:
         """Every tenant finishes the step it is in (those still in one after ``timeout_s`` are cancelled:
