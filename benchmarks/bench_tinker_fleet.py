@@ -6,8 +6,8 @@ the tenants: each is a Tinker model of its own running the cookbook's RL loop wi
 (benchmarks/tinker_rl_tenants.py: save_weights_and_get_sampling_client, a group of samples per prompt,
 importance_sampling forward_backward, optim_step), all on one event loop. Tenants are added in phases
 (K = 1, 16, 64, ... live at once; those of a phase go on in the next). A phase smaller than the one
-before pauses the tenants past its K: each finishes the step it is in and stops, its model kept idle on
-the service (so --phases 64,1024,64 measures K = 64 on both sides of K = 1,024, and the large window's
+before pauses the tenants past its K: each finishes the step it is in and unloads its model (so
+--phases 64,1024,64 measures K = 64 on both sides of K = 1,024, and the large window's
 ratio to each: the machine's drift between windows a quarter of an hour apart shows). After a phase's
 warm-up (every new tenant finished a first step; after a pause, every active tenant finished a step
 begun after it), for --window-s seconds:
@@ -167,7 +167,7 @@ async def run_phases(svc: Service, keys: list[str], work: RlWorkload, phases: li
                 t0 = time.monotonic()
                 row = await (shrink_to(fleet, k, warm_deadline_s) if k < len(fleet.active()) else grow_to(fleet, k, warm_deadline_s))
                 warm = "stopped" not in row
-                row["models"] = len(fleet.tenants)
+                row["models"] = len(fleet.active())  # the paused ones unloaded theirs
                 row.update(await measure(fleet, svc, http, window_s, t0))
                 row["coordinator_rss_mib_at_start"] = round(rss0, 1)
                 row["errors"] = list(fleet.log.errors)
@@ -200,8 +200,8 @@ async def grow_to(fleet: Fleet, k: int, deadline_s: float) -> dict:
 
 
 async def shrink_to(fleet: Fleet, k: int, deadline_s: float) -> dict:
-    """Pause the active tenants past the first ``k`` (Fleet.shrink: each finishes its step, its model
-    stays, idle); then the settling: until each of the ``k`` finished a step begun after that."""
+    """Pause the active tenants past the first ``k`` (Fleet.shrink: each finishes its step and unloads
+    its model); then the settling: until each of the ``k`` finished a step begun after that."""
     t0, paused = time.monotonic(), len(fleet.active()) - k
     late = await fleet.shrink(k, deadline_s)
     row = {"tenants": k, "paused": paused, "drain_s": round(time.monotonic() - t0, 1), "not_drained": len(late)}

@@ -153,13 +153,14 @@ class Tenant:
     steps: int = 0
     model_id: str | None = None
     task: asyncio.Task | None = None
-    paused: bool = False  # set by Fleet.shrink: finish the step in hand, then stop (the model is kept)
+    paused: bool = False  # set by Fleet.shrink: finish the step in hand, unload the model, stop
 
 
 async def run_tenant(t: Tenant, service_client: Any, base_model: str, work: RlWorkload, log: CallLog,
-                     stop: asyncio.Event) -> None:
+                     stop: asyncio.Event, unload: Any = None) -> None:
     """Create the tenant's model (it waits for a slot while every slot is taken), then RL steps until
-    ``stop`` or the tenant is paused. A failure is logged and ends this tenant only."""
+    ``stop``, or until the tenant is paused: then ``await unload(model_id)``. A failure is logged and
+    ends this tenant only."""
     try:
         tc = await timed(log, "create", service_client.create_lora_training_client(
             base_model=base_model, rank=work.rank, seed=t.index, train_unembed=False))
@@ -167,8 +168,24 @@ async def run_tenant(t: Tenant, service_client: Any, base_model: str, work: RlWo
         while not stop.is_set() and not t.paused:
             await rl_step(tc, work, log, t.steps, t.index)
             t.steps += 1
+        if t.paused and unload is not None:
+            await unload(t.model_id)
     except Exception as err:  # noqa: BLE001 - reported by the benchmark, the others go on
         log.errors.append(f"tenant {t.index} ({t.model_id}): {type(err).__name__}: {err}")
+
+
+async def unload_model(url: str, api_key: str, model_id: str) -> None:
+    """unload_model over HTTP (what the SDK sends; SDK 0.38 has no call for it), its future awaited."""
+    import httpx
+
+    async with httpx.AsyncClient(base_url=url + "/api/v1", timeout=120, headers={"X-API-Key": api_key}) as http:
+        rid = (await http.post("unload_model", json={"model_id": model_id})).raise_for_status().json()["request_id"]
+        while True:
+            body = (await http.post("retrieve_future", json={"request_id": rid})).raise_for_status().json()
+            if body.get("type") != "try_again":
+                break
+    if body != {"type": "unload_model", "model_id": model_id}:
+        raise RuntimeError(f"unload_model of {model_id}: {body}")
 
 
 class Fleet:
@@ -177,6 +194,7 @@ class Fleet:
     def __init__(self, url: str, keys: list[str], base_model: str, work: RlWorkload) -> None:
         import tinker
 
+        self.url, self.keys = url, keys
         self.clients = [tinker.ServiceClient(base_url=url, api_key=k) for k in keys]  # one per key (module doc)
         self.base_model = base_model
         self.work = work
@@ -188,9 +206,10 @@ class Fleet:
         """Start tenants until there are ``n``; the new ones."""
         new = [Tenant(i) for i in range(len(self.tenants), n)]
         for t in new:
-            client = self.clients[t.index % len(self.clients)]
-            t.task = asyncio.get_running_loop().create_task(run_tenant(t, client, self.base_model, self.work, self.log,
-                                                                       self.stopping))
+            client, key = self.clients[t.index % len(self.clients)], self.keys[t.index % len(self.keys)]
+            t.task = asyncio.get_running_loop().create_task(run_tenant(
+                t, client, self.base_model, self.work, self.log, self.stopping,
+                unload=lambda model_id, key=key: unload_model(self.url, key, model_id)))
         self.tenants += new
         return new
 
@@ -211,9 +230,10 @@ class Fleet:
 
     async def shrink(self, n: int, deadline_s: float) -> list[Tenant]:
         """Pause the active tenants past the first ``n``: each finishes the step it is in (its calls may be
-        queued for a turn) and then sends nothing; its model stays on the service, idle. Returns those not
-        finished by the deadline (still in a step). Cancelling instead would leave their sent calls queued
-        on the service, drained by later turns inside the next measurement."""
+        queued for a turn), then unloads its model (which gives its slot back at once: a model that just
+        goes quiet keeps its slot until it has idled `evict_idle_s`, an hour for 960 of them through 8
+        slots). Returns those not finished by the deadline. Cancelling instead would leave their sent calls
+        queued on the service, drained by later turns inside the next measurement."""
         going = self.active()[n:]
         for t in going:
             t.paused = True
