@@ -65,6 +65,28 @@ def tail(path: Path, lines: int = 40) -> str:
         return "<no log>"
 
 
+SCRATCH_PREFIX = "lorafleet-engine-"  # an engine start's scratch folder in the system's temp dir: <prefix><index>-<random>
+SCRATCH_OWNER = "server.pgid"  # in it: the server's process group (its pid: it leads its own session)
+
+
+def sweep_stale_scratch(root: Path | None = None) -> list[Path]:
+    """Remove the scratch folders (in `root`, default the system's temp dir) of engines that ended without
+    their stop: the server was reaped after a coordinator or launcher was killed, so no stop removed its
+    folder. A folder is stale when the process group its owner file names has no process left; a folder
+    without an owner file (an engine between its folder and its spawn) and one whose group still runs, of
+    this service or another on the host, are kept. Returns the folders removed."""
+    gone = []
+    for folder in Path(root or tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}*"):
+        try:
+            pgid = int((folder / SCRATCH_OWNER).read_text())
+        except (OSError, ValueError):
+            continue
+        if not _group_alive(pgid):
+            shutil.rmtree(folder, ignore_errors=True)
+            gone.append(folder)
+    return gone
+
+
 def scratch_env(scratch: Path) -> dict[str, str]:
     """The server's environment for its scratch folder: ENGINE_SCRATCH_ENV and the temporary directory.
     SGLang names its ZeroMQ sockets with `tempfile.NamedTemporaryFile(delete=False)` and never removes
@@ -121,7 +143,8 @@ class EngineProcess:
         self.port = self.cfg.port_for(self.index) or pick_free_port(self.cfg.host)
         self.launch = build_server_launch(self.cfg, self.model_path, self.port)
         self._drop_scratch()  # a start whose process ended without a stop left one
-        self._scratch = Path(tempfile.mkdtemp(prefix=f"lorafleet-engine-{self.index}-"))
+        sweep_stale_scratch()  # and those other engines' starts left when their stop never came
+        self._scratch = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{self.index}-"))
         self.launch.env.update(scratch_env(self._scratch))
         self._log_file = open(self.log_path, "ab")
         self._log_file.write(f"\n=== lorafleet: start {self.starts + 1}: {' '.join(self.launch.argv)}\n".encode())
@@ -136,6 +159,7 @@ class EngineProcess:
             start_new_session=True,  # own process group: stop() reaches SGLang's children
             preexec_fn=_die_with_parent if self.die_with_parent else None,
         )
+        (self._scratch / SCRATCH_OWNER).write_text(str(self._proc.pid))  # its own session: pgid == pid
         self.starts += 1
 
     def wait_ready(self, deadline_s: float | None = None) -> float:

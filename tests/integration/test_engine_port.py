@@ -10,18 +10,26 @@ port this test holds (a named fault injection); the server, the bind failure and
 The engine it ends with is also measured (psutil, as tests/integration/test_ray_loopback.py does
 for Ray): every port its processes listen on is on loopback (rollout/engines/sglang_server.py gives a
 one-rank engine's torch.distributed group a FileStore; before, torch's TCPStore listened on `::`).
+The first test also checks the engine's scratch folder: SGLang's socket files and FileStore go there,
+the folder names its server's process group, the start swept a planted folder of an ended group (what
+a killed coordinator's reaped engine leaves), and the stop removes it.
 """
 
 from __future__ import annotations
 
+import shutil
 import socket
+import subprocess
+import sys
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 import rollout.engines.engine as engine_mod
 from rollout.config import EngineConfig
-from rollout.engines.engine import EngineProcess, EngineStartError
+from rollout.engines.engine import SCRATCH_OWNER, SCRATCH_PREFIX, EngineProcess, EngineStartError
 from tests.integration.net_probe import is_loopback, listeners
 from tests.integration.sglang_fixtures import DEFAULT_ENGINE
 from tests.waiting import wait_until
@@ -39,9 +47,16 @@ def held_port() -> Iterator[int]:
 def test_configured_port_in_use_is_refused_with_the_setting_named(tiny_world, tmp_path, held_port):
     cfg = EngineConfig(**{**DEFAULT_ENGINE, "ports": [held_port]})
     engine = EngineProcess(0, cfg, tiny_world / "model", log_dir=tmp_path)
+    # what a killed coordinator's reaped engine leaves: its scratch folder, its process group gone
+    ended = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    ended.wait()
+    left = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}0-"))
+    (left / SCRATCH_OWNER).write_text(str(ended.pid))
     try:
         engine.start()
         scratch = engine.scratch
+        assert not left.exists()  # the start swept it
+        assert (scratch / SCRATCH_OWNER).read_text() == str(engine.pid)  # and names its own server's group
         # the one-rank process group's FileStore (made before the bind) goes into this start's scratch folder
         wait_until(lambda: list(scratch.glob("lorafleet-sglang-store-*/store")),
                    "the scheduler's FileStore in the engine's scratch folder", timeout_s=300, interval_s=0.2)
@@ -52,6 +67,7 @@ def test_configured_port_in_use_is_refused_with_the_setting_named(tiny_world, tm
         assert not engine.is_alive()
     finally:
         engine.stop()
+        shutil.rmtree(left, ignore_errors=True)
     assert not scratch.exists() and engine.scratch is None  # the stop removed them (they used to stay in /tmp)
 
 
