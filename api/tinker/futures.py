@@ -104,6 +104,9 @@ class FutureStore:
         # model -> why its queued calls wait (no trainer slot now: the scheduler's last placement), or
         # None: a retrieve of such a call answers try_again with queue_state paused_capacity and it.
         self.reason_of: Callable[[str], str | None] = lambda model_id: None
+        # model -> nothing: a call of it was cancelled (its queue's head may have changed: the scheduler's
+        # wait index looks at it again, service/scheduling/wait_index.py W1)
+        self.on_cancel: Callable[[str], None] = lambda model_id: None
         self.feed: ResolvedFeed | None = None  # set when the API front parks polls (api/server.py)
         self.try_again = 0  # polls answered try again here (/metrics: with the front, its parked ones are not)
 
@@ -215,6 +218,8 @@ class FutureStore:
         if entry.done.done():
             return False
         self.resolve(request_id, user_error("cancelled by the client"))
+        if entry.model_id:
+            self.on_cancel(entry.model_id)
         return True
 
 

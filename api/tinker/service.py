@@ -88,6 +88,7 @@ class TinkerService:
         self.runs.base_model = fleet.base_model
         self.futures = FutureStore(self.records, poll_s=poll_s)
         self.futures.reason_of = self._waiting_reason
+        self.futures.on_cancel = self._model_changed
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, ModelRecord] = {}
         self._tasks: set = set()
@@ -135,6 +136,11 @@ class TinkerService:
     def _waiting_reason(self, model_id: str) -> str | None:
         record = self.models.get(model_id)
         return record.model.waiting_reason if record is not None else None
+
+    def _model_changed(self, model_id: str) -> None:
+        record = self.models.get(model_id)
+        if record is not None:
+            record.model.changed()
 
     # -- a restart: back where the previous process stopped ----------------------------------------
 

@@ -27,7 +27,9 @@ Each round (the loop's steps 1a and 2-3):
                  files into host memory while the next round runs, so their swap-in is a copy.
               The queue is read in pages until enough waiters are found for this placement
                  (the free slots plus one per slot to evict for), so its cost grows with the
-                 slots, not with the tenants registered (issue 26).
+                 slots, not with the tenants registered (issue 26); the evicted models come from
+                 the wait index (service/scheduling/wait_index.py), which looks at a model when
+                 its queue changed and takes the oldest waiting off a heap (issue 41).
   gather()    G1 waits until every resident dataset run has a whole step, or `max_wait_s` after
                  the first tenant became ready; a Tinker call waits at most `window_s` once
                  ready (calls arriving together still share one step) and never for an idle
@@ -64,6 +66,7 @@ from service.scheduling.residency import ResidencyKnobs
 from service.scheduling.round_parts import RoundContextOnce, RoundPart, Span, offer_tokens  # noqa: F401 - RoundPart: the tenants' view
 from service.scheduling.slot_moves import SlotMoves
 from service.scheduling.tenant import Offer, Tenant, TenantKind
+from service.scheduling.wait_index import WaitIndex
 from trainer.batch import TrainBatch
 from trainer.interface import TrainerInterface
 from trainer.rounds import RoundResult, RoundWork
@@ -108,6 +111,7 @@ class Scheduler(SlotMoves):
         self.rollout_stats: Callable[[], dict[str, Any]] | None = None  # set by the runtime (RL runs' stats)
         self._tenants: dict[str, Tenant] = {}  # every admitted tenant, resident or evicted (loop thread)
         self._tenants_lock = threading.Lock()  # readers on other threads (API, metrics)
+        self._waits = WaitIndex()  # the evicted Tinker models with work (service/scheduling/wait_index.py)
         self._wake = threading.Condition()
         self._woken = False
         self._failures: dict[str, str] = {}
@@ -136,6 +140,8 @@ class Scheduler(SlotMoves):
         """A tenant prepared in the slot the record gives it (a run the controller prepared)."""
         with self._tenants_lock:
             self._tenants[tenant.key] = tenant
+        if tenant.kind == TenantKind.TINKER:
+            tenant.watch(self._waits.touch)  # W1: it tells the index when its queue changes
 
     def remove(self, key: str) -> Tenant | None:
         with self._tenants_lock:
@@ -386,14 +392,16 @@ class Scheduler(SlotMoves):
         tenant.settle_single(offer, value, None)
 
     def run_unplaced(self) -> None:
-        """Operations of evicted models that need no slot (unload): run now, whatever the slots."""
-        resident = {h.key for h in self.slot_holders().values()}
-        for m in self.tenants(TenantKind.TINKER):
-            if m.key in resident:
-                continue
+        """Operations of evicted models that need no slot (unload): run now, whatever the slots. Asked
+        of the evicted models whose queue changed since the last look (wait_index.py W3), and of those
+        whose background snapshot is still being written (it is recorded at the look that finds it done)."""
+        self._refresh_waits({h.key for h in self.slot_holders().values()})
+        for m in self._waits.take_unplaced():
             offer = m.offer_unplaced()
             if offer is not None:
                 self._run_single(m, None, offer)
+            if m.writing_snapshot:
+                self._waits.touch(m.key)
 
     def _work(self, offers: list[tuple[Tenant, int, Offer]]) -> tuple[RoundWork, list[Span]]:
         samples, calls, forwards, optim, spans = [], [], [], [], []

@@ -45,11 +45,15 @@ class SlotMoves:
             for key in choose_evictions(list(residents.values()), len(waiters), len(free), self.knobs):
                 events += self._evict(self._tenants[key], residents[key].slot)
             free = self.registry.free_slots()
-        reason = (f"waiting for a trainer slot: all {self.registry.num_slots} slots are held "
-                  f"({len(waiters) - len(free)} tenant(s) wait; they rotate in turns)")
+        reason = (f"waiting for a trainer slot: all {self.registry.num_slots} slots are held and other tenants "
+                  "wait too; they rotate in turns")
+        placing = {key for key, _ in waiters[:len(free)]}
+        for m in self._waits.take_newly_waiting():  # C4: it is told why it waits (a Tinker future answers try_again with it)
+            if m.key not in placing:
+                m.waiting_for_slot(reason)
         for i, (key, _) in enumerate(waiters):
             tenant = self._tenants.get(key)
-            if i >= len(free):  # C4: it is told why it waits (a Tinker future answers try_again with it)
+            if i >= len(free):  # C4, the runs among them too
                 if tenant is not None:
                     tenant.waiting_for_slot(reason)
                 continue
@@ -102,9 +106,11 @@ class SlotMoves:
         or is retiring (its final checkpoint); an evicted model when a call of it is queued.
 
         Runs are read from the queue in pages until `want` of them want a slot (or the queue ends):
-        a placement needs no more. Every evicted model is looked at (they are in memory; C4), once
-        each (`slot_wait`), and each owner's share once: with a thousand models waiting this scan
-        runs every round (issue 41)."""
+        a placement needs no more. Models are taken from the wait index (service/scheduling/wait_index.py)
+        oldest first until `want` of them are within their share (or none is left): a round looks at
+        the models that changed since the last one and at those it takes, not at every evicted model
+        (with a thousand models waiting that scan was most of `place`: issue 41). Each owner's share is
+        read once."""
         resident = {h.key for h in holders.values()}
         out: list[tuple[bool, float, str, bool]] = []
         shares: dict[str | None, bool] = {}
@@ -129,12 +135,16 @@ class SlotMoves:
             if len(heads) < page:
                 break
             offset += page
-        for m in self.tenants(TenantKind.TINKER):
-            since = None if m.key in resident else m.slot_wait()
-            if since is not None:
-                out.append((over_share(m.owner), since, m.key, True))
+        self._refresh_waits(resident)
+        for since, m in self._waits.waiting(self._tenants.get, resident.__contains__, want,
+                                            counts=lambda m: not over_share(m.owner)):
+            out.append((over_share(m.owner), since, m.key, True))
         out.sort(key=lambda e: (e[0], e[1]))
         return [(key, trained) for _, _, key, trained in out]
+
+    def _refresh_waits(self, resident: set[str]) -> None:
+        """The wait index takes in the models touched since its last look (W1)."""
+        self._waits.refresh(self._tenants.get, resident.__contains__)
 
     def _over_share(self, owner: str | None) -> bool:
         """Whether `owner` trained more than its token share of the last window (service/config/quotas.py)."""
@@ -181,6 +191,8 @@ class SlotMoves:
             back = back if isinstance(back, dict) else {}
         except Exception as e:  # the snapshot (or the durable state) stays stored for another try (C3)
             self._vacate_quietly(tenant, slot)
+            if tenant.kind == TenantKind.TINKER:
+                self._waits.touch(tenant.key)  # it waits again: told why at the next placement (C4)
             return [f"restoring {tenant.name} failed: {type(e).__name__}: {e}"]
         self._forget_swap(tenant.key)
         tenant.on_restored()

@@ -113,6 +113,17 @@ class TinkerModel:
         self.closing = False  # the service saves its state for a restart: nothing more is queued
         self.stats = stats or ModelStats()  # service/tenants/tinker_stats.py
         self._evicted_at = 0.0  # time.time() of its last eviction: it began to wait then (slot_wait)
+        self._touch: Callable[[str], None] = lambda key: None  # the scheduler's wait index (watch)
+
+    def watch(self, touch: Callable[[str], None]) -> None:
+        """The scheduler's wait index (service/scheduling/wait_index.py): `touch(key)` at every change of
+        its queue and at its eviction (W1), so the placement looks at this model only when it changed."""
+        self._touch = touch
+        touch(self.key)
+
+    def changed(self) -> None:
+        """Any thread: its queue changed (a call queued, taken, given back or cancelled): W1."""
+        self._touch(self.key)
 
     # --- what the Tinker face calls (any thread) ------------------------------------------------
 
@@ -128,6 +139,7 @@ class TinkerModel:
             op.seq = self.journal.next_seq()
             self._queue.append(op)
             self.journal.log(op)  # M5; under the lock: requests are recorded in queue order
+        self.changed()
         self._wake()
 
     def forward_backward(self, data: list[Datum], loss_fn: str, loss_fn_config: dict | None, done: Done,
@@ -232,10 +244,11 @@ class TinkerModel:
         return Offer(calls=calls, forwards=forwards, optim=optim, context=taken)
 
     def offer_unplaced(self) -> Offer | None:
-        """While evicted: the head operation if it needs no slot (unload), taken. The loop asks every
-        evicted model each round, so a model whose head needs a slot (or that has none) answers from
-        a look without the lock (reading a deque's first item is atomic). A look that raced a change
-        only answers None, and the unload runs a round later; what is taken is decided under the lock."""
+        """While evicted: the head operation if it needs no slot (unload), taken. The loop asks the
+        evicted models that changed since its last look (service/scheduling/wait_index.py W3), so a model
+        whose head needs a slot (or that has none) answers from a look without the lock (reading a
+        deque's first item is atomic). A look that raced a change only answers None: the change touches
+        it after it is made, and the unload runs a round later; what is taken is decided under the lock."""
         self._settle_snapshot()
         try:
             if self._queue[0].needs_slot:
@@ -245,8 +258,14 @@ class TinkerModel:
         with self._mu:
             if self._queue and self._queue[0].kind == OpKind.ALONE and not self._queue[0].needs_slot:
                 op = self._queue.popleft()
+                self.changed()  # what follows it may need a slot
                 return Offer(single=SlotOp(op.run, needs_slot=False), context=[op])
         return None
+
+    @property
+    def writing_snapshot(self) -> bool:
+        """A snapshot of it is being written in the background (recorded when `_settle_snapshot` finds it written)."""
+        return self.journal.writing is not None
 
     def settle(self, offer: Offer, part: Any, slot: int, ctx: RoundContext) -> None:
         calls, forwards = iter(part.calls), iter(part.forwards)
@@ -295,6 +314,7 @@ class TinkerModel:
         if retry:  # replays left out: lost() rebuilds them from the journal (they would run twice)
             with self._mu:
                 self._queue.extendleft(reversed([op for op in offer.context if not op.replay]))
+            self.changed()
             return
         for op in offer.context:
             self._answer(op, None, RuntimeError(error))
@@ -325,6 +345,7 @@ class TinkerModel:
 
     def on_evicted(self) -> None:
         self._evicted_at = time.time()
+        self.changed()
 
     def on_restored(self) -> None:
         self.steps_in, self.last_active, self.waiting_reason = 0, self._clock(), None
@@ -357,6 +378,7 @@ class TinkerModel:
         self.dirty = False
         with self._mu:
             self._queue.extendleft(reversed(replay))
+        self.changed()
         if diverged is not None:
             self._give_up(diverged)
         self._wake()
@@ -422,7 +444,8 @@ class TinkerModel:
     def _settle_snapshot(self) -> None:
         """A background snapshot that ended is recorded; one that failed leaves it dirty, so the
         policy takes another (its last recorded snapshot is as old as before). The loop's thread
-        asks every model each round (ready / offer / offer_unplaced): one attribute read when none is written."""
+        asks each resident every round (ready / offer), and an evicted one at each look while it is
+        being written (offer_unplaced; Scheduler.run_unplaced): one attribute read when none is written."""
         if self.journal.writing is not None and self.journal.settle() is False:
             self.dirty = True
 

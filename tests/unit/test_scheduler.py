@@ -325,6 +325,29 @@ def test_unload_needs_no_slot(tmp_path):
     assert isinstance(w.answers["a.late"][1], ValueError)
 
 
+def test_an_unload_behind_a_cancelled_call_runs_at_the_next_placement_however_many_wait(tmp_path):
+    """Evicted A has a call waiting for a slot and an unload behind it, and five models have waited
+    longer: A is far from the head of the queue, where a placement looks (service/scheduling/wait_index.py).
+    Its call is cancelled (the Tinker face's cancel touches the model: api/tinker/futures.py on_cancel,
+    TinkerService._model_changed): the next placement runs the unload; nothing else moved."""
+    w = World(tmp_path, num_slots=1)
+    a, _ = w.create("a")
+    w.clock.now += 2 * IDLE_S
+    b, _ = w.create("b")  # A idle: evicted for B, which stays (recent, its turn not used)
+    waiting = [w.models.create(f"c{i}", "alice", LoraSpec(rank=4, seed=1), "s1", w.done(f"c{i}.create")) for i in range(5)]
+    cancelled = [False]
+    a.forward_backward([Datum([1, 2], {})], "a.fb", None, w.done("a.fb"), cancelled=lambda: cancelled[0])
+    a.unload(w.done("a.unload"))
+    w.place()
+    assert "a.unload" not in w.answers and a.waiting_reason is not None
+    cancelled[0] = True
+    a.changed()  # what the cancel's hook does
+    w.place()
+    assert w.answers["a.unload"] == (None, None) and w.models.get("a") is None
+    assert w.registry.leases() == {"b": (0, "alice")} and not any(f"c{i}.create" in w.answers for i in range(5))
+    assert all(m.waiting_reason is not None for m in waiting)
+
+
 def test_a_lost_trainer_keeps_the_models_and_brings_them_back_from_their_durable_state(tmp_path):
     """The trainer restarted (its slots and swap store gone): the models stay (their leases freed), their
     queued calls wait unanswered, and at the next placement each is filled from its durable state (here its

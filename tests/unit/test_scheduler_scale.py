@@ -324,3 +324,46 @@ def test_a_thousand_tinker_models_and_runs_share_the_slots(fast_tmp):
         w.round()
     assert len(answers) == 2 * len(live) and all(e is None for _, e in answers.values())
     assert w.scheduler.counters["evictions"] >= 56 and len(w.registry.queued()) == 0
+
+
+def test_a_round_looks_at_the_models_that_changed_not_at_every_waiting_one(fast_tmp, monkeypatch):
+    """1,024 Tinker models each with a call waiting for one of 8 slots: a placement asks `slot_wait`
+    of the models it takes from the wait index and of those touched since the last round, not of all
+    1,016 evicted ones (service/scheduling/wait_index.py; the scan of every model was most of `place`
+    at K = 1,024, issue 41). And the calls are still answered first come, first served."""
+    from service.tenants.tinker_model import TinkerModel
+
+    w = World(fast_tmp, 8, 1, idle_s=5.0)
+    models = TinkerModels(w.scheduler, TinkerRecords(w.registry.db_path), LocalStore(fast_tmp / "store"), base_model="m",
+                          tokenizer_id="m", max_rank=8)
+    created: list[str] = []
+    live = [models.create(f"m{i:04d}", "carol", LoraSpec(rank=4, seed=i), "s", lambda v, e, k=f"m{i:04d}": created.append(k))
+            for i in range(1024)]
+    while len(created) < len(live):
+        assert w.rounds < 1000, f"{len(created)} created after {w.rounds} rounds"
+        w.round()
+    assert created == sorted(created)  # first come, first served
+    answered: list[str] = []
+    for m in live:
+        m.forward_backward([Datum([1, 2], {})], "cross_entropy", None, lambda v, e, k=m.key: answered.append(k))
+    residents = set(w.registry.leases())
+    w.round()  # takes in the 1,024 new calls (each touched its model once)
+    asked = [0]
+    real = TinkerModel.slot_wait
+
+    def counted(self):
+        asked[0] += 1
+        return real(self)
+
+    monkeypatch.setattr(TinkerModel, "slot_wait", counted)
+    per_round = []
+    while len(answered) < len(live):
+        assert w.rounds < 3000, f"{len(answered)} answered after {w.rounds} rounds"
+        asked[0] = 0
+        w.round()
+        per_round.append(asked[0])
+    # want = free slots + 2 per slot = at most 24 taken, plus the models evicted in the round before
+    # (touched: 8) and the W2 entries found stale at the top; far from the 1,016 waiting
+    assert max(per_round) <= 64, sorted(per_round)[-10:]
+    assert len(residents) == 8 and set(answered[:8]) == residents  # the residents' calls go first
+    assert answered[8:] == sorted(answered[8:])  # then the waiters', in the order they were sent

@@ -39,3 +39,19 @@ def test_finished_futures_leave_oldest_first_pending_never_and_the_records_still
         assert await store.retrieve("alice", sorted(pending)[0]) is None  # still running: try again
 
     asyncio.run(scenario())
+
+
+def test_a_cancel_tells_the_model_of_the_call_once(tmp_path):
+    """A cancelled call's model is told (`on_cancel`: the scheduler's wait index looks at it again,
+    service/scheduling/wait_index.py); a cancel of a finished call, or of a call with no model, is not."""
+    async def scenario() -> None:
+        store = FutureStore(TinkerRecords(tmp_path / "records.sqlite"), poll_s=0.01)
+        told: list[str] = []
+        store.on_cancel = told.append
+        waiting, finished, modelless = store.create("alice", "m-1"), store.create("alice", "m-2"), store.create("alice", None)
+        store.resolve(finished, user_error("done"))
+        assert store.cancel("alice", waiting) and not store.cancel("alice", finished) and store.cancel("alice", modelless)
+        assert not store.cancel("alice", waiting)  # already answered
+        assert told == ["m-1"]
+
+    asyncio.run(scenario())
