@@ -17,10 +17,9 @@ runs at every round boundary (between two mixed train calls, never inside one):
      recently active first, so that none waits forever (the bound: docs/concepts.md "Fair turns");
   P4 at most as many evictions as waiting tenants beyond the free slots; a tenant that came in
      this round (steps_in == 0 and not idle) is never evicted by P3 (turn_steps >= 1).
-A tenant being created (a Tinker model, which needs its slot now or never) takes a free slot, or
-one resident's by the same rule (P2, then P3: an idle one, else one whose turn is over), or is
-refused; with a thousand tenants rotating, some resident's turn is over at every placement, so a
-creation is refused only while every resident is new in its slot or busy in its turn.
+A Tinker model being created waits like any other tenant (its creation is its first queued call,
+service/scheduling/scheduler.py S1): it takes a free slot, or one a resident gives up by the same
+rule; it is never refused for room.
 
 The engines' side follows the same rule of recency (`AdapterLru`): a served adapter is loaded on
 demand, and the least recently used one that no request is using is unloaded to make room; a load

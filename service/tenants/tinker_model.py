@@ -116,8 +116,7 @@ class TinkerModel:
         self._touch: Callable[[str], None] = lambda key: None  # the scheduler's wait index (watch)
 
     def watch(self, touch: Callable[[str], None]) -> None:
-        """The scheduler's wait index (service/scheduling/wait_index.py): `touch(key)` at every change of
-        its queue and at its eviction (W1), so the placement looks at this model only when it changed."""
+        """`touch(key)` at each change of its queue and at its eviction (service/scheduling/wait_index.py W1)."""
         self._touch = touch
         touch(self.key)
 
@@ -263,8 +262,7 @@ class TinkerModel:
         return None
 
     @property
-    def writing_snapshot(self) -> bool:
-        """A snapshot of it is being written in the background (recorded when `_settle_snapshot` finds it written)."""
+    def writing_snapshot(self) -> bool:  # recorded when `_settle_snapshot` finds it written
         return self.journal.writing is not None
 
     def settle(self, offer: Offer, part: Any, slot: int, ctx: RoundContext) -> None:
