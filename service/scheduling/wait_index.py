@@ -2,21 +2,23 @@
 
 With a thousand Tinker models waiting through 8 slots, the placement used to ask every evicted model
 for its head call at every round (`slot_wait`, and `offer_unplaced` for the operations that need no
-slot): at K = 1,024 that scan was most of `place`'s busy time on the loop's thread, and the thread
-waited for the interpreter behind the API's threads while doing it (issue 41). Only the models whose
-queue changed since the last look can have new work, so the index looks at those only.
+slot): at K = 1,024 that scan was most of `place`'s busy samples on the loop's thread (py-spy,
+issue 41). Only a model whose queue changed since the last look can have new work, so the index
+looks at those, and takes the oldest waiters off a heap.
 
 Invariants (the scheduler and its models keep them):
-  W1 every change of a model's queue (a call submitted, taken, given back or replayed), every
-     eviction and every admission `touch`es the model (any thread: one deque append);
-  W2 while a model waits, its `slot_wait()` never decreases: its head call is taken or cancelled
-     (the next one arrived later) or it is evicted again (later). A value appearing where there was
-     none is a touch (W1). So the heap's entry of a waiting model is at most its current value; an
-     entry met at the top is checked, and pushed again with the current value when it grew: the
-     order out of `waiting` is the order of the current values, as a scan and a sort would give;
-  W3 `unplaced()` returns the touched evicted models whose head needs no slot (an unload), each
-     once; a model dropped from the heap because its head changed is touched again, so a head that
-     became an unload behind a cancelled call is found at the next look.
+  W1 a model is `touch`ed (any thread: one deque append) when it is admitted, when it is evicted,
+     and when its queue changes while it is evicted: a call submitted, given back or replayed, an
+     unload taken, a call cancelled (the Tinker face's cancel);
+  W2 while a model waits, its `slot_wait()` only grows without a touch: its head call is taken or
+     cancelled (the next one arrived later). A value appearing where there was none, or a smaller
+     one (calls replayed ahead), comes with a touch (W1). So the heap's entry of a waiting model is
+     at most its current value; an entry met at the top is checked, and pushed again with the
+     current value when it grew: the order out of `waiting` is the order of the current values, as
+     a scan and a sort would give;
+  W3 `take_unplaced()` returns the touched evicted models (for their unloads), each once; a model
+     dropped from the heap because its head no longer needs a slot is touched again, so an unload
+     behind a call cancelled before its touch is found at the next look.
 The index lives on the loop's thread (the scheduler's); only `touch` is called from others.
 """
 
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 
@@ -43,9 +45,6 @@ class WaitIndex:
     def touch(self, key: str) -> None:
         """Any thread: `key`'s queue or eviction changed (W1)."""
         self._touched.append(key)
-
-    def touch_all(self, keys: Iterable[str]) -> None:
-        self._touched.extend(keys)
 
     def refresh(self, model: Callable[[str], Any], resident: Callable[[str], bool]) -> None:
         """Take in the touched models (each once): a waiting one's entry is brought up to date."""
