@@ -438,6 +438,15 @@ def test_dead_engine_is_restarted_and_adapters_republished(service, tiny_world):
 # --- 7 -------------------------------------------------------------------------------------------
 
 
+def resumed_from(log_text: str, name: str) -> int:
+    """The step run `name` was prepared from after the trainer's restart (the service log's first
+    "prepared <name> in slot S at step K" after the last "restarting the trainer")."""
+    after = log_text.rsplit("restarting the trainer", 1)[-1]
+    found = re.findall(rf"prepared {re.escape(name)} in slot \d+ at step (\d+)", after)
+    assert found, f"no 'prepared {name}' after the trainer's restart in the service log"
+    return int(found[0])
+
+
 def test_dead_trainer_is_restarted_and_runs_continue_from_checkpoints(service, tiny_world):
     """The resume is proved, not just a step count that carries on: the SFT run's step k+1 (k: its
     checkpoint when the trainer died) is trained again after the restart from the checkpoint's
@@ -461,11 +470,15 @@ def test_dead_trainer_is_restarted_and_runs_continue_from_checkpoints(service, t
         # prepares the run again (seconds: the model is built first).
         before = {n: ({s["step"]: s for s in c.metrics(n)["steps"]}, c.get(n)["checkpoint_step"]) for n in ("f-sft", "f-rl")}
         for n in ("f-sft", "f-rl"):
-            steps_before, ckpt = before[n]
+            steps_before, read = before[n]
+            ref = wait_for(c, n, lambda r, k=read: r["step"] >= k + 3 and r["updated_at"] > killed_at + 1,
+                           "3 steps past its checkpoint after the trainer died", timeout_s=300)
+            # The checkpoint it came back from: the one read at the kill, or a later one whose trainer call
+            # had ended before the kill and whose commit came after that read (CI saw f-rl read 4, resume 6).
+            ckpt = resumed_from(service.log_path.read_text(), n)
+            assert ckpt >= read, (n, read, ckpt)
             if n == "f-sft":
                 assert ckpt + 1 in steps_before, (n, ckpt, sorted(steps_before))  # the step to compare was made before the kill
-            ref = wait_for(c, n, lambda r, k=ckpt: r["step"] >= k + 3 and r["updated_at"] > killed_at + 1,
-                           "3 steps past its checkpoint after the trainer died", timeout_s=300)
             steps = c.metrics(n)["steps"]  # read after ref: the run may have stepped again since
             assert [s["step"] for s in steps] == list(range(1, len(steps) + 1)) and len(steps) >= ref["step"], (n, ref["step"], steps)
             assert all((s["recorded_at"] > killed_at) == (s["step"] > ckpt) for s in steps), (n, ckpt, steps)  # re-recorded above k
