@@ -111,7 +111,8 @@ class Scheduler(SlotMoves):
         self.rollout_stats: Callable[[], dict[str, Any]] | None = None  # set by the runtime (RL runs' stats)
         self._tenants: dict[str, Tenant] = {}  # every admitted tenant, resident or evicted (loop thread)
         self._tenants_lock = threading.Lock()  # readers on other threads (API, metrics)
-        self._waits = WaitIndex()  # the evicted Tinker models with work (service/scheduling/wait_index.py)
+        # the evicted Tinker models with work (wait_index.py); a lambda: clear() replaces the dict
+        self._waits = WaitIndex(lambda key: self._tenants.get(key))
         self._wake = threading.Condition()
         self._woken = False
         self._failures: dict[str, str] = {}
@@ -395,7 +396,7 @@ class Scheduler(SlotMoves):
         """Operations of evicted models that need no slot (unload): run now, whatever the slots. Asked
         of the evicted models whose queue changed since the last look (wait_index.py W3), and of those
         whose background snapshot is still being written (it is recorded at the look that finds it done)."""
-        self._refresh_waits({h.key for h in self.slot_holders().values()})
+        self._waits.refresh({h.key for h in self.slot_holders().values()}.__contains__)
         for m in self._waits.take_unplaced():
             offer = m.offer_unplaced()
             if offer is not None:

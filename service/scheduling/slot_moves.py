@@ -135,16 +135,11 @@ class SlotMoves:
             if len(heads) < page:
                 break
             offset += page
-        self._refresh_waits(resident)
-        for since, m in self._waits.waiting(self._tenants.get, resident.__contains__, want,
-                                            counts=lambda m: not over_share(m.owner)):
+        self._waits.refresh(resident.__contains__)
+        for since, m in self._waits.waiting(resident.__contains__, want, counts=lambda m: not over_share(m.owner)):
             out.append((over_share(m.owner), since, m.key, True))
         out.sort(key=lambda e: (e[0], e[1]))
         return [(key, trained) for _, _, key, trained in out]
-
-    def _refresh_waits(self, resident: set[str]) -> None:
-        """The wait index takes in the models touched since its last look (W1)."""
-        self._waits.refresh(self._tenants.get, resident.__contains__)
 
     def _over_share(self, owner: str | None) -> bool:
         """Whether `owner` trained more than its token share of the last window (service/config/quotas.py)."""

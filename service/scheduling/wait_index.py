@@ -32,10 +32,11 @@ from typing import Any
 
 class WaitIndex:
     """Evicted models with a call waiting for a slot, by `slot_wait` (oldest first), and the touched ones
-    (for what needs no slot). Its looks take `model(key)` (the model, None once removed) and
-    `resident(key)` (it holds a slot)."""
+    (for what needs no slot). `model(key)`: the model (None once removed); its looks take `resident(key)`
+    (it holds a slot now)."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: Callable[[str], Any]) -> None:
+        self._model = model
         self._touched: deque[str] = deque()  # W1: appended on any thread, drained on the loop's
         self._heap: list[tuple[float, str]] = []  # (slot_wait when pushed, key)
         self._pushed: dict[str, float] = {}  # key -> the value of its one live heap entry
@@ -46,7 +47,7 @@ class WaitIndex:
         """Any thread: `key`'s queue or eviction changed (W1)."""
         self._touched.append(key)
 
-    def refresh(self, model: Callable[[str], Any], resident: Callable[[str], bool]) -> None:
+    def refresh(self, resident: Callable[[str], bool]) -> None:
         """Take in the touched models (each once): a waiting one's entry is brought up to date."""
         seen: set[str] = set()
         while self._touched:
@@ -54,7 +55,7 @@ class WaitIndex:
             if key in seen:
                 continue
             seen.add(key)
-            m = model(key)
+            m = self._model(key)
             if m is None or resident(key):
                 continue
             self._unplaced[key] = m
@@ -66,7 +67,7 @@ class WaitIndex:
                 self._pushed[key] = since
                 heapq.heappush(self._heap, (since, key))
 
-    def waiting(self, model: Callable[[str], Any], resident: Callable[[str], bool], want: int,
+    def waiting(self, resident: Callable[[str], bool], want: int,
                 counts: Callable[[Any], bool] = lambda m: True) -> list[tuple[float, Any]]:
         """(slot_wait, model) of the evicted models with a call waiting for a slot, oldest first (W2),
         until `want` of them `counts` (all of them when fewer do); they stay in the index. Call
@@ -78,7 +79,7 @@ class WaitIndex:
             since, key = heapq.heappop(self._heap)
             if self._pushed.get(key) != since:
                 continue  # an older entry of a key pushed again since
-            m = model(key)
+            m = self._model(key)
             now = m.slot_wait() if m is not None and not resident(key) else None
             if now == since:
                 taken.append((since, key))
@@ -104,7 +105,3 @@ class WaitIndex:
         """The evicted models touched since the last call (W3), for their operations that need no slot."""
         out, self._unplaced = list(self._unplaced.values()), {}
         return out
-
-    def __len__(self) -> int:
-        """Models with a live entry (waiting, or since placed or emptied and not looked at yet)."""
-        return len(self._pushed)

@@ -55,8 +55,8 @@ def scan(models: dict[str, Model]) -> list[tuple[float, str]]:
 
 
 def look(index: WaitIndex, models: dict[str, Model], want: int, counts=lambda m: True) -> list[tuple[float, str]]:
-    index.refresh(models.get, lambda k: models[k].resident)
-    return [(since, m.key) for since, m in index.waiting(models.get, lambda k: models[k].resident, want, counts)]
+    index.refresh(lambda k: models[k].resident)
+    return [(since, m.key) for since, m in index.waiting(lambda k: models[k].resident, want, counts)]
 
 
 def expected(models: dict[str, Model], want: int, counts=lambda m: True) -> list[tuple[float, str]]:
@@ -72,8 +72,8 @@ def expected(models: dict[str, Model], want: int, counts=lambda m: True) -> list
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_the_waiters_are_those_a_scan_finds_in_the_same_order(seed):
     rng = random.Random(seed)
-    index = WaitIndex()
     models: dict[str, Model] = {}
+    index = WaitIndex(models.get)
     now = 0.0
     for step in range(3000):
         now += 1.0
@@ -104,27 +104,28 @@ def test_the_waiters_are_those_a_scan_finds_in_the_same_order(seed):
 def test_a_model_whose_head_needs_no_slot_is_touched_again_for_its_unload():
     """W3: a call cancelled ahead of an unload (no touch): the look that finds the model no longer
     waiting hands it to take_unplaced at the next look."""
-    index = WaitIndex()
-    m = Model("m0", "a", index)
-    models = {"m0": m}
+    models: dict[str, Model] = {}
+    index = WaitIndex(models.get)
+    m = models["m0"] = Model("m0", "a", index)
     m.submit(1.0)
     m.submit(2.0, needs_slot=False)  # the unload, behind the call
     assert look(index, models, 8) == [(1.0, "m0")]
     assert [x.key for x in index.take_unplaced()] == ["m0"] and index.take_unplaced() == []
     m.take_head(touch=False)  # the call is cancelled, its touch not yet made
     assert look(index, models, 8) == []
-    index.refresh(models.get, lambda k: False)
+    index.refresh(lambda k: False)
     assert [x.key for x in index.take_unplaced()] == ["m0"]  # its head is now the unload: asked again
 
 
 def test_the_newly_waiting_are_given_once_and_residents_never():
-    index = WaitIndex()
-    a, b = Model("a", "x", index), Model("b", "x", index)
-    models = {"a": a, "b": b}
+    models: dict[str, Model] = {}
+    index = WaitIndex(models.get)
+    a = models["a"] = Model("a", "x", index)
+    b = models["b"] = Model("b", "x", index)
     b.resident = True
     a.submit(1.0)
     b.submit(2.0)
-    index.refresh(models.get, lambda k: models[k].resident)
+    index.refresh(lambda k: models[k].resident)
     assert [m.key for m in index.take_newly_waiting()] == ["a"]
     assert index.take_newly_waiting() == []
     assert look(index, models, 8) == [(1.0, "a")]
