@@ -384,6 +384,10 @@ class TinkerRecords:
         self.write("UPDATE tinker_models SET ended_at = ? WHERE model_id = ?", (time.time(), model_id))
 
     def live_models(self) -> list[ModelRow]:
+        """The models not ended, as a restore reads them: every write queued before this call is committed
+        first (a model created, or a call answered, just before its trainer was lost is read; reads see
+        committed batches only, and the loss can come while the writer is behind)."""
+        self.flush()
         rows = self._read("SELECT * FROM tinker_models WHERE ended_at IS NULL ORDER BY created_at")
         return [ModelRow(r["model_id"], r["tenant"], r["session_id"], r["rank"], r["seed"], tuple(json.loads(r["targets"])),
                          json.loads(r["user_metadata"]) if r["user_metadata"] else None, r["snapshot"], r["snapshot_seq"],
@@ -417,7 +421,9 @@ class TinkerRecords:
         return _future(rows[0]) if rows else None
 
     def futures_after(self, model_id: str, seq: int) -> list[FutureRow]:
-        """The model's operations after `seq`, in order (what a restore must replay or run)."""
+        """The model's operations after `seq`, in order (what a restore must replay or run), every write
+        queued before this call included (as `live_models`)."""
+        self.flush()
         return [_future(r) for r in self._read("SELECT * FROM tinker_futures WHERE model_id = ? AND seq > ? ORDER BY seq",
                                                (model_id, seq))]
 

@@ -359,7 +359,7 @@ def test_a_lost_trainer_keeps_the_models_and_brings_them_back_from_their_durable
     assert "a.queued" not in w.answers
     before = len(w.trainer.events)
     w.round()
-    print(w.trainer.events[before-3:]); assert ("init", w.scheduler.slot_of("a"), "a") in w.trainer.events[before:] and w.answers["a.queued"][1] is None
+    assert ("init", w.scheduler.slot_of("a"), "a") in w.trainer.events[before:] and w.answers["a.queued"][1] is None
 
 
 def _one_step(w: World, model, tag: str) -> None:
