@@ -32,6 +32,9 @@ begun after it), for --window-s seconds:
                             the Tinker records' group commits (per step, statements each, mean time), the polls the
                             coordinator answered try again and the futures it announced to the API front (per step:
                             a queued call's repeat polls are held by the front, api/front/parked_polls.py) (/metrics)
+  core speed                probe_ms: the median CPU time of a fixed unit of work timed through the window, and
+                            the host's steal share (benchmarks/speed_probe.py); the bracket's ratios are also
+                            given per unit of core speed (speed_adjusted: rates times probe_ms)
 
 With --client-nice 10 the tenants' process yields the cores to the service's (on a real fleet the tenants
 run on machines of their own); both ways are reported in docs/BENCHMARKS.md.
@@ -59,6 +62,7 @@ import httpx
 import yaml
 
 from benchmarks.proc_stats import cores_by_role, cpu_by_pid, cpu_s, rss_mib
+from benchmarks.speed_probe import SpeedProbe
 from benchmarks.tinker_rl_tenants import Fleet, RlWorkload
 from tests.integration.service_world import TOKEN, Service, serve_job
 
@@ -130,9 +134,11 @@ def tinker_job(tmp: Path, tiny: Path, slots: int, engines: int, keys: dict[str, 
 
 async def measure(fleet: Fleet, svc: Service, http: httpx.AsyncClient, seconds: float, phase_start: float) -> dict:
     """One window: the fleet's steps and tokens, the sampler's counts, the calls' latencies."""
+    probe = SpeedProbe().start()
     m0, cpu0, procs0, t0 = (await http.get("/metrics")).text, cpu_s(os.getpid()), cpu_by_pid(), time.monotonic()
     await asyncio.sleep(seconds)
     m1, cpu1, procs1, t1 = (await http.get("/metrics")).text, cpu_s(os.getpid()), cpu_by_pid(), time.monotonic()
+    speed = probe.stop()
     c0, c1 = sampler_counts(m0), sampler_counts(m1)
     calls = fleet.log.window(t0, t1, creates_since=phase_start)
     minutes = (t1 - t0) / 60
@@ -147,7 +153,7 @@ async def measure(fleet: Fleet, svc: Service, http: httpx.AsyncClient, seconds: 
             "adapter_unloads": sum(_delta(c1["unloads"], c0["unloads"]).values()),
             "room_waits": sum(_delta(c1["room_waits"], c0["room_waits"]).values()),
             "waits_with_room": sum(_delta(c1["waits_with_room"], c0["waits_with_room"]).values()),
-            "client_cores": round((cpu1 - cpu0) / (t1 - t0), 2),
+            "client_cores": round((cpu1 - cpu0) / (t1 - t0), 2), **speed,
             "cores_by_process": cores_by_role(procs0, procs1, t1 - t0),
             "coordinator_rss_mib": round(rss_mib(svc.proc.pid), 1),
             "trainer_rss_mib": round(sum(rss_mib(p["pid"]) for p in (await http.get("/v1/fleet")).json()["processes"]
@@ -225,7 +231,12 @@ def bracket(rows: list[dict]) -> None:
             rate, lo, hi = big["tenant_steps_per_min"], before["tenant_steps_per_min"], after["tenant_steps_per_min"]
             big["ratio_to_smaller"] = {"k": before["tenants"], "before": round(rate / lo, 3), "after": round(rate / hi, 3),
                                        "mean": round(rate / ((lo + hi) / 2), 3)}
-            print(json.dumps({"bracket": big["ratio_to_smaller"], "rates": [lo, rate, hi]}), flush=True)
+            probes = [r.get("probe_ms") for r in (before, big, after)]
+            if all(probes):  # the same ratios per unit of core speed (benchmarks/speed_probe.py)
+                lo_s, rate_s, hi_s = (r * p for r, p in zip((lo, rate, hi), probes))
+                big["ratio_to_smaller"]["speed_adjusted"] = {"before": round(rate_s / lo_s, 3), "after": round(rate_s / hi_s, 3),
+                                                             "mean": round(rate_s / ((lo_s + hi_s) / 2), 3)}
+            print(json.dumps({"bracket": big["ratio_to_smaller"], "rates": [lo, rate, hi], "probe_ms": probes}), flush=True)
 
 
 def main() -> None:

@@ -1,0 +1,87 @@
+"""How fast the machine's cores are during a window: a fixed unit of work timed in CPU time.
+
+The 2-core development machine is a VM on a shared host. The same CPU-bound loop costs it from
+10.7 to 17.4 ms of CPU time within one idle minute, and a benchmark's two windows of the same load a
+quarter of an hour apart differed by 63% (issue 41, eleventh session: K = 64 at 296 and then 483
+tenant-steps per minute). Such drift passes for the cost of whatever changed between the windows.
+
+The probe is a child process that runs one fixed unit of pure-Python arithmetic every `period_s` and
+prints the unit's CPU time (``time.thread_time``: the time the thread ran, so neither the other
+processes' turns on the core nor the host's steal count in it; a core shared with a busy neighbour, a
+lower clock or a cold cache do). It costs about 2% of one core. Its median over a window is that
+window's `probe_ms`; a throughput times `probe_ms` is the throughput per unit of core speed, which
+compares windows of different speed (`speed_adjusted`). It is a proxy: the service's own work
+(torch kernels, the engines) need not slow exactly as a Python loop does, so the raw rates stay the
+measurement and the adjusted ones their reading.
+
+Also here: the host's steal time over a window (/proc/stat), the share of the cores' time the
+hypervisor ran something else.
+"""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+UNIT_ITERATIONS = 200_000  # ~11 ms of CPU on the development machine's cores
+
+
+def unit() -> int:
+    """The fixed unit of work."""
+    s = 0
+    for i in range(UNIT_ITERATIONS):
+        s += i * i
+    return s
+
+
+def steal_jiffies() -> tuple[int, int]:
+    """(steal, total) jiffies of all cores so far (/proc/stat's first line)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return fields[7], sum(fields[:8])
+
+
+class SpeedProbe:
+    """The probe child for one window: `start()`, then `stop()` gives its reading."""
+
+    def __init__(self, period_s: float = 0.5) -> None:
+        self.period_s = period_s
+        self.samples: list[float] = []
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> SpeedProbe:
+        self.steal0 = steal_jiffies()
+        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.speed_probe", str(self.period_s)],
+                                     stdout=subprocess.PIPE, text=True)
+        self.reader = threading.Thread(target=self._read, name="speed-probe", daemon=True)
+        self.reader.start()
+        return self
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.samples.append(float(line))
+
+    def stop(self) -> dict:
+        """{probe_ms: the median unit's CPU ms, probe_n: units timed, steal_frac: the hypervisor's share}."""
+        self.proc.terminate()
+        self.proc.wait(10)
+        self.reader.join(10)
+        (s0, t0), (s1, t1) = self.steal0, steal_jiffies()
+        return {"probe_ms": round(statistics.median(self.samples), 2) if self.samples else None,
+                "probe_n": len(self.samples),
+                "steal_frac": round((s1 - s0) / (t1 - t0), 4) if t1 > t0 else None}
+
+
+def _child(period_s: float) -> None:
+    while True:
+        t = time.thread_time()
+        unit()
+        print(f"{1e3 * (time.thread_time() - t):.3f}", flush=True)
+        time.sleep(period_s)
+
+
+if __name__ == "__main__":
+    _child(float(sys.argv[1]))
