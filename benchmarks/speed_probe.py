@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 UNIT_ITERATIONS = 200_000  # ~11 ms of CPU on the development machine's cores
+REPO = Path(__file__).resolve().parents[1]
 
 
 def unit() -> int:
@@ -55,7 +56,7 @@ class SpeedProbe:
     def start(self) -> SpeedProbe:
         self.steal0 = steal_jiffies()
         self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.speed_probe", str(self.period_s)],
-                                     stdout=subprocess.PIPE, text=True)
+                                     stdout=subprocess.PIPE, text=True, cwd=REPO)  # found from any working folder
         self.reader = threading.Thread(target=self._read, name="speed-probe", daemon=True)
         self.reader.start()
         return self
