@@ -46,6 +46,13 @@ def role(pid: int) -> str:
     return name
 
 
+def steal_jiffies() -> tuple[int, int]:
+    """(steal, total) jiffies of all cores so far (/proc/stat's first line: user, nice, system, idle,
+    iowait, irq, softirq, steal; the guest times are inside user)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return fields[7], sum(fields[:8])
+
+
 def cpu_by_pid() -> dict[int, tuple[str, float]]:
     """Every process of the machine: its role and CPU seconds so far (those that vanish while read are left out)."""
     out = {}

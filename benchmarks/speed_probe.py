@@ -27,6 +27,8 @@ import threading
 import time
 from pathlib import Path
 
+from benchmarks.proc_stats import steal_jiffies
+
 UNIT_ITERATIONS = 200_000  # ~11 ms of CPU on the development machine's cores
 REPO = Path(__file__).resolve().parents[1]
 
@@ -39,18 +41,13 @@ def unit() -> int:
     return s
 
 
-def steal_jiffies() -> tuple[int, int]:
-    """(steal, total) jiffies of all cores so far (/proc/stat's first line)."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return fields[7], sum(fields[:8])
-
-
 class SpeedProbe:
     """The probe child for one window: `start()`, then `stop()` gives its reading."""
 
     def __init__(self, period_s: float = 0.5) -> None:
         self.period_s = period_s
         self.samples: list[float] = []
+        self.sampled = threading.Condition()  # notified at each sample (a waiter needs no polling)
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> SpeedProbe:
@@ -63,7 +60,9 @@ class SpeedProbe:
 
     def _read(self) -> None:
         for line in self.proc.stdout:
-            self.samples.append(float(line))
+            with self.sampled:
+                self.samples.append(float(line))
+                self.sampled.notify_all()
 
     def stop(self) -> dict:
         """{probe_ms: the median unit's CPU ms, probe_n: units timed, steal_frac: the hypervisor's share}."""
