@@ -61,7 +61,11 @@ SFT_UNTIL_RETIRED = 10**6
 LONG_S = 1500.0  # deadlines: engines start in about 60 s on an idle 2-core machine, several minutes on a busy one
 TINKER_STEPS = 5  # model A: 2 in drill 1, 3 in drill 2; model B: all 5 in drill 3, its trainer lost in step KILL_AT
 KILL_AT = 3
-LOSS_RTOL = 1e-6  # a replayed call may share a micro-batch differently: fp32 sums move in their last bits
+# A replayed call, and A's steps beside other adapters, share mixed steps differently: the GEMMs' fp32 sums round
+# differently and Adam carries that on (measured: 8.8e-8 on the losses, 1.7e-6 on the forward after 5 steps on CI's
+# AMD machine, which failed a 1e-6 bound). One step moves these losses by 0.7% or more (A's), so a step lost or
+# applied twice is hundreds of times past this bound.
+LOSS_RTOL = 1e-5
 
 
 @pytest.fixture(scope="module")
