@@ -120,12 +120,14 @@ def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float
     return {k: v - before.get(k, 0.0) for k, v in after.items()}
 
 
-def tinker_job(tmp: Path, tiny: Path, slots: int, engines: int, keys: dict[str, str], loaded_per_engine: int) -> Path:
+def tinker_job(tmp: Path, tiny: Path, slots: int, engines: int, keys: dict[str, str], loaded_per_engine: int,
+               window_ms: float | None = None) -> Path:
     """The tiny job without adapters: `slots` trainer slots, `engines` SGLang CPU engines, each with room
-    for `loaded_per_engine` Tinker sampler adapters beside the runs' (api/tinker/fleet.py sampler_capacity)."""
+    for `loaded_per_engine` Tinker sampler adapters beside the runs' (api/tinker/fleet.py sampler_capacity);
+    `window_ms`: the service's `tinker_window_ms` (None: its default)."""
+    service = {"tinker_max_seq_len": 128, **({} if window_ms is None else {"tinker_window_ms": window_ms})}
     path = serve_job(tmp, tiny, slots={"num_slots": slots, "max_rank": 8, "turn_steps": 4, "evict_idle_s": 30.0},
-                     engines={"max_loaded_loras": loaded_per_engine + 2 * slots}, keys=keys,
-                     service={"tinker_max_seq_len": 128})
+                     engines={"max_loaded_loras": loaded_per_engine + 2 * slots}, keys=keys, service=service)
     job = yaml.safe_load(path.read_text())
     job["placement"]["engines"]["count"] = engines
     path.write_text(yaml.safe_dump(job))
@@ -254,6 +256,8 @@ def main() -> None:
     ap.add_argument("--client-nice", type=int, default=0,
                     help="run the tenants (this process, once the service is up) at this niceness: 10 lets the "
                          "service's processes go first on the shared cores, as if the clients had machines of their own")
+    ap.add_argument("--tinker-window-ms", type=float, default=None,
+                    help="the service's tinker_window_ms (how long a round waits for more models' calls); default: the service's")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     logging.getLogger("tinker").setLevel(logging.ERROR)  # the SDK warns at every try_again of a long poll
@@ -265,7 +269,7 @@ def main() -> None:
     work = RlWorkload.from_tiny_world(tiny, prompts_per_step=args.prompts_per_step, group=args.group, max_tokens=args.max_tokens)
     with tempfile.TemporaryDirectory(prefix="bench-tinker-fleet-") as d:
         tmp = Path(d)
-        svc = Service(tinker_job(tmp, tiny, args.slots, args.engines, keys, args.loaded_per_engine), tmp / "state", tmp / "serve.log")
+        svc = Service(tinker_job(tmp, tiny, args.slots, args.engines, keys, args.loaded_per_engine, args.tinker_window_ms), tmp / "state", tmp / "serve.log")
         try:
             t0 = time.monotonic()
             svc.start()
@@ -273,7 +277,7 @@ def main() -> None:
             if args.client_nice:
                 os.nice(args.client_nice)  # after the service's processes started: they keep niceness 0
             phases = [int(x) for x in args.phases.split(",") if x]
-            head = {"slots": args.slots, "engines": args.engines, "loaded_per_engine": args.loaded_per_engine, "client_nice": args.client_nice,
+            head = {"slots": args.slots, "engines": args.engines, "loaded_per_engine": args.loaded_per_engine, "client_nice": args.client_nice, "tinker_window_ms": args.tinker_window_ms,
                     "workload": {"prompts_per_step": work.prompts_per_step, "group": work.group, "max_tokens": work.max_tokens}}
 
             def dump(rows: list[dict]) -> None:
