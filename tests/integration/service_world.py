@@ -83,6 +83,11 @@ class Service:
         return LorafleetClient(self.url, TOKEN, timeout_s)
 
 
+# num_step of a run that trains until a test retires it or its service stops: the default 1,000 tiny SFT steps
+# can run out mid-test (an SFT run needs no engine, so it trains while one starts)
+UNTIL_RETIRED = 10**6
+
+
 def rl(data: Path, name: str = "digits", **over) -> dict:
     return {"objective": "rl", "rank": 4, "alpha": 8, "learning_rate": 3e-3, "data": {"path": str(data / "data" / f"{name}.jsonl")},
             "reward": {"name": "target_share"}, "prompts_per_step": 2, "num_step": 1000, "checkpoint_interval": 0,

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.service_world import TOKEN, rl, running_service, sft, wait_for
+from tests.integration.service_world import TOKEN, UNTIL_RETIRED, rl, running_service, sft, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -32,7 +32,6 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 NAMES = ("digits", "vowels", "kinds")
 CURVES_OF_ALL = ("loss", "grad_norm", "learning_rate")  # every adapter reports these at every step
 CURVES_OF_RL = ("reward", "staleness")
-SFT_UNTIL_STOPPED = 10**6
 
 
 class DashboardDom(HTMLParser):
@@ -100,7 +99,7 @@ def service(tiny_world, tmp_path_factory):
             c.register("vowels", rl(tiny_world, name="vowels"))
             # the SFT adapter needs no engine: its 1,000 default steps ran out while the engine started on a busy
             # machine (58 s: the first test then saw it COMPLETED); it trains until the module's service stops
-            c.register("kinds", {**sft(tiny_world, num_step=SFT_UNTIL_STOPPED),
+            c.register("kinds", {**sft(tiny_world, num_step=UNTIL_RETIRED),
                                  "data": {"path": str(tiny_world / "data" / "kinds_sft.jsonl")}})
         yield svc
 

@@ -44,7 +44,7 @@ import yaml
 
 from tests.integration import tinker_tenant as tinker_sdk
 from tests.integration.loopback_cluster import LoopbackCluster
-from tests.integration.service_world import REPO, Service, export_dir, rl, serve_job, serving, sft, wait_for
+from tests.integration.service_world import REPO, UNTIL_RETIRED, Service, export_dir, rl, serve_job, serving, sft, wait_for
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(2400)]
@@ -55,9 +55,6 @@ TINY_ADAPTERS = [a["name"] for a in TINY["adapters"]]
 # is back, and the steps past recovery prove nothing more (CI budget: the module took 457 s at 30 on 2 cores).
 # At the kill they are a few steps in (drill 1 waits for 2), so they are live with most steps still to go.
 RL_STEPS = 12
-# The SFT adapter trains until drill 2 retires it (after the engine is back): with its one epoch (42 steps) it
-# ended before the kill whenever the engine was slower to start than the SFT's epoch (an idle machine: 51 s).
-SFT_UNTIL_RETIRED = 10**6
 LONG_S = 1500.0  # deadlines: engines start in about 60 s on an idle 2-core machine, several minutes on a busy one
 TINKER_STEPS = 5  # model A: 2 in drill 1, 3 in drill 2; model B: all 5 in drill 3, its trainer lost in step KILL_AT
 KILL_AT = 3
@@ -85,10 +82,11 @@ def service(cluster, tiny_world, tmp_path_factory):
     job = yaml.safe_load(path.read_text())
     job["ray"] = {"address": cluster.address, "connect_timeout_s": 120}
     # the tiny job's own adapters, over the tiny world's data; the RL ones with RL_STEPS steps (CI budget), the
-    # SFT one until retired
+    # SFT one until drill 2 retires it (after the engine is back): with its one epoch (42 steps) it ended before
+    # the kill whenever the engine was slower to start than the SFT's epoch (an idle machine: 51 s)
     job["adapters"] = [{**a, "config": {**{k: v for k, v in a["config"].items() if k != "num_epoch"},
                                         "data": {"path": str(tiny_world / "data" / Path(a["config"]["data"]["path"]).name)},
-                                        "num_step": RL_STEPS if a["config"]["objective"] == "rl" else SFT_UNTIL_RETIRED}}
+                                        "num_step": RL_STEPS if a["config"]["objective"] == "rl" else UNTIL_RETIRED}}
                        for a in TINY["adapters"]]
     path.write_text(yaml.safe_dump(job))
     with serving(Service(path, tmp / "state", tmp / "serve.log", env=cluster.env)) as svc:

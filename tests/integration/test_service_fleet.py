@@ -45,6 +45,7 @@ import pytest
 from tests.integration.service_world import (
     LORAFLEET,
     TOKEN,
+    UNTIL_RETIRED,
     fleet_pids,
     prometheus_text,
     signal_processes,
@@ -98,7 +99,7 @@ def test_tenants_come_and_go_without_disturbing_the_others(service, tiny_world):
         a = c.register("t-rl", rl(tiny_world))
         # endless here: on a loaded machine (another test file beside this one) its 1,000 steps were done
         # before the RL runs' few, and the "kept training" check below found it COMPLETED
-        c.register("t-sft", sft(tiny_world, num_step=1_000_000))
+        c.register("t-sft", sft(tiny_world, num_step=UNTIL_RETIRED))
         wait_for(c, "t-rl", lambda r: r["step"] >= 3, "3 steps")
         wait_for(c, "t-sft", lambda r: r["step"] >= 3, "3 steps")
 

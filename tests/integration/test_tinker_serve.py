@@ -28,7 +28,7 @@ import pytest
 import yaml
 
 from tests.integration.sdk_clients import close_sdk_clients, open_client, unload_model  # noqa: F401 - autouse fixture
-from tests.integration.service_world import TOKEN, Service, serve_job, sft, wait_for
+from tests.integration.service_world import TOKEN, UNTIL_RETIRED, Service, serve_job, sft, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -115,7 +115,7 @@ def test_sdk_trains_beside_a_dataset_run_and_holds_a_slot(service, tiny_world):
 
     loaded: list[tuple[str, str]] = []  # (tenant, model id) still loaded: unloaded however the test ends
     with service.client() as rest, _leaves_nothing_behind(service.url, rest, loaded, ("rest-sft", "late")):
-        rest.register("rest-sft", sft(tiny_world, num_step=10**6))  # trains until retired (1,000 tiny steps can end mid-test)
+        rest.register("rest-sft", sft(tiny_world, num_step=UNTIL_RETIRED))  # trains until retired (1,000 tiny steps can end mid-test)
         wait_for(rest, "rest-sft", lambda r: r["state"] == "ACTIVE" and r["step"] >= 1, "first step")
         assert free_slots(service.url) == NUM_SLOTS - 1
 

@@ -29,7 +29,7 @@ import yaml
 
 from tests.integration.sdk_clients import close_sdk_clients, open_client, unload_model  # noqa: F401 - autouse fixture
 from tests.integration.test_tinker_sdk import train
-from tests.integration.service_world import TOKEN, Service, fleet_pids, prometheus_text, serve_job, serving, sft, wait_for
+from tests.integration.service_world import TOKEN, UNTIL_RETIRED, Service, fleet_pids, prometheus_text, serve_job, serving, sft, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -85,7 +85,7 @@ def test_two_rank_trainer_serves_and_trains_a_tinker_model(service, tiny_world, 
         assert len(fleet_pids(rest, "trainer")) == 2  # two trainer ranks, one per data-parallel group
         model_id = None
         try:
-            rest.register("dp-sft", sft(tiny_world, num_step=10**6))  # trains until retired
+            rest.register("dp-sft", sft(tiny_world, num_step=UNTIL_RETIRED))  # trains until retired
             wait_for(rest, "dp-sft", lambda r: r["state"] == "ACTIVE" and r["step"] >= 1, "first step")
             tc = open_client(service.url, KEYS["carol"]).create_lora_training_client(
                 base_model=BASE, rank=4, seed=1, train_unembed=False).result()
