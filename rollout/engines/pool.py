@@ -110,12 +110,20 @@ class EnginePool:
         self._engines = [_Engine(i, c) for i, c in enumerate(clients)]
         self._adapters: dict[str, _Adapter] = {}
         self.weight_transfer = weight_transfer
-        self._own_spill_dir = spill_dir is None  # made here, so removed by aclose
-        self.spill_dir = spill_dir or tempfile.mkdtemp(prefix="lorafleet-spill-")
+        self._spill_dir = spill_dir  # None: made at the first disk transfer (spill_dir), removed by aclose
+        self._own_spill_dir = spill_dir is None
         self.abort_wait_s = abort_wait_s
         self._unload_tasks: set[asyncio.Task] = set()
         self._abort_tasks: set[asyncio.Task] = set()  # aborts of requests whose caller was cancelled
         self._lock = asyncio.Lock()  # serializes publish / remove / engine replacement
+
+    @property
+    def spill_dir(self) -> str:
+        """Where 'disk' transfers write an adapter's folder. Made on first use, so a pool that only
+        sends tensors (the default) leaves no folder behind, even when its process is killed."""
+        if self._spill_dir is None:
+            self._spill_dir = tempfile.mkdtemp(prefix="lorafleet-spill-")
+        return self._spill_dir
 
     # --- introspection -----------------------------------------------------------------------
 
@@ -163,7 +171,8 @@ class EnginePool:
             raise ValueError(
                 f"engine {e.index} still serves {name} with requests in flight; adapter versions must never repeat"
             )
-        await e.client.load_adapter(name, weights, transfer=self.weight_transfer, spill_dir=self.spill_dir, upsert=upsert)
+        spill_dir = self.spill_dir if self.weight_transfer == "disk" and weights.folder is None else None
+        await e.client.load_adapter(name, weights, transfer=self.weight_transfer, spill_dir=spill_dir, upsert=upsert)
         e.loaded.add(name)
         e.retiring.discard(name)
 
@@ -462,5 +471,5 @@ class EnginePool:
             t.cancel()
         for e in self._engines:
             await e.client.aclose()
-        if self._own_spill_dir:
-            shutil.rmtree(self.spill_dir, ignore_errors=True)
+        if self._own_spill_dir and self._spill_dir is not None:
+            shutil.rmtree(self._spill_dir, ignore_errors=True)

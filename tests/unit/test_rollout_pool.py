@@ -71,3 +71,15 @@ def test_a_spill_folder_the_pool_made_is_removed_at_close_and_a_given_one_kept(t
     asyncio.run(close_both())
     assert not Path(made.spill_dir).exists()  # it used to stay in /tmp, one per pool
     assert tmp_path.is_dir()  # the caller's folder is the caller's
+
+
+def test_a_pool_that_only_sends_tensors_makes_no_spill_folder(tmp_path, monkeypatch):
+    """The folder is made at the first 'disk' transfer: a killed process (a drill, a benchmark) used
+    to leave an empty /tmp/lorafleet-spill-* behind for every pool it made."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    pool = make_pool(2)  # never closed: as when its process is killed
+    assert pool.weight_transfer == "tensors"
+    assert list(tmp_path.iterdir()) == []
+    assert EnginePool([EngineClient("http://127.0.0.1:9/0")], weight_transfer="disk").spill_dir.startswith(str(tmp_path))
