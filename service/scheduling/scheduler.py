@@ -33,7 +33,8 @@ Each round (the loop's steps 1a and 2-3):
   gather()    G1 waits until every resident dataset run has a whole step, or `max_wait_s` after
                  the first tenant became ready; a Tinker call waits at most `window_s` once
                  ready (calls arriving together still share one step) and never for an idle
-                 loop: a submission wakes the wait at once.
+                 loop: a submission wakes the wait at once; a round whose every resident is
+                 ready runs at once (`round_wait`).
   run_round() R1 every ready resident offers its work; ONE trainer call (`run_round`): a mixed
                  step over the dataset samples and the Tinker datums, then the models'
                  optimizer steps; then the operations that run alone (save, load, unload);
@@ -91,6 +92,25 @@ class RoundOutcome:
 
 class RoundRefused(RuntimeError):
     """The trainer refused a round's dataset batch (nothing of it ran); the loop retries the round."""
+
+
+def round_wait(ready: list[tuple[Tenant, int]], residents: list[tuple[Tenant, int]], waited_s: float,
+               tinker: bool, window_s: float, max_wait_s: float) -> float:
+    """G1's rule: how much longer the round waits for more work (<= 0: it runs now), `waited_s`
+    after its first tenant became ready.
+      - every resident is ready (a lone tenant, or all of them): nothing could join, it runs now;
+      - with a Tinker call among the ready: at most `window_s` (calls arriving together share
+        one step; a call never waits for a dataset run's step, nor for an idle model's client);
+      - dataset runs only: until every resident run that expects work is ready, at most
+        `max_wait_s`."""
+    keys = {t.key for t, _ in ready}
+    if all(t.key in keys for t, _ in residents):
+        return 0.0
+    if tinker:
+        return min(window_s, max_wait_s) - waited_s
+    if all(t.key in keys for t, _ in residents if t.expects_work()):
+        return 0.0
+    return max_wait_s - waited_s
 
 
 class Scheduler(SlotMoves):
@@ -298,19 +318,18 @@ class Scheduler(SlotMoves):
                 first_ready = now
             tinker = any(t.kind == TenantKind.TINKER for t, _ in ready)
             if ready:
-                waited = now - first_ready
-                ready_keys = {t.key for t, _ in ready}
-                everyone = all(t.key in ready_keys for t, _ in residents if t.expects_work())
-                if (everyone and (not tinker or waited >= self.window_s)) or waited >= max_wait_s \
-                        or (tinker and waited >= self.window_s):
+                wait = round_wait(ready, residents, now - first_ready, tinker, self.window_s, max_wait_s)
+                if wait <= 0:
                     return ready
             elif now - start >= max_wait_s or self.placement_pending():
                 return []
+            else:
+                wait = poll_s
             if stop is not None and stop.is_set():
                 return ready
             with self._wake:
                 if not self._woken:
-                    self._wake.wait(max(self.window_s, 0.001) if tinker else poll_s)
+                    self._wake.wait(max(min(wait, poll_s), 0.001))
                 self._woken = False
 
     def run_round(self, ready: list[tuple[Tenant, int]]) -> RoundOutcome:

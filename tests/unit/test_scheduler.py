@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 
@@ -20,7 +21,7 @@ from service.config.durability import Durability
 from service.registry.registry import Registry
 from service.registry.tinker_records import TinkerRecords
 from service.scheduling.residency import ResidencyKnobs
-from service.scheduling.scheduler import Scheduler
+from service.scheduling.scheduler import Scheduler, round_wait
 from service.tenants.tinker_model import LoraSpec
 from service.tenants.tinker_models import TinkerModels
 from trainer.interface import WrittenFolder
@@ -241,6 +242,52 @@ def test_a_submission_wakes_a_waiting_gather(tmp_path):
     w.fb(a, "a.fb")
     waiter.join(DEADLINE_S)
     assert not waiter.is_alive() and [t.key for t, _ in got[0]] == ["a"]
+
+
+def test_a_tinker_round_runs_once_every_resident_is_ready_not_after_its_window(tmp_path):
+    """G1 (round_wait): with a 10-minute window, a gather with A's call waits for B (resident, not
+    ready); B's call wakes it and every resident is now ready: it returns with both at once rather
+    than at the window's end. Before the rule a lone or complete round still waited its window."""
+    w = World(tmp_path)
+    a, _ = w.create("a")
+    b, _ = w.create("b")
+    w.scheduler.window_s = 600.0
+    w.fb(a, "a.fb")
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.append(w.scheduler.gather(max_wait_s=600.0)), daemon=True)
+    waiter.start()
+    w.fb(b, "b.fb")
+    waiter.join(DEADLINE_S)
+    assert not waiter.is_alive() and sorted(t.key for t, _ in got[0]) == ["a", "b"]
+
+
+def _tenant(key: str, expects_work: bool) -> SimpleNamespace:
+    return SimpleNamespace(key=key, expects_work=lambda: expects_work)
+
+
+@pytest.mark.parametrize("ready, residents, waited, tinker, expect", [
+    # every resident ready (a lone model; all of them): runs now, whatever kind
+    ("a", "a", 0.0, True, 0.0),
+    ("ab", "ab", 0.0, True, 0.0),
+    ("ab", "ab", 0.0, False, 0.0),
+    # a Tinker call among the ready: at most the window (0.06) from the first ready, never past max_wait
+    ("a", "ab", 0.0, True, 0.06),
+    ("a", "ab", 0.05, True, 0.01),
+    ("a", "ab", 0.07, True, -0.01),
+    # dataset runs only: every run that expects work; an idle model (expects none) is not waited for
+    ("r", "rm", 0.0, False, 0.0),
+    ("r", "rs", 0.0, False, 1.0),
+    ("r", "rs", 0.4, False, 0.6),
+])
+def test_round_wait_is_g1s_rule(ready, residents, waited, tinker, expect):
+    kinds = {"a": True, "b": True, "r": True, "s": True, "m": False}  # m: a Tinker model (expects no work)
+    pool = {k: (_tenant(k, kinds[k]), i) for i, k in enumerate("abrsm")}
+    got = round_wait([pool[k] for k in ready], [pool[k] for k in residents], waited, tinker, window_s=0.06, max_wait_s=1.0)
+    assert got == pytest.approx(expect)
+    # max_wait bounds the Tinker window too
+    if tinker and ready != residents:
+        assert round_wait([pool[k] for k in ready], [pool[k] for k in residents], waited, tinker, 0.06, 0.02) \
+            == pytest.approx(0.02 - waited)
 
 
 def test_creation_waits_for_a_slot_and_is_never_refused_for_room(tmp_path):
