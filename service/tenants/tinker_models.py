@@ -17,7 +17,8 @@ start, each evicted, restored from its last snapshot when it next has work, with
 replay and to run in order.
 
 Latency of a Tinker call (docs/tinker.md): a submission wakes the scheduler's wait at once; a
-call then waits at most `window_s` for calls of other models to join it, plus the round in
+call then waits at most `window_s` for calls of other models to join it (none once every resident
+is ready: service/scheduling/scheduler.py `round_wait`), plus the round in
 progress when it came (the loop's train call, or a placement's swaps), plus its own round. It
 never waits for a dataset run's step: a round with a ready Tinker call does not wait for the
 other tenants beyond `window_s`.
