@@ -63,6 +63,7 @@ import yaml
 
 from benchmarks.proc_stats import cores_by_role, cpu_by_pid, cpu_s, rss_mib
 from benchmarks.speed_probe import SpeedProbe
+from benchmarks.stack_profile import StackProfiles
 from benchmarks.tinker_rl_tenants import Fleet, RlWorkload
 from tests.integration.service_world import TOKEN, Service, serve_job
 
@@ -134,9 +135,16 @@ def tinker_job(tmp: Path, tiny: Path, slots: int, engines: int, keys: dict[str, 
     return path
 
 
-async def measure(fleet: Fleet, svc: Service, http: httpx.AsyncClient, seconds: float, phase_start: float) -> dict:
-    """One window: the fleet's steps and tokens, the sampler's counts, the calls' latencies."""
+async def measure(fleet: Fleet, svc: Service, http: httpx.AsyncClient, seconds: float, phase_start: float,
+                  profile: Path | None = None, label: str = "") -> dict:
+    """One window: the fleet's steps and tokens, the sampler's counts, the calls' latencies; with
+    `profile`, the stacks of the tenants' process, the coordinator and the trainer rank(s) over
+    the window (benchmarks/stack_profile.py), written to `profile`/`label`-<process>.txt."""
     probe = SpeedProbe().start()
+    if profile is not None:
+        trainers = [p["pid"] for p in (await http.get("/v1/fleet")).json()["processes"] if p["role"] == "trainer"]
+        StackProfiles(profile, label, {"client": os.getpid(), "coordinator": svc.proc.pid,
+                                       **{f"trainer{i}": pid for i, pid in enumerate(trainers)}}, seconds)
     m0, cpu0, procs0, t0 = (await http.get("/metrics")).text, cpu_s(os.getpid()), cpu_by_pid(), time.monotonic()
     await asyncio.sleep(seconds)
     m1, cpu1, procs1, t1 = (await http.get("/metrics")).text, cpu_s(os.getpid()), cpu_by_pid(), time.monotonic()
@@ -165,7 +173,8 @@ async def measure(fleet: Fleet, svc: Service, http: httpx.AsyncClient, seconds: 
 
 
 async def run_phases(svc: Service, keys: list[str], work: RlWorkload, phases: list[int], window_s: float,
-                     warm_deadline_s: float, dump: Callable[[list[dict]], None] | None = None) -> list[dict]:
+                     warm_deadline_s: float, dump: Callable[[list[dict]], None] | None = None,
+                     profile: Path | None = None) -> list[dict]:
     fleet = Fleet(svc.url, keys, BASE, work)
     rows: list[dict] = []
     async with httpx.AsyncClient(base_url=svc.url, timeout=120, headers={"Authorization": f"Bearer {TOKEN}"}) as http:
@@ -176,7 +185,7 @@ async def run_phases(svc: Service, keys: list[str], work: RlWorkload, phases: li
                 row = await (shrink_to(fleet, k, warm_deadline_s) if k < len(fleet.active()) else grow_to(fleet, k, warm_deadline_s))
                 warm = "stopped" not in row
                 row["models"] = len(fleet.active())  # the paused ones unloaded theirs
-                row.update(await measure(fleet, svc, http, window_s, t0))
+                row.update(await measure(fleet, svc, http, window_s, t0, profile, f"{len(rows)}-k{k}"))
                 row["coordinator_rss_mib_at_start"] = round(rss0, 1)
                 row["errors"] = list(fleet.log.errors)
                 rows.append(row)
@@ -258,6 +267,9 @@ def main() -> None:
                          "service's processes go first on the shared cores, as if the clients had machines of their own")
     ap.add_argument("--tinker-window-ms", type=float, default=None,
                     help="the service's tinker_window_ms (how long a round waits for more models' calls); default: the service's")
+    ap.add_argument("--profile-dir", type=Path, default=None,
+                    help="record each window's Python stacks (py-spy, not pausing the processes) of the tenants' process, "
+                         "the coordinator and the trainer into this folder; read with python -m benchmarks.stack_profile FILE")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     logging.getLogger("tinker").setLevel(logging.ERROR)  # the SDK warns at every try_again of a long poll
@@ -284,7 +296,8 @@ def main() -> None:
                 if args.out:
                     Path(args.out).write_text(json.dumps({**head, "phases": rows}, indent=2))
 
-            dump(asyncio.run(run_phases(svc, list(keys.values()), work, phases, args.window_s, args.warm_deadline_s, dump)))
+            dump(asyncio.run(run_phases(svc, list(keys.values()), work, phases, args.window_s, args.warm_deadline_s, dump,
+                                        args.profile_dir)))
         finally:
             if svc.proc is not None and svc.proc.poll() is None:
                 svc.proc.kill()
