@@ -269,7 +269,9 @@ def main() -> None:
                     help="the service's tinker_window_ms (how long a round waits for more models' calls); default: the service's")
     ap.add_argument("--profile-dir", type=Path, default=None,
                     help="record each window's Python stacks (py-spy, not pausing the processes) of the tenants' process, "
-                         "the coordinator and the trainer into this folder; read with python -m benchmarks.stack_profile FILE")
+                         "the coordinator and the trainer into this folder; read with python -m benchmarks.stack_profile FILE. "
+                         "py-spy takes 0.2-0.6 of a core itself (more at K = 1,024: the trainer's memory is large): "
+                         "a profiled run's rates are not comparable with others'")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     logging.getLogger("tinker").setLevel(logging.ERROR)  # the SDK warns at every try_again of a long poll

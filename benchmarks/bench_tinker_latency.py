@@ -92,9 +92,10 @@ def main() -> None:
                                                                  LoopOptions(batch_mode=False), stop), daemon=True)
         loop.start()
         try:
-            models = TinkerModels(fleet.runtime.scheduler, base_model="model", tokenizer_id=str(world / "model"), max_rank=8)
+            models = TinkerModels(fleet.runtime.scheduler, fleet.runtime.tinker_records, fleet.runtime.store, base_model="model",
+                                  tokenizer_id=str(world / "model"), max_rank=8)
             admitted: list = []
-            model = models.create("bench", "bench", LoraSpec(rank=4, seed=1), admitted.append)
+            model = models.create("bench", "bench", LoraSpec(rank=4, seed=1), "bench-session", lambda value, error: admitted.append(error))
             while not admitted:
                 time.sleep(0.05)  # admission on the loop's next placement
             if admitted[0] is not None:
