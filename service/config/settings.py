@@ -92,7 +92,7 @@ class ServiceSettings(BaseSettings):
     settings_file: Path | None = Field(None, description="YAML file with any of these settings (lower priority than the environment).")
     # The Tinker API (docs/tinker.md): served under /api/v1 only when a keys file is given.
     tinker_keys_file: Path | None = Field(None, description="YAML file of 'tenant: key' lines (keys start with 'tml-'); when set, the service also serves the Tinker API under /api/v1.")
-    tinker_window_ms: float = Field(20.0, ge=0, le=10_000, description="Tinker: pending forward_backward calls of different models arriving within this window run as one mixed pass (milliseconds).")
+    tinker_window_ms: float = Field(20.0, ge=0, le=10_000, description="Tinker: pending forward_backward calls of different models arriving within this window run as one mixed pass (milliseconds); a round whose every resident tenant is ready runs at once.")
     tinker_session_timeout_s: float = Field(300.0, gt=0, description="Tinker: a session without a heartbeat for this long has its models saved and their trainer slots freed (seconds).")
     tinker_max_seq_len: int = Field(4096, ge=1, description="Tinker: longest model_input of one datum (tokens); longer ones are refused in the future's result.")
     tinker_tokenizer_id: str | None = Field(None, description="Tinker: the tokenizer id get_info tells clients (the SDK's get_tokenizer loads it with AutoTokenizer), e.g. the base model's Hugging Face hub id. Default: base_model.served_name when the job file sets it, else the base model's folder, which responses show cut to its last part (server paths are never shown), so clients off this machine need this set.")
