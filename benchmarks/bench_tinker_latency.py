@@ -66,7 +66,7 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--datums", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=32)
-    p.add_argument("--window-ms", type=float, default=20.0)
+    p.add_argument("--window-ms", type=float, default=None, help="the service's tinker_window_ms (default: the service's)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
 
@@ -81,37 +81,39 @@ def main() -> None:
     from service.tenants.tinker_models import TinkerModels
 
     world = ensure_tiny_world()
-    tmp = Path(tempfile.mkdtemp(prefix="tinker-latency-"))
-    job = load_job(TINY_JOB)
-    job = job.model_copy(update={"adapters": [], "base_model": job.base_model.model_copy(update={"path": str(world / "model")})})
-    settings = load_settings(state_dir=tmp / "state", data_roots=[world / "data", tmp], tinker_window_ms=args.window_ms)
-    rows = {}
-    with start_fleet(job, settings) as fleet:
-        stop = StopSignal()
-        loop = threading.Thread(target=run_training_loop, args=(fleet.controller, fleet.runtime,
-                                                                 LoopOptions(batch_mode=False), stop), daemon=True)
-        loop.start()
-        try:
-            models = TinkerModels(fleet.runtime.scheduler, fleet.runtime.tinker_records, fleet.runtime.store, base_model="model",
-                                  tokenizer_id=str(world / "model"), max_rank=8)
-            admitted: list = []
-            model = models.create("bench", "bench", LoraSpec(rank=4, seed=1), "bench-session", lambda value, error: admitted.append(error))
-            while not admitted:
-                time.sleep(0.05)  # admission on the loop's next placement
-            if admitted[0] is not None:
-                raise RuntimeError(admitted[0])
-            rows["idle loop"] = _measure(model, args.calls, args.datums, args.seq_len)
-            fleet.controller.register("busy", {"objective": "sft", "rank": 4, "alpha": 8, "learning_rate": 1e-3,
-                                               "data": {"path": str(world / "data" / "kinds_sft.jsonl")},
-                                               "prompts_per_step": 6, "num_step": 100000, "checkpoint_interval": 0})
-            while fleet.controller.get("busy").step < 2:
-                time.sleep(0.1)  # the run trains: every round is a dataset step from here on
-            rows["busy loop (an SFT run training)"] = _measure(model, args.calls, args.datums, args.seq_len)
-            rows["busy loop (an SFT run training)"]["sft_step_s"] = fleet.runtime.health.last_train_s
-        finally:
-            stop.request("benchmark over")
-            loop.join(120)
-    print(f"forward_backward of {args.datums} x {args.seq_len} tokens, Tinker window {args.window_ms:g} ms, {args.calls} calls:")
+    with tempfile.TemporaryDirectory(prefix="tinker-latency-") as d:  # the fleet's state: removed at the end
+        tmp = Path(d)
+        job = load_job(TINY_JOB)
+        job = job.model_copy(update={"adapters": [], "base_model": job.base_model.model_copy(update={"path": str(world / "model")})})
+        window = {} if args.window_ms is None else {"tinker_window_ms": args.window_ms}
+        settings = load_settings(state_dir=tmp / "state", data_roots=[world / "data", tmp], **window)
+        rows = {}
+        with start_fleet(job, settings) as fleet:
+            stop = StopSignal()
+            loop = threading.Thread(target=run_training_loop, args=(fleet.controller, fleet.runtime,
+                                                                     LoopOptions(batch_mode=False), stop), daemon=True)
+            loop.start()
+            try:
+                models = TinkerModels(fleet.runtime.scheduler, fleet.runtime.tinker_records, fleet.runtime.store, base_model="model",
+                                      tokenizer_id=str(world / "model"), max_rank=8)
+                admitted: list = []
+                model = models.create("bench", "bench", LoraSpec(rank=4, seed=1), "bench-session", lambda value, error: admitted.append(error))
+                while not admitted:
+                    time.sleep(0.05)  # admission on the loop's next placement
+                if admitted[0] is not None:
+                    raise RuntimeError(admitted[0])
+                rows["idle loop"] = _measure(model, args.calls, args.datums, args.seq_len)
+                fleet.controller.register("busy", {"objective": "sft", "rank": 4, "alpha": 8, "learning_rate": 1e-3,
+                                                   "data": {"path": str(world / "data" / "kinds_sft.jsonl")},
+                                                   "prompts_per_step": 6, "num_step": 100000, "checkpoint_interval": 0})
+                while fleet.controller.get("busy").step < 2:
+                    time.sleep(0.1)  # the run trains: every round is a dataset step from here on
+                rows["busy loop (an SFT run training)"] = _measure(model, args.calls, args.datums, args.seq_len)
+                rows["busy loop (an SFT run training)"]["sft_step_s"] = fleet.runtime.health.last_train_s
+            finally:
+                stop.request("benchmark over")
+                loop.join(120)
+    print(f"forward_backward of {args.datums} x {args.seq_len} tokens, Tinker window {settings.tinker_window_ms:g} ms, {args.calls} calls:")
     for name, r in rows.items():
         print(f"  {name:34s} median {r['median_ms']:7.1f} ms   p90 {r['p90_ms']:7.1f} ms   max {r['max_ms']:7.1f} ms")
     if args.out is not None:
