@@ -36,13 +36,19 @@ class StackProfiles:
                 p.kill()
 
 
-def top_self(path: Path, n: int = 25) -> list[tuple[str, float]]:
-    """The `n` leaf frames with the most samples, each with its share of all samples in the file."""
-    leaves: Counter = Counter()
+def _stacks(path: Path):  # noqa: ANN202 - yields (frames, samples)
+    """Each line of a raw file: its frames, root first, and its sample count."""
     for line in path.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         if stack and count.isdigit():
-            leaves[stack.rsplit(";", 1)[-1]] += int(count)
+            yield stack.split(";"), int(count)
+
+
+def top_self(path: Path, n: int = 25) -> list[tuple[str, float]]:
+    """The `n` leaf frames with the most samples, each with its share of all samples in the file."""
+    leaves: Counter = Counter()
+    for frames, count in _stacks(path):
+        leaves[frames[-1]] += count
     total = sum(leaves.values()) or 1
     return [(frame, round(c / total, 4)) for frame, c in leaves.most_common(n)]
 
@@ -50,17 +56,14 @@ def top_self(path: Path, n: int = 25) -> list[tuple[str, float]]:
 def top_inclusive(path: Path, needle: str, n: int = 25) -> list[tuple[str, float]]:
     """The frames under which the samples fall, counting each stack once a frame (inclusive time),
     those whose text contains `needle` (a module path, say), with their share of all samples."""
-    frames: Counter = Counter()
+    hits: Counter = Counter()
     total = 0
-    for line in path.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not (stack and count.isdigit()):
-            continue
-        total += int(count)
-        for frame in set(stack.split(";")):
+    for frames, count in _stacks(path):
+        total += count
+        for frame in set(frames):
             if needle in frame:
-                frames[frame] += int(count)
-    return [(frame, round(c / max(total, 1), 4)) for frame, c in frames.most_common(n)]
+                hits[frame] += count
+    return [(frame, round(c / max(total, 1), 4)) for frame, c in hits.most_common(n)]
 
 
 if __name__ == "__main__":  # python -m benchmarks.stack_profile FILE [NEEDLE]

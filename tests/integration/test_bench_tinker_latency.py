@@ -9,20 +9,19 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.integration
+from tests.integration.service_world import REPO
 
-ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.integration
 
 
 def test_the_latency_benchmark_measures_an_idle_and_a_busy_loop(tmp_path):
     out = tmp_path / "latency.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # not TMPDIR: Ray's socket paths must stay short
+    env = {**os.environ, "PYTHONPATH": str(REPO)}  # not TMPDIR: Ray's socket paths must stay short
     proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_tinker_latency", "--calls", "2", "--out", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())
     assert sorted(rows) == ["busy loop (an SFT run training)", "idle loop"]
