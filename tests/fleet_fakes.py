@@ -125,9 +125,9 @@ class FakeTrainer:
         """Written before it answers (a trainer may: trainer/interface.py WrittenFolder)."""
         return WrittenFolder(self.save_slot_state(slot, out_dir))
 
-    def export_peft(self, slot, out_dir) -> str:
+    def export_peft(self, slot, out_dir, dtype="float32", durable=True) -> str:
         self._check("export_peft", slot)
-        with open_store(None).write_folder(str(out_dir)) as out:
+        with open_store(None).write_folder(str(out_dir), durable=durable) as out:
             (out / "adapter_config.json").write_text(json.dumps({"r": 4, "step": self.slots[slot]["step"]}))
             (out / "adapter_model.safetensors").write_bytes(b"fake weights of step %d" % self.slots[slot]["step"])
         return str(out_dir)

@@ -90,8 +90,8 @@ class TrainWorker:
     def peft_tensors(self, slot: int):
         return self._core().export.peft_tensors(slot)
 
-    def export_peft(self, slot: int, out_dir: str | Path, dtype: str = "float32") -> str:
-        return self._core().export.export_peft(slot, str(out_dir), dtype=dtype)
+    def export_peft(self, slot: int, out_dir: str | Path, dtype: str = "float32", durable: bool = True) -> str:
+        return self._core().export.export_peft(slot, str(out_dir), dtype=dtype, durable=durable)
 
     def export_peft_in_background(self, slot: int, out_dir: str | Path, dtype: str = "float32", key: str | None = None) -> str:
         """The export's snapshot now, in call order (default concurrency group, like train), cast

@@ -96,8 +96,9 @@ class TrainerInterface(Protocol):
         """The slot's Adam moments, update count and pending gradient to zero (weights kept)."""
         ...
 
-    def export_peft(self, slot: int, out_dir: str | Path, dtype: str = "float32") -> str:
-        """The slot as a PEFT adapter folder (adapter_config.json + adapter_model.safetensors)."""
+    def export_peft(self, slot: int, out_dir: str | Path, dtype: str = "float32", durable: bool = True) -> str:
+        """The slot as a PEFT adapter folder (adapter_config.json + adapter_model.safetensors);
+        `durable=False`: committed without waiting for the disk (trainer/storage/store.py S5)."""
         ...
 
     def peft_tensors(self, slot: int) -> Any:

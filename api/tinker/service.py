@@ -46,6 +46,7 @@ from service.tenants.tinker_model import LoraSpec, TinkerModel, checkpoint_lora
 from service.tenants.tinker_models import TinkerModels
 from trainer.storage.locations import readable_folder
 from trainer.storage.slot_state_format import META
+from trainer.storage.store import StoreError
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 KINDS = ("weights", "sampler_weights")
@@ -83,6 +84,8 @@ class TinkerService:
         self.session_timeout_s = session_timeout_s
         self._reaper = None
         self.sampler = sampler
+        if sampler is not None:
+            sampler.check_folder = self._unreadable_sampler_folder
         self.keys = keys
         self.runs = TrainingRuns(self.records, self.store)  # training runs and checkpoints (RestClient; api/tinker/checkpoints/runs.py)
         self.runs.base_model = fleet.base_model
@@ -404,8 +407,9 @@ class TinkerService:
                                          body.sampling_session_seq_id))
         if kind == "weights":
             record.model.save_state(folder, answer=reply, **kw)
-        elif kind == "sampler_weights":
-            record.model.save_sampler_weights(folder, answer=reply, **kw)
+        elif kind == "sampler_weights":  # the SDK's save_weights_and_get_sampling_client: no name, a session
+            ephemeral = body.path is None and body.sampling_session_seq_id is not None  # (the SDK: "always ephemeral")
+            record.model.save_sampler_weights(folder, answer=reply, durable=not ephemeral, **kw)
         else:
             record.model.export_with(lambda export: write_with(export, folder), **kw)
         return answer
@@ -457,6 +461,23 @@ class TinkerService:
         if base_model != self.fleet.base_model:
             raise ValueError(f"base_model {base_model!r} is not served here; this server samples {self.fleet.base_model!r}")
         return None
+
+    def _unreadable_sampler_folder(self, folder: str) -> str | None:
+        """Why a sampling session restored after a restart cannot sample its folder, or None (the
+        sampler asks once, before the adapter is loaded): its files are checked against the store's
+        manifest, since an ephemeral sampler folder is written without waiting for the disk
+        (trainer/storage/store.py S5) and may be torn if the machine stopped. A folder from before
+        the store (no manifest) is read as it is."""
+        try:
+            key = self.store.key_of(folder)
+            if self.store.manifest(key) is None and _legacy_checkpoint(self.store, key):
+                return None
+            self.store.get_folder(key, verify=True)
+            return None
+        except StoreError as err:
+            return (f"this sampling session's weights cannot be read ({err}): a checkpoint deleted since, or "
+                    "ephemeral weights (save_weights_and_get_sampling_client writes them without waiting for the disk) "
+                    "lost when the machine stopped; save the weights again and sample with a new client")
 
 
 def _legacy_checkpoint(store, key: str) -> bool:  # noqa: ANN001 - a CheckpointStore

@@ -218,8 +218,8 @@ class TrainerGroup:
     def peft_tensors(self, slot: int):
         return self._all(lambda w: w.peft_tensors.remote(slot), what="peft_tensors")
 
-    def export_peft(self, slot: int, out_dir: str | Path, dtype: str = "float32") -> str:
-        return self._all(lambda w: w.export_peft.remote(slot, str(out_dir), dtype), what="export_peft")
+    def export_peft(self, slot: int, out_dir: str | Path, dtype: str = "float32", durable: bool = True) -> str:
+        return self._all(lambda w: w.export_peft.remote(slot, str(out_dir), dtype, durable), what="export_peft")
 
     def begin_export_peft(self, slot: int, out_dir: str | Path, dtype: str = "float32", key: str | None = None) -> list[Any]:
         """export_peft without waiting, in `dtype` (trainer.export.export_writer.EXPORT_DTYPES: a publish

@@ -52,9 +52,9 @@ from trainer.config import SlotHyperParams
 from trainer.interface import TrainerInterface
 from trainer.rounds import AdamStep, Call, Datum
 from trainer.storage.locations import readable_folder
+from trainer.storage.slot_state_format import META, read_slot_meta
 
 log = logging.getLogger(__name__)
-from trainer.storage.slot_state_format import META, read_slot_meta
 
 __all__ = ["LoraSpec", "OpKind", "TinkerModel", "TinkerOp", "checkpoint_lora"]
 
@@ -63,8 +63,7 @@ __all__ = ["LoraSpec", "OpKind", "TinkerModel", "TinkerOp", "checkpoint_lora"]
 class LoraSpec:
     rank: int
     seed: int
-    # What the model trains (trainer.config.TARGET_GROUPS order): the SDK's train_attn, train_mlp
-    # and train_unembed.
+    # What the model trains (trainer.config.TARGET_GROUPS order): the SDK's train_attn, train_mlp and train_unembed.
     targets: tuple[str, ...] = ("attention", "mlp", "unembed")
 
 
@@ -162,9 +161,10 @@ class TinkerModel:
         self.submit(TinkerOp(OpKind.ALONE, done, run=lambda slot: self._trainer.save_slot_state(slot, self._new_folder(folder)),
                              request=lambda: {"kind": "save_state", "folder": folder, "answer": answer}, **kw))
 
-    def save_sampler_weights(self, folder: str, done: Done, *, answer: dict | None = None, **kw: Any) -> None:
-        self.submit(TinkerOp(OpKind.ALONE, done, run=lambda slot: self._trainer.export_peft(slot, self._new_folder(folder)),
-                             request=lambda: {"kind": "save_sampler_weights", "folder": folder, "answer": answer}, **kw))
+    def save_sampler_weights(self, folder: str, done: Done, *, answer: dict | None = None, durable: bool = True, **kw: Any) -> None:
+        # durable=False: the SDK's ephemeral weights, committed without waiting for the disk (trainer/storage/store.py S5)
+        self.submit(TinkerOp(OpKind.ALONE, done, run=lambda slot: self._trainer.export_peft(slot, self._new_folder(folder), durable=durable),
+                             request=lambda: {"kind": "save_sampler_weights", "folder": folder, "answer": answer, "durable": durable}, **kw))
 
     def export_with(self, write: Callable[[Callable[[str], str]], Any], done: Done, **kw: Any) -> None:
         """`write(export)` on the scheduler's thread, where `export(to)` writes the model's PEFT folder
@@ -419,7 +419,7 @@ class TinkerModel:
         runs = {  # a replayed save is not written again: its checkpoint was committed before the loss
             "create": lambda slot: None,
             "save_state": lambda slot: None if replay else t.save_slot_state(slot, self._new_folder(r["folder"])),
-            "save_sampler_weights": lambda slot: None if replay else t.export_peft(slot, self._new_folder(r["folder"])),
+            "save_sampler_weights": lambda slot: None if replay else t.export_peft(slot, self._new_folder(r["folder"]), durable=r.get("durable", True)),
             "load_state": lambda slot: self._load(slot, r["folder"], r["optimizer"]),
             "unload": lambda slot: self._end(self.key),
         }

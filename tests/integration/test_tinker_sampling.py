@@ -259,3 +259,46 @@ def test_unembedding_lora_is_served_with_hf_peft_logprobs(world, tiny_world):
         tokens, _ = greedy(sampler, p, n=1, max_tokens=10)
         assert matches_hf(tokens[0], want), (tokens[0], want)
     svc.unload(tc.model_id)
+
+
+def test_ephemeral_sampler_weights_skip_the_disk_wait_and_a_restored_session_checks_them(world, tiny_world, monkeypatch):
+    """save_weights_and_get_sampling_client's weights (the SDK: "always ephemeral") are committed
+    without waiting for the disk (trainer/storage/store.py S5), a named save_weights_for_sampler's
+    with it; the ephemeral folder samples as HF + PEFT does. A session restored after a restart (its
+    in-memory entry gone, read back from the records) checks its folder against the manifest first:
+    a torn file answers an error saying what happened, never samples from torn weights."""
+    from trainer.storage.local_store import LocalStore
+
+    svc, url = world
+    commits: list[tuple[str, bool]] = []
+    put = LocalStore.put_folder  # a spy: the real commit still runs
+
+    def spy(self, key, local_dir, **kw):  # noqa: ANN001, ANN202
+        commits.append((self.url(key), kw.get("durable", True)))  # a local store's folder
+        return put(self, key, local_dir, **kw)
+
+    monkeypatch.setattr(LocalStore, "put_folder", spy)
+    sc = open_client(url, KEYS["alice"])
+    tc = sc.create_lora_training_client(base_model=BASE, rank=8, seed=5, train_unembed=False).result()
+    tok = tc.get_tokenizer()
+    rows = [json.loads(line) for line in (tiny_world / "data" / "echo_sft.jsonl").read_text().splitlines()][:4]
+    _, named = sft_then_sampler_weights(svc, tc, rows, 3, "named-3")
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    sampler_commits = [(k, d) for k, d in commits if "/sampler_weights/" in k]
+    assert [d for _, d in sampler_commits] == [True, False], commits
+    ephemeral = Path(sampler_commits[1][0])
+    prompt = tok.encode(rows[0]["prompt"])
+    ref = hf_greedy(tiny_world / "model", ephemeral, [prompt], max_new_tokens=12)[0]
+    assert ref == hf_greedy(tiny_world / "model", named, [prompt], max_new_tokens=12)[0]  # the same weights
+    assert matches_hf(greedy(sampler, prompt)[0][0], ref)
+
+    sid = sampler._sampling_session_id
+    svc.sampler.sessions.pop(sid)  # what a restart loses: the session is read back from the records
+    assert matches_hf(greedy(sampler, prompt)[0][0], ref)  # whole: it samples as before
+    weights = ephemeral / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # what a stop of the machine may leave
+    svc.sampler.sessions.pop(sid)
+    with pytest.raises(Exception, match="weights cannot be read .*adapter_model.safetensors does not match its manifest"
+                                        ".*save the weights again"):
+        greedy(sampler, prompt)
+    svc.unload(tc.model_id)

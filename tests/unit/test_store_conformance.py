@@ -249,6 +249,32 @@ def test_delete_and_copy(store, backdoor, tmp_path, fresh_reader):
     store.delete("runs/d/never-written")
 
 
+def test_a_folder_committed_without_waiting_for_the_disk_reads_whole_and_is_checked_like_any(store, backdoor, tmp_path,
+                                                                                             fresh_reader):
+    """S5: `durable=False` changes when the write is answered, not what readers see."""
+    key = "tinker/t/run/sampler_weights/ephemeral"
+    with store.write_folder(key, durable=False) as d:
+        make_folder(d, FILES)
+    assert read_all(fresh_reader(store).get_folder(key)) == FILES
+    backdoor.write(key, "weights/a.bin", b"torn by a stop of the machine")
+    with pytest.raises(StoreError, match="a.bin does not match its manifest"):
+        fresh_reader(store).get_folder(key)
+
+
+def test_a_local_commit_syncs_files_manifest_and_folder_unless_not_durable(tmp_path, monkeypatch):
+    """The local store's S1 (every file and the manifest on disk before the folder's entry is) and S5
+    (nothing waited for): os.fsync's calls counted (a spy: the real calls still run)."""
+    store = LocalStore(tmp_path / "store")
+    synced: list[int] = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd))[1])
+    store.put_folder("k/durable", make_folder(tmp_path / "a", FILES))
+    assert len(synced) == len(FILES) + 2  # each file, the manifest, the folder
+    synced.clear()
+    store.put_folder("k/ephemeral", make_folder(tmp_path / "b", FILES), durable=False)
+    assert synced == [] and read_all(store.get_folder("k/ephemeral")) == FILES
+
+
 def test_bad_keys_are_refused(store):
     for bad in ("", "../up", "a/../../b", "."):
         with pytest.raises(StoreError, match="invalid"):

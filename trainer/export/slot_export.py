@@ -163,14 +163,15 @@ class SlotExporter:
         """(adapter_config dict, PEFT-named tensors) of the slot, as SGLang/peft load them."""
         return self.peft_from_snapshot(self.snapshot_peft(slot))
 
-    def export_peft(self, slot: int, out_dir: str | Path, *, dtype: str = "float32") -> str:
+    def export_peft(self, slot: int, out_dir: str | Path, *, dtype: str = "float32", durable: bool = True) -> str:
         """Write the slot as a PEFT adapter folder in ``dtype`` (rank 0 writes; all ranks must call).
         Synchronous: when it returns the folder is written. float32 (the weights as trained) unless
-        told: checkpoints and retire exports keep every bit; only publish folders take the engines' dtype."""
+        told: checkpoints and retire exports keep every bit; only publish folders take the engines' dtype.
+        ``durable=False``: committed without waiting for the disk (trainer/storage/store.py S5)."""
         writes = self.layout.rank == 0
         snap = self.snapshot_peft(slot, to_host=writes, dtype=dtype)
         if writes:  # committed whole in the trainer's store (trainer/storage/store.py)
-            with open_store(self.config.storage).write_folder(out_dir) as tmp:
+            with open_store(self.config.storage).write_folder(out_dir, durable=durable) as tmp:
                 write_peft_snapshot(tmp, snap)
         return str(out_dir)
 

@@ -1,7 +1,8 @@
 """The storage layer on local files: `LocalStore(root)`, a key's folder at ``root/key``.
 
 The manifest (trainer/storage/store.py ``MANIFEST``) sits inside the folder and is written last, by
-an atomic rename, after every file is in place and synced to disk; taking it away (unlink, then
+an atomic rename, after every file is in place and synced to disk (not synced for a caller that
+asked for ``durable=False``, store.py S5); taking it away (unlink, then
 syncing the folder) uncommits. A folder is moved into place file by file from the staging area
 (``root/.lorafleet-staging``, the same filesystem, so a move is a rename); a cross-filesystem
 caller's files are copied. Old files of a re-written key are removed before the new ones arrive,
@@ -116,7 +117,7 @@ class LocalStore(CheckpointStore):
             _fsync_path(folder, directory=True)
 
     def put_folder(self, key: str, local_dir: Path, *, children: tuple[str, ...] = (), meta: dict | None = None,
-                   move: bool = False) -> Manifest:
+                   move: bool = False, durable: bool = True) -> Manifest:
         key = self.key_of(key)
         dest = self.path(key)
         src = Path(local_dir)
@@ -138,7 +139,8 @@ class LocalStore(CheckpointStore):
                     shutil.copy2(src / rel, target)
             else:
                 shutil.copy2(src / rel, target)
-            _fsync_path(target)
+            if durable:
+                _fsync_path(target)
             files[rel] = file_digest(target)
         missing = [c for c in children if not self.complete(f"{key}/{c}")]
         if missing:
@@ -148,9 +150,11 @@ class LocalStore(CheckpointStore):
         with open(tmp, "w") as f:
             f.write(manifest.to_json())
             f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, dest / MANIFEST)
-        _fsync_path(dest, directory=True)
+            if durable:
+                os.fsync(f.fileno())
+        os.replace(tmp, dest / MANIFEST)  # the commit (S1); without `durable` (S5) the disk is not waited for
+        if durable:
+            _fsync_path(dest, directory=True)
         return manifest
 
     def delete(self, key: str) -> None:

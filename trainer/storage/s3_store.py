@@ -346,7 +346,7 @@ class S3Store(CheckpointStore):
         return manifest
 
     def put_folder(self, key: str, local_dir: Path, *, children: tuple[str, ...] = (), meta: dict | None = None,
-                   move: bool = False) -> Manifest:
+                   move: bool = False, durable: bool = True) -> Manifest:  # `durable` (S5): every PUT is durable when answered
         key = self.key_of(key)
         src = Path(local_dir)
         if not src.is_dir():

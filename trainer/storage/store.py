@@ -7,7 +7,7 @@ S3-compatible object storage (trainer/storage/s3_store.py).
 
 A key is a relative POSIX path ("runs/digits-3f2a/checkpoints/step-000012"). A folder under a key
 is *committed* once its manifest (``MANIFEST``: every file's size and SHA-256, and the sub-keys it
-needs) is written, and the manifest is written LAST, after every file is durable:
+needs) is written, and the manifest is written LAST, after every file is durable (S5 excepted):
 
   S1 a reader sees a committed folder whole, or no folder: `get_folder` refuses a key without a
      manifest, and (verify=True) a file whose size or checksum differs from it;
@@ -18,7 +18,14 @@ needs) is written, and the manifest is written LAST, after every file is durable
      reader never mixes old and new files;
   S4 a folder may need sub-keys committed on their own (a run checkpoint's ``trainer/`` and
      ``adapter/``, written by the trainer's rank 0 while the coordinator writes the rest): its
-     manifest lists them, and it is complete only while they are.
+     manifest lists them, and it is complete only while they are;
+  S5 a folder committed with ``durable=False`` (a Tinker sampler folder the SDK calls ephemeral:
+     ``save_weights_and_get_sampling_client``) is written in the same order without waiting for
+     the disk: whole after a crash of the process (the system's page cache holds it), possibly
+     torn after a crash of the machine. Its manifest is still written last, so a reader that goes
+     through `get_folder` (verify=True) sees it whole or not at all (S1, S2); a reader of its files
+     by path must ask `get_folder` first when the machine may have stopped since (a Tinker sampling
+     session restored after a restart: api/tinker/sampling/sampler.py).
 
 Keys may also be given as absolute paths inside a local store's root (the trainer's in-process
 callers and older records name folders that way); `key_of` turns a reference back into a key.
@@ -112,10 +119,11 @@ class CheckpointStore(ABC):
 
     @abstractmethod
     def put_folder(self, key: str, local_dir: Path, *, children: tuple[str, ...] = (), meta: dict | None = None,
-                   move: bool = False) -> Manifest:
+                   move: bool = False, durable: bool = True) -> Manifest:
         """Commit `local_dir`'s files (the `children` sub-trees excepted: committed on their own, S4)
         as the folder under `key`, replacing what it held (S3). `move`: the files may be moved
-        rather than copied (the caller's folder is then gone)."""
+        rather than copied (the caller's folder is then gone). `durable=False`: answer without
+        waiting for the disk (S5; an object store's write is durable when it answers either way)."""
 
     @abstractmethod
     def get_folder(self, key: str, *, verify: bool = True) -> Path:
@@ -190,15 +198,16 @@ class CheckpointStore(ABC):
         return self.manifest(key) is not None
 
     @contextlib.contextmanager
-    def write_folder(self, key: str, *, children: tuple[str, ...] = (), meta: dict | None = None) -> Iterator[Path]:
+    def write_folder(self, key: str, *, children: tuple[str, ...] = (), meta: dict | None = None,
+                     durable: bool = True) -> Iterator[Path]:
         """`with store.write_folder(key) as d:` write files into `d`; committed on a clean exit,
-        dropped (never current, S2) when the block raises."""
+        dropped (never current, S2) when the block raises. `durable`: as put_folder's (S5)."""
         import shutil
 
         tmp = self.staging()
         try:
             yield tmp
-            self.put_folder(key, tmp, children=children, meta=meta, move=True)
+            self.put_folder(key, tmp, children=children, meta=meta, move=True, durable=durable)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 

@@ -38,6 +38,7 @@ from collections import Counter
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -92,6 +93,7 @@ class SamplingSession:
     session_id: str = ""
     engine: str | None = None  # the engine that served it last (routing's stickiness: sampler_engines.py)
     touched: float = field(default_factory=time.monotonic)  # when its record's day was last restarted
+    lost: str | None = None  # why its weights cannot be sampled (restored after a restart, found torn: `session`)
 
 
 def _engine_lost(err: BaseException) -> bool:
@@ -116,6 +118,10 @@ class SglangSampler:
                                       refresh_s=refresh_s, engine_wait_s=engine_wait_s)
         self.records = records
         self.sessions: dict[str, SamplingSession] = {}  # this process's sessions (the records hold them all)
+        # folder -> why it cannot be sampled, or None: asked once of a session restored from the records, before
+        # its adapter is loaded (the service sets it: its store checks the folder against its manifest;
+        # an ephemeral sampler folder is written without waiting for the disk, trainer/storage/store.py S5)
+        self.check_folder: Callable[[str], str | None] | None = None
         self.stable_reinforce = Counter()  # the stable_reinforce calls' statistics, summed (api/tinker/sampling/stability.py)
         self._swept = time.monotonic()
 
@@ -144,6 +150,8 @@ class SglangSampler:
             return None
         s = self.sessions[sid] = SamplingSession(tenant, rec.folder, None if rec.folder is None else f"tinker-{sid}",
                                                  rec.model_path, sid)
+        if rec.folder is not None and self.check_folder is not None:  # the machine may have stopped since it was saved
+            s.lost = self.check_folder(str(rec.folder))
         return s
 
     @staticmethod
@@ -183,6 +191,8 @@ class SglangSampler:
         every engine in the fleet's list failed it. ``record_as``: the request id whose sequences are
         recorded (``<record_as>-<i>``, the acknowledgement's sample_sequence_ids) before the answer."""
         self._sweep_now_and_then()
+        if session.lost is not None:
+            return user_error(session.lost)
         try:
             options.check(len(prompt))
             sp = self.sglang_params(params)
