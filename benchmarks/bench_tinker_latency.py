@@ -77,7 +77,7 @@ def main() -> None:
     from service.config.settings import load_settings
     from service.loop.training_loop import LoopOptions, run_training_loop
     from service.shutdown import StopSignal
-    from service.tenants.tinker_model import LoraSpec
+    from service.tenants.tinker_lora import LoraSpec
     from service.tenants.tinker_models import TinkerModels
 
     world = ensure_tiny_world()

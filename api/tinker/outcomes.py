@@ -13,7 +13,7 @@ from api.tinker import wire
 from api.tinker.futures import Outcome, server_error, user_error
 from api.tinker.proto_io import encode_forward_backward_output
 from service.errors import LorafleetError
-from service.tenants.tinker_model import LoraSpec
+from service.tenants.tinker_lora import LoraSpec
 from trainer.rounds import CallResult
 
 

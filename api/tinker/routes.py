@@ -26,7 +26,7 @@ from api.tinker.sampling.sampler import LogprobOptions
 from api.tinker.service import TinkerService, lora_flags
 from api.tinker.sessions import sessions_router
 from api.tinker.sampling.stability import attach_recorded_inputs, with_statistics
-from service.tenants.tinker_model import checkpoint_lora
+from service.tenants.tinker_lora import checkpoint_lora
 from trainer.rounds import AdamStep
 from trainer.storage.locations import readable_folder
 from trainer.storage.slot_state_format import META

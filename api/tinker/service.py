@@ -42,7 +42,8 @@ from api.tinker.outcomes import answer_outcome, lora_flags, lora_spec, ok_for, o
 from api.tinker.checkpoints.runs import TrainingRuns, check_ttl, check_user_metadata
 from api.tinker.sampling.sampler import SglangSampler
 from service.errors import LorafleetError
-from service.tenants.tinker_model import LoraSpec, TinkerModel, checkpoint_lora
+from service.tenants.tinker_lora import LoraSpec, checkpoint_lora
+from service.tenants.tinker_model import TinkerModel
 from service.tenants.tinker_models import TinkerModels
 from trainer.storage.locations import readable_folder
 from trainer.storage.slot_state_format import META

@@ -136,6 +136,7 @@ class Scheduler(SlotMoves):
         self._wake = threading.Condition()
         self._woken = False
         self._failures: dict[str, str] = {}
+        self.contended = False  # the last placement left tenants waiting for a slot (slot_moves.py; Tinker models' M7)
         self.swap_out_s: dict[str, float] = {}  # tenant name -> its last swap-out's seconds (a gauge; kept after it ends)
         self.swap_in_s: dict[str, float] = {}
         # Rank 0's swap tiers after the last placement that changed them (TrainerGroup.swap_tiers:

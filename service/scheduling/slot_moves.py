@@ -40,7 +40,8 @@ class SlotMoves:
         holders = self.slot_holders()
         free = self.registry.free_slots()
         waiters = self._waiters(holders, want=len(free) + 2 * self.registry.num_slots)
-        if len(waiters) > len(free):
+        self.contended = len(waiters) > len(free)  # some wait for a slot: the residents' turns end (M7's deferral)
+        if self.contended:
             residents = self._resident_view(holders)
             for key in choose_evictions(list(residents.values()), len(waiters), len(free), self.knobs):
                 events += self._evict(self._tenants[key], residents[key].slot)

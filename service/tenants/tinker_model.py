@@ -30,7 +30,9 @@ Invariants:
      snapshot, replaying the operations its journal logged after it; when some cannot be replayed
      it has diverged, and every call is answered with why and from which step it could continue;
   M7 a snapshot its policy makes due is taken as it leaves its slot (`on_evicting`) or, while it
-     stays resident, as its next offer; either way it covers what ran before it (M5).
+     stays resident, as its next offer; either way it covers what ran before it (M5). While other
+     tenants wait for a slot (its residency ends at its turn's end) the offer leaves it to the
+     eviction, unless its oldest change not in a snapshot is older than the policy's interval.
 """
 
 from __future__ import annotations
@@ -39,41 +41,24 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from service.errors import ServiceStopping
 from service.scheduling.tenant import Offer, RoundContext, SlotOp, TenantKind
 from service.tenants.tinker_durability import ModelJournal, restore_plan
+from service.tenants.tinker_lora import LoraSpec, checkpoint_lora
 from service.tenants.tinker_ops import Done, OpKind, TinkerOp, _no_answer, data_request, decode_adam, decode_data, optim_request
 from service.tenants.tinker_stats import ModelStats
 from trainer.config import SlotHyperParams
 from trainer.interface import TrainerInterface
 from trainer.rounds import AdamStep, Call, Datum
 from trainer.storage.locations import readable_folder
-from trainer.storage.slot_state_format import META, read_slot_meta
+from trainer.storage.slot_state_format import META
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LoraSpec", "OpKind", "TinkerModel", "TinkerOp", "checkpoint_lora"]
-
-
-@dataclass(frozen=True)
-class LoraSpec:
-    rank: int
-    seed: int
-    # What the model trains (trainer.config.TARGET_GROUPS order): the SDK's train_attn, train_mlp and train_unembed.
-    targets: tuple[str, ...] = ("attention", "mlp", "unembed")
-
-
-def checkpoint_lora(folder: str | Path) -> LoraSpec:
-    """The LoRA shape of a Tinker training checkpoint (save_state's folder); ValueError if none."""
-    meta = read_slot_meta(folder)
-    if meta is None:
-        raise ValueError("no training checkpoint at that path (save_state makes one)")
-    targets = tuple(meta["hyper"].get("targets") or ("attention", "mlp"))  # states saved before targets: attention + MLP
-    return LoraSpec(rank=int(meta["hyper"]["rank"]), seed=int(meta["seed"]), targets=targets)
+__all__ = ["OpKind", "TinkerModel", "TinkerOp"]
 
 
 RESTORE_TRIES = 3  # placements that may fail to read a model's durable state before its calls are told (M6)
@@ -84,10 +69,11 @@ class TinkerModel:
 
     def __init__(self, model_id: str, owner: str, lora: LoraSpec, *, trainer: TrainerInterface, clock: Callable[[], float],
                  wake: Callable[[], None], end: Callable[[str], None], hyper: SlotHyperParams, journal: ModelJournal,
-                 stats: ModelStats | None = None) -> None:
+                 stats: ModelStats | None = None, contended: Callable[[], bool] = lambda: False) -> None:
         """`trainer`: the scheduler's trainer; `wake()`: the scheduler's notify; `end(key)`: the
         scheduler's release (unload); `hyper`: its slot's hyper-parameters (init and restore);
-        `journal`: its durability (its records and snapshots); `stats`: what it did, for the views."""
+        `journal`: its durability (its records and snapshots); `stats`: what it did, for the views;
+        `contended()`: whether other tenants wait for a slot (the scheduler's last placement; M7)."""
         self.key = self.name = model_id
         self.owner = owner
         self.lora = lora
@@ -97,6 +83,7 @@ class TinkerModel:
         self._clock = clock
         self._wake = wake
         self._end = end
+        self._contended = contended
         self._queue: deque[TinkerOp] = deque()
         self._mu = threading.Lock()  # the API's threads append, the loop's thread takes
         self.steps_in = 0
@@ -106,13 +93,21 @@ class TinkerModel:
         self.end_reason = f"model {model_id} is unloaded"  # what a call sent after its end is told
         self.applied_seq = 0  # M5
         self.step = 0  # optimizer steps applied (what a snapshot records)
-        self.dirty = False  # changed since its last snapshot
+        self._dirty_since: float | None = None  # time.time() of its first change since its last snapshot (`dirty`)
         self.diverged: str | None = None  # M6
         self._restore: Callable[[int], Any] | None = None  # fills its slot when its state is not in the swap store
         self.closing = False  # the service saves its state for a restart: nothing more is queued
         self.stats = stats or ModelStats()  # service/tenants/tinker_stats.py
         self._evicted_at = 0.0  # time.time() of its last eviction: it began to wait then (slot_wait)
         self._touch: Callable[[str], None] = lambda key: None  # the scheduler's wait index (watch)
+
+    @property
+    def dirty(self) -> bool:  # changed since its last snapshot
+        return self._dirty_since is not None
+
+    @dirty.setter
+    def dirty(self, value: bool) -> None:  # keeps the time of its first change
+        self._dirty_since = (self._dirty_since or time.time()) if value else None
 
     def watch(self, touch: Callable[[str], None]) -> None:
         """`touch(key)` at each change of its queue and at its eviction (service/scheduling/wait_index.py W1)."""
@@ -196,9 +191,13 @@ class TinkerModel:
     def _snapshot_due(self) -> bool:
         return self.dirty and self.journal.due(time.time())
 
+    def _snapshot_now(self) -> bool:
+        """M7: a due snapshot as its next offer, or left to its eviction at its turn's end."""
+        return self._snapshot_due() and (not self._contended() or time.time() - self._dirty_since >= self.journal.durability.interval_s)
+
     def ready(self) -> bool:
         self._settle_snapshot()  # a resident with no calls is asked this, not offer, while it idles
-        return self._head() is not None or self._snapshot_due()
+        return self._head() is not None or self._snapshot_now()
 
     def wants_slot(self) -> bool:
         return self.slot_wait() is not None
@@ -216,7 +215,7 @@ class TinkerModel:
 
     def offer(self, slot: int) -> Offer | None:
         self._settle_snapshot()
-        if self._snapshot_due():  # its policy's snapshot first: it covers what ran before (M5); written
+        if self._snapshot_now():  # its policy's snapshot first: it covers what ran before (M5); written
             return Offer(single=SlotOp(lambda s: self.snapshot(s, background=True)), context=[])  # while rounds go on
         taken: list[TinkerOp] = []
         with self._mu:

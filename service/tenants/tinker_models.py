@@ -36,7 +36,8 @@ from service.scheduling.scheduler import Scheduler
 from service.scheduling.tenant import TenantKind
 from service.config.durability import Durability
 from service.tenants.tinker_durability import ModelJournal, SnapshotCounts, restore_plan
-from service.tenants.tinker_model import LoraSpec, TinkerModel
+from service.tenants.tinker_lora import LoraSpec
+from service.tenants.tinker_model import TinkerModel
 from service.tenants.tinker_ops import OpKind, TinkerOp, _no_answer
 from service.tenants.tinker_stats import ModelStats, SlotGrants
 from trainer.config import TARGET_GROUPS, SlotHyperParams
@@ -73,7 +74,7 @@ class TinkerModels:
         journal = ModelJournal(self.records, self.store, self.durability, owner, model_id, snapshot, snapshot_at, self.snapshots)
         hyper = SlotHyperParams(rank=lora.rank, alpha=self.lora_alpha, targets=lora.targets)
         return TinkerModel(model_id, owner, lora, trainer=s.trainer, clock=s.clock, wake=s.notify, end=s.release,
-                           hyper=hyper, journal=journal, stats=ModelStats(self.grants))
+                           hyper=hyper, journal=journal, stats=ModelStats(self.grants), contended=lambda: s.contended)
 
     def check_lora(self, lora: LoraSpec) -> None:
         if not 1 <= lora.rank <= self.max_rank:

@@ -193,7 +193,7 @@ def test_runs_and_models_rotate_through_two_slots_and_each_trains_as_alone(fleet
     from service.loop.training_loop import LoopOptions, run_training_loop
     from service.registry.registry import AdapterState
     from service.shutdown import StopSignal
-    from service.tenants.tinker_model import LoraSpec
+    from service.tenants.tinker_lora import LoraSpec
     from service.tenants.tinker_models import TinkerModels
     from tests.reference.trainer import train_alone
 

@@ -22,7 +22,7 @@ from service.registry.registry import Registry
 from service.registry.tinker_records import TinkerRecords
 from service.scheduling.residency import ResidencyKnobs
 from service.scheduling.scheduler import Scheduler, round_wait
-from service.tenants.tinker_model import LoraSpec
+from service.tenants.tinker_lora import LoraSpec
 from service.tenants.tinker_models import TinkerModels
 from trainer.interface import WrittenFolder
 from trainer.rounds import AdamStep, CallResult, Datum, RoundResult
@@ -763,3 +763,47 @@ def test_a_due_snapshot_is_taken_as_the_model_leaves_its_slot_and_its_next_turn_
     row = _snapshot_row(w, "a")
     assert (row.snapshot_seq, row.snapshot_step) == (covers, step)  # what ran before it left, not a2
     assert ("swap_out", slot, "b") in w.trainer.events and w.models.snapshots.taken == 1  # b: none due, none taken
+
+
+def _contended_world(tmp_path, turn_steps: int = 2):
+    """One slot: model a resident, one step in; model b's creation queued behind it (the placement
+    leaves a tenant waiting: contended)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    w = World(tmp_path, num_slots=1, turn_steps=turn_steps)
+    a, _ = w.create("a")
+    _one_step(w, a, "a1")
+    b = w.models.create("b", "alice", LoraSpec(rank=4, seed=2), "s1", w.done("b.create"))
+    w.round()
+    assert w.scheduler.contended and w.scheduler.slot_of("a") is not None and w.scheduler.slot_of("b") is None
+    return w, a, b
+
+
+def test_while_others_wait_a_due_snapshot_is_left_to_the_eviction(tmp_path):
+    """M7 (issue 41): with b waiting, a's snapshot falls due after its first step (its last one older
+    than the interval, as after a long wait between turns). a's next step runs in one round with no
+    snapshot before it; the snapshot is taken as a leaves its slot at its turn's end (2 steps),
+    before the swap-out, and covers both steps. Before, a's next offer was the snapshot: a round of its own."""
+    w, a, b = _contended_world(tmp_path)
+    _make_due(a)
+    taken = w.models.snapshots.taken
+    _one_step(w, a, "a2")  # one round: its calls (a snapshot first would leave them unanswered)
+    assert w.models.snapshots.taken == taken and a.dirty
+    covers, step = a.applied_seq, a.step
+    slot = w.scheduler.slot_of("a")
+    w.rounds_until(lambda: w.scheduler.slot_of("b") is not None)  # a's turn used: evicted for b
+    i = w.trainer.events.index(("swap_out", slot, "a"))
+    assert w.trainer.events[i - 1] == ("save", slot) and w.models.snapshots.taken == taken + 1 and not a.dirty
+    assert (covers, step) == (a.applied_seq, 2)
+
+
+def test_while_others_wait_a_change_older_than_the_interval_is_snapshotted_at_the_next_offer(tmp_path):
+    """M7's bound: the deferral holds only while the oldest change not in a snapshot is younger than
+    the policy's interval (300 s); an older one is snapshotted as the next offer, as when nobody waits."""
+    w, a, _ = _contended_world(tmp_path)
+    _make_due(a)
+    a._dirty_since -= 400  # a1's change 400 s old
+    taken = w.models.snapshots.taken
+    w.call(a, "a2.fb", "forward_backward", [Datum([1, 2], {})], "cross_entropy", None)
+    w.round()
+    assert w.models.snapshots.taken == taken + 1 and "a2.fb" not in w.answers  # the snapshot's round first
+    w.rounds_until(lambda: "a2.fb" in w.answers)

@@ -33,7 +33,7 @@ from service.registry.registry import Registry
 from service.registry.tinker_records import TinkerRecords
 from service.scheduling.residency import ResidencyKnobs
 from service.scheduling.scheduler import Scheduler
-from service.tenants.tinker_model import LoraSpec
+from service.tenants.tinker_lora import LoraSpec
 from service.scheduling.tenant import Offer, TenantKind
 from service.tenants.tinker_models import TinkerModels
 from trainer.batch import TrainSample

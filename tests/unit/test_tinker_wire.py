@@ -230,7 +230,7 @@ def test_a_flag_the_trainer_cannot_honour_is_refused(tmp_path):
     from api.tinker import wire
     from api.tinker.auth import TenantKeys
     from api.tinker.service import TinkerService
-    from service.tenants.tinker_model import LoraSpec
+    from service.tenants.tinker_lora import LoraSpec
 
     models = _models(tmp_path, target_groups=("attention", "mlp"))
     svc = TinkerService(models, TenantKeys({}))
