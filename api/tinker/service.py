@@ -41,6 +41,7 @@ from api.tinker.futures import POLL_HOLD_S, FutureStore, Outcome, gone, server_e
 from api.tinker.outcomes import answer_outcome, lora_flags, lora_spec, ok_for, outcome_of  # noqa: F401 - lora_flags: the routes'
 from api.tinker.checkpoints.runs import TrainingRuns, check_ttl, check_user_metadata
 from api.tinker.sampling.sampler import SglangSampler
+from rollout.engines.weights import ADAPTER_CONFIG
 from service.errors import LorafleetError
 from service.tenants.tinker_lora import LoraSpec, checkpoint_lora
 from service.tenants.tinker_model import TinkerModel
@@ -468,12 +469,9 @@ class TinkerService:
         sampler asks once, before the adapter is loaded): its files are checked against the store's
         manifest, since an ephemeral sampler folder is written without waiting for the disk
         (trainer/storage/store.py S5) and may be torn if the machine stopped. A folder from before
-        the store (no manifest) is read as it is."""
+        the store (no manifest) is read as it is, as every checkpoint reader does (readable_folder)."""
         try:
-            key = self.store.key_of(folder)
-            if self.store.manifest(key) is None and _legacy_checkpoint(self.store, key):
-                return None
-            self.store.get_folder(key, verify=True)
+            readable_folder(self.store, folder, legacy_marker=ADAPTER_CONFIG)
             return None
         except StoreError as err:
             return (f"this sampling session's weights cannot be read ({err}): a checkpoint deleted since, or "
