@@ -27,6 +27,9 @@ begun after it), for --window-s seconds:
                             from the 2 cores the service also runs on
   cores by process          every process of the machine over the window, by role (benchmarks/proc_stats.py):
                             the coordinator (api.cli.main), its API front, the trainer, the engines, the client
+  run-queue waits           each role's threads' time ready to run with no core free (thread-seconds a second,
+                            /proc/<pid>/task/*/schedstat), and for the serial path's processes (coordinator,
+                            trainer) their three most-waiting threads' cores and waits: where contention fell
   loop                      the training loop's rounds, restores and evictions per tenant-step, the time of each
                             part of a round (place, gather, offer, train, settle, single), the models' snapshots per step and the loop's time taking each, and
                             the Tinker records' group commits (per step, statements each, mean time), the polls the
@@ -61,7 +64,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from benchmarks.proc_stats import cores_by_role, cpu_by_pid, cpu_s, rss_mib
+from benchmarks.proc_stats import autogroup_enabled, cores_by_role, cpu_by_pid, cpu_s, rss_mib, waits_by_pid, waits_by_role
 from benchmarks.speed_probe import SpeedProbe
 from benchmarks.stack_profile import StackProfiles
 from benchmarks.tinker_rl_tenants import Fleet, RlWorkload
@@ -83,6 +86,7 @@ def sampler_counts(text: str) -> dict[str, dict[str, float]]:
     return out
 
 
+SERIAL_PATH = ("api.cli.main", "ray::TrainWorker")  # the roles whose threads make a round: the loop, the trainer rank
 LOOP_PARTS = ("place", "gather", "offer", "train", "settle", "single")  # lorafleet_coordinator_seconds{part}
 LOOP_SERIES = {"rounds": "lorafleet_reconciles", **{f"{p}_s": f'lorafleet_coordinator_seconds{{part="{p}"}}' for p in LOOP_PARTS},
                "evictions": 'lorafleet_scheduler_events{event="evictions"}', "restores": 'lorafleet_scheduler_events{event="restores"}',
@@ -145,9 +149,9 @@ async def measure(fleet: Fleet, svc: Service, http: httpx.AsyncClient, seconds: 
         trainers = [p["pid"] for p in (await http.get("/v1/fleet")).json()["processes"] if p["role"] == "trainer"]
         StackProfiles(profile, label, {"client": os.getpid(), "coordinator": svc.proc.pid,
                                        **{f"trainer{i}": pid for i, pid in enumerate(trainers)}}, seconds)
-    m0, cpu0, procs0, t0 = (await http.get("/metrics")).text, cpu_s(os.getpid()), cpu_by_pid(), time.monotonic()
+    m0, cpu0, procs0, waits0, t0 = (await http.get("/metrics")).text, cpu_s(os.getpid()), cpu_by_pid(), waits_by_pid(), time.monotonic()
     await asyncio.sleep(seconds)
-    m1, cpu1, procs1, t1 = (await http.get("/metrics")).text, cpu_s(os.getpid()), cpu_by_pid(), time.monotonic()
+    m1, cpu1, procs1, waits1, t1 = (await http.get("/metrics")).text, cpu_s(os.getpid()), cpu_by_pid(), waits_by_pid(), time.monotonic()
     speed = probe.stop()
     c0, c1 = sampler_counts(m0), sampler_counts(m1)
     calls = fleet.log.window(t0, t1, creates_since=phase_start)
@@ -165,6 +169,7 @@ async def measure(fleet: Fleet, svc: Service, http: httpx.AsyncClient, seconds: 
             "waits_with_room": sum(_delta(c1["waits_with_room"], c0["waits_with_room"]).values()),
             "client_cores": round((cpu1 - cpu0) / (t1 - t0), 2), **speed,
             "cores_by_process": cores_by_role(procs0, procs1, t1 - t0),
+            "run_queue_waits": waits_by_role(waits0, waits1, t1 - t0, roles=SERIAL_PATH),
             "coordinator_rss_mib": round(rss_mib(svc.proc.pid), 1),
             "trainer_rss_mib": round(sum(rss_mib(p["pid"]) for p in (await http.get("/v1/fleet")).json()["processes"]
                                          if p["role"] == "trainer"), 1),
@@ -265,6 +270,10 @@ def main() -> None:
     ap.add_argument("--client-nice", type=int, default=0,
                     help="run the tenants (this process, once the service is up) at this niceness: 10 lets the "
                          "service's processes go first on the shared cores, as if the clients had machines of their own")
+    ap.add_argument("--service-session", choices=("own", "shared"), default="own",
+                    help="own: the service leads a session of its own, as under systemd (Linux's autogroup scheduler, "
+                         "where on, then shares the cores between it and the tenants' process first); shared: the "
+                         "service stays in this process's session (every bracket before 2026-12-07's G2)")
     ap.add_argument("--tinker-window-ms", type=float, default=None,
                     help="the service's tinker_window_ms (how long a round waits for more models' calls); default: the service's")
     ap.add_argument("--profile-dir", type=Path, default=None,
@@ -286,12 +295,13 @@ def main() -> None:
         svc = Service(tinker_job(tmp, tiny, args.slots, args.engines, keys, args.loaded_per_engine, args.tinker_window_ms), tmp / "state", tmp / "serve.log")
         try:
             t0 = time.monotonic()
-            svc.start()
+            svc.start(new_session=args.service_session == "own")
             print(f"service up in {time.monotonic() - t0:.0f} s", flush=True)
             if args.client_nice:
                 os.nice(args.client_nice)  # after the service's processes started: they keep niceness 0
             phases = [int(x) for x in args.phases.split(",") if x]
             head = {"slots": args.slots, "engines": args.engines, "loaded_per_engine": args.loaded_per_engine, "client_nice": args.client_nice, "tinker_window_ms": args.tinker_window_ms,
+                    "service_session": args.service_session, "autogroup": autogroup_enabled(),
                     "workload": {"prompts_per_step": work.prompts_per_step, "group": work.group, "max_tokens": work.max_tokens}}
 
             def dump(rows: list[dict]) -> None:

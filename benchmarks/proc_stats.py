@@ -46,6 +46,15 @@ def role(pid: int) -> str:
     return name
 
 
+def autogroup_enabled() -> bool | None:
+    """Whether Linux's autogroup scheduler is on (/proc/sys/kernel/sched_autogroup_enabled): it shares the
+    cores between sessions (setsid) first, then between the processes of each; None where the kernel has none."""
+    try:
+        return Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
+    except OSError:
+        return None
+
+
 def steal_jiffies() -> tuple[int, int]:
     """(steal, total) jiffies of all cores so far (/proc/stat's first line: user, nice, system, idle,
     iowait, irq, softirq, steal; the guest times are inside user)."""
@@ -82,3 +91,57 @@ def cores_by_role(before: dict[int, tuple[str, float]], after: dict[int, tuple[s
             other += cores
     out["other"] = round(other, 3)
     return out
+
+
+def waits_by_pid() -> dict[int, tuple[str, float, dict[str, tuple[float, float]]]]:
+    """Every process: its role, the seconds its threads have waited on a run queue for a core so far
+    (/proc/<pid>/task/<tid>/schedstat: on-CPU ns, run-queue wait ns, timeslices), and per thread name
+    (comm; same-named threads summed) its (CPU s, wait s). A process whose threads wait is one the
+    cores were too few for: where a window's contention fell."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        pid, threads, total = int(entry), {}, 0.0
+        try:
+            name = role(pid)
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                run_ns, wait_ns, _ = (int(x) for x in Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split())
+                comm = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+                cpu, wait = threads.get(comm, (0.0, 0.0))
+                threads[comm] = (cpu + run_ns / 1e9, wait + wait_ns / 1e9)
+                total += wait_ns / 1e9
+        except (OSError, IndexError, ValueError):
+            continue
+        out[pid] = (name, total, threads)
+    return out
+
+
+def waits_by_role(before: dict, after: dict, seconds: float, roles: tuple[str, ...] = (), floor: float = 0.01) -> dict:
+    """Between two `waits_by_pid` readings `seconds` apart: each role's run-queue wait in thread-seconds a
+    second (0.5: on average half a thread was ready to run but had no core), busiest first, small ones
+    summed as "other"; and for `roles`, their threads' (cores used, waits) by thread name, the three
+    that waited most (a process's serial path is one of its threads: the training loop, a rank)."""
+    waits: dict[str, float] = {}
+    threads: dict[str, dict[str, list[float]]] = {}
+    for pid, (name, w1, th1) in after.items():
+        w0, th0 = (before[pid][1], before[pid][2]) if pid in before else (0.0, {})
+        waits[name] = waits.get(name, 0.0) + max(w1 - w0, 0.0) / seconds
+        if name in roles:
+            mine = threads.setdefault(name, {})
+            for comm, (c1, x1) in th1.items():
+                c0, x0 = th0.get(comm, (0.0, 0.0))
+                acc = mine.setdefault(comm, [0.0, 0.0])
+                acc[0] += max(c1 - c0, 0.0) / seconds
+                acc[1] += max(x1 - x0, 0.0) / seconds
+    out, other = {}, 0.0
+    for name, w in sorted(waits.items(), key=lambda kv: -kv[1]):
+        if w >= floor:
+            out[name] = round(w, 3)
+        else:
+            other += w
+    out["other"] = round(other, 3)
+    top = {name: {comm: {"cores": round(c, 3), "waiting": round(x, 3)}
+                  for comm, (c, x) in sorted(mine.items(), key=lambda kv: -kv[1][1])[:3]}
+           for name, mine in threads.items()}
+    return {"by_process": out, "threads": top}

@@ -1,0 +1,48 @@
+"""The benchmarks' run-queue waits (benchmarks/proc_stats.py waits_by_pid / waits_by_role): the time a
+process's threads were ready to run with no core free, read from the kernel's per-thread schedstat."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from benchmarks.proc_stats import waits_by_pid, waits_by_role
+
+BUSY = "import time\nend = time.monotonic() + 60\nwhile time.monotonic() < end:\n    pass\n"
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task/%d/schedstat" % os.getpid()), reason="no per-thread schedstat in /proc")
+def test_three_busy_processes_on_one_core_each_wait_two_thirds_of_the_time(tmp_path):
+    # Three busy loops pinned to one core: together they can run 1 core-second a second, so together they
+    # wait at least 2 thread-seconds a second (more when other work shares that core). Their CPU time cannot
+    # pass 1 a second, so a reading of CPU time instead of waits would fail.
+    script = tmp_path / "busy_waiter.py"
+    script.write_text(BUSY)
+    core = min(os.sched_getaffinity(0))
+    procs = [subprocess.Popen([sys.executable, str(script)], preexec_fn=lambda: os.sched_setaffinity(0, {core}))
+             for _ in range(3)]
+    try:
+        deadline = time.monotonic() + 30
+        while not all(str(script).encode() in open(f"/proc/{p.pid}/cmdline", "rb").read() for p in procs):
+            assert time.monotonic() < deadline, "the busy processes never started their script"
+            time.sleep(0.05)
+        before, t0 = waits_by_pid(), time.monotonic()
+        end = t0 + 1.5
+        while time.monotonic() < end:
+            time.sleep(0.1)
+        after, t1 = waits_by_pid(), time.monotonic()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)
+    got = waits_by_role(before, after, t1 - t0, roles=("busy_waiter.py",))
+    assert got["by_process"]["busy_waiter.py"] >= 1.6, got
+    threads = got["threads"]["busy_waiter.py"]
+    cores = sum(t["cores"] for t in threads.values())
+    assert 0.5 <= cores <= 1.05, got  # one core shared by the three
+    assert sum(t["waiting"] for t in threads.values()) >= 1.6
+    assert list(got["by_process"])[-1] == "other"
