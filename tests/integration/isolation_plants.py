@@ -23,7 +23,9 @@ from pathlib import Path
 
 from fastapi import HTTPException
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.paths import REPO
+
+ROOT = REPO
 TESTS = "tests/integration/test_tinker_calls.py"
 ISOLATION = f"{TESTS}::test_isolation_table"
 PUBLISHING = f"{TESTS}::test_publish_share_copy_and_unpublish"

@@ -27,7 +27,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.paths import REPO
+
+ROOT = REPO
 # Fast failure detection (Ray's defaults take ~30 s to call a node dead); the service copes with either.
 SYSTEM_CONFIG = {"health_check_initial_delay_ms": 1000, "health_check_period_ms": 1000, "health_check_timeout_ms": 1000,
                  "health_check_failure_threshold": 5}

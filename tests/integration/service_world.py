@@ -21,8 +21,8 @@ from pathlib import Path
 import yaml
 
 from api.cli.client import ApiError, LorafleetClient
+from tests.paths import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 # The `lorafleet` entry point (api/cli/main.py), run by this interpreter: independent of how the
 # venv's console script was generated.
 LORAFLEET = [sys.executable, "-m", "api.cli.main"]

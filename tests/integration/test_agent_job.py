@@ -15,11 +15,11 @@ import json
 import os
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
 from tests.integration.cli_jobs import LORAFLEET, reaped_job_dir, rows
+from tests.paths import REPO
 
 # Opt-in (-m slow): the whole 30-step example is several minutes on CI's 2 cores, over its 45-minute
 # budget with everything else. The default tier covers issue 29's done-when with
@@ -27,7 +27,6 @@ from tests.integration.cli_jobs import LORAFLEET, reaped_job_dir, rows
 # the HF reference) and test_service_fleet.py 1e (multi-turn runs on the live service).
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[2]
 JOB = REPO / "examples" / "tiny_agent" / "job.yaml"
 JOB_TIMEOUT_S = 720  # under pytest's 900 s; measured (docs/environments.md)
 REWARD_MARGIN = 0.1  # calc: last-5 mean minus first-5 mean

@@ -20,13 +20,13 @@ from pathlib import Path
 import pytest
 
 from tests.integration.cli_jobs import LORAFLEET, check_exports_load_with_peft, reaped_job_dir, rows
+from tests.paths import REPO
 
 # Opt-in (-m slow, CI budget: the whole MoE job is over 2 minutes on 2 cores). The default tier keeps
 # the MoE trainer against its references (test_moe_trainer.py) and SGLang serving expert LoRA
 # against HF (test_moe_sglang.py).
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[2]
 JOB = REPO / "examples" / "tiny_moe" / "job.yaml"
 
 

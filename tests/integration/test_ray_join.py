@@ -23,9 +23,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.paths import REPO
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO
 
 SCRIPT = textwrap.dedent("""
     import json, os, sys

@@ -10,15 +10,15 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
 from tests.integration.net_probe import is_loopback
+from tests.paths import REPO
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO
 
 SCRIPT = textwrap.dedent("""
     import json, os, sys

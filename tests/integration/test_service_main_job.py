@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 
 from tests.integration.cli_jobs import LORAFLEET, check_exports_load_with_peft, reaped_job_dir, rows
+from tests.paths import REPO
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
 # Under pytest's own 900 s timeout (pyproject), so a hung job fails here with its output rather
 # than being cut off by pytest-timeout; measured 142 s on the 2-core machine (FINDINGS).
 JOB_TIMEOUT_S = 720

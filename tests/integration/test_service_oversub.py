@@ -22,13 +22,13 @@ import pytest
 import yaml
 
 from tests.integration.cli_jobs import check_exports_load_with_peft
+from tests.paths import REPO
 
 # Opt-in (-m slow, CI budget): turns through too few slots are in the default tier on the live
 # service (test_scheduler_fleet.py: RL, SFT and Tinker through 2 slots against the reference;
 # test_service_scale.py: 256 tenants through 4) and in tests/unit/test_scheduler*.py.
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[2]
 LORAFLEET = [sys.executable, "-m", "api.cli.main"]
 JOB_TIMEOUT_S = 720
 NUM_STEP = 4

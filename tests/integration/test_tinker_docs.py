@@ -4,13 +4,14 @@ loopback) and shows what the page says: losses fall and calls were coalesced."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 
+from tests.paths import REPO
+
 pytestmark = pytest.mark.integration
 
-PAGE = Path(__file__).resolve().parents[2] / "docs" / "tinker.md"
+PAGE = REPO / "docs" / "tinker.md"
 
 
 def test_docs_example_runs(capsys):

@@ -63,6 +63,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from tests.paths import REPO
+
 ADAM_ROW = "hyper_rows.append((lr, h.weight_decay, h.betas[0], h.betas[1], h.eps, st.step))"
 FIRST = "h0 = states[due.index(stepping[0])].hyper; "
 TINKER_STEP = "step=f64(state.step),"
@@ -119,7 +121,7 @@ MUTATIONS = {
 }
 
 
-def plant(name: str, root: Path = Path(__file__).resolve().parents[2]) -> None:
+def plant(name: str, root: Path = REPO) -> None:
     if name not in MUTATIONS:
         raise SystemExit(f"unknown mutation {name!r}: choose one of {', '.join(MUTATIONS)}")
     rel, old, new = MUTATIONS[name]

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.paths import REPO
+
+ROOT = REPO
 KERNELS = "trainer/kernels/triton_expert_lora.py"
 NODES = "trainer/lora/expert_lora_nodes.py"
 LAYER = "trainer/lora/moe_lora.py"

@@ -15,7 +15,6 @@ from __future__ import annotations
 import ast
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,10 +27,10 @@ from torch.fx.node import _get_qualified_name
 
 from trainer.losses import custom_ops
 from trainer.losses.custom_graph import MAX_NODES, CustomLoss, call_loss, compile_custom_loss
+from tests.paths import REPO
 
 pytestmark = pytest.mark.unit
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 # -- the users' losses (per datum, as create_custom_loss documents them) -----------------------------

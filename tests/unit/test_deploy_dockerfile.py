@@ -13,9 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.paths import REPO
+
 pytestmark = pytest.mark.unit
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO
 DOCKERFILE = ROOT / "deploy" / "Dockerfile"
 DOCKERIGNORE = ROOT / "deploy" / "Dockerfile.dockerignore"
 

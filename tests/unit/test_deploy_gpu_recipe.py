@@ -11,10 +11,11 @@ import yaml
 from service.config.job import load_job
 from service.errors import PlacementError
 from service.fleet.placement import ClusterShape, plan_placement
+from tests.paths import REPO
 
 pytestmark = pytest.mark.unit
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO
 RECIPE = ROOT / "examples" / "gpu" / "job.yaml"
 
 

@@ -23,9 +23,11 @@ import pytest
 import yaml
 from referencing import Registry, Resource
 
+from tests.paths import REPO
+
 pytestmark = pytest.mark.unit
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO
 K8S_DIR = ROOT / "deploy" / "k8s"
 KUBERAY_SCHEMA = K8S_DIR / "schema" / "kuberay-ray.io-v1.schema.json"
 RAY_CLUSTER_YAML = ROOT / "deploy" / "ray-cluster.yaml"

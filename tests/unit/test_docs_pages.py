@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 
+from tests.paths import REPO
+
 pytestmark = pytest.mark.unit
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO
 DOCS = ROOT / "docs"
 CONCEPTS = (DOCS / "concepts.md").read_text()
 OPERATIONS = (DOCS / "operations.md").read_text()

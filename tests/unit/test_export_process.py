@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,11 +20,11 @@ from trainer.export.export_process import WriterProcess, WriterProcessError
 from trainer.export.host_arena import ALIGN, ArenaFull, HostArena
 from trainer.export.peft_io import peft_config_text, write_peft_folder_packed
 from trainer.export.safetensors_stream import file_order, packed_header
+from tests.paths import REPO
 
 pytestmark = pytest.mark.unit
 
 DEADLINE_S = 30.0
-REPO = Path(__file__).resolve().parents[2]
 
 
 def free_bytes(arena: HostArena) -> int:

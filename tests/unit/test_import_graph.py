@@ -24,9 +24,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.paths import REPO
+
 pytestmark = pytest.mark.unit
 
-REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("api", "service", "trainer", "rollout")
 CORE_FORBIDDEN = ("ray", "fastapi", "sglang")
 # Calls whose first argument names the method to run: the dispatch wrappers issue 12 removed.

@@ -1,12 +1,12 @@
 """The MoE job file: lora_experts reaches the trainer, and a CPU job cannot ask to serve expert LoRA."""
 
-from pathlib import Path
-
 import pytest
+
+from tests.paths import REPO
 
 pytestmark = pytest.mark.unit
 
-JOB = Path(__file__).resolve().parents[2] / "examples" / "tiny_moe" / "job.yaml"
+JOB = REPO / "examples" / "tiny_moe" / "job.yaml"
 
 
 @pytest.fixture(scope="module")

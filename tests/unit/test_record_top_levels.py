@@ -4,13 +4,14 @@ distributions of this interpreter, and on a distribution made here (a dist-info 
 
 import importlib.metadata as md
 import runpy
-from pathlib import Path
 
 import pytest
 
+from tests.paths import REPO
+
 pytestmark = pytest.mark.unit
 
-RECORD = runpy.run_path(str(Path(__file__).resolve().parents[2] / "deploy" / "record_top_levels.py"))
+RECORD = runpy.run_path(str(REPO / "deploy" / "record_top_levels.py"))
 
 
 def test_the_inference_is_the_standard_librarys_for_installed_distributions():

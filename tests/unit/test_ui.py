@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 import tomllib
-from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -16,11 +15,12 @@ from service.config.settings import load_settings
 from service.control.controller import Controller
 from service.config.job import SlotCapacity
 from service.loop.fleet_stats import FleetStats
+from tests.paths import REPO
 
 pytestmark = pytest.mark.unit
 
 TOKEN = "ui-test-token-8a2b"
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO
 
 
 @pytest.fixture
