@@ -128,6 +128,14 @@ class EngineConfig(StrictModel):
         description="Server --dtype. auto = the checkpoint's dtype on GPU and float32 on CPU "
         "(SGLang's own auto picks float16 on CPU, which would not match the fp32 trainer).",
     )
+    cpu_nice: int = Field(
+        10, ge=0, le=19,
+        description="CPU engines only: the niceness of each server's processes and of its session's autogroup (Linux; "
+        "each server leads a session of its own, and where the autogroup scheduler is on the cores are shared between "
+        "sessions first). The engines yield the shared cores to the training loop's serial path (the coordinator, the "
+        "trainer rank): on the 2-core tiny world a Tinker training call's p50 fell ~40% at 10 against 0 "
+        "(docs/BENCHMARKS.md, issue 41). 0 = the service's own priority. GPU engines always keep the service's.",
+    )
     max_loaded_loras: int = Field(
         16, ge=1, description="Adapters (versions) the server holds at once (--max-loaded-loras). "
         "A live update holds two versions of one adapter briefly: allow 2 per adapter."

@@ -17,6 +17,9 @@ Invariants:
   engine launcher (rollout/engines/engine_launcher.py) starts it from a thread that lives
   as long as its process, so a lost launcher (its node's raylet died) leaves no
   engine behind holding the node's GPUs and ports.
+* A CPU server runs at `engines.cpu_nice` (every thread and process it starts, and its session's
+  autogroup where Linux has one): it yields the shared cores to the training loop's serial path.
+  A GPU server keeps the service's priority.
 """
 
 from __future__ import annotations
@@ -122,6 +125,11 @@ class EngineProcess:
         self._scratch: Path | None = None  # this start's scratch folder (scratch_env), removed at stop
 
     @property
+    def cpu_nice(self) -> int:
+        """The niceness this start runs at: the config's on CPU, 0 (the service's) on GPU."""
+        return self.cfg.cpu_nice if self.launch is not None and self.launch.device == "cpu" else 0
+
+    @property
     def url(self) -> str:
         if self.port is None:
             raise RuntimeError(f"engine {self.index} is not started")
@@ -157,8 +165,10 @@ class EngineProcess:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # own process group: stop() reaches SGLang's children
-            preexec_fn=_die_with_parent if self.die_with_parent else None,
+            preexec_fn=_child_setup(self.die_with_parent, self.cpu_nice),
         )
+        if self.cpu_nice:
+            share_autogroup_nice(self._proc.pid, self.cpu_nice)
         (self._scratch / SCRATCH_OWNER).write_text(str(self._proc.pid))  # its own session: pgid == pid
         self.starts += 1
 
@@ -273,11 +283,35 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _LIBC = ctypes.CDLL(None, use_errno=True) if os.name == "posix" else None  # loaded before any fork
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGKILL when the spawning thread ends. Only a C call (no allocation, no lock
-    taken), as code between fork and exec must be."""
-    if _LIBC is not None:
-        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+_PRIO_PROCESS = 0  # sys/resource.h: `who` is a process (0: the caller)
+
+
+def _child_setup(die_with_parent: bool, nice: int):  # noqa: ANN202 - a preexec_fn, or None
+    """What the child runs before exec, or None: only C calls (no allocation, no lock taken), as code between
+    fork and exec must be. `die_with_parent`: SIGKILL when the spawning thread ends. `nice`: the child's
+    niceness, inherited by every thread and process the server starts."""
+    if _LIBC is None or (not die_with_parent and not nice):
+        return None
+
+    def setup() -> None:
+        if die_with_parent:
+            _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if nice:
+            _LIBC.setpriority(_PRIO_PROCESS, 0, nice)
+
+    return setup
+
+
+def share_autogroup_nice(pid: int, nice: int) -> bool:
+    """The niceness of `pid`'s autogroup (Linux: /proc/<pid>/autogroup): where the autogroup scheduler is on,
+    the cores are shared between sessions (autogroups) first, so a server that leads its own session yields
+    only if its autogroup does. The child's setsid ran before its exec, so its group exists once Popen
+    returns. False where the kernel has no autogroup (nothing to do: the threads' niceness then decides)."""
+    try:
+        Path(f"/proc/{pid}/autogroup").write_text(str(nice))
+        return True
+    except OSError:
+        return False
 
 
 def _signal_group(pgid: int, sig: int) -> None:

@@ -61,3 +61,34 @@ def test_a_cuda_server_gets_sigterm_and_its_grace_first(tmp_path):
     engine.stop()
     assert (tmp_path / "sigterm").read_text() == "seen"  # its own exit ran
     assert not _group_alive(pgid)  # and its child, which outlives the leader, is gone too
+
+
+def test_cpu_engines_run_at_the_configured_niceness_and_gpu_engines_at_the_services(tmp_path):
+    from rollout.config import EngineConfig
+    from rollout.engines.engine import EngineProcess
+    from rollout.engines.sglang_cpu import ServerLaunch
+
+    engine = EngineProcess(0, EngineConfig(cpu_nice=7), tmp_path / "model", log_dir=tmp_path)
+    assert engine.cpu_nice == 0  # not started: nothing to lower
+    engine.launch = ServerLaunch(argv=["x"], env={}, device="cpu", sgl_kernel_stand_in=False)
+    assert engine.cpu_nice == 7
+    engine.launch = ServerLaunch(argv=["x"], env={}, device="cuda", sgl_kernel_stand_in=False)
+    assert engine.cpu_nice == 0
+    with pytest.raises(ValueError, match="less than or equal to 19"):
+        EngineConfig(cpu_nice=20)
+
+
+def test_the_child_setup_lowers_the_childs_priority_and_its_autogroup(tmp_path):
+    from rollout.engines.engine import _child_setup, share_autogroup_nice
+
+    assert _child_setup(False, 0) is None
+    child = subprocess.Popen([sys.executable, "-c", "import os, sys; sys.stdin.read()"], stdin=subprocess.PIPE,
+                             start_new_session=True, preexec_fn=_child_setup(False, 5))
+    try:
+        assert os.getpriority(os.PRIO_PROCESS, child.pid) == 5
+        group = Path(f"/proc/{child.pid}/autogroup")
+        assert share_autogroup_nice(child.pid, 5) == group.exists()
+        if group.exists():
+            assert group.read_text().split()[-1] == "5"
+    finally:
+        child.communicate(b"", timeout=30)
