@@ -83,12 +83,17 @@ def cores_by_role(before: dict[int, tuple[str, float]], after: dict[int, tuple[s
     for pid, (name, t1) in after.items():
         t0 = before[pid][1] if pid in before else 0.0  # a process may retitle itself (Ray's workers do)
         used[name] = used.get(name, 0.0) + max(t1 - t0, 0.0) / seconds
+    return busiest_first(used, floor)
+
+
+def busiest_first(per_role: dict[str, float], floor: float) -> dict[str, float]:
+    """`per_role` rounded, largest first; roles under `floor` summed as "other" (always present, last)."""
     out, other = {}, 0.0
-    for name, cores in sorted(used.items(), key=lambda kv: -kv[1]):
-        if cores >= floor:
-            out[name] = round(cores, 3)
+    for name, value in sorted(per_role.items(), key=lambda kv: -kv[1]):
+        if value >= floor:
+            out[name] = round(value, 3)
         else:
-            other += cores
+            other += value
     out["other"] = round(other, 3)
     return out
 
@@ -134,14 +139,7 @@ def waits_by_role(before: dict, after: dict, seconds: float, roles: tuple[str, .
                 acc = mine.setdefault(comm, [0.0, 0.0])
                 acc[0] += max(c1 - c0, 0.0) / seconds
                 acc[1] += max(x1 - x0, 0.0) / seconds
-    out, other = {}, 0.0
-    for name, w in sorted(waits.items(), key=lambda kv: -kv[1]):
-        if w >= floor:
-            out[name] = round(w, 3)
-        else:
-            other += w
-    out["other"] = round(other, 3)
     top = {name: {comm: {"cores": round(c, 3), "waiting": round(x, 3)}
                   for comm, (c, x) in sorted(mine.items(), key=lambda kv: -kv[1][1])[:3]}
            for name, mine in threads.items()}
-    return {"by_process": out, "threads": top}
+    return {"by_process": busiest_first(waits, floor), "threads": top}
