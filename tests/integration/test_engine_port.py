@@ -17,6 +17,7 @@ a killed coordinator's reaped engine leaves), and the stop removes it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -37,21 +38,14 @@ from tests.waiting import wait_until
 
 
 def group_pids(pgid: int) -> list[int]:
-    """The live processes of process group `pgid` (/proc/<pid>/stat's fifth field)."""
+    """The live processes of process group `pgid`."""
     out = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
-            try:
-                if int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[2]) == pgid:
+            with contextlib.suppress(OSError):
+                if os.getpgid(int(entry)) == pgid:
                     out.append(int(entry))
-            except (OSError, IndexError, ValueError):
-                continue
     return out
-
-
-def nice_of(pid: int, tid: str) -> int:
-    """A thread's niceness (/proc/<pid>/task/<tid>/stat's nineteenth field)."""
-    return int(Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[16])
 
 
 @pytest.fixture
@@ -81,7 +75,8 @@ def test_configured_port_in_use_is_refused_with_the_setting_named(tiny_world, tm
                    "the scheduler's FileStore in the engine's scratch folder", timeout_s=300, interval_s=0.2)
         # every thread of every process of the server (its scheduler included) runs at the CPU engines'
         # niceness, and so does its session's autogroup where the kernel has one (engines.cpu_nice)
-        niceness = {(pid, tid): nice_of(pid, tid) for pid in group_pids(engine.pid) for tid in os.listdir(f"/proc/{pid}/task")}
+        niceness = {(pid, tid): os.getpriority(os.PRIO_PROCESS, int(tid))  # Linux: a thread's own niceness
+                    for pid in group_pids(engine.pid) for tid in os.listdir(f"/proc/{pid}/task")}
         assert cfg.cpu_nice == 10  # the default
         assert len({pid for pid, _ in niceness}) >= 2 and set(niceness.values()) == {10}, niceness
         autogroup = Path(f"/proc/{engine.pid}/autogroup")

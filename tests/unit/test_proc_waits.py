@@ -11,8 +11,14 @@ import time
 import pytest
 
 from benchmarks.proc_stats import waits_by_pid, waits_by_role
+from tests.waiting import wait_until
 
 BUSY = "import time\nend = time.monotonic() + 60\nwhile time.monotonic() < end:\n    pass\n"
+
+
+def ran(table: dict, procs: list[subprocess.Popen]) -> float:
+    """The CPU-seconds `procs` had run by a `waits_by_pid` reading."""
+    return sum(cpu for p in procs if p.pid in table for cpu, _ in table[p.pid][2].values())
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/task/%d/schedstat" % os.getpid()), reason="no per-thread schedstat in /proc")
@@ -26,14 +32,12 @@ def test_three_busy_processes_on_one_core_each_wait_two_thirds_of_the_time(tmp_p
     procs = [subprocess.Popen([sys.executable, str(script)], preexec_fn=lambda: os.sched_setaffinity(0, {core}))
              for _ in range(3)]
     try:
-        deadline = time.monotonic() + 30
-        while not all(str(script).encode() in open(f"/proc/{p.pid}/cmdline", "rb").read() for p in procs):
-            assert time.monotonic() < deadline, "the busy processes never started their script"
-            time.sleep(0.05)
+        wait_until(lambda: all(str(script).encode() in open(f"/proc/{p.pid}/cmdline", "rb").read() for p in procs),
+                   "the busy processes running their script", timeout_s=30, interval_s=0.05)
         before, t0 = waits_by_pid(), time.monotonic()
-        end = t0 + 1.5
-        while time.monotonic() < end:
-            time.sleep(0.1)
+        # the window: until the three have run 1.5 CPU-seconds together (about 1.5 s on a core of their own)
+        wait_until(lambda: ran(waits_by_pid(), procs) - ran(before, procs) >= 1.5, "1.5 CPU-seconds of the busy loops",
+                   timeout_s=60, interval_s=0.1)
         after, t1 = waits_by_pid(), time.monotonic()
     finally:
         for p in procs:
