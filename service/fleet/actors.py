@@ -30,16 +30,27 @@ from service.config.job import JobConfig
 from service.config.settings import ServiceSettings
 
 
-def _cpu_env() -> dict[str, Any]:
-    # On CPU megatron-core's torch.compile'd helpers are slow to compile and not needed.
-    return {"env_vars": {"TORCHDYNAMO_DISABLE": os.environ.get("TORCHDYNAMO_DISABLE", "1")}}
+# Ray starts its workers at niceness 15 (its `worker_niceness`; each core worker reads RAY_worker_niceness
+# from its own environment, as Ray's job supervisor sets it to 0 for itself). A trainer rank is on the
+# serial path of every mixed step: at 15 it yields the host's cores to the coordinator, the raylet, the
+# GCS and the CPU engines, and the whole fleet waits on it (issue 41, measured: it waited longer for a core
+# than it ran). So trainer ranks run at 0, like the coordinator; the other actors keep Ray's default.
+TRAINER_RANK_NICENESS = 0
+
+
+def trainer_rank_env(*, gpu: bool) -> dict[str, Any]:
+    """The runtime_env of a trainer rank: niceness 0 (above); on CPU no torch.compile (megatron-core's
+    compiled helpers are slow to compile and not needed there)."""
+    env_vars = {"RAY_worker_niceness": str(TRAINER_RANK_NICENESS)}
+    if not gpu:
+        env_vars["TORCHDYNAMO_DISABLE"] = os.environ.get("TORCHDYNAMO_DISABLE", "1")
+    return {"env_vars": env_vars}
 
 
 def trainer_rank_options(rank: int, tp: int, placement_groups: list[Any] | None, *, cpus: float, gpus: float) -> dict[str, Any]:
     """Ray options of trainer rank `rank` (global rank = dp_rank * tp + tp_rank)."""
-    options: dict[str, Any] = {"num_cpus": cpus, "num_gpus": gpus, "max_restarts": 0}
-    if gpus == 0:
-        options["runtime_env"] = _cpu_env()
+    options: dict[str, Any] = {"num_cpus": cpus, "num_gpus": gpus, "max_restarts": 0,
+                               "runtime_env": trainer_rank_env(gpu=gpus > 0)}
     if placement_groups:
         dp_rank, tp_rank = divmod(rank, tp)
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(

@@ -1,9 +1,12 @@
 """The trainer group (service/fleet/trainer_group.py over trainer/actor.py TrainWorker) with real Ray:
 two data-parallel ranks train a mixed
 batch; only slot gradients are all-reduced, both ranks end bit-identical, and the
-result matches one process training the whole batch."""
+result matches one process training the whole batch. Each rank runs at niceness 0 (every thread),
+not Ray's worker default of 15 (service/fleet/actors.py TRAINER_RANK_NICENESS)."""
 
 from __future__ import annotations
+
+import os
 
 from tests.local_ray import start_ray, stop_ray
 from tests.trainer_probes import train_batch
@@ -23,6 +26,11 @@ def ray_cluster():
         yield ray
     finally:
         stop_ray()
+
+
+def _thread_niceness(pid: int) -> set[int]:
+    """The niceness of every thread of process `pid` (on Linux niceness is per thread)."""
+    return {os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
 
 
 def _hyper(slot):
@@ -47,6 +55,7 @@ def test_dp2_actor_group_matches_one_process(ray_cluster, tiny_world):
     from tests.trainer_probes import slot_state_tensors_all_ranks
     from trainer.swap.slot_checkpoint import slot_state_tensors
 
+    from service.fleet.actors import TRAINER_RANK_NICENESS
     from service.fleet.trainer_group import TrainerGroup
     from trainer.config import TrainerConfig
     from trainer.core import MultiLoraTrainer
@@ -57,6 +66,8 @@ def test_dp2_actor_group_matches_one_process(ray_cluster, tiny_world):
         group.start()
         assert sorted(p["dp_rank"] for p in group.placement) == [0, 1]
         assert len(set(group.pids())) == 2  # one process per rank
+        for pid in group.pids():
+            assert _thread_niceness(pid) == {TRAINER_RANK_NICENESS}, pid
         for slot in (0, 1):
             group.init_slot(slot, _hyper(slot), seed=slot)
         res = train_batch(group, _batch())
