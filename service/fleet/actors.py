@@ -38,12 +38,17 @@ from service.config.settings import ServiceSettings
 TRAINER_RANK_NICENESS = 0
 
 
+def torch_compile_env() -> dict[str, str]:
+    """TORCHDYNAMO_DISABLE as this process has it, else "1": on CPU megatron-core's torch.compile'd helpers
+    are slow to compile and not needed (the service's Ray job and the CPU trainer ranks get it)."""
+    return {"TORCHDYNAMO_DISABLE": os.environ.get("TORCHDYNAMO_DISABLE", "1")}
+
+
 def trainer_rank_env(*, gpu: bool) -> dict[str, Any]:
-    """The runtime_env of a trainer rank: niceness 0 (above); on CPU no torch.compile (megatron-core's
-    compiled helpers are slow to compile and not needed there)."""
+    """The runtime_env of a trainer rank: niceness 0 (above); on CPU no torch.compile (torch_compile_env)."""
     env_vars = {"RAY_worker_niceness": str(TRAINER_RANK_NICENESS)}
     if not gpu:
-        env_vars["TORCHDYNAMO_DISABLE"] = os.environ.get("TORCHDYNAMO_DISABLE", "1")
+        env_vars.update(torch_compile_env())
     return {"env_vars": env_vars}
 
 

@@ -39,7 +39,7 @@ from typing import Any
 
 import ray
 
-from service.fleet.actors import start_rollout_worker
+from service.fleet.actors import start_rollout_worker, torch_compile_env
 from service.fleet.cluster_checks import (check_engines_reachable, check_shared_state_dir, check_storage,
                                           check_storage_on_nodes, state_dir_users, storage_users)
 from service.config.job import JobConfig
@@ -254,7 +254,7 @@ def _init_ray(job: JobConfig, settings: ServiceSettings) -> bool:
     bound to loopback listens on 127.0.0.1 only (docs/operations.md, Ports)."""
     if ray.is_initialized():
         return False
-    env = {"env_vars": {"TORCHDYNAMO_DISABLE": os.environ.get("TORCHDYNAMO_DISABLE", "1")}}
+    env = {"env_vars": torch_compile_env()}
     p = job.placement
     # Logical CPUs: what the placement groups reserve (the processes share the real cores).
     need = p.engines.count * p.engines.cpus + p.trainer.world_size * p.trainer.cpus_per_rank

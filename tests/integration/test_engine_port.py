@@ -17,8 +17,6 @@ a killed coordinator's reaped engine leaves), and the stop removes it.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import shutil
 import socket
 import subprocess
@@ -34,18 +32,8 @@ from rollout.config import EngineConfig
 from rollout.engines.engine import SCRATCH_OWNER, SCRATCH_PREFIX, EngineProcess, EngineStartError
 from tests.integration.net_probe import is_loopback, listeners
 from tests.integration.sglang_fixtures import DEFAULT_ENGINE
+from tests.proc_probes import group_pids, thread_niceness
 from tests.waiting import wait_until
-
-
-def group_pids(pgid: int) -> list[int]:
-    """The live processes of process group `pgid`."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError):
-                if os.getpgid(int(entry)) == pgid:
-                    out.append(int(entry))
-    return out
 
 
 @pytest.fixture
@@ -75,8 +63,7 @@ def test_configured_port_in_use_is_refused_with_the_setting_named(tiny_world, tm
                    "the scheduler's FileStore in the engine's scratch folder", timeout_s=300, interval_s=0.2)
         # every thread of every process of the server (its scheduler included) runs at the CPU engines'
         # niceness, and so does its session's autogroup where the kernel has one (engines.cpu_nice)
-        niceness = {(pid, tid): os.getpriority(os.PRIO_PROCESS, int(tid))  # Linux: a thread's own niceness
-                    for pid in group_pids(engine.pid) for tid in os.listdir(f"/proc/{pid}/task")}
+        niceness = {(pid, tid): nice for pid in group_pids(engine.pid) for tid, nice in thread_niceness(pid).items()}
         assert cfg.cpu_nice == 10  # the default
         assert len({pid for pid, _ in niceness}) >= 2 and set(niceness.values()) == {10}, niceness
         autogroup = Path(f"/proc/{engine.pid}/autogroup")

@@ -6,9 +6,8 @@ not Ray's worker default of 15 (service/fleet/actors.py TRAINER_RANK_NICENESS)."
 
 from __future__ import annotations
 
-import os
-
 from tests.local_ray import start_ray, stop_ray
+from tests.proc_probes import thread_niceness
 from tests.trainer_probes import train_batch
 
 import pytest
@@ -26,11 +25,6 @@ def ray_cluster():
         yield ray
     finally:
         stop_ray()
-
-
-def _thread_niceness(pid: int) -> set[int]:
-    """The niceness of every thread of process `pid` (on Linux niceness is per thread)."""
-    return {os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
 
 
 def _hyper(slot):
@@ -67,7 +61,7 @@ def test_dp2_actor_group_matches_one_process(ray_cluster, tiny_world):
         assert sorted(p["dp_rank"] for p in group.placement) == [0, 1]
         assert len(set(group.pids())) == 2  # one process per rank
         for pid in group.pids():
-            assert _thread_niceness(pid) == {TRAINER_RANK_NICENESS}, pid
+            assert set(thread_niceness(pid).values()) == {TRAINER_RANK_NICENESS}, pid
         for slot in (0, 1):
             group.init_slot(slot, _hyper(slot), seed=slot)
         res = train_batch(group, _batch())
