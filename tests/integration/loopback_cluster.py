@@ -107,6 +107,19 @@ class LoopbackCluster:
 
         return wait_until(back, f"{name} running again on a node that is left", deadline_s, interval_s=0.5)
 
+    @staticmethod
+    def running(client, names: tuple[str, ...], deadline_s: float) -> dict[str, dict]:  # noqa: ANN001
+        """Wait until each of the service's processes `names` is listed with a pid; every /v1/fleet record
+        by name. A process not listed yet is waited for (the engines are listed only once the rollout
+        worker is up, and the trainer serves before that)."""
+        from tests.waiting import wait_until
+
+        def up():
+            p = {x["name"]: x for x in client.fleet()}
+            return all(p.get(n, {}).get("pid") for n in names) and p
+
+        return wait_until(up, f"{' and '.join(names)} running", deadline_s, interval_s=0.5)
+
 
 def _serve(object_store_mb: int) -> None:
     import ray._private.ray_constants as ray_constants

@@ -213,8 +213,7 @@ def test_the_tiny_job_runs_with_trainer_and_engine_on_different_nodes(service, c
 
     with service.client() as c, ThreadPoolExecutor(1) as pool:
         a_weights = pool.submit(model_a)
-        procs = wait_until(lambda: (p := processes(c)) and all(p[n]["pid"] for n in ("trainer-rank-0", "engine-0")) and p,
-                           "trainer and engine running", LONG_S, interval_s=0.5)
+        procs = cluster.running(c, ("trainer-rank-0", "engine-0"), LONG_S)
         trainer, engine = procs["trainer-rank-0"], procs["engine-0"]
         # the planner's own choice (a CPU plan over a head without CPUs and two worker nodes)
         assert {trainer["node_id"], engine["node_id"]} == set(cluster.workers), procs

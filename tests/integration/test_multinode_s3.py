@@ -42,7 +42,6 @@ import yaml
 from tests.integration.loopback_cluster import LoopbackCluster
 from tests.integration.service_world import REPO, Service, serve_job, serving, wait_for
 from tests.s3_server import seaweedfs
-from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(2400)]
 
@@ -107,8 +106,7 @@ def test_a_coordinator_on_a_new_machine_resumes_every_run_from_the_object_store(
     first = Service(path, tmp / "state", tmp / "serve-1.log", env=env)
     with serving(first):
         with first.client() as c:
-            procs = wait_until(lambda: (p := {x["name"]: x for x in c.fleet()}) and all(p[n]["pid"] for n in ("trainer-rank-0", "engine-0")) and p,
-                               "trainer and engine running", LONG_S, interval_s=0.5)
+            procs = cluster.running(c, ("trainer-rank-0", "engine-0"), LONG_S)
             trainer_node = procs["trainer-rank-0"]["node_id"]
             assert {trainer_node, procs["engine-0"]["node_id"]} == set(nodes)  # the two worker nodes
             for name in ("digits", "vowels"):
