@@ -13,7 +13,9 @@ warm-up (every new tenant finished a first step; after a pause, every active ten
 begun after it), for --window-s seconds:
 
   tenant-steps per minute   RL steps finished by all tenants (client side)
-  sampled tokens per second tokens the engines generated for them
+  sampled tokens per second tokens the engines generated for them (and per tenant-step: each sample runs to
+                            --max-tokens past EOS, so a step's work is the same in every window; with
+                            --stop-at-eos it drifts as the tenants train, and the rate with it)
   engine shares             each engine's share of the Tinker sample requests (/metrics
                             lorafleet_tinker_sample_requests_total{engine})
   adapter loads per step    sampler adapters loaded into the engines (all engines) per tenant-step
@@ -142,13 +144,15 @@ def tinker_job(tmp: Path, tiny: Path, slots: int, engines: int, keys: dict[str, 
 async def measure(fleet: Fleet, svc: Service, http: httpx.AsyncClient, seconds: float, phase_start: float,
                   profile: Path | None = None, label: str = "") -> dict:
     """One window: the fleet's steps and tokens, the sampler's counts, the calls' latencies; with
-    `profile`, the stacks of the tenants' process, the coordinator and the trainer rank(s) over
-    the window (benchmarks/stack_profile.py), written to `profile`/`label`-<process>.txt."""
+    `profile`, the stacks of the tenants' process, the coordinator, the trainer rank(s) and the SGLang
+    schedulers over the window (benchmarks/stack_profile.py), written to `profile`/`label`-<process>.txt."""
     probe = SpeedProbe().start()
     if profile is not None:
         trainers = [p["pid"] for p in (await http.get("/v1/fleet")).json()["processes"] if p["role"] == "trainer"]
+        schedulers = sorted(pid for pid, (name, _) in cpu_by_pid().items() if name == "sglang::scheduler")
         StackProfiles(profile, label, {"client": os.getpid(), "coordinator": svc.proc.pid,
-                                       **{f"trainer{i}": pid for i, pid in enumerate(trainers)}}, seconds)
+                                       **{f"trainer{i}": pid for i, pid in enumerate(trainers)},
+                                       **{f"engine{i}": pid for i, pid in enumerate(schedulers)}}, seconds)
     m0, cpu0, procs0, waits0, t0 = (await http.get("/metrics")).text, cpu_s(os.getpid()), cpu_by_pid(), waits_by_pid(), time.monotonic()
     await asyncio.sleep(seconds)
     m1, cpu1, procs1, waits1, t1 = (await http.get("/metrics")).text, cpu_s(os.getpid()), cpu_by_pid(), waits_by_pid(), time.monotonic()
@@ -162,6 +166,7 @@ async def measure(fleet: Fleet, svc: Service, http: httpx.AsyncClient, seconds: 
     return {"seconds": round(t1 - t0, 1), "tenant_steps": calls["steps"],
             "tenant_steps_per_min": round(calls["steps"] / minutes, 1),
             "sampled_tokens_per_s": round(calls["sampled_tokens"] / (t1 - t0), 1),
+            "sampled_tokens_per_step": round(calls["sampled_tokens"] / calls["steps"], 1) if calls["steps"] else None,
             "sample_requests": total, "engine_shares": {e: round(n / total, 3) for e, n in sorted(per_engine.items())} if total else {},
             "adapter_loads_per_step": round(loads / calls["steps"], 2) if calls["steps"] else None,
             "adapter_unloads": sum(_delta(c1["unloads"], c0["unloads"]).values()),
@@ -267,6 +272,9 @@ def main() -> None:
     ap.add_argument("--prompts-per-step", type=int, default=2)
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=12)
+    ap.add_argument("--stop-at-eos", action="store_true",
+                    help="samples stop at EOS (before 2026-12-07's eighteenth session, every run did): their length then drifts "
+                         "as the tenants train, and a window's rate with it; by default each runs to --max-tokens (stop=[])")
     ap.add_argument("--client-nice", type=int, default=0,
                     help="run the tenants (this process, once the service is up) at this niceness: 10 lets the "
                          "service's processes go first on the shared cores, as if the clients had machines of their own")
@@ -278,7 +286,7 @@ def main() -> None:
                     help="the service's tinker_window_ms (how long a round waits for more models' calls); default: the service's")
     ap.add_argument("--profile-dir", type=Path, default=None,
                     help="record each window's Python stacks (py-spy, not pausing the processes) of the tenants' process, "
-                         "the coordinator and the trainer into this folder; read with python -m benchmarks.stack_profile FILE. "
+                         "the coordinator, the trainer and the SGLang schedulers into this folder; read with python -m benchmarks.stack_profile FILE. "
                          "py-spy takes 0.2-0.6 of a core itself (more at K = 1,024: the trainer's memory is large): "
                          "a profiled run's rates are not comparable with others'")
     ap.add_argument("--out", default=None)
@@ -289,7 +297,8 @@ def main() -> None:
 
     tiny = ensure_tiny_world()
     keys = {f"t{i}": f"tml-fleet-bench-{i:02d}-key" for i in range(args.keys)}
-    work = RlWorkload.from_tiny_world(tiny, prompts_per_step=args.prompts_per_step, group=args.group, max_tokens=args.max_tokens)
+    work = RlWorkload.from_tiny_world(tiny, prompts_per_step=args.prompts_per_step, group=args.group, max_tokens=args.max_tokens,
+                                      to_max_tokens=not args.stop_at_eos)
     with tempfile.TemporaryDirectory(prefix="bench-tinker-fleet-") as d:
         tmp = Path(d)
         svc = Service(tinker_job(tmp, tiny, args.slots, args.engines, keys, args.loaded_per_engine, args.tinker_window_ms), tmp / "state", tmp / "serve.log")
@@ -302,7 +311,8 @@ def main() -> None:
             phases = [int(x) for x in args.phases.split(",") if x]
             head = {"slots": args.slots, "engines": args.engines, "loaded_per_engine": args.loaded_per_engine, "client_nice": args.client_nice, "tinker_window_ms": args.tinker_window_ms,
                     "service_session": args.service_session, "autogroup": autogroup_enabled(),
-                    "workload": {"prompts_per_step": work.prompts_per_step, "group": work.group, "max_tokens": work.max_tokens}}
+                    "workload": {"prompts_per_step": work.prompts_per_step, "group": work.group, "max_tokens": work.max_tokens,
+                                 "to_max_tokens": work.to_max_tokens}}
 
             def dump(rows: list[dict]) -> None:
                 if args.out:

@@ -37,7 +37,10 @@ KINDS = ("create", "save_sampler", "sample", "forward_backward", "optim_step", "
 @dataclass(frozen=True)
 class RlWorkload:
     """What every tenant's step does: ``prompts_per_step`` prompts (token ids), ``group`` samples of each,
-    at most ``max_tokens`` new tokens at ``temperature``; AdamW at ``learning_rate``."""
+    ``max_tokens`` new tokens at ``temperature``; AdamW at ``learning_rate``. ``to_max_tokens``: every
+    sample runs to ``max_tokens`` (``stop=[]``: past EOS), so every tenant-step samples the same tokens
+    however far its adapter has trained; False stops at EOS, where the sampled length drifts as the
+    tenants train (a window's rate then measures their lengths as much as the service)."""
 
     prompts: list[list[int]]
     labels: list[str]
@@ -46,6 +49,7 @@ class RlWorkload:
     group: int = 4
     max_tokens: int = 12
     temperature: float = 1.0
+    to_max_tokens: bool = True
     learning_rate: float = 1e-3
     rank: int = 8
 
@@ -129,7 +133,7 @@ async def rl_step(tc: Any, work: RlWorkload, log: CallLog, step: int, salt: int)
 
     t0 = time.monotonic()
     sampler = await timed(log, "save_sampler", tc.save_weights_and_get_sampling_client())
-    params = types.SamplingParams(max_tokens=work.max_tokens, temperature=work.temperature)
+    params = types.SamplingParams(max_tokens=work.max_tokens, temperature=work.temperature, stop=[] if work.to_max_tokens else None)
     picks = [(salt + step * work.prompts_per_step + j) % len(work.prompts) for j in range(work.prompts_per_step)]
     groups = await asyncio.gather(*(timed(log, "sample", sampler.sample(types.ModelInput.from_ints(work.prompts[i]),
                                                                         work.group, params)) for i in picks))

@@ -5,7 +5,7 @@ with a caller's sampler checkpoint; an RL loop (sample -> score -> importance_sa
 optim_step) raises the reward of the tiny world's digits task. A model made with the SDK's
 defaults (LoRA on lm_head too) is served with its unembedding LoRA: every sampled token's
 logprob equals HF+PEFT's on the exported folder (SGLang 0.5.23's lm_head LoRA on the CPU
-torch_native backend)."""
+torch_native backend). An empty stop list samples past EOS to max_tokens."""
 
 from __future__ import annotations
 
@@ -55,10 +55,10 @@ def sft_then_sampler_weights(svc, tc, rows, steps, name):
     return path, Path(svc.checkpoint_folder("alice", path, kinds=("sampler_weights",)))  # a local store's reference
 
 
-def greedy(sampler, prompt, n=2, max_tokens=12):
+def greedy(sampler, prompt, n=2, max_tokens=12, stop=None):
     from tinker import types
 
-    res = sampler.sample(types.ModelInput.from_ints(prompt), n, types.SamplingParams(max_tokens=max_tokens, temperature=0.0)).result()
+    res = sampler.sample(types.ModelInput.from_ints(prompt), n, types.SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=stop)).result()
     return [list(s.tokens) for s in res.sequences], [list(s.logprobs) for s in res.sequences]
 
 
@@ -93,6 +93,27 @@ def test_samples_follow_saved_weights_and_equal_hf_peft(world, tiny_world):
     with pytest.raises(Exception, match="no checkpoint"):
         bob.create_sampling_client(model_path=path).result()
     svc.unload(tc.model_id)
+
+
+def test_an_empty_stop_list_samples_past_eos_to_max_tokens(world, tiny_world):
+    """``stop=[]`` (the SDK: it "disables all stop tokens, including EOS, and generation continues until
+    max_tokens"): the base model's greedy samples run to max_tokens and equal HF's greedy continuation,
+    which never stops; with ``stop`` left None the same prompts end at their first EOS (token 0 here,
+    within the first three tokens of each)."""
+    _, url = world
+    sc = open_client(url, KEYS["alice"])
+    from transformers import AutoTokenizer
+
+    base = sc.create_sampling_client(base_model=BASE).result()
+    tok = AutoTokenizer.from_pretrained(tiny_world / "model")
+    rows = [json.loads(line) for line in (tiny_world / "data" / "echo_sft.jsonl").read_text().splitlines()][:3]
+    prompts = [tok.encode(r["prompt"]) for r in rows]
+    refs = hf_greedy(tiny_world / "model", None, prompts, max_new_tokens=12)
+    for p, ref in zip(prompts, refs):
+        stopped, _ = greedy(base, p, n=1)
+        assert 0 in ref[:3] and stopped[0] == ref[: ref.index(0) + 1], (stopped, ref)  # the default: EOS ends it
+        to_max, logprobs = greedy(base, p, n=1, stop=[])
+        assert to_max[0] == ref and len(logprobs[0]) == 12, (to_max, ref)
 
 
 def test_rl_loop_reward_rises(world, tiny_world):

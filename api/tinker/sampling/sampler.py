@@ -156,11 +156,15 @@ class SglangSampler:
 
     @staticmethod
     def sglang_params(params: dict) -> dict:
-        """SDK SamplingParams -> SGLang sampling_params (the seed is per sample: ``seeds``)."""
+        """SDK SamplingParams -> SGLang sampling_params (the seed is per sample: ``seeds``). ``stop``: None
+        keeps the implicit stop at EOS; ``[]`` disables every stop, EOS included, so each sample runs to
+        ``max_tokens`` (the SDK's documented meaning: SGLang's ``ignore_eos``)."""
         out = {"max_new_tokens": int(params.get("max_tokens") or 128), "temperature": float(params.get("temperature", 1.0)),
                "top_k": int(params.get("top_k", -1)), "top_p": float(params.get("top_p", 1.0))}
         stop = params.get("stop")
-        if isinstance(stop, str):
+        if isinstance(stop, (list, tuple)) and not stop:
+            out["ignore_eos"] = True
+        elif isinstance(stop, str):
             out["stop"] = [stop]
         elif stop and all(isinstance(s, int) for s in stop):
             out["stop_token_ids"] = list(stop)
