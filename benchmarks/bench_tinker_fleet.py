@@ -31,7 +31,7 @@ begun after it), for --window-s seconds:
                             the coordinator (api.cli.main), its API front, the trainer, the engines, the client
   run-queue waits           each role's threads' time ready to run with no core free (thread-seconds a second,
                             /proc/<pid>/task/*/schedstat), and for the serial path's processes (coordinator,
-                            trainer) their three most-waiting threads' cores and waits: where contention fell
+                            trainer) and the client their three busiest threads' cores and waits: where contention fell
   loop                      the training loop's rounds, restores and evictions per tenant-step, the time of each
                             part of a round (place, gather, offer, train, settle, single), the models' snapshots per step and the loop's time taking each, and
                             the Tinker records' group commits (per step, statements each, mean time), the polls the
@@ -89,6 +89,7 @@ def sampler_counts(text: str) -> dict[str, dict[str, float]]:
 
 
 SERIAL_PATH = ("api.cli.main", "ray::TrainWorker")  # the roles whose threads make a round: the loop, the trainer rank
+THREAD_ROLES = SERIAL_PATH + ("benchmarks.bench_tinker_fleet",)  # and the tenants' client: its threads' share
 LOOP_PARTS = ("place", "gather", "offer", "train", "settle", "single")  # lorafleet_coordinator_seconds{part}
 LOOP_SERIES = {"rounds": "lorafleet_reconciles", **{f"{p}_s": f'lorafleet_coordinator_seconds{{part="{p}"}}' for p in LOOP_PARTS},
                "evictions": 'lorafleet_scheduler_events{event="evictions"}', "restores": 'lorafleet_scheduler_events{event="restores"}',
@@ -174,7 +175,7 @@ async def measure(fleet: Fleet, svc: Service, http: httpx.AsyncClient, seconds: 
             "waits_with_room": sum(_delta(c1["waits_with_room"], c0["waits_with_room"]).values()),
             "client_cores": round((cpu1 - cpu0) / (t1 - t0), 2), **speed,
             "cores_by_process": cores_by_role(procs0, procs1, t1 - t0),
-            "run_queue_waits": waits_by_role(waits0, waits1, t1 - t0, roles=SERIAL_PATH),
+            "run_queue_waits": waits_by_role(waits0, waits1, t1 - t0, roles=THREAD_ROLES),
             "coordinator_rss_mib": round(rss_mib(svc.proc.pid), 1),
             "trainer_rss_mib": round(sum(rss_mib(p["pid"]) for p in (await http.get("/v1/fleet")).json()["processes"]
                                          if p["role"] == "trainer"), 1),

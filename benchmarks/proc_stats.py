@@ -126,7 +126,8 @@ def waits_by_role(before: dict, after: dict, seconds: float, roles: tuple[str, .
     """Between two `waits_by_pid` readings `seconds` apart: each role's run-queue wait in thread-seconds a
     second (0.5: on average half a thread was ready to run but had no core), busiest first, small ones
     summed as "other"; and for `roles`, their threads' (cores used, waits) by thread name, the three
-    that waited most (a process's serial path is one of its threads: the training loop, a rank)."""
+    that used and waited most (a process's serial path is one of its threads: the training loop, a rank;
+    a client's CPU may be its Python loop's or its HTTP library's own threads)."""
     waits: dict[str, float] = {}
     threads: dict[str, dict[str, list[float]]] = {}
     for pid, (name, w1, th1) in after.items():
@@ -140,6 +141,6 @@ def waits_by_role(before: dict, after: dict, seconds: float, roles: tuple[str, .
                 acc[0] += max(c1 - c0, 0.0) / seconds
                 acc[1] += max(x1 - x0, 0.0) / seconds
     top = {name: {comm: {"cores": round(c, 3), "waiting": round(x, 3)}
-                  for comm, (c, x) in sorted(mine.items(), key=lambda kv: -kv[1][1])[:3]}
+                  for comm, (c, x) in sorted(mine.items(), key=lambda kv: -(kv[1][0] + kv[1][1]))[:3]}
            for name, mine in threads.items()}
     return {"by_process": busiest_first(waits, floor), "threads": top}

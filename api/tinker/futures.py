@@ -31,12 +31,15 @@ from api.tinker.completions import Completions, Target
 from api.tinker.resolved_feed import ResolvedFeed
 from service.registry.tinker_records import TinkerRecords
 
-# How long a poll (retrieve_future, retrieve_futures) is held for a result before it answers try_again:
-# Tinker's own server holds ~30 s (the SDK's session_futures_poller says so), under the SDK's 45 s client
-# timeout for either poll. Each waiting call costs one poll per hold: 1,016 tenants queued for 8 slots
-# sent about 100 polls a second through the front and the coordinator at a 10 s hold (issue 41's
-# benchmark, docs/BENCHMARKS.md), so about 34 at 30 s (1,016 / 30, computed). A result that comes sooner answers the poll at once.
-POLL_HOLD_S = 30.0
+# How long a poll (retrieve_future, retrieve_futures) is held for a result before it answers try_again.
+# Each waiting call costs one poll per hold: 1,016 tenants queued for 8 slots sent about 100 polls a
+# second at a 10 s hold (issue 41's benchmark, docs/BENCHMARKS.md), about 68 (two waiting calls each,
+# forward_backward and optim_step) at 30 s, Tinker's own hold (the SDK's session_futures_poller says
+# ~30 s), and 58 at 35 s, the longest that leaves 10 s for the round trip under the SDK's 45 s client
+# timeout of either poll (tests/unit/test_tinker_batched_polling.py). The polls are most of what a
+# thousand waiting tenants cost their client (~1 ms of its CPU each). A result that comes sooner
+# answers the poll at once.
+POLL_HOLD_S = 35.0
 
 
 @dataclass
