@@ -110,7 +110,9 @@ class FleetRuntime:
     # --- the runs ----------------------------------------------------------------------------------
 
     def _runs(self) -> list[DatasetRun]:
-        return [t for t in self.scheduler.tenants() if isinstance(t, DatasetRun)] if self.scheduler is not None else []
+        if self.scheduler is None:
+            return []
+        return [t for t in self.scheduler.tenants(TenantKind.SFT, TenantKind.RL) if isinstance(t, DatasetRun)]
 
     def _run(self, registration_id: str) -> DatasetRun:
         run = self.scheduler.get(registration_id) if self.scheduler is not None else None

@@ -130,6 +130,9 @@ class Scheduler(SlotMoves):
         self.is_lost = is_lost
         self.rollout_stats: Callable[[], dict[str, Any]] | None = None  # set by the runtime (RL runs' stats)
         self._tenants: dict[str, Tenant] = {}  # every admitted tenant, resident or evicted (loop thread)
+        # the same tenants by kind (each in exactly one, beside `_tenants`): the loop asks for the dataset
+        # runs every round, and with a thousand Tinker models a scan of them all is most of that call
+        self._of_kind: dict[TenantKind, dict[str, Tenant]] = {kind: {} for kind in TenantKind}
         self._tenants_lock = threading.Lock()  # readers on other threads (API, metrics)
         # the evicted Tinker models with work (wait_index.py); a lambda: clear() replaces the dict
         self._waits = WaitIndex(lambda key: self._tenants.get(key))
@@ -161,20 +164,30 @@ class Scheduler(SlotMoves):
     def add(self, tenant: Tenant) -> None:
         """A tenant prepared in the slot the record gives it (a run the controller prepared)."""
         with self._tenants_lock:
+            old = self._tenants.get(tenant.key)
+            if old is not None:
+                self._of_kind[old.kind].pop(old.key, None)
             self._tenants[tenant.key] = tenant
+            self._of_kind[tenant.kind][tenant.key] = tenant
         if tenant.kind == TenantKind.TINKER:
             tenant.watch(self._waits.touch)  # W1: it tells the index when its queue changes
 
     def remove(self, key: str) -> Tenant | None:
         with self._tenants_lock:
-            return self._tenants.pop(key, None)
+            tenant = self._tenants.pop(key, None)
+            if tenant is not None:
+                self._of_kind[tenant.kind].pop(key, None)
+            return tenant
 
     def get(self, key: str) -> Tenant | None:
         return self._tenants.get(key)
 
-    def tenants(self, kind: TenantKind | None = None) -> list[Tenant]:
+    def tenants(self, *kinds: TenantKind) -> list[Tenant]:
+        """Every admitted tenant, or those of `kinds` (kind by kind, each in the order it was added)."""
         with self._tenants_lock:
-            return [t for t in self._tenants.values() if kind is None or t.kind == kind]
+            if not kinds:
+                return list(self._tenants.values())
+            return [t for kind in kinds for t in self._of_kind[kind].values()]
 
     def clear(self) -> list[Tenant]:
         """The trainer was lost (its slots and swap store with it): forget every run (the runs keep
@@ -185,6 +198,8 @@ class Scheduler(SlotMoves):
             gone = [t for t in self._tenants.values() if t.kind != TenantKind.TINKER]
             models = [t for t in self._tenants.values() if t.kind == TenantKind.TINKER]
             self._tenants = {t.key: t for t in models}
+            self._of_kind = {kind: {} for kind in TenantKind}
+            self._of_kind[TenantKind.TINKER] = dict(self._tenants)
         for m in models:
             self.registry.release_lease(m.key)
             m.lost()

@@ -409,6 +409,37 @@ def test_a_lost_trainer_keeps_the_models_and_brings_them_back_from_their_durable
     assert ("init", w.scheduler.slot_of("a"), "a") in w.trainer.events[before:] and w.answers["a.queued"][1] is None
 
 
+def test_the_tenants_of_a_kind_are_those_a_scan_of_every_tenant_finds(tmp_path):
+    """Scheduler.tenants(*kinds) answers from its index by kind (the loop asks for the dataset runs every
+    round beside a thousand models); it must name exactly the tenants of those kinds that a scan of
+    every tenant finds, through adds (one key added again as another kind), removes and a lost trainer
+    (clear keeps only the models)."""
+    from service.scheduling.tenant import TenantKind
+
+    w = World(tmp_path, num_slots=4)
+    a, _ = w.create("a")
+    runs = {key: SimpleNamespace(key=key, kind=kind, name=key) for key, kind in
+            (("sft-1", TenantKind.SFT), ("rl-1", TenantKind.RL), ("sft-2", TenantKind.SFT), ("rl-2", TenantKind.RL))}
+    for run in runs.values():
+        w.scheduler.add(run)
+    b, _ = w.create("b")
+
+    def agrees() -> None:
+        every = w.scheduler.tenants()
+        for kinds in ((TenantKind.SFT,), (TenantKind.RL,), (TenantKind.TINKER,), (TenantKind.SFT, TenantKind.RL)):
+            assert sorted(t.key for t in w.scheduler.tenants(*kinds)) == sorted(t.key for t in every if t.kind in kinds), kinds
+
+    agrees()
+    assert [t.key for t in w.scheduler.tenants(TenantKind.SFT)] == ["sft-1", "sft-2"]  # in the order added
+    assert w.scheduler.remove("rl-1") is runs["rl-1"] and w.scheduler.remove("rl-1") is None
+    w.scheduler.add(SimpleNamespace(key="sft-2", kind=TenantKind.RL, name="sft-2"))  # the same key, now another kind
+    agrees()
+    assert [t.key for t in w.scheduler.tenants(TenantKind.RL)] == ["rl-2", "sft-2"]
+    assert sorted(t.key for t in w.scheduler.clear()) == ["rl-2", "sft-1", "sft-2"]
+    agrees()
+    assert {t.key for t in w.scheduler.tenants(TenantKind.TINKER)} == {"a", "b"} and w.scheduler.tenants(TenantKind.RL) == []
+
+
 def _one_step(w: World, model, tag: str) -> None:
     w.call(model, f"{tag}.fb", "forward_backward", [Datum([1, 2], {})], "cross_entropy", None)
     w.call(model, f"{tag}.optim", "optim_step", AdamStep(learning_rate=0.1))
