@@ -26,7 +26,8 @@ begun after it), for --window-s seconds:
   coordinator memory        the coordinator's resident memory; per tenant: its growth over the phases
                             (and the trainer rank's, which holds the evicted models' slot states)
   client CPU                the client process's CPU time over the window (cores): what the client took
-                            from the 2 cores the service also runs on
+                            from the 2 cores the service also runs on; client_gc: its garbage collector's
+                            seconds and passes by generation, and the objects it tracks (benchmarks/gc_time.py)
   cores by process          every process of the machine over the window, by role (benchmarks/proc_stats.py):
                             the coordinator (api.cli.main), its API front, the trainer, the engines, the client
   run-queue waits           each role's threads' time ready to run with no core free (thread-seconds a second,
@@ -68,6 +69,7 @@ import yaml
 
 from benchmarks.proc_stats import autogroup_enabled, cores_by_role, cpu_by_pid, cpu_s, rss_mib, waits_by_pid, waits_by_role
 from benchmarks.speed_probe import SpeedProbe
+from benchmarks.gc_time import GcTime
 from benchmarks.stack_profile import StackProfiles
 from benchmarks.tinker_rl_tenants import Fleet, RlWorkload
 from tests.integration.service_world import TOKEN, Service, serve_job
@@ -88,6 +90,7 @@ def sampler_counts(text: str) -> dict[str, dict[str, float]]:
     return out
 
 
+GC_TIME = GcTime()  # the tenants' process's garbage collections (client_gc)
 SERIAL_PATH = ("api.cli.main", "ray::TrainWorker")  # the roles whose threads make a round: the loop, the trainer rank
 THREAD_ROLES = SERIAL_PATH + ("benchmarks.bench_tinker_fleet",)  # and the tenants' client: its threads' share
 LOOP_PARTS = ("place", "gather", "offer", "train", "settle", "single")  # lorafleet_coordinator_seconds{part}
@@ -155,7 +158,9 @@ async def measure(fleet: Fleet, svc: Service, http: httpx.AsyncClient, seconds: 
                                        **{f"trainer{i}": pid for i, pid in enumerate(trainers)},
                                        **{f"engine{i}": pid for i, pid in enumerate(schedulers)}}, seconds)
     m0, cpu0, procs0, waits0, t0 = (await http.get("/metrics")).text, cpu_s(os.getpid()), cpu_by_pid(), waits_by_pid(), time.monotonic()
+    gc0 = GC_TIME.read()
     await asyncio.sleep(seconds)
+    gc1 = GC_TIME.read()
     m1, cpu1, procs1, waits1, t1 = (await http.get("/metrics")).text, cpu_s(os.getpid()), cpu_by_pid(), waits_by_pid(), time.monotonic()
     speed = probe.stop()
     c0, c1 = sampler_counts(m0), sampler_counts(m1)
@@ -173,7 +178,7 @@ async def measure(fleet: Fleet, svc: Service, http: httpx.AsyncClient, seconds: 
             "adapter_unloads": sum(_delta(c1["unloads"], c0["unloads"]).values()),
             "room_waits": sum(_delta(c1["room_waits"], c0["room_waits"]).values()),
             "waits_with_room": sum(_delta(c1["waits_with_room"], c0["waits_with_room"]).values()),
-            "client_cores": round((cpu1 - cpu0) / (t1 - t0), 2), **speed,
+            "client_cores": round((cpu1 - cpu0) / (t1 - t0), 2), "client_gc": GcTime.between(gc0, gc1), **speed,
             "cores_by_process": cores_by_role(procs0, procs1, t1 - t0),
             "run_queue_waits": waits_by_role(waits0, waits1, t1 - t0, roles=THREAD_ROLES),
             "coordinator_rss_mib": round(rss_mib(svc.proc.pid), 1),
