@@ -14,6 +14,7 @@ bounded by the setting, not by the tenants registered.
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
@@ -65,6 +66,12 @@ def render_prometheus(snap: MetricsSnapshot, tinker: Any = None) -> tuple[bytes,
                   "(operations that run alone: saves, exports, snapshots)", ("part",))
     for part in ("place", "reconcile", "gather", "offer", "train", "settle", "single"):
         spent.labels(part).set(snap.coordinator_seconds.get(part, 0.0))
+    gauge("lorafleet_coordinator_gc_frozen_objects", "Objects of the coordinator's process left out of Python's cyclic "
+          "collections since it came up (gc.freeze: service/modes.py freeze_startup_objects)").set(gc.get_freeze_count())
+    passes = gauge("lorafleet_coordinator_gc_collections", "Passes of the coordinator's cyclic garbage collector since start, "
+                   "by generation (2: full passes, which walk every object not frozen)", ("generation",))
+    for generation, stats in enumerate(gc.get_stats()):
+        passes.labels(str(generation)).set(stats["collections"])
     inflight = gauge("lorafleet_engine_inflight_requests", "Generation requests in flight", ("engine",))
     if snap.runtime is not None:
         for engine, n in snap.runtime.engine_inflight.items():

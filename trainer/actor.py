@@ -21,6 +21,7 @@ one hop between the trainer group's fan-out and the step.
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import threading
@@ -70,6 +71,8 @@ class TrainWorker:
         from trainer.core import MultiLoraTrainer
 
         self.trainer = MultiLoraTrainer(TrainerConfig(**config), rank=rank, master_addr=master_addr, master_port=master_port)
+        gc.collect()  # the rank's imports and model (about a million objects) live as long as it does:
+        gc.freeze()  # left out of every later collection (service/modes.py freeze_startup_objects says why)
         layout = self.trainer.layout
         return {"rank": layout.rank, "tp_rank": layout.tp_rank, "dp_rank": layout.dp_rank, "device": str(self.trainer.device)}
 

@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import gc
 import json
 import os
 import signal
@@ -290,6 +291,8 @@ def main(argv: list[str] | None = None) -> None:
             await asyncio.sleep(PARENT_CHECK_S)
 
     async def serve() -> None:
+        gc.collect()  # what the front holds once up lives as long as it does: left out of later collections
+        gc.freeze()  # (service/modes.py freeze_startup_objects says why; the front imports nothing of it)
         watcher = asyncio.get_running_loop().create_task(watch_parent())
         if parked is not None:
             await parked.start()

@@ -176,6 +176,17 @@ def test_sdk_trains_beside_a_dataset_run_and_holds_a_slot(service, tiny_world):
         assert free_slots(service.url) == NUM_SLOTS
 
 
+def test_the_coordinator_left_what_it_started_with_out_of_later_collections(service):
+    """Once up, the coordinator froze what it holds (service/modes.py freeze_startup_objects: torch, Ray
+    and FastAPI loaded, several hundred thousand objects), so the collector's full passes walk only what
+    came after; its passes by generation are on /metrics beside it."""
+    with httpx.Client(base_url=service.url, timeout=30, headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+        metrics = http.get("/metrics").text
+    frozen = float(re.search(r"^lorafleet_coordinator_gc_frozen_objects (\S+)$", metrics, re.M).group(1))
+    assert frozen > 100_000, metrics
+    assert re.search(r'^lorafleet_coordinator_gc_collections\{generation="2"\} \S+$', metrics, re.M), metrics
+
+
 def test_unknown_key_401_and_other_tenants_model_404(service):
     tc = sdk(service.url, "alice").create_lora_training_client(base_model=BASE, rank=4, seed=3, train_unembed=False).result()
     scenarios = [  # (headers, method, route, body, expected status, substring)
