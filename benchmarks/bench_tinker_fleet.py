@@ -91,7 +91,6 @@ def sampler_counts(text: str) -> dict[str, dict[str, float]]:
     return out
 
 
-GC_TIME = GcTime()  # the tenants' process's garbage collections (client_gc)
 SERIAL_PATH = ("api.cli.main", "ray::TrainWorker")  # the roles whose threads make a round: the loop, the trainer rank
 THREAD_ROLES = SERIAL_PATH + ("benchmarks.bench_tinker_fleet",)  # and the tenants' client: its threads' share
 LOOP_PARTS = ("place", "gather", "offer", "train", "settle", "single")  # lorafleet_coordinator_seconds{part}
@@ -147,7 +146,7 @@ def tinker_job(tmp: Path, tiny: Path, slots: int, engines: int, keys: dict[str, 
 
 
 async def measure(fleet: Fleet, svc: Service, http: httpx.AsyncClient, seconds: float, phase_start: float,
-                  profile: Path | None = None, label: str = "") -> dict:
+                  gc_time: GcTime, profile: Path | None = None, label: str = "") -> dict:
     """One window: the fleet's steps and tokens, the sampler's counts, the calls' latencies; with
     `profile`, the stacks of the tenants' process, the coordinator, the trainer rank(s) and the SGLang
     schedulers over the window (benchmarks/stack_profile.py), written to `profile`/`label`-<process>.txt."""
@@ -159,9 +158,9 @@ async def measure(fleet: Fleet, svc: Service, http: httpx.AsyncClient, seconds: 
                                        **{f"trainer{i}": pid for i, pid in enumerate(trainers)},
                                        **{f"engine{i}": pid for i, pid in enumerate(schedulers)}}, seconds)
     m0, cpu0, procs0, waits0, t0 = (await http.get("/metrics")).text, cpu_s(os.getpid()), cpu_by_pid(), waits_by_pid(), time.monotonic()
-    gc0 = GC_TIME.read()
+    gc0 = gc_time.read()
     await asyncio.sleep(seconds)
-    gc1 = GC_TIME.read()
+    gc1 = gc_time.read()
     m1, cpu1, procs1, waits1, t1 = (await http.get("/metrics")).text, cpu_s(os.getpid()), cpu_by_pid(), waits_by_pid(), time.monotonic()
     speed = probe.stop()
     c0, c1 = sampler_counts(m0), sampler_counts(m1)
@@ -193,6 +192,7 @@ async def run_phases(svc: Service, keys: list[str], work: RlWorkload, phases: li
                      warm_deadline_s: float, dump: Callable[[list[dict]], None] | None = None,
                      profile: Path | None = None, client_gc_freeze: bool = False) -> list[dict]:
     fleet = Fleet(svc.url, keys, BASE, work)
+    gc_time = GcTime()  # the tenants' process's garbage collections (client_gc), while the phases run
     rows: list[dict] = []
     async with httpx.AsyncClient(base_url=svc.url, timeout=120, headers={"Authorization": f"Bearer {TOKEN}"}) as http:
         rss0 = rss_mib(svc.proc.pid)
@@ -205,7 +205,7 @@ async def run_phases(svc: Service, keys: list[str], work: RlWorkload, phases: li
                 if client_gc_freeze:  # --client-gc-freeze: outside the window
                     gc.collect()
                     gc.freeze()
-                row.update(await measure(fleet, svc, http, window_s, t0, profile, f"{len(rows)}-k{k}"))
+                row.update(await measure(fleet, svc, http, window_s, t0, gc_time, profile, f"{len(rows)}-k{k}"))
                 row["coordinator_rss_mib_at_start"] = round(rss0, 1)
                 row["errors"] = list(fleet.log.errors)
                 rows.append(row)
@@ -215,6 +215,7 @@ async def run_phases(svc: Service, keys: list[str], work: RlWorkload, phases: li
                 if not warm or fleet.log.errors:
                     break
         finally:
+            gc_time.close()
             await fleet.stop()
     base = rows[0] if rows else None
     for r in rows[1:]:
