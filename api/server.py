@@ -134,7 +134,7 @@ def start_fronted(app: Any, sock: Any, read_cache_s: float, read_stale_s: float,
         feed_r, feed_w = os.pipe() if futures is not None else (None, None)
         try:
             front = start_front(sock, inner.url, read_cache_s, read_stale_s, feed_fd=feed_r,
-                                park_hold_s=futures.poll_s if futures is not None else 0.0)
+                                park_hold_s=futures.poll_s if futures is not None else None)
         except BaseException:
             inner.stop()
             for fd in (feed_r, feed_w):

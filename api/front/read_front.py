@@ -233,11 +233,14 @@ def _unavailable(err: Exception) -> Answer:
 # --- the process ------------------------------------------------------------------------------
 
 def start_front(sock: socket.socket, upstream: str, ttl_s: float, stale_s: float, *, feed_fd: int | None = None,
-                park_hold_s: float = 30.0) -> subprocess.Popen:
+                park_hold_s: float | None = None) -> subprocess.Popen:
     """Start the front on the bound socket `sock` (handed over: the caller closes its copy) in front of
     `upstream`; it serves once its interpreter is up (connections wait in the socket's backlog).
     `feed_fd`: the read end of the coordinator's feed of finished futures (F5; the caller closes its
-    copy), and `park_hold_s` how long a parked poll is held (the coordinator's own hold)."""
+    copy), and `park_hold_s` how long a parked poll is held: the coordinator's own hold (its
+    POLL_HOLD_S), which must come with the feed."""
+    if feed_fd is not None and park_hold_s is None:
+        raise ValueError("a front with the coordinator's feed needs park_hold_s, the coordinator's poll hold")
     fd = sock.fileno()
     argv = [sys.executable, "-m", "api.front.read_front", "--fd", str(fd), "--upstream", upstream,
             "--ttl-s", str(ttl_s), "--stale-s", str(stale_s), "--parent", str(os.getpid())]
@@ -276,8 +279,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--stale-s", type=float, default=2.0)
     ap.add_argument("--parent", type=int, required=True, help="exit when this process is gone")
     ap.add_argument("--feed-fd", type=int, default=None, help="the coordinator's feed of finished futures (F5)")
-    ap.add_argument("--park-hold-s", type=float, default=30.0, help="how long a parked poll is held (F5)")
+    ap.add_argument("--park-hold-s", type=float, default=None, help="how long a parked poll is held (F5): the coordinator's "
+                    "poll hold; needed with --feed-fd")
     args = ap.parse_args(argv)
+    if args.feed_fd is not None and args.park_hold_s is None:
+        ap.error("--feed-fd needs --park-hold-s (the coordinator's poll hold)")
     sock = socket.socket(fileno=args.fd)
     parked = ParkedPolls(args.feed_fd, args.park_hold_s) if args.feed_fd is not None else None
     app = FrontApp(args.upstream, args.ttl_s, args.stale_s, parked)

@@ -303,3 +303,21 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_front_with_the_feed_but_no_poll_hold_is_refused_before_it_starts():
+    """The parked polls' hold is the coordinator's own (its POLL_HOLD_S, passed with the feed), never a
+    default of the front's: start_front and the front's command line refuse the feed without it."""
+    sock = bind_public("127.0.0.1", 0)
+    read_fd, write_fd = os.pipe()
+    try:
+        with pytest.raises(ValueError, match="park_hold_s"):
+            start_front(sock, "http://127.0.0.1:9", 1.0, 0.0, feed_fd=read_fd)
+        out = subprocess.run([sys.executable, "-m", "api.front.read_front", "--fd", str(sock.fileno()), "--upstream",
+                              "http://127.0.0.1:9", "--parent", str(os.getpid()), "--feed-fd", str(read_fd)],
+                             pass_fds=[sock.fileno(), read_fd], capture_output=True, text=True, timeout=120, cwd=os.getcwd())
+        assert out.returncode == 2 and "--feed-fd needs --park-hold-s" in out.stderr, out.stderr
+    finally:
+        sock.close()
+        os.close(read_fd)
+        os.close(write_fd)
