@@ -295,9 +295,11 @@ def test_shorter(recipe, tmp_path, verified):
     of -1 (the tiny model never writes role_colon's stop sequence), so the mean reward is -1 at every step
     and cannot rise. Its default learning rate (3e-5) moves the tiny model's answer length by less than its
     sampling noise within a CI-size run (measured over 6 steps of 8 answers: 9.5, 12.1, 9.0, 13.0, 6.8, 15.4
-    tokens), so no length trend is asserted. What it shows: every group mixed (answers of different lengths:
-    non-zero advantages), each step trained with importance_sampling and moving the policy (compute_post_kl,
-    on by the recipe's default: kl_pre_post_v2 > 0), the trainer's log-probs equal to the sampler's."""
+    tokens), so no length trend is asserted. What it shows: most groups mixed (answers of different lengths in
+    characters: non-zero advantages; a group is constant only when its 4 sampled answers are all one length,
+    which the unseeded sampling does now and then: 1 group of 12 in one CI run of 2026-12-07), each step with a
+    mixed group trained with importance_sampling and moving the policy (compute_post_kl, on by the recipe's
+    default: kl_pre_post_v2 > 0), the trainer's log-probs equal to the sampler's."""
     run = recipe("tinker_cookbook.recipes.preference.shorter.train", "renderer_name=role_colon", "batch_size=2",
                  "group_size=4", "max_steps=6", "behavior_if_log_dir_exists=delete", base_url=False)
     rows = [m for m in metrics(tmp_path / "log") if "env/all/reward/total" in m]
@@ -306,12 +308,14 @@ def test_shorter(recipe, tmp_path, verified):
     assert len(rows) == 6, rows
     for m in rows:
         assert m["env/all/reward/total"] == pytest.approx(-1.0) and abs(m["env/all/win_minus_loss"]) < 1e-9, m
-        assert m["env/all/by_group/frac_mixed"] == 1.0 and m["kl_pre_post_v2"] > 0, m
+        assert m["kl_pre_post_v2"] > 0 or m["env/all/by_group/frac_mixed"] == 0, m  # a mixed group moves the policy
         assert abs(m["optim/kl_sample_train_v1"]) < 1e-4, m
+    mixed = sum(round(m["env/all/by_group/frac_mixed"] * 2) for m in rows)  # batch_size 2 groups a step
+    assert mixed >= 7, [m["env/all/by_group/frac_mixed"] for m in rows]
     verified["preference/shorter"] = run.row(
         "preference/shorter", "importance_sampling", len(rows),
         f"reward -1 -> -1 (zero-sum wins minus losses, format penalty -1: cannot rise); {start_end('answer tokens', tokens, 1)} "
-        f"(no trend at lr 3e-5); every group mixed, policy moved each step (kl_pre_post_v2 {rows[0]['kl_pre_post_v2']:.1e} "
+        f"(no trend at lr 3e-5); {mixed} of {2 * len(rows)} groups mixed, policy moved by each step with one (kl_pre_post_v2 {rows[0]['kl_pre_post_v2']:.1e} "
         f"-> {rows[-1]['kl_pre_post_v2']:.1e})")
 
 
