@@ -57,8 +57,9 @@ def render_prometheus(snap: MetricsSnapshot, tinker: Any = None) -> tuple[bytes,
         size.labels(tier).set(t.get("bytes", 0))
         if "budget_bytes" in t:
             budget.labels(tier).set(t["budget_bytes"])
-    counters = gauge("lorafleet_scheduler_events", "Scheduler events since start: evictions, restores, prefetches, placements", ("event",))
-    for event in ("evictions", "restores", "prefetches", "placements"):
+    counters = gauge("lorafleet_scheduler_events", "Scheduler events since start: evictions, restores, prefetches, placements, "
+                     "rounds (the loop's passes that made a trainer call)", ("event",))
+    for event in ("evictions", "restores", "prefetches", "placements", "rounds"):
         counters.labels(event).set(snap.scheduler_counters.get(event, 0))
     gauge("lorafleet_reconciles", "Reconcile passes since start (one per loop round)").set(snap.reconciles)
     spent = gauge("lorafleet_coordinator_seconds", "Coordinator time since start in the loop's per-round work: place (the trainer's "

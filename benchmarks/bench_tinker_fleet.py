@@ -96,6 +96,7 @@ THREAD_ROLES = SERIAL_PATH + ("benchmarks.bench_tinker_fleet",)  # and the tenan
 LOOP_PARTS = ("place", "gather", "offer", "train", "settle", "single")  # lorafleet_coordinator_seconds{part}
 LOOP_SERIES = {"rounds": "lorafleet_reconciles", **{f"{p}_s": f'lorafleet_coordinator_seconds{{part="{p}"}}' for p in LOOP_PARTS},
                "evictions": 'lorafleet_scheduler_events{event="evictions"}', "restores": 'lorafleet_scheduler_events{event="restores"}',
+               "train_rounds": 'lorafleet_scheduler_events{event="rounds"}',
                "commits": "lorafleet_tinker_record_commits", "writes": "lorafleet_tinker_record_writes",
                "commit_s": "lorafleet_tinker_record_commit_seconds", "snapshots": "lorafleet_tinker_snapshots_taken",
                "snapshot_loop_s": "lorafleet_tinker_snapshot_loop_seconds",
@@ -116,7 +117,8 @@ def loop_row(after: dict[str, float], before: dict[str, float], steps: int) -> d
     group commits (per step, statements each, mean time: the durable write every call's answer waits for)."""
     d = {k: after[k] - before.get(k, 0.0) for k in after}
     per_step = (lambda v: round(v / steps, 2)) if steps else (lambda v: None)
-    return {"rounds_per_step": per_step(d["rounds"]), "restores_per_step": per_step(d["restores"]),
+    return {"rounds_per_step": per_step(d["rounds"]), "train_rounds_per_step": per_step(d["train_rounds"]),
+            "restores_per_step": per_step(d["restores"]),
             "evictions_per_step": per_step(d["evictions"]),
             "ms_per_round": {p: round(1000 * d[f"{p}_s"] / d["rounds"], 2) for p in LOOP_PARTS} if d["rounds"] else None,
             "snapshots_per_step": per_step(d["snapshots"]),
