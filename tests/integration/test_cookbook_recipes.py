@@ -300,7 +300,8 @@ def test_shorter(recipe, tmp_path, verified):
     which the unseeded sampling does now and then: 1 group of 12 in one CI run of 2026-12-07), each step with a
     mixed group trained with importance_sampling and moving the policy (compute_post_kl, on by the recipe's
     default: kl_pre_post_v2 > 0), the trainer's log-probs equal to the sampler's."""
-    run = recipe("tinker_cookbook.recipes.preference.shorter.train", "renderer_name=role_colon", "batch_size=2",
+    groups = 2  # a step's groups (the recipe's batch_size)
+    run = recipe("tinker_cookbook.recipes.preference.shorter.train", "renderer_name=role_colon", f"batch_size={groups}",
                  "group_size=4", "max_steps=6", "behavior_if_log_dir_exists=delete", base_url=False)
     rows = [m for m in metrics(tmp_path / "log") if "env/all/reward/total" in m]
     tokens = [m["env/all/ac_tokens_per_turn"] for m in rows]
@@ -310,12 +311,12 @@ def test_shorter(recipe, tmp_path, verified):
         assert m["env/all/reward/total"] == pytest.approx(-1.0) and abs(m["env/all/win_minus_loss"]) < 1e-9, m
         assert m["kl_pre_post_v2"] > 0 or m["env/all/by_group/frac_mixed"] == 0, m  # a mixed group moves the policy
         assert abs(m["optim/kl_sample_train_v1"]) < 1e-4, m
-    mixed = sum(round(m["env/all/by_group/frac_mixed"] * 2) for m in rows)  # batch_size 2 groups a step
+    mixed = sum(round(m["env/all/by_group/frac_mixed"] * groups) for m in rows)
     assert mixed >= 7, [m["env/all/by_group/frac_mixed"] for m in rows]
     verified["preference/shorter"] = run.row(
         "preference/shorter", "importance_sampling", len(rows),
         f"reward -1 -> -1 (zero-sum wins minus losses, format penalty -1: cannot rise); {start_end('answer tokens', tokens, 1)} "
-        f"(no trend at lr 3e-5); {mixed} of {2 * len(rows)} groups mixed, policy moved by each step with one (kl_pre_post_v2 {rows[0]['kl_pre_post_v2']:.1e} "
+        f"(no trend at lr 3e-5); {mixed} of {groups * len(rows)} groups mixed, policy moved by each step with one (kl_pre_post_v2 {rows[0]['kl_pre_post_v2']:.1e} "
         f"-> {rows[-1]['kl_pre_post_v2']:.1e})")
 
 
