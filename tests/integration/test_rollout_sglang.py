@@ -408,6 +408,31 @@ def test_ray_actor_wrapper(sglang_server, adapters, tiny_world):
         stop_ray()
 
 
+def test_an_engine_unreachable_during_a_publish_leaves_routing_and_the_version_is_served(sglang_server, adapters, prompts):
+    """An engine that dies before the pool noticed (its address refuses connections: port 9) fails
+    its part of a publish with EngineUnavailable. It leaves routing, as a dead engine, and the
+    publish goes on: the version is current and served by the live engine (CI saw a run registered
+    just after an engine was killed FAILED: 'prepare_adapter failed: EngineUnavailable')."""
+
+    async def run():
+        dead = EngineClient("http://127.0.0.1:9", admin_timeout_s=2)
+        pool = EnginePool([sglang_server.client(), dead])
+        try:
+            await pool.publish("reach", 0, AdapterWeights.from_folder(adapters["one"]))
+            state = pool.current_version("reach"), pool.healthy(0), pool.healthy(1)
+            g = await pool.generate_group("reach", prompts[0], GREEDY, 1)
+            loaded = await pool.client(0).loaded_adapters()
+            await pool.remove_adapter("reach")
+            return state, g, loaded
+        finally:
+            await pool.aclose()
+
+    (version, live, reachable), g, loaded = asyncio.run(run())
+    assert version == 0 and live and not reachable
+    assert g.engine == 0 and g.version == 0 and g.results[0].finish_reason != "abort"
+    assert any(n.startswith("reach") for n in loaded)
+
+
 def test_engine_out_of_routing_is_readmitted_with_its_adapters_brought_up_to_date(sglang_server, adapters, prompts):
     """A connection error takes a live engine out of routing (``mark_unhealthy`` leaves the
     pool exactly as that error does; the real server cannot be made to drop one connection on

@@ -492,7 +492,14 @@ def test_transient_failures_are_retried_until_the_server_is_back(tmp_path):
         server.kill()
         resetter = ResettingListener(server.ports["s3"])
         got: list = []
-        reader = threading.Thread(target=lambda: got.append(read_all(other_machine(server, store).get_folder("runs/f/export"))))
+
+        def read() -> None:
+            try:
+                got.append(read_all(other_machine(server, store).get_folder("runs/f/export")))
+            except Exception as e:  # noqa: BLE001 - the assertion below shows what the read raised
+                got.append(e)
+
+        reader = threading.Thread(target=read)
         reader.start()
         try:
             wait_until(lambda: resetter.resets >= 3, "three connections reset (the client retrying)", timeout_s=120)
