@@ -58,6 +58,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.report import emit
+
 # Qwen3-8B: hidden 4096, 32 query heads and 8 kv heads of 128, ffn 12288, 36 layers.
 QWEN3_8B = {"layers": 36, "hidden": 4096, "q": 4096, "kv": 1024, "ffn": 12288}
 
@@ -528,10 +530,7 @@ def main() -> None:
     if "host" in parts:
         part_host(args, out)
     out["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(out, args.out)
 
 
 if __name__ == "__main__":

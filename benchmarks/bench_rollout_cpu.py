@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.report import emit
 from rollout.config import EngineConfig
 from rollout.engines.engine import EngineProcess
 from rollout.engines.pool import EnginePool
@@ -153,10 +153,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = ap.parse_args()
     result = asyncio.run(run(args))
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

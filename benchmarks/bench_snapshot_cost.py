@@ -20,7 +20,6 @@ the tiny world, rank 8:
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import tempfile
@@ -28,6 +27,7 @@ import threading
 import time
 from pathlib import Path
 
+from benchmarks.report import emit
 from examples.tiny.build import ensure_tiny_world
 
 RANK = 8
@@ -139,10 +139,7 @@ def main() -> None:
                   "beside": beside(world, args.calls, scratch, [float(x) for x in args.periods.split(",")])}
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(result, args.out)
 
 
 if __name__ == "__main__":
