@@ -423,6 +423,7 @@ def test_an_engine_unreachable_during_a_publish_leaves_routing_and_the_version_i
             g = await pool.generate_group("reach", prompts[0], GREEDY, 1)
             loaded = await pool.client(0).loaded_adapters()
             await pool.remove_adapter("reach")
+            await wait_unloaded(pool)  # the server is shared by the module: the next test's readmit lists it
             return state, g, loaded
         finally:
             await pool.aclose()
