@@ -27,6 +27,7 @@ import threading
 import time
 from pathlib import Path
 
+from benchmarks.proc_stats import cpu_s
 from benchmarks.report import emit
 from examples.tiny.build import ensure_tiny_world
 
@@ -36,7 +37,6 @@ RANK = 8
 def evictions(world: Path, n: int, scratch: Path) -> dict:
     import os
 
-    import psutil
     import ray
 
     from service.fleet.trainer_group import TrainerGroup
@@ -49,22 +49,17 @@ def evictions(world: Path, n: int, scratch: Path) -> dict:
     try:
         group.start()
         group.init_slot(0, SlotHyperParams(rank=RANK, alpha=2 * RANK, lr=1e-2, samples_per_step=2), seed=0)
-        rank0 = psutil.Process(ray.get(group.workers[0].__ray_call__.remote(lambda _: os.getpid())))
-
-        def trainer_cpu() -> float:
-            t = rank0.cpu_times()
-            return t.user + t.system
-
+        rank0 = ray.get(group.workers[0].__ray_call__.remote(lambda _: os.getpid()))
         out: dict = {}
-        for snapshot in (False, True, False, True):  # alternated: the machine's drift falls on both
-            c0, d0, w0 = trainer_cpu(), time.process_time(), time.perf_counter()
+        for turn, snapshot in enumerate((False, True, False, True)):  # alternated: the machine's drift falls on both
+            c0, d0, w0 = cpu_s(rank0), time.process_time(), time.perf_counter()
             for i in range(n):
-                pending = group.begin_save_slot_state(0, scratch / f"s{snapshot}{i}{time.monotonic_ns()}") if snapshot else None
+                pending = group.begin_save_slot_state(0, scratch / f"s{turn}-{i}") if snapshot else None
                 group.swap_out(0, "bench")
                 group.swap_in(0, "bench")
                 if pending is not None:
                     pending.result()
-            row = {"trainer_cpu_ms": 1e3 * (trainer_cpu() - c0) / n, "coordinator_cpu_ms": 1e3 * (time.process_time() - d0) / n,
+            row = {"trainer_cpu_ms": 1e3 * (cpu_s(rank0) - c0) / n, "coordinator_cpu_ms": 1e3 * (time.process_time() - d0) / n,
                    "wall_ms": 1e3 * (time.perf_counter() - w0) / n}
             out.setdefault("with_snapshot" if snapshot else "swap_only", []).append({k: round(v, 2) for k, v in row.items()})
         return out
