@@ -38,9 +38,11 @@ begun after it), for --window-s seconds:
                             the Tinker records' group commits (per step, statements each, mean time), the polls the
                             coordinator answered try again and the futures it announced to the API front (per step:
                             a queued call's repeat polls are held by the front, api/front/parked_polls.py) (/metrics)
-  core speed                probe_ms: the median CPU time of a fixed unit of work timed through the window, and
-                            the host's steal share (benchmarks/speed_probe.py); the bracket's ratios are also
-                            given per unit of core speed (speed_adjusted: rates times probe_ms)
+  core speed                probe_ms: the median CPU time of a fixed unit of work timed through the window,
+                            torch_probe_ms: of a small torch unit, and the host's steal share
+                            (benchmarks/speed_probe.py); the bracket's ratios are also given per unit of core
+                            speed (speed_adjusted: rates times probe_ms)
+  CPU a tenant-step         cpu_ms_per_step: every process's CPU (cores_by_process) over the window's steps
 
 With --client-nice 10 the tenants' process yields the cores to the service's (on a real fleet the tenants
 run on machines of their own); both ways are reported in docs/BENCHMARKS.md.
@@ -168,6 +170,7 @@ async def measure(fleet: Fleet, svc: Service, http: httpx.AsyncClient, seconds: 
     c0, c1 = sampler_counts(m0), sampler_counts(m1)
     calls = fleet.log.window(t0, t1, creates_since=phase_start)
     minutes = (t1 - t0) / 60
+    cores = cores_by_role(procs0, procs1, t1 - t0)
     per_engine = _delta(c1["requests"], c0["requests"])
     total = sum(per_engine.values())
     loads = sum(_delta(c1["loads"], c0["loads"]).values())
@@ -181,7 +184,8 @@ async def measure(fleet: Fleet, svc: Service, http: httpx.AsyncClient, seconds: 
             "room_waits": sum(_delta(c1["room_waits"], c0["room_waits"]).values()),
             "waits_with_room": sum(_delta(c1["waits_with_room"], c0["waits_with_room"]).values()),
             "client_cores": round((cpu1 - cpu0) / (t1 - t0), 2), "client_gc": GcTime.between(gc0, gc1), **speed,
-            "cores_by_process": cores_by_role(procs0, procs1, t1 - t0),
+            "cores_by_process": cores,
+            "cpu_ms_per_step": round(1e3 * sum(cores.values()) * (t1 - t0) / calls["steps"], 1) if calls["steps"] else None,
             "run_queue_waits": waits_by_role(waits0, waits1, t1 - t0, roles=THREAD_ROLES),
             "coordinator_rss_mib": round(rss_mib(svc.proc.pid), 1),
             "trainer_rss_mib": round(sum(rss_mib(p["pid"]) for p in (await http.get("/v1/fleet")).json()["processes"]

@@ -8,11 +8,18 @@ tenant-steps per minute). Such drift passes for the cost of whatever changed bet
 The probe is a child process that runs one fixed unit of pure-Python arithmetic every `period_s` and
 prints the unit's CPU time (``time.thread_time``: the time the thread ran, so neither the other
 processes' turns on the core nor the host's steal count in it; a core shared with a busy neighbour, a
-lower clock or a cold cache do). It costs about 2% of one core. Its median over a window is that
+lower clock or a cold cache do). It costs about 3% of one core (both units). Its median over a window is that
 window's `probe_ms`; a throughput times `probe_ms` is the throughput per unit of core speed, which
 compares windows of different speed (`speed_adjusted`). It is a proxy: the service's own work
 (torch kernels, the engines) need not slow exactly as a Python loop does, so the raw rates stay the
 measurement and the adjusted ones their reading.
+
+The service's own work is mostly small torch operations (the tiny world's trainer and engines: the
+dispatcher, allocator and kernels over a few hundred KiB), and a window can be slower for it than for
+the Python loop (issue 41, twenty-first session: a K = 64 window cost 38% more CPU a tenant-step while
+the probe was 10% slower). So each sample also times a second fixed unit, `torch_unit` (a small MLP's
+forward and backward, one thread): `torch_probe_ms`, a reading beside `probe_ms`, not folded into
+`speed_adjusted`.
 
 Also here: the host's steal time over a window (/proc/stat), the share of the cores' time the
 hypervisor ran something else.
@@ -30,6 +37,7 @@ from pathlib import Path
 from benchmarks.proc_stats import steal_jiffies
 
 UNIT_ITERATIONS = 200_000  # ~11 ms of CPU on the development machine's cores
+TORCH_PASSES = 40  # forward + backward passes of the torch unit (~6 ms of CPU on the same cores)
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -41,12 +49,38 @@ def unit() -> int:
     return s
 
 
+def torch_model(seed: int = 0) -> tuple:
+    """The torch unit's model and batch (built once per probe): 64 -> 256 -> 64, a batch of 16, fp32."""
+    import torch
+
+    torch.set_num_threads(1)  # the unit's work on one core, as the probe's other unit
+    gen = torch.Generator().manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    return model, torch.randn(16, 64, generator=gen)
+
+
+def torch_unit(parts: tuple) -> float:
+    """The fixed unit of torch work: `TORCH_PASSES` forward and backward passes (gradients cleared each)."""
+    model, x = parts
+    loss = 0.0
+    for _ in range(TORCH_PASSES):
+        model.zero_grad(set_to_none=True)
+        out = model(x).square().mean()
+        out.backward()
+        loss = float(out.detach())
+    return loss
+
+
 class SpeedProbe:
     """The probe child for one window: `start()`, then `stop()` gives its reading."""
 
     def __init__(self, period_s: float = 0.5) -> None:
         self.period_s = period_s
-        self.samples: list[float] = []
+        self.samples: list[float] = []  # the Python unit's CPU ms
+        self.torch_samples: list[float] = []  # the torch unit's
         self.sampled = threading.Condition()  # notified at each sample (a waiter needs no polling)
         self.proc: subprocess.Popen | None = None
 
@@ -60,26 +94,34 @@ class SpeedProbe:
 
     def _read(self) -> None:
         for line in self.proc.stdout:
+            python_ms, torch_ms = (float(x) for x in line.split())
             with self.sampled:
-                self.samples.append(float(line))
+                self.samples.append(python_ms)
+                self.torch_samples.append(torch_ms)
                 self.sampled.notify_all()
 
     def stop(self) -> dict:
-        """{probe_ms: the median unit's CPU ms, probe_n: units timed, steal_frac: the hypervisor's share}."""
+        """{probe_ms: the median unit's CPU ms, torch_probe_ms: the torch unit's, probe_n: units timed,
+        steal_frac: the hypervisor's share}."""
         self.proc.terminate()
         self.proc.wait(10)
         self.reader.join(10)
         (s0, t0), (s1, t1) = self.steal0, steal_jiffies()
         return {"probe_ms": round(statistics.median(self.samples), 2) if self.samples else None,
+                "torch_probe_ms": round(statistics.median(self.torch_samples), 2) if self.torch_samples else None,
                 "probe_n": len(self.samples),
                 "steal_frac": round((s1 - s0) / (t1 - t0), 4) if t1 > t0 else None}
 
 
 def _child(period_s: float) -> None:
+    parts = torch_model()
+    torch_unit(parts)  # warm: the first pass allocates and picks kernels
     while True:
         t = time.thread_time()
         unit()
-        print(f"{1e3 * (time.thread_time() - t):.3f}", flush=True)
+        t_torch = time.thread_time()
+        torch_unit(parts)
+        print(f"{1e3 * (t_torch - t):.3f} {1e3 * (time.thread_time() - t_torch):.3f}", flush=True)
         time.sleep(period_s)
 
 

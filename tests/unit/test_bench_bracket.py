@@ -48,3 +48,14 @@ def test_the_speed_probe_times_its_unit_and_stops():
     assert reading["probe_n"] >= 3 and reading["probe_ms"] > 0
     assert reading["steal_frac"] is None or 0 <= reading["steal_frac"] <= 1
     assert reading["probe_ms"] == round(statistics.median(probe.samples), 2)
+    assert reading["torch_probe_ms"] == round(statistics.median(probe.torch_samples), 2) > 0
+    assert len(probe.torch_samples) == len(probe.samples)
+
+
+def test_the_torch_unit_is_the_same_work_every_time():
+    """The torch unit trains nothing (gradients cleared, no step), so each call computes the same loss."""
+    from benchmarks.speed_probe import torch_model, torch_unit
+
+    parts = torch_model(seed=3)
+    first = torch_unit(parts)
+    assert first > 0 and torch_unit(parts) == first == torch_unit(torch_model(seed=3))
