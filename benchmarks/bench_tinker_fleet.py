@@ -39,7 +39,8 @@ begun after it), for --window-s seconds:
                             coordinator answered try again and the futures it announced to the API front (per step:
                             a queued call's repeat polls are held by the front, api/front/parked_polls.py) (/metrics)
   core speed                probe_ms: the median CPU time of a fixed unit of work timed through the window,
-                            torch_probe_ms: of a small torch unit, and the host's steal share
+                            torch_probe_ms and mem_probe_ms: of a small torch unit and of random memory reads,
+                            and the host's steal share
                             (benchmarks/speed_probe.py); the bracket's ratios are also given per unit of core
                             speed (speed_adjusted: rates times probe_ms)
   CPU a tenant-step         cpu_ms_per_step: every process's CPU (cores_by_process) over the window's steps

@@ -36,7 +36,9 @@ from service.registry.tinker_records import TinkerRecords
 # second at a 10 s hold (issue 41's benchmark, docs/BENCHMARKS.md), about 68 (two waiting calls each,
 # forward_backward and optim_step) at 30 s, Tinker's own hold (the SDK's session_futures_poller says
 # ~30 s), and 58 at 35 s, the longest that leaves 10 s for the round trip under the SDK's 45 s client
-# timeout of either poll (tests/unit/test_tinker_batched_polling.py). The polls are most of what a
+# timeout of either poll (tests/unit/test_tinker_batched_polling.py). Not longer: pyqwest 0.10 and later
+# turn that timeout into a 90 s budget, but the SDK allows pyqwest from 0.4.1, whose budget is 45 s, and
+# httpx's transport keeps 45 s between bytes (benchmarks/bench_sdk_poll_cost.py). The polls are most of what a
 # thousand waiting tenants cost their client (~1 ms of its CPU each). A result that comes sooner
 # answers the poll at once.
 POLL_HOLD_S = 35.0

@@ -49,7 +49,8 @@ def test_the_speed_probe_times_its_unit_and_stops():
     assert reading["steal_frac"] is None or 0 <= reading["steal_frac"] <= 1
     assert reading["probe_ms"] == round(statistics.median(probe.samples), 2)
     assert reading["torch_probe_ms"] == round(statistics.median(probe.torch_samples), 2) > 0
-    assert len(probe.torch_samples) == len(probe.samples)
+    assert reading["mem_probe_ms"] == round(statistics.median(probe.mem_samples), 2) > 0
+    assert len(probe.torch_samples) == len(probe.mem_samples) == len(probe.samples)
 
 
 def test_the_torch_unit_is_the_same_work_every_time():
@@ -59,3 +60,14 @@ def test_the_torch_unit_is_the_same_work_every_time():
     parts = torch_model(seed=3)
     first = torch_unit(parts)
     assert first > 0 and torch_unit(parts) == first == torch_unit(torch_model(seed=3))
+
+
+def test_the_memory_unit_reads_its_fixed_indices():
+    """The memory unit's work is the same every time: its buffer holds 0..n-1, so the sum it reads is the
+    sum of its fixed indices."""
+    from benchmarks.speed_probe import MEM_READS, MEM_WORDS, mem_buffers, mem_unit
+
+    buffers = mem_buffers(seed=3)
+    buf, idx = buffers
+    assert buf.nbytes == 8 * MEM_WORDS and len(idx) == MEM_READS and 0 <= idx.min() and idx.max() < MEM_WORDS
+    assert mem_unit(buffers) == int(idx.sum()) == mem_unit(mem_buffers(seed=3))
