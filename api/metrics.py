@@ -63,9 +63,10 @@ def render_prometheus(snap: MetricsSnapshot, tinker: Any = None) -> tuple[bytes,
         counters.labels(event).set(snap.scheduler_counters.get(event, 0))
     gauge("lorafleet_reconciles", "Reconcile passes since start (one per loop round)").set(snap.reconciles)
     spent = gauge("lorafleet_coordinator_seconds", "Coordinator time since start in the loop's per-round work: place (the trainer's "
-                  "swaps included), reconcile, gather (waiting for ready work), offer, train (the trainer call), settle, single "
+                  "swaps included), reconcile, gather (waiting for ready work), gather_window (of it, the time after the "
+                  "round's first call was ready, waiting for others to join), offer, train (the trainer call), settle, single "
                   "(operations that run alone: saves, exports, snapshots)", ("part",))
-    for part in ("place", "reconcile", "gather", "offer", "train", "settle", "single"):
+    for part in ("place", "reconcile", "gather", "gather_window", "offer", "train", "settle", "single"):
         spent.labels(part).set(snap.coordinator_seconds.get(part, 0.0))
     gauge("lorafleet_coordinator_gc_frozen_objects", "Objects of the coordinator's process left out of Python's cyclic "
           "collections since it came up (gc.freeze: service/modes.py freeze_startup_objects)").set(gc.get_freeze_count())

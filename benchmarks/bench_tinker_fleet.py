@@ -34,7 +34,7 @@ begun after it), for --window-s seconds:
                             /proc/<pid>/task/*/schedstat), and for the serial path's processes (coordinator,
                             trainer) and the client their three busiest threads' cores and waits: where contention fell
   loop                      the training loop's rounds, restores and evictions per tenant-step, the time of each
-                            part of a round (place, gather, offer, train, settle, single), the models' snapshots per step and the loop's time taking each, and
+                            part of a round (place, gather and its gather_window, offer, train, settle, single), the models' snapshots per step and the loop's time taking each, and
                             the Tinker records' group commits (per step, statements each, mean time), the polls the
                             coordinator answered try again and the futures it announced to the API front (per step:
                             a queued call's repeat polls are held by the front, api/front/parked_polls.py) (/metrics)
@@ -96,7 +96,7 @@ def sampler_counts(text: str) -> dict[str, dict[str, float]]:
 
 SERIAL_PATH = ("api.cli.main", "ray::TrainWorker")  # the roles whose threads make a round: the loop, the trainer rank
 THREAD_ROLES = SERIAL_PATH + ("benchmarks.bench_tinker_fleet",)  # and the tenants' client: its threads' share
-LOOP_PARTS = ("place", "gather", "offer", "train", "settle", "single")  # lorafleet_coordinator_seconds{part}
+LOOP_PARTS = ("place", "gather", "gather_window", "offer", "train", "settle", "single")  # lorafleet_coordinator_seconds{part}
 LOOP_SERIES = {"rounds": "lorafleet_reconciles", **{f"{p}_s": f'lorafleet_coordinator_seconds{{part="{p}"}}' for p in LOOP_PARTS},
                "evictions": 'lorafleet_scheduler_events{event="evictions"}', "restores": 'lorafleet_scheduler_events{event="restores"}',
                "train_rounds": 'lorafleet_scheduler_events{event="rounds"}',

@@ -156,8 +156,10 @@ class Scheduler(SlotMoves):
                              largest_step=0, evictions=0, restores=0, prefetches=0, placements=0)
         # coordinator time since start in the loop's parts of a round (/metrics lorafleet_coordinator_seconds):
         # place (the trainer's swaps included), gather (waiting for ready work), offer (taking it), train (the
-        # trainer call), settle (answering it), single (operations that run alone: saves, exports, snapshots)
-        self.seconds = {"place": 0.0, "gather": 0.0, "offer": 0.0, "train": 0.0, "settle": 0.0, "single": 0.0}
+        # trainer call), settle (answering it), single (operations that run alone: saves, exports, snapshots);
+        # gather_window: the part of gather after the round's first call was ready (waiting for others to join)
+        self.seconds = {"place": 0.0, "gather": 0.0, "gather_window": 0.0, "offer": 0.0, "train": 0.0, "settle": 0.0,
+                        "single": 0.0}
 
     # --- tenants --------------------------------------------------------------------------------
 
@@ -336,12 +338,15 @@ class Scheduler(SlotMoves):
             if ready:
                 wait = round_wait(ready, residents, now - first_ready, tinker, self.window_s, max_wait_s)
                 if wait <= 0:
+                    self.seconds["gather_window"] += now - first_ready
                     return ready
             elif now - start >= max_wait_s or self.placement_pending():
                 return []
             else:
                 wait = poll_s
             if stop is not None and stop.is_set():
+                if first_ready is not None:
+                    self.seconds["gather_window"] += time.monotonic() - first_ready
                 return ready
             with self._wake:
                 if not self._woken:

@@ -746,11 +746,27 @@ def test_each_part_of_a_round_is_timed_for_metrics(tmp_path):
     before = dict(w.scheduler.seconds)
     _one_step(w, a, "a1")
     spent = {k: w.scheduler.seconds[k] - before[k] for k in before}
-    assert set(spent) == {"place", "gather", "offer", "train", "settle", "single"}
+    assert set(spent) == {"place", "gather", "gather_window", "offer", "train", "settle", "single"}
     assert all(spent[k] > 0 for k in ("place", "offer", "train", "settle")), spent
-    waited = w.scheduler.seconds["gather"]
+    assert 0 <= spent["gather_window"] <= spent["gather"], spent
+    waited, in_window = w.scheduler.seconds["gather"], w.scheduler.seconds["gather_window"]
     assert w.scheduler.gather(max_wait_s=0.05) == []
     assert w.scheduler.seconds["gather"] - waited >= 0.05
+    assert w.scheduler.seconds["gather_window"] == in_window  # nothing was ready: no window was waited
+
+
+def test_the_window_part_of_a_gather_is_the_wait_after_its_first_ready_call(tmp_path):
+    """gather_window: with a 0.2 s window, A's call ready and B resident but idle, the gather waits the
+    window out after A's call was ready (at least 0.2 s of gather_window, all within gather)."""
+    w = World(tmp_path)
+    a, _ = w.create("a")
+    w.create("b")
+    w.scheduler.window_s = 0.2
+    w.fb(a, "a.fb")
+    gathered, in_window = w.scheduler.seconds["gather"], w.scheduler.seconds["gather_window"]
+    assert [t.key for t, _ in w.scheduler.gather(max_wait_s=5.0)] == ["a"]
+    window = w.scheduler.seconds["gather_window"] - in_window
+    assert 0.2 <= window <= w.scheduler.seconds["gather"] - gathered
 
 
 def test_a_stop_saves_the_queue_of_a_model_whose_state_is_durable_without_swapping_it_in(tmp_path):
