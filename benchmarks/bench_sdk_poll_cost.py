@@ -27,12 +27,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import subprocess
 import sys
 import time
 
 from benchmarks.report import emit
+from tests.s3_server import free_ports  # the project's free loopback ports (no torch import, unlike trainer's)
 
 TRY_AGAIN = {"type": "try_again", "request_id": "bench-poll", "queue_state": "paused_capacity",
              "queue_state_reason": "waiting for a trainer slot: 512 calls ahead"}
@@ -101,9 +101,7 @@ async def poll_for(port: int, *, pyqwest: bool, concurrency: int, seconds: float
 
 
 def row(*, pyqwest: bool, concurrency: int, hold_s: float, seconds: float) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_ports(1)[0]
     server = subprocess.Popen([sys.executable, "-m", "benchmarks.bench_sdk_poll_cost", "--serve", str(port), str(hold_s)],
                               stdout=subprocess.PIPE, text=True)
     try:

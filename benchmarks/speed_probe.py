@@ -125,11 +125,15 @@ class SpeedProbe:
         self.proc.wait(10)
         self.reader.join(10)
         (s0, t0), (s1, t1) = self.steal0, steal_jiffies()
-        return {"probe_ms": round(statistics.median(self.samples), 2) if self.samples else None,
-                "torch_probe_ms": round(statistics.median(self.torch_samples), 2) if self.torch_samples else None,
-                "mem_probe_ms": round(statistics.median(self.mem_samples), 2) if self.mem_samples else None,
+        return {"probe_ms": _median(self.samples), "torch_probe_ms": _median(self.torch_samples),
+                "mem_probe_ms": _median(self.mem_samples),
                 "probe_n": len(self.samples),
                 "steal_frac": round((s1 - s0) / (t1 - t0), 4) if t1 > t0 else None}
+
+
+def _median(samples: list[float]) -> float | None:
+    """A unit's reading over a window: the median of its samples' CPU ms (None: none came)."""
+    return round(statistics.median(samples), 2) if samples else None
 
 
 def _child(period_s: float) -> None:
